@@ -1,0 +1,1 @@
+"""Corpus, tokenizer, token shards and prompt sets: the first stage of every pipeline."""

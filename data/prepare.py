@@ -1,0 +1,160 @@
+"""Prepare a run directory: corpus -> tokenizer -> token shards -> held-out prompts.
+
+    python -m data.prepare --out runs/demo                       # the standard library, BPE tokenizer
+    python -m data.prepare --source local --path DIR [DIR ...] --out RUN
+    python -m data.prepare --source stack --tokenizer gpt2 --max-bytes 2e9 --out RUN   # the paper's
+
+Writes RUN/tokenizer, RUN/data/{train.bin,val.bin,meta.json} and RUN/prompts.jsonl. Every file is
+written under a temporary name and renamed when complete; RUN/data/meta.json is renamed last, so
+its presence means the run directory is complete.
+"""
+import argparse
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from data import corpus, prompts, shards, tokenizer as tok
+from data.atomic import atomic_output
+from data.errors import InputError, exits_on_input_error
+
+ENCODE_BATCH = 256
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m data.prepare",
+        description="Build a run directory's tokenizer, token shards and held-out prompts from Python sources.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", required=True, type=Path, help="run directory to write (RUN)")
+    p.add_argument("--source", choices=["local", "stack"], default="local",
+                   help="local: directories of .py files; stack: The Stack's Python subset from the hub (needs a token)")
+    p.add_argument("--path", nargs="+", type=Path, default=None,
+                   help="with --source local: directories to read (default: this interpreter's standard library)")
+    p.add_argument("--stack-dataset", choices=corpus.STACK_DATASETS, default=corpus.STACK_DATASETS[0],
+                   help="with --source stack: which dataset")
+    p.add_argument("--tokenizer", default="bpe",
+                   help="'bpe' trains a byte-level BPE on the training split; otherwise a pretrained name or directory (e.g. gpt2)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="with --tokenizer bpe: vocabulary size")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share of documents held out for validation")
+    p.add_argument("--max-bytes", type=float, default=None,
+                   help="stop reading after this many bytes of kept source (default: all for local, 1e9 for stack)")
+    p.add_argument("--max-docs", type=int, default=None, help="stop reading after this many kept documents")
+    p.add_argument("--num-prompts", type=int, default=164, help="prompts to harvest from validation files")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="longest harvested prompt, in tokens")
+    p.add_argument("--overwrite", action="store_true", help="replace a run directory that already holds prepared data")
+    args = p.parse_args(argv)
+    if not 0 < args.val_fraction < 1:
+        p.error("--val-fraction must be between 0 and 1")
+    if args.source == "stack" and args.max_bytes is None:
+        args.max_bytes = 1e9
+    if args.path is not None and args.source != "local":
+        p.error("--path applies to --source local only")
+    return args
+
+
+def check_writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        raise InputError(f"cannot write to output directory {directory} ({err.strerror}); pass a writable --out") from None
+
+
+def read_corpus(args, skipped: Counter) -> dict[str, list[corpus.Document]]:
+    if args.source == "local":
+        roots = args.path or [corpus.stdlib_dir()]
+        documents = corpus.local_documents(roots, skipped)
+        sources = [str(Path(r).resolve()) for r in roots]
+    else:
+        documents = tqdm(corpus.stack_documents(args.stack_dataset), desc="streaming", unit="doc")
+        sources = [f"hf://{args.stack_dataset}/{corpus.STACK_DATA_DIR}"]
+    max_bytes = int(args.max_bytes) if args.max_bytes is not None else None
+    splits = corpus.collect(documents, args.val_fraction, skipped, max_bytes, args.max_docs, reserved=tok.END_OF_TEXT)
+    for name, docs in splits.items():
+        if not docs:
+            raise InputError(
+                f"the {name} split is empty ({sum(map(len, splits.values()))} usable documents); "
+                f"add sources or raise --max-docs/--max-bytes"
+            )
+    args.sources = sources
+    return splits
+
+
+def write_split(path: Path, docs, tokenizer, dtype) -> int:
+    def encoded():
+        for i in tqdm(range(0, len(docs), ENCODE_BATCH), desc=f"tokenising {path.stem}", unit="batch"):
+            yield from tok.encode_documents(tokenizer, [d.text for d in docs[i : i + ENCODE_BATCH]])
+
+    return shards.write_tokens(path, encoded(), tokenizer.eos_token_id, dtype)
+
+
+@exits_on_input_error
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    start = time.time()
+    run = args.out
+    check_writable(run)
+    if args.tokenizer == "bpe":
+        tok.check_vocab_size(args.vocab_size)
+        tokenizer = None  # trained on the training split once it is read
+    else:
+        tokenizer = tok.load_tokenizer(args.tokenizer)  # before the corpus, so a hub error comes at once
+    if (run / "data" / shards.META).exists() and not args.overwrite:
+        raise InputError(f"{run} already holds prepared data; pass --overwrite to rebuild it, or choose another --out")
+
+    skipped: Counter = Counter()
+    splits = read_corpus(args, skipped)
+    if tokenizer is None:
+        tokenizer = tok.train_bpe([d.text for d in splits["train"]], args.vocab_size)
+    vocab_size = len(tokenizer)
+    dtype = shards.token_dtype(vocab_size)
+
+    # The data directory's meta.json marks a complete run: remove the old one before replacing anything.
+    (run / "data" / shards.META).unlink(missing_ok=True)
+    tok.save_tokenizer(tokenizer, run / "tokenizer")
+
+    def fits(prompt: str) -> bool:
+        return len(tok.encode_documents(tokenizer, [prompt])[0]) <= args.max_prompt_tokens
+
+    harvested = prompts.harvest(splits["val"], args.num_prompts, fits=fits)
+    prompts.write_jsonl(harvested, run / "prompts.jsonl")
+
+    with atomic_output(run / "data") as data_dir:
+        data_dir.mkdir()
+        counts = {name: write_split(data_dir / f"{name}.bin", docs, tokenizer, dtype) for name, docs in splits.items()}
+        meta = {
+            "vocab_size": vocab_size,
+            "dtype": dtype.name,
+            "eos_id": tokenizer.eos_token_id,
+            "tokenizer": "../tokenizer",
+            "tokenizer_source": args.tokenizer,
+            "sources": args.sources,
+            "val_fraction": args.val_fraction,
+            "splits": {
+                name: {"documents": len(docs), "tokens": counts[name], "bytes": sum(len(d.text.encode()) for d in docs)}
+                for name, docs in splits.items()
+            },
+            "skipped": dict(skipped),
+            "prompts": len(harvested),
+        }
+        shards.write_meta(data_dir, meta)
+
+    print(f"wrote {run}/ in {time.time() - start:.0f}s")
+    print(f"  tokenizer/      vocabulary {vocab_size} ({args.tokenizer})")
+    for name in corpus.SPLITS:
+        s = meta["splits"][name]
+        print(f"  data/{name}.bin  {s['tokens']:,} tokens from {s['documents']} files ({s['bytes'] / 1e6:.1f} MB), {dtype.name}")
+    print(f"  prompts.jsonl   {len(harvested)} prompts harvested from validation files")
+    if skipped:
+        print("  skipped: " + ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())))
+    if len(harvested) < args.num_prompts:
+        print(f"  note: asked for {args.num_prompts} prompts, found {len(harvested)}; raise --val-fraction for more")
+
+
+if __name__ == "__main__":
+    main()

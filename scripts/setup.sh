@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Creates .venv in the repository root and installs the toolkit into it (editable, with the test
+# extra). Idempotent: a second run only checks and returns within seconds.
+#
+#   bash scripts/setup.sh            # then: source .venv/bin/activate
+#
+# torch is pinned to 2.13.0 where we install it: on a CPU machine that takes the local CPU wheel,
+# whereas an unpinned torch would pull several GB of CUDA packages. Users with GPUs can install
+# their own torch into .venv first; setup.sh keeps any torch it finds.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+python="${PYTHON:-python3}"
+stamp="$venv/.installed"
+
+if [ ! -x "$venv/bin/python" ]; then
+    echo "setup: creating $venv"
+    "$python" -m venv "$venv"
+fi
+py="$venv/bin/python"
+
+# Fast path: nothing changed since the last complete install.
+if [ -f "$stamp" ] && [ "$stamp" -nt "$root/pyproject.toml" ] && "$py" -c "import torch, transformers, kenlm, data" 2>/dev/null; then
+    exit 0
+fi
+
+if ! "$py" -c "import torch" 2>/dev/null; then
+    echo "setup: installing torch==2.13.0"
+    "$py" -m pip install --quiet "torch==2.13.0" 2> >(grep -v "is ignored: it is neither" >&2)
+fi
+echo "setup: installing the toolkit and its dependencies (kenlm compiles from source, about a minute)"
+"$py" -m pip install --quiet -e "$root[test]" 2> >(grep -v "is ignored: it is neither" >&2)
+touch "$stamp"
+echo "setup: done ($("$py" -c 'import torch; print("torch", torch.__version__)'))"
