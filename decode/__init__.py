@@ -1,0 +1,1 @@
+"""Decoding: lean engine, plain, chain, tree and staged speculative decoding."""

@@ -1,0 +1,1 @@
+"""Katz backoff trigram: the draft of the draft."""

@@ -1,0 +1,1 @@
+"""Training pipelines: fine-tune the oracle, distil the draft (accelerate)."""
