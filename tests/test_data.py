@@ -134,9 +134,15 @@ def test_harvested_prompts_are_signature_and_docstring_from_validation_files(tmp
         ast.parse(r["prompt"] + r["canonical_solution"])
 
 
-def test_harvest_skips_functions_without_body_or_docstring():
-    doc = corpus.Document("m.py", 'def a():\n    """Only a docstring."""\n\ndef b():\n    return 1\n\ndef _c():\n    """x"""\n    return 2\n')
-    assert prompts.harvest_file(doc) == []
+def test_harvest_keeps_only_top_level_functions_with_docstring_and_body():
+    doc = corpus.Document("m.py", (
+        'def only_doc():\n    """Only a docstring."""\n\n'
+        "def no_doc():\n    return 1\n\n"
+        'def test_thing():\n    """A test."""\n    assert True\n\n'
+        'class K:\n    def method(self):\n        """Doc."""\n        return 2\n\n'
+        'def _helper(x):\n    """Private helpers count."""\n    return x\n'
+    ))
+    assert [p["entry_point"] for p in prompts.harvest_file(doc)] == ["_helper"]
 
 
 def test_humaneval_jsonl_and_gz_load(tmp_path):
