@@ -1,0 +1,93 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import write_corpus
+from data import prepare
+from train import distill_draft, finetune_oracle
+
+
+def prepared_run(root, vocab_size=400):
+    write_corpus(root / "src")
+    prepare.main(["--path", str(root / "src"), "--out", str(root / "run"), "--vocab-size", str(vocab_size),
+                  "--val-fraction", "0.3"])
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A prepared run with a trained tiny oracle."""
+    run = prepared_run(tmp_path_factory.mktemp("train"))
+    metrics = finetune_oracle.main(["--data", str(run / "data"), "--out", str(run / "oracle")])
+    return run, metrics
+
+
+def error_of(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    return errors[0]
+
+
+def test_oracle_loss_decreases_on_a_repetitive_corpus(run):
+    _, metrics = run
+    assert metrics["val_loss"] < 0.5 * metrics["val_loss_initial"]
+
+
+def test_resumed_run_ends_with_the_same_weights(run, tmp_path):
+    data = str(run[0] / "data")
+    finetune_oracle.main(["--data", data, "--out", str(tmp_path / "whole"), "--max_steps", "20"])
+    part = ["--data", data, "--out", str(tmp_path / "parts"), "--max_steps", "20"]
+    stopped = finetune_oracle.main(part + ["--stop_after_steps", "8"])
+    assert stopped["step"] == 8 and not (tmp_path / "parts").exists()
+    finetune_oracle.main(part + ["--resume"])
+    whole, parts = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "parts" / "model.safetensors")
+    assert whole.keys() == parts.keys()
+    for name in whole:
+        assert torch.equal(whole[name], parts[name]), name
+
+
+def test_distillation_raises_agreement_with_the_teacher(run, tmp_path):
+    data, teacher = str(run[0] / "data"), str(run[0] / "oracle")
+    common = ["--data", data, "--teacher", teacher, "--n_embd", "32", "--max_steps", "150"]
+    distilled = distill_draft.main(common + ["--out", str(tmp_path / "distilled"), "--kd_weight", "1.0"])
+    plain = distill_draft.main(common + ["--out", str(tmp_path / "plain"), "--kd_weight", "0.0"])
+    assert distilled["top1_agreement"] > plain["top1_agreement"] + 0.02
+    assert distilled["expected_acceptance"] > plain["expected_acceptance"]
+
+
+def test_saved_models_load_with_auto_classes_and_generate(run, tmp_path):
+    root, _ = run
+    distill_draft.main(["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--out", str(tmp_path / "draft")])
+    for directory in (root / "oracle", tmp_path / "draft"):
+        model = AutoModelForCausalLM.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        prompt = tokenizer("def scale_1(values", return_tensors="pt").input_ids
+        out = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        assert out.shape[1] > prompt.shape[1]
+        assert isinstance(tokenizer.decode(out[0]), str)
+        assert json.loads((directory / "training_args.json").read_text())["max_steps"] == 60
+    metrics = json.loads((tmp_path / "draft" / "metrics.json").read_text())
+    assert metrics["teacher"] == str((root / "oracle").resolve()) and 0 <= metrics["top1_agreement"] <= 1
+
+
+def test_bad_inputs_are_one_line_errors(run, tmp_path, capsys):
+    root, _ = run
+    data = str(root / "data")
+    assert "does not exist" in error_of(capsys, finetune_oracle.main, ["--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert "no preset named 'huge'" in error_of(capsys, finetune_oracle.main, ["--preset", "huge"])
+    assert "already holds a run" in error_of(capsys, finetune_oracle.main, ["--data", data, "--out", str(root / "oracle")])
+    assert "no trained model" in error_of(capsys, distill_draft.main, ["--data", data, "--teacher", str(tmp_path), "--out", str(tmp_path / "d")])
+    # a teacher or --init model trained with another tokenizer
+    other = prepared_run(tmp_path / "other", vocab_size=300)
+    finetune_oracle.main(["--data", str(other / "data"), "--out", str(other / "oracle"), "--max_steps", "12"])
+    err = error_of(capsys, distill_draft.main, ["--data", data, "--teacher", str(other / "oracle"), "--out", str(tmp_path / "d")])
+    assert "vocabulary mismatch" in err
+    err = error_of(capsys, finetune_oracle.main, ["--data", str(other / "data"), "--init", str(root / "oracle"), "--out", str(tmp_path / "i")])
+    assert "tokenizer mismatch" in err
+    assert not (tmp_path / "d").exists() and not (tmp_path / "i").exists()

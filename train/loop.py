@@ -1,0 +1,307 @@
+"""The training loop both pipelines share.
+
+Packed fixed-length windows from the token shards, AdamW with warm-up and cosine decay, and
+accelerate for devices, processes (DDP/FSDP from `accelerate config`), bf16 autocast, gradient
+accumulation, checkpoints and exact resume (model, optimizer, scheduler, RNG and data position).
+"""
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from data.atomic import atomic_output
+from data.errors import InputError
+from data.shards import open_split, read_meta
+from data.tokenizer import load_tokenizer
+from train.presets import TrainArgs
+from train.tracking import JSONLinesTracker
+
+CHECKPOINT_PREFIX = "step-"
+
+
+class PackedWindows(torch.utils.data.Dataset):
+    """Consecutive windows of seq_len + 1 tokens (inputs and their next-token targets)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = i * self.seq_len
+        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+
+
+def eval_windows(tokens: np.ndarray, seq_len: int, count: int) -> torch.Tensor:
+    """`count` windows spread evenly over a split: the same ones at every evaluation."""
+    starts = np.linspace(0, len(tokens) - seq_len - 1, count).astype(np.int64)
+    return torch.stack([torch.from_numpy(tokens[s : s + seq_len + 1].astype(np.int64)) for s in starts])
+
+
+def next_token_loss(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
+
+
+def work_dir_of(args: TrainArgs) -> Path:
+    return Path(args.work_dir) if args.work_dir else Path(f"{args.out}-train")
+
+
+def checkpoints(work_dir: Path) -> list[Path]:
+    return sorted(p for p in (work_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
+
+
+def check_output(args: TrainArgs) -> Path:
+    """Refuse to mix runs: OUT or the work directory may hold a previous run only with --resume or --overwrite."""
+    work_dir, out = work_dir_of(args), Path(args.out)
+    if args.resume and args.overwrite:
+        raise InputError("--resume and --overwrite contradict each other; pass one")
+    if args.resume:
+        if not checkpoints(work_dir):
+            raise InputError(f"nothing to resume: no checkpoint in {work_dir / 'checkpoints'}; run without --resume")
+        saved = json.loads((work_dir / "args.json").read_text())
+        changed = [k for k in ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps") if saved.get(k) != getattr(args, k)]
+        if changed:
+            raise InputError(f"--resume with different {', '.join(changed)} than the checkpointed run; keep them, or start over with --overwrite")
+    elif (out.exists() and any(out.iterdir())) or checkpoints(work_dir):
+        raise InputError(f"{out} or {work_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
+    elif args.overwrite:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return work_dir
+
+
+def load_data(args: TrainArgs) -> tuple[dict, np.ndarray, np.ndarray]:
+    data_dir = Path(args.data)
+    if not data_dir.is_dir():
+        raise InputError(f"data directory {data_dir} does not exist; run `python -m data.prepare --out RUN` and pass --data RUN/data")
+    meta = read_meta(data_dir)
+    train, val = open_split(data_dir, "train"), open_split(data_dir, "val")
+    for name, tokens in (("train", train), ("val", val)):
+        if len(tokens) <= args.seq_len + 1:
+            raise InputError(f"the {name} split has {len(tokens)} tokens, fewer than one --seq_len {args.seq_len} window; lower --seq_len or prepare more data")
+    return meta, train, val
+
+
+def data_tokenizer(args: TrainArgs, meta: dict):
+    return load_tokenizer((Path(args.data) / meta["tokenizer"]).resolve())
+
+
+def check_same_tokenizer(tokenizer, other_name: str, other_tokenizer, other_vocab: int) -> None:
+    """The data's tokenizer and a model's (init checkpoint or teacher) must be the same."""
+    if other_vocab < len(tokenizer):
+        raise InputError(
+            f"vocabulary mismatch: the data's tokenizer has {len(tokenizer)} tokens, {other_name} only {other_vocab}; "
+            f"prepare the data with {other_name}'s tokenizer (python -m data.prepare --tokenizer {other_name})"
+        )
+    if other_tokenizer is not None and other_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise InputError(
+            f"tokenizer mismatch: the data was tokenised with another tokenizer than {other_name}'s; "
+            f"prepare the data with --tokenizer {other_name}"
+        )
+
+
+def build_model(args: TrainArgs, tokenizer):
+    """A GPT-2 from the preset's shape, or the --init checkpoint (checked against the data's tokenizer)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    if args.init:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.init)
+        except Exception as err:  # hub or file errors of many kinds
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise InputError(f"cannot load --init {args.init} ({reason}); pass a hub name when online or a local directory") from None
+        try:
+            init_tokenizer = load_tokenizer(args.init)
+        except InputError:
+            init_tokenizer = None  # a checkpoint without tokenizer files: the vocabulary size is all we can check
+        check_same_tokenizer(tokenizer, args.init, init_tokenizer, model.config.vocab_size)
+        context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        if context is not None and args.seq_len > context:
+            raise InputError(f"--seq_len {args.seq_len} exceeds {args.init}'s context of {context} tokens; lower it")
+        return model
+    if args.n_embd % args.n_head:
+        raise InputError(f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+        resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def make_accelerator(args: TrainArgs, work_dir: Path):
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
+
+    tracker = JSONLinesTracker(work_dir / "log.jsonl") if args.log_with == "jsonl" else args.log_with
+    return Accelerator(
+        mixed_precision="bf16" if args.bf16 else "no",
+        # epochs end mid-accumulation; we step only on whole accumulations so resume lines up exactly
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.grad_accum, sync_with_dataloader=False),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        dynamo_backend="inductor" if args.compile else "no",
+        log_with=tracker,
+        project_config=ProjectConfiguration(project_dir=str(work_dir), logging_dir=str(work_dir)),
+    )
+
+
+def make_optimizer(args: TrainArgs, model) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, args.adam_beta2), fused=True)
+
+
+@torch.no_grad()
+def validation_loss(accelerator, model, windows: torch.Tensor, batch_size: int) -> float:
+    model.eval()
+    losses = []
+    for batch in windows.split(batch_size):
+        batch = batch.to(accelerator.device)
+        with accelerator.autocast():
+            losses.append(next_token_loss(model(batch[:, :-1]).logits, batch).item())
+    model.train()
+    return float(np.mean(losses))
+
+
+def save_checkpoint(accelerator, work_dir: Path, step: int, keep: int) -> None:
+    root = work_dir / "checkpoints"
+    final = root / f"{CHECKPOINT_PREFIX}{step:07d}"
+    tmp = root / f".tmp-{final.name}"  # the same name on every process
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in checkpoints(work_dir)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def save_final(model, tokenizer, args: TrainArgs, metrics: dict) -> None:
+    """save_pretrained model + tokenizer + arguments + metrics, renamed into place when complete."""
+    with atomic_output(args.out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "training_args.json").write_text(json.dumps(asdict(args), indent=2) + "\n")
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+LossFn = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+@dataclass
+class Run:
+    args: TrainArgs
+    work_dir: Path
+    accelerator: "Accelerator"  # noqa: F821
+    tokenizer: object
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+
+
+def start_run(args: TrainArgs) -> Run:
+    """Check the output and the data, load the data's tokenizer, seed, and make the accelerator."""
+    from accelerate.utils import set_seed
+
+    work_dir = check_output(args)
+    meta, train_tokens, val_tokens = load_data(args)
+    if args.max_steps < 1 or args.warmup_steps >= args.max_steps:
+        raise InputError(f"--max_steps {args.max_steps} must be positive and above --warmup_steps {args.warmup_steps}")
+    tokenizer = data_tokenizer(args, meta)
+    set_seed(args.seed)
+    return Run(args, work_dir, make_accelerator(args, work_dir), tokenizer, train_tokens, val_tokens)
+
+
+def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = None) -> dict:
+    """The loop: `loss_fn(model, windows)` returns (loss, extra logs); `final_metrics(model)` adds to the
+    metrics saved with the model."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    args, accelerator, work_dir = run.args, run.accelerator, run.work_dir
+    optimizer = make_optimizer(args, model)
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, args.warmup_steps, args.max_steps, min_lr_rate=args.min_lr_ratio
+    )
+    loader = torch.utils.data.DataLoader(
+        PackedWindows(run.train_tokens, args.seq_len), batch_size=args.batch_size, shuffle=True, drop_last=True
+    )
+    if len(loader) == 0:
+        raise InputError(f"the train split holds fewer than --batch_size {args.batch_size} windows; lower it or prepare more data")
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator.register_for_checkpointing(scheduler)  # stepped by us, once per optimizer step
+    val_windows = eval_windows(run.val_tokens, args.seq_len, args.eval_batches * args.batch_size)
+
+    step = 0
+    if args.resume:
+        latest = checkpoints(work_dir)[-1]
+        accelerator.load_state(str(latest))
+        step = int(latest.name[len(CHECKPOINT_PREFIX) :])
+    elif accelerator.is_main_process:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        (work_dir / "args.json").write_text(json.dumps(asdict(args), indent=2) + "\n")
+    accelerator.init_trackers("train", config={k: v for k, v in asdict(args).items() if v is not None})
+
+    stop = min(args.max_steps, args.stop_after_steps or args.max_steps)
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * accelerator.num_processes
+    metrics = {}
+    if step == 0:
+        metrics["val_loss_initial"] = validation_loss(accelerator, accelerator.unwrap_model(model), val_windows, args.batch_size)
+        accelerator.log({"val_loss": metrics["val_loss_initial"]}, step=0)
+    bar = tqdm(total=stop, initial=step, desc=f"training {Path(args.out).name}", unit="step", disable=not accelerator.is_main_process)
+    epoch, skip = divmod(step * args.grad_accum, len(loader))
+    started, start_step = time.time(), step
+    while step < stop:
+        loader.set_epoch(epoch)
+        for windows in accelerator.skip_first_batches(loader, skip) if skip else loader:
+            with accelerator.accumulate(model):
+                loss, logs = loss_fn(model, windows)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            step += 1
+            tokens_per_s = (step - start_step) * tokens_per_step / (time.time() - started)
+            logs = {"loss": loss.item(), "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, **logs}
+            if step % args.eval_every == 0 or step == stop:
+                logs["val_loss"] = validation_loss(accelerator, accelerator.unwrap_model(model), val_windows, args.batch_size)
+            accelerator.log(logs, step=step)
+            bar.set_postfix({k: f"{v:.3g}" for k, v in logs.items() if k in ("loss", "val_loss", "tokens_per_s")}, refresh=False)
+            bar.update(1)
+            if (args.save_every and step % args.save_every == 0) or step == stop:
+                save_checkpoint(accelerator, work_dir, step, args.keep_checkpoints)
+            if step >= stop:
+                break
+        epoch, skip = epoch + 1, 0
+    bar.close()
+    metrics.update(step=step, val_loss=logs.get("val_loss"), tokens_per_s=tokens_per_s,
+                   seconds=time.time() - started, parameters=sum(p.numel() for p in accelerator.unwrap_model(model).parameters()))
+    if step == args.max_steps:
+        unwrapped = accelerator.unwrap_model(model)
+        if final_metrics is not None:
+            metrics.update(final_metrics(unwrapped))
+        if accelerator.is_main_process:
+            save_final(unwrapped, run.tokenizer, args, metrics)
+    accelerator.end_training()
+    return metrics
+
+
+def report(args: TrainArgs, metrics: dict) -> None:
+    done = metrics["step"] == args.max_steps
+    where = f"saved to {args.out}" if done else f"stopped at step {metrics['step']} of {args.max_steps}; continue with --resume"
+    summary = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+    print(f"{where}\n  {summary}")
+    if not math.isfinite(metrics.get("val_loss") or 0.0):
+        print("  warning: the validation loss is not finite; lower --learning_rate")

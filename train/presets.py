@@ -1,0 +1,97 @@
+"""Training arguments and presets. Every field can be overridden on the command line:
+
+    accelerate launch train/finetune_oracle.py --preset cpu --max_steps 500 --data RUN/data
+
+The preset fills in the defaults, HfArgumentParser reads the command line over them.
+"""
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+from data.errors import InputError
+
+
+@dataclass
+class TrainArgs:
+    preset: str = field(default="tiny", metadata={"help": "tiny (seconds, tests), cpu (about an hour on 2 cores), paper (GPT-2-L, GPUs)"})
+    data: str = field(default="runs/default/data", metadata={"help": "prepared data directory (python -m data.prepare)"})
+    out: str = field(default="runs/default/oracle", metadata={"help": "where the final model goes (save_pretrained layout)"})
+    work_dir: Optional[str] = field(default=None, metadata={"help": "checkpoints and logs (default: OUT-train)"})
+    init: Optional[str] = field(default=None, metadata={"help": "start from this hub checkpoint or directory instead of a config (e.g. gpt2-large)"})
+    n_layer: int = field(default=2, metadata={"help": "transformer blocks (ignored with --init)"})
+    n_head: int = field(default=2, metadata={"help": "attention heads (ignored with --init)"})
+    n_embd: int = field(default=64, metadata={"help": "hidden size (ignored with --init)"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout of a model built from a config"})
+    seq_len: int = field(default=64, metadata={"help": "tokens per packed training sequence (and context length of a new model)"})
+    batch_size: int = field(default=8, metadata={"help": "sequences per micro-batch and process"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    max_steps: int = field(default=60, metadata={"help": "optimizer steps; the learning-rate schedule spans them"})
+    stop_after_steps: Optional[int] = field(default=None, metadata={"help": "checkpoint and stop at this step (continue later with --resume)"})
+    learning_rate: float = field(default=3e-3, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decay ends at this fraction of the peak"})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (matrices only)"})
+    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this"})
+    eval_every: int = field(default=20, metadata={"help": "validation loss every N steps"})
+    eval_batches: int = field(default=4, metadata={"help": "micro-batches of validation windows per evaluation"})
+    save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: at the end only)"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept in the work directory"})
+    bf16: bool = field(default=False, metadata={"help": "bf16 autocast (CPUs with AMX, Ampere+ GPUs)"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model (inductor)"})
+    seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and dropout"})
+    log_with: str = field(default="jsonl", metadata={"help": "accelerate tracker: jsonl (offline) or tensorboard"})
+    resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in the work directory"})
+    overwrite: bool = field(default=False, metadata={"help": "replace a previous run in OUT and the work directory"})
+
+
+@dataclass
+class DistillArgs(TrainArgs):
+    teacher: str = field(default="runs/default/oracle", metadata={"help": "the frozen teacher (the oracle's directory)"})
+    kd_weight: float = field(default=0.8, metadata={"help": "weight of KL(teacher || student); cross-entropy gets 1 - kd_weight"})
+    kd_temperature: float = field(default=1.0, metadata={"help": "softening temperature of both distributions in the KL term"})
+    agreement_batches: int = field(default=16, metadata={"help": "validation micro-batches for the final agreement report"})
+
+
+_SHARED = {
+    "tiny": {},
+    "cpu": dict(seq_len=512, bf16=True, compile=True, eval_every=200, eval_batches=8, save_every=200, warmup_steps=100),
+    "paper": dict(seq_len=1024, bf16=True, batch_size=8, grad_accum=8, eval_every=500, eval_batches=32, save_every=1000,
+                  warmup_steps=500, data="runs/paper/data"),
+}
+
+ORACLE_PRESETS = {
+    "tiny": TrainArgs(),
+    # about 23M parameters with an 8192 vocabulary: about an hour on 2 cores (see README)
+    "cpu": TrainArgs(**_SHARED["cpu"], n_layer=6, n_head=8, n_embd=512, batch_size=8, grad_accum=2, max_steps=1300,
+                     learning_rate=1e-3),
+    "paper": TrainArgs(**_SHARED["paper"], init="gpt2-large", max_steps=10000, learning_rate=5e-5, out="runs/paper/oracle"),
+}
+
+DRAFT_PRESETS = {
+    "tiny": DistillArgs(out="runs/default/draft"),
+    # about 1.5M parameters, 15x smaller than the cpu oracle (the paper's ratio is 19x)
+    "cpu": DistillArgs(**_SHARED["cpu"], out="runs/default/draft", n_layer=2, n_head=4, n_embd=128, batch_size=16,
+                       max_steps=600, learning_rate=2e-3),
+    # about 39M parameters with GPT-2's 50257-token vocabulary
+    "paper": DistillArgs(**_SHARED["paper"], out="runs/paper/draft", teacher="runs/paper/oracle", n_layer=4, n_head=8,
+                         n_embd=512, max_steps=20000, learning_rate=6e-4),
+}
+
+
+def parse_args(args_class, presets: dict, description: str, argv=None):
+    """Pick the preset named by --preset, then let HfArgumentParser override any of its fields."""
+    from transformers import HfArgumentParser
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="tiny")
+    name = pre.parse_known_args(argv)[0].preset
+    if name not in presets:
+        raise InputError(f"no preset named {name!r}; choose one of: {', '.join(presets)}")
+    parser = HfArgumentParser(args_class, description=description)
+    parser.set_defaults(**dataclasses.asdict(presets[name]))
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    return args
