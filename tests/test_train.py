@@ -46,6 +46,9 @@ def test_resumed_run_ends_with_the_same_weights(run, tmp_path):
     stopped = finetune_oracle.main(part + ["--stop_after_steps", "8"])
     assert stopped["step"] == 8 and not (tmp_path / "parts").exists()
     finetune_oracle.main(part + ["--resume"])
+    assert finetune_oracle.main(part + ["--overwrite", "--max_steps", "12"])["step"] == 12
+    finetune_oracle.main(part + ["--overwrite", "--stop_after_steps", "8"])
+    finetune_oracle.main(part + ["--resume"])
     whole, parts = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "parts" / "model.safetensors")
     assert whole.keys() == parts.keys()
     for name in whole:

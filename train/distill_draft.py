@@ -32,10 +32,9 @@ def load_teacher(args: DistillArgs, tokenizer):
 
 def distillation_loss(teacher, kd_weight: float, temperature: float):
     def loss_fn(student, windows):
-        inputs = windows[:, :-1]
         with torch.no_grad():
-            teacher_logits = teacher(inputs).logits.float()
-        logits = student(inputs).logits.float()
+            teacher_logits = teacher(windows).logits.float()
+        logits = student(windows).logits.float()
         vocab = logits.shape[-1]
         teacher_logits = teacher_logits[..., :vocab]  # a hub teacher may pad its embedding matrix
         kl = F.kl_div(
@@ -58,7 +57,7 @@ def agreement(student, teacher, val_tokens, args: DistillArgs, accelerator) -> d
     windows = eval_windows(val_tokens, args.seq_len, args.agreement_batches * args.batch_size)
     matches, probability, acceptance, count = 0.0, 0.0, 0.0, 0
     for batch in windows.split(args.batch_size):
-        inputs = batch[:, :-1].to(accelerator.device)
+        inputs = batch.to(accelerator.device)
         with accelerator.autocast():
             s = student(inputs).logits.float()
             t = teacher(inputs).logits.float()[..., : s.shape[-1]]

@@ -7,13 +7,9 @@ from a preset's config (offline), on the packed token shards of a prepared run.
 
 Multi-GPU and multi-node runs come from `accelerate config` (DDP, FSDP); nothing here changes.
 """
-from train.loop import build_model, next_token_loss, report, start_run, train
+from train.loop import build_model, language_model_loss, report, start_run, train
 from train.presets import ORACLE_PRESETS, TrainArgs, parse_args
 from data.errors import exits_on_input_error
-
-
-def language_model_loss(model, windows):
-    return next_token_loss(model(windows[:, :-1]).logits, windows), {}
 
 
 @exits_on_input_error

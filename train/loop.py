@@ -28,27 +28,33 @@ CHECKPOINT_PREFIX = "step-"
 
 
 class PackedWindows(torch.utils.data.Dataset):
-    """Consecutive windows of seq_len + 1 tokens (inputs and their next-token targets)."""
+    """Consecutive windows of seq_len tokens; each position predicts the next one within its window."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
 
     def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.seq_len
+        return len(self.tokens) // self.seq_len
 
     def __getitem__(self, i: int) -> torch.Tensor:
         start = i * self.seq_len
-        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return torch.from_numpy(self.tokens[start : start + self.seq_len].astype(np.int64))
 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, count: int) -> torch.Tensor:
     """`count` windows spread evenly over a split: the same ones at every evaluation."""
-    starts = np.linspace(0, len(tokens) - seq_len - 1, count).astype(np.int64)
-    return torch.stack([torch.from_numpy(tokens[s : s + seq_len + 1].astype(np.int64)) for s in starts])
+    starts = np.linspace(0, len(tokens) - seq_len, count).astype(np.int64)
+    return torch.stack([torch.from_numpy(tokens[s : s + seq_len].astype(np.int64)) for s in starts])
 
 
 def next_token_loss(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
+    """Mean cross-entropy of each position's logits against the window's next token."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), windows[:, 1:].flatten())
+
+
+def language_model_loss(model, windows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The same loss computed by the model itself (HF shifts the labels), so torch.compile fuses it."""
+    return model(windows, labels=windows).loss, {}
 
 
 def work_dir_of(args: TrainArgs) -> Path:
@@ -71,10 +77,10 @@ def check_output(args: TrainArgs) -> Path:
         changed = [k for k in ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps") if saved.get(k) != getattr(args, k)]
         if changed:
             raise InputError(f"--resume with different {', '.join(changed)} than the checkpointed run; keep them, or start over with --overwrite")
+    elif args.overwrite:
+        shutil.rmtree(work_dir, ignore_errors=True)  # OUT itself is replaced atomically at the end
     elif (out.exists() and any(out.iterdir())) or checkpoints(work_dir):
         raise InputError(f"{out} or {work_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    elif args.overwrite:
-        shutil.rmtree(work_dir, ignore_errors=True)
     return work_dir
 
 
@@ -85,7 +91,7 @@ def load_data(args: TrainArgs) -> tuple[dict, np.ndarray, np.ndarray]:
     meta = read_meta(data_dir)
     train, val = open_split(data_dir, "train"), open_split(data_dir, "val")
     for name, tokens in (("train", train), ("val", val)):
-        if len(tokens) <= args.seq_len + 1:
+        if len(tokens) < args.seq_len:
             raise InputError(f"the {name} split has {len(tokens)} tokens, fewer than one --seq_len {args.seq_len} window; lower --seq_len or prepare more data")
     return meta, train, val
 
@@ -167,7 +173,7 @@ def validation_loss(accelerator, model, windows: torch.Tensor, batch_size: int) 
     for batch in windows.split(batch_size):
         batch = batch.to(accelerator.device)
         with accelerator.autocast():
-            losses.append(next_token_loss(model(batch[:, :-1]).logits, batch).item())
+            losses.append(language_model_loss(model, batch)[0].item())
     model.train()
     return float(np.mean(losses))
 
