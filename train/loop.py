@@ -77,10 +77,10 @@ def check_output(args: TrainArgs) -> Path:
         changed = [k for k in ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps") if saved.get(k) != getattr(args, k)]
         if changed:
             raise InputError(f"--resume with different {', '.join(changed)} than the checkpointed run; keep them, or start over with --overwrite")
-    elif args.overwrite:
-        shutil.rmtree(work_dir, ignore_errors=True)  # OUT itself is replaced atomically at the end
-    elif (out.exists() and any(out.iterdir())) or checkpoints(work_dir):
+    elif not args.overwrite and ((out.exists() and any(out.iterdir())) or checkpoints(work_dir)):
         raise InputError(f"{out} or {work_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
+    else:
+        shutil.rmtree(work_dir, ignore_errors=True)  # logs of a run that never checkpointed; OUT is replaced at the end
     return work_dir
 
 
