@@ -1,0 +1,38 @@
+"""The interface every backend offers the decoders: a causal LM with a KV cache of `length`
+committed positions followed by `pending` speculative ones.
+
+    forward(token_ids, position_ids, mask) -> logits   score new nodes, append them as pending
+    commit(keep)                                        keep these pending slots, in order; drop the rest
+"""
+import torch
+
+
+class CachedLM:
+    length: int = 0
+    pending: int = 0
+    max_length: int
+    vocab_size: int
+    device: torch.device
+
+    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Logits (q, vocab) of q new nodes; `mask` (q, length + pending + q) marks what each node sees
+        (None: all of the cache and a causal chain of the new nodes)."""
+        raise NotImplementedError
+
+    def commit(self, keep) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        self.length = self.pending = 0
+
+    def append(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Score a run of tokens after everything cached, keeping them pending."""
+        start = self.length + self.pending
+        positions = torch.arange(start, start + token_ids.numel(), device=self.device)
+        return self.forward(token_ids, positions, None)
+
+    def extend(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Score a run of tokens after everything cached and commit all pending slots."""
+        logits = self.append(token_ids)
+        self.commit(torch.arange(self.pending, device=self.device))
+        return logits

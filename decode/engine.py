@@ -1,0 +1,124 @@
+"""A lean GPT-2 forward in plain torch over the weights of a Hugging Face checkpoint.
+
+Why it exists: on a small model, transformers spends several milliseconds per call in framework
+code; decoding makes hundreds of calls per prompt. This engine does the same arithmetic with a
+preallocated KV cache and a handful of torch ops per layer.
+
+The cache holds `length` committed positions followed by `pending` speculative ones. `forward`
+scores new nodes (any tree: the caller gives positions and a mask over the cache plus the new
+nodes), appends their keys/values to the speculative region, and returns their logits. `commit`
+keeps an ordered subset of the speculative slots (the accepted path) and drops the rest.
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from data.errors import InputError
+from decode.cached_lm import CachedLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class GPT2Shape:
+    vocab_size: int
+    n_positions: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    layer_norm_epsilon: float
+
+    @classmethod
+    def from_config(cls, config: dict) -> "GPT2Shape":
+        return cls(*(config[f] for f in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "layer_norm_epsilon")))
+
+
+def read_config(model_dir) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise InputError(f"{model_dir} is not a model directory (no config.json); pass a directory written by save_pretrained")
+    return json.loads(path.read_text())
+
+
+def is_lean_compatible(config: dict) -> bool:
+    """The lean engine implements GPT-2 exactly as configured by default (tanh GELU, no attention variants)."""
+    return (
+        config.get("model_type") == "gpt2"
+        and config.get("activation_function", "gelu_new") == "gelu_new"
+        and not config.get("scale_attn_by_inverse_layer_idx", False)
+        and not config.get("reorder_and_upcast_attn", False)
+        and config.get("tie_word_embeddings", True)
+    )
+
+
+class GPT2Engine(CachedLM):
+    def __init__(self, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None):
+        config = read_config(model_dir)
+        if not is_lean_compatible(config):
+            raise InputError(
+                f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
+                f"use the transformers backend (--backend hf)"
+            )
+        self.shape = s = GPT2Shape.from_config(config)
+        self.device, self.dtype = torch.device(device), DTYPES[dtype]
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise InputError(f"no .safetensors weights in {model_dir}; save the model with save_pretrained")
+        weights = {}
+        for f in files:
+            weights.update(load_file(f))
+        weights = {k.removeprefix("transformer."): v.to(self.device, self.dtype) for k, v in weights.items()}
+        self.wte, self.wpe = weights["wte.weight"], weights["wpe.weight"]
+        self.layers = [{k[len(f"h.{i}.") :]: v for k, v in weights.items() if k.startswith(f"h.{i}.")} for i in range(s.n_layer)]
+        self.ln_f = (weights["ln_f.weight"], weights["ln_f.bias"])
+        self.head_dim = s.n_embd // s.n_head
+        self.max_length = max_length or s.n_positions
+        cache_shape = (s.n_layer, s.n_head, self.max_length, self.head_dim)
+        self.k_cache = torch.zeros(cache_shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(cache_shape, device=self.device, dtype=self.dtype)
+        self.length = 0  # committed positions
+        self.pending = 0  # speculative positions after them
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        s, q = self.shape, token_ids.numel()
+        start = self.length + self.pending
+        end = start + q
+        if end > self.max_length:
+            raise InputError(f"the sequence would reach {end} positions, past the model's context of {self.max_length}")
+        x = self.wte[token_ids] + self.wpe[position_ids]
+        if mask is None and q > 1:  # a chain: the new nodes see the whole cache and their predecessors
+            mask = torch.ones(q, end, dtype=torch.bool, device=self.device).tril(start)
+        for i, layer in enumerate(self.layers):
+            h = F.layer_norm(x, (s.n_embd,), layer["ln_1.weight"], layer["ln_1.bias"], s.layer_norm_epsilon)
+            qkv = torch.addmm(layer["attn.c_attn.bias"], h, layer["attn.c_attn.weight"])
+            query, key, value = qkv.view(q, 3, s.n_head, self.head_dim).permute(1, 2, 0, 3)
+            self.k_cache[i, :, start:end] = key
+            self.v_cache[i, :, start:end] = value
+            att = F.scaled_dot_product_attention(query, self.k_cache[i, :, :end], self.v_cache[i, :, :end], attn_mask=mask)
+            x = x + torch.addmm(layer["attn.c_proj.bias"], att.transpose(0, 1).reshape(q, s.n_embd), layer["attn.c_proj.weight"])
+            h = F.layer_norm(x, (s.n_embd,), layer["ln_2.weight"], layer["ln_2.bias"], s.layer_norm_epsilon)
+            h = F.gelu(torch.addmm(layer["mlp.c_fc.bias"], h, layer["mlp.c_fc.weight"]), approximate="tanh")
+            x = x + torch.addmm(layer["mlp.c_proj.bias"], h, layer["mlp.c_proj.weight"])
+        x = F.layer_norm(x, (s.n_embd,), *self.ln_f, s.layer_norm_epsilon)
+        self.pending += q
+        return (x @ self.wte.T).float()
+
+    @torch.inference_mode()
+    def commit(self, keep: torch.Tensor | list[int]) -> None:
+        keep = torch.as_tensor(keep, dtype=torch.long, device=self.device)
+        n = keep.numel()
+        if n and not torch.equal(keep, torch.arange(n, device=self.device)):  # already in place otherwise
+            src = self.length + keep
+            self.k_cache[:, :, self.length : self.length + n] = self.k_cache[:, :, src]
+            self.v_cache[:, :, self.length : self.length + n] = self.v_cache[:, :, src]
+        self.length += n
+        self.pending = 0

@@ -1,0 +1,73 @@
+"""Generation loops with one signature: plain autoregressive decoding (the baseline) and chain
+speculative decoding. Both keep the same invariant: a model's cache holds every token of the
+sequence but the last, which it has not seen yet."""
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from decode.cached_lm import CachedLM
+from decode.sampling import Sampling, sample
+from decode.verify import verify_chain
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)  # the new tokens (an end-of-text token included)
+    oracle_calls: int = 0
+    draft_calls: int = 0
+
+    def add(self, new: list[int], max_new_tokens: int, eos_id: int | None) -> bool:
+        """Append new tokens up to the limit or the end-of-text token; True when generation is done."""
+        for token in new:
+            self.tokens.append(token)
+            if len(self.tokens) >= max_new_tokens or token == eos_id:
+                return True
+        return False
+
+
+def baseline(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+             eos_id: int | None, generator: torch.Generator | None = None, **_) -> Generation:
+    """One oracle call per token."""
+    oracle.reset()
+    out = Generation()
+    logits = oracle.extend(prompt)[-1]
+    out.oracle_calls += 1
+    while not out.add([sample(sampling.probs(logits), generator)], max_new_tokens, eos_id):
+        logits = oracle.extend(torch.tensor(out.tokens[-1:], device=oracle.device))[-1]
+        out.oracle_calls += 1
+    return out
+
+
+def speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                eos_id: int | None, generator: torch.Generator | None = None, *, draft: CachedLM, k: int = 4,
+                verify: Callable = verify_chain, **_) -> Generation:
+    """Chain speculative decoding: the draft proposes k tokens, the oracle scores k + 1 positions in one call."""
+    oracle.reset()
+    draft.reset()
+    tokens = prompt.tolist()
+    out = Generation()
+    if len(tokens) > 1:
+        oracle.extend(prompt[:-1])
+        out.oracle_calls += 1
+    while True:
+        steps = min(k, max_new_tokens - len(out.tokens) - 1)  # no drafting past the limit
+        drafted, q = [], []
+        logits = draft.append(torch.tensor(tokens[draft.length :], device=draft.device))[-1]  # catch up
+        for i in range(steps):
+            q.append(sampling.probs(logits))
+            drafted.append(sample(q[-1], generator))
+            if i + 1 < steps:
+                logits = draft.append(torch.tensor(drafted[-1:], device=draft.device))[-1]
+        out.draft_calls += max(steps, 1)
+        p = sampling.probs(oracle.append(torch.tensor(tokens[-1:] + drafted, device=oracle.device)))
+        out.oracle_calls += 1
+        q_stack = torch.stack(q) if q else p[:0]
+        n, following = verify(p, q_stack, torch.tensor(drafted, dtype=torch.long), generator)
+        caught_up = draft.pending - max(steps - 1, 0)  # tokens fed to the draft before its own proposals
+        oracle.commit(torch.arange(n + 1, device=oracle.device))
+        draft.commit(torch.arange(min(caught_up + n, draft.pending), device=draft.device))
+        new = drafted[:n] + [following]
+        tokens += new
+        if out.add(new, max_new_tokens, eos_id):
+            return out

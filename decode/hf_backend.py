@@ -1,0 +1,58 @@
+"""The CachedLM interface over any transformers causal LM (Llama, GPT-2, ...): 4D additive masks,
+explicit position ids, and a cache compacted by gathering the kept slots. Slower than the lean
+GPT-2 engine (framework overhead per call), and exact."""
+import torch
+
+from data.errors import InputError
+from decode.cached_lm import CachedLM
+from decode.engine import DTYPES
+
+
+class HFEngine(CachedLM):
+    def __init__(self, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None):
+        from transformers import AutoModelForCausalLM, DynamicCache
+
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
+        except (OSError, ValueError) as err:
+            raise InputError(f"cannot load a causal LM from {model_dir} ({str(err).splitlines()[0]})") from None
+        config = self.model.config
+        self.device = torch.device(device)
+        self.vocab_size = config.vocab_size
+        context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        self.max_length = max_length or context
+        self._new_cache = DynamicCache
+        self.cache = DynamicCache()
+        self.length = self.pending = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.cache = self._new_cache()
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        q = token_ids.numel()
+        start = self.length + self.pending
+        if start + q > self.max_length:
+            raise InputError(f"the sequence would reach {start + q} positions, past the model's context of {self.max_length}")
+        if mask is None:
+            mask = torch.ones(q, start + q, dtype=torch.bool, device=self.device).tril(start)
+        dtype = self.model.dtype
+        additive = torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill(~mask, torch.finfo(dtype).min)
+        out = self.model(
+            input_ids=token_ids[None], position_ids=position_ids[None], attention_mask=additive[None, None],
+            past_key_values=self.cache, use_cache=True,
+        )
+        self.cache = out.past_key_values
+        self.pending += q
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def commit(self, keep) -> None:
+        keep = torch.as_tensor(keep, dtype=torch.long, device=self.device)
+        index = torch.cat([torch.arange(self.length, device=self.device), self.length + keep])
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        self.length += keep.numel()
+        self.pending = 0

@@ -1,0 +1,38 @@
+"""The processed distribution the output must follow: temperature, then top-k, then top-p.
+
+Temperature 0 means greedy: the distribution is a point mass on the argmax, so the same exact
+verification rules serve greedy decoding (they reduce to "accept while the token is the argmax").
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Processed next-token distributions for logits (..., vocab)."""
+        if self.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        logits = logits.float() / self.temperature
+        if self.top_k:
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            sorted_probs = sorted_logits.softmax(-1)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p  # the mass before it already reaches p
+            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))

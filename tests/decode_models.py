@@ -1,0 +1,23 @@
+"""Tiny GPT-2 checkpoints for decoding tests: an oracle, a good draft (the oracle's weights plus a
+little noise) and a bad one (independent weights). A large init range makes their predictions
+depend on the context, so drafts really disagree with the oracle."""
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models
+
+
+def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positions=128):
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_layer=2, n_embd=32, n_head=4,
+                        initializer_range=0.3, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config).eval()
+    if noise_from is not None:
+        model.load_state_dict(GPT2LMHeadModel.from_pretrained(noise_from).state_dict())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(noise * torch.randn_like(p))
+    model.save_pretrained(path)
+    words = {f"t{i}": i for i in range(vocab_size)}  # a word-level tokenizer over the same ids
+    backend = Tokenizer(models.WordLevel(words, unk_token="t1"))
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t0", unk_token="t1").save_pretrained(path)
+    return path

@@ -1,0 +1,113 @@
+import numpy as np
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from decode.engine import GPT2Engine
+from decode.generate import baseline, speculative
+from decode.hf_backend import HFEngine
+from decode.sampling import Sampling, sample
+from decode_models import tiny_gpt2
+
+BACKENDS = [GPT2Engine, HFEngine]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    oracle = tiny_gpt2(root / "oracle", seed=0)
+    return {
+        "oracle": oracle,
+        "good": tiny_gpt2(root / "good", seed=1, noise_from=oracle, noise=0.005),
+        "bad": tiny_gpt2(root / "bad", seed=2),
+    }
+
+
+def tree_mask(parents: list[int], cached: int) -> torch.Tensor:
+    mask = torch.zeros(len(parents), cached + len(parents), dtype=torch.bool)
+    mask[:, :cached] = True
+    for i in range(len(parents)):
+        j = i
+        while j >= 0:
+            mask[i, cached + j] = True
+            j = parents[j]
+    return mask
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logits_equal_transformers_for_prompt_steps_and_tree(models, backend):
+    hf = GPT2LMHeadModel.from_pretrained(models["oracle"]).eval()
+    engine = backend(models["oracle"])
+    ids = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = hf(ids[None]).logits[0]
+    ours = torch.cat([engine.extend(ids[:10]), engine.extend(ids[10:11]), engine.extend(ids[11:14]), engine.extend(ids[14:])])
+    assert torch.allclose(ours, reference, atol=1e-4)
+
+    engine.reset()
+    engine.extend(ids[:10])
+    parents, tokens = [-1, 0, 0, 1, 1, 2, 3], [5, 7, 9, 11, 13, 15, 17]
+    depth = [0, 1, 1, 2, 2, 2, 3]
+    logits = engine.forward(torch.tensor(tokens), 10 + torch.tensor(depth), tree_mask(parents, 10))
+    for node in range(len(tokens)):
+        path, j = [], node
+        while j >= 0:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        with torch.no_grad():
+            expected = hf(torch.cat([ids[:10], torch.tensor(path)])[None]).logits[0, -1]
+        assert torch.allclose(logits[node], expected, atol=1e-4), node
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, backend):
+    prefix = torch.tensor([3, 1, 4, 1, 5])
+    tree = backend(models["oracle"])
+    tree.extend(prefix)
+    tree.forward(torch.tensor([9, 2, 6, 5]), 5 + torch.tensor([0, 1, 1, 2]), tree_mask([-1, 0, 0, 2], 5))
+    tree.commit([0, 2, 3])  # the path 9 -> 6 -> 5
+    chain = backend(models["oracle"])
+    for token in [3, 1, 4, 1, 5, 9, 6, 5]:
+        chain.extend(torch.tensor([token]))
+    assert tree.length == chain.length == 8
+    probe = torch.tensor([7])
+    assert torch.allclose(tree.extend(probe), chain.extend(probe), atol=1e-5)
+    if backend is GPT2Engine:
+        assert torch.allclose(tree.k_cache[:, :, :9], chain.k_cache[:, :, :9], atol=1e-5)
+        assert torch.allclose(tree.v_cache[:, :, :9], chain.v_cache[:, :, :9], atol=1e-5)
+
+
+def test_bfloat16_engine_tracks_float32(models):
+    ids = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(1))
+    full = GPT2Engine(models["oracle"]).extend(ids)
+    half = GPT2Engine(models["oracle"], dtype="bfloat16").extend(ids)
+    assert (full.argmax(-1) == half.argmax(-1)).float().mean() > 0.8
+    assert (full - half).abs().max() < 0.1 * full.abs().max()
+
+
+@pytest.mark.parametrize("draft", ["good", "bad"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_speculative_equals_baseline(models, draft, backend):
+    oracle, drafter = backend(models["oracle"]), backend(models[draft])
+    rng = torch.Generator().manual_seed(3)
+    accepted = []
+    for trial in range(20 if backend is GPT2Engine else 5):
+        prompt = torch.randint(0, 97, (int(torch.randint(1, 12, (), generator=rng)),), generator=rng)
+        expected = baseline(oracle, prompt, 40, Sampling(), eos_id=0).tokens
+        for k in (1, 4, 8):
+            out = speculative(oracle, prompt, 40, Sampling(), eos_id=0, draft=drafter, k=k)
+            assert out.tokens == expected, (trial, k)
+            accepted.append(len(out.tokens) / out.oracle_calls)
+    # the drafts are what they claim to be: the good one is mostly accepted, the bad one mostly not
+    assert (np.mean(accepted) > 2.5) if draft == "good" else (np.mean(accepted) < 1.6)
+
+
+def test_sampling_processes_temperature_top_k_and_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    assert torch.allclose(Sampling(1.0).probs(logits), logits.exp(), atol=1e-6)
+    assert torch.allclose(Sampling(1.0, top_k=2).probs(logits), torch.tensor([5 / 7, 2 / 7, 0, 0, 0]), atol=1e-6)
+    assert torch.allclose(Sampling(1.0, top_p=0.7).probs(logits), torch.tensor([5 / 7, 2 / 7, 0, 0, 0]), atol=1e-6)
+    assert torch.allclose(Sampling(1.0, top_p=0.71).probs(logits), torch.tensor([50, 20, 15, 0, 0]) / 85, atol=1e-6)
+    hot = Sampling(2.0).probs(logits)
+    assert torch.allclose(hot, logits.div(2).softmax(-1))
+    assert Sampling().probs(logits).tolist() == [1, 0, 0, 0, 0] and sample(Sampling().probs(logits), None) == 0
