@@ -57,11 +57,11 @@ def load_tokenizer(name_or_path):
         where = "directory" if Path(str(name_or_path)).exists() else "hub name"
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise InputError(
-            f"cannot load the tokenizer from {where} {name_or_path!r} ({reason}); pass a directory written "
+            f"cannot load the tokenizer from {where} '{name_or_path}' ({reason}); pass a directory written "
             f"by `python -m data.prepare`, or a hub name when online"
         ) from None
     if tokenizer.eos_token_id is None:
-        raise InputError(f"tokenizer {name_or_path!r} has no end-of-text token; documents could not be separated")
+        raise InputError(f"tokenizer '{name_or_path}' has no end-of-text token; documents could not be separated")
     tokenizer.clean_up_tokenization_spaces = False
     return tokenizer
 

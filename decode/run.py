@@ -102,8 +102,8 @@ class Decoder:
 def build_decoder(args) -> tuple[Decoder, object]:
     if not Path(args.oracle).is_dir():
         raise InputError(f"oracle directory {args.oracle} does not exist; train one with train/finetune_oracle.py")
-    tokenizer = load_tokenizer(args.oracle)
     oracle = load_model(args.oracle, args.backend, args.dtype, args.device)
+    tokenizer = load_tokenizer(args.oracle)
     draft = None
     if args.method in NEEDS_DRAFT:
         if args.draft is None or not Path(args.draft).is_dir():

@@ -3,7 +3,7 @@ little noise) and a bad one (independent weights). A large init range makes thei
 depend on the context, so drafts really disagree with the oracle."""
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-from tokenizers import Tokenizer, models
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 
 def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positions=128):
@@ -19,5 +19,6 @@ def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positio
     model.save_pretrained(path)
     words = {f"t{i}": i for i in range(vocab_size)}  # a word-level tokenizer over the same ids
     backend = Tokenizer(models.WordLevel(words, unk_token="t1"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t0", unk_token="t1").save_pretrained(path)
     return path

@@ -111,3 +111,57 @@ def test_sampling_processes_temperature_top_k_and_top_p():
     hot = Sampling(2.0).probs(logits)
     assert torch.allclose(hot, logits.div(2).softmax(-1))
     assert Sampling().probs(logits).tolist() == [1, 0, 0, 0, 0] and sample(Sampling().probs(logits), None) == 0
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    oracle = tiny_gpt2(root / "oracle", vocab_size=6, seed=10)
+    return {
+        "oracle": oracle,
+        "good": tiny_gpt2(root / "good", vocab_size=6, seed=11, noise_from=oracle, noise=0.05),
+        "bad": tiny_gpt2(root / "bad", vocab_size=6, seed=12),
+    }
+
+
+def resample_from_oracle_on_rejection(p, q, drafted, generator):
+    """A classic mistake: after a rejection, sample from p instead of normalise(max(p - q, 0))."""
+    k = drafted.numel()
+    u = torch.rand(k, generator=generator)
+    accepted = u * q[torch.arange(k), drafted] < p[torch.arange(k), drafted]
+    n = int(accepted.cumprod(0).sum())
+    return n, sample(p[n], generator)
+
+
+def sampled_z(models, method, sampling, draft="bad", verify=None, runs=3000):
+    from exactness import chi_square_z, exact_distribution
+
+    oracle = GPT2Engine(models["oracle"])
+    prompt = [1, 2, 3]
+    probs = exact_distribution(oracle, prompt, sampling, 3)
+    kwargs = {"draft": GPT2Engine(models[draft]), "k": 2, **({"verify": verify} if verify else {})}
+    generator = torch.Generator().manual_seed(1234)
+    samples = [tuple(method(oracle, torch.tensor(prompt), 3, sampling, None, generator, **kwargs).tokens) for _ in range(runs)]
+    return chi_square_z(samples, probs)
+
+
+@pytest.mark.parametrize(
+    "sampling, draft",
+    [(Sampling(1.0), "bad"), (Sampling(1.0), "good"), (Sampling(0.8, top_k=3), "bad"), (Sampling(1.3, top_p=0.8), "good")],
+)
+def test_speculative_sampling_follows_the_oracle_distribution(small_vocab, sampling, draft):
+    from exactness import Z_LIMIT
+
+    assert sampled_z(small_vocab, speculative, sampling, draft) < Z_LIMIT
+
+
+def test_baseline_sampling_passes_the_same_test(small_vocab):
+    from exactness import Z_LIMIT
+
+    assert sampled_z(small_vocab, baseline, Sampling(1.0)) < Z_LIMIT
+
+
+def test_a_wrong_acceptance_rule_fails_the_test(small_vocab):
+    from exactness import Z_LIMIT
+
+    assert sampled_z(small_vocab, speculative, Sampling(1.0), "bad", verify=resample_from_oracle_on_rejection) > Z_LIMIT

@@ -1,0 +1,60 @@
+import json
+
+import pytest
+
+from decode import run
+from decode_models import tiny_gpt2
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    oracle = tiny_gpt2(root / "oracle", seed=0, n_positions=64)
+    return {
+        "root": root,
+        "oracle": oracle,
+        "draft": tiny_gpt2(root / "draft", seed=1, noise_from=oracle, noise=0.005, n_positions=64),
+        "other_vocab": tiny_gpt2(root / "other", vocab_size=50, seed=2),
+    }
+
+
+def error_of(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        run.main(argv)
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    return errors[0]
+
+
+def test_run_writes_records_and_speculative_matches_baseline(models, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i} t{i + 3} t7"}) + "\n" for i in range(5)))
+    common = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompts", str(prompts),
+              "--max-new-tokens", "20"]
+    base = run.main(common + ["--method", "baseline", "--output", str(tmp_path / "base.jsonl")])
+    spec = run.main(common + ["--method", "speculative", "--k", "4", "--output", str(tmp_path / "spec.jsonl")])
+    records = [json.loads(line) for line in (tmp_path / "spec.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in base] == [r["token_ids"] for r in spec] == [r["token_ids"] for r in records]
+    keys = {"task_id", "method", "completion", "token_ids", "new_tokens", "seconds", "oracle_calls", "draft_calls", "tokens_per_oracle_call"}
+    assert set(records[0]) == keys
+    assert sum(r["oracle_calls"] for r in spec) < sum(r["oracle_calls"] for r in base)
+
+
+def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
+    oracle, draft = str(models["oracle"]), str(models["draft"])
+    assert "does not exist" in error_of(capsys, ["--oracle", str(tmp_path / "none"), "--prompt", "t1"])
+    assert "different tokenizers" in error_of(capsys, ["--oracle", oracle, "--draft", str(models["other_vocab"]), "--prompt", "t1"])
+    assert "needs a draft model" in error_of(capsys, ["--oracle", oracle, "--method", "speculative", "--prompt", "t1"])
+    assert "is empty" in error_of(capsys, ["--oracle", oracle, "--draft", draft, "--prompt", ""])
+    long_prompt = " ".join(["t5"] * 70)
+    assert "leaves no room" in error_of(capsys, ["--oracle", oracle, "--draft", draft, "--prompt", long_prompt])
+    assert "does not fit the context" in error_of(capsys, ["--oracle", oracle, "--draft", draft, "--prompt", "t1 t2", "--max-new-tokens", "100"])
+    (tmp_path / "bad.jsonl").write_text('{"task_id": 1, "prompt": "t1"}\nnot json\n')
+    assert "bad.jsonl:2" in error_of(capsys, ["--oracle", oracle, "--draft", draft, "--prompts", str(tmp_path / "bad.jsonl")])
+    # a checkpoint the lean engine does not implement: suggest the transformers backend
+    config = json.loads((models["oracle"] / "config.json").read_text())
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert "--backend hf" in error_of(capsys, ["--oracle", str(llama), "--backend", "lean", "--method", "baseline", "--prompt", "t1"])
