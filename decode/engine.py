@@ -56,21 +56,11 @@ def is_lean_compatible(config: dict) -> bool:
 
 
 class GPT2Engine(CachedLM):
-    def __init__(self, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None):
-        config = read_config(model_dir)
-        if not is_lean_compatible(config):
-            raise InputError(
-                f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
-                f"use the transformers backend (--backend hf)"
-            )
+    def __init__(self, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
+                 max_length: int | None = None):
+        """From a GPT-2 config and its weights as named in a Hugging Face checkpoint."""
         self.shape = s = GPT2Shape.from_config(config)
         self.device, self.dtype = torch.device(device), DTYPES[dtype]
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not files:
-            raise InputError(f"no .safetensors weights in {model_dir}; save the model with save_pretrained")
-        weights = {}
-        for f in files:
-            weights.update(load_file(f))
         weights = {k.removeprefix("transformer."): v.to(self.device, self.dtype) for k, v in weights.items()}
         self.wte, self.wpe = weights["wte.weight"], weights["wpe.weight"]
         self.layers = [{k[len(f"h.{i}.") :]: v for k, v in weights.items() if k.startswith(f"h.{i}.")} for i in range(s.n_layer)]
@@ -82,6 +72,23 @@ class GPT2Engine(CachedLM):
         self.v_cache = torch.zeros(cache_shape, device=self.device, dtype=self.dtype)
         self.length = 0  # committed positions
         self.pending = 0  # speculative positions after them
+
+    @classmethod
+    def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None) -> "GPT2Engine":
+        """From a save_pretrained directory (safetensors)."""
+        config = read_config(model_dir)
+        if not is_lean_compatible(config):
+            raise InputError(
+                f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
+                f"use the transformers backend (--backend hf)"
+            )
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise InputError(f"no .safetensors weights in {model_dir}; save the model with save_pretrained")
+        weights = {}
+        for f in files:
+            weights.update(load_file(f))
+        return cls(config, weights, dtype, device, max_length)
 
     @property
     def vocab_size(self) -> int:

@@ -25,6 +25,10 @@ class HFEngine(CachedLM):
         self.cache = DynamicCache()
         self.length = self.pending = 0
 
+    @classmethod
+    def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None) -> "HFEngine":
+        return cls(model_dir, dtype, device, max_length)
+
     def reset(self) -> None:
         super().reset()
         self.cache = self._new_cache()

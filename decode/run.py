@@ -68,8 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_model(directory: Path, backend: str, dtype: str, device: str) -> CachedLM:
     config = read_config(directory)
     if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
-        return GPT2Engine(directory, dtype, device)
-    return HFEngine(directory, dtype, device)
+        return GPT2Engine.load(directory, dtype, device)
+    return HFEngine.load(directory, dtype, device)
 
 
 def check_same_vocabulary(oracle_dir: Path, other_dir: Path, other: str) -> None:

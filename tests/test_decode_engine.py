@@ -37,7 +37,7 @@ def tree_mask(parents: list[int], cached: int) -> torch.Tensor:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logits_equal_transformers_for_prompt_steps_and_tree(models, backend):
     hf = GPT2LMHeadModel.from_pretrained(models["oracle"]).eval()
-    engine = backend(models["oracle"])
+    engine = backend.load(models["oracle"])
     ids = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = hf(ids[None]).logits[0]
@@ -62,11 +62,11 @@ def test_logits_equal_transformers_for_prompt_steps_and_tree(models, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, backend):
     prefix = torch.tensor([3, 1, 4, 1, 5])
-    tree = backend(models["oracle"])
+    tree = backend.load(models["oracle"])
     tree.extend(prefix)
     tree.forward(torch.tensor([9, 2, 6, 5]), 5 + torch.tensor([0, 1, 1, 2]), tree_mask([-1, 0, 0, 2], 5))
     tree.commit([0, 2, 3])  # the path 9 -> 6 -> 5
-    chain = backend(models["oracle"])
+    chain = backend.load(models["oracle"])
     for token in [3, 1, 4, 1, 5, 9, 6, 5]:
         chain.extend(torch.tensor([token]))
     assert tree.length == chain.length == 8
@@ -79,8 +79,8 @@ def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, back
 
 def test_bfloat16_engine_tracks_float32(models):
     ids = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(1))
-    full = GPT2Engine(models["oracle"]).extend(ids)
-    half = GPT2Engine(models["oracle"], dtype="bfloat16").extend(ids)
+    full = GPT2Engine.load(models["oracle"]).extend(ids)
+    half = GPT2Engine.load(models["oracle"], dtype="bfloat16").extend(ids)
     assert (full.argmax(-1) == half.argmax(-1)).float().mean() > 0.8
     assert (full - half).abs().max() < 0.1 * full.abs().max()
 
@@ -88,7 +88,7 @@ def test_bfloat16_engine_tracks_float32(models):
 @pytest.mark.parametrize("draft", ["good", "bad"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_speculative_equals_baseline(models, draft, backend):
-    oracle, drafter = backend(models["oracle"]), backend(models[draft])
+    oracle, drafter = backend.load(models["oracle"]), backend.load(models[draft])
     rng = torch.Generator().manual_seed(3)
     accepted = []
     for trial in range(20 if backend is GPT2Engine else 5):
@@ -136,10 +136,10 @@ def resample_from_oracle_on_rejection(p, q, drafted, generator):
 def sampled_z(models, method, sampling, draft="bad", verify=None, runs=3000):
     from exactness import chi_square_z, exact_distribution
 
-    oracle = GPT2Engine(models["oracle"])
+    oracle = GPT2Engine.load(models["oracle"])
     prompt = [1, 2, 3]
     probs = exact_distribution(oracle, prompt, sampling, 3)
-    kwargs = {"draft": GPT2Engine(models[draft]), "k": 2, **({"verify": verify} if verify else {})}
+    kwargs = {"draft": GPT2Engine.load(models[draft]), "k": 2, **({"verify": verify} if verify else {})}
     generator = torch.Generator().manual_seed(1234)
     samples = [tuple(method(oracle, torch.tensor(prompt), 3, sampling, None, generator, **kwargs).tokens) for _ in range(runs)]
     return chi_square_z(samples, probs)

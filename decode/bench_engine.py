@@ -1,0 +1,122 @@
+"""How fast is the lean engine? Two measurements, printed as tables:
+
+1. per-token latency of greedy decoding: our baseline loop vs transformers `generate`, same checkpoint;
+2. the cost of one forward over q = 1, 2, 4, ..., 64 new nodes after a cached prefix, for a model
+   directory and for a GPT-2-Large-sized config with random weights (cost does not depend on them).
+
+    python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl
+"""
+import argparse
+import json
+import time
+
+import torch
+
+from data.errors import exits_on_input_error
+from data.prompts import load_prompts
+from data.tokenizer import load_tokenizer
+from decode.engine import GPT2Engine, read_config
+from decode.generate import baseline
+from decode.sampling import Sampling
+
+GPT2_LARGE = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_layer=36, n_head=20, n_embd=1280,
+                  layer_norm_epsilon=1e-5)
+NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def random_gpt2_weights(config: dict) -> dict[str, torch.Tensor]:
+    d, v, p = config["n_embd"], config["vocab_size"], config["n_positions"]
+    weights = {"wte.weight": torch.randn(v, d) * 0.02, "wpe.weight": torch.randn(p, d) * 0.01,
+               "ln_f.weight": torch.ones(d), "ln_f.bias": torch.zeros(d)}
+    for i in range(config["n_layer"]):
+        shapes = {"ln_1.weight": (d,), "ln_1.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
+                  "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,), "attn.c_proj.weight": (d, d),
+                  "attn.c_proj.bias": (d,), "mlp.c_fc.weight": (d, 4 * d), "mlp.c_fc.bias": (4 * d,),
+                  "mlp.c_proj.weight": (4 * d, d), "mlp.c_proj.bias": (d,)}
+        weights.update({f"h.{i}.{name}": torch.randn(shape) * 0.02 for name, shape in shapes.items()})
+    return weights
+
+
+def forward_costs(engine: GPT2Engine, prefix: int, repeats: int) -> dict[int, float]:
+    """Milliseconds per forward of q chained nodes after `prefix` cached positions (median of repeats)."""
+    costs = {}
+    for q in (q for q in NODE_COUNTS if prefix + q <= engine.max_length):
+        engine.reset()
+        engine.extend(torch.randint(0, engine.vocab_size, (prefix,)))
+        ids = torch.randint(0, engine.vocab_size, (q,))
+        positions = torch.arange(prefix, prefix + q)
+        times = []
+        for _ in range(repeats + 1):  # the first call warms up
+            start = time.perf_counter()
+            engine.forward(ids, positions, None)
+            times.append(time.perf_counter() - start)
+            engine.commit([])
+        costs[q] = 1e3 * sorted(times[1:])[len(times[1:]) // 2]
+    return costs
+
+
+def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: str) -> dict:
+    """Milliseconds per generated token, ours vs transformers generate (greedy), and whether they agree."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(model_dir)
+    engine = GPT2Engine.load(model_dir, dtype)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype).eval()
+    ours_s = hf_s = 0.0
+    ours_n = hf_n = agree = 0
+    for text in prompts:
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+        start = time.perf_counter()
+        tokens = baseline(engine, ids, new_tokens, Sampling(), eos_id=None).tokens
+        ours_s += time.perf_counter() - start
+        ours_n += len(tokens)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=tokenizer.eos_token_id)[0, ids.numel():].tolist()
+        hf_s += time.perf_counter() - start
+        hf_n += len(out)
+        agree += out == tokens
+    return {"ours_ms_per_token": 1e3 * ours_s / ours_n, "hf_generate_ms_per_token": 1e3 * hf_s / hf_n,
+            "speedup": (hf_s / hf_n) / (ours_s / ours_n), "identical_outputs": f"{agree}/{len(prompts)}"}
+
+
+@exits_on_input_error
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m decode.bench_engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a GPT-2 checkpoint directory (e.g. RUN/oracle)")
+    p.add_argument("--prompts", required=True, help="a .jsonl[.gz] prompt file or 'humaneval'")
+    p.add_argument("--limit", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prefix", type=int, default=128, help="cached positions before the timed forward")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--skip-large", action="store_true", help="skip the GPT-2-Large-sized forward costs")
+    p.add_argument("--output", help="write the figures as JSON here")
+    args = p.parse_args(argv)
+
+    texts = [r["prompt"] for r in load_prompts(args.prompts, args.limit)]
+    latency = generation_latency(args.model, texts, args.new_tokens, args.dtype)
+    print(f"greedy decoding, {len(texts)} prompts x {args.new_tokens} tokens ({args.dtype}, {torch.get_num_threads()} threads)")
+    print(f"  ours (lean engine)        {latency['ours_ms_per_token']:8.2f} ms/token")
+    print(f"  transformers generate     {latency['hf_generate_ms_per_token']:8.2f} ms/token")
+    print(f"  speedup {latency['speedup']:.2f}x, identical outputs {latency['identical_outputs']}")
+
+    models = {args.model: GPT2Engine.load(args.model, args.dtype)}
+    if not args.skip_large:
+        models["gpt2-large-sized (random)"] = GPT2Engine(GPT2_LARGE, random_gpt2_weights(GPT2_LARGE), args.dtype)
+    costs = {name: forward_costs(engine, args.prefix, args.repeats) for name, engine in models.items()}
+    print(f"\nforward cost in ms after {args.prefix} cached positions, by new nodes q")
+    print(f"{'model':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
+    for name, row in costs.items():
+        params = read_config(name)["n_layer"] if name == args.model else GPT2_LARGE["n_layer"]
+        print(f"{name[-40:]:<40}" + "".join(f"{row[q]:8.2f}" if q in row else f"{'-':>8}" for q in NODE_COUNTS) + f"   ({params} layers)")
+    result = {"generation": latency, "forward_ms": costs, "dtype": args.dtype, "threads": torch.get_num_threads()}
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
