@@ -71,3 +71,33 @@ def speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sam
         tokens += new
         if out.add(new, max_new_tokens, eos_id):
             return out
+
+
+def tree_speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                     eos_id: int | None, generator: torch.Generator | None = None, *, drafter, **_) -> Generation:
+    """The drafter proposes a tree, the oracle scores every node in one call, and the verifier walks it:
+    sample-match for trees built deterministically, multi-draft rejection for sampled children."""
+    from decode.verify import multi_draft_rejection, sample_match
+
+    verify = multi_draft_rejection if drafter.sampled_children else sample_match
+    oracle.reset()
+    drafter.reset()
+    tokens = prompt.tolist()
+    out = Generation()
+    if len(tokens) > 1:
+        oracle.extend(prompt[:-1])
+        out.oracle_calls += 1
+    while True:
+        tree = drafter.propose(tokens, max_new_tokens - len(out.tokens) - 1, generator)
+        cached = oracle.length
+        logits = oracle.forward(tree.token_ids(oracle.device), tree.position_ids(cached, oracle.device),
+                                tree.attention_mask(cached, oracle.device))
+        out.oracle_calls += 1
+        path, following = verify(tree, sampling.probs(logits), generator)
+        oracle.commit(torch.tensor(path, device=oracle.device))
+        drafter.accept(path)
+        new = [tree.tokens[n] for n in path[1:]] + [following]
+        tokens += new
+        if out.add(new, max_new_tokens, eos_id):
+            out.draft_calls = drafter.calls
+            return out
