@@ -1,14 +1,16 @@
-"""Generation loops with one signature: plain autoregressive decoding (the baseline) and chain
-speculative decoding. Both keep the same invariant: a model's cache holds every token of the
-sequence but the last, which it has not seen yet."""
+"""Generation loops with one signature: plain autoregressive decoding (the baseline) and speculative
+decoding over a tree of drafted tokens (a chain is the one-branch tree of standard speculative
+decoding). Both keep the same invariant: a model's cache holds every token of the sequence but the
+last, which it has not seen yet."""
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from decode.cached_lm import CachedLM
+from decode.drafters import ChainDrafter
 from decode.sampling import Sampling, sample
-from decode.verify import verify_chain
+from decode.verify import multi_draft_rejection, sample_match
 
 
 @dataclass
@@ -39,47 +41,12 @@ def baseline(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampli
     return out
 
 
-def speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                eos_id: int | None, generator: torch.Generator | None = None, *, draft: CachedLM, k: int = 4,
-                verify: Callable = verify_chain, **_) -> Generation:
-    """Chain speculative decoding: the draft proposes k tokens, the oracle scores k + 1 positions in one call."""
-    oracle.reset()
-    draft.reset()
-    tokens = prompt.tolist()
-    out = Generation()
-    if len(tokens) > 1:
-        oracle.extend(prompt[:-1])
-        out.oracle_calls += 1
-    while True:
-        steps = min(k, max_new_tokens - len(out.tokens) - 1)  # no drafting past the limit
-        drafted, q = [], []
-        logits = draft.append(torch.tensor(tokens[draft.length :], device=draft.device))[-1]  # catch up
-        for i in range(steps):
-            q.append(sampling.probs(logits))
-            drafted.append(sample(q[-1], generator))
-            if i + 1 < steps:
-                logits = draft.append(torch.tensor(drafted[-1:], device=draft.device))[-1]
-        out.draft_calls += max(steps, 1)
-        p = sampling.probs(oracle.append(torch.tensor(tokens[-1:] + drafted, device=oracle.device)))
-        out.oracle_calls += 1
-        q_stack = torch.stack(q) if q else p[:0]
-        n, following = verify(p, q_stack, torch.tensor(drafted, dtype=torch.long), generator)
-        caught_up = draft.pending - max(steps - 1, 0)  # tokens fed to the draft before its own proposals
-        oracle.commit(torch.arange(n + 1, device=oracle.device))
-        draft.commit(torch.arange(min(caught_up + n, draft.pending), device=draft.device))
-        new = drafted[:n] + [following]
-        tokens += new
-        if out.add(new, max_new_tokens, eos_id):
-            return out
-
-
 def tree_speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                     eos_id: int | None, generator: torch.Generator | None = None, *, drafter, **_) -> Generation:
+                     eos_id: int | None, generator: torch.Generator | None = None, *, drafter,
+                     verify: Callable | None = None, **_) -> Generation:
     """The drafter proposes a tree, the oracle scores every node in one call, and the verifier walks it:
     sample-match for trees built deterministically, multi-draft rejection for sampled children."""
-    from decode.verify import multi_draft_rejection, sample_match
-
-    verify = multi_draft_rejection if drafter.sampled_children else sample_match
+    verify = verify or (multi_draft_rejection if drafter.sampled_children else sample_match)
     oracle.reset()
     drafter.reset()
     tokens = prompt.tolist()
@@ -101,3 +68,12 @@ def tree_speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int
         if out.add(new, max_new_tokens, eos_id):
             out.draft_calls = drafter.calls
             return out
+
+
+def speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                eos_id: int | None, generator: torch.Generator | None = None, *, draft: CachedLM, k: int = 4,
+                verify: Callable | None = None, **_) -> Generation:
+    """Standard (chain) speculative decoding: the draft samples k tokens, the oracle scores k + 1
+    positions in one call, Chen et al.'s rejection sampling (multi-draft rejection on a chain) verifies."""
+    return tree_speculative(oracle, prompt, max_new_tokens, sampling, eos_id, generator,
+                            drafter=ChainDrafter(draft, sampling, k), verify=verify)

@@ -18,12 +18,15 @@ from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
 from decode import generate
 from decode.cached_lm import CachedLM
+from decode.drafters import NgramDrafter, StagedDrafter, TreeDrafter
 from decode.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.hf_backend import HFEngine
 from decode.sampling import Sampling
 
-METHODS = {"baseline": generate.baseline, "speculative": generate.speculative}
-NEEDS_DRAFT = {"speculative"}
+METHODS = ("baseline", "speculative", "tree", "staged", "ngram")
+NEEDS_DRAFT = {"speculative", "tree", "staged"}
+NEEDS_NGRAM = {"staged", "ngram"}
+MAX_BUDGET, MAX_DEPTH = 512, 64
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,7 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--oracle", type=Path, help="the oracle's directory (save_pretrained)")
     p.add_argument("--draft", type=Path, help="the draft's directory (for speculative methods)")
     p.add_argument("--ngram", type=Path, help="the Katz trigram's directory (for n-gram drafting)")
-    p.add_argument("--method", choices=sorted(METHODS), default="speculative")
+    p.add_argument("--method", choices=METHODS, default="staged",
+                   help="baseline: the oracle alone; speculative: chain drafts of --k tokens; tree: draft-model trees; "
+                        "staged: trigram -> draft -> oracle trees; ngram: trigram trees")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--prompts", help="'humaneval' or a .jsonl[.gz] file of {task_id, prompt} (default: RUN/prompts.jsonl)")
@@ -43,6 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this much probability")
     p.add_argument("--k", type=int, default=4, help="speculative: tokens the draft proposes per oracle call")
+    p.add_argument("--budget", type=int, default=36, help="tree methods: nodes in the oracle's tree")
+    p.add_argument("--depth", type=int, default=8, help="tree methods: deepest drafted level")
+    p.add_argument("--widths", default="12,7,4,1,1,1", help="staged/ngram: trigram children per node at each level")
+    p.add_argument("--branch", type=int, default=4, help="tree: children per expanded node; staged: the draft's own top children per node")
+    p.add_argument("--tree-children", choices=["top", "sampled"], default="top",
+                   help="tree: the draft's top tokens (verified by sample-match) or samples from it (multi-draft rejection)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -62,7 +73,42 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("pass --prompt TEXT or --prompts humaneval|FILE (or --run RUN)")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.k < 0 or args.max_new_tokens < 1:
         p.error("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0, --k >= 0 and --max-new-tokens >= 1")
+    try:
+        args.widths = [int(w) for w in args.widths.split(",")]
+    except ValueError:
+        p.error(f"--widths takes comma-separated integers, e.g. 12,7,4,1,1,1 (got {args.widths!r})")
     return args
+
+
+def check_tree_shape(args, table) -> None:
+    """Budget, depth and widths must describe a tree the drafters can build."""
+    if not 2 <= args.budget <= MAX_BUDGET:
+        raise InputError(f"--budget {args.budget} is out of range: the oracle's tree needs 2 to {MAX_BUDGET} nodes")
+    if not 1 <= args.depth <= MAX_DEPTH:
+        raise InputError(f"--depth {args.depth} is out of range: use 1 to {MAX_DEPTH}")
+    if args.branch < 1:
+        raise InputError(f"--branch {args.branch} must be at least 1")
+    if args.method in NEEDS_NGRAM:
+        if any(w < 1 for w in args.widths) or len(args.widths) > args.depth:
+            raise InputError(f"--widths {args.widths} need a positive width per level and at most --depth {args.depth} levels")
+        if max(args.widths) > table.k:
+            raise InputError(f"--widths {args.widths} ask for {max(args.widths)} trigram children but {args.ngram} keeps "
+                             f"only the top {table.k}; rebuild it with --top-k {max(args.widths)} or narrow the widths")
+        if args.widths[0] + 1 > args.budget:
+            raise InputError(f"--widths {args.widths} do not fit --budget {args.budget}: the first level alone has "
+                             f"{args.widths[0]} nodes; raise the budget or narrow the first width")
+
+
+def load_trigram(args, vocab_size: int, eos_id: int):
+    from ngram.successors import SuccessorTable
+
+    if args.ngram is None:
+        raise InputError(f"--method {args.method} needs the Katz trigram; pass --ngram DIR (python ngram/build_katz.py)")
+    table = SuccessorTable.load(Path(args.ngram) / "successors.npz")
+    if table.vocab_size != vocab_size or table.eos_id != eos_id:
+        raise InputError(f"the trigram in {args.ngram} was built for a vocabulary of {table.vocab_size} tokens "
+                         f"(end-of-text {table.eos_id}), the oracle has {vocab_size} (end-of-text {eos_id}); rebuild it from this run")
+    return table
 
 
 def load_model(directory: Path, backend: str, dtype: str, device: str) -> CachedLM:
@@ -86,17 +132,27 @@ class Decoder:
     method: str
     oracle: CachedLM
     draft: CachedLM | None
+    drafter: object | None
     sampling: Sampling
     k: int
+    depth: int
     eos_id: int
 
     def __call__(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int) -> generate.Generation:
         generator = torch.Generator().manual_seed(seed)
-        return METHODS[self.method](self.oracle, prompt_ids, max_new_tokens, self.sampling, self.eos_id, generator,
-                                    draft=self.draft, k=self.k)
+        args = (self.oracle, prompt_ids, max_new_tokens, self.sampling, self.eos_id, generator)
+        if self.method == "baseline":
+            return generate.baseline(*args)
+        if self.method == "speculative":
+            return generate.speculative(*args, draft=self.draft, k=self.k)
+        return generate.tree_speculative(*args, drafter=self.drafter)
 
     def context(self) -> int:
         return min(m.max_length for m in (self.oracle, self.draft) if m is not None)
+
+    def lookahead(self) -> int:
+        """Positions past the output a step may score: the drafted depth."""
+        return {"baseline": 0, "speculative": self.k}.get(self.method, self.depth)
 
 
 def build_decoder(args) -> tuple[Decoder, object]:
@@ -104,7 +160,7 @@ def build_decoder(args) -> tuple[Decoder, object]:
         raise InputError(f"oracle directory {args.oracle} does not exist; train one with train/finetune_oracle.py")
     oracle = load_model(args.oracle, args.backend, args.dtype, args.device)
     tokenizer = load_tokenizer(args.oracle)
-    draft = None
+    draft = table = drafter = None
     if args.method in NEEDS_DRAFT:
         if args.draft is None or not Path(args.draft).is_dir():
             raise InputError(f"--method {args.method} needs a draft model; pass --draft DIR (got {args.draft})")
@@ -112,18 +168,29 @@ def build_decoder(args) -> tuple[Decoder, object]:
         draft = load_model(args.draft, args.backend, args.dtype, args.device)
         if draft.vocab_size != oracle.vocab_size:
             raise InputError(f"the oracle has {oracle.vocab_size} output tokens and the draft {draft.vocab_size}; they must match")
+    if args.method in NEEDS_NGRAM:
+        table = load_trigram(args, len(tokenizer), tokenizer.eos_token_id)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    return Decoder(args.method, oracle, draft, sampling, args.k, tokenizer.eos_token_id), tokenizer
+    if args.method in ("tree", "staged", "ngram"):
+        check_tree_shape(args, table)
+    if args.method == "tree":
+        drafter = TreeDrafter(draft, sampling, args.budget, args.depth, args.branch, sampled=args.tree_children == "sampled")
+    elif args.method == "staged":
+        drafter = StagedDrafter(draft, table, sampling, args.budget, args.widths, args.branch)
+    elif args.method == "ngram":
+        drafter = NgramDrafter(table, args.budget, args.widths)
+    decoder = Decoder(args.method, oracle, draft, drafter, sampling, args.k, args.depth, tokenizer.eos_token_id)
+    return decoder, tokenizer
 
 
-def encode_prompts(args, tokenizer, context: int) -> list[tuple[dict, torch.Tensor]]:
+def encode_prompts(args, tokenizer, context: int, lookahead: int) -> list[tuple[dict, torch.Tensor]]:
     records = [{"task_id": "prompt", "prompt": args.prompt}] if args.prompt is not None else load_prompts(args.prompts, args.limit)
     encoded = []
     for record in records:
         ids = tokenizer(record["prompt"], add_special_tokens=False).input_ids
         if not ids:
             raise InputError(f"prompt {record['task_id']!r} is empty; give some text to continue")
-        room = context - len(ids) - args.k - 1
+        room = context - len(ids) - lookahead - 1
         if room < 1:
             raise InputError(f"prompt {record['task_id']!r} has {len(ids)} tokens; the models' context of {context} leaves no room to generate")
         if args.max_new_tokens > room:
@@ -144,7 +211,7 @@ def summary_row(method: str, records: list[dict]) -> str:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     decoder, tokenizer = build_decoder(args)
-    prompts = encode_prompts(args, tokenizer, decoder.context())
+    prompts = encode_prompts(args, tokenizer, decoder.context(), decoder.lookahead())
     records = []
     for i, (record, ids) in enumerate(prompts):
         start = time.perf_counter()

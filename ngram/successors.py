@@ -102,8 +102,9 @@ def build(model: KatzModel, k: int, eos_id: int) -> SuccessorTable:
     vocab, base = model.vocab, model.vocab.base
     if model.order != 3:
         raise ValueError("successor tables are built for trigram models")
+    k = min(k, base - 1)  # every token id and </s> can follow; <s> cannot
     uni_tok, uni_prob = _top(model.unigram[None, :], k)
-    width = k + EXTRA_CANDIDATES
+    width = min(k + EXTRA_CANDIDATES, base)
     big_tok, big_prob = np.empty((base, width), np.int64), np.empty((base, width))
     for lo in range(0, base, ROW_CHUNK):
         rows = _bigram_rows(model, np.arange(lo, min(lo + ROW_CHUNK, base)))

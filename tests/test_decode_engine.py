@@ -124,13 +124,18 @@ def small_vocab(tmp_path_factory):
     }
 
 
-def resample_from_oracle_on_rejection(p, q, drafted, generator):
+def resample_from_oracle_on_rejection(tree, p, generator):
     """A classic mistake: after a rejection, sample from p instead of normalise(max(p - q, 0))."""
-    k = drafted.numel()
-    u = torch.rand(k, generator=generator)
-    accepted = u * q[torch.arange(k), drafted] < p[torch.arange(k), drafted]
-    n = int(accepted.cumprod(0).sum())
-    return n, sample(p[n], generator)
+    path = [0]
+    while True:
+        node = path[-1]
+        for child in tree.children[node]:
+            x = tree.tokens[child]
+            if float(torch.rand(1, generator=generator)) * tree.child_dists[node][x] < p[node, x]:
+                path.append(child)
+                break
+        else:
+            return path, sample(p[node], generator)
 
 
 def sampled_z(models, method, sampling, draft="bad", verify=None, runs=3000):

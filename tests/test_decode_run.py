@@ -3,18 +3,21 @@ import json
 import pytest
 
 from decode import run
-from decode_models import tiny_gpt2
+from decode_models import tiny_gpt2, tiny_trigram
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     oracle = tiny_gpt2(root / "oracle", seed=0, n_positions=64)
+    other = tiny_gpt2(root / "other", vocab_size=50, seed=2)
     return {
         "root": root,
         "oracle": oracle,
         "draft": tiny_gpt2(root / "draft", seed=1, noise_from=oracle, noise=0.005, n_positions=64),
-        "other_vocab": tiny_gpt2(root / "other", vocab_size=50, seed=2),
+        "ngram": tiny_trigram(root / "ngram", oracle),
+        "other_vocab": other,
+        "other_ngram": tiny_trigram(root / "other_ngram", other, documents=20),
     }
 
 
@@ -27,31 +30,45 @@ def error_of(capsys, argv) -> str:
     return errors[0]
 
 
-def test_run_writes_records_and_speculative_matches_baseline(models, tmp_path):
+@pytest.mark.parametrize("method, extra", [
+    ("speculative", ["--k", "4"]), ("tree", ["--budget", "12", "--depth", "5"]),
+    ("tree", ["--budget", "12", "--tree-children", "sampled"]), ("staged", ["--budget", "16", "--widths", "4,2,1"]),
+    ("ngram", ["--budget", "16", "--widths", "4,2,1"]),
+])
+def test_run_writes_records_and_every_method_matches_baseline(models, tmp_path, method, extra):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i} t{i + 3} t7"}) + "\n" for i in range(5)))
-    common = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompts", str(prompts),
-              "--max-new-tokens", "20"]
+    common = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
+              "--prompts", str(prompts), "--max-new-tokens", "20"]
     base = run.main(common + ["--method", "baseline", "--output", str(tmp_path / "base.jsonl")])
-    spec = run.main(common + ["--method", "speculative", "--k", "4", "--output", str(tmp_path / "spec.jsonl")])
+    spec = run.main(common + ["--method", method, *extra, "--output", str(tmp_path / "spec.jsonl")])
     records = [json.loads(line) for line in (tmp_path / "spec.jsonl").read_text().splitlines()]
     assert [r["token_ids"] for r in base] == [r["token_ids"] for r in spec] == [r["token_ids"] for r in records]
     keys = {"task_id", "method", "completion", "token_ids", "new_tokens", "seconds", "oracle_calls", "draft_calls", "tokens_per_oracle_call"}
-    assert set(records[0]) == keys
+    assert set(records[0]) == keys and records[0]["method"] == method
     assert sum(r["oracle_calls"] for r in spec) < sum(r["oracle_calls"] for r in base)
 
 
 def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
-    oracle, draft = str(models["oracle"]), str(models["draft"])
+    oracle, draft, ngram = str(models["oracle"]), str(models["draft"]), str(models["ngram"])
     assert "does not exist" in error_of(capsys, ["--oracle", str(tmp_path / "none"), "--prompt", "t1"])
     assert "different tokenizers" in error_of(capsys, ["--oracle", oracle, "--draft", str(models["other_vocab"]), "--prompt", "t1"])
     assert "needs a draft model" in error_of(capsys, ["--oracle", oracle, "--method", "speculative", "--prompt", "t1"])
-    assert "is empty" in error_of(capsys, ["--oracle", oracle, "--draft", draft, "--prompt", ""])
+    spec = ["--oracle", oracle, "--draft", draft, "--method", "speculative"]
+    assert "is empty" in error_of(capsys, spec + ["--prompt", ""])
     long_prompt = " ".join(["t5"] * 70)
-    assert "leaves no room" in error_of(capsys, ["--oracle", oracle, "--draft", draft, "--prompt", long_prompt])
-    assert "does not fit the context" in error_of(capsys, ["--oracle", oracle, "--draft", draft, "--prompt", "t1 t2", "--max-new-tokens", "100"])
+    assert "leaves no room" in error_of(capsys, spec + ["--prompt", long_prompt])
+    assert "does not fit the context" in error_of(capsys, spec + ["--prompt", "t1 t2", "--max-new-tokens", "100"])
     (tmp_path / "bad.jsonl").write_text('{"task_id": 1, "prompt": "t1"}\nnot json\n')
-    assert "bad.jsonl:2" in error_of(capsys, ["--oracle", oracle, "--draft", draft, "--prompts", str(tmp_path / "bad.jsonl")])
+    assert "bad.jsonl:2" in error_of(capsys, spec + ["--prompts", str(tmp_path / "bad.jsonl")])
+    staged = ["--oracle", oracle, "--draft", draft, "--ngram", ngram, "--method", "staged", "--prompt", "t1 t2", "--max-new-tokens", "8"]
+    assert "needs the Katz trigram" in error_of(capsys, ["--oracle", oracle, "--method", "ngram", "--prompt", "t1"])
+    assert "built for a vocabulary of 50" in error_of(capsys, staged + ["--ngram", str(models["other_ngram"])])
+    assert "--budget 1 is out of range" in error_of(capsys, staged + ["--budget", "1"])
+    assert "--depth 0 is out of range" in error_of(capsys, staged + ["--depth", "0"])
+    assert "keeps only the top 16" in error_of(capsys, staged + ["--widths", "20,2"])
+    assert "do not fit --budget 8" in error_of(capsys, staged + ["--widths", "12,2", "--budget", "8"])
+    assert "at most --depth 2 levels" in error_of(capsys, staged + ["--widths", "3,2,1", "--depth", "2"])
     # a checkpoint the lean engine does not implement: suggest the transformers backend
     config = json.loads((models["oracle"] / "config.json").read_text())
     llama = tmp_path / "llama"

@@ -191,3 +191,12 @@ def test_builds_from_the_run_data_and_from_draft_samples(tmp_path, corpus_dir):
     sampled = build_katz.main(["--from-draft", str(run / "draft"), "--num-tokens", "3000", "--out", str(run / "ngram-draft")])
     assert sampled["training_tokens"] >= 3000 and "sampled from" in sampled["source"]
     kenlm.Model(str(run / "ngram-draft" / "model.arpa"))
+
+
+def test_a_vocabulary_smaller_than_the_candidate_lists_still_builds(tmp_path):
+    rng = np.random.default_rng(7)
+    docs = [rng.integers(0, 10, int(rng.integers(1, 20))) for _ in range(200)]
+    build_katz.main(["--tokens", str(write_tokens(tmp_path / "t.txt", docs)), "--vocab-size", "12", "--out", str(tmp_path / "ngram")])
+    table = SuccessorTable.load(tmp_path / "ngram" / "successors.npz")
+    tokens, probs = table.lookup(np.array([3, 12]), np.array([4, 5]))
+    assert tokens.shape == (2, 13) and np.all(np.diff(probs, axis=1) <= 1e-7)  # 12 ids and </s>, sorted

@@ -1,0 +1,119 @@
+import numpy as np
+import pytest
+import torch
+
+from decode.drafters import NgramDrafter, StagedDrafter, TreeDrafter
+from decode.engine import GPT2Engine
+from decode.generate import baseline, tree_speculative
+from decode.sampling import Sampling, sample
+from decode.tree import Tree
+from decode.verify import sample_match
+from decode_models import tiny_gpt2, tiny_trigram
+from exactness import Z_LIMIT, chi_square_z, exact_distribution
+from ngram.successors import SuccessorTable
+
+
+def example_tree() -> Tree:
+    tree = Tree.rooted(5)
+    a, b = tree.add(0, 7), tree.add(0, 9)
+    c = tree.add(a, 11)
+    tree.add(c, 13)
+    tree.add(b, 2)
+    return tree
+
+
+def test_mask_shows_each_node_the_prefix_and_exactly_its_ancestors():
+    tree = example_tree()
+    mask = tree.attention_mask(cached=4)
+    assert mask.shape == (6, 10) and mask[:, :4].all()
+    for node in range(len(tree)):
+        assert set(mask[node, 4:].nonzero().flatten().tolist()) == set(tree.path(node))
+    assert tree.position_ids(4).tolist() == [4 + d for d in tree.depths] == [4, 5, 5, 6, 7, 6]
+
+
+def test_subtree_keeps_structure_and_order():
+    tree = example_tree()
+    sub, kept = tree.subtree([0, 2, 5, 1])
+    assert kept == [0, 1, 2, 5] and sub.tokens == [5, 7, 9, 2] and sub.parents == [-1, 0, 0, 2]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree")
+    oracle = tiny_gpt2(root / "oracle", seed=0)
+    small = tiny_gpt2(root / "small_oracle", vocab_size=6, seed=10)
+    return {
+        "oracle": oracle, "good": tiny_gpt2(root / "good", seed=1, noise_from=oracle, noise=0.005),
+        "bad": tiny_gpt2(root / "bad", seed=2), "ngram": tiny_trigram(root / "ngram", oracle),
+        "small_oracle": small, "small_draft": tiny_gpt2(root / "small_draft", vocab_size=6, seed=11, noise_from=small, noise=0.1),
+        "small_ngram": tiny_trigram(root / "small_ngram", small, documents=100, length=20),
+    }
+
+
+def drafters(models, prefix, sampling):
+    draft = GPT2Engine.load(models[f"{prefix}draft" if prefix else "good"])
+    table = SuccessorTable.load(models[f"{prefix}ngram"] / "successors.npz")
+    return {
+        "tree": TreeDrafter(draft, sampling, budget=12, depth=4, branch=3),
+        "tree-sampled": TreeDrafter(draft, sampling, budget=12, depth=4, branch=2, sampled=True),
+        "staged": StagedDrafter(draft, table, sampling, budget=12, widths=[3, 2, 1], draft_children=2),
+        "ngram": NgramDrafter(table, budget=12, widths=[3, 2, 1]),
+    }
+
+
+@pytest.mark.parametrize("draft", ["good", "bad"])
+def test_greedy_tree_methods_equal_baseline(models, draft):
+    oracle = GPT2Engine.load(models["oracle"])
+    methods = drafters(models, "", Sampling())
+    if draft == "bad":
+        bad = GPT2Engine.load(models["bad"])
+        table = SuccessorTable.load(models["ngram"] / "successors.npz")
+        methods = {"tree": TreeDrafter(bad, Sampling(), budget=12, depth=4, branch=3),
+                   "staged": StagedDrafter(bad, table, Sampling(), budget=12, widths=[3, 2, 1])}
+    rng = torch.Generator().manual_seed(5)
+    per_call = {name: [] for name in methods}
+    for _ in range(12):
+        prompt = torch.randint(0, 97, (int(torch.randint(1, 10, (), generator=rng)),), generator=rng)
+        expected = baseline(oracle, prompt, 40, Sampling(), eos_id=0).tokens
+        for name, drafter in methods.items():
+            out = tree_speculative(oracle, prompt, 40, Sampling(), eos_id=0, drafter=drafter)
+            assert out.tokens == expected, name
+            per_call[name].append(len(out.tokens) / out.oracle_calls)
+    if draft == "good":  # a good draft's trees are mostly accepted
+        assert np.mean(per_call["tree"]) > 2.5 and np.mean(per_call["staged"]) > 2.0  # staged: at most 3 levels here
+
+
+def root_greedily(tree, p, generator):
+    """The paper code's bug: the first token is taken greedily even when sampling."""
+    greedy = torch.zeros_like(p)
+    greedy[0, p[0].argmax()] = 1
+    return sample_match(tree, torch.cat([greedy[:1], p[1:]]), generator)
+
+
+def sampled_z(models, name, sampling, verify=None, runs=2500):
+    oracle = GPT2Engine.load(models["small_oracle"])
+    prompt = [1, 2, 3]
+    probs = exact_distribution(oracle, prompt, sampling, 3)
+    drafter = drafters(models, "small_", sampling)[name]
+    generator = torch.Generator().manual_seed(99)
+    samples = [tuple(tree_speculative(oracle, torch.tensor(prompt), 3, sampling, None, generator, drafter=drafter,
+                                      verify=verify).tokens) for _ in range(runs)]
+    return chi_square_z(samples, probs)
+
+
+@pytest.mark.parametrize("name", ["tree", "tree-sampled", "staged", "ngram"])
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.9, top_k=4)])
+def test_tree_methods_sample_the_oracle_distribution(models, name, sampling):
+    assert sampled_z(models, name, sampling) < Z_LIMIT
+
+
+def test_taking_the_first_token_greedily_fails_the_test(models):
+    assert sampled_z(models, "staged", Sampling(1.0), verify=root_greedily) > Z_LIMIT
+
+
+def test_sample_match_walks_the_path_that_carries_the_sampled_tokens():
+    tree = example_tree()
+    p = torch.zeros(6, 16)
+    p[0, 7] = p[1, 11] = p[3, 13] = p[4, 1] = 1  # the oracle's point masses along 5 -> 7 -> 11 -> 13, then 1
+    assert sample_match(tree, p, None) == ([0, 1, 3, 4], 1)
+    assert sample(p[4], None) == 1
