@@ -76,13 +76,15 @@ def top_nodes(cumulative: list[float], budget: int) -> list[int]:
     return sorted(order[:budget])
 
 
-class ChainDrafter:
-    """k tokens sampled from the draft model one after another (children drawn from q: rejection-verified)."""
+class ModelDrafter:
+    """A drafter that uses the draft model. `propose` builds the tree; when it prunes a larger tree,
+    `kept` maps each proposed node to the node the draft model scored."""
 
-    sampled_children = True
+    sampled_children = False
 
-    def __init__(self, model: CachedLM, sampling: Sampling, k: int):
-        self.draft, self.sampling, self.k = DraftModel(model), sampling, k
+    def __init__(self, model: CachedLM, sampling: Sampling):
+        self.draft, self.sampling = DraftModel(model), sampling
+        self.kept = None
 
     def reset(self) -> None:
         self.draft.reset()
@@ -90,6 +92,19 @@ class ChainDrafter:
     @property
     def calls(self) -> int:
         return self.draft.calls
+
+    def accept(self, path: list[int]) -> None:
+        self.draft.accept([self.kept[n] for n in path] if self.kept is not None else path)
+
+
+class ChainDrafter(ModelDrafter):
+    """k tokens sampled from the draft model one after another (children drawn from q: rejection-verified)."""
+
+    sampled_children = True
+
+    def __init__(self, model: CachedLM, sampling: Sampling, k: int):
+        super().__init__(model, sampling)
+        self.k = k
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         tree = Tree.rooted(tokens[-1])
@@ -103,11 +118,8 @@ class ChainDrafter:
                 logits = self.draft.score(tree, [node])[-1]
         return tree
 
-    def accept(self, path: list[int]) -> None:
-        self.draft.accept(path)
 
-
-class TreeDrafter:
+class TreeDrafter(ModelDrafter):
     """The draft model grows a tree best-first: each forward pass expands the unexpanded nodes of
     highest cumulative probability (up to `expand` of them), `branch` children each, until the tree
     holds `budget` nodes or reaches `depth`. Children are the draft's top tokens (then the final tree
@@ -116,15 +128,8 @@ class TreeDrafter:
 
     def __init__(self, model: CachedLM, sampling: Sampling, budget: int = 36, depth: int = 8, branch: int = 4,
                  expand: int = 4, sampled: bool = False):
-        self.draft, self.sampling = DraftModel(model), sampling
+        super().__init__(model, sampling)
         self.budget, self.depth, self.branch, self.expand, self.sampled_children = budget, depth, branch, expand, sampled
-
-    def reset(self) -> None:
-        self.draft.reset()
-
-    @property
-    def calls(self) -> int:
-        return self.draft.calls
 
     def _children(self, tree: Tree, cumulative: list[float], node: int, logits: torch.Tensor, generator) -> None:
         probs = ranking_probs(logits, self.sampling)
@@ -162,9 +167,6 @@ class TreeDrafter:
         tree, self.kept = tree.subtree(top_nodes(cumulative, self.budget))
         return tree
 
-    def accept(self, path: list[int]) -> None:
-        self.draft.accept([self.kept[n] for n in path] if self.kept is not None else path)
-
 
 def trigram_tree(table, tokens: list[int], widths: list[int], max_depth: int) -> tuple[Tree, list[float]]:
     """Children proposed by the trigram, `widths[d]` per node at depth d; returns the tree and each
@@ -185,22 +187,13 @@ def trigram_tree(table, tokens: list[int], widths: list[int], max_depth: int) ->
     return tree, probs
 
 
-class StagedDrafter:
+class StagedDrafter(ModelDrafter):
     """Staged speculative decoding: the trigram drafts for the draft model, which drafts for the oracle."""
-
-    sampled_children = False
 
     def __init__(self, model: CachedLM, table, sampling: Sampling, budget: int = 36, widths=(12, 7, 4, 1, 1, 1),
                  draft_children: int = 4):
-        self.draft, self.table, self.sampling = DraftModel(model), table, sampling
-        self.budget, self.widths, self.draft_children = budget, list(widths), draft_children
-
-    def reset(self) -> None:
-        self.draft.reset()
-
-    @property
-    def calls(self) -> int:
-        return self.draft.calls
+        super().__init__(model, sampling)
+        self.table, self.budget, self.widths, self.draft_children = table, budget, list(widths), draft_children
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         root_logits = self.draft.catch_up(tokens)
@@ -222,9 +215,6 @@ class StagedDrafter:
                     cumulative.append(cumulative[node] * float(probs[node, token]))
         tree, self.kept = tree.subtree(top_nodes(cumulative, self.budget))
         return tree
-
-    def accept(self, path: list[int]) -> None:
-        self.draft.accept([self.kept[n] for n in path])
 
 
 class NgramDrafter:
