@@ -75,3 +75,19 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     assert "--backend hf" in error_of(capsys, ["--oracle", str(llama), "--backend", "lean", "--method", "baseline", "--prompt", "t1"])
+
+
+def test_agreement_reports_identical_outputs_and_explains_divergences(models, tmp_path):
+    from decode import agreement
+    from decode.engine import GPT2Engine
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i} t{i + 5}"}) + "\n" for i in range(4)))
+    report = agreement.main(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
+                             "--prompts", str(prompts), "--max-new-tokens", "16", "--budget", "12", "--widths", "3,2,1"])
+    for method in ("speculative", "tree", "staged", "ngram"):
+        assert report[method]["identical"] == 4 and not report[method]["bugs"] and not report[method]["near_ties"]
+    oracle = GPT2Engine.load(models["oracle"])
+    wrong = agreement.divergence(oracle, [3, 4], [5, 6, 7], [5, 8, 7])
+    assert wrong["position"] == 1 and wrong["got"] == 8 and wrong["top2_gap"] == pytest.approx(agreement.top2_gap(oracle, [3, 4, 5]))
+    assert agreement.divergence(oracle, [3, 4], [5, 6], [5, 6]) is None

@@ -1,0 +1,95 @@
+"""Does every method produce the baseline's output, and how many tokens does each oracle call yield?
+
+    python -m decode.agreement --run RUN --methods speculative,tree,staged,ngram --limit 50
+
+Greedy outputs must equal the baseline's token for token. Where one differs, the oracle's top-2
+logit gap at the first differing step tells a numerical near-tie (gap <= 1e-3: a batched forward
+may round differently than a single-token one) from a bug. With sampling, outputs are not compared
+(each method draws differently); tokens per oracle call are still reported.
+"""
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.errors import exits_on_input_error
+from decode import run
+
+NEAR_TIE = 1e-3
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top2_gap(oracle, context: list[int]) -> float:
+    """The oracle's logit margin between its two best next tokens after `context` (plain forward)."""
+    oracle.reset()
+    top = oracle.extend(torch.tensor(context, device=oracle.device))[-1].topk(2).values
+    return float(top[0] - top[1])
+
+
+def divergence(oracle, prompt: list[int], expected: list[int], got: list[int]) -> dict | None:
+    at = first_divergence(expected, got)
+    if at is None:
+        return None
+    gap = top2_gap(oracle, prompt + expected[:at])
+    return {"position": at, "expected": expected[at] if at < len(expected) else None,
+            "got": got[at] if at < len(got) else None, "top2_gap": gap, "near_tie": gap <= NEAR_TIE}
+
+
+@exits_on_input_error
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m decode.agreement", description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", default="speculative,tree,staged,ngram", help="comma-separated methods to compare with baseline")
+    p.add_argument("--report", type=Path, help="write the per-prompt divergences and totals as JSON here")
+    known, rest = p.parse_known_args(argv)
+    methods = known.methods.split(",")
+    unknown = [m for m in methods if m not in run.METHODS or m == "baseline"]
+    if unknown:
+        p.error(f"unknown methods {unknown}; choose from {', '.join(m for m in run.METHODS if m != 'baseline')}")
+    base_args = run.parse_args(rest + ["--method", "baseline"])
+    baseline, tokenizer = run.build_decoder(base_args)
+    decoders = {}
+    for method in methods:
+        args = run.parse_args(rest + ["--method", method])
+        decoders[method], _ = run.build_decoder(args)
+    lookahead = max(d.lookahead() for d in decoders.values())
+    prompts = run.encode_prompts(base_args, tokenizer, min(d.context() for d in decoders.values()), lookahead)
+    greedy = base_args.temperature == 0
+    report = {m: {"identical": 0, "near_ties": [], "bugs": [], "tokens_per_oracle_call": []} for m in methods}
+    for i, (record, ids) in enumerate(prompts):
+        expected = baseline(ids, base_args.max_new_tokens, base_args.seed + i).tokens
+        for method, decoder in decoders.items():
+            out = decoder(ids, base_args.max_new_tokens, base_args.seed + i)
+            report[method]["tokens_per_oracle_call"].append(len(out.tokens) / out.oracle_calls)
+            if not greedy:
+                continue
+            diff = divergence(baseline.oracle, ids.tolist(), expected, out.tokens)
+            if diff is None:
+                report[method]["identical"] += 1
+            else:
+                report[method]["near_ties" if diff["near_tie"] else "bugs"].append({"task_id": record["task_id"], **diff})
+    mode = "greedy" if greedy else f"T={base_args.temperature}, top-k {base_args.top_k}, top-p {base_args.top_p}"
+    print(f"{len(prompts)} prompts x {base_args.max_new_tokens} new tokens, {mode}")
+    print(f"{'method':<12} {'identical':>10} {'near-ties':>10} {'bugs':>6} {'tokens/oracle call':>19}")
+    for method, r in report.items():
+        r["mean_tokens_per_oracle_call"] = float(np.mean(r["tokens_per_oracle_call"]))
+        same = f"{r['identical']}/{len(prompts)}" if greedy else "-"
+        print(f"{method:<12} {same:>10} {len(r['near_ties']) if greedy else '-':>10} {len(r['bugs']) if greedy else '-':>6} "
+              f"{r['mean_tokens_per_oracle_call']:>19.2f}")
+        for bug in r["bugs"]:
+            print(f"  {method} differs from baseline on {bug['task_id']} at token {bug['position']} "
+                  f"(top-2 logit gap {bug['top2_gap']:.3g}: not a near-tie)")
+    if known.report:
+        known.report.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
