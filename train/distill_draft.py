@@ -30,9 +30,11 @@ def load_teacher(args: DistillArgs, tokenizer):
     return teacher.eval().requires_grad_(False)
 
 
-def distillation_loss(teacher, kd_weight: float, temperature: float):
+def distillation_loss(teacher, kd_weight: float, temperature: float, autocast):
+    """`autocast`: the accelerator's, which only wraps the prepared student; the teacher needs it too."""
+
     def loss_fn(student, windows):
-        with torch.no_grad():
+        with torch.no_grad(), autocast():
             teacher_logits = teacher(windows).logits.float()
         logits = student(windows).logits.float()
         vocab = logits.shape[-1]
@@ -87,7 +89,7 @@ def main(argv=None) -> dict:
     metrics = train(
         run,
         student,
-        distillation_loss(teacher, args.kd_weight, args.kd_temperature),
+        distillation_loss(teacher, args.kd_weight, args.kd_temperature, run.accelerator.autocast),
         lambda trained: agreement(trained, teacher, run.val_tokens, args, run.accelerator),
     )
     report(args, metrics)
