@@ -21,6 +21,7 @@ from data.errors import InputError
 from decode.cached_lm import CachedLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SPECULATIVE_SLOTS = 2048  # cache slots beyond the context for the nodes of a speculative tree
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,9 @@ class GPT2Engine(CachedLM):
         self.layers = [{k[len(f"h.{i}.") :]: v for k, v in weights.items() if k.startswith(f"h.{i}.")} for i in range(s.n_layer)]
         self.ln_f = (weights["ln_f.weight"], weights["ln_f.bias"])
         self.head_dim = s.n_embd // s.n_head
-        self.max_length = max_length or s.n_positions
-        cache_shape = (s.n_layer, s.n_head, self.max_length, self.head_dim)
+        self.max_length = max_length or s.n_positions  # positions: the context
+        self.capacity = self.max_length + SPECULATIVE_SLOTS  # slots: a tree's nodes share positions
+        cache_shape = (s.n_layer, s.n_head, self.capacity, self.head_dim)
         self.k_cache = torch.zeros(cache_shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(cache_shape, device=self.device, dtype=self.dtype)
         self.length = 0  # committed positions
@@ -99,8 +101,9 @@ class GPT2Engine(CachedLM):
         s, q = self.shape, token_ids.numel()
         start = self.length + self.pending
         end = start + q
-        if end > self.max_length:
-            raise InputError(f"the sequence would reach {end} positions, past the model's context of {self.max_length}")
+        if end > self.capacity:
+            raise InputError(f"{q} new nodes after {start} cached slots overflow the cache of {self.capacity} slots; "
+                             f"draft smaller trees (--budget, --widths)")
         x = self.wte[token_ids] + self.wpe[position_ids]
         if mask is None and q > 1:  # a chain: the new nodes see the whole cache and their predecessors
             mask = torch.ones(q, end, dtype=torch.bool, device=self.device).tril(start)

@@ -37,8 +37,6 @@ class HFEngine(CachedLM):
     def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         q = token_ids.numel()
         start = self.length + self.pending
-        if start + q > self.max_length:
-            raise InputError(f"the sequence would reach {start + q} positions, past the model's context of {self.max_length}")
         if mask is None:
             mask = torch.ones(q, start + q, dtype=torch.bool, device=self.device).tril(start)
         dtype = self.model.dtype
