@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 
 from tqdm.auto import tqdm
 
-from data.errors import InputError
+from data.errors import InputError, first_line
 
 STACK_DATASETS = ("bigcode/the-stack-dedup", "bigcode/the-stack")
 STACK_DATA_DIR = "data/python"
@@ -69,7 +69,7 @@ def stack_documents(dataset: str) -> Iterator[Document]:
         rows = iter(stream)
         first = next(rows)
     except Exception as err:  # the hub raises many kinds: offline, gated, missing token, DNS
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err)
         raise InputError(
             f"cannot stream {dataset} from the Hugging Face hub ({reason}); it needs network access and a "
             f"token with the dataset's terms accepted (`huggingface-cli login`); offline, use --source local"

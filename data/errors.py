@@ -22,3 +22,9 @@ def exits_on_input_error(main):
             sys.exit(130)
 
     return wrapper
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (or its type), for a one-line error."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

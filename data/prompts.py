@@ -14,7 +14,7 @@ from typing import Iterable
 
 from data.atomic import atomic_output
 from data.corpus import Document
-from data.errors import InputError
+from data.errors import InputError, first_line
 
 HUMANEVAL = "humaneval"
 
@@ -60,7 +60,7 @@ def humaneval() -> list[dict]:
 
         rows = datasets.load_dataset("openai_humaneval", split="test")
     except Exception as err:  # offline, DNS, hub errors
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err)
         raise InputError(
             f"cannot load openai_humaneval from the hub ({reason}); offline, pass --prompts RUN/prompts.jsonl"
         ) from None

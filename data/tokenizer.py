@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Sequence
 
 from data.atomic import atomic_output
-from data.errors import InputError
+from data.errors import InputError, first_line
 
 END_OF_TEXT = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # the 256 byte symbols plus the end-of-text token
@@ -55,7 +55,7 @@ def load_tokenizer(name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     except Exception as err:  # hub or file errors of many kinds
         where = "directory" if Path(str(name_or_path)).exists() else "hub name"
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err)
         raise InputError(
             f"cannot load the tokenizer from {where} '{name_or_path}' ({reason}); pass a directory written "
             f"by `python -m data.prepare`, or a hub name when online"

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from data.atomic import atomic_output
-from data.errors import InputError
+from data.errors import InputError, first_line
 from data.shards import open_split, read_meta
 from data.tokenizer import load_tokenizer
 from train.presets import TrainArgs
@@ -122,7 +122,7 @@ def build_model(args: TrainArgs, tokenizer):
         try:
             model = AutoModelForCausalLM.from_pretrained(args.init)
         except Exception as err:  # hub or file errors of many kinds
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            reason = first_line(err)
             raise InputError(f"cannot load --init {args.init} ({reason}); pass a hub name when online or a local directory") from None
         try:
             init_tokenizer = load_tokenizer(args.init)
