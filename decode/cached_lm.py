@@ -34,5 +34,6 @@ class CachedLM:
     def extend(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Score a run of tokens after everything cached and commit all pending slots."""
         logits = self.append(token_ids)
-        self.commit(torch.arange(self.pending, device=self.device))
+        self.length += self.pending  # every pending slot is kept where it is
+        self.pending = 0
         return logits

@@ -9,7 +9,7 @@ import torch
 
 from decode.cached_lm import CachedLM
 from decode.drafters import ChainDrafter
-from decode.sampling import Sampling, sample
+from decode.sampling import Sampling
 from decode.verify import multi_draft_rejection, sample_match
 
 
@@ -35,7 +35,7 @@ def baseline(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampli
     out = Generation()
     logits = oracle.extend(prompt)[-1]
     out.oracle_calls += 1
-    while not out.add([sample(sampling.probs(logits), generator)], max_new_tokens, eos_id):
+    while not out.add([sampling.choose(logits, generator)], max_new_tokens, eos_id):
         logits = oracle.extend(torch.tensor(out.tokens[-1:], device=oracle.device))[-1]
         out.oracle_calls += 1
     return out

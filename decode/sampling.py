@@ -33,6 +33,10 @@ class Sampling:
             logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
         return logits.softmax(-1)
 
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token from the processed distribution of one row of logits (the argmax when greedy)."""
+        return int(logits.argmax()) if self.greedy else sample(self.probs(logits), generator)
+
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
