@@ -69,11 +69,11 @@ def ranking_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return logits.float().softmax(-1) if sampling.greedy else sampling.probs(logits)
 
 
-def top_nodes(cumulative: list[float], budget: int) -> list[int]:
+def top_nodes(cumulative, budget: int) -> list[int]:
     """The `budget` nodes of highest cumulative probability; ancestor-closed because a child never
     beats its parent (ties go to the earlier node, and parents come first)."""
-    order = sorted(range(len(cumulative)), key=lambda n: (-cumulative[n], n))
-    return sorted(order[:budget])
+    order = torch.sort(-torch.as_tensor(cumulative, dtype=torch.float64), stable=True).indices
+    return sorted(order[:budget].tolist())
 
 
 class ModelDrafter:
@@ -198,22 +198,21 @@ class StagedDrafter(ModelDrafter):
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         root_logits = self.draft.catch_up(tokens)
         tree, _ = trigram_tree(self.table, tokens, self.widths, max_depth)
-        scored = list(range(1, len(tree)))
-        logits = torch.cat([root_logits[None], self.draft.score(tree, scored)]) if scored else root_logits[None]
-        probs = ranking_probs(logits, self.sampling)  # row n: the draft's distribution after node n
-        cumulative = [1.0] * len(tree)
-        for n in scored:
-            cumulative[n] = cumulative[tree.parents[n]] * float(probs[tree.parents[n], tree.tokens[n]])
-        # the draft's own best children of every scored node join as leaves
-        for node in range(len(tree) if self.draft_children else 0):
-            if tree.depths[node] >= max_depth:
-                continue
-            have = {tree.tokens[c] for c in tree.children[node]}
-            for token in probs[node].topk(self.draft_children).indices.tolist():
-                if token not in have:
-                    tree.add(node, token)
-                    cumulative.append(cumulative[node] * float(probs[node, token]))
-        tree, self.kept = tree.subtree(top_nodes(cumulative, self.budget))
+        n = len(tree)
+        logits = torch.cat([root_logits[None], self.draft.score(tree, list(range(1, n)))]) if n > 1 else root_logits[None]
+        probs = ranking_probs(logits, self.sampling)  # row i: the draft's distribution after node i
+        parents, node_tokens = torch.tensor(tree.parents), torch.tensor(tree.tokens)
+        cumulative = tree.cumulative(probs[parents.clamp_min(0), node_tokens])
+        # the draft's own best children of every scored node are candidate leaves
+        top_probs, top_tokens = probs.topk(self.draft_children)
+        vocab = probs.shape[1]
+        fresh = ~torch.isin(torch.arange(n)[:, None] * vocab + top_tokens, parents[1:] * vocab + node_tokens[1:])
+        fresh &= (torch.tensor(tree.depths) < max_depth)[:, None]
+        leaf_parents = torch.arange(n)[:, None].expand_as(top_tokens)[fresh]
+        leaf_tokens = top_tokens[fresh]
+        chosen = top_nodes(torch.cat([cumulative, cumulative[leaf_parents] * top_probs[fresh].double()]), self.budget)
+        leaves = [tree.add(int(leaf_parents[i - n]), int(leaf_tokens[i - n])) for i in chosen if i >= n]
+        tree, self.kept = tree.subtree([i for i in chosen if i < n] + leaves)
         return tree
 
 
@@ -231,10 +230,7 @@ class NgramDrafter:
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         tree, probs = trigram_tree(self.table, tokens, self.widths, max_depth)
-        cumulative = [1.0] * len(tree)
-        for n in range(1, len(tree)):
-            cumulative[n] = cumulative[tree.parents[n]] * probs[n]
-        return tree.subtree(top_nodes(cumulative, self.budget))[0]
+        return tree.subtree(top_nodes(tree.cumulative(torch.tensor(probs)), self.budget))[0]
 
     def accept(self, path: list[int]) -> None:
         pass

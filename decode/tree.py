@@ -41,13 +41,28 @@ class Tree:
             node = self.parents[node]
         return nodes[::-1]
 
+    def levels(self):
+        """(depth, nodes at that depth, their parents) for depth 1, 2, ...: a level's parents are all
+        in the level before, so per-node recurrences run one tensor operation per level."""
+        parents, depths = torch.tensor(self.parents), torch.tensor(self.depths)
+        for depth in range(1, max(self.depths) + 1):
+            nodes = (depths == depth).nonzero()[:, 0]
+            yield depth, nodes, parents[nodes]
+
     def ancestors(self) -> torch.Tensor:
         """(N, N) bool: [i, j] when j is i or one of its ancestors."""
-        n = len(self)
-        mask = torch.eye(n, dtype=torch.bool)
-        for i in range(1, n):
-            mask[i] |= mask[self.parents[i]]
+        mask = torch.eye(len(self), dtype=torch.bool)
+        for _, nodes, parents in self.levels():
+            mask[nodes] |= mask[parents]
         return mask
+
+    def cumulative(self, edge_probs: torch.Tensor) -> torch.Tensor:
+        """Each node's path probability, the product of `edge_probs` (a node's probability given its
+        parent; the root's entry is ignored) from the root down."""
+        out = torch.ones(len(self), dtype=torch.float64)
+        for _, nodes, parents in self.levels():
+            out[nodes] = out[parents] * edge_probs[nodes].double()
+        return out
 
     def attention_mask(self, cached: int, device=None) -> torch.Tensor:
         """(N, cached + N) bool: every cached position, then the node's ancestors and itself."""
