@@ -15,13 +15,13 @@ import torch
 from data.errors import exits_on_input_error
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
+from decode.costs import NODE_COUNTS, forward_costs
 from decode.engine import GPT2Engine, read_config
 from decode.generate import baseline
 from decode.sampling import Sampling
 
 GPT2_LARGE = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_layer=36, n_head=20, n_embd=1280,
                   layer_norm_epsilon=1e-5)
-NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def random_gpt2_weights(config: dict) -> dict[str, torch.Tensor]:
@@ -35,24 +35,6 @@ def random_gpt2_weights(config: dict) -> dict[str, torch.Tensor]:
                   "mlp.c_proj.weight": (4 * d, d), "mlp.c_proj.bias": (d,)}
         weights.update({f"h.{i}.{name}": torch.randn(shape) * 0.02 for name, shape in shapes.items()})
     return weights
-
-
-def forward_costs(engine: GPT2Engine, prefix: int, repeats: int) -> dict[int, float]:
-    """Milliseconds per forward of q chained nodes after `prefix` cached positions (median of repeats)."""
-    costs = {}
-    for q in (q for q in NODE_COUNTS if prefix + q <= engine.max_length):
-        engine.reset()
-        engine.extend(torch.randint(0, engine.vocab_size, (prefix,)))
-        ids = torch.randint(0, engine.vocab_size, (q,))
-        positions = torch.arange(prefix, prefix + q)
-        times = []
-        for _ in range(repeats + 1):  # the first call warms up
-            start = time.perf_counter()
-            engine.forward(ids, positions, None)
-            times.append(time.perf_counter() - start)
-            engine.commit([])
-        costs[q] = 1e3 * sorted(times[1:])[len(times[1:]) // 2]
-    return costs
 
 
 def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: str) -> dict:

@@ -10,6 +10,8 @@ A drafter that uses the draft model keeps its KV cache on the accepted prefix: `
 up on the tokens it has not seen and scores tree nodes as pending slots; `accept` commits the slots
 of the accepted path.
 """
+import time
+
 import torch
 
 from decode.cached_lm import CachedLM
@@ -74,6 +76,30 @@ def top_nodes(cumulative, budget: int) -> list[int]:
     beats its parent (ties go to the earlier node, and parents come first)."""
     order = torch.sort(-torch.as_tensor(cumulative, dtype=torch.float64), stable=True).indices
     return sorted(order[:budget].tolist())
+
+
+def best_budget(cumulative: torch.Tensor, oracle_ms: torch.Tensor, drafting_ms: float) -> int:
+    """The oracle tree size with the most expected tokens per millisecond. A node is accepted with
+    (about) its path probability under the draft, so the best b nodes yield the sum of their path
+    probabilities (the root's 1 stands for the token the oracle adds); a step costs the drafting
+    already spent plus the oracle's forward over b nodes (`oracle_ms[b]`, measured)."""
+    best = cumulative.sort(descending=True).values[: len(oracle_ms) - 1]
+    rate = best.cumsum(0) / (oracle_ms[1 : len(best) + 1] + drafting_ms)
+    return int(rate.argmax()) + 1
+
+
+def trigram_tree_size(widths: list[int]) -> int:
+    """Nodes below the root of a trigram tree with these widths per level."""
+    return int(sum(torch.tensor(widths).cumprod(0)))
+
+
+def fit_widths(widths: list[int], draft_ms: torch.Tensor, limit_ms: float) -> list[int]:
+    """Narrow the widest level, one child at a time, until the draft scores the trigram tree within
+    `limit_ms` (`draft_ms[q]`: its measured forward cost for q nodes)."""
+    widths = list(widths)
+    while draft_ms[min(trigram_tree_size(widths), len(draft_ms) - 1)] > limit_ms and max(widths) > 1:
+        widths[widths.index(max(widths))] -= 1
+    return widths
 
 
 class ModelDrafter:
@@ -191,11 +217,15 @@ class StagedDrafter(ModelDrafter):
     """Staged speculative decoding: the trigram drafts for the draft model, which drafts for the oracle."""
 
     def __init__(self, model: CachedLM, table, sampling: Sampling, budget: int = 36, widths=(12, 7, 4, 1, 1, 1),
-                 draft_children: int = 4):
+                 draft_children: int = 4, oracle_ms: torch.Tensor | None = None):
+        """`oracle_ms[q]`, the oracle's measured cost for q nodes, makes `budget` a cap: each step keeps
+        the number of nodes with the most expected tokens per millisecond (see best_budget)."""
         super().__init__(model, sampling)
         self.table, self.budget, self.widths, self.draft_children = table, budget, list(widths), draft_children
+        self.oracle_ms = None if oracle_ms is None else oracle_ms[: budget + 1]
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
+        start = time.perf_counter()
         root_logits = self.draft.catch_up(tokens)
         tree, _ = trigram_tree(self.table, tokens, self.widths, max_depth)
         n = len(tree)
@@ -210,7 +240,11 @@ class StagedDrafter(ModelDrafter):
         fresh &= (torch.tensor(tree.depths) < max_depth)[:, None]
         leaf_parents = torch.arange(n)[:, None].expand_as(top_tokens)[fresh]
         leaf_tokens = top_tokens[fresh]
-        chosen = top_nodes(torch.cat([cumulative, cumulative[leaf_parents] * top_probs[fresh].double()]), self.budget)
+        candidates = torch.cat([cumulative, cumulative[leaf_parents] * top_probs[fresh].double()])
+        budget = self.budget
+        if self.oracle_ms is not None:
+            budget = best_budget(candidates, self.oracle_ms, 1e3 * (time.perf_counter() - start))
+        chosen = top_nodes(candidates, budget)
         leaves = [tree.add(int(leaf_parents[i - n]), int(leaf_tokens[i - n])) for i in chosen if i >= n]
         tree, self.kept = tree.subtree([i for i in chosen if i < n] + leaves)
         return tree

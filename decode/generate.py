@@ -17,6 +17,7 @@ from decode.verify import multi_draft_rejection, sample_match
 class Generation:
     tokens: list[int] = field(default_factory=list)  # the new tokens (an end-of-text token included)
     oracle_calls: int = 0
+    oracle_nodes: int = 0  # positions the oracle scored, the prompt's last one on: its batch sizes, summed
     draft_calls: int = 0
 
     def add(self, new: list[int], max_new_tokens: int, eos_id: int | None) -> bool:
@@ -32,12 +33,12 @@ def baseline(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampli
              eos_id: int | None, generator: torch.Generator | None = None, **_) -> Generation:
     """One oracle call per token."""
     oracle.reset()
-    out = Generation()
     logits = oracle.extend(prompt)[-1]
-    out.oracle_calls += 1
+    out = Generation(oracle_calls=1, oracle_nodes=1)
     while not out.add([sampling.choose(logits, generator)], max_new_tokens, eos_id):
         logits = oracle.extend(torch.tensor(out.tokens[-1:], device=oracle.device))[-1]
         out.oracle_calls += 1
+        out.oracle_nodes += 1
     return out
 
 
@@ -60,6 +61,7 @@ def tree_speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int
         logits = oracle.forward(tree.token_ids(oracle.device), tree.position_ids(cached, oracle.device),
                                 tree.attention_mask(cached, oracle.device))
         out.oracle_calls += 1
+        out.oracle_nodes += len(tree)
         path, following = verify(tree, sampling.probs(logits), generator)
         oracle.commit(torch.tensor(path, device=oracle.device))
         drafter.accept(path)

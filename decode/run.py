@@ -16,9 +16,9 @@ from data.atomic import atomic_output
 from data.errors import InputError, exits_on_input_error
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
-from decode import generate
+from decode import costs, generate
 from decode.cached_lm import CachedLM
-from decode.drafters import NgramDrafter, StagedDrafter, TreeDrafter
+from decode.drafters import NgramDrafter, StagedDrafter, TreeDrafter, fit_widths, trigram_tree_size
 from decode.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.hf_backend import HFEngine
 from decode.sampling import Sampling
@@ -54,6 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--branch", type=int, default=4, help="tree: children per expanded node; staged: the draft's own top children per node")
     p.add_argument("--tree-children", choices=["top", "sampled"], default="top",
                    help="tree: the draft's top tokens (verified by sample-match) or samples from it (multi-draft rejection)")
+    p.add_argument("--size-from-device", action="store_true",
+                   help="staged: size the tree from the models' forward costs measured on this device (cached): narrow "
+                        "--widths until the draft scores them in half an oracle call, and keep each step the number of "
+                        "nodes (up to --budget) with the most expected tokens per second")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -155,6 +159,14 @@ class Decoder:
         return {"baseline": 0, "speculative": self.k}.get(self.method, self.depth)
 
 
+def size_from_device(args, oracle: CachedLM, draft: CachedLM) -> tuple[list[int], torch.Tensor]:
+    """Trigram widths the draft scores within half an oracle call, and the oracle's cost per tree size."""
+    oracle_costs, _ = costs.measured_costs(args.oracle, oracle, args.dtype)
+    draft_costs, _ = costs.measured_costs(args.draft, draft, args.dtype, costs.DRAFT_NODE_COUNTS)
+    widths = fit_widths(args.widths, costs.cost_curve(draft_costs, trigram_tree_size(args.widths)), oracle_costs[1] / 2)
+    return widths, costs.cost_curve(oracle_costs, args.budget)
+
+
 def build_decoder(args) -> tuple[Decoder, object]:
     if not Path(args.oracle).is_dir():
         raise InputError(f"oracle directory {args.oracle} does not exist; train one with train/finetune_oracle.py")
@@ -176,7 +188,10 @@ def build_decoder(args) -> tuple[Decoder, object]:
     if args.method == "tree":
         drafter = TreeDrafter(draft, sampling, args.budget, args.depth, args.branch, sampled=args.tree_children == "sampled")
     elif args.method == "staged":
-        drafter = StagedDrafter(draft, table, sampling, args.budget, args.widths, args.branch)
+        oracle_ms = None
+        if args.size_from_device:
+            args.widths, oracle_ms = size_from_device(args, oracle, draft)
+        drafter = StagedDrafter(draft, table, sampling, args.budget, args.widths, args.branch, oracle_ms)
     elif args.method == "ngram":
         drafter = NgramDrafter(table, args.budget, args.widths)
     decoder = Decoder(args.method, oracle, draft, drafter, sampling, args.k, args.depth, tokenizer.eos_token_id)

@@ -1,0 +1,192 @@
+"""How much faster than plain decoding, with the same output? Every method in one process, same prompts.
+
+    python -m decode.bench --run RUN --limit 50 --max-new-tokens 128 --out results.json --plot speedup.png
+    python -m decode.bench --run RUN --temperature 1 --top-k 50 --methods baseline,speculative,staged
+
+Methods run interleaved per prompt (the order rotates), so machine noise hits all alike, after a
+warm-up on the first prompt. Per method: tokens/s, per-prompt speedup over the baseline (time per
+token), tokens per oracle call, oracle calls per token (the paper's memory-traffic ratio) and mean
+oracle batch. Greedy outputs must equal the baseline's: a method that differs beyond numerical
+near-ties gets no speedup, and the prompts are named. The peers: `hf-generate` (transformers
+generate on the oracle) and `hf-assisted` (generate with the draft as assistant model).
+`staged-device` sizes the staged tree from forward costs measured on this device; `staged` keeps
+the fixed values of the flags (the paper's by default).
+"""
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from data.atomic import atomic_output
+from data.errors import InputError, exits_on_input_error
+from decode import agreement, run
+from decode.peers import HFGenerate
+
+OURS = ("baseline", "speculative", "tree", "staged", "staged-device", "ngram")
+PEERS = ("hf-generate", "hf-assisted")
+DEFAULT_METHODS = "baseline,speculative,tree,staged,staged-device,ngram,hf-generate,hf-assisted"
+WARMUP_TOKENS = 16
+
+
+def build_methods(names: list[str], rest: list[str]) -> tuple[dict, object, argparse.Namespace]:
+    """A decoder per method (each with its own models and caches), the tokenizer and the baseline's args."""
+    base_args = run.parse_args(rest + ["--method", "baseline"])
+    decoders, tokenizer = {}, None
+    for name in names:
+        if name in PEERS:
+            continue
+        extra = ["--method", "staged", "--size-from-device"] if name == "staged-device" else ["--method", name]
+        decoders[name], tokenizer = run.build_decoder(run.parse_args(rest + extra))
+    for name in (n for n in names if n in PEERS):
+        if name == "hf-assisted" and base_args.draft is None:
+            raise InputError("hf-assisted needs a draft model; pass --draft DIR (or --run RUN)")
+        decoders[name] = HFGenerate(base_args.oracle, base_args.draft if name == "hf-assisted" else None,
+                                    decoders["baseline"].sampling, decoders["baseline"].eos_id, base_args.dtype,
+                                    base_args.device)
+    return decoders, tokenizer, base_args
+
+
+def timed_runs(decoders: dict, prompts: list, max_new_tokens: int, seed: int) -> dict[str, list[dict]]:
+    """Every method on every prompt, the order rotating per prompt; one record per method and prompt."""
+    names = list(decoders)
+    for name in names:  # warm-up: first calls allocate, compile kernels and fill caches
+        decoders[name](prompts[0][1], min(WARMUP_TOKENS, max_new_tokens), seed)
+    records = {name: [] for name in names}
+    for i, (record, ids) in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            start = time.perf_counter()
+            out = decoders[name](ids, max_new_tokens, seed + i)
+            seconds = time.perf_counter() - start
+            records[name].append({"task_id": record["task_id"], "tokens": out.tokens, "seconds": seconds,
+                                  "oracle_calls": out.oracle_calls, "oracle_nodes": out.oracle_nodes})
+    return records
+
+
+def check_outputs(records: dict[str, list[dict]], prompts: list, baseline, near_tie: float) -> dict[str, dict]:
+    """Greedy: per method, prompts whose output equals the baseline's, near-ties, and differences that are not."""
+    checks = {}
+    for name, rows in records.items():
+        check = {"identical": 0, "near_ties": [], "differences": []}
+        for (_, ids), row, expected in zip(prompts, rows, records["baseline"]):
+            diff = agreement.divergence(baseline.oracle, ids.tolist(), expected["tokens"], row["tokens"], near_tie)
+            if diff is None:
+                check["identical"] += 1
+            else:
+                check["near_ties" if diff["near_tie"] else "differences"].append({"task_id": row["task_id"], **diff})
+        checks[name] = check
+    return checks
+
+
+def summarise(records: dict[str, list[dict]], checks: dict | None) -> dict[str, dict]:
+    base_ms = np.array([1e3 * r["seconds"] / len(r["tokens"]) for r in records["baseline"]])
+    summary = {}
+    for name, rows in records.items():
+        tokens = sum(len(r["tokens"]) for r in rows)
+        calls = sum(r["oracle_calls"] for r in rows)
+        s = {"tokens": tokens, "seconds": sum(r["seconds"] for r in rows),
+             "tokens_per_oracle_call": tokens / calls, "oracle_calls_per_token": calls / tokens}
+        s["tokens_per_second"] = tokens / s["seconds"]
+        nodes = sum(r["oracle_nodes"] for r in rows)
+        s["mean_oracle_batch"] = nodes / calls if nodes else None  # peers: not observed
+        if checks is not None:
+            s["same_output"] = checks[name]
+        if checks is None or not checks[name]["differences"]:
+            speedup = base_ms / np.array([1e3 * r["seconds"] / len(r["tokens"]) for r in rows])
+            s["speedup"] = {"median": float(np.median(speedup)), "mean": float(speedup.mean()),
+                            "min": float(speedup.min()), "max": float(speedup.max()), "per_prompt": speedup.tolist()}
+        summary[name] = s
+    return summary
+
+
+def print_table(summary: dict[str, dict], greedy: bool) -> None:
+    print(f"{'method':<14} {'tokens/s':>9} {'speedup median (mean, min-max)':>31} {'tokens/call':>11} "
+          f"{'calls/token':>11} {'batch':>6}" + (f" {'same output':>12}" if greedy else ""))
+    for name, s in summary.items():
+        if "speedup" in s:
+            sp = s["speedup"]
+            speed = f"{sp['median']:.2f}x ({sp['mean']:.2f}, {sp['min']:.2f}-{sp['max']:.2f})"
+        else:
+            speed = "refused: output differs"
+        batch = f"{s['mean_oracle_batch']:6.1f}" if s["mean_oracle_batch"] else f"{'-':>6}"
+        line = (f"{name:<14} {s['tokens_per_second']:9.1f} {speed:>31} {s['tokens_per_oracle_call']:11.2f} "
+                f"{s['oracle_calls_per_token']:11.3f} {batch}")
+        if greedy:
+            same = s["same_output"]
+            n = same["identical"] + len(same["near_ties"]) + len(same["differences"])
+            line += f" {same['identical']:>5}/{n}" + (f" +{len(same['near_ties'])} ties" if same["near_ties"] else "")
+        print(line)
+    for name, s in summary.items():
+        for d in s.get("same_output", {}).get("differences", []):
+            print(f"  {name} differs from baseline on {d['task_id']} at token {d['position']} "
+                  f"(oracle's top-2 logit gap {d['top2_gap']:.3g}: not a near-tie)")
+
+
+def plot(summary: dict[str, dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, s in summary.items() if "speedup" in s and n != "baseline"]
+    fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2, 4))
+    ax.boxplot([summary[n]["speedup"]["per_prompt"] for n in names], showmeans=True)
+    ax.set_xticks(range(1, len(names) + 1), names, rotation=20)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_ylabel("speedup over baseline (per prompt)")
+    ax.set_title(title)
+    fig.tight_layout()
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=120)
+    plt.close(fig)
+
+
+@exits_on_input_error
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m decode.bench", description=__doc__.split("\n\n")[0],
+                                epilog="Every other flag is decode.run's (--run, --prompts, --limit, --max-new-tokens, "
+                                       "--temperature, --top-k, --budget, --widths, --dtype, ...).")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {', '.join(OURS + PEERS)}")
+    p.add_argument("--out", type=Path, help="write the figures and per-prompt records as JSON here")
+    p.add_argument("--plot", type=Path, help="write the per-prompt speedup distribution per method here (.png, .svg)")
+    p.add_argument("--near-tie", type=float, help="largest top-2 logit gap counted as a numerical near-tie when a greedy "
+                                                  "output differs (default: 1e-3 in float32, 0.125 in bfloat16)")
+    known, rest = p.parse_known_args(argv)
+    names = known.methods.split(",")
+    unknown = [n for n in names if n not in OURS + PEERS]
+    if unknown:
+        p.error(f"unknown methods {unknown}; choose from {', '.join(OURS + PEERS)}")
+    names = ["baseline"] + [n for n in names if n != "baseline"]
+    decoders, tokenizer, args = build_methods(names, rest)
+    ours = [d for n, d in decoders.items() if n in OURS]
+    prompts = run.encode_prompts(args, tokenizer, min(d.context() for d in ours), max(d.lookahead() for d in ours))
+    greedy = args.temperature == 0
+    near_tie = known.near_tie if known.near_tie is not None else agreement.NEAR_TIE[args.dtype]
+    mode = "greedy" if greedy else f"T={args.temperature} top-k {args.top_k} top-p {args.top_p}"
+    print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {mode}, {args.dtype} on {args.device}; "
+          f"methods: {', '.join(names)}")
+    records = timed_runs(decoders, prompts, args.max_new_tokens, args.seed)
+    checks = check_outputs(records, prompts, decoders["baseline"], near_tie) if greedy else None
+    summary = summarise(records, checks)
+    print_table(summary, greedy)
+    sizing = {n: {"widths": d.drafter.widths, "budget_cap": d.drafter.budget} for n, d in decoders.items()
+              if n.startswith("staged")}
+    for name, size in sizing.items():
+        print(f"  {name}: trigram widths {size['widths']}, oracle tree of at most {size['budget_cap']} nodes")
+    result = {"settings": {"mode": mode, "dtype": args.dtype, "device": args.device, "prompts": len(prompts),
+                           "max_new_tokens": args.max_new_tokens, "near_tie": near_tie, "tree_sizes": sizing},
+              "summary": summary, "records": records}
+    if known.out:
+        with atomic_output(known.out) as tmp:
+            tmp.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"figures: {known.out}")
+    if known.plot:
+        plot(summary, known.plot, f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {mode}, {args.dtype}")
+        print(f"plot: {known.plot}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The peers a user would otherwise pick, on the same checkpoints: transformers `generate` on the oracle
+(`hf-generate`) and assisted generation with the draft as assistant (`hf-assisted`, transformers'
+default schedule). Both return a Generation, with the oracle's forward calls counted by a hook."""
+import torch
+
+from decode.generate import Generation
+from decode.hf_backend import load_causal_lm
+from decode.sampling import Sampling
+
+
+class HFGenerate:
+    def __init__(self, oracle_dir, draft_dir, sampling: Sampling, eos_id: int, dtype: str = "float32", device: str = "cpu"):
+        """`draft_dir` None: plain generate; else assisted generation with that assistant."""
+        self.oracle = load_causal_lm(oracle_dir, dtype, device)
+        self.assistant = None if draft_dir is None else load_causal_lm(draft_dir, dtype, device)
+        self.sampling, self.eos_id = sampling, eos_id
+        self.calls = {"oracle": 0, "draft": 0}
+        self.oracle.register_forward_pre_hook(lambda *_: self._count("oracle"))
+        if self.assistant is not None:
+            self.assistant.register_forward_pre_hook(lambda *_: self._count("draft"))
+
+    def _count(self, model: str) -> None:
+        self.calls[model] += 1
+
+    def generation_config(self, max_new_tokens: int):
+        from transformers import GenerationConfig
+
+        s = self.sampling
+        sampling = {"do_sample": False} if s.greedy else {"do_sample": True, "temperature": s.temperature,
+                                                           "top_k": s.top_k or None, "top_p": s.top_p}
+        return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.eos_id, **sampling)
+
+    @torch.inference_mode()
+    def __call__(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int) -> Generation:
+        torch.manual_seed(seed)
+        self.calls = {"oracle": 0, "draft": 0}
+        extra = {} if self.assistant is None else {"assistant_model": self.assistant}
+        out = self.oracle.generate(prompt_ids[None], generation_config=self.generation_config(max_new_tokens), **extra)
+        tokens = out[0, prompt_ids.numel():].tolist()
+        return Generation(tokens, oracle_calls=self.calls["oracle"], draft_calls=self.calls["draft"])
