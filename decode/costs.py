@@ -22,10 +22,12 @@ CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "st
 
 
 def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=NODE_COUNTS) -> dict[int, float]:
-    """Milliseconds per forward of q nodes after `prefix` cached positions (median of repeats). The nodes
+    """Milliseconds per forward of q nodes after `prefix` cached positions (at most half the context;
+    median of repeats). The nodes
     form a chain, the costliest tree shape for attention; positions stop at the context's end (a tree's
     nodes share positions, so a tree can hold more nodes than the context has positions)."""
     costs = {}
+    prefix = min(prefix, model.max_length // 2)
     for q in (q for q in counts if prefix + q <= getattr(model, "capacity", model.max_length)):
         model.reset()
         model.extend(torch.randint(0, model.vocab_size, (prefix,), device=model.device))
@@ -56,10 +58,10 @@ def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
 
 
 def measured_costs(model_dir, model: CachedLM, dtype: str, counts=NODE_COUNTS,
-                   cache_dir: Path = CACHE_DIR) -> tuple[dict[int, float], bool]:
+                   cache_dir: Path | None = None) -> tuple[dict[int, float], bool]:
     """The forward-cost table of this model on this device, from the cache or measured now; and
     whether it came from the cache."""
-    path = Path(cache_dir) / f"{cache_key(model_dir, model, dtype)}-{max(counts)}.json"
+    path = Path(cache_dir or CACHE_DIR) / f"{cache_key(model_dir, model, dtype)}-{max(counts)}.json"
     if path.is_file():
         return {int(q): ms for q, ms in json.loads(path.read_text()).items()}, True
     costs = forward_costs(model, counts=counts)

@@ -41,3 +41,18 @@ def tiny_trigram(path, oracle_dir, documents=150, length=40, seed=0):
     tokens.write_text("\n".join(lines) + "\n")
     build_katz.main(["--tokens", str(tokens), "--vocab-size", str(oracle.vocab_size), "--eos-id", "0", "--out", str(path)])
     return path
+
+
+def run_models(root) -> dict:
+    """A run's decoding parts (oracle, good draft, trigram, 64-position context) and a model and a
+    trigram of another vocabulary."""
+    oracle = tiny_gpt2(root / "oracle", seed=0, n_positions=64)
+    other = tiny_gpt2(root / "other", vocab_size=50, seed=2)
+    return {
+        "root": root,
+        "oracle": oracle,
+        "draft": tiny_gpt2(root / "draft", seed=1, noise_from=oracle, noise=0.005, n_positions=64),
+        "ngram": tiny_trigram(root / "ngram", oracle),
+        "other_vocab": other,
+        "other_ngram": tiny_trigram(root / "other_ngram", other, documents=20),
+    }

@@ -3,22 +3,12 @@ import json
 import pytest
 
 from decode import run
-from decode_models import tiny_gpt2, tiny_trigram
+from decode_models import run_models
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("run")
-    oracle = tiny_gpt2(root / "oracle", seed=0, n_positions=64)
-    other = tiny_gpt2(root / "other", vocab_size=50, seed=2)
-    return {
-        "root": root,
-        "oracle": oracle,
-        "draft": tiny_gpt2(root / "draft", seed=1, noise_from=oracle, noise=0.005, n_positions=64),
-        "ngram": tiny_trigram(root / "ngram", oracle),
-        "other_vocab": other,
-        "other_ngram": tiny_trigram(root / "other_ngram", other, documents=20),
-    }
+    return run_models(tmp_path_factory.mktemp("run"))
 
 
 def error_of(capsys, argv) -> str:

@@ -1,0 +1,110 @@
+import json
+
+import pytest
+import torch
+
+from decode import bench, costs, run
+from decode.drafters import best_budget, fit_widths, trigram_tree_size
+from decode.engine import GPT2Engine
+from decode_models import run_models
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return run_models(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(autouse=True)
+def cost_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(costs, "CACHE_DIR", tmp_path / "costs")
+    return tmp_path / "costs"
+
+
+def bench_args(models, tmp_path, *extra) -> list[str]:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i + 2} t{i + 7} t{i + 3}"}) + "\n" for i in range(3)))
+    return ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
+            "--prompts", str(prompts), "--max-new-tokens", "12", "--budget", "12", "--widths", "3,2,1", *extra]
+
+
+def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path, capsys):
+    out, plot = tmp_path / "results.json", tmp_path / "speedup.png"
+    result = bench.main(bench_args(models, tmp_path, "--out", str(out), "--plot", str(plot)))
+    summary = result["summary"]
+    assert list(summary) == bench.DEFAULT_METHODS.split(",")
+    for name, s in summary.items():
+        assert s["same_output"]["identical"] == 3, name
+        assert s["speedup"]["min"] <= s["speedup"]["median"] <= s["speedup"]["max"]
+        assert s["tokens"] == 36 and s["oracle_calls_per_token"] == pytest.approx(1 / s["tokens_per_oracle_call"])
+    assert summary["baseline"]["tokens_per_oracle_call"] == 1 and summary["hf-generate"]["tokens_per_oracle_call"] == 1
+    assert summary["staged"]["tokens_per_oracle_call"] > 1.5  # the draft is the oracle plus a little noise
+    assert json.loads(out.read_text())["summary"]["staged"]["tokens"] == 36
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert "refused" not in capsys.readouterr().out
+
+
+class OffByOneAtToken5(run.Decoder):
+    def __call__(self, ids, max_new_tokens, seed):
+        out = super().__call__(ids, max_new_tokens, seed)
+        out.tokens[5] = (out.tokens[5] + 1) % 97
+        return out
+
+
+def test_bench_refuses_a_speedup_when_greedy_output_differs(models, tmp_path, capsys, monkeypatch):
+    build = bench.build_methods
+
+    def with_a_broken_method(names, rest):
+        decoders, tokenizer, args = build(names, rest)
+        decoders["speculative"] = OffByOneAtToken5(**vars(decoders["speculative"]))
+        return decoders, tokenizer, args
+
+    monkeypatch.setattr(bench, "build_methods", with_a_broken_method)
+    summary = bench.main(bench_args(models, tmp_path, "--methods", "baseline,speculative,ngram"))["summary"]
+    assert "speedup" not in summary["speculative"] and "speedup" in summary["ngram"]
+    assert [d["task_id"] for d in summary["speculative"]["same_output"]["differences"]] == ["t0", "t1", "t2"]
+    printed = capsys.readouterr().out
+    assert "refused: output differs" in printed and "speculative differs from baseline on t1 at token 5" in printed
+
+
+def test_bench_sampling_reports_tokens_per_call_without_comparing_outputs(models, tmp_path):
+    summary = bench.main(bench_args(models, tmp_path, "--methods", "speculative,staged,hf-assisted",
+                                    "--temperature", "1", "--top-k", "20"))["summary"]
+    assert "same_output" not in summary["staged"] and summary["staged"]["tokens_per_oracle_call"] > 1
+
+
+def test_bench_rejects_unknown_methods(models, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(bench_args(models, tmp_path, "--methods", "baseline,medusa"))
+    assert exit_.value.code == 2 and "unknown methods ['medusa']" in capsys.readouterr().err
+
+
+def test_forward_costs_are_measured_once_per_model_and_device(models, cost_cache):
+    oracle = GPT2Engine.load(models["oracle"])
+    table, cached = costs.measured_costs(models["oracle"], oracle, "float32")
+    assert not cached and set(table) == set(costs.NODE_COUNTS) and all(ms > 0 for ms in table.values())
+    again, cached = costs.measured_costs(models["oracle"], oracle, "float32")
+    assert cached and again == table and len(list(cost_cache.iterdir())) == 1
+    _, cached = costs.measured_costs(models["oracle"], oracle, "bfloat16")
+    assert not cached
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    assert costs.cost_curve({1: 1.0, 2: 2.0, 4: 3.0}, 6).tolist() == [0, 1, 2, 2.5, 3, 3.5, 4]
+
+
+def test_best_budget_trades_expected_tokens_against_measured_cost():
+    cumulative = torch.tensor([1.0, 0.9, 0.8, 0.1, 0.05], dtype=torch.float64)
+    flat = torch.tensor([0.0] + [1.0] * 5, dtype=torch.float64)
+    assert best_budget(cumulative, flat, 0.0) == 5  # extra nodes are free: take them all
+    linear = torch.arange(6, dtype=torch.float64)
+    assert best_budget(cumulative, linear, 0.0) == 1  # each node costs a whole call: not worth it
+    assert best_budget(cumulative, 1 + 0.1 * linear, 0.0) == 3  # 0.1 ms for a node accepted with p 0.1 is not
+    assert best_budget(cumulative, flat[:3], 0.0) == 2  # the cap
+
+
+def test_fit_widths_narrows_the_widest_level_until_the_draft_fits():
+    per_node = torch.arange(2000, dtype=torch.float64)  # 1 ms per drafted node
+    assert fit_widths([12, 7, 4, 1, 1, 1], per_node, 2000.0) == [12, 7, 4, 1, 1, 1]
+    narrow = fit_widths([12, 7, 4, 1, 1, 1], per_node, 100.0)
+    assert trigram_tree_size(narrow) <= 100 < trigram_tree_size([w + (w == max(narrow)) for w in narrow])
+    assert fit_widths([3, 2], per_node, 0.5) == [1, 1]
