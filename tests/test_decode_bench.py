@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from decode import bench, costs, run
+from decode import bench, costs, generate, profile_step, run
 from decode.drafters import best_budget, fit_widths, trigram_tree_size
 from decode.engine import GPT2Engine
 from decode_models import run_models
@@ -108,3 +108,12 @@ def test_fit_widths_narrows_the_widest_level_until_the_draft_fits():
     narrow = fit_widths([12, 7, 4, 1, 1, 1], per_node, 100.0)
     assert trigram_tree_size(narrow) <= 100 < trigram_tree_size([w + (w == max(narrow)) for w in narrow])
     assert fit_widths([3, 2], per_node, 0.5) == [1, 1]
+
+
+def test_profile_step_accounts_for_every_part_of_a_staged_step(models, tmp_path, monkeypatch):
+    for rule in ("sample_match", "multi_draft_rejection"):  # profile_step wraps them; restore them afterwards
+        monkeypatch.setattr(generate, rule, getattr(generate, rule))
+    parts = profile_step.main(bench_args(models, tmp_path, "--method", "staged"))
+    assert set(parts) == {"oracle forward", "draft forward", "trigram lookups", "verification", "tree building",
+                          "rest of the loop"}
+    assert all(ms > 0 for ms in parts.values())
