@@ -19,7 +19,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$preset" in
-    quick) run="${run:-$root/runs/quick}"; limit="${limit:-20}" ;;
+    quick) run="${run:-$root/runs/quick}"; limit="${limit:-10}" ;;
     cpu) run="${run:-$root/runs/default}"; limit="${limit:-50}" ;;
     *) echo "error: unknown preset $preset; use quick or cpu" >&2; exit 2 ;;
 esac

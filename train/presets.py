@@ -57,7 +57,7 @@ class DistillArgs(TrainArgs):
 
 _SHARED = {
     "tiny": {},
-    "quick": dict(seq_len=256, bf16=True, compile=True, eval_every=50, eval_batches=4, save_every=50, warmup_steps=20),
+    "quick": dict(seq_len=512, bf16=True, compile=True, eval_every=50, eval_batches=4, save_every=50, warmup_steps=20),
     "cpu": dict(seq_len=512, bf16=True, compile=True, eval_every=200, eval_batches=8, save_every=200, warmup_steps=100),
     "paper": dict(seq_len=1024, bf16=True, batch_size=8, grad_accum=8, eval_every=500, eval_batches=32, save_every=1000,
                   warmup_steps=500, data="runs/paper/data"),
@@ -66,7 +66,7 @@ _SHARED = {
 ORACLE_PRESETS = {
     "tiny": TrainArgs(),
     # about 5M parameters: a few minutes on 2 cores, for the quickstart
-    "quick": TrainArgs(**_SHARED["quick"], n_layer=4, n_head=4, n_embd=256, batch_size=16, max_steps=200, learning_rate=2e-3),
+    "quick": TrainArgs(**_SHARED["quick"], n_layer=4, n_head=4, n_embd=256, batch_size=8, max_steps=300, learning_rate=2e-3),
     # about 23M parameters with an 8192 vocabulary: about an hour on 2 cores (see README)
     "cpu": TrainArgs(**_SHARED["cpu"], n_layer=6, n_head=8, n_embd=512, batch_size=8, grad_accum=2, max_steps=1300,
                      learning_rate=1e-3),
@@ -76,8 +76,8 @@ ORACLE_PRESETS = {
 DRAFT_PRESETS = {
     "tiny": DistillArgs(out="runs/default/draft"),
     # about 0.6M parameters, 9x smaller than the quick oracle
-    "quick": DistillArgs(**_SHARED["quick"], out="runs/default/draft", n_layer=1, n_head=2, n_embd=64, batch_size=16,
-                         max_steps=80, learning_rate=3e-3),
+    "quick": DistillArgs(**_SHARED["quick"], out="runs/default/draft", n_layer=1, n_head=2, n_embd=64, batch_size=8,
+                         max_steps=150, learning_rate=3e-3),
     # about 1.5M parameters, 15x smaller than the cpu oracle (the paper's ratio is 19x)
     # 220 steps of 8192 tokens: about 25 minutes here (the teacher's forward and the KL over 8192-wide logits dominate)
     "cpu": DistillArgs(**{**_SHARED["cpu"], "warmup_steps": 20}, out="runs/default/draft", n_layer=2, n_head=4, n_embd=128,
