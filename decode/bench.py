@@ -80,8 +80,12 @@ def check_outputs(records: dict[str, list[dict]], prompts: list, baseline, near_
     return checks
 
 
+RIVALS = ("speculative", "hf-assisted")  # what staged must also beat
+
+
 def summarise(records: dict[str, list[dict]], checks: dict | None) -> dict[str, dict]:
-    base_ms = np.array([1e3 * r["seconds"] / len(r["tokens"]) for r in records["baseline"]])
+    ms_per_token = {name: np.array([1e3 * r["seconds"] / len(r["tokens"]) for r in rows]) for name, rows in records.items()}
+    base_ms = ms_per_token["baseline"]
     summary = {}
     for name, rows in records.items():
         tokens = sum(len(r["tokens"]) for r in rows)
@@ -94,9 +98,11 @@ def summarise(records: dict[str, list[dict]], checks: dict | None) -> dict[str, 
         if checks is not None:
             s["same_output"] = checks[name]
         if checks is None or not checks[name]["differences"]:
-            speedup = base_ms / np.array([1e3 * r["seconds"] / len(r["tokens"]) for r in rows])
+            speedup = base_ms / ms_per_token[name]
             s["speedup"] = {"median": float(np.median(speedup)), "mean": float(speedup.mean()),
                             "min": float(speedup.min()), "max": float(speedup.max()), "per_prompt": speedup.tolist()}
+            s["median_speedup_over"] = {rival: float(np.median(ms_per_token[rival] / ms_per_token[name]))
+                                        for rival in RIVALS if rival in records and rival != name}
         summary[name] = s
     return summary
 
@@ -174,7 +180,9 @@ def main(argv=None) -> dict:
     sizing = {n: {"widths": d.drafter.widths, "budget_cap": d.drafter.budget} for n, d in decoders.items()
               if n.startswith("staged")}
     for name, size in sizing.items():
-        print(f"  {name}: trigram widths {size['widths']}, oracle tree of at most {size['budget_cap']} nodes")
+        over = ", ".join(f"{x:.2f}x over {rival}" for rival, x in summary[name].get("median_speedup_over", {}).items())
+        print(f"  {name}: trigram widths {size['widths']}, oracle tree of at most {size['budget_cap']} nodes"
+              + (f"; median {over}" if over else ""))
     result = {"settings": {"mode": mode, "dtype": args.dtype, "device": args.device, "prompts": len(prompts),
                            "max_new_tokens": args.max_new_tokens, "near_tie": near_tie, "tree_sizes": sizing},
               "summary": summary, "records": records}
