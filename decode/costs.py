@@ -5,6 +5,7 @@ once per model, device, dtype and thread count and keeps the table in a cache fi
 it. `cost_curve` interpolates the table to every q.
 """
 import hashlib
+import inspect
 import json
 import os
 import time
@@ -49,11 +50,12 @@ def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=
 
 
 def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
-    """Model (path and weight files' size and time), device, dtype and threads."""
+    """Model (path and weight files' size and time), the backend's code, device, dtype and threads."""
     model_dir = Path(model_dir).resolve()
     files = sorted(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in model_dir.glob("*.safetensors"))
+    backend = Path(inspect.getfile(type(model))).read_text()
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else f"cpu-{torch.get_num_threads()}threads"
-    digest = hashlib.sha256(json.dumps([str(model_dir), files]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps([str(model_dir), files, backend, torch.__version__]).encode()).hexdigest()[:16]
     return f"{digest}-{device.replace(' ', '_')}-{dtype}"
 
 

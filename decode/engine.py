@@ -64,14 +64,17 @@ class GPT2Engine(CachedLM):
         self.shape = s = GPT2Shape.from_config(config)
         self.device, self.dtype = torch.device(device), DTYPES[dtype]
         weights = {k.removeprefix("transformer."): v.to(self.device, self.dtype) for k, v in weights.items()}
-        # Measured here: bfloat16 matmuls with few rows stream the weight matrix fastest as F.linear over an
-        # (out, in) matrix; float32 ones as addmm over Hugging Face's Conv1D (in, out) layout.
+        # Measured here, matmuls with few rows: float32 streams the weights fastest as addmm over Hugging
+        # Face's Conv1D (in, out) layout; bfloat16 as F.linear over (out, in), and on CPU 1.5x faster again
+        # through oneDNN with the matrix prepacked in its blocked layout (same results).
         self.out_in = self.dtype == torch.bfloat16
+        self.packed = self.out_in and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
         if self.out_in:
-            weights = {k: v.T.contiguous() if k.endswith(LINEAR_WEIGHTS) else v for k, v in weights.items()}
+            weights = {k: self.prepare(v.T.contiguous()) if k.endswith(LINEAR_WEIGHTS) else v for k, v in weights.items()}
         self.wte, self.wpe = weights["wte.weight"], weights["wpe.weight"]
         self.layers = [{k[len(f"h.{i}.") :]: v for k, v in weights.items() if k.startswith(f"h.{i}.")} for i in range(s.n_layer)]
         self.ln_f = (weights["ln_f.weight"], weights["ln_f.bias"])
+        self.head = self.prepare(self.wte) if self.out_in else self.wte.T  # the output projection, tied to wte
         self.head_dim = s.n_embd // s.n_head
         self.max_length = max_length or s.n_positions  # positions: the context
         self.capacity = self.max_length + SPECULATIVE_SLOTS  # slots: a tree's nodes share positions
@@ -102,9 +105,19 @@ class GPT2Engine(CachedLM):
     def vocab_size(self) -> int:
         return self.shape.vocab_size
 
+    def prepare(self, out_in: torch.Tensor) -> torch.Tensor:
+        """An (out, in) weight matrix in the layout `project` uses."""
+        return torch.ops.mkldnn._reorder_linear_weight(out_in) if self.packed else out_in
+
+    def project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        if self.out_in:
+            return F.linear(x, weight, bias)
+        return x @ weight if bias is None else torch.addmm(bias, x, weight)
+
     def linear(self, x: torch.Tensor, layer: dict, name: str) -> torch.Tensor:
-        weight, bias = layer[f"{name}.weight"], layer[f"{name}.bias"]
-        return F.linear(x, weight, bias) if self.out_in else torch.addmm(bias, x, weight)
+        return self.project(x, layer[f"{name}.weight"], layer[f"{name}.bias"])
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -132,7 +145,7 @@ class GPT2Engine(CachedLM):
             x = x + self.linear(h, layer, "mlp.c_proj")
         x = F.layer_norm(x, (s.n_embd,), *self.ln_f, s.layer_norm_epsilon)
         self.pending += q
-        return F.linear(x, self.wte).float()
+        return self.project(x, self.head).float()
 
     @torch.inference_mode()
     def commit(self, keep: torch.Tensor | list[int]) -> None:
