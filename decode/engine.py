@@ -68,7 +68,8 @@ class GPT2Engine(CachedLM):
         # Face's Conv1D (in, out) layout; bfloat16 as F.linear over (out, in), and on CPU 1.5x faster again
         # through oneDNN with the matrix prepacked in its blocked layout (same results).
         self.out_in = self.dtype == torch.bfloat16
-        self.packed = self.out_in and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self.packed = (self.out_in and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+                       and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # private ops (inductor's): F.linear if gone
         if self.out_in:
             weights = {k: self.prepare(v.T.contiguous()) if k.endswith(LINEAR_WEIGHTS) else v for k, v in weights.items()}
         self.wte, self.wpe = weights["wte.weight"], weights["wpe.weight"]
