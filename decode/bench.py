@@ -41,8 +41,10 @@ def build_methods(names: list[str], rest: list[str]) -> tuple[dict, object, argp
         extra = ["--method", "staged", "--size-from-device"] if name == "staged-device" else ["--method", name]
         decoders[name], tokenizer = run.build_decoder(run.parse_args(rest + extra))
     for name in (n for n in names if n in PEERS):
-        if name == "hf-assisted" and base_args.draft is None:
-            raise InputError("hf-assisted needs a draft model; pass --draft DIR (or --run RUN)")
+        if name == "hf-assisted":
+            if base_args.draft is None or not Path(base_args.draft).is_dir():
+                raise InputError(f"hf-assisted needs a draft model; pass --draft DIR (or --run RUN) (got {base_args.draft})")
+            run.check_same_vocabulary(base_args.oracle, base_args.draft, "draft")
         decoders[name] = HFGenerate(base_args.oracle, base_args.draft if name == "hf-assisted" else None,
                                     decoders["baseline"].sampling, decoders["baseline"].eos_id, base_args.dtype,
                                     base_args.device)

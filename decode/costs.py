@@ -22,6 +22,12 @@ DRAFT_NODE_COUNTS = NODE_COUNTS + (128, 256, 512, 1024, 2048)  # the draft score
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "staged-speculative" / "forward-costs"
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a timer sees it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=NODE_COUNTS) -> dict[int, float]:
     """Milliseconds per forward of q nodes after `prefix` cached positions (at most half the context;
     median of repeats). The nodes
@@ -36,12 +42,10 @@ def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=
         positions = torch.arange(prefix, prefix + q, device=model.device).clamp(max=model.max_length - 1)
         times = []
         for _ in range(repeats + 1):  # the first call warms up
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(model.device)
             start = time.perf_counter()
             model.forward(ids, positions, None)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(model.device)
             times.append(time.perf_counter() - start)
             model.commit([])
         costs[q] = 1e3 * float(np.median(times[1:]))

@@ -10,6 +10,8 @@ A drafter that uses the draft model keeps its KV cache on the accepted prefix: `
 up on the tokens it has not seen and scores tree nodes as pending slots; `accept` commits the slots
 of the accepted path.
 """
+import itertools
+import operator
 import time
 
 import torch
@@ -90,7 +92,7 @@ def best_budget(cumulative: torch.Tensor, oracle_ms: torch.Tensor, drafting_ms: 
 
 def trigram_tree_size(widths: list[int]) -> int:
     """Nodes below the root of a trigram tree with these widths per level."""
-    return int(sum(torch.tensor(widths).cumprod(0)))
+    return sum(itertools.accumulate(widths, operator.mul))
 
 
 def fit_widths(widths: list[int], draft_ms: torch.Tensor, limit_ms: float) -> list[int]:

@@ -39,4 +39,6 @@ class Sampling:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from a distribution; a point mass (greedy) needs no random draw."""
+    top = probs.max(-1)
+    return int(top.indices) if top.values == 1 else int(torch.multinomial(probs, 1, generator=generator))

@@ -16,10 +16,9 @@ def sample_match(tree, p: torch.Tensor, generator) -> tuple[list[int], int]:
     """Exact for any tree that does not depend on the oracle's randomness: at each node sample the
     oracle's token from p; descend into the child that carries it, else emit it and stop.
     Returns the accepted nodes (the root first) and the token that follows them."""
-    point_masses = bool((p.amax(-1) == 1).all())  # greedy: each sample is the argmax, no draw needed
     path = [0]
     while True:
-        token = int(p[path[-1]].argmax()) if point_masses else sample(p[path[-1]], generator)
+        token = sample(p[path[-1]], generator)
         child = next((c for c in tree.children[path[-1]] if tree.tokens[c] == token), None)
         if child is None:
             return path, token

@@ -118,3 +118,12 @@ def test_profile_step_accounts_for_every_part_of_a_staged_step(models, tmp_path,
     assert set(parts) == {"oracle forward", "draft forward", "trigram lookups", "verification", "tree building",
                           "rest of the loop"}
     assert all(ms > 0 for ms in parts.values())
+
+
+def test_bench_refuses_an_assistant_of_another_vocabulary(models, tmp_path, capsys):
+    args = bench_args(models, tmp_path, "--methods", "baseline,hf-assisted")
+    args[args.index("--draft") + 1] = str(models["other_vocab"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(args)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_.value.code == 2 and len(errors) == 1 and "different tokenizers" in errors[0]
