@@ -1,8 +1,32 @@
-"""Write files and directories under a temporary name and rename them into place when complete."""
+"""Outputs that never cost the user anything: checked before work starts, written under a temporary
+name, renamed into place when complete, and never put in the place of something they are not.
+
+An output has a kind: a file, or an artifact directory recognised by a marker file inside it (a run's
+data/meta.json, a trigram's meta.json, a model's config.json). `check_output` refuses, in one line,
+anything else at the path; an artifact of the same kind is replaced only with --overwrite.
+"""
 import contextlib
 import os
 import shutil
+import signal
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+from data.errors import InputError
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What an output is: a file (marker None) or a directory holding `marker`."""
+
+    name: str
+    marker: str | None = None
+
+
+FILE = Kind("file")
+
+written: list[Path] = []  # outputs renamed into place by this process, for an honest interrupt message
 
 
 def _remove(path: Path) -> None:
@@ -12,25 +36,98 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-@contextlib.contextmanager
-def atomic_output(final):
-    """Yield a temporary sibling path of `final`; on success it replaces `final`, on failure it is removed.
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
-    Works for a file or a directory: the caller creates whatever it likes at the yielded path.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    _remove(tmp)
+
+def check_output(path, kind: Kind = FILE, overwrite: bool = False, flag: str = "the output path") -> None:
+    """Refuse, before any work, an output path whose current content the command may not replace."""
+    path = Path(path)
+    if path.is_symlink() or path.exists():
+        if kind.marker is None and path.is_dir():
+            raise InputError(f"{path} is a directory, not a file; pass a file path to {flag}")
+        if kind.marker is not None and not path.is_dir():
+            raise InputError(f"{path} is a file, not a {kind.name} directory; pass another {flag}")
+        if kind.marker is not None and not (path / kind.marker).is_file():
+            if any(path.iterdir()):
+                raise InputError(f"{path} holds files that are not a {kind.name} (no {kind.marker}); "
+                                 f"pass an empty or new directory to {flag}")
+        elif not overwrite:
+            raise InputError(f"{path} already holds a {kind.name}; pass --overwrite to replace it, or another {flag}")
+    parent = _nearest_existing(path.parent)
+    if not parent.is_dir():
+        raise InputError(f"cannot create {path}: {parent} is a file; pass another {flag}")
     try:
-        yield tmp
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as err:
+        raise InputError(f"cannot write {path} ({err.strerror} in {parent}); pass a writable {flag}") from None
+
+
+def _make_parents(directory: Path) -> list[Path]:
+    """Create `directory` and its missing parents; return those created, deepest first."""
+    made = []
+    while not directory.exists():
+        made.append(directory)
+        directory = directory.parent
+    for d in reversed(made):
+        d.mkdir()
+    return made
+
+
+def _remove_if_empty(directories: list[Path]) -> None:
+    for d in directories:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM wait until the block is done, so a group of renames is never cut in half."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
+def atomic_outputs(targets: list[tuple[Path, Kind]], overwrite: bool = False):
+    """Yield a temporary sibling path per (final path, kind); when the block completes they replace their
+    final paths together, each checked again with `check_output`; on failure they are removed, with any
+    parent directory this created. The caller creates a file or a directory at each temporary path."""
+    finals = [(Path(final), kind) for final, kind in targets]
+    for final, kind in finals:
+        check_output(final, kind, overwrite)
+    made = [d for final, _ in finals for d in _make_parents(final.parent)]
+    tmps = [final.with_name(f".{final.name}.tmp-{os.getpid()}") for final, _ in finals]
+    try:
+        for tmp in tmps:
+            _remove(tmp)
+        yield tmps
+        with _signals_held():
+            for final, kind in finals:
+                check_output(final, kind, overwrite)
+            for (final, _), tmp in zip(finals, tmps):
+                old = final.with_name(f".{final.name}.old-{os.getpid()}")
+                if final.exists():
+                    os.replace(final, old)
+                os.replace(tmp, final)
+                _remove(old)
+                written.append(final)
     except BaseException:
-        _remove(tmp)
+        for tmp in tmps:
+            _remove(tmp)
+        _remove_if_empty(made)
         raise
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        _remove(old)
-    else:
-        os.replace(tmp, final)
+
+
+@contextlib.contextmanager
+def atomic_output(final, kind: Kind = FILE, overwrite: bool = False):
+    """One output: see `atomic_outputs`. Without `overwrite` an existing output of the same kind is refused."""
+    with atomic_outputs([(Path(final), kind)], overwrite) as (tmp,):
+        yield tmp

@@ -1,25 +1,56 @@
 """User-facing input errors: one line that says what is wrong and what to do, exit code 2."""
 import functools
+import signal
 import sys
+import threading
 
 
 class InputError(Exception):
     """Bad input from the user (missing file, mismatched vocabulary, ...). The message is shown as is."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that temporary outputs are removed on the way out."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def interrupt_message(stopped: str) -> str:
+    """What an interrupted command says: the truth about what it wrote before stopping."""
+    from data.atomic import written
+
+    if not written:
+        return f"{stopped}: nothing was written; temporary files were removed"
+    return f"{stopped} after writing {', '.join(map(str, written))}; temporary files were removed"
+
+
 def exits_on_input_error(main):
-    """Wrap a command-line entry point so an InputError prints one line and exits with code 2."""
+    """Wrap a command-line entry point so an InputError prints one line and exits with code 2, and an
+    interrupt (Ctrl-C, SIGTERM) removes temporary outputs and says what was written."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        from data.atomic import written
+
+        written.clear()
+        in_main_thread = threading.current_thread() is threading.main_thread()  # signals go there only
+        previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
         try:
             return main(*args, **kwargs)
         except InputError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
+        except Terminated:
+            print(interrupt_message("terminated"), file=sys.stderr)
+            sys.exit(143)
         except KeyboardInterrupt:
-            print("interrupted: nothing was written under a final name", file=sys.stderr)
+            print(interrupt_message("interrupted"), file=sys.stderr)
             sys.exit(130)
+        finally:
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, previous)
 
     return wrapper
 

@@ -9,7 +9,6 @@ written under a temporary name and renamed when complete; RUN/data/meta.json is 
 its presence means the run directory is complete.
 """
 import argparse
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from data import corpus, prompts, shards, tokenizer as tok
-from data.atomic import atomic_output
+from data.atomic import FILE, Kind, atomic_outputs, check_output
 from data.errors import InputError, exits_on_input_error
 
 ENCODE_BATCH = 256
@@ -43,12 +42,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-bytes", type=float, default=None,
                    help="stop reading after this many bytes of kept source (default: all for local, 1e9 for stack)")
     p.add_argument("--max-docs", type=int, default=None, help="stop reading after this many kept documents")
-    p.add_argument("--num-prompts", type=int, default=164, help="prompts to harvest from validation files")
+    p.add_argument("--num-prompts", type=int, default=164, help="prompts to harvest from validation files (0: none)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="longest harvested prompt, in tokens")
-    p.add_argument("--overwrite", action="store_true", help="replace a run directory that already holds prepared data")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the tokenizer, data and prompts of a run that holds no trained models yet")
     args = p.parse_args(argv)
     if not 0 < args.val_fraction < 1:
         p.error("--val-fraction must be between 0 and 1")
+    if args.num_prompts < 0 or args.max_prompt_tokens < 1:
+        p.error("--num-prompts must be 0 or more and --max-prompt-tokens positive")
     if args.source == "stack" and args.max_bytes is None:
         args.max_bytes = 1e9
     if args.path is not None and args.source != "local":
@@ -56,13 +58,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def check_writable(directory: Path) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as err:
-        raise InputError(f"cannot write to output directory {directory} ({err.strerror}); pass a writable --out") from None
+TOKENIZER = Kind("tokenizer", "tokenizer_config.json")
+DATA = Kind("prepared data directory", shards.META)
+TRAINED = ("oracle", "draft", "ngram")  # what a run holds that was built on its tokenizer
+
+
+def outputs(run: Path) -> list[tuple[Path, Kind]]:
+    """What prepare writes into RUN; data/ last, so its meta.json marks a complete run."""
+    return [(run / "tokenizer", TOKENIZER), (run / "prompts.jsonl", FILE), (run / "data", DATA)]
+
+
+def check_outputs(run: Path, overwrite: bool) -> None:
+    """Refuse before any work an --out whose parts prepare may not replace."""
+    if run.exists() and not run.is_dir():
+        raise InputError(f"--out {run} is a file, not a run directory; pass a new or existing run directory")
+    for path, kind in outputs(run):
+        check_output(path, kind, overwrite, "--out")
+    trained = [name for name in TRAINED if (run / name).exists()]
+    if overwrite and trained:
+        raise InputError(f"{run} holds {', '.join(trained)} built with its current tokenizer, which --overwrite would "
+                         f"replace; move them out of {run} first, or pass another --out")
 
 
 def read_corpus(args, skipped: Counter) -> dict[str, list[corpus.Document]]:
@@ -98,14 +113,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     start = time.time()
     run = args.out
-    check_writable(run)
+    check_outputs(run, args.overwrite)
     if args.tokenizer == "bpe":
         tok.check_vocab_size(args.vocab_size)
         tokenizer = None  # trained on the training split once it is read
     else:
         tokenizer = tok.load_tokenizer(args.tokenizer)  # before the corpus, so a hub error comes at once
-    if (run / "data" / shards.META).exists() and not args.overwrite:
-        raise InputError(f"{run} already holds prepared data; pass --overwrite to rebuild it, or choose another --out")
 
     skipped: Counter = Counter()
     splits = read_corpus(args, skipped)
@@ -114,17 +127,14 @@ def main(argv=None) -> None:
     vocab_size = len(tokenizer)
     dtype = shards.token_dtype(vocab_size)
 
-    # The data directory's meta.json marks a complete run: remove the old one before replacing anything.
-    (run / "data" / shards.META).unlink(missing_ok=True)
-    tok.save_tokenizer(tokenizer, run / "tokenizer")
-
     def fits(prompt: str) -> bool:
         return len(tok.encode_documents(tokenizer, [prompt])[0]) <= args.max_prompt_tokens
 
     harvested = prompts.harvest(splits["val"], args.num_prompts, fits=fits)
-    prompts.write_jsonl(harvested, run / "prompts.jsonl")
 
-    with atomic_output(run / "data") as data_dir:
+    with atomic_outputs(outputs(run), args.overwrite) as (tokenizer_dir, prompts_file, data_dir):
+        tokenizer.save_pretrained(tokenizer_dir)
+        prompts.write_jsonl(harvested, prompts_file)
         data_dir.mkdir()
         counts = {name: write_split(data_dir / f"{name}.bin", docs, tokenizer, dtype) for name, docs in splits.items()}
         meta = {

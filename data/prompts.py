@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from data.atomic import atomic_output
 from data.corpus import Document
 from data.errors import InputError, first_line
 
@@ -47,10 +46,9 @@ def read_jsonl(path) -> list[dict]:
 
 
 def write_jsonl(records: Iterable[dict], path) -> None:
-    with atomic_output(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def humaneval() -> list[dict]:

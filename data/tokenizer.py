@@ -6,7 +6,6 @@ round-trip source text exactly (byte-level, no normalisation, no clean-up of spa
 from pathlib import Path
 from typing import Sequence
 
-from data.atomic import atomic_output
 from data.errors import InputError, first_line
 
 END_OF_TEXT = "<|endoftext|>"
@@ -64,11 +63,6 @@ def load_tokenizer(name_or_path):
         raise InputError(f"tokenizer '{name_or_path}' has no end-of-text token; documents could not be separated")
     tokenizer.clean_up_tokenization_spaces = False
     return tokenizer
-
-
-def save_tokenizer(tokenizer, directory) -> None:
-    with atomic_output(directory) as tmp:
-        tokenizer.save_pretrained(tmp)
 
 
 def encode_documents(tokenizer, texts: Sequence[str]) -> list[list[int]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.atomic import FILE, atomic_output, check_output
 from data.errors import exits_on_input_error
 from decode import run
 
@@ -50,7 +51,10 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m decode.agreement", description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="speculative,tree,staged,ngram", help="comma-separated methods to compare with baseline")
     p.add_argument("--report", type=Path, help="write the per-prompt divergences and totals as JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --report file")
     known, rest = p.parse_known_args(argv)
+    if known.report:
+        check_output(known.report, FILE, known.overwrite, "--report")
     methods = known.methods.split(",")
     unknown = [m for m in methods if m not in run.METHODS or m == "baseline"]
     if unknown:
@@ -89,7 +93,8 @@ def main(argv=None) -> dict:
             print(f"  {method} differs from baseline on {bug['task_id']} at token {bug['position']} "
                   f"(top-2 logit gap {bug['top2_gap']:.3g}: not a near-tie)")
     if known.report:
-        known.report.write_text(json.dumps(report, indent=2) + "\n")
+        with atomic_output(known.report, FILE, known.overwrite) as tmp:
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

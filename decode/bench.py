@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data.atomic import atomic_output
+from data.atomic import FILE, atomic_output, check_output
 from data.errors import InputError, exits_on_input_error
 from decode import agreement, run
 from decode.peers import HFGenerate
@@ -132,7 +132,18 @@ def print_table(summary: dict[str, dict], greedy: bool) -> None:
                   f"(oracle's top-2 logit gap {d['top2_gap']:.3g}: not a near-tie)")
 
 
-def plot(summary: dict[str, dict], path: Path, title: str) -> None:
+def check_plot_path(path: Path, overwrite: bool) -> None:
+    """A plot path matplotlib can write, checked before any decoding."""
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise InputError(f"--plot {path}: matplotlib cannot write {path.suffix or 'a file without extension'}; "
+                         f"end the name in one of {', '.join('.' + f for f in sorted(formats))}")
+    check_output(path, FILE, overwrite, "--plot")
+
+
+def plot(summary: dict[str, dict], path: Path, title: str, overwrite: bool) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,8 +157,8 @@ def plot(summary: dict[str, dict], path: Path, title: str) -> None:
     ax.set_ylabel("speedup over baseline (per prompt)")
     ax.set_title(title)
     fig.tight_layout()
-    with atomic_output(path) as tmp:
-        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=120)
+    with atomic_output(path, FILE, overwrite) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".").lower(), dpi=120)
     plt.close(fig)
 
 
@@ -159,6 +170,7 @@ def main(argv=None) -> dict:
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {', '.join(OURS + PEERS)}")
     p.add_argument("--out", type=Path, help="write the figures and per-prompt records as JSON here")
     p.add_argument("--plot", type=Path, help="write the per-prompt speedup distribution per method here (.png, .svg)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing --out and --plot files")
     p.add_argument("--near-tie", type=float, help="largest top-2 logit gap counted as a numerical near-tie when a greedy "
                                                   "output differs (default: 1e-3 in float32, 0.125 in bfloat16)")
     known, rest = p.parse_known_args(argv)
@@ -167,6 +179,10 @@ def main(argv=None) -> dict:
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(OURS + PEERS)}")
     names = ["baseline"] + [n for n in names if n != "baseline"]
+    if known.out:
+        check_output(known.out, FILE, known.overwrite, "--out")
+    if known.plot:
+        check_plot_path(known.plot, known.overwrite)
     decoders, tokenizer, args = build_methods(names, rest)
     ours = [d for n, d in decoders.items() if n in OURS]
     prompts = run.encode_prompts(args, tokenizer, min(d.context() for d in ours), max(d.lookahead() for d in ours))
@@ -189,11 +205,12 @@ def main(argv=None) -> dict:
                            "max_new_tokens": args.max_new_tokens, "near_tie": near_tie, "tree_sizes": sizing},
               "summary": summary, "records": records}
     if known.out:
-        with atomic_output(known.out) as tmp:
+        with atomic_output(known.out, FILE, known.overwrite) as tmp:
             tmp.write_text(json.dumps(result, indent=1) + "\n")
         print(f"figures: {known.out}")
     if known.plot:
-        plot(summary, known.plot, f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {mode}, {args.dtype}")
+        plot(summary, known.plot, f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {mode}, {args.dtype}",
+             known.overwrite)
         print(f"plot: {known.plot}")
     return result
 

@@ -9,9 +9,11 @@
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
+from data.atomic import FILE, atomic_output, check_output
 from data.errors import exits_on_input_error
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
@@ -74,8 +76,13 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--skip-large", action="store_true", help="skip the GPT-2-Large-sized forward costs")
-    p.add_argument("--output", help="write the figures as JSON here")
+    p.add_argument("--output", type=Path, help="write the figures as JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     args = p.parse_args(argv)
+    if args.limit < 1 or args.new_tokens < 1 or args.repeats < 1 or args.prefix < 0:
+        p.error("--limit, --new-tokens and --repeats must be at least 1, --prefix 0 or more")
+    if args.output:
+        check_output(args.output, FILE, args.overwrite, "--output")
 
     texts = [r["prompt"] for r in load_prompts(args.prompts, args.limit)]
     latency = generation_latency(args.model, texts, args.new_tokens, args.dtype)
@@ -95,8 +102,8 @@ def main(argv=None) -> dict:
         print(f"{name[-40:]:<40}" + "".join(f"{row[q]:8.2f}" if q in row else f"{'-':>8}" for q in NODE_COUNTS) + f"   ({params} layers)")
     result = {"generation": latency, "forward_ms": costs, "dtype": args.dtype, "threads": torch.get_num_threads()}
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
+        with atomic_output(args.output, FILE, args.overwrite) as tmp:
+            tmp.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
-
 from data.errors import InputError
+from data.pretrained import RETRAIN, load_safetensors
 from decode.cached_lm import CachedLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -43,7 +42,13 @@ def read_config(model_dir) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise InputError(f"{model_dir} is not a model directory (no config.json); pass a directory written by save_pretrained")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"{path} is not a valid JSON config ({err}); {RETRAIN}") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path} is not a model config (a JSON object); {RETRAIN}")
+    return config
 
 
 def is_lean_compatible(config: dict) -> bool:
@@ -94,13 +99,7 @@ class GPT2Engine(CachedLM):
                 f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
                 f"use the transformers backend (--backend hf)"
             )
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not files:
-            raise InputError(f"no .safetensors weights in {model_dir}; save the model with save_pretrained")
-        weights = {}
-        for f in files:
-            weights.update(load_file(f))
-        return cls(config, weights, dtype, device, max_length)
+        return cls(config, load_safetensors(model_dir), dtype, device, max_length)
 
     @property
     def vocab_size(self) -> int:

@@ -3,25 +3,16 @@ explicit position ids, and a cache compacted by gathering the kept slots. Slower
 GPT-2 engine (framework overhead per call), and exact."""
 import torch
 
-from data.errors import InputError, first_line
+from data.pretrained import load_causal_lm
 from decode.cached_lm import CachedLM
 from decode.engine import DTYPES
-
-
-def load_causal_lm(model_dir, dtype: str, device: str):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
-    except (OSError, ValueError) as err:
-        raise InputError(f"cannot load a causal LM from {model_dir} ({first_line(err)})") from None
 
 
 class HFEngine(CachedLM):
     def __init__(self, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None):
         from transformers import DynamicCache
 
-        self.model = load_causal_lm(model_dir, dtype, device)
+        self.model = load_causal_lm(model_dir, "model", dtype=DTYPES[dtype]).to(device).eval()
         config = self.model.config
         self.device = torch.device(device)
         self.vocab_size = config.vocab_size

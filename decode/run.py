@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from data.atomic import atomic_output
+from data.atomic import FILE, atomic_output, check_output
 from data.errors import InputError, exits_on_input_error
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
@@ -64,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["auto", "lean", "hf"], default="auto",
                    help="lean: our GPT-2 engine; hf: any transformers causal LM; auto: lean where it applies")
     p.add_argument("--output", type=Path, help="write one JSON object per prompt here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     args = p.parse_args(argv)
     if args.run is not None:
         args.oracle = args.oracle or args.run / "oracle"
@@ -77,11 +78,32 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("pass --prompt TEXT or --prompts humaneval|FILE (or --run RUN)")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.k < 0 or args.max_new_tokens < 1:
         p.error("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0, --k >= 0 and --max-new-tokens >= 1")
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit must be at least 1 (got {args.limit}); leave it out for every prompt")
+    try:
+        check_device(args.device)
+    except InputError as err:
+        p.error(str(err))
     try:
         args.widths = [int(w) for w in args.widths.split(",")]
     except ValueError:
         p.error(f"--widths takes comma-separated integers, e.g. 12,7,4,1,1,1 (got {args.widths!r})")
     return args
+
+
+def check_device(device: str) -> None:
+    """cpu, or cuda[:N] on a machine that has it."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise InputError(f"unknown --device {device!r}; use cpu or cuda (cuda:N for the N-th GPU)")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: this machine has no CUDA device (or torch was built without CUDA); use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise InputError(f"--device {device}: there are only {torch.cuda.device_count()} CUDA devices")
 
 
 def check_tree_shape(args, table) -> None:
@@ -225,6 +247,8 @@ def summary_row(method: str, records: list[dict]) -> str:
 @exits_on_input_error
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.output:
+        check_output(args.output, FILE, args.overwrite, "--output")
     decoder, tokenizer = build_decoder(args)
     prompts = encode_prompts(args, tokenizer, decoder.context(), decoder.lookahead())
     records = []
@@ -240,7 +264,7 @@ def main(argv=None) -> list[dict]:
             "tokens_per_oracle_call": len(result.tokens) / result.oracle_calls,
         })
     if args.output:
-        with atomic_output(args.output) as tmp:
+        with atomic_output(args.output, FILE, args.overwrite) as tmp:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     if args.prompt is not None:
         print(args.prompt + records[0]["completion"])

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from data.atomic import atomic_output
+from data.atomic import Kind, atomic_output, check_output
 from data.errors import InputError, exits_on_input_error
 from data.shards import open_split, read_meta, split_documents
 from ngram import counts as ngram_counts, katz, successors
 from ngram.arpa import write_arpa
 from ngram.bench_lookup import lookup_cost_us
+
+TRIGRAM = Kind("trigram directory", "meta.json")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=float, default=None, help="use at most this many training tokens")
     p.add_argument("--k", type=int, default=5, help="Good-Turing discounts for counts 1..k")
     p.add_argument("--top-k", type=int, default=16, help="successors kept per context")
+    p.add_argument("--overwrite", action="store_true", help="replace a trigram directory already at --out")
     args = p.parse_args(argv)
     if args.tokens is None and args.vocab_size is not None:
         p.error("--vocab-size goes with --tokens (otherwise the tokenizer's vocabulary is used)")
@@ -48,6 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--tokens needs --vocab-size")
     if args.k < 1 or args.top_k < 1:
         p.error("--k and --top-k must be positive")
+    if (args.max_tokens is not None and args.max_tokens < 1) or args.num_tokens < 1 or args.temperature <= 0:
+        p.error("--max-tokens and --num-tokens must be at least 1, and --temperature positive")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        p.error("--vocab-size must be positive")
+    if args.eos_id is not None and not (args.tokens is not None and 0 <= args.eos_id < args.vocab_size):
+        p.error(f"--eos-id goes with --tokens and must lie in the vocabulary 0..{(args.vocab_size or 1) - 1}")
     return args
 
 
@@ -55,8 +64,13 @@ def read_token_file(path: Path, vocab_size: int) -> list[np.ndarray]:
     if not path.is_file():
         raise InputError(f"token file {path} does not exist")
     docs = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, encoding="utf-8") as f:
+        try:
+            lines = list(f)
+        except UnicodeDecodeError:
+            raise InputError(f"{path} is not a text file of token ids (it is not UTF-8); write one document of "
+                             f"whitespace-separated ids per line") from None
+        for lineno, line in enumerate(lines, 1):
             try:
                 ids = np.array([int(t) for t in line.split()], dtype=np.int64)
             except ValueError:
@@ -100,8 +114,9 @@ def load_documents(args) -> tuple[list[np.ndarray], list[np.ndarray], int, int, 
         vocab_size, eos_id = meta["vocab_size"], meta["eos_id"]
         val = split_documents(np.asarray(open_split(data, "val")), eos_id)
         if args.from_draft is not None:
-            from ngram.draft_samples import sample_documents
+            from ngram.draft_samples import check_draft_tokenizer, sample_documents
 
+            check_draft_tokenizer(args.from_draft, (data / meta["tokenizer"]).resolve())
             train = list(sample_documents(args.from_draft, int(args.num_tokens), args.temperature))
             source = f"{int(args.num_tokens)} tokens sampled from {args.from_draft} at T={args.temperature}"
         else:
@@ -126,6 +141,7 @@ def load_documents(args) -> tuple[list[np.ndarray], list[np.ndarray], int, int, 
 @exits_on_input_error
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    check_output(args.out, TRIGRAM, args.overwrite, "--out")
     start = time.time()
     train, val, vocab_size, eos_id, source = load_documents(args)
     vocab = ngram_counts.Vocabulary(vocab_size)
@@ -141,7 +157,7 @@ def main(argv=None) -> dict:
         "validation_perplexity": {k: v[0] for k, v in perplexity.items()},
         "validation_zero_probabilities": {k: v[1] for k, v in perplexity.items()},
     }
-    with atomic_output(args.out) as tmp:
+    with atomic_output(args.out, TRIGRAM, args.overwrite) as tmp:
         tmp.mkdir()
         write_arpa(model, tmp / "model.arpa")
         table.save(tmp / "successors.npz")

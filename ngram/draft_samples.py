@@ -7,20 +7,22 @@ import torch
 from tqdm.auto import tqdm
 
 from data.errors import InputError
+from data.pretrained import load_causal_lm
+from data.tokenizer import load_tokenizer
+
+
+def check_draft_tokenizer(model_dir, data_tokenizer_dir) -> None:
+    """The draft must speak the data's tokenizer: the trigram's ids are the run's."""
+    if load_tokenizer(model_dir).get_vocab() != load_tokenizer(data_tokenizer_dir).get_vocab():
+        raise InputError(f"the draft in {model_dir} uses another tokenizer than the data's ({data_tokenizer_dir}); "
+                         f"pass a draft trained on this run, or --data of the draft's run")
 
 
 def sample_documents(
     model_dir, num_tokens: int, temperature: float, batch_size: int = 32, seed: int = 0
 ) -> Iterator[np.ndarray]:
     """Documents sampled from the model, each started at end-of-text and cut at the next one."""
-    from transformers import AutoModelForCausalLM
-
-    from data.tokenizer import load_tokenizer
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    except (OSError, ValueError) as err:
-        raise InputError(f"cannot load the draft model from {model_dir} ({str(err).splitlines()[0]}); pass a trained --from-draft directory") from None
+    model = load_causal_lm(model_dir, "draft model (--from-draft)").eval()
     eos = load_tokenizer(model_dir).eos_token_id
     length = model.config.n_positions if hasattr(model.config, "n_positions") else model.config.max_position_embeddings
     torch.manual_seed(seed)

@@ -4,13 +4,14 @@ For every seen trigram history (u, v), every history symbol v and the unigram le
 probable next tokens under the full Katz model with their probabilities. A batch of contexts is one
 searchsorted and a gather. `</s>` is returned as the tokenizer's end-of-text id.
 """
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from data.atomic import atomic_output
-from data.errors import InputError
+from data.errors import InputError, first_line
 from ngram.katz import KatzModel
 
 ROW_CHUNK = 512  # histories per dense block when ranking a whole row
@@ -57,8 +58,16 @@ class SuccessorTable:
         path = Path(path)
         if not path.is_file():
             raise InputError(f"no successor table at {path}; build one with `python ngram/build_katz.py --out {path.parent}`")
-        with np.load(path) as z:
-            fields = {k: z[k] for k in z.files}
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                fields = {k: z[k] for k in z.files}
+        except Exception as err:  # BadZipFile, truncated members, not an npz at all
+            raise InputError(f"{path} is damaged ({first_line(err)}); rebuild it with "
+                             f"`python ngram/build_katz.py --out {path.parent} --overwrite`") from None
+        expected = {f.name for f in dataclasses.fields(cls)}
+        if set(fields) != expected:
+            raise InputError(f"{path} is not a successor table (fields {sorted(fields)}); rebuild it with "
+                             f"`python ngram/build_katz.py --out {path.parent} --overwrite`")
         return cls(**{k: (int(v) if v.ndim == 0 else v) for k, v in fields.items()})
 
 

@@ -34,9 +34,10 @@ train() {
         echo "   already trained (remove $out to retrain)"
         return
     fi
-    local resume=()
-    if compgen -G "$out-train/checkpoints/step-*" > /dev/null; then resume=(--resume); fi
-    "$py" "$script" --preset "$preset" --out "$out" --data "$run/data" "$@" "${resume[@]}"
+    local again=()  # this script's own earlier attempt: continue it, or restart one that never checkpointed
+    if compgen -G "$out-train/checkpoints/step-*" > /dev/null; then again=(--resume)
+    elif [ -f "$out-train/args.json" ]; then again=(--overwrite); fi
+    "$py" "$script" --preset "$preset" --out "$out" --data "$run/data" "$@" "${again[@]}"
 }
 
 echo "== 1/5 data: corpus, tokenizer, token shards, prompts -> $run"
@@ -62,4 +63,4 @@ fi
 echo "== 5/5 benchmark: greedy, $limit prompts x 128 new tokens"
 mkdir -p "$run/bench"
 "$py" -m decode.bench --run "$run" --limit "$limit" --max-new-tokens 128 --dtype bfloat16 \
-    --out "$run/bench/greedy.json" --plot "$run/bench/greedy.png"
+    --out "$run/bench/greedy.json" --plot "$run/bench/greedy.png" --overwrite

@@ -190,4 +190,4 @@ def test_unwritable_output_directory_is_a_one_line_error(tmp_path, corpus_dir, c
     with pytest.raises(SystemExit) as exit_:
         prepare.main(["--path", str(corpus_dir), "--out", str(tmp_path / "file" / "run")])
     assert exit_.value.code == 2
-    assert "cannot write to output directory" in error_line(capsys)
+    assert "is a file; pass another --out" in error_line(capsys)

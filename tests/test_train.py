@@ -84,7 +84,7 @@ def test_bad_inputs_are_one_line_errors(run, tmp_path, capsys):
     data = str(root / "data")
     assert "does not exist" in error_of(capsys, finetune_oracle.main, ["--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
     assert "no preset named 'huge'" in error_of(capsys, finetune_oracle.main, ["--preset", "huge"])
-    assert "already holds a run" in error_of(capsys, finetune_oracle.main, ["--data", data, "--out", str(root / "oracle")])
+    assert "already holds a model" in error_of(capsys, finetune_oracle.main, ["--data", data, "--out", str(root / "oracle")])
     assert "no trained model" in error_of(capsys, distill_draft.main, ["--data", data, "--teacher", str(tmp_path), "--out", str(tmp_path / "d")])
     # a teacher or --init model trained with another tokenizer
     other = prepared_run(tmp_path / "other", vocab_size=300)

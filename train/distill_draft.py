@@ -15,17 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from data.errors import InputError, exits_on_input_error
+from data.pretrained import load_causal_lm
 from data.tokenizer import load_tokenizer
 from train.loop import build_model, check_same_tokenizer, eval_windows, next_token_loss, report, start_run, train
 from train.presets import DRAFT_PRESETS, DistillArgs, parse_args
 
 
 def load_teacher(args: DistillArgs, tokenizer):
-    from transformers import AutoModelForCausalLM
-
     if not (Path(args.teacher) / "config.json").is_file():
         raise InputError(f"no trained model in --teacher {args.teacher}; train the oracle first (train/finetune_oracle.py)")
-    teacher = AutoModelForCausalLM.from_pretrained(args.teacher)
+    teacher = load_causal_lm(args.teacher, "teacher (--teacher)")
     check_same_tokenizer(tokenizer, args.teacher, load_tokenizer(args.teacher), teacher.config.vocab_size)
     return teacher.eval().requires_grad_(False)
 

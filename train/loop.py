@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from data.atomic import atomic_output
+from data.atomic import Kind, atomic_output, check_output as check_output_path, written
 from data.errors import InputError, first_line
+from data.pretrained import load_causal_lm
 from data.shards import open_split, read_meta
 from data.tokenizer import load_tokenizer
 from train.presets import TrainArgs
@@ -65,23 +66,52 @@ def checkpoints(work_dir: Path) -> list[Path]:
     return sorted(p for p in (work_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
 
 
+MODEL = Kind("model directory", "config.json")
+WORK_DIR = Kind("training work directory", "args.json")
+CHECKPOINT_FILES = ("optimizer.bin", "custom_checkpoint_0.pkl")  # the optimizer's and the scheduler's state
+
+
 def check_output(args: TrainArgs) -> Path:
-    """Refuse to mix runs: OUT or the work directory may hold a previous run only with --resume or --overwrite."""
+    """Refuse to mix runs or to replace what is not ours: OUT may hold a model and the work directory a
+    run only with --resume (continue it) or --overwrite (replace it); anything else there is refused."""
     work_dir, out = work_dir_of(args), Path(args.out)
     if args.resume and args.overwrite:
         raise InputError("--resume and --overwrite contradict each other; pass one")
+    check_output_path(out, MODEL, args.overwrite or args.resume, "--out")
+    check_output_path(work_dir, WORK_DIR, True, "--work_dir")  # a run there: decided below
     if args.resume:
         if not checkpoints(work_dir):
             raise InputError(f"nothing to resume: no checkpoint in {work_dir / 'checkpoints'}; run without --resume")
-        saved = json.loads((work_dir / "args.json").read_text())
+        saved = read_saved_args(work_dir)
         changed = [k for k in ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps") if saved.get(k) != getattr(args, k)]
         if changed:
             raise InputError(f"--resume with different {', '.join(changed)} than the checkpointed run; keep them, or start over with --overwrite")
-    elif not args.overwrite and ((out.exists() and any(out.iterdir())) or checkpoints(work_dir)):
-        raise InputError(f"{out} or {work_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    else:
-        shutil.rmtree(work_dir, ignore_errors=True)  # logs of a run that never checkpointed; OUT is replaced at the end
+    elif not args.overwrite and (out / MODEL.marker).exists():
+        raise InputError(f"{out} already holds a model; pass --overwrite to replace it, or another --out")
+    elif not args.overwrite and checkpoints(work_dir):
+        raise InputError(f"{work_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
+    elif not args.overwrite and (work_dir / WORK_DIR.marker).exists():
+        raise InputError(f"{work_dir} holds a run that stopped before its first checkpoint; pass --overwrite to start over")
     return work_dir
+
+
+def read_saved_args(work_dir: Path) -> dict:
+    path = work_dir / WORK_DIR.marker
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"cannot resume: {path} is missing or damaged ({first_line(err)}); start over with --overwrite") from None
+
+
+def check_checkpoint(checkpoint: Path, process_index: int) -> None:
+    """Refuse to resume from a checkpoint that would not restore the run exactly."""
+    needed = (*CHECKPOINT_FILES, f"random_states_{process_index}.pkl")
+    missing = [name for name in needed if not (checkpoint / name).is_file() or (checkpoint / name).stat().st_size == 0]
+    if not any(checkpoint.glob("model*")) and not any(checkpoint.glob("pytorch_model*")):
+        missing.append("the model's weights")
+    if missing:
+        raise InputError(f"checkpoint {checkpoint} is incomplete (missing or empty: {', '.join(missing)}); delete it to "
+                         f"resume from the one before, or start over with --overwrite")
 
 
 def load_data(args: TrainArgs) -> tuple[dict, np.ndarray, np.ndarray]:
@@ -116,14 +146,10 @@ def check_same_tokenizer(tokenizer, other_name: str, other_tokenizer, other_voca
 
 def build_model(args: TrainArgs, tokenizer):
     """A GPT-2 from the preset's shape, or the --init checkpoint (checked against the data's tokenizer)."""
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     if args.init:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(args.init)
-        except Exception as err:  # hub or file errors of many kinds
-            reason = first_line(err)
-            raise InputError(f"cannot load --init {args.init} ({reason}); pass a hub name when online or a local directory") from None
+        model = load_causal_lm(args.init, "--init model", "pass a hub name when online or a local directory")
         try:
             init_tokenizer = load_tokenizer(args.init)
         except InputError:
@@ -187,6 +213,7 @@ def save_checkpoint(accelerator, work_dir: Path, step: int, keep: int) -> None:
     if accelerator.is_main_process:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+        written.append(final)
         for old in checkpoints(work_dir)[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
@@ -194,7 +221,7 @@ def save_checkpoint(accelerator, work_dir: Path, step: int, keep: int) -> None:
 
 def save_final(model, tokenizer, args: TrainArgs, metrics: dict) -> None:
     """save_pretrained model + tokenizer + arguments + metrics, renamed into place when complete."""
-    with atomic_output(args.out) as tmp:
+    with atomic_output(args.out, MODEL, overwrite=args.overwrite or args.resume) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "training_args.json").write_text(json.dumps(asdict(args), indent=2) + "\n")
@@ -249,16 +276,23 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
     step = 0
     if args.resume:
         latest = checkpoints(work_dir)[-1]
-        accelerator.load_state(str(latest))
+        check_checkpoint(latest, accelerator.process_index)
+        try:
+            accelerator.load_state(str(latest))
+        except Exception as err:  # unpickling, safetensors and shape errors of many kinds
+            raise InputError(f"cannot resume from {latest}, it is damaged ({first_line(err)}); delete it to resume "
+                             f"from the one before, or start over with --overwrite") from None
         step = int(latest.name[len(CHECKPOINT_PREFIX) :])
     elif accelerator.is_main_process:
+        if args.overwrite:
+            shutil.rmtree(work_dir, ignore_errors=True)  # a work directory, checked by check_output
         work_dir.mkdir(parents=True, exist_ok=True)
-        (work_dir / "args.json").write_text(json.dumps(asdict(args), indent=2) + "\n")
+        (work_dir / WORK_DIR.marker).write_text(json.dumps(asdict(args), indent=2) + "\n")
     accelerator.init_trackers("train", config={k: v for k, v in asdict(args).items() if v is not None})
 
     stop = min(args.max_steps, args.stop_after_steps or args.max_steps)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * accelerator.num_processes
-    metrics = {}
+    metrics, logs, tokens_per_s = {}, {}, None
     if step == 0:
         metrics["val_loss_initial"] = validation_loss(accelerator, accelerator.unwrap_model(model), val_windows, args.batch_size)
         accelerator.log({"val_loss": metrics["val_loss_initial"]}, step=0)
@@ -292,7 +326,9 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
                 break
         epoch, skip = epoch + 1, 0
     bar.close()
-    metrics.update(step=step, val_loss=logs.get("val_loss"), tokens_per_s=tokens_per_s,
+    if "val_loss" not in logs:  # resumed after the last step: nothing was trained in this process
+        logs["val_loss"] = validation_loss(accelerator, accelerator.unwrap_model(model), val_windows, args.batch_size)
+    metrics.update(step=step, val_loss=logs["val_loss"], tokens_per_s=tokens_per_s,
                    seconds=time.time() - started, parameters=sum(p.numel() for p in accelerator.unwrap_model(model).parameters()))
     if step == args.max_steps:
         unwrapped = accelerator.unwrap_model(model)
