@@ -58,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+RUN = Kind("prepared run", f"data/{shards.META}")
 TOKENIZER = Kind("tokenizer", "tokenizer_config.json")
 DATA = Kind("prepared data directory", shards.META)
 TRAINED = ("oracle", "draft", "ngram")  # what a run holds that was built on its tokenizer
@@ -70,8 +71,7 @@ def outputs(run: Path) -> list[tuple[Path, Kind]]:
 
 def check_outputs(run: Path, overwrite: bool) -> None:
     """Refuse before any work an --out whose parts prepare may not replace."""
-    if run.exists() and not run.is_dir():
-        raise InputError(f"--out {run} is a file, not a run directory; pass a new or existing run directory")
+    check_output(run, RUN, overwrite, "--out")
     for path, kind in outputs(run):
         check_output(path, kind, overwrite, "--out")
     trained = [name for name in TRAINED if (run / name).exists()]

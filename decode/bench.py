@@ -136,11 +136,11 @@ def check_plot_path(path: Path, overwrite: bool) -> None:
     """A plot path matplotlib can write, checked before any decoding."""
     from matplotlib.figure import Figure
 
+    check_output(path, FILE, overwrite, "--plot")
     formats = Figure().canvas.get_supported_filetypes()
     if path.suffix.lstrip(".").lower() not in formats:
         raise InputError(f"--plot {path}: matplotlib cannot write {path.suffix or 'a file without extension'}; "
                          f"end the name in one of {', '.join('.' + f for f in sorted(formats))}")
-    check_output(path, FILE, overwrite, "--plot")
 
 
 def plot(summary: dict[str, dict], path: Path, title: str, overwrite: bool) -> None:

@@ -8,11 +8,16 @@ from decode.cached_lm import CachedLM
 from decode.engine import DTYPES
 
 
+def load_hf_model(model_dir, dtype: str, device: str):
+    """A transformers causal LM in inference mode on `device`, with a one-line error when it cannot load."""
+    return load_causal_lm(model_dir, "model", dtype=DTYPES[dtype]).to(device).eval()
+
+
 class HFEngine(CachedLM):
     def __init__(self, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None):
         from transformers import DynamicCache
 
-        self.model = load_causal_lm(model_dir, "model", dtype=DTYPES[dtype]).to(device).eval()
+        self.model = load_hf_model(model_dir, dtype, device)
         config = self.model.config
         self.device = torch.device(device)
         self.vocab_size = config.vocab_size

@@ -4,15 +4,15 @@ default schedule). Both return a Generation, with the oracle's forward calls cou
 import torch
 
 from decode.generate import Generation
-from decode.hf_backend import load_causal_lm
+from decode.hf_backend import load_hf_model
 from decode.sampling import Sampling
 
 
 class HFGenerate:
     def __init__(self, oracle_dir, draft_dir, sampling: Sampling, eos_id: int, dtype: str = "float32", device: str = "cpu"):
         """`draft_dir` None: plain generate; else assisted generation with that assistant."""
-        self.oracle = load_causal_lm(oracle_dir, dtype, device)
-        self.assistant = None if draft_dir is None else load_causal_lm(draft_dir, dtype, device)
+        self.oracle = load_hf_model(oracle_dir, dtype, device)
+        self.assistant = None if draft_dir is None else load_hf_model(draft_dir, dtype, device)
         self.sampling, self.eos_id = sampling, eos_id
         self.calls = {"oracle": 0, "draft": 0}
         self.oracle.register_forward_pre_hook(lambda *_: self._count("oracle"))

@@ -31,10 +31,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--out", required=True, type=Path, help="output directory (RUN/ngram)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--data", type=Path, help="prepared data directory (default: the data/ beside --out)")
-    src.add_argument("--tokens", type=Path, help="text file of whitespace-separated token ids, one document per line")
-    src.add_argument("--from-draft", type=Path, metavar="DIR", help="sample the training text from this draft model")
+    p.add_argument("--data", type=Path, help="prepared data directory: training text (unless --from-draft), validation "
+                                             "text and tokenizer (default: the data/ beside --out)")
+    p.add_argument("--tokens", type=Path, help="instead of --data: a text file of whitespace-separated token ids, one document per line")
+    p.add_argument("--from-draft", type=Path, metavar="DIR", help="sample the training text from this draft model")
     p.add_argument("--vocab-size", type=int, help="with --tokens: vocabulary size (ids must be below it)")
     p.add_argument("--eos-id", type=int, help="with --tokens: the end-of-text id that stands for </s> (default: the run's tokenizer's, else 0)")
     p.add_argument("--val-tokens", type=Path, help="with --tokens: held-out documents in the same format, for perplexity")
@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=16, help="successors kept per context")
     p.add_argument("--overwrite", action="store_true", help="replace a trigram directory already at --out")
     args = p.parse_args(argv)
+    if args.tokens is not None and (args.data is not None or args.from_draft is not None):
+        p.error("--tokens replaces --data and --from-draft; pass one source of training text")
     if args.tokens is None and args.vocab_size is not None:
         p.error("--vocab-size goes with --tokens (otherwise the tokenizer's vocabulary is used)")
     if args.tokens is not None and args.vocab_size is None:
