@@ -2,7 +2,7 @@
 committed positions followed by `pending` speculative ones.
 
     forward(token_ids, position_ids, mask) -> logits   score new nodes, append them as pending
-    commit(keep)                                        keep these pending slots, in order; drop the rest
+    commit(keep)                                        keep these pending slots (a list), in order; drop the rest
 """
 import torch
 
@@ -15,11 +15,12 @@ class CachedLM:
     device: torch.device
 
     def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Logits (q, vocab) of q new nodes; `mask` (q, length + pending + q) marks what each node sees
-        (None: all of the cache and a causal chain of the new nodes)."""
+        """Logits (q, vocab) of q new nodes. Every committed position is visible to them; `mask`
+        (q, pending + q) marks which pending slots and new nodes each one sees (None: all of them, the
+        new nodes as a causal chain)."""
         raise NotImplementedError
 
-    def commit(self, keep) -> None:
+    def commit(self, keep: list[int]) -> None:
         raise NotImplementedError
 
     def reset(self) -> None:

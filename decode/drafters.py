@@ -1,70 +1,82 @@
 """Drafters: each proposes a Tree rooted at the last accepted token for the oracle to verify.
 
-    chain   the draft model samples k tokens one after another (standard speculative decoding)
+    chain   the draft model proposes k tokens one after another (standard speculative decoding)
     tree    the draft model expands the nodes of highest cumulative probability, a few children each
     staged  the Katz trigram proposes children level by level, the draft model scores all of them in
             one forward pass, and the best `budget` nodes by cumulative draft probability are kept
     ngram   the trigram alone, ranked by cumulative trigram probability
 
-A drafter that uses the draft model keeps its KV cache on the accepted prefix: `propose` catches it
-up on the tokens it has not seen and scores tree nodes as pending slots; `accept` commits the slots
-of the accepted path.
+A drafter that uses the draft model keeps its KV cache on the accepted prefix. Each step begins
+with the accepted tokens the draft has not seen (the oracle's last token, the root, among them);
+the step's first forward feeds them together with the first tree nodes, so a staged step costs one
+draft call. `accept` commits them and the accepted nodes the draft scored.
 """
 import itertools
 import operator
 import time
 
+import numpy as np
 import torch
 
 from decode.cached_lm import CachedLM
-from decode.sampling import Sampling, sample
+from decode.sampling import Sampling, row_argmax, sample
 from decode.tree import Tree
 
 
 class DraftModel:
-    """The draft model's cache bookkeeping for one tree: which pending slot holds which node."""
+    """The draft model's cache bookkeeping for one step: which pending slot holds which tree node."""
 
     def __init__(self, model: CachedLM):
         self.model = model
         self.calls = 0
+        self.slots = {}
 
     def reset(self) -> None:
         self.model.reset()
         self.calls = 0
 
-    def catch_up(self, tokens: list[int]) -> torch.Tensor:
-        """Feed the accepted tokens the draft has not seen (the root last); logits at the root."""
+    def start(self, tokens: list[int]) -> None:
+        """A new step: the accepted tokens past the draft's cache, the root last, are fed with the first score."""
+        self.unseen = tokens[self.model.length :]
         self.slots = {}  # tree node -> pending slot
-        logits = self.model.append(torch.tensor(tokens[self.model.length :], device=self.model.device))
-        self.slots[0] = self.model.pending - 1
-        self.calls += 1
-        return logits[-1]
 
     def score(self, tree: Tree, nodes: list[int]) -> torch.Tensor:
-        """Logits of `nodes` (their ancestors already scored or among them), in one forward pass."""
-        model = self.model
-        cached, pending = model.length, model.pending
-        ancestors = tree.ancestors()[nodes]  # (len(nodes), len(tree))
-        mask = torch.zeros(len(nodes), cached + pending + len(nodes), dtype=torch.bool)
-        mask[:, : cached + self.slots[0] + 1] = True  # the prefix, the catch-up run and the root
+        """Logits after each of `nodes`, in one forward pass. Their ancestors must be scored already or
+        among them; the step's first call scores the root (node 0) with the unseen accepted tokens."""
+        model, pending = self.model, self.model.pending
+        run = self.unseen if not self.slots else []
+        new = [n for n in nodes if n != 0]
+        r = len(run)
+        if r:
+            self.slots[0] = r - 1
+        for i, node in enumerate(new):
+            self.slots[node] = pending + r + i
+        m = r + len(new)
+        mask = np.zeros((m, pending + m), dtype=bool)
+        mask[:r, :r] = np.tri(r, dtype=bool)  # the unseen tokens: a causal chain (nothing is pending yet)
+        mask[r:, : self.slots[0] + 1] = True  # tree nodes see the unseen tokens up to the root
         fed = [n for n in self.slots if n != 0]
-        if fed:
-            mask[:, [cached + self.slots[n] for n in fed]] = ancestors[:, fed]
-        mask[:, cached + pending :] = ancestors[:, nodes]
-        for i, node in enumerate(nodes):
-            self.slots[node] = pending + i
+        mask[np.ix_(range(r, m), [self.slots[n] for n in fed])] = tree.ancestors(new)[:, fed]
+        root_position = model.length + self.slots[0]
+        ids = run + [tree.tokens[n] for n in new]
+        positions = list(range(model.length, model.length + r)) + [root_position + tree.depths[n] for n in new]
         self.calls += 1
-        return model.forward(tree.token_ids(model.device)[nodes], tree.position_ids(cached + self.slots[0], model.device)[nodes],
-                             mask.to(model.device))
+        logits = model.forward(torch.tensor(ids, device=model.device), torch.tensor(positions, device=model.device),
+                               torch.from_numpy(mask).to(model.device))
+        row_of = {n: r + i for i, n in enumerate(new)} | ({0: r - 1} if r else {})
+        rows = [row_of[n] for n in nodes]
+        return logits[rows[0] :] if rows == list(range(rows[0], m)) else logits[rows]
 
     def accept(self, tree_path: list[int]) -> None:
-        """Commit the catch-up run and the accepted nodes the draft has scored (a prefix of the path)."""
+        """Commit the unseen tokens and the accepted nodes the draft has scored (a prefix of the path)."""
+        if not self.slots:
+            return
         keep = list(range(self.slots[0] + 1))
         for node in tree_path[1:]:
             if node not in self.slots:
                 break
             keep.append(self.slots[node])
-        self.model.commit(torch.tensor(keep, device=self.model.device))
+        self.model.commit(keep)
 
 
 def ranking_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -73,20 +85,20 @@ def ranking_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return logits.float().softmax(-1) if sampling.greedy else sampling.probs(logits)
 
 
-def top_nodes(cumulative, budget: int) -> list[int]:
-    """The `budget` nodes of highest cumulative probability; ancestor-closed because a child never
-    beats its parent (ties go to the earlier node, and parents come first)."""
-    order = torch.sort(-torch.as_tensor(cumulative, dtype=torch.float64), stable=True).indices
-    return sorted(order[:budget].tolist())
+def best_first(scores: list[float], budget: int) -> list[int]:
+    """The `budget` nodes of highest score (a path probability), in topological order; ancestor-closed
+    because a child never beats its parent (ties go to the earlier node, and parents come first)."""
+    return sorted(sorted(range(len(scores)), key=scores.__getitem__, reverse=True)[:budget])
 
 
-def best_budget(cumulative: torch.Tensor, oracle_ms: torch.Tensor, drafting_ms: float) -> int:
+def best_budget(cumulative, oracle_ms, drafting_ms: float) -> int:
     """The oracle tree size with the most expected tokens per millisecond. A node is accepted with
     (about) its path probability under the draft, so the best b nodes yield the sum of their path
     probabilities (the root's 1 stands for the token the oracle adds); a step costs the drafting
     already spent plus the oracle's forward over b nodes (`oracle_ms[b]`, measured)."""
-    best = cumulative.sort(descending=True).values[: len(oracle_ms) - 1]
-    rate = best.cumsum(0) / (oracle_ms[1 : len(best) + 1] + drafting_ms)
+    oracle_ms = np.asarray(oracle_ms, dtype=np.float64)
+    best = -np.sort(-np.asarray(cumulative, dtype=np.float64))[: len(oracle_ms) - 1]
+    rate = best.cumsum() / (oracle_ms[1 : len(best) + 1] + drafting_ms)
     return int(rate.argmax()) + 1
 
 
@@ -126,24 +138,26 @@ class ModelDrafter:
 
 
 class ChainDrafter(ModelDrafter):
-    """k tokens sampled from the draft model one after another (children drawn from q: rejection-verified)."""
-
-    sampled_children = True
+    """k tokens from the draft model one after another: its argmax when greedy (verified by
+    sample-match), else samples from q (verified by rejection sampling)."""
 
     def __init__(self, model: CachedLM, sampling: Sampling, k: int):
         super().__init__(model, sampling)
         self.k = k
+        self.sampled_children = not sampling.greedy
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         tree = Tree.rooted(tokens[-1])
-        logits = self.draft.catch_up(tokens)
+        self.draft.start(tokens)
         node = 0
-        for depth in range(min(self.k, max_depth)):
-            q = self.sampling.probs(logits)
-            tree.child_dists[node] = q
-            node = tree.add(node, sample(q, generator))
-            if depth + 1 < min(self.k, max_depth):
-                logits = self.draft.score(tree, [node])[-1]
+        for _ in range(min(self.k, max_depth)):
+            logits = self.draft.score(tree, [node])
+            if self.sampled_children:
+                tree.child_dists[node] = q = self.sampling.probs(logits[0])
+                token = sample(q, generator)
+            else:
+                token = row_argmax(logits)[0]
+            node = tree.add(node, token)
         return tree
 
 
@@ -159,26 +173,29 @@ class TreeDrafter(ModelDrafter):
         super().__init__(model, sampling)
         self.budget, self.depth, self.branch, self.expand, self.sampled_children = budget, depth, branch, expand, sampled
 
-    def _children(self, tree: Tree, cumulative: list[float], node: int, logits: torch.Tensor, generator) -> None:
+    def _children(self, tree: Tree, cumulative: list[float], nodes: list[int], logits: torch.Tensor, generator) -> None:
         probs = ranking_probs(logits, self.sampling)
         if self.sampled_children:
-            q = self.sampling.probs(logits)
-            tree.child_dists[node] = q
-            tokens = [sample(q, generator) for _ in range(self.branch)]
-        else:
-            tokens = probs.topk(self.branch).indices.tolist()
-        for token in tokens:
-            tree.add(node, token)
-            cumulative.append(cumulative[node] * float(probs[token]))
+            for node, row, q in zip(nodes, probs, self.sampling.probs(logits)):
+                tree.child_dists[node] = q
+                for token in [sample(q, generator) for _ in range(self.branch)]:
+                    tree.add(node, token)
+                    cumulative.append(cumulative[node] * float(row[token]))
+            return
+        top = probs.topk(self.branch)
+        for node, values, tokens in zip(nodes, top.values.tolist(), top.indices.tolist()):
+            for p, token in zip(values, tokens):
+                tree.add(node, token)
+                cumulative.append(cumulative[node] * p)
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         tree, cumulative = Tree.rooted(tokens[-1]), [1.0]
         self.kept = None
+        self.draft.start(tokens)
         depth = min(self.depth, max_depth)
         if depth == 0:
-            self.draft.catch_up(tokens)
             return tree
-        self._children(tree, cumulative, 0, self.draft.catch_up(tokens), generator)
+        self._children(tree, cumulative, [0], self.draft.score(tree, [0]), generator)
         expanded = {0}
         while len(tree) + self.branch <= (self.budget if self.sampled_children else 2 * self.budget):
             candidates = sorted((n for n in range(len(tree)) if n not in expanded and tree.depths[n] < depth),
@@ -187,36 +204,35 @@ class TreeDrafter(ModelDrafter):
             nodes = sorted(candidates[: min(self.expand, room)])
             if not nodes:
                 break
-            for node, logits in zip(nodes, self.draft.score(tree, nodes)):
-                self._children(tree, cumulative, node, logits, generator)
+            self._children(tree, cumulative, nodes, self.draft.score(tree, nodes), generator)
             expanded.update(nodes)
         if self.sampled_children:  # sampled children stay as drawn: pruning by value would bias them
             return tree
-        tree, self.kept = tree.subtree(top_nodes(cumulative, self.budget))
+        tree, self.kept = tree.subtree(best_first(cumulative, self.budget))
         return tree
 
 
 def trigram_tree(table, tokens: list[int], widths: list[int], max_depth: int) -> tuple[Tree, list[float]]:
     """Children proposed by the trigram, `widths[d]` per node at depth d; returns the tree and each
-    node's trigram probability given its parent."""
+    node's trigram probability given its parent (the root's: 1)."""
     tree, probs = Tree.rooted(tokens[-1]), [1.0]
     level = [0]
     before_root = tokens[-2] if len(tokens) > 1 else table.bos
     for width in widths[:max_depth]:
-        u = [tree.tokens[tree.parents[n]] if n else before_root for n in level]
-        v = [tree.tokens[n] for n in level]
-        successors, successor_probs = table.lookup(u, v)
         next_level = []
-        for node, toks, ps in zip(level, successors[:, :width].tolist(), successor_probs[:, :width].tolist()):
-            for token, p in zip(toks, ps):
-                next_level.append(tree.add(node, token))
-                probs.append(p)
+        for node in level:
+            u = tree.tokens[tree.parents[node]] if node else before_root
+            successors, successor_probs = table.successors(u, tree.tokens[node])
+            next_level += tree.add_level([node] * width, successors[:width])
+            probs += successor_probs[:width]
         level = next_level
     return tree, probs
 
 
 class StagedDrafter(ModelDrafter):
-    """Staged speculative decoding: the trigram drafts for the draft model, which drafts for the oracle."""
+    """Staged speculative decoding: the trigram drafts for the draft model, which drafts for the oracle.
+    One draft forward per step scores the unseen accepted tokens and the trigram's whole tree; the
+    draft's own top children of every scored node join as candidate leaves."""
 
     def __init__(self, model: CachedLM, table, sampling: Sampling, budget: int = 36, widths=(12, 7, 4, 1, 1, 1),
                  draft_children: int = 4, oracle_ms: torch.Tensor | None = None):
@@ -226,29 +242,44 @@ class StagedDrafter(ModelDrafter):
         self.table, self.budget, self.widths, self.draft_children = table, budget, list(widths), draft_children
         self.oracle_ms = None if oracle_ms is None else oracle_ms[: budget + 1]
 
+    def draft_leaves(self, tree: Tree, probs: torch.Tensor, max_depth: int) -> tuple[list[int], list[int], list[float]]:
+        """The draft's own best children of every node above `max_depth` that the trigram did not
+        propose: (parents, tokens, probabilities). One child each is an argmax; more need a top-k."""
+        if self.draft_children == 1:
+            tokens = [[t] for t in row_argmax(probs)]
+            values = probs[torch.arange(len(tree)), torch.tensor(tokens)[:, 0]][:, None].tolist()
+        else:
+            top = probs.topk(self.draft_children)
+            tokens, values = top.indices.tolist(), top.values.tolist()
+        parents, leaf_tokens, leaf_probs = [], [], []
+        for node in range(len(tree)):
+            if tree.depths[node] >= max_depth:
+                continue
+            taken = {tree.tokens[c] for c in tree.children[node]}
+            for token, p in zip(tokens[node], values[node]):
+                if token not in taken:
+                    parents.append(node)
+                    leaf_tokens.append(token)
+                    leaf_probs.append(p)
+        return parents, leaf_tokens, leaf_probs
+
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         start = time.perf_counter()
-        root_logits = self.draft.catch_up(tokens)
+        self.draft.start(tokens)
         tree, _ = trigram_tree(self.table, tokens, self.widths, max_depth)
         n = len(tree)
-        logits = torch.cat([root_logits[None], self.draft.score(tree, list(range(1, n)))]) if n > 1 else root_logits[None]
-        probs = ranking_probs(logits, self.sampling)  # row i: the draft's distribution after node i
-        parents, node_tokens = torch.tensor(tree.parents), torch.tensor(tree.tokens)
-        cumulative = tree.cumulative(probs[parents.clamp_min(0), node_tokens])
-        # the draft's own best children of every scored node are candidate leaves
-        top_probs, top_tokens = probs.topk(self.draft_children)
-        vocab = probs.shape[1]
-        fresh = ~torch.isin(torch.arange(n)[:, None] * vocab + top_tokens, parents[1:] * vocab + node_tokens[1:])
-        fresh &= (torch.tensor(tree.depths) < max_depth)[:, None]
-        leaf_parents = torch.arange(n)[:, None].expand_as(top_tokens)[fresh]
-        leaf_tokens = top_tokens[fresh]
-        candidates = torch.cat([cumulative, cumulative[leaf_parents] * top_probs[fresh].double()])
+        probs = ranking_probs(self.draft.score(tree, list(range(n))), self.sampling)  # row i: after node i
+        edges = probs[torch.tensor(tree.parents[1:], dtype=torch.long), torch.tensor(tree.tokens[1:], dtype=torch.long)].tolist()
+        cumulative = tree.cumulative([1.0] + edges)
+        leaf_parents, leaf_tokens, leaf_probs = self.draft_leaves(tree, probs, max_depth)
+        candidates = cumulative + [cumulative[parent] * p for parent, p in zip(leaf_parents, leaf_probs)]
         budget = self.budget
         if self.oracle_ms is not None:
             budget = best_budget(candidates, self.oracle_ms, 1e3 * (time.perf_counter() - start))
-        chosen = top_nodes(candidates, budget)
-        leaves = [tree.add(int(leaf_parents[i - n]), int(leaf_tokens[i - n])) for i in chosen if i >= n]
-        tree, self.kept = tree.subtree([i for i in chosen if i < n] + leaves)
+        chosen = best_first(candidates, budget)
+        leaves = [i - n for i in chosen if i >= n]
+        added = tree.add_level([leaf_parents[i] for i in leaves], [leaf_tokens[i] for i in leaves])
+        tree, self.kept = tree.subtree([i for i in chosen if i < n] + list(added))
         return tree
 
 
@@ -266,7 +297,7 @@ class NgramDrafter:
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         tree, probs = trigram_tree(self.table, tokens, self.widths, max_depth)
-        return tree.subtree(top_nodes(tree.cumulative(torch.tensor(probs)), self.budget))[0]
+        return tree.subtree(best_first(tree.cumulative(probs), self.budget))[0]
 
     def accept(self, path: list[int]) -> None:
         pass

@@ -128,7 +128,11 @@ class GPT2Engine(CachedLM):
             raise InputError(f"{q} new nodes after {start} cached slots overflow the cache of {self.capacity} slots; "
                              f"draft smaller trees (--budget, --widths)")
         x = self.wte[token_ids] + self.wpe[position_ids]
-        if mask is None and q > 1:  # a chain: the new nodes see the whole cache and their predecessors
+        if mask is not None:  # over the pending slots and the new nodes; every committed position is visible
+            full = torch.ones(q, end, dtype=torch.bool, device=self.device)
+            full[:, self.length :] = mask
+            mask = full
+        elif q > 1:  # a chain: the new nodes see the whole cache and their predecessors
             mask = torch.ones(q, end, dtype=torch.bool, device=self.device).tril(start)
         for i, layer in enumerate(self.layers):
             h = F.layer_norm(x, (s.n_embd,), layer["ln_1.weight"], layer["ln_1.bias"], s.layer_norm_epsilon)
@@ -148,11 +152,10 @@ class GPT2Engine(CachedLM):
         return self.project(x, self.head).float()
 
     @torch.inference_mode()
-    def commit(self, keep: torch.Tensor | list[int]) -> None:
-        keep = torch.as_tensor(keep, dtype=torch.long, device=self.device)
-        n = keep.numel()
-        if n and not torch.equal(keep, torch.arange(n, device=self.device)):  # already in place otherwise
-            src = self.length + keep
+    def commit(self, keep: list[int]) -> None:
+        n = len(keep)
+        if keep != list(range(n)):  # already in place otherwise
+            src = self.length + torch.tensor(keep, device=self.device)
             self.k_cache[:, :, self.length : self.length + n] = self.k_cache[:, :, src]
             self.v_cache[:, :, self.length : self.length + n] = self.v_cache[:, :, src]
         self.length += n

@@ -10,7 +10,7 @@ import torch
 from decode.cached_lm import CachedLM
 from decode.drafters import ChainDrafter
 from decode.sampling import Sampling
-from decode.verify import multi_draft_rejection, sample_match
+from decode.verify import Target, multi_draft_rejection, sample_match
 
 
 @dataclass
@@ -59,11 +59,11 @@ def tree_speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int
         tree = drafter.propose(tokens, max_new_tokens - len(out.tokens) - 1, generator)
         cached = oracle.length
         logits = oracle.forward(tree.token_ids(oracle.device), tree.position_ids(cached, oracle.device),
-                                tree.attention_mask(cached, oracle.device))
+                                tree.mask(oracle.device))
         out.oracle_calls += 1
         out.oracle_nodes += len(tree)
-        path, following = verify(tree, sampling.probs(logits), generator)
-        oracle.commit(torch.tensor(path, device=oracle.device))
+        path, following = verify(tree, Target(logits, sampling), generator)
+        oracle.commit(path)
         drafter.accept(path)
         new = [tree.tokens[n] for n in path[1:]] + [following]
         tokens += new

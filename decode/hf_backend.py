@@ -41,6 +41,8 @@ class HFEngine(CachedLM):
         start = self.length + self.pending
         if mask is None:
             mask = torch.ones(q, start + q, dtype=torch.bool, device=self.device).tril(start)
+        else:  # over the pending slots and the new nodes: every committed position is visible
+            mask = torch.cat([torch.ones(q, self.length, dtype=torch.bool, device=self.device), mask], 1)
         dtype = self.model.dtype
         additive = torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill(~mask, torch.finfo(dtype).min)
         out = self.model(
@@ -52,8 +54,8 @@ class HFEngine(CachedLM):
         return out.logits[0].float()
 
     @torch.inference_mode()
-    def commit(self, keep) -> None:
-        keep = torch.as_tensor(keep, dtype=torch.long, device=self.device)
+    def commit(self, keep: list[int]) -> None:
+        keep = torch.tensor(keep, dtype=torch.long, device=self.device)
         index = torch.cat([torch.arange(self.length, device=self.device), self.length + keep])
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(-2, index)

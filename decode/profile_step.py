@@ -44,7 +44,7 @@ def main(argv=None) -> dict[str, float]:
     if decoder.drafter is not None:
         watch.wrap(decoder.drafter, "propose", "propose")
         if hasattr(decoder.drafter, "table"):
-            watch.wrap(decoder.drafter.table, "lookup", "trigram lookups")
+            watch.wrap(decoder.drafter.table, "successors", "trigram lookups")
     for rule in ("sample_match", "multi_draft_rejection"):  # the loop looks them up in decode.generate
         watch.wrap(generate, rule, "verification")
     decoder(prompts[0][1], 8, args.seed)  # warm-up

@@ -35,7 +35,15 @@ class Sampling:
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         """One token from the processed distribution of one row of logits (the argmax when greedy)."""
-        return int(logits.argmax()) if self.greedy else sample(self.probs(logits), generator)
+        return row_argmax(logits[None])[0] if self.greedy else sample(self.probs(logits), generator)
+
+
+def row_argmax(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row. On CPU through numpy: torch's CPU argmax over a vocabulary is ~10x slower
+    (measured: 110-290 us vs 12 us for 30 x 8192 float32). Ties go to the first index in both."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(1).tolist()
+    return logits.argmax(-1).tolist()
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -3,9 +3,14 @@
 Node 0 is the root: the last accepted token, which the models have not seen yet. Nodes are in
 topological order (a parent before its children). A node attends to every cached position and to
 its own ancestors, itself included, and sits at position prefix length + depth.
+
+Trees hold tens of nodes and are built once per step, so they live in Python lists and numpy
+arrays: a torch operation costs microseconds of dispatch, a list append or a small numpy operation
+a fraction of that. Each node carries its ancestors as the bits of a Python integer.
 """
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -15,23 +20,33 @@ class Tree:
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
     children: list[list[int]] = field(default_factory=list)
+    lineage: list[int] = field(default_factory=list)  # bit j of lineage[i]: j is i or one of its ancestors
     # For drafters that sample children: the distribution each node's children were drawn from.
     child_dists: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def rooted(cls, token: int) -> "Tree":
-        return cls([token], [-1], [0], [[]])
+        return cls([token], [-1], [0], [[]], [1])
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def add(self, parent: int, token: int) -> int:
+        node = len(self.tokens)
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.children.append([])
-        self.children[parent].append(len(self.tokens) - 1)
-        return len(self.tokens) - 1
+        self.children[parent].append(node)
+        self.lineage.append(self.lineage[parent] | 1 << node)
+        return node
+
+    def add_level(self, parents: list[int], tokens: list[int]) -> range:
+        """Add children (parents[i], tokens[i]) for every i; returns their node numbers."""
+        first = len(self.tokens)
+        for parent, token in zip(parents, tokens):
+            self.add(parent, token)
+        return range(first, len(self.tokens))
 
     def path(self, node: int) -> list[int]:
         """The nodes from the root to `node`."""
@@ -41,46 +56,38 @@ class Tree:
             node = self.parents[node]
         return nodes[::-1]
 
-    def levels(self):
-        """(depth, nodes at that depth, their parents) for depth 1, 2, ...: a level's parents are all
-        in the level before, so per-node recurrences run one tensor operation per level."""
-        parents, depths = torch.tensor(self.parents), torch.tensor(self.depths)
-        for depth in range(1, max(self.depths) + 1):
-            nodes = (depths == depth).nonzero()[:, 0]
-            yield depth, nodes, parents[nodes]
+    def ancestors(self, rows=None) -> np.ndarray:
+        """(len(rows), N) bool: [i, j] when j is rows[i] or one of its ancestors (rows: every node)."""
+        n = len(self)
+        lineage = self.lineage if rows is None else [self.lineage[r] for r in rows]
+        width = (n + 7) // 8
+        packed = np.frombuffer(b"".join(bits.to_bytes(width, "little") for bits in lineage), np.uint8)
+        return np.unpackbits(packed.reshape(len(lineage), width), axis=1, count=n, bitorder="little").view(bool)
 
-    def ancestors(self) -> torch.Tensor:
-        """(N, N) bool: [i, j] when j is i or one of its ancestors."""
-        mask = torch.eye(len(self), dtype=torch.bool)
-        for _, nodes, parents in self.levels():
-            mask[nodes] |= mask[parents]
-        return mask
-
-    def cumulative(self, edge_probs: torch.Tensor) -> torch.Tensor:
-        """Each node's path probability, the product of `edge_probs` (a node's probability given its
-        parent; the root's entry is ignored) from the root down."""
-        out = torch.ones(len(self), dtype=torch.float64)
-        for _, nodes, parents in self.levels():
-            out[nodes] = out[parents] * edge_probs[nodes].double()
-        return out
-
-    def attention_mask(self, cached: int, device=None) -> torch.Tensor:
-        """(N, cached + N) bool: every cached position, then the node's ancestors and itself."""
-        return torch.cat([torch.ones(len(self), cached, dtype=torch.bool), self.ancestors()], 1).to(device)
+    def mask(self, device=None) -> torch.Tensor:
+        """(N, N) bool: what each node sees among the tree's nodes (the cache it sees whole)."""
+        return torch.from_numpy(self.ancestors()).to(device)
 
     def position_ids(self, prefix: int, device=None) -> torch.Tensor:
-        return prefix + torch.tensor(self.depths, device=device)
+        return torch.tensor(self.depths, device=device) + prefix
 
     def token_ids(self, device=None) -> torch.Tensor:
         return torch.tensor(self.tokens, device=device)
 
-    def subtree(self, nodes: list[int]) -> tuple["Tree", list[int]]:
+    def cumulative(self, edge_probs) -> list[float]:
+        """Each node's path probability, the product of `edge_probs` (a node's probability given its
+        parent; the root's entry is ignored) from the root down."""
+        out = [1.0] * len(self)
+        for node in range(1, len(self)):
+            out[node] = out[self.parents[node]] * edge_probs[node]
+        return out
+
+    def subtree(self, nodes) -> tuple["Tree", list[int]]:
         """The tree restricted to `nodes` (which must hold every ancestor of each), renumbered in
         topological order; returns it and, for each new node, its old index."""
         keep = sorted(nodes)
         new_index = {old: new for new, old in enumerate(keep)}
         tree = Tree.rooted(self.tokens[keep[0]])
-        for old in keep[1:]:
-            tree.add(new_index[self.parents[old]], self.tokens[old])
+        tree.add_level([new_index[self.parents[old]] for old in keep[1:]], [self.tokens[old] for old in keep[1:]])
         tree.child_dists = {new_index[o]: d for o, d in self.child_dists.items() if o in new_index}
         return tree, keep

@@ -1,6 +1,6 @@
 """Exact verification of a drafted tree: the emitted tokens follow the oracle's processed
-distribution p exactly. Both rules take the tree and p (one row per node) and return the accepted
-nodes (the root first) and the token that follows them.
+distribution p exactly. Both rules take the tree and the oracle's Target (p at every node) and
+return the accepted nodes (the root first) and the token that follows them.
 
 On a chain, multi-draft rejection is Chen et al.'s modified rejection sampling: accept the drafted
 token with probability min(1, p(x) / q(x)), on rejection sample from normalise(max(p - q, 0)), and
@@ -9,23 +9,42 @@ rules reduce to: follow the child that carries the oracle's argmax, then emit th
 """
 import torch
 
-from decode.sampling import sample
+from decode.sampling import Sampling, row_argmax, sample
 
 
-def sample_match(tree, p: torch.Tensor, generator) -> tuple[list[int], int]:
+class Target:
+    """The oracle's processed distribution p at each node of a scored tree, computed only at the
+    nodes verification visits. Greedy: the argmax of every row, in one pass over the logits."""
+
+    def __init__(self, logits: torch.Tensor, sampling: Sampling):
+        self.logits, self.sampling = logits, sampling
+        self.argmax = row_argmax(logits) if sampling.greedy else None
+        self._probs = {}
+
+    def probs(self, node: int) -> torch.Tensor:
+        if node not in self._probs:
+            self._probs[node] = self.sampling.probs(self.logits[node])
+        return self._probs[node]
+
+    def draw(self, node: int, generator) -> int:
+        """A token from p at `node` (its argmax when greedy: a point mass needs no random draw)."""
+        return self.argmax[node] if self.argmax is not None else sample(self.probs(node), generator)
+
+
+def sample_match(tree, target: Target, generator) -> tuple[list[int], int]:
     """Exact for any tree that does not depend on the oracle's randomness: at each node sample the
     oracle's token from p; descend into the child that carries it, else emit it and stop.
     Returns the accepted nodes (the root first) and the token that follows them."""
     path = [0]
     while True:
-        token = sample(p[path[-1]], generator)
+        token = target.draw(path[-1], generator)
         child = next((c for c in tree.children[path[-1]] if tree.tokens[c] == token), None)
         if child is None:
             return path, token
         path.append(child)
 
 
-def multi_draft_rejection(tree, p: torch.Tensor, generator) -> tuple[list[int], int]:
+def multi_draft_rejection(tree, target: Target, generator) -> tuple[list[int], int]:
     """SpecInfer's multi-round rejection sampling, for trees whose children at a node were drawn
     independently from `tree.child_dists[node]`: try the children in order, accepting child x with
     probability min(1, r(x) / q(x)) where r starts as p and becomes normalise(max(r - q, 0)) after
@@ -33,7 +52,7 @@ def multi_draft_rejection(tree, p: torch.Tensor, generator) -> tuple[list[int], 
     path = [0]
     while True:
         node = path[-1]
-        residual = p[node]
+        residual = target.probs(node)
         for child in tree.children[node]:
             q = tree.child_dists[node]
             x = tree.tokens[child]

@@ -15,6 +15,7 @@ from data.errors import InputError, first_line
 from ngram.katz import KatzModel
 
 ROW_CHUNK = 512  # histories per dense block when ranking a whole row
+MEMO_SIZE = 1 << 17  # contexts remembered by `successors` (about 1.5 kB each)
 EXTRA_CANDIDATES = 48  # lower-order candidates kept beyond K; rows with more seen overlap fall back to exact
 
 
@@ -29,6 +30,7 @@ class SuccessorTable:
     trigram_histories: np.ndarray  # (H,) sorted keys u * (V + 2) + v
     trigram_tokens: np.ndarray  # (H, K)
     trigram_probs: np.ndarray
+    _memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def bos(self) -> int:
@@ -48,10 +50,26 @@ class SuccessorTable:
             np.where(found, self.trigram_probs[idx], self.bigram_probs[v]),
         )
 
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The arrays a table is saved as."""
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+
+    def successors(self, u: int, v: int) -> tuple[list[int], list[float]]:
+        """`lookup` of one context as lists, memoised: drafting asks for the same contexts again and
+        again (code repeats), and a dict hit costs a fraction of a numpy lookup."""
+        hit = self._memo.get((u, v))
+        if hit is None:
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            tokens, probs = self.lookup(np.array([u]), np.array([v]))
+            hit = self._memo[u, v] = (tokens[0].tolist(), probs[0].tolist())
+        return hit
+
     def save(self, path) -> None:
         with atomic_output(path) as tmp:
             with open(tmp, "wb") as f:
-                np.savez(f, **{k: np.asarray(v) for k, v in self.__dict__.items()})
+                np.savez(f, **{name: np.asarray(getattr(self, name)) for name in self.field_names()})
 
     @classmethod
     def load(cls, path) -> "SuccessorTable":
@@ -64,7 +82,7 @@ class SuccessorTable:
         except Exception as err:  # BadZipFile, truncated members, not an npz at all
             raise InputError(f"{path} is damaged ({first_line(err)}); rebuild it with "
                              f"`python ngram/build_katz.py --out {path.parent} --overwrite`") from None
-        expected = {f.name for f in dataclasses.fields(cls)}
+        expected = set(cls.field_names())
         if set(fields) != expected:
             raise InputError(f"{path} is not a successor table (fields {sorted(fields)}); rebuild it with "
                              f"`python ngram/build_katz.py --out {path.parent} --overwrite`")

@@ -23,13 +23,13 @@ def models(tmp_path_factory):
     }
 
 
-def tree_mask(parents: list[int], cached: int) -> torch.Tensor:
-    mask = torch.zeros(len(parents), cached + len(parents), dtype=torch.bool)
-    mask[:, :cached] = True
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """What each new node sees among the new nodes: its ancestors and itself (the committed cache it sees whole)."""
+    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
     for i in range(len(parents)):
         j = i
         while j >= 0:
-            mask[i, cached + j] = True
+            mask[i, j] = True
             j = parents[j]
     return mask
 
@@ -48,7 +48,7 @@ def test_logits_equal_transformers_for_prompt_steps_and_tree(models, backend):
     engine.extend(ids[:10])
     parents, tokens = [-1, 0, 0, 1, 1, 2, 3], [5, 7, 9, 11, 13, 15, 17]
     depth = [0, 1, 1, 2, 2, 2, 3]
-    logits = engine.forward(torch.tensor(tokens), 10 + torch.tensor(depth), tree_mask(parents, 10))
+    logits = engine.forward(torch.tensor(tokens), 10 + torch.tensor(depth), tree_mask(parents))
     for node in range(len(tokens)):
         path, j = [], node
         while j >= 0:
@@ -64,7 +64,7 @@ def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, back
     prefix = torch.tensor([3, 1, 4, 1, 5])
     tree = backend.load(models["oracle"])
     tree.extend(prefix)
-    tree.forward(torch.tensor([9, 2, 6, 5]), 5 + torch.tensor([0, 1, 1, 2]), tree_mask([-1, 0, 0, 2], 5))
+    tree.forward(torch.tensor([9, 2, 6, 5]), 5 + torch.tensor([0, 1, 1, 2]), tree_mask([-1, 0, 0, 2]))
     tree.commit([0, 2, 3])  # the path 9 -> 6 -> 5
     chain = backend.load(models["oracle"])
     for token in [3, 1, 4, 1, 5, 9, 6, 5]:
@@ -124,18 +124,19 @@ def small_vocab(tmp_path_factory):
     }
 
 
-def resample_from_oracle_on_rejection(tree, p, generator):
+def resample_from_oracle_on_rejection(tree, target, generator):
     """A classic mistake: after a rejection, sample from p instead of normalise(max(p - q, 0))."""
     path = [0]
     while True:
         node = path[-1]
+        p = target.probs(node)
         for child in tree.children[node]:
             x = tree.tokens[child]
-            if float(torch.rand(1, generator=generator)) * tree.child_dists[node][x] < p[node, x]:
+            if float(torch.rand(1, generator=generator)) * tree.child_dists[node][x] < p[x]:
                 path.append(child)
                 break
         else:
-            return path, sample(p[node], generator)
+            return path, sample(p, generator)
 
 
 def sampled_z(models, method, sampling, draft="bad", verify=None, runs=3000):

@@ -7,7 +7,7 @@ from decode.engine import GPT2Engine
 from decode.generate import baseline, tree_speculative
 from decode.sampling import Sampling, sample
 from decode.tree import Tree
-from decode.verify import sample_match
+from decode.verify import Target, sample_match
 from decode_models import tiny_gpt2, tiny_trigram
 from exactness import Z_LIMIT, chi_square_z, exact_distribution
 from ngram.successors import SuccessorTable
@@ -24,10 +24,10 @@ def example_tree() -> Tree:
 
 def test_mask_shows_each_node_the_prefix_and_exactly_its_ancestors():
     tree = example_tree()
-    mask = tree.attention_mask(cached=4)
-    assert mask.shape == (6, 10) and mask[:, :4].all()
+    mask = tree.mask()
+    assert mask.shape == (6, 6)
     for node in range(len(tree)):
-        assert set(mask[node, 4:].nonzero().flatten().tolist()) == set(tree.path(node))
+        assert set(mask[node].nonzero().flatten().tolist()) == set(tree.path(node))
     assert tree.position_ids(4).tolist() == [4 + d for d in tree.depths] == [4, 5, 5, 6, 7, 6]
 
 
@@ -83,11 +83,18 @@ def test_greedy_tree_methods_equal_baseline(models, draft):
         assert np.mean(per_call["tree"]) > 2.5 and np.mean(per_call["staged"]) > 2.0  # staged: at most 3 levels here
 
 
-def root_greedily(tree, p, generator):
-    """The paper code's bug: the first token is taken greedily even when sampling."""
-    greedy = torch.zeros_like(p)
-    greedy[0, p[0].argmax()] = 1
-    return sample_match(tree, torch.cat([greedy[:1], p[1:]]), generator)
+class GreedyRoot:
+    """The oracle's target with the paper code's bug: the first token is taken greedily even when sampling."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def draw(self, node, generator):
+        return int(self.target.probs(0).argmax()) if node == 0 else self.target.draw(node, generator)
+
+
+def root_greedily(tree, target, generator):
+    return sample_match(tree, GreedyRoot(target), generator)
 
 
 def sampled_z(models, name, sampling, verify=None, runs=2500):
@@ -115,5 +122,5 @@ def test_sample_match_walks_the_path_that_carries_the_sampled_tokens():
     tree = example_tree()
     p = torch.zeros(6, 16)
     p[0, 7] = p[1, 11] = p[3, 13] = p[4, 1] = 1  # the oracle's point masses along 5 -> 7 -> 11 -> 13, then 1
-    assert sample_match(tree, p, None) == ([0, 1, 3, 4], 1)
+    assert sample_match(tree, Target(p, Sampling()), None) == ([0, 1, 3, 4], 1)
     assert sample(p[4], None) == 1
