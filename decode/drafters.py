@@ -20,7 +20,7 @@ import torch
 
 from decode.cached_lm import CachedLM
 from decode.sampling import Sampling, row_argmax, sample
-from decode.tree import Tree
+from decode.tree import Tree, unpack_rows
 
 
 class DraftModel:
@@ -39,33 +39,32 @@ class DraftModel:
         """A new step: the accepted tokens past the draft's cache, the root last, are fed with the first score."""
         self.unseen = tokens[self.model.length :]
         self.slots = {}  # tree node -> pending slot
+        self.sees = {}  # tree node -> the pending slots it attends to, as bits
 
     def score(self, tree: Tree, nodes: list[int]) -> torch.Tensor:
         """Logits after each of `nodes`, in one forward pass. Their ancestors must be scored already or
         among them; the step's first call scores the root (node 0) with the unseen accepted tokens."""
         model, pending = self.model, self.model.pending
         run = self.unseen if not self.slots else []
+        rows = [(2 << i) - 1 for i in range(len(run))]  # the unseen tokens: a causal chain (nothing is pending yet)
+        if run:
+            self.slots[0], self.sees[0] = len(run) - 1, rows[-1]
         new = [n for n in nodes if n != 0]
-        r = len(run)
-        if r:
-            self.slots[0] = r - 1
-        for i, node in enumerate(new):
-            self.slots[node] = pending + r + i
-        m = r + len(new)
-        mask = np.zeros((m, pending + m), dtype=bool)
-        mask[:r, :r] = np.tri(r, dtype=bool)  # the unseen tokens: a causal chain (nothing is pending yet)
-        mask[r:, : self.slots[0] + 1] = True  # tree nodes see the unseen tokens up to the root
-        fed = [n for n in self.slots if n != 0]
-        mask[np.ix_(range(r, m), [self.slots[n] for n in fed])] = tree.ancestors(new)[:, fed]
+        for slot, node in enumerate(new, pending + len(run)):
+            self.slots[node] = slot
+            self.sees[node] = self.sees[tree.parents[node]] | 1 << slot
+            rows.append(self.sees[node])
+        mask = unpack_rows(rows, pending + len(rows))
         root_position = model.length + self.slots[0]
         ids = run + [tree.tokens[n] for n in new]
-        positions = list(range(model.length, model.length + r)) + [root_position + tree.depths[n] for n in new]
+        positions = list(range(model.length, root_position + 1)) if run else []
+        positions += [root_position + tree.depths[n] for n in new]
         self.calls += 1
         logits = model.forward(torch.tensor(ids, device=model.device), torch.tensor(positions, device=model.device),
                                torch.from_numpy(mask).to(model.device))
-        row_of = {n: r + i for i, n in enumerate(new)} | ({0: r - 1} if r else {})
-        rows = [row_of[n] for n in nodes]
-        return logits[rows[0] :] if rows == list(range(rows[0], m)) else logits[rows]
+        row_of = {n: len(run) + i for i, n in enumerate(new)} | ({0: len(run) - 1} if run else {})
+        wanted = [row_of[n] for n in nodes]
+        return logits[wanted[0] :] if wanted == list(range(wanted[0], len(rows))) else logits[wanted]
 
     def accept(self, tree_path: list[int]) -> None:
         """Commit the unseen tokens and the accepted nodes the draft has scored (a prefix of the path)."""

@@ -14,6 +14,13 @@ import numpy as np
 import torch
 
 
+def unpack_rows(rows: list[int], width: int) -> np.ndarray:
+    """(len(rows), width) bool: bit j of rows[i] at [i, j]."""
+    nbytes = (width + 7) // 8
+    packed = np.frombuffer(b"".join(bits.to_bytes(nbytes, "little") for bits in rows), np.uint8)
+    return np.unpackbits(packed.reshape(len(rows), nbytes), axis=1, count=width, bitorder="little").view(bool)
+
+
 @dataclass
 class Tree:
     tokens: list[int] = field(default_factory=list)
@@ -56,13 +63,9 @@ class Tree:
             node = self.parents[node]
         return nodes[::-1]
 
-    def ancestors(self, rows=None) -> np.ndarray:
-        """(len(rows), N) bool: [i, j] when j is rows[i] or one of its ancestors (rows: every node)."""
-        n = len(self)
-        lineage = self.lineage if rows is None else [self.lineage[r] for r in rows]
-        width = (n + 7) // 8
-        packed = np.frombuffer(b"".join(bits.to_bytes(width, "little") for bits in lineage), np.uint8)
-        return np.unpackbits(packed.reshape(len(lineage), width), axis=1, count=n, bitorder="little").view(bool)
+    def ancestors(self) -> np.ndarray:
+        """(N, N) bool: [i, j] when j is i or one of its ancestors."""
+        return unpack_rows(self.lineage, len(self))
 
     def mask(self, device=None) -> torch.Tensor:
         """(N, N) bool: what each node sees among the tree's nodes (the cache it sees whole)."""
