@@ -234,7 +234,7 @@ class StagedDrafter(ModelDrafter):
     draft's own top children of every scored node join as candidate leaves."""
 
     def __init__(self, model: CachedLM, table, sampling: Sampling, budget: int = 36, widths=(12, 7, 4, 1, 1, 1),
-                 draft_children: int = 4, oracle_ms: torch.Tensor | None = None):
+                 draft_children: int = 1, oracle_ms: torch.Tensor | None = None):
         """`oracle_ms[q]`, the oracle's measured cost for q nodes, makes `budget` a cap: each step keeps
         the number of nodes with the most expected tokens per millisecond (see best_budget)."""
         super().__init__(model, sampling)

@@ -27,6 +27,7 @@ METHODS = ("baseline", "speculative", "tree", "staged", "ngram")
 NEEDS_DRAFT = {"speculative", "tree", "staged"}
 NEEDS_NGRAM = {"staged", "ngram"}
 MAX_BUDGET, MAX_DEPTH = 512, 64
+DRAFT_SHARE = 0.3  # of a one-token oracle call, for the draft's forward in a device-sized staged step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,12 +52,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=36, help="tree methods: nodes in the oracle's tree")
     p.add_argument("--depth", type=int, default=8, help="tree methods: deepest drafted level")
     p.add_argument("--widths", default="12,7,4,1,1,1", help="staged/ngram: trigram children per node at each level")
-    p.add_argument("--branch", type=int, default=4, help="tree: children per expanded node; staged: the draft's own top children per node")
+    p.add_argument("--branch", type=int, default=None,
+                   help="tree: children per expanded node (default 4); staged: the draft's own top children per node "
+                        "(default 1: an argmax costs a tenth of a top-k over the vocabulary and measured faster per token)")
     p.add_argument("--tree-children", choices=["top", "sampled"], default="top",
                    help="tree: the draft's top tokens (verified by sample-match) or samples from it (multi-draft rejection)")
     p.add_argument("--size-from-device", action="store_true",
                    help="staged: size the tree from the models' forward costs measured on this device (cached): narrow "
-                        "--widths until the draft scores them in half an oracle call, and keep each step the number of "
+                        "--widths until the draft scores them in 30%% of an oracle call, and keep each step the number of "
                         "nodes (up to --budget) with the most expected tokens per second")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -84,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         check_device(args.device)
     except InputError as err:
         p.error(str(err))
+    if args.branch is None:
+        args.branch = 1 if args.method == "staged" else 4
     try:
         args.widths = [int(w) for w in args.widths.split(",")]
     except ValueError:
@@ -182,10 +187,11 @@ class Decoder:
 
 
 def size_from_device(args, oracle: CachedLM, draft: CachedLM) -> tuple[list[int], torch.Tensor]:
-    """Trigram widths the draft scores within half an oracle call, and the oracle's cost per tree size."""
+    """Trigram widths the draft scores within DRAFT_SHARE of an oracle call, and the oracle's cost per tree size."""
     oracle_costs, _ = costs.measured_costs(args.oracle, oracle, args.dtype)
     draft_costs, _ = costs.measured_costs(args.draft, draft, args.dtype, costs.DRAFT_NODE_COUNTS)
-    widths = fit_widths(args.widths, costs.cost_curve(draft_costs, trigram_tree_size(args.widths)), oracle_costs[1] / 2)
+    widths = fit_widths(args.widths, costs.cost_curve(draft_costs, trigram_tree_size(args.widths)),
+                        DRAFT_SHARE * oracle_costs[1])
     return widths, costs.cost_curve(oracle_costs, args.budget)
 
 
