@@ -170,7 +170,7 @@ class Decoder:
     eos_id: int
 
     def __call__(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int) -> generate.Generation:
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(self.oracle.device).manual_seed(seed)  # torch samples with a generator on the tensors' device
         args = (self.oracle, prompt_ids, max_new_tokens, self.sampling, self.eos_id, generator)
         if self.method == "baseline":
             return generate.baseline(*args)

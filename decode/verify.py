@@ -56,7 +56,7 @@ def multi_draft_rejection(tree, target: Target, generator) -> tuple[list[int], i
         for child in tree.children[node]:
             q = tree.child_dists[node]
             x = tree.tokens[child]
-            if float(torch.rand(1, generator=generator)) * q[x] < residual[x]:
+            if float(torch.rand(1, generator=generator, device=q.device)) * q[x] < residual[x]:
                 path.append(child)
                 break
             left = (residual - q).clamp_min(0)
