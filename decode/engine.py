@@ -5,9 +5,10 @@ code; decoding makes hundreds of calls per prompt. This engine does the same ari
 preallocated KV cache and a handful of torch ops per layer.
 
 The cache holds `length` committed positions followed by `pending` speculative ones. `forward`
-scores new nodes (any tree: the caller gives positions and a mask over the cache plus the new
-nodes), appends their keys/values to the speculative region, and returns their logits. `commit`
-keeps an ordered subset of the speculative slots (the accepted path) and drops the rest.
+scores new nodes (any tree: the caller gives positions and a mask over the pending slots plus the
+new nodes; committed positions are always visible), appends their keys/values to the speculative
+region, and returns their logits. `commit` keeps an ordered subset of the speculative slots (the
+accepted path) and drops the rest.
 """
 import json
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from data.errors import InputError
 from data.pretrained import RETRAIN, load_safetensors
 from decode.cached_lm import CachedLM

@@ -4,9 +4,9 @@ Node 0 is the root: the last accepted token, which the models have not seen yet.
 topological order (a parent before its children). A node attends to every cached position and to
 its own ancestors, itself included, and sits at position prefix length + depth.
 
-Trees hold tens of nodes and are built once per step, so they live in Python lists and numpy
-arrays: a torch operation costs microseconds of dispatch, a list append or a small numpy operation
-a fraction of that. Each node carries its ancestors as the bits of a Python integer.
+Trees hold tens of nodes and are built once per step, so they live in Python lists: a torch
+operation costs microseconds of dispatch, a list append a fraction of that. Each node carries its
+ancestors as the bits of a Python integer, unpacked into a mask by one numpy call.
 """
 from dataclasses import dataclass, field
 

@@ -42,7 +42,7 @@ train() {
 
 echo "== 1/5 data: corpus, tokenizer, token shards, prompts -> $run"
 if [ -f "$run/data/meta.json" ]; then
-    echo "   already prepared (remove $run/data to rebuild)"
+    echo "   already prepared (remove $run to rebuild it and everything built on it)"
 else
     "$py" -m data.prepare --out "$run"
 fi
