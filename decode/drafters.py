@@ -245,8 +245,9 @@ class StagedDrafter(ModelDrafter):
         """The draft's own best children of every node above `max_depth` that the trigram did not
         propose: (parents, tokens, probabilities). One child each is an argmax; more need a top-k."""
         if self.draft_children == 1:
-            tokens = [[t] for t in row_argmax(probs)]
-            values = probs[torch.arange(len(tree)), torch.tensor(tokens)[:, 0]][:, None].tolist()
+            best = row_argmax(probs)
+            tokens = [[t] for t in best]
+            values = [[p] for p in probs[torch.arange(len(tree)), torch.tensor(best)].tolist()]
         else:
             top = probs.topk(self.draft_children)
             tokens, values = top.indices.tolist(), top.values.tolist()
