@@ -17,6 +17,7 @@ import torch
 from data.atomic import FILE, atomic_output, check_output
 from data.errors import exits_on_input_error
 from decode import run
+from decode.healing import Prompt, constrain_first
 
 # Largest top-2 logit gap a different batch shape may flip: float32 rounding is ~1e-6 relative;
 # bfloat16 rounds every matmul output to 8 bits of mantissa (0.06 at logits of 8-16).
@@ -30,18 +31,20 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def top2_gap(oracle, context: list[int]) -> float:
-    """The oracle's logit margin between its two best next tokens after `context` (plain forward)."""
+def top2_gap(oracle, context: list[int], allowed: torch.Tensor | None = None) -> float:
+    """The oracle's logit margin between its two best next tokens after `context` (plain forward),
+    among `allowed` tokens when given (a healed prompt's first token)."""
     oracle.reset()
-    top = oracle.extend(torch.tensor(context, device=oracle.device))[-1].topk(2).values
+    logits = constrain_first(oracle.extend(torch.tensor(context, device=oracle.device))[-1:], allowed)[0]
+    top = logits.topk(2).values
     return float(top[0] - top[1])
 
 
-def divergence(oracle, prompt: list[int], expected: list[int], got: list[int], near_tie: float) -> dict | None:
+def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], near_tie: float) -> dict | None:
     at = first_divergence(expected, got)
     if at is None:
         return None
-    gap = top2_gap(oracle, prompt + expected[:at])
+    gap = top2_gap(oracle, prompt.ids.tolist() + expected[:at], prompt.allowed if at == 0 else None)
     return {"position": at, "expected": expected[at] if at < len(expected) else None,
             "got": got[at] if at < len(got) else None, "top2_gap": gap, "near_tie": gap <= near_tie}
 
@@ -60,23 +63,23 @@ def main(argv=None) -> dict:
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(m for m in run.METHODS if m != 'baseline')}")
     base_args = run.parse_args(rest + ["--method", "baseline"])
-    baseline, tokenizer = run.build_decoder(base_args)
+    baseline, healer = run.build_decoder(base_args)
     decoders = {}
     for method in methods:
         args = run.parse_args(rest + ["--method", method])
         decoders[method], _ = run.build_decoder(args)
     lookahead = max(d.lookahead() for d in decoders.values())
-    prompts = run.encode_prompts(base_args, tokenizer, min(d.context() for d in decoders.values()), lookahead)
+    prompts = run.encode_prompts(base_args, healer, min(d.context() for d in decoders.values()), lookahead)
     greedy = base_args.temperature == 0
     report = {m: {"identical": 0, "near_ties": [], "bugs": [], "tokens_per_oracle_call": []} for m in methods}
-    for i, (record, ids) in enumerate(prompts):
-        expected = baseline(ids, base_args.max_new_tokens, base_args.seed + i).tokens
+    for i, (record, prompt) in enumerate(prompts):
+        expected = baseline(prompt, base_args.max_new_tokens, base_args.seed + i).tokens
         for method, decoder in decoders.items():
-            out = decoder(ids, base_args.max_new_tokens, base_args.seed + i)
+            out = decoder(prompt, base_args.max_new_tokens, base_args.seed + i)
             report[method]["tokens_per_oracle_call"].append(len(out.tokens) / out.oracle_calls)
             if not greedy:
                 continue
-            diff = divergence(baseline.oracle, ids.tolist(), expected, out.tokens, NEAR_TIE[base_args.dtype])
+            diff = divergence(baseline.oracle, prompt, expected, out.tokens, NEAR_TIE[base_args.dtype])
             if diff is None:
                 report[method]["identical"] += 1
             else:

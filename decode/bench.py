@@ -32,14 +32,14 @@ WARMUP_TOKENS = 16
 
 
 def build_methods(names: list[str], rest: list[str]) -> tuple[dict, object, argparse.Namespace]:
-    """A decoder per method (each with its own models and caches), the tokenizer and the baseline's args."""
+    """A decoder per method (each with its own models and caches), the token healer and the baseline's args."""
     base_args = run.parse_args(rest + ["--method", "baseline"])
-    decoders, tokenizer = {}, None
+    decoders, healer = {}, None
     for name in names:
         if name in PEERS:
             continue
         extra = ["--method", "staged", "--size-from-device"] if name == "staged-device" else ["--method", name]
-        decoders[name], tokenizer = run.build_decoder(run.parse_args(rest + extra))
+        decoders[name], healer = run.build_decoder(run.parse_args(rest + extra))
     for name in (n for n in names if n in PEERS):
         if name == "hf-assisted":
             if base_args.draft is None or not Path(base_args.draft).is_dir():
@@ -48,7 +48,7 @@ def build_methods(names: list[str], rest: list[str]) -> tuple[dict, object, argp
         decoders[name] = HFGenerate(base_args.oracle, base_args.draft if name == "hf-assisted" else None,
                                     decoders["baseline"].sampling, decoders["baseline"].eos_id, base_args.dtype,
                                     base_args.device)
-    return decoders, tokenizer, base_args
+    return decoders, healer, base_args
 
 
 def timed_runs(decoders: dict, prompts: list, max_new_tokens: int, seed: int) -> dict[str, list[dict]]:
@@ -57,10 +57,10 @@ def timed_runs(decoders: dict, prompts: list, max_new_tokens: int, seed: int) ->
     for name in names:  # warm-up: first calls allocate, compile kernels and fill caches
         decoders[name](prompts[0][1], min(WARMUP_TOKENS, max_new_tokens), seed)
     records = {name: [] for name in names}
-    for i, (record, ids) in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
+    for i, (record, prompt) in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
         for name in names[i % len(names):] + names[: i % len(names)]:
             start = time.perf_counter()
-            out = decoders[name](ids, max_new_tokens, seed + i)
+            out = decoders[name](prompt, max_new_tokens, seed + i)
             seconds = time.perf_counter() - start
             records[name].append({"task_id": record["task_id"], "tokens": out.tokens, "seconds": seconds,
                                   "oracle_calls": out.oracle_calls, "oracle_nodes": out.oracle_nodes})
@@ -72,8 +72,8 @@ def check_outputs(records: dict[str, list[dict]], prompts: list, baseline, near_
     checks = {}
     for name, rows in records.items():
         check = {"identical": 0, "near_ties": [], "differences": []}
-        for (_, ids), row, expected in zip(prompts, rows, records["baseline"]):
-            diff = agreement.divergence(baseline.oracle, ids.tolist(), expected["tokens"], row["tokens"], near_tie)
+        for (_, prompt), row, expected in zip(prompts, rows, records["baseline"]):
+            diff = agreement.divergence(baseline.oracle, prompt, expected["tokens"], row["tokens"], near_tie)
             if diff is None:
                 check["identical"] += 1
             else:
@@ -183,14 +183,15 @@ def main(argv=None) -> dict:
         check_output(known.out, FILE, known.overwrite, "--out")
     if known.plot:
         check_plot_path(known.plot, known.overwrite)
-    decoders, tokenizer, args = build_methods(names, rest)
+    decoders, healer, args = build_methods(names, rest)
     ours = [d for n, d in decoders.items() if n in OURS]
-    prompts = run.encode_prompts(args, tokenizer, min(d.context() for d in ours), max(d.lookahead() for d in ours))
+    prompts = run.encode_prompts(args, healer, min(d.context() for d in ours), max(d.lookahead() for d in ours))
     greedy = args.temperature == 0
     near_tie = known.near_tie if known.near_tie is not None else agreement.NEAR_TIE[args.dtype]
     mode = "greedy" if greedy else f"T={args.temperature} top-k {args.top_k} top-p {args.top_p}"
-    print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {mode}, {args.dtype} on {args.device}; "
-          f"methods: {', '.join(names)}")
+    healing = "on" if args.token_healing else "off"
+    print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {mode}, {args.dtype} on {args.device}, "
+          f"token healing {healing}; methods: {', '.join(names)}")
     records = timed_runs(decoders, prompts, args.max_new_tokens, args.seed)
     checks = check_outputs(records, prompts, decoders["baseline"], near_tie) if greedy else None
     summary = summarise(records, checks)
@@ -202,14 +203,16 @@ def main(argv=None) -> dict:
         print(f"  {name}: trigram widths {size['widths']}, oracle tree of at most {size['budget_cap']} nodes"
               + (f"; median {over}" if over else ""))
     result = {"settings": {"mode": mode, "dtype": args.dtype, "device": args.device, "prompts": len(prompts),
-                           "max_new_tokens": args.max_new_tokens, "near_tie": near_tie, "tree_sizes": sizing},
+                           "max_new_tokens": args.max_new_tokens, "near_tie": near_tie, "tree_sizes": sizing,
+                           "token_healing": args.token_healing},
               "summary": summary, "records": records}
     if known.out:
         with atomic_output(known.out, FILE, known.overwrite) as tmp:
             tmp.write_text(json.dumps(result, indent=1) + "\n")
         print(f"figures: {known.out}")
     if known.plot:
-        plot(summary, known.plot, f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {mode}, {args.dtype}",
+        plot(summary, known.plot, f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {mode}, {args.dtype}, "
+                                  f"token healing {healing}",
              known.overwrite)
         print(f"plot: {known.plot}")
     return result

@@ -9,6 +9,7 @@ import torch
 
 from decode.cached_lm import CachedLM
 from decode.drafters import ChainDrafter
+from decode.healing import constrain_first
 from decode.sampling import Sampling
 from decode.verify import Target, multi_draft_rejection, sample_match
 
@@ -30,10 +31,11 @@ class Generation:
 
 
 def baseline(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-             eos_id: int | None, generator: torch.Generator | None = None, **_) -> Generation:
-    """One oracle call per token."""
+             eos_id: int | None, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
+             **_) -> Generation:
+    """One oracle call per token. `allowed` (a healed prompt's): the tokens the first one may be."""
     oracle.reset()
-    logits = oracle.extend(prompt)[-1]
+    logits = constrain_first(oracle.extend(prompt)[-1:], allowed)[0]
     out = Generation(oracle_calls=1, oracle_nodes=1)
     while not out.add([sampling.choose(logits, generator)], max_new_tokens, eos_id):
         logits = oracle.extend(torch.tensor(out.tokens[-1:], device=oracle.device))[-1]
@@ -43,8 +45,8 @@ def baseline(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampli
 
 
 def tree_speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                     eos_id: int | None, generator: torch.Generator | None = None, *, drafter,
-                     verify: Callable | None = None, **_) -> Generation:
+                     eos_id: int | None, generator: torch.Generator | None = None,
+                     allowed: torch.Tensor | None = None, *, drafter, verify: Callable | None = None, **_) -> Generation:
     """The drafter proposes a tree, the oracle scores every node in one call, and the verifier walks it:
     sample-match for trees built deterministically, multi-draft rejection for sampled children."""
     verify = verify or (multi_draft_rejection if drafter.sampled_children else sample_match)
@@ -60,6 +62,7 @@ def tree_speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int
         cached = oracle.length
         logits = oracle.forward(tree.token_ids(oracle.device), tree.position_ids(cached, oracle.device),
                                 tree.mask(oracle.device))
+        logits, allowed = constrain_first(logits, allowed), None  # the root's row of the first step only
         out.oracle_calls += 1
         out.oracle_nodes += len(tree)
         path, following = verify(tree, Target(logits, sampling), generator)
@@ -73,9 +76,9 @@ def tree_speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int
 
 
 def speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                eos_id: int | None, generator: torch.Generator | None = None, *, draft: CachedLM, k: int = 4,
-                verify: Callable | None = None, **_) -> Generation:
+                eos_id: int | None, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
+                *, draft: CachedLM, k: int = 4, verify: Callable | None = None, **_) -> Generation:
     """Standard (chain) speculative decoding: the draft samples k tokens, the oracle scores k + 1
     positions in one call, Chen et al.'s rejection sampling (multi-draft rejection on a chain) verifies."""
-    return tree_speculative(oracle, prompt, max_new_tokens, sampling, eos_id, generator,
+    return tree_speculative(oracle, prompt, max_new_tokens, sampling, eos_id, generator, allowed,
                             drafter=ChainDrafter(draft, sampling, k), verify=verify)

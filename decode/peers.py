@@ -1,11 +1,24 @@
 """The peers a user would otherwise pick, on the same checkpoints: transformers `generate` on the oracle
 (`hf-generate`) and assisted generation with the draft as assistant (`hf-assisted`, transformers'
-default schedule). Both return a Generation, with the oracle's forward calls counted by a hook."""
+default schedule). Both return a Generation, with the oracle's forward calls counted by a hook, and
+heal a prompt's last token as our methods do (the same first-token constraint, as a logits processor)."""
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from decode.generate import Generation
+from decode.healing import Prompt, constrain_first
 from decode.hf_backend import load_hf_model
 from decode.sampling import Sampling
+
+
+class FirstTokenConstraint(LogitsProcessor):
+    """Only `allowed` tokens at the first new position (the scores of a sequence `prompt_length` long)."""
+
+    def __init__(self, allowed: torch.Tensor, prompt_length: int):
+        self.allowed, self.prompt_length = allowed, prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return constrain_first(scores, self.allowed) if input_ids.shape[-1] == self.prompt_length else scores
 
 
 class HFGenerate:
@@ -31,10 +44,12 @@ class HFGenerate:
         return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.eos_id, **sampling)
 
     @torch.inference_mode()
-    def __call__(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int) -> Generation:
+    def __call__(self, prompt: Prompt, max_new_tokens: int, seed: int) -> Generation:
         torch.manual_seed(seed)
         self.calls = {"oracle": 0, "draft": 0}
         extra = {} if self.assistant is None else {"assistant_model": self.assistant}
-        out = self.oracle.generate(prompt_ids[None], generation_config=self.generation_config(max_new_tokens), **extra)
-        tokens = out[0, prompt_ids.numel():].tolist()
+        if prompt.allowed is not None:
+            extra["logits_processor"] = LogitsProcessorList([FirstTokenConstraint(prompt.allowed, prompt.ids.numel())])
+        out = self.oracle.generate(prompt.ids[None], generation_config=self.generation_config(max_new_tokens), **extra)
+        tokens = out[0, prompt.ids.numel():].tolist()
         return Generation(tokens, oracle_calls=self.calls["oracle"], draft_calls=self.calls["draft"])

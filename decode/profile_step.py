@@ -35,8 +35,8 @@ class Stopwatch:
 @exits_on_input_error
 def main(argv=None) -> dict[str, float]:
     args = run.parse_args(argv)
-    decoder, tokenizer = run.build_decoder(args)
-    prompts = run.encode_prompts(args, tokenizer, decoder.context(), decoder.lookahead())
+    decoder, healer = run.build_decoder(args)
+    prompts = run.encode_prompts(args, healer, decoder.context(), decoder.lookahead())
     watch = Stopwatch()
     watch.wrap(decoder.oracle, "forward", "oracle forward")
     if decoder.draft is not None:
@@ -50,9 +50,9 @@ def main(argv=None) -> dict[str, float]:
     decoder(prompts[0][1], 8, args.seed)  # warm-up
     watch.seconds.clear()
     total = steps = tokens = 0
-    for i, (_, ids) in enumerate(prompts):
+    for i, (_, prompt) in enumerate(prompts):
         start = time.perf_counter()
-        out = decoder(ids, args.max_new_tokens, args.seed + i)
+        out = decoder(prompt, args.max_new_tokens, args.seed + i)
         total += time.perf_counter() - start
         steps += out.oracle_calls
         tokens += len(out.tokens)

@@ -20,6 +20,7 @@ from decode import costs, generate
 from decode.cached_lm import CachedLM
 from decode.drafters import NgramDrafter, StagedDrafter, TreeDrafter, fit_widths, trigram_tree_size
 from decode.engine import GPT2Engine, is_lean_compatible, read_config
+from decode.healing import Prompt, TokenHealer
 from decode.hf_backend import HFEngine
 from decode.sampling import Sampling
 
@@ -61,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="staged: size the tree from the models' forward costs measured on this device (cached): narrow "
                         "--widths until the draft scores them in 30%% of an oracle call, and keep each step the number of "
                         "nodes (up to --budget) with the most expected tokens per second")
+    p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
+                   help="back off the prompt's last token and let the first new token be only one that extends its text "
+                        "(a prompt ending in a bare newline otherwise starts where training never went); every method alike")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -169,9 +173,9 @@ class Decoder:
     depth: int
     eos_id: int
 
-    def __call__(self, prompt_ids: torch.Tensor, max_new_tokens: int, seed: int) -> generate.Generation:
+    def __call__(self, prompt: Prompt, max_new_tokens: int, seed: int) -> generate.Generation:
         generator = torch.Generator(self.oracle.device).manual_seed(seed)  # torch samples with a generator on the tensors' device
-        args = (self.oracle, prompt_ids, max_new_tokens, self.sampling, self.eos_id, generator)
+        args = (self.oracle, prompt.ids, max_new_tokens, self.sampling, self.eos_id, generator, prompt.allowed)
         if self.method == "baseline":
             return generate.baseline(*args)
         if self.method == "speculative":
@@ -195,7 +199,8 @@ def size_from_device(args, oracle: CachedLM, draft: CachedLM) -> tuple[list[int]
     return widths, costs.cost_curve(oracle_costs, args.budget)
 
 
-def build_decoder(args) -> tuple[Decoder, object]:
+def build_decoder(args) -> tuple[Decoder, TokenHealer]:
+    """The method's decoder, and the healer that turns prompt token ids into its prompts (its tokenizer: .tokenizer)."""
     if not Path(args.oracle).is_dir():
         raise InputError(f"oracle directory {args.oracle} does not exist; train one with train/finetune_oracle.py")
     oracle = load_model(args.oracle, args.backend, args.dtype, args.device)
@@ -223,14 +228,14 @@ def build_decoder(args) -> tuple[Decoder, object]:
     elif args.method == "ngram":
         drafter = NgramDrafter(table, args.budget, args.widths)
     decoder = Decoder(args.method, oracle, draft, drafter, sampling, args.k, args.depth, tokenizer.eos_token_id)
-    return decoder, tokenizer
+    return decoder, TokenHealer(tokenizer, oracle.vocab_size, args.token_healing)
 
 
-def encode_prompts(args, tokenizer, context: int, lookahead: int) -> list[tuple[dict, torch.Tensor]]:
+def encode_prompts(args, healer: TokenHealer, context: int, lookahead: int) -> list[tuple[dict, Prompt]]:
     records = [{"task_id": "prompt", "prompt": args.prompt}] if args.prompt is not None else load_prompts(args.prompts, args.limit)
     encoded = []
     for record in records:
-        ids = tokenizer(record["prompt"], add_special_tokens=False).input_ids
+        ids = healer.tokenizer(record["prompt"], add_special_tokens=False).input_ids
         if not ids:
             raise InputError(f"prompt {record['task_id']!r} is empty; give some text to continue")
         room = context - len(ids) - lookahead - 1
@@ -239,7 +244,7 @@ def encode_prompts(args, tokenizer, context: int, lookahead: int) -> list[tuple[
         if args.max_new_tokens > room:
             raise InputError(f"--max-new-tokens {args.max_new_tokens} does not fit the context of {context} after "
                              f"prompt {record['task_id']!r} ({len(ids)} tokens); use at most {room}")
-        encoded.append((record, torch.tensor(ids, device=args.device)))
+        encoded.append((record, healer(ids, args.device)))
     return encoded
 
 
@@ -255,16 +260,16 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.output:
         check_output(args.output, FILE, args.overwrite, "--output")
-    decoder, tokenizer = build_decoder(args)
-    prompts = encode_prompts(args, tokenizer, decoder.context(), decoder.lookahead())
+    decoder, healer = build_decoder(args)
+    prompts = encode_prompts(args, healer, decoder.context(), decoder.lookahead())
     records = []
-    for i, (record, ids) in enumerate(prompts):
+    for i, (record, prompt) in enumerate(prompts):
         start = time.perf_counter()
-        result = decoder(ids, args.max_new_tokens, args.seed + i)
+        result = decoder(prompt, args.max_new_tokens, args.seed + i)
         seconds = time.perf_counter() - start
         records.append({
             "task_id": record["task_id"], "method": args.method,
-            "completion": tokenizer.decode([t for t in result.tokens if t != decoder.eos_id]),
+            "completion": prompt.completion(healer.tokenizer, result.tokens, decoder.eos_id), "healed": prompt.tail,
             "token_ids": result.tokens, "new_tokens": len(result.tokens), "seconds": seconds,
             "oracle_calls": result.oracle_calls, "draft_calls": result.draft_calls,
             "tokens_per_oracle_call": len(result.tokens) / result.oracle_calls,

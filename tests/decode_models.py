@@ -6,10 +6,12 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 
-def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positions=128):
+def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positions=128, tokenizer=None):
+    """`tokenizer` None: a word-level one over the ids ("t0 t5 t17"; t0 is end-of-text)."""
     torch.manual_seed(seed)
+    eos = 0 if tokenizer is None else tokenizer.eos_token_id
     config = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_layer=2, n_embd=32, n_head=4,
-                        initializer_range=0.3, bos_token_id=0, eos_token_id=0)
+                        initializer_range=0.3, bos_token_id=eos, eos_token_id=eos)
     model = GPT2LMHeadModel(config).eval()
     if noise_from is not None:
         model.load_state_dict(GPT2LMHeadModel.from_pretrained(noise_from).state_dict())
@@ -17,7 +19,10 @@ def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positio
             for p in model.parameters():
                 p.add_(noise * torch.randn_like(p))
     model.save_pretrained(path)
-    words = {f"t{i}": i for i in range(vocab_size)}  # a word-level tokenizer over the same ids
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+        return path
+    words = {f"t{i}": i for i in range(vocab_size)}
     backend = Tokenizer(models.WordLevel(words, unk_token="t1"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t0", unk_token="t1").save_pretrained(path)

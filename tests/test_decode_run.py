@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from decode import run
 from decode_models import run_models
@@ -35,7 +36,7 @@ def test_run_writes_records_and_every_method_matches_baseline(models, tmp_path, 
     spec = run.main(common + ["--method", method, *extra, "--output", str(tmp_path / "spec.jsonl")])
     records = [json.loads(line) for line in (tmp_path / "spec.jsonl").read_text().splitlines()]
     assert [r["token_ids"] for r in base] == [r["token_ids"] for r in spec] == [r["token_ids"] for r in records]
-    keys = {"task_id", "method", "completion", "token_ids", "new_tokens", "seconds", "oracle_calls", "draft_calls", "tokens_per_oracle_call"}
+    keys = {"task_id", "method", "completion", "token_ids", "new_tokens", "seconds", "oracle_calls", "draft_calls", "tokens_per_oracle_call", "healed"}
     assert set(records[0]) == keys and records[0]["method"] == method
     assert sum(r["oracle_calls"] for r in spec) < sum(r["oracle_calls"] for r in base)
 
@@ -71,6 +72,7 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
 def test_agreement_reports_identical_outputs_and_explains_divergences(models, tmp_path):
     from decode import agreement
     from decode.engine import GPT2Engine
+    from decode.healing import Prompt
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i} t{i + 5}"}) + "\n" for i in range(4)))
@@ -79,6 +81,13 @@ def test_agreement_reports_identical_outputs_and_explains_divergences(models, tm
     for method in ("speculative", "tree", "staged", "ngram"):
         assert report[method]["identical"] == 4 and not report[method]["bugs"] and not report[method]["near_ties"]
     oracle = GPT2Engine.load(models["oracle"])
-    wrong = agreement.divergence(oracle, [3, 4], [5, 6, 7], [5, 8, 7], agreement.NEAR_TIE["float32"])
+    wrong = agreement.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6, 7], [5, 8, 7], agreement.NEAR_TIE["float32"])
     assert wrong["position"] == 1 and wrong["got"] == 8 and wrong["top2_gap"] == pytest.approx(agreement.top2_gap(oracle, [3, 4, 5]))
-    assert agreement.divergence(oracle, [3, 4], [5, 6], [5, 6], 1e-3) is None
+    assert agreement.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6], [5, 6], 1e-3) is None
+    # at a healed prompt's first token, the gap is between the two best tokens it allows
+    allowed = torch.zeros(oracle.vocab_size, dtype=torch.bool)
+    allowed[[7, 9, 11]] = True
+    first = agreement.divergence(oracle, Prompt(torch.tensor([3, 4]), "t", allowed), [7], [9], 1e-3)
+    oracle.reset()
+    logits = oracle.extend(torch.tensor([3, 4]))[-1]
+    assert first["top2_gap"] == pytest.approx(float(logits[[7, 9, 11]].topk(2).values.diff().abs()), abs=1e-5)
