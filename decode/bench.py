@@ -8,7 +8,8 @@ warm-up on the first prompt. Per method: tokens/s, per-prompt speedup over the b
 token), tokens per oracle call, oracle calls per token (the paper's memory-traffic ratio) and mean
 oracle batch. Greedy outputs must equal the baseline's: a method that differs beyond numerical
 near-ties gets no speedup, and the prompts are named. The peers: `hf-generate` (transformers
-generate on the oracle) and `hf-assisted` (generate with the draft as assistant model).
+generate on the oracle), `hf-assisted` (generate with the draft as assistant model) and `hf-lookup`
+(generate with prompt lookup, `--lookup-tokens` per draft). `lookup` is ours: the same idea as a drafter.
 `staged-device` sizes the staged tree from forward costs measured on this device; `staged` keeps
 the fixed values of the flags (the paper's by default).
 """
@@ -25,9 +26,9 @@ from data.errors import InputError, exits_on_input_error
 from decode import agreement, run
 from decode.peers import HFGenerate
 
-OURS = ("baseline", "speculative", "tree", "staged", "staged-device", "ngram")
-PEERS = ("hf-generate", "hf-assisted")
-DEFAULT_METHODS = "baseline,speculative,tree,staged,staged-device,ngram,hf-generate,hf-assisted"
+OURS = ("baseline", "speculative", "tree", "staged", "staged-device", "ngram", "lookup")
+PEERS = ("hf-generate", "hf-assisted", "hf-lookup")
+DEFAULT_METHODS = "baseline,speculative,tree,staged,staged-device,ngram,lookup,hf-generate,hf-assisted,hf-lookup"
 WARMUP_TOKENS = 16
 
 
@@ -47,7 +48,7 @@ def build_methods(names: list[str], rest: list[str]) -> tuple[dict, object, argp
             run.check_same_vocabulary(base_args.oracle, base_args.draft, "draft")
         decoders[name] = HFGenerate(base_args.oracle, base_args.draft if name == "hf-assisted" else None,
                                     decoders["baseline"].sampling, decoders["baseline"].eos_id, base_args.dtype,
-                                    base_args.device)
+                                    base_args.device, base_args.lookup_tokens if name == "hf-lookup" else None)
     return decoders, healer, base_args
 
 
@@ -82,7 +83,7 @@ def check_outputs(records: dict[str, list[dict]], prompts: list, baseline, near_
     return checks
 
 
-RIVALS = ("speculative", "hf-assisted")  # what staged must also beat
+RIVALS = ("speculative", "hf-assisted", "hf-lookup")  # what staged must also beat
 
 
 def summarise(records: dict[str, list[dict]], checks: dict | None) -> dict[str, dict]:

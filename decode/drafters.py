@@ -5,6 +5,7 @@
     staged  the Katz trigram proposes children level by level, the draft model scores all of them in
             one forward pass, and the best `budget` nodes by cumulative draft probability are kept
     ngram   the trigram alone, ranked by cumulative trigram probability
+    lookup  the continuations of the current suffix's earlier occurrences in the context, no model
 
 A drafter that uses the draft model keeps its KV cache on the accepted prefix. Each step begins
 with the accepted tokens the draft has not seen (the oracle's last token, the root, among them);
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from decode.cached_lm import CachedLM
+from decode.lookup import ContextIndex
 from decode.sampling import Sampling, row_argmax, sample
 from decode.tree import Tree, unpack_rows
 
@@ -231,15 +233,25 @@ def trigram_tree(table, tokens: list[int], widths: list[int], max_depth: int) ->
 class StagedDrafter(ModelDrafter):
     """Staged speculative decoding: the trigram drafts for the draft model, which drafts for the oracle.
     One draft forward per step scores the unseen accepted tokens and the trigram's whole tree; the
-    draft's own top children of every scored node join as candidate leaves."""
+    draft's own top children of every scored node join as candidate leaves. With a `context` drafter,
+    the continuations it copies from the context join the tree and are always kept: a copy of what
+    the sequence already did is accepted far more often than the draft's probabilities suggest."""
 
     def __init__(self, model: CachedLM, table, sampling: Sampling, budget: int = 36, widths=(12, 7, 4, 1, 1, 1),
-                 draft_children: int = 1, oracle_ms: torch.Tensor | None = None):
+                 draft_children: int = 1, oracle_ms: torch.Tensor | None = None, context: "LookupDrafter | None" = None,
+                 depth: int = 8):
         """`oracle_ms[q]`, the oracle's measured cost for q nodes, makes `budget` a cap: each step keeps
-        the number of nodes with the most expected tokens per millisecond (see best_budget)."""
+        the number of nodes with the most expected tokens per millisecond (see best_budget). `context`
+        grafts its continuations from the context onto the trigram's tree (down to `depth`)."""
         super().__init__(model, sampling)
         self.table, self.budget, self.widths, self.draft_children = table, budget, list(widths), draft_children
         self.oracle_ms = None if oracle_ms is None else oracle_ms[: budget + 1]
+        self.context, self.depth = context, depth
+
+    def reset(self) -> None:
+        super().reset()
+        if self.context is not None:
+            self.context.reset()
 
     def draft_leaves(self, tree: Tree, probs: torch.Tensor, max_depth: int) -> tuple[list[int], list[int], list[float]]:
         """The draft's own best children of every node above `max_depth` that the trigram did not
@@ -267,12 +279,16 @@ class StagedDrafter(ModelDrafter):
         start = time.perf_counter()
         self.draft.start(tokens)
         tree, _ = trigram_tree(self.table, tokens, self.widths, max_depth)
+        max_depth = min(max_depth, self.depth)
+        copied = self.context.graft(tree, tokens, max_depth) if self.context is not None else set()
         n = len(tree)
         probs = ranking_probs(self.draft.score(tree, list(range(n))), self.sampling)  # row i: after node i
         edges = probs[torch.tensor(tree.parents[1:], dtype=torch.long), torch.tensor(tree.tokens[1:], dtype=torch.long)].tolist()
         cumulative = tree.cumulative([1.0] + edges)
         leaf_parents, leaf_tokens, leaf_probs = self.draft_leaves(tree, probs, max_depth)
         candidates = cumulative + [cumulative[parent] * p for parent, p in zip(leaf_parents, leaf_probs)]
+        for node in copied | {0} if copied else ():  # the context's continuations go first (on top of the root)
+            candidates[node] += 1.0
         budget = self.budget
         if self.oracle_ms is not None:
             budget = best_budget(candidates, self.oracle_ms, 1e3 * (time.perf_counter() - start))
@@ -283,21 +299,48 @@ class StagedDrafter(ModelDrafter):
         return tree
 
 
-class NgramDrafter:
-    """The trigram alone: no draft model, nodes ranked by cumulative trigram probability."""
+class ModelFreeDrafter:
+    """A drafter without a draft model: no draft calls, nothing to commit."""
 
     sampled_children = False
     calls = 0
 
-    def __init__(self, table, budget: int = 36, widths=(12, 7, 4, 1, 1, 1)):
-        self.table, self.budget, self.widths = table, budget, list(widths)
-
     def reset(self) -> None:
         pass
+
+    def accept(self, path: list[int]) -> None:
+        pass
+
+
+class NgramDrafter(ModelFreeDrafter):
+    """The trigram alone: nodes ranked by cumulative trigram probability."""
+
+    def __init__(self, table, budget: int = 36, widths=(12, 7, 4, 1, 1, 1)):
+        self.table, self.budget, self.widths = table, budget, list(widths)
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         tree, probs = trigram_tree(self.table, tokens, self.widths, max_depth)
         return tree.subtree(best_first(tree.cumulative(probs), self.budget))[0]
 
-    def accept(self, path: list[int]) -> None:
-        pass
+
+class LookupDrafter(ModelFreeDrafter):
+    """The context alone: up to `branches` continuations of `length` tokens that followed the latest
+    earlier occurrences of the longest suffix (of at most `max_ngram` tokens) seen before."""
+
+    def __init__(self, length: int = 10, branches: int = 1, max_ngram: int = 3):
+        self.length, self.branches, self.index = length, branches, ContextIndex(max_ngram)
+
+    def reset(self) -> None:
+        self.index.reset()
+
+    def graft(self, tree: Tree, tokens: list[int], max_depth: int) -> set[int]:
+        """Add the continuations below the root of `tree` (which stands for tokens[-1]); returns their nodes."""
+        nodes = set()
+        for chain in self.index.continuations(tokens, min(self.length, max_depth), self.branches):
+            nodes.update(tree.add_path(chain))
+        return nodes
+
+    def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
+        tree = Tree.rooted(tokens[-1])
+        self.graft(tree, tokens, max_depth)
+        return tree

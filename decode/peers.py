@@ -1,6 +1,7 @@
 """The peers a user would otherwise pick, on the same checkpoints: transformers `generate` on the oracle
-(`hf-generate`) and assisted generation with the draft as assistant (`hf-assisted`, transformers'
-default schedule). Both return a Generation, with the oracle's forward calls counted by a hook, and
+(`hf-generate`), assisted generation with the draft as assistant (`hf-assisted`, transformers'
+default schedule) and prompt lookup (`hf-lookup`: `generate(prompt_lookup_num_tokens=...)`, drafts
+copied from the context). Both return a Generation, with the oracle's forward calls counted by a hook, and
 heal a prompt's last token as our methods do (the same first-token constraint, as a logits processor)."""
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -22,11 +23,13 @@ class FirstTokenConstraint(LogitsProcessor):
 
 
 class HFGenerate:
-    def __init__(self, oracle_dir, draft_dir, sampling: Sampling, eos_id: int, dtype: str = "float32", device: str = "cpu"):
-        """`draft_dir` None: plain generate; else assisted generation with that assistant."""
+    def __init__(self, oracle_dir, draft_dir, sampling: Sampling, eos_id: int, dtype: str = "float32", device: str = "cpu",
+                 lookup_tokens: int | None = None):
+        """`draft_dir` None: plain generate, or prompt lookup of `lookup_tokens`; else assisted generation
+        with that assistant."""
         self.oracle = load_hf_model(oracle_dir, dtype, device)
         self.assistant = None if draft_dir is None else load_hf_model(draft_dir, dtype, device)
-        self.sampling, self.eos_id = sampling, eos_id
+        self.sampling, self.eos_id, self.lookup_tokens = sampling, eos_id, lookup_tokens
         self.calls = {"oracle": 0, "draft": 0}
         self.oracle.register_forward_pre_hook(lambda *_: self._count("oracle"))
         if self.assistant is not None:
@@ -41,7 +44,8 @@ class HFGenerate:
         s = self.sampling
         sampling = {"do_sample": False} if s.greedy else {"do_sample": True, "temperature": s.temperature,
                                                            "top_k": s.top_k or None, "top_p": s.top_p}
-        return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.eos_id, **sampling)
+        return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.eos_id,
+                                prompt_lookup_num_tokens=self.lookup_tokens, **sampling)
 
     @torch.inference_mode()
     def __call__(self, prompt: Prompt, max_new_tokens: int, seed: int) -> Generation:

@@ -18,13 +18,13 @@ from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
 from decode import costs, generate
 from decode.cached_lm import CachedLM
-from decode.drafters import NgramDrafter, StagedDrafter, TreeDrafter, fit_widths, trigram_tree_size
+from decode.drafters import LookupDrafter, NgramDrafter, StagedDrafter, TreeDrafter, fit_widths, trigram_tree_size
 from decode.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.healing import Prompt, TokenHealer
 from decode.hf_backend import HFEngine
 from decode.sampling import Sampling
 
-METHODS = ("baseline", "speculative", "tree", "staged", "ngram")
+METHODS = ("baseline", "speculative", "tree", "staged", "ngram", "lookup")
 NEEDS_DRAFT = {"speculative", "tree", "staged"}
 NEEDS_NGRAM = {"staged", "ngram"}
 MAX_BUDGET, MAX_DEPTH = 512, 64
@@ -40,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ngram", type=Path, help="the Katz trigram's directory (for n-gram drafting)")
     p.add_argument("--method", choices=METHODS, default="staged",
                    help="baseline: the oracle alone; speculative: chain drafts of --k tokens; tree: draft-model trees; "
-                        "staged: trigram -> draft -> oracle trees; ngram: trigram trees")
+                        "staged: trigram (and context) -> draft -> oracle trees; ngram: trigram trees; "
+                        "lookup: continuations found in the context (prompt lookup), no model")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--prompts", help="'humaneval' or a .jsonl[.gz] file of {task_id, prompt} (default: RUN/prompts.jsonl)")
@@ -58,6 +59,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default 1: an argmax costs a tenth of a top-k over the vocabulary and measured faster per token)")
     p.add_argument("--tree-children", choices=["top", "sampled"], default="top",
                    help="tree: the draft's top tokens (verified by sample-match) or samples from it (multi-draft rejection)")
+    p.add_argument("--context-drafter", action=argparse.BooleanOptionalAction, default=True,
+                   help="staged: graft onto the trigram's tree the tokens that followed earlier occurrences of the "
+                        "sequence's current suffix (what the lookup method drafts); the draft ranks them with the rest")
+    p.add_argument("--lookup-tokens", type=int, default=10,
+                   help="lookup: tokens per continuation (staged: at most --depth)")
+    p.add_argument("--lookup-branches", type=int, default=1, help="lookup, staged: continuations from different earlier occurrences")
+    p.add_argument("--lookup-ngram", type=int, default=3, help="lookup, staged: longest suffix matched in the context")
     p.add_argument("--size-from-device", action="store_true",
                    help="staged: size the tree from the models' forward costs measured on this device (cached): narrow "
                         "--widths until the draft scores them in 30%% of an oracle call, and keep each step the number of "
@@ -85,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("pass --prompt TEXT or --prompts humaneval|FILE (or --run RUN)")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.k < 0 or args.max_new_tokens < 1:
         p.error("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0, --k >= 0 and --max-new-tokens >= 1")
+    if min(args.lookup_tokens, args.lookup_branches, args.lookup_ngram) < 1 or args.lookup_tokens > MAX_DEPTH:
+        p.error(f"--lookup-tokens (1 to {MAX_DEPTH}), --lookup-branches and --lookup-ngram must be at least 1")
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be at least 1 (got {args.limit}); leave it out for every prompt")
     try:
@@ -187,6 +197,8 @@ class Decoder:
 
     def lookahead(self) -> int:
         """Positions past the output a step may score: the drafted depth."""
+        if self.method == "lookup":
+            return self.drafter.length
         return {"baseline": 0, "speculative": self.k}.get(self.method, self.depth)
 
 
@@ -224,9 +236,12 @@ def build_decoder(args) -> tuple[Decoder, TokenHealer]:
         oracle_ms = None
         if args.size_from_device:
             args.widths, oracle_ms = size_from_device(args, oracle, draft)
-        drafter = StagedDrafter(draft, table, sampling, args.budget, args.widths, args.branch, oracle_ms)
+        context = LookupDrafter(args.lookup_tokens, args.lookup_branches, args.lookup_ngram) if args.context_drafter else None
+        drafter = StagedDrafter(draft, table, sampling, args.budget, args.widths, args.branch, oracle_ms, context, args.depth)
     elif args.method == "ngram":
         drafter = NgramDrafter(table, args.budget, args.widths)
+    elif args.method == "lookup":
+        drafter = LookupDrafter(args.lookup_tokens, args.lookup_branches, args.lookup_ngram)
     decoder = Decoder(args.method, oracle, draft, drafter, sampling, args.k, args.depth, tokenizer.eos_token_id)
     return decoder, TokenHealer(tokenizer, oracle.vocab_size, args.token_healing)
 

@@ -55,6 +55,15 @@ class Tree:
             self.add(parent, token)
         return range(first, len(self.tokens))
 
+    def add_path(self, tokens: list[int], node: int = 0) -> list[int]:
+        """Follow or grow the branch below `node` that spells `tokens`; returns its nodes."""
+        nodes = []
+        for token in tokens:
+            child = next((c for c in self.children[node] if self.tokens[c] == token), None)
+            node = self.add(node, token) if child is None else child
+            nodes.append(node)
+        return nodes
+
     def path(self, node: int) -> list[int]:
         """The nodes from the root to `node`."""
         nodes = []
