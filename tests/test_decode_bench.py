@@ -38,7 +38,7 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
         assert s["tokens"] == 36 and s["oracle_calls_per_token"] == pytest.approx(1 / s["tokens_per_oracle_call"])
     assert summary["baseline"]["tokens_per_oracle_call"] == 1 and summary["hf-generate"]["tokens_per_oracle_call"] == 1
     assert summary["staged"]["tokens_per_oracle_call"] > 1.5  # the draft is the oracle plus a little noise
-    assert set(summary["staged"]["median_speedup_over"]) == {"speculative", "hf-assisted"}
+    assert set(summary["staged"]["median_speedup_over"]) == {"speculative", "hf-assisted", "hf-lookup"}
     assert json.loads(out.read_text())["summary"]["staged"]["tokens"] == 36
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert "refused" not in capsys.readouterr().out

@@ -26,6 +26,7 @@ def error_of(capsys, argv) -> str:
     ("tree", ["--budget", "12", "--tree-children", "sampled"]), ("staged", ["--budget", "16", "--widths", "4,2,1"]),
     ("ngram", ["--budget", "16", "--widths", "4,2,1"]),
     ("staged", ["--budget", "16", "--widths", "8,4,3"]),  # 136 drafted nodes: more than the 64-position context
+    ("staged", ["--budget", "16", "--widths", "4,2,1", "--no-context-drafter"]), ("lookup", []),
 ])
 def test_run_writes_records_and_every_method_matches_baseline(models, tmp_path, method, extra):
     prompts = tmp_path / "p.jsonl"

@@ -2,9 +2,10 @@ import numpy as np
 import pytest
 import torch
 
-from decode.drafters import NgramDrafter, StagedDrafter, TreeDrafter
+from decode.drafters import LookupDrafter, NgramDrafter, StagedDrafter, TreeDrafter
 from decode.engine import GPT2Engine
 from decode.generate import baseline, tree_speculative
+from decode.lookup import ContextIndex
 from decode.sampling import Sampling, sample
 from decode.tree import Tree
 from decode.verify import Target, sample_match
@@ -58,6 +59,8 @@ def drafters(models, prefix, sampling):
         "tree-sampled": TreeDrafter(draft, sampling, budget=12, depth=4, branch=2, sampled=True),
         "staged": StagedDrafter(draft, table, sampling, budget=12, widths=[3, 2, 1], draft_children=2),
         "ngram": NgramDrafter(table, budget=12, widths=[3, 2, 1]),
+        "lookup": LookupDrafter(length=4, branches=2),
+        "staged-context": StagedDrafter(draft, table, sampling, budget=12, widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4),
     }
 
 
@@ -69,7 +72,9 @@ def test_greedy_tree_methods_equal_baseline(models, draft):
         bad = GPT2Engine.load(models["bad"])
         table = SuccessorTable.load(models["ngram"] / "successors.npz")
         methods = {"tree": TreeDrafter(bad, Sampling(), budget=12, depth=4, branch=3),
-                   "staged": StagedDrafter(bad, table, Sampling(), budget=12, widths=[3, 2, 1])}
+                   "staged": StagedDrafter(bad, table, Sampling(), budget=12, widths=[3, 2, 1]),
+                   "staged-context": StagedDrafter(bad, table, Sampling(), budget=12, widths=[3, 2, 1],
+                                                   context=LookupDrafter(6, 2), depth=6)}
     rng = torch.Generator().manual_seed(5)
     per_call = {name: [] for name in methods}
     for _ in range(12):
@@ -108,7 +113,7 @@ def sampled_z(models, name, sampling, verify=None, runs=2500):
     return chi_square_z(samples, probs)
 
 
-@pytest.mark.parametrize("name", ["tree", "tree-sampled", "staged", "ngram"])
+@pytest.mark.parametrize("name", ["tree", "tree-sampled", "staged", "ngram", "lookup", "staged-context"])
 @pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.9, top_k=4)])
 def test_tree_methods_sample_the_oracle_distribution(models, name, sampling):
     assert sampled_z(models, name, sampling) < Z_LIMIT
@@ -124,3 +129,28 @@ def test_sample_match_walks_the_path_that_carries_the_sampled_tokens():
     p[0, 7] = p[1, 11] = p[3, 13] = p[4, 1] = 1  # the oracle's point masses along 5 -> 7 -> 11 -> 13, then 1
     assert sample_match(tree, Target(p, Sampling()), None) == ([0, 1, 3, 4], 1)
     assert sample(p[4], None) == 1
+
+
+def test_context_index_proposes_the_continuation_of_a_repeated_pattern():
+    index = ContextIndex(max_ngram=3)
+    tokens = [5, 6, 7, 8, 9, 1, 4, 6, 7]
+    assert index.continuations(tokens, 4) == [[8, 9, 1, 4]]  # the longest suffix seen before is (6, 7)
+    tokens += [2, 6, 7]  # (6, 7) now also followed by 2: the latest occurrence first, then the earlier one
+    assert index.continuations(tokens, 3, branches=2) == [[2, 6, 7], [8, 9, 1]]
+    assert index.continuations(tokens, 3, branches=2) == ContextIndex(3).continuations(tokens, 3, branches=2)
+    assert ContextIndex(3).continuations([1, 2, 3, 1, 2, 3], 7) == [[1, 2, 3, 1, 2, 3, 1]]  # the period goes on
+    assert ContextIndex(3).continuations([4, 5, 6], 3) == []  # nothing repeats yet
+    drafter = LookupDrafter(length=3, branches=2)
+    tree = drafter.propose(tokens, 2, None)  # capped at the depth left
+    assert tree.tokens == [7, 2, 6, 8, 9] and tree.parents == [-1, 0, 1, 0, 3]
+
+
+def test_staged_keeps_the_context_continuation_whatever_the_draft_thinks(models):
+    bad = GPT2Engine.load(models["bad"])
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    staged = StagedDrafter(bad, table, Sampling(), budget=8, widths=[3, 2, 1], context=LookupDrafter(4), depth=4)
+    staged.reset()
+    tokens = [11, 12, 13, 14, 15, 16, 11, 12]
+    tree = staged.propose(tokens, 10, None)
+    chain = tree.path(next(n for n in range(len(tree)) if tree.depths[n] == 4 and tree.tokens[n] == 16))
+    assert [tree.tokens[n] for n in chain] == [12, 13, 14, 15, 16] and len(tree) <= 8

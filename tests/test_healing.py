@@ -48,7 +48,7 @@ def test_a_trailing_newline_is_backed_off_and_only_its_extensions_may_follow(bpe
 
 @pytest.mark.parametrize("method, extra", [("speculative", []), ("tree", ["--budget", "12"]),
                                            ("staged", ["--budget", "16", "--widths", "4,2,1"]),
-                                           ("ngram", ["--budget", "16", "--widths", "4,2,1"])])
+                                           ("ngram", ["--budget", "16", "--widths", "4,2,1"]), ("lookup", [])])
 def test_greedy_first_token_is_the_oracles_best_extension_in_every_method(bpe_run, tmp_path, method, extra):
     common = ["--run", str(bpe_run["run"]), "--prompts", str(bpe_run["prompts"]), "--max-new-tokens", "12"]
     base = run.main(common + ["--method", "baseline"])
@@ -80,7 +80,7 @@ def test_without_healing_the_prompt_is_fed_whole(bpe_run):
 
 
 @pytest.mark.parametrize("method, extra", [("tree", ["--budget", "12"]), ("staged", ["--budget", "16", "--widths", "4,2,1"]),
-                                           ("ngram", ["--budget", "16", "--widths", "4,2,1"])])
+                                           ("ngram", ["--budget", "16", "--widths", "4,2,1"]), ("lookup", [])])
 def test_sampling_with_healing_couples_with_the_baseline(bpe_run, method, extra):
     """Trees that do not depend on the oracle's randomness, verified by sample-match, draw the oracle's
     token at each visited node with the generator exactly as the baseline does: same seed, same tokens."""
