@@ -17,6 +17,7 @@ import torch
 from data.atomic import FILE, atomic_output, check_output
 from data.errors import exits_on_input_error
 from decode import run
+from decode.api import SpeculativeDecoder
 from decode.healing import Prompt, constrain_first
 
 # Largest top-2 logit gap a different batch shape may flip: float32 rounding is ~1e-6 relative;
@@ -62,30 +63,31 @@ def main(argv=None) -> dict:
     unknown = [m for m in methods if m not in run.METHODS or m == "baseline"]
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(m for m in run.METHODS if m != 'baseline')}")
-    base_args = run.parse_args(rest + ["--method", "baseline"])
-    baseline, healer = run.build_decoder(base_args)
+    base = run.parse(rest + ["--method", "baseline"])
+    baseline = SpeculativeDecoder(base.options)
     decoders = {}
     for method in methods:
-        args = run.parse_args(rest + ["--method", method])
-        decoders[method], _ = run.build_decoder(args)
-    lookahead = max(d.lookahead() for d in decoders.values())
-    prompts = run.encode_prompts(base_args, healer, min(d.context() for d in decoders.values()), lookahead)
-    greedy = base_args.temperature == 0
+        decoders[method] = SpeculativeDecoder(run.parse(rest + ["--method", method]).options)
+    for dec in [baseline, *decoders.values()]:
+        dec.use(base.sampling)
+    prompts = run.encode_prompts(base, [baseline, *decoders.values()])
+    greedy = base.sampling.greedy
     report = {m: {"identical": 0, "near_ties": [], "bugs": [], "tokens_per_oracle_call": []} for m in methods}
     for i, (record, prompt) in enumerate(prompts):
-        expected = baseline(prompt, base_args.max_new_tokens, base_args.seed + i).tokens
-        for method, decoder in decoders.items():
-            out = decoder(prompt, base_args.max_new_tokens, base_args.seed + i)
+        expected = baseline.decoder(prompt, base.max_new_tokens, base.seed + i).tokens
+        for method, dec in decoders.items():
+            out = dec.decoder(prompt, base.max_new_tokens, base.seed + i)
             report[method]["tokens_per_oracle_call"].append(len(out.tokens) / out.oracle_calls)
             if not greedy:
                 continue
-            diff = divergence(baseline.oracle, prompt, expected, out.tokens, NEAR_TIE[base_args.dtype])
+            diff = divergence(baseline.decoder.oracle, prompt, expected, out.tokens, NEAR_TIE[base.options.dtype])
             if diff is None:
                 report[method]["identical"] += 1
             else:
                 report[method]["near_ties" if diff["near_tie"] else "bugs"].append({"task_id": record["task_id"], **diff})
-    mode = "greedy" if greedy else f"T={base_args.temperature}, top-k {base_args.top_k}, top-p {base_args.top_p}"
-    print(f"{len(prompts)} prompts x {base_args.max_new_tokens} new tokens, {mode}")
+    sampling = base.sampling
+    mode = "greedy" if greedy else f"T={sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}"
+    print(f"{len(prompts)} prompts x {base.max_new_tokens} new tokens, {mode}")
     print(f"{'method':<12} {'identical':>10} {'near-ties':>10} {'bugs':>6} {'tokens/oracle call':>19}")
     for method, r in report.items():
         r["mean_tokens_per_oracle_call"] = float(np.mean(r["tokens_per_oracle_call"]))

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from data.atomic import FILE, atomic_output, check_output
 from data.errors import InputError, exits_on_input_error
 from decode import agreement, run
+from decode.api import SpeculativeDecoder, check_same_vocabulary
 from decode.peers import HFGenerate
 
 OURS = ("baseline", "speculative", "tree", "staged", "staged-device", "ngram", "lookup")
@@ -32,24 +33,28 @@ DEFAULT_METHODS = "baseline,speculative,tree,staged,staged-device,ngram,lookup,h
 WARMUP_TOKENS = 16
 
 
-def build_methods(names: list[str], rest: list[str]) -> tuple[dict, object, argparse.Namespace]:
-    """A decoder per method (each with its own models and caches), the token healer and the baseline's args."""
-    base_args = run.parse_args(rest + ["--method", "baseline"])
-    decoders, healer = {}, None
+def build_methods(names: list[str], rest: list[str]) -> tuple[dict, list, run.Settings]:
+    """A decoder per method (each with its own models and caches), our SpeculativeDecoders, and the baseline's settings."""
+    base = run.parse(rest + ["--method", "baseline"])
+    decoders, ours = {}, []
     for name in names:
         if name in PEERS:
             continue
         extra = ["--method", "staged", "--size-from-device"] if name == "staged-device" else ["--method", name]
-        decoders[name], healer = run.build_decoder(run.parse_args(rest + extra))
+        dec = SpeculativeDecoder(run.parse(rest + extra).options)
+        dec.use(base.sampling)
+        decoders[name] = dec.decoder
+        ours.append(dec)
+    options = base.options
     for name in (n for n in names if n in PEERS):
         if name == "hf-assisted":
-            if base_args.draft is None or not Path(base_args.draft).is_dir():
-                raise InputError(f"hf-assisted needs a draft model; pass --draft DIR (or --run RUN) (got {base_args.draft})")
-            run.check_same_vocabulary(base_args.oracle, base_args.draft, "draft")
-        decoders[name] = HFGenerate(base_args.oracle, base_args.draft if name == "hf-assisted" else None,
-                                    decoders["baseline"].sampling, decoders["baseline"].eos_id, base_args.dtype,
-                                    base_args.device, base_args.lookup_tokens if name == "hf-lookup" else None)
-    return decoders, healer, base_args
+            if options.draft is None or not Path(options.draft).is_dir():
+                raise InputError(f"hf-assisted needs a draft model; pass --draft DIR (or --run RUN) (got {options.draft})")
+            check_same_vocabulary(options.oracle, options.draft, "draft")
+        decoders[name] = HFGenerate(options.oracle, options.draft if name == "hf-assisted" else None, base.sampling,
+                                    decoders["baseline"].eos_id, options.dtype, options.device,
+                                    options.lookup_tokens if name == "hf-lookup" else None)
+    return decoders, ours, base
 
 
 def timed_runs(decoders: dict, prompts: list, max_new_tokens: int, seed: int) -> dict[str, list[dict]]:
@@ -184,16 +189,16 @@ def main(argv=None) -> dict:
         check_output(known.out, FILE, known.overwrite, "--out")
     if known.plot:
         check_plot_path(known.plot, known.overwrite)
-    decoders, healer, args = build_methods(names, rest)
-    ours = [d for n, d in decoders.items() if n in OURS]
-    prompts = run.encode_prompts(args, healer, min(d.context() for d in ours), max(d.lookahead() for d in ours))
-    greedy = args.temperature == 0
-    near_tie = known.near_tie if known.near_tie is not None else agreement.NEAR_TIE[args.dtype]
-    mode = "greedy" if greedy else f"T={args.temperature} top-k {args.top_k} top-p {args.top_p}"
-    healing = "on" if args.token_healing else "off"
-    print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {mode}, {args.dtype} on {args.device}, "
+    decoders, ours, settings = build_methods(names, rest)
+    options, sampling = settings.options, settings.sampling
+    prompts = run.encode_prompts(settings, ours)
+    greedy = sampling.greedy
+    near_tie = known.near_tie if known.near_tie is not None else agreement.NEAR_TIE[options.dtype]
+    mode = "greedy" if greedy else f"T={sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
+    healing = "on" if options.token_healing else "off"
+    print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
           f"token healing {healing}; methods: {', '.join(names)}")
-    records = timed_runs(decoders, prompts, args.max_new_tokens, args.seed)
+    records = timed_runs(decoders, prompts, settings.max_new_tokens, settings.seed)
     checks = check_outputs(records, prompts, decoders["baseline"], near_tie) if greedy else None
     summary = summarise(records, checks)
     print_table(summary, greedy)
@@ -203,16 +208,16 @@ def main(argv=None) -> dict:
         over = ", ".join(f"{x:.2f}x over {rival}" for rival, x in summary[name].get("median_speedup_over", {}).items())
         print(f"  {name}: trigram widths {size['widths']}, oracle tree of at most {size['budget_cap']} nodes"
               + (f"; median {over}" if over else ""))
-    result = {"settings": {"mode": mode, "dtype": args.dtype, "device": args.device, "prompts": len(prompts),
-                           "max_new_tokens": args.max_new_tokens, "near_tie": near_tie, "tree_sizes": sizing,
-                           "token_healing": args.token_healing},
+    result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device, "prompts": len(prompts),
+                           "max_new_tokens": settings.max_new_tokens, "near_tie": near_tie, "tree_sizes": sizing,
+                           "token_healing": options.token_healing},
               "summary": summary, "records": records}
     if known.out:
         with atomic_output(known.out, FILE, known.overwrite) as tmp:
             tmp.write_text(json.dumps(result, indent=1) + "\n")
         print(f"figures: {known.out}")
     if known.plot:
-        plot(summary, known.plot, f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {mode}, {args.dtype}, "
+        plot(summary, known.plot, f"{len(prompts)} prompts x {settings.max_new_tokens} tokens, {mode}, {options.dtype}, "
                                   f"token healing {healing}",
              known.overwrite)
         print(f"plot: {known.plot}")

@@ -1,9 +1,13 @@
 """Generation loops with one signature: plain autoregressive decoding (the baseline) and speculative
 decoding over a tree of drafted tokens (a chain is the one-branch tree of standard speculative
 decoding). Both keep the same invariant: a model's cache holds every token of the sequence but the
-last, which it has not seen yet."""
+last, which it has not seen yet.
+
+Each loop is a generator (`*_steps`) that yields its Generation after every oracle call, so a caller
+can stream the tokens as they are accepted; `baseline`, `tree_speculative` and `speculative` run one
+to the end."""
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -30,23 +34,38 @@ class Generation:
         return False
 
 
-def baseline(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-             eos_id: int | None, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
-             **_) -> Generation:
+def last(steps: Iterator[Generation]) -> Generation:
+    """Run a generation loop to the end."""
+    for out in steps:
+        pass
+    return out
+
+
+def baseline_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                   eos_id: int | None, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
+                   **_) -> Iterator[Generation]:
     """One oracle call per token. `allowed` (a healed prompt's): the tokens the first one may be."""
     oracle.reset()
     logits = constrain_first(oracle.extend(prompt)[-1:], allowed)[0]
     out = Generation(oracle_calls=1, oracle_nodes=1)
-    while not out.add([sampling.choose(logits, generator)], max_new_tokens, eos_id):
+    while True:
+        done = out.add([sampling.choose(logits, generator)], max_new_tokens, eos_id)
+        yield out
+        if done:
+            return
         logits = oracle.extend(torch.tensor(out.tokens[-1:], device=oracle.device))[-1]
         out.oracle_calls += 1
         out.oracle_nodes += 1
-    return out
 
 
-def tree_speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                     eos_id: int | None, generator: torch.Generator | None = None,
-                     allowed: torch.Tensor | None = None, *, drafter, verify: Callable | None = None, **_) -> Generation:
+def baseline(*args, **kwargs) -> Generation:
+    return last(baseline_steps(*args, **kwargs))
+
+
+def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                           eos_id: int | None, generator: torch.Generator | None = None,
+                           allowed: torch.Tensor | None = None, *, drafter, verify: Callable | None = None,
+                           **_) -> Iterator[Generation]:
     """The drafter proposes a tree, the oracle scores every node in one call, and the verifier walks it:
     sample-match for trees built deterministically, multi-draft rejection for sampled children."""
     verify = verify or (multi_draft_rejection if drafter.sampled_children else sample_match)
@@ -70,15 +89,25 @@ def tree_speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int
         drafter.accept(path)
         new = [tree.tokens[n] for n in path[1:]] + [following]
         tokens += new
-        if out.add(new, max_new_tokens, eos_id):
-            out.draft_calls = drafter.calls
-            return out
+        done = out.add(new, max_new_tokens, eos_id)
+        out.draft_calls = drafter.calls
+        yield out
+        if done:
+            return
 
 
-def speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                eos_id: int | None, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
-                *, draft: CachedLM, k: int = 4, verify: Callable | None = None, **_) -> Generation:
+def tree_speculative(*args, **kwargs) -> Generation:
+    return last(tree_speculative_steps(*args, **kwargs))
+
+
+def speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                      eos_id: int | None, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
+                      *, draft: CachedLM, k: int = 4, verify: Callable | None = None, **_) -> Iterator[Generation]:
     """Standard (chain) speculative decoding: the draft samples k tokens, the oracle scores k + 1
     positions in one call, Chen et al.'s rejection sampling (multi-draft rejection on a chain) verifies."""
-    return tree_speculative(oracle, prompt, max_new_tokens, sampling, eos_id, generator, allowed,
-                            drafter=ChainDrafter(draft, sampling, k), verify=verify)
+    return tree_speculative_steps(oracle, prompt, max_new_tokens, sampling, eos_id, generator, allowed,
+                                  drafter=ChainDrafter(draft, sampling, k), verify=verify)
+
+
+def speculative(*args, **kwargs) -> Generation:
+    return last(speculative_steps(*args, **kwargs))

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 from data.errors import exits_on_input_error
 from decode import generate, run
+from decode.api import SpeculativeDecoder
 
 
 class Stopwatch:
@@ -34,9 +35,10 @@ class Stopwatch:
 
 @exits_on_input_error
 def main(argv=None) -> dict[str, float]:
-    args = run.parse_args(argv)
-    decoder, healer = run.build_decoder(args)
-    prompts = run.encode_prompts(args, healer, decoder.context(), decoder.lookahead())
+    settings = run.parse(argv)
+    dec = SpeculativeDecoder(settings.options)
+    dec.use(settings.sampling)
+    decoder, prompts = dec.decoder, run.encode_prompts(settings, [dec])
     watch = Stopwatch()
     watch.wrap(decoder.oracle, "forward", "oracle forward")
     if decoder.draft is not None:
@@ -47,12 +49,12 @@ def main(argv=None) -> dict[str, float]:
             watch.wrap(decoder.drafter.table, "successors", "trigram lookups")
     for rule in ("sample_match", "multi_draft_rejection"):  # the loop looks them up in decode.generate
         watch.wrap(generate, rule, "verification")
-    decoder(prompts[0][1], 8, args.seed)  # warm-up
+    decoder(prompts[0][1], 8, settings.seed)  # warm-up
     watch.seconds.clear()
     total = steps = tokens = 0
     for i, (_, prompt) in enumerate(prompts):
         start = time.perf_counter()
-        out = decoder(prompt, args.max_new_tokens, args.seed + i)
+        out = decoder(prompt, settings.max_new_tokens, settings.seed + i)
         total += time.perf_counter() - start
         steps += out.oracle_calls
         tokens += len(out.tokens)
@@ -60,7 +62,7 @@ def main(argv=None) -> dict[str, float]:
     if "propose" in parts:  # every draft forward and lookup happens while proposing
         parts["tree building"] = parts.pop("propose") - parts.get("draft forward", 0.0) - parts.get("trigram lookups", 0.0)
     parts["rest of the loop"] = total - sum(parts.values())
-    print(f"{args.method}: {len(prompts)} prompts, {tokens} tokens, {steps} oracle calls "
+    print(f"{settings.options.method}: {len(prompts)} prompts, {tokens} tokens, {steps} oracle calls "
           f"({tokens / steps:.2f} tokens per call), {1e3 * total / steps:.2f} ms per call")
     for label, seconds in parts.items():
         print(f"  {label:<18} {1e3 * seconds / steps:8.2f} ms  {100 * seconds / total:5.1f}%")

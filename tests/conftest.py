@@ -1,3 +1,4 @@
+import json
 import textwrap
 
 import pytest
@@ -40,3 +41,22 @@ def write_corpus(root, n_files=60):
 @pytest.fixture
 def corpus_dir(tmp_path):
     return write_corpus(tmp_path / "src")
+
+
+@pytest.fixture(scope="session")
+def bpe_run(tmp_path_factory):
+    """A run with a byte-level BPE tokenizer trained on a small corpus, tiny random models and a trigram."""
+    from data import prepare
+    from data.tokenizer import load_tokenizer
+    from decode_models import PROMPTS, tiny_gpt2
+    from ngram import build_katz
+
+    root = tmp_path_factory.mktemp("bpe")
+    prepare.main(["--path", str(write_corpus(root / "src")), "--out", str(root / "run"), "--vocab-size", "400"])
+    tokenizer = load_tokenizer(root / "run" / "tokenizer")
+    oracle = tiny_gpt2(root / "run" / "oracle", vocab_size=len(tokenizer), seed=0, tokenizer=tokenizer)
+    tiny_gpt2(root / "run" / "draft", vocab_size=len(tokenizer), seed=1, noise_from=oracle, noise=0.005, tokenizer=tokenizer)
+    build_katz.main(["--out", str(root / "run" / "ngram")])
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    return {"run": root / "run", "tokenizer": tokenizer, "prompts": prompts}

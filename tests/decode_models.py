@@ -5,6 +5,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+# Prompts for a byte-level BPE run (see conftest.bpe_run): three end in a bare newline token.
+PROMPTS = ['def scale_1(values, factor=1):\n    """Multiply every value by 1 and return the list."""\n',
+           "import math\n", "class Box3:\n    def __init__(self):\n", "x = (1, 2"]
+
 
 def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positions=128, tokenizer=None):
     """`tokenizer` None: a word-level one over the ids ("t0 t5 t17"; t0 is end-of-text)."""

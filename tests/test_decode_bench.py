@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from decode import bench, costs, generate, profile_step, run
+from decode import bench, costs, generate, profile_step
+from decode.api import Decoder
 from decode.drafters import best_budget, fit_widths, trigram_tree_size
 from decode.engine import GPT2Engine
 from decode_models import run_models
@@ -44,9 +45,9 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
     assert "refused" not in capsys.readouterr().out
 
 
-class OffByOneAtToken5(run.Decoder):
-    def __call__(self, ids, max_new_tokens, seed):
-        out = super().__call__(ids, max_new_tokens, seed)
+class OffByOneAtToken5(Decoder):
+    def __call__(self, prompt, max_new_tokens, seed):
+        out = super().__call__(prompt, max_new_tokens, seed)
         out.tokens[5] = (out.tokens[5] + 1) % 97
         return out
 
@@ -55,9 +56,9 @@ def test_bench_refuses_a_speedup_when_greedy_output_differs(models, tmp_path, ca
     build = bench.build_methods
 
     def with_a_broken_method(names, rest):
-        decoders, tokenizer, args = build(names, rest)
+        decoders, ours, settings = build(names, rest)
         decoders["speculative"] = OffByOneAtToken5(**vars(decoders["speculative"]))
-        return decoders, tokenizer, args
+        return decoders, ours, settings
 
     monkeypatch.setattr(bench, "build_methods", with_a_broken_method)
     summary = bench.main(bench_args(models, tmp_path, "--methods", "baseline,speculative,ngram"))["summary"]

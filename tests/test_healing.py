@@ -1,35 +1,12 @@
 """Token healing on a byte-level BPE run: the prompt's trailing token is backed off, the first new
 token must extend its text, and every method gives the baseline's output under that constraint."""
-import json
-
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from data import prepare
-from data.tokenizer import load_tokenizer
 from decode import run
 from decode.healing import TokenHealer
-from decode_models import tiny_gpt2
-from ngram import build_katz
-
-PROMPTS = ['def scale_1(values, factor=1):\n    """Multiply every value by 1 and return the list."""\n',
-           "import math\n", "class Box3:\n    def __init__(self):\n", "x = (1, 2"]
-
-
-@pytest.fixture(scope="module")
-def bpe_run(tmp_path_factory):
-    from conftest import write_corpus
-
-    root = tmp_path_factory.mktemp("bpe")
-    prepare.main(["--path", str(write_corpus(root / "src")), "--out", str(root / "run"), "--vocab-size", "400"])
-    tokenizer = load_tokenizer(root / "run" / "tokenizer")
-    oracle = tiny_gpt2(root / "run" / "oracle", vocab_size=len(tokenizer), seed=0, tokenizer=tokenizer)
-    tiny_gpt2(root / "run" / "draft", vocab_size=len(tokenizer), seed=1, noise_from=oracle, noise=0.005, tokenizer=tokenizer)
-    build_katz.main(["--out", str(root / "run" / "ngram")])
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"task_id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
-    return {"run": root / "run", "tokenizer": tokenizer, "prompts": prompts}
+from decode_models import PROMPTS
 
 
 def test_a_trailing_newline_is_backed_off_and_only_its_extensions_may_follow(bpe_run):

@@ -1,0 +1,339 @@
+"""Staged speculative decoding from Python: build a decoder once, generate or stream many times.
+
+    from decode import SpeculativeDecoder
+    dec = SpeculativeDecoder.from_run("runs/default", method="staged", dtype="bfloat16")
+    result = dec.generate("def fib(n):", max_new_tokens=64)       # .text, .token_ids, .oracle_calls, .seconds
+    for piece in dec.stream("def fib(n):", max_new_tokens=64):    # text as tokens are accepted
+        print(piece, end="", flush=True)
+
+Every command-line tool builds its decoders here (`DecoderOptions` mirrors decode.run's flags), and
+bad settings raise the same one-line InputError the tools print.
+"""
+import time
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Callable, Generator, Iterator
+
+import torch
+
+from data.errors import InputError
+from data.tokenizer import load_tokenizer
+from decode import costs, generate
+from decode.cached_lm import CachedLM
+from decode.drafters import LookupDrafter, NgramDrafter, StagedDrafter, TreeDrafter, fit_widths, trigram_tree_size
+from decode.engine import GPT2Engine, is_lean_compatible, read_config
+from decode.healing import Prompt, TokenHealer
+from decode.hf_backend import HFEngine
+from decode.sampling import Sampling
+
+METHODS = ("baseline", "speculative", "tree", "staged", "ngram", "lookup")
+NEEDS_DRAFT = {"speculative", "tree", "staged"}
+NEEDS_NGRAM = {"staged", "ngram"}
+MAX_BUDGET, MAX_DEPTH = 512, 64
+DRAFT_SHARE = 0.3  # of a one-token oracle call, for the draft's forward in a device-sized staged step
+
+@dataclass
+class DecoderOptions:
+    """What a decoder is built from: the models, the method and its tree. decode.run's flags of the same names."""
+
+    oracle: Path
+    draft: Path | None = None
+    ngram: Path | None = None
+    method: str = "staged"
+    k: int = 4
+    budget: int = 36
+    depth: int = 8
+    widths: list[int] = field(default_factory=lambda: [12, 7, 4, 1, 1, 1])
+    branch: int | None = None  # None: 1 for staged (the draft's argmax), 4 for tree
+    tree_children: str = "top"
+    size_from_device: bool = False
+    context_drafter: bool = True
+    lookup_tokens: int = 10
+    lookup_branches: int = 1
+    lookup_ngram: int = 3
+    dtype: str = "float32"
+    device: str = "cpu"
+    backend: str = "auto"
+    token_healing: bool = True
+
+    @classmethod
+    def of(cls, settings) -> "DecoderOptions":
+        """The options among `settings` (any object with these attributes, such as parsed flags)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+    def check(self) -> "DecoderOptions":
+        """Settings that cannot work, as InputError; returns the options with `branch` resolved."""
+        if self.method not in METHODS:
+            raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.dtype not in ("float32", "bfloat16") or self.backend not in ("auto", "lean", "hf"):
+            raise InputError(f"dtype must be float32 or bfloat16 and backend auto, lean or hf (got {self.dtype!r}, {self.backend!r})")
+        if self.tree_children not in ("top", "sampled"):
+            raise InputError(f"tree_children must be top or sampled (got {self.tree_children!r})")
+        if self.k < 0:
+            raise InputError(f"--k must be at least 0 (got {self.k})")
+        if min(self.lookup_tokens, self.lookup_branches, self.lookup_ngram) < 1 or self.lookup_tokens > MAX_DEPTH:
+            raise InputError(f"--lookup-tokens (1 to {MAX_DEPTH}), --lookup-branches and --lookup-ngram must be at least 1")
+        check_device(self.device)
+        branch = self.branch if self.branch is not None else 1 if self.method == "staged" else 4
+        return replace(self, widths=list(self.widths), branch=branch)
+
+
+def sampling_of(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
+    """The processed distribution's settings, checked (temperature 0: greedy)."""
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise InputError(f"need temperature >= 0, 0 < top-p <= 1 and top-k >= 0 (got {temperature}, {top_p}, {top_k})")
+    return Sampling(temperature, top_k, top_p)
+
+
+def drain(pieces: Generator[str, None, "Result"], each: Callable[[str], object] = lambda piece: None) -> "Result":
+    """Run SpeculativeDecoder.decode to the end, handing each piece of text to `each`; its Result."""
+    while True:
+        try:
+            each(next(pieces))
+        except StopIteration as done:
+            return done.value
+
+
+@dataclass
+class Result:
+    text: str  # the completion: what the new tokens add to the prompt
+    token_ids: list[int]  # the new tokens (an end-of-text token included)
+    oracle_calls: int
+    draft_calls: int
+    seconds: float
+    healed: str  # the prompt's text that token healing backed off ("" when none)
+
+    @property
+    def tokens_per_oracle_call(self) -> float:
+        return len(self.token_ids) / self.oracle_calls
+
+
+class SpeculativeDecoder:
+    """One method over one set of models; `generate` and `stream` decode a prompt (text or token ids)."""
+
+    def __init__(self, options: DecoderOptions):
+        self.options = options.check()
+        self.decoder, self.healer = build_decoder(self.options)
+        self.tokenizer = self.healer.tokenizer
+
+    @classmethod
+    def from_run(cls, run: str | Path | None = None, *, oracle=None, draft=None, ngram=None, **options) -> "SpeculativeDecoder":
+        """Models from a run directory (RUN/oracle, RUN/draft, RUN/ngram) or given one by one; any other
+        DecoderOptions field (method, dtype, device, budget, widths, ...) as a keyword."""
+        if run is not None:
+            run = Path(run)
+            oracle, draft, ngram = oracle or run / "oracle", draft or run / "draft", ngram or run / "ngram"
+        if oracle is None:
+            raise InputError("pass a run directory or oracle=DIR")
+        names = {f.name for f in fields(DecoderOptions)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise InputError(f"unknown options {unknown}; choose from {', '.join(sorted(names - {'oracle', 'draft', 'ngram'}))}")
+        return cls(DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram), **options))
+
+    def prompt(self, prompt: str | list[int], max_new_tokens: int) -> Prompt:
+        """The prompt as the models will see it (healed), checked against the context."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            if any(not 0 <= t < self.decoder.oracle.vocab_size for t in ids):
+                raise InputError(f"prompt token ids must lie in 0..{self.decoder.oracle.vocab_size - 1}")
+        else:
+            raise InputError(f"a prompt is a string or a list of token ids (got {type(prompt).__name__})")
+        return self.encode(ids, "prompt", max_new_tokens)
+
+    def encode(self, ids: list[int], name: str, max_new_tokens: int, lookahead: int | None = None) -> Prompt:
+        if max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+        if not ids:
+            raise InputError(f"prompt {name!r} is empty; give some text to continue")
+        context = self.decoder.context()
+        room = context - len(ids) - (self.decoder.lookahead() if lookahead is None else lookahead) - 1
+        if room < 1:
+            raise InputError(f"prompt {name!r} has {len(ids)} tokens; the models' context of {context} leaves no room to generate")
+        if max_new_tokens > room:
+            raise InputError(f"--max-new-tokens {max_new_tokens} does not fit the context of {context} after "
+                             f"prompt {name!r} ({len(ids)} tokens); use at most {room}")
+        return self.healer(ids, self.options.device)
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> Result:
+        """Decode one prompt; greedy (temperature 0) output is the oracle's, token for token."""
+        encoded = self.prompt(prompt, max_new_tokens)
+        self.use(sampling_of(temperature, top_k, top_p))
+        return drain(self.decode(encoded, max_new_tokens, seed, pieces=False))
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0) -> Iterator[str]:
+        """The completion's text in pieces, as the oracle accepts tokens; they join to `generate`'s text."""
+        encoded = self.prompt(prompt, max_new_tokens)
+        self.use(sampling_of(temperature, top_k, top_p))
+        yield from self.decode(encoded, max_new_tokens, seed, pieces=True)
+
+    def use(self, sampling: Sampling) -> None:
+        self.decoder.use(sampling)
+
+    def decode(self, prompt: Prompt, max_new_tokens: int, seed: int, pieces: bool) -> Generator[str, None, Result]:
+        """Decode an encoded prompt with the current sampling settings; with `pieces`, yield the new text
+        after each oracle call. A piece never ends inside a character: an incomplete UTF-8 sequence
+        (decoded as U+FFFD) waits for its rest. Returns the Result."""
+        start, sent = time.perf_counter(), 0
+        for out in self.decoder.steps(prompt, max_new_tokens, seed):
+            if pieces:
+                text = prompt.completion(self.tokenizer, out.tokens, self.decoder.eos_id)
+                end = len(text.rstrip("\ufffd"))
+                if end > sent:
+                    yield text[sent:end]
+                    sent = end
+        result = Result(prompt.completion(self.tokenizer, out.tokens, self.decoder.eos_id), out.tokens,
+                        out.oracle_calls, out.draft_calls, time.perf_counter() - start, prompt.tail)
+        if pieces and len(result.text) > sent:  # the output ended inside a character, as generate's text does
+            yield result.text[sent:]
+        return result
+
+
+def check_device(device: str) -> None:
+    """cpu, or cuda[:N] on a machine that has it."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise InputError(f"unknown --device {device!r}; use cpu or cuda (cuda:N for the N-th GPU)")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: this machine has no CUDA device (or torch was built without CUDA); use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise InputError(f"--device {device}: there are only {torch.cuda.device_count()} CUDA devices")
+
+
+def check_tree_shape(options, table) -> None:
+    """Budget, depth and widths must describe a tree the drafters can build."""
+    if not 2 <= options.budget <= MAX_BUDGET:
+        raise InputError(f"--budget {options.budget} is out of range: the oracle's tree needs 2 to {MAX_BUDGET} nodes")
+    if not 1 <= options.depth <= MAX_DEPTH:
+        raise InputError(f"--depth {options.depth} is out of range: use 1 to {MAX_DEPTH}")
+    if options.branch < 1:
+        raise InputError(f"--branch {options.branch} must be at least 1")
+    if options.method in NEEDS_NGRAM:
+        if any(w < 1 for w in options.widths) or len(options.widths) > options.depth:
+            raise InputError(f"--widths {options.widths} need a positive width per level and at most --depth {options.depth} levels")
+        if max(options.widths) > table.k:
+            raise InputError(f"--widths {options.widths} ask for {max(options.widths)} trigram children but {options.ngram} keeps "
+                             f"only the top {table.k}; rebuild it with --top-k {max(options.widths)} or narrow the widths")
+        if options.widths[0] + 1 > options.budget:
+            raise InputError(f"--widths {options.widths} do not fit --budget {options.budget}: the first level alone has "
+                             f"{options.widths[0]} nodes; raise the budget or narrow the first width")
+
+
+def load_trigram(options, vocab_size: int, eos_id: int):
+    from ngram.successors import SuccessorTable
+
+    if options.ngram is None:
+        raise InputError(f"--method {options.method} needs the Katz trigram; pass --ngram DIR (python ngram/build_katz.py)")
+    table = SuccessorTable.load(Path(options.ngram) / "successors.npz")
+    if table.vocab_size != vocab_size or table.eos_id != eos_id:
+        raise InputError(f"the trigram in {options.ngram} was built for a vocabulary of {table.vocab_size} tokens "
+                         f"(end-of-text {table.eos_id}), the oracle has {vocab_size} (end-of-text {eos_id}); rebuild it from this run")
+    return table
+
+
+def load_model(directory: Path, backend: str, dtype: str, device: str) -> CachedLM:
+    config = read_config(directory)
+    if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
+        return GPT2Engine.load(directory, dtype, device)
+    return HFEngine.load(directory, dtype, device)
+
+
+def check_same_vocabulary(oracle_dir: Path, other_dir: Path, other: str) -> None:
+    a, b = load_tokenizer(oracle_dir), load_tokenizer(other_dir)
+    if a.get_vocab() != b.get_vocab():
+        raise InputError(f"the oracle ({oracle_dir}) and the {other} ({other_dir}) use different tokenizers; "
+                         f"train the {other} with the oracle's tokenizer")
+
+
+@dataclass
+class Decoder:
+    """Everything a method needs to decode one prompt."""
+
+    method: str
+    oracle: CachedLM
+    draft: CachedLM | None
+    drafter: object | None
+    sampling: Sampling
+    k: int
+    depth: int
+    eos_id: int
+
+    def steps(self, prompt: Prompt, max_new_tokens: int, seed: int) -> Iterator[generate.Generation]:
+        """The generation so far after each oracle call."""
+        generator = torch.Generator(self.oracle.device).manual_seed(seed)  # torch samples with a generator on the tensors' device
+        args = (self.oracle, prompt.ids, max_new_tokens, self.sampling, self.eos_id, generator, prompt.allowed)
+        if self.method == "baseline":
+            return generate.baseline_steps(*args)
+        if self.method == "speculative":
+            return generate.speculative_steps(*args, draft=self.draft, k=self.k)
+        return generate.tree_speculative_steps(*args, drafter=self.drafter)
+
+    def __call__(self, prompt: Prompt, max_new_tokens: int, seed: int) -> generate.Generation:
+        return generate.last(self.steps(prompt, max_new_tokens, seed))
+
+    def use(self, sampling: Sampling) -> None:
+        """Decode with these sampling settings from now on (the drafters rank by them too)."""
+        self.sampling = sampling
+        if hasattr(self.drafter, "sampling"):
+            self.drafter.sampling = sampling
+
+    def context(self) -> int:
+        return min(m.max_length for m in (self.oracle, self.draft) if m is not None)
+
+    def lookahead(self) -> int:
+        """Positions past the output a step may score: the drafted depth."""
+        if self.method == "lookup":
+            return self.drafter.length
+        return {"baseline": 0, "speculative": self.k}.get(self.method, self.depth)
+
+
+def size_from_device(options, oracle: CachedLM, draft: CachedLM) -> tuple[list[int], torch.Tensor]:
+    """Trigram widths the draft scores within DRAFT_SHARE of an oracle call, and the oracle's cost per tree size."""
+    oracle_costs, _ = costs.measured_costs(options.oracle, oracle, options.dtype)
+    draft_costs, _ = costs.measured_costs(options.draft, draft, options.dtype, costs.DRAFT_NODE_COUNTS)
+    widths = fit_widths(options.widths, costs.cost_curve(draft_costs, trigram_tree_size(options.widths)),
+                        DRAFT_SHARE * oracle_costs[1])
+    return widths, costs.cost_curve(oracle_costs, options.budget)
+
+
+def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
+    """The method's decoder, and the healer that turns prompt token ids into its prompts (its tokenizer: .tokenizer)."""
+    if not Path(options.oracle).is_dir():
+        raise InputError(f"oracle directory {options.oracle} does not exist; train one with train/finetune_oracle.py")
+    oracle = load_model(options.oracle, options.backend, options.dtype, options.device)
+    tokenizer = load_tokenizer(options.oracle)
+    draft = table = drafter = None
+    if options.method in NEEDS_DRAFT:
+        if options.draft is None or not Path(options.draft).is_dir():
+            raise InputError(f"--method {options.method} needs a draft model; pass --draft DIR (got {options.draft})")
+        check_same_vocabulary(options.oracle, options.draft, "draft")
+        draft = load_model(options.draft, options.backend, options.dtype, options.device)
+        if draft.vocab_size != oracle.vocab_size:
+            raise InputError(f"the oracle has {oracle.vocab_size} output tokens and the draft {draft.vocab_size}; they must match")
+    if options.method in NEEDS_NGRAM:
+        table = load_trigram(options, len(tokenizer), tokenizer.eos_token_id)
+    sampling = Sampling()  # greedy until `Decoder.use` says otherwise
+    if options.method in ("tree", "staged", "ngram"):
+        check_tree_shape(options, table)
+    if options.method == "tree":
+        drafter = TreeDrafter(draft, sampling, options.budget, options.depth, options.branch, sampled=options.tree_children == "sampled")
+    elif options.method == "staged":
+        widths, oracle_ms = options.widths, None
+        if options.size_from_device:
+            widths, oracle_ms = size_from_device(options, oracle, draft)
+        context = LookupDrafter(options.lookup_tokens, options.lookup_branches, options.lookup_ngram) if options.context_drafter else None
+        drafter = StagedDrafter(draft, table, sampling, options.budget, widths, options.branch, oracle_ms, context, options.depth)
+    elif options.method == "ngram":
+        drafter = NgramDrafter(table, options.budget, options.widths)
+    elif options.method == "lookup":
+        drafter = LookupDrafter(options.lookup_tokens, options.lookup_branches, options.lookup_ngram)
+    decoder = Decoder(options.method, oracle, draft, drafter, sampling, options.k, options.depth, tokenizer.eos_token_id)
+    return decoder, TokenHealer(tokenizer, oracle.vocab_size, options.token_healing)
