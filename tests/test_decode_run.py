@@ -82,13 +82,22 @@ def test_agreement_reports_identical_outputs_and_explains_divergences(models, tm
     for method in ("speculative", "tree", "staged", "ngram"):
         assert report[method]["identical"] == 4 and not report[method]["bugs"] and not report[method]["near_ties"]
     oracle = GPT2Engine.load(models["oracle"])
-    wrong = agreement.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6, 7], [5, 8, 7], agreement.NEAR_TIE["float32"])
-    assert wrong["position"] == 1 and wrong["got"] == 8 and wrong["top2_gap"] == pytest.approx(agreement.top2_gap(oracle, [3, 4, 5]))
-    assert agreement.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6], [5, 6], 1e-3) is None
-    # at a healed prompt's first token, the gap is between the two best tokens it allows
-    allowed = torch.zeros(oracle.vocab_size, dtype=torch.bool)
-    allowed[[7, 9, 11]] = True
-    first = agreement.divergence(oracle, Prompt(torch.tensor([3, 4]), "t", allowed), [7], [9], 1e-3)
+    wrong = agreement.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6, 7], [5, 8, 7])
     oracle.reset()
-    logits = oracle.extend(torch.tensor([3, 4]))[-1]
-    assert first["top2_gap"] == pytest.approx(float(logits[[7, 9, 11]].topk(2).values.diff().abs()), abs=1e-5)
+    logits = oracle.extend(torch.tensor([3, 4, 5]))[-1]
+    assert wrong["position"] == 1 and wrong["got"] == 8 and wrong["gap"] == pytest.approx(float(logits[6] - logits[8]), abs=1e-5)
+    assert wrong["noise"] < 1e-4 < abs(wrong["gap"]) and not wrong["near_tie"]  # float32 rounding cannot flip this gap
+    assert agreement.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6], [5, 6]) is None
+    stopped = agreement.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6, 0], [5, 6])
+    assert stopped["position"] == 2 and not stopped["near_tie"]
+    # bfloat16: a gap inside what the forward size moves it by is a near-tie, one outside is not
+    bf16 = GPT2Engine.load(models["oracle"], "bfloat16")
+    context = [3, 4, 5, 9, 11, 2, 7]
+    bf16.reset()
+    ranked = bf16.extend(torch.tensor(context))[-1].float().argsort(descending=True).tolist()
+    gaps = {b: agreement.gaps_by_shape(bf16, context, ranked[0], b) for b in ranked[1:]}
+    for b, measured in gaps.items():
+        diff = agreement.divergence(bf16, Prompt(torch.tensor(context[:2])), context[2:] + [ranked[0]], context[2:] + [b])
+        assert diff["near_tie"] == (abs(measured[0]) <= max(measured) - min(measured))
+    assert not all(d["near_tie"] for d in [agreement.divergence(bf16, Prompt(torch.tensor(context[:2])), context[2:] + [ranked[0]],
+                                                                context[2:] + [ranked[-1]])])
