@@ -54,17 +54,3 @@ def test_without_healing_the_prompt_is_fed_whole(bpe_run):
         with torch.no_grad():
             assert record["token_ids"][0] == int(hf(torch.tensor([ids])).logits[0, -1].argmax())
         assert record["healed"] == ""
-
-
-@pytest.mark.parametrize("method, extra", [("tree", ["--budget", "12"]), ("staged", ["--budget", "16", "--widths", "4,2,1"]),
-                                           ("ngram", ["--budget", "16", "--widths", "4,2,1"]), ("lookup", [])])
-def test_sampling_with_healing_couples_with_the_baseline(bpe_run, method, extra):
-    """Trees that do not depend on the oracle's randomness, verified by sample-match, draw the oracle's
-    token at each visited node with the generator exactly as the baseline does: same seed, same tokens."""
-    common = ["--run", str(bpe_run["run"]), "--prompts", str(bpe_run["prompts"]), "--max-new-tokens", "12",
-              "--temperature", "1", "--top-k", "50"]
-    for seed in range(3):
-        base = run.main(common + ["--method", "baseline", "--seed", str(seed)])
-        assert [r["token_ids"] for r in run.main(common + ["--method", method, *extra, "--seed", str(seed)])] == \
-               [r["token_ids"] for r in base]
-        assert all(bpe_run["tokenizer"].decode(r["token_ids"][:1]).startswith(r["healed"]) for r in base)
