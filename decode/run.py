@@ -6,7 +6,6 @@
 """
 import argparse
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -4,8 +4,9 @@ first few tokens with a tiny vocabulary, sample the method many times, and run a
 The bound: cells with an expected count below 5 are pooled; the statistic X with d degrees of
 freedom becomes a z-score by the Wilson-Hilferty approximation ((X/d)^(1/3) is close to normal).
 We reject at z > 3.7, a one-sided p of about 1e-4: with fixed seeds the test is deterministic, and a
-correct method lands there by chance with probability about 1e-4 for a given seed. A rule that is
-off by a few percent on a common outcome gives z in the tens at 3000 samples.
+correct method lands there by chance with probability about 1e-4 for a given seed. Power grows with
+the number of samples: a rule that moves about 1.5 points of probability on the first token needs
+tens of thousands of them (test_distribution.py measures its mutants at 20,000-40,000).
 """
 import itertools
 import math

@@ -1,0 +1,133 @@
+"""The lossless property under sampling, tested with power.
+
+Each case decodes the first three tokens of one prompt RUNS times on a 6-token vocabulary and
+compares them with the oracle's exact distribution, enumerated (exactness.py): the joint of the
+three tokens (216 cells) and the first token's marginal, each by a chi-square turned into a z-score.
+A correct method exceeds Z_LIMIT with probability about 1e-4 per statistic and seed.
+
+The mutants are plausible wrong rules; each must fail. Measured offline before choosing the run
+counts (z of the worse statistic, seeds 0-3, one torch thread): residual never renormalised 8.9-10.4
+(good draft) and 24-30 (bad draft) at 20,000; checked against a sharpened oracle (T 0.9) 11.4-11.9
+at 20,000; acceptance scaled by 0.95, the subtlest, 3.8-4.8 at 20,000, 4.6-6.6 at 30,000 and 8.6-9.5
+at 40,000 (seeds 1-2), so it runs 40,000 draws; correct rules 0.8-1.3. The gross mistakes (p
+resampled after a rejection, the first token taken greedily) give z near 20 at a few thousand.
+"""
+import pytest
+import torch
+
+from decode.drafters import ChainDrafter, LookupDrafter, StagedDrafter, TreeDrafter
+from decode.engine import GPT2Engine
+from decode.generate import tree_speculative
+from decode.sampling import Sampling, sample
+from decode.verify import Target, sample_match
+from decode_models import tiny_gpt2, tiny_trigram
+from exactness import Z_LIMIT, chi_square_z, exact_distribution
+from ngram.successors import SuccessorTable
+
+RUNS = 20_000  # correct methods, and the mutants that move probability by several points
+PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads cost more than they give
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distribution")
+    oracle = tiny_gpt2(root / "oracle", vocab_size=6, seed=10)
+    return {"oracle": GPT2Engine.load(oracle),
+            "bad": GPT2Engine.load(tiny_gpt2(root / "bad", vocab_size=6, seed=12)),
+            "good": GPT2Engine.load(tiny_gpt2(root / "good", vocab_size=6, seed=11, noise_from=oracle, noise=0.1)),
+            "ngram": SuccessorTable.load(tiny_trigram(root / "ngram", oracle, documents=100, length=20) / "successors.npz")}
+
+
+def z_scores(models, drafter, sampling: Sampling, runs: int, seed: int = 0, verify=None) -> tuple[float, float]:
+    """(joint z, first-token z) of `runs` draws of three tokens."""
+    oracle = models["oracle"]
+    joint = exact_distribution(oracle, PROMPT, sampling, 3)
+    first = {}
+    for outcome, p in joint.items():
+        first[outcome[:1]] = first.get(outcome[:1], 0.0) + p
+    generator = torch.Generator().manual_seed(seed)
+    draws = [tuple(tree_speculative(oracle, torch.tensor(PROMPT), 3, sampling, None, generator, drafter=drafter,
+                                    verify=verify).tokens) for _ in range(runs)]
+    return chi_square_z(draws, joint), chi_square_z([d[:1] for d in draws], first)
+
+
+def sampled_tree(models, sampling):
+    return TreeDrafter(models["good"], sampling, budget=12, depth=3, branch=2, sampled=True)
+
+
+CORRECT = {  # one case per verification rule, and the chain (Chen et al.'s rule)
+    "chain, rejection sampling": (lambda m, s: ChainDrafter(m["bad"], s, k=2), Sampling(1.0)),
+    "tree of sampled children, multi-draft rejection": (sampled_tree, Sampling(1.0)),
+    "staged with the context drafter, sample-match": (
+        lambda m, s: StagedDrafter(m["good"], m["ngram"], s, budget=12, widths=[3, 2, 1], draft_children=2,
+                                   context=LookupDrafter(4, 2), depth=4), Sampling(0.9, top_k=4)),
+}
+
+
+@pytest.mark.parametrize("case", CORRECT)
+def test_correct_methods_sample_the_oracle_distribution(models, case):
+    make, sampling = CORRECT[case]
+    assert max(z_scores(models, make(models, sampling), sampling, RUNS)) < Z_LIMIT
+
+
+def wrong_rejection(renormalise=True, scale=1.0, temperature=None, resample_from_p=False):
+    """Multi-draft rejection with one mistake: the residual left unnormalised, the acceptance test
+    scaled, the target sharpened to `temperature`, or p itself sampled after a rejection."""
+    def verify(tree, target, generator):
+        if temperature is not None:
+            target = Target(target.logits, Sampling(temperature))
+        path = [0]
+        while True:
+            node = path[-1]
+            residual = target.probs(node)
+            for child in tree.children[node]:
+                q, x = tree.child_dists[node], tree.tokens[child]
+                if float(torch.rand(1, generator=generator)) * q[x] < scale * residual[x]:
+                    path.append(child)
+                    break
+                left = (residual - q).clamp_min(0)
+                residual = residual if resample_from_p else left / left.sum() if renormalise and left.sum() > 0 else left
+            else:
+                return path, sample(residual, generator)
+    return verify
+
+
+class GreedyRoot:
+    """The paper code's habit: the first token taken greedily even when sampling."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def draw(self, node, generator):
+        return int(self.target.probs(0).argmax()) if node == 0 else self.target.draw(node, generator)
+
+
+MUTANTS = {  # name: (verification rule, runs)
+    "residual never renormalised": (wrong_rejection(renormalise=False), RUNS),
+    "acceptance scaled by 0.95": (wrong_rejection(scale=0.95), 40_000),  # the subtlest
+    "checked against a sharpened oracle (T 0.9)": (wrong_rejection(temperature=0.9), RUNS),
+    "p resampled after a rejection": (wrong_rejection(resample_from_p=True), 5_000),
+    "first token taken greedily": (lambda tree, target, g: sample_match(tree, GreedyRoot(target), g), 5_000),
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_each_wrong_rule_fails(models, mutant):
+    verify, runs = MUTANTS[mutant]
+    sampling = Sampling(1.0)
+    assert max(z_scores(models, sampled_tree(models, sampling), sampling, runs, verify=verify)) > Z_LIMIT
+
+
+def test_the_correct_rule_written_like_the_mutants_passes(models):
+    """The mutants' template with no mistake is decode.verify.multi_draft_rejection: what fails is the mistake."""
+    sampling = Sampling(1.0)
+    z = z_scores(models, sampled_tree(models, sampling), sampling, 5_000, verify=wrong_rejection())
+    assert max(z) < Z_LIMIT
