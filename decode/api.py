@@ -32,6 +32,7 @@ NEEDS_NGRAM = {"staged", "ngram"}
 MAX_BUDGET, MAX_DEPTH = 512, 64
 DRAFT_SHARE = 0.3  # of a one-token oracle call, for the draft's forward in a device-sized staged step
 
+
 @dataclass
 class DecoderOptions:
     """What a decoder is built from: the models, the method and its tree. decode.run's flags of the same names."""

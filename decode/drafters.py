@@ -287,8 +287,9 @@ class StagedDrafter(ModelDrafter):
         cumulative = tree.cumulative([1.0] + edges)
         leaf_parents, leaf_tokens, leaf_probs = self.draft_leaves(tree, probs, max_depth)
         candidates = cumulative + [cumulative[parent] * p for parent, p in zip(leaf_parents, leaf_probs)]
-        for node in copied | {0} if copied else ():  # the context's continuations go first (on top of the root)
-            candidates[node] += 1.0
+        if copied:  # the context's continuations go first, with the root above them
+            for node in copied | {0}:
+                candidates[node] += 1.0
         budget = self.budget
         if self.oracle_ms is not None:
             budget = best_budget(candidates, self.oracle_ms, 1e3 * (time.perf_counter() - start))

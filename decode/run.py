@@ -32,6 +32,7 @@ class Settings:
     overwrite: bool
     stream: bool
 
+
 def parse(argv=None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m decode.run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
