@@ -1,8 +1,9 @@
 """The peers a user would otherwise pick, on the same checkpoints: transformers `generate` on the oracle
 (`hf-generate`), assisted generation with the draft as assistant (`hf-assisted`, transformers'
 default schedule) and prompt lookup (`hf-lookup`: `generate(prompt_lookup_num_tokens=...)`, drafts
-copied from the context). Each returns a Generation, with the oracle's forward calls counted by a hook, and
-heal a prompt's last token as our methods do (the same first-token constraint, as a logits processor)."""
+copied from the context). Each returns a Generation, with the oracle's forward calls counted by a
+hook, and heals a prompt's last token as our methods do (the same first-token constraint, as a
+logits processor)."""
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
