@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
     checks = check_outputs(records, prompts, decoders["baseline"]) if greedy else None
     summary = summarise(records, checks)
     print_table(summary, greedy)
-    sizing = {n: {"widths": d.drafter.widths, "budget_cap": d.drafter.budget} for n, d in decoders.items()
+    sizing = {n: {"widths": d.drafter.trigram.widths, "budget_cap": d.drafter.budget} for n, d in decoders.items()
               if n.startswith("staged")}
     for name, size in sizing.items():
         over = ", ".join(f"{x:.2f}x over {rival}" for rival, x in summary[name].get("median_speedup_over", {}).items())

@@ -213,21 +213,34 @@ class TreeDrafter(ModelDrafter):
         return tree
 
 
-def trigram_tree(table, tokens: list[int], widths: list[int], max_depth: int) -> tuple[Tree, list[float]]:
-    """Children proposed by the trigram, `widths[d]` per node at depth d; returns the tree and each
-    node's trigram probability given its parent (the root's: 1)."""
-    tree, probs = Tree.rooted(tokens[-1]), [1.0]
-    level = [0]
-    before_root = tokens[-2] if len(tokens) > 1 else table.bos
-    for width in widths[:max_depth]:
-        next_level = []
-        for node in level:
-            u = tree.tokens[tree.parents[node]] if node else before_root
-            successors, successor_probs = table.successors(u, tree.tokens[node])
-            next_level += tree.add_level([node] * width, successors[:width])
-            probs += successor_probs[:width]
-        level = next_level
-    return tree, probs
+class TrigramTrees:
+    """The trigram's tree below a context, `widths[d]` children per node at depth d. A tree depends
+    only on the last two tokens, so each is built once (a level per batched lookup) and remembered,
+    up to `size` of them: code repeats its contexts. Callers get a copy to grow."""
+
+    def __init__(self, table, widths, size: int = 1 << 14):
+        self.table, self.widths, self.size, self.built = table, list(widths), size, {}
+
+    def __call__(self, tokens: list[int], max_depth: int) -> tuple[Tree, list[float]]:
+        """The tree below tokens[-1] (at most `max_depth` levels) and each node's trigram probability
+        given its parent (the root's: 1)."""
+        key = (tokens[-2] if len(tokens) > 1 else self.table.bos, tokens[-1], min(max_depth, len(self.widths)))
+        if key not in self.built:
+            if len(self.built) >= self.size:
+                self.built.clear()
+            self.built[key] = self.build(*key)
+        tree, probs = self.built[key]
+        return tree.copy(), probs
+
+    def build(self, before_root: int, root: int, depth: int) -> tuple[Tree, list[float]]:
+        tree, probs = Tree.rooted(root), [1.0]
+        level, u = [0], [before_root]
+        for width in self.widths[:depth]:
+            successors, successor_probs = self.table.lookup(np.array(u), np.array([tree.tokens[n] for n in level]))
+            u = [tree.tokens[n] for n in level for _ in range(width)]
+            level = tree.add_level([n for n in level for _ in range(width)], successors[:, :width].reshape(-1).tolist())
+            probs += successor_probs[:, :width].reshape(-1).tolist()
+        return tree, probs
 
 
 class StagedDrafter(ModelDrafter):
@@ -244,7 +257,7 @@ class StagedDrafter(ModelDrafter):
         the number of nodes with the most expected tokens per millisecond (see best_budget). `context`
         grafts its continuations from the context onto the trigram's tree (down to `depth`)."""
         super().__init__(model, sampling)
-        self.table, self.budget, self.widths, self.draft_children = table, budget, list(widths), draft_children
+        self.trigram, self.budget, self.draft_children = TrigramTrees(table, widths), budget, draft_children
         self.oracle_ms = None if oracle_ms is None else oracle_ms[: budget + 1]
         self.context, self.depth = context, depth
 
@@ -278,7 +291,7 @@ class StagedDrafter(ModelDrafter):
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         start = time.perf_counter()
         self.draft.start(tokens)
-        tree, _ = trigram_tree(self.table, tokens, self.widths, max_depth)
+        tree, _ = self.trigram(tokens, max_depth)
         max_depth = min(max_depth, self.depth)
         copied = self.context.graft(tree, tokens, max_depth) if self.context is not None else set()
         n = len(tree)
@@ -317,10 +330,10 @@ class NgramDrafter(ModelFreeDrafter):
     """The trigram alone: nodes ranked by cumulative trigram probability."""
 
     def __init__(self, table, budget: int = 36, widths=(12, 7, 4, 1, 1, 1)):
-        self.table, self.budget, self.widths = table, budget, list(widths)
+        self.trigram, self.budget = TrigramTrees(table, widths), budget
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
-        tree, probs = trigram_tree(self.table, tokens, self.widths, max_depth)
+        tree, probs = self.trigram(tokens, max_depth)
         return tree.subtree(best_first(tree.cumulative(probs), self.budget))[0]
 
 

@@ -33,9 +33,9 @@ class Settings:
     stream: bool
 
 
-def parse(argv=None) -> Settings:
-    p = argparse.ArgumentParser(prog="python -m decode.run", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parse(argv=None, prog: str = "python -m decode.run", description: str = __doc__.split("\n\n")[0]) -> Settings:
+    """decode.run's flags as Settings; the tools built on them (profile_step) pass their own name and summary."""
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--run", type=Path, help="run directory: defaults --oracle, --draft, --ngram and --prompts to its parts")
     p.add_argument("--oracle", type=Path, help="the oracle's directory (save_pretrained)")
     p.add_argument("--draft", type=Path, help="the draft's directory (for speculative methods)")

@@ -35,6 +35,10 @@ class Tree:
     def rooted(cls, token: int) -> "Tree":
         return cls([token], [-1], [0], [[]], [1])
 
+    def copy(self) -> "Tree":
+        return Tree(self.tokens[:], self.parents[:], self.depths[:], [c[:] for c in self.children], self.lineage[:],
+                    dict(self.child_dists))
+
     def __len__(self) -> int:
         return len(self.tokens)
 

@@ -15,7 +15,6 @@ from data.errors import InputError, first_line
 from ngram.katz import KatzModel
 
 ROW_CHUNK = 512  # histories per dense block when ranking a whole row
-MEMO_SIZE = 1 << 17  # contexts remembered by `successors` (about 1.5 kB each)
 EXTRA_CANDIDATES = 48  # lower-order candidates kept beyond K; rows with more seen overlap fall back to exact
 
 
@@ -30,7 +29,6 @@ class SuccessorTable:
     trigram_histories: np.ndarray  # (H,) sorted keys u * (V + 2) + v
     trigram_tokens: np.ndarray  # (H, K)
     trigram_probs: np.ndarray
-    _memo: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def bos(self) -> int:
@@ -43,28 +41,17 @@ class SuccessorTable:
     def lookup(self, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Top-K next tokens and probabilities after each context (u, v); u may be `bos` (start of text)."""
         keys = np.asarray(u, np.int64) * (self.vocab_size + 2) + v
-        idx = np.searchsorted(self.trigram_histories, keys).clip(max=self.trigram_histories.size - 1)
-        found = (self.trigram_histories[idx] == keys)[:, None]
-        return (
-            np.where(found, self.trigram_tokens[idx], self.bigram_tokens[v]),
-            np.where(found, self.trigram_probs[idx], self.bigram_probs[v]),
-        )
+        idx = np.minimum(self.trigram_histories.searchsorted(keys), self.trigram_histories.size - 1)
+        tokens, probs = self.trigram_tokens[idx], self.trigram_probs[idx]
+        unseen = self.trigram_histories[idx] != keys  # back off to the bigram row of v
+        if unseen.any():
+            tokens[unseen], probs[unseen] = self.bigram_tokens[v[unseen]], self.bigram_probs[v[unseen]]
+        return tokens, probs
 
     @classmethod
     def field_names(cls) -> list[str]:
         """The arrays a table is saved as."""
         return [f.name for f in dataclasses.fields(cls) if f.init]
-
-    def successors(self, u: int, v: int) -> tuple[list[int], list[float]]:
-        """`lookup` of one context as lists, memoised: drafting asks for the same contexts again and
-        again (code repeats), and a dict hit costs a fraction of a numpy lookup."""
-        hit = self._memo.get((u, v))
-        if hit is None:
-            if len(self._memo) >= MEMO_SIZE:
-                self._memo.clear()
-            tokens, probs = self.lookup(np.array([u]), np.array([v]))
-            hit = self._memo[u, v] = (tokens[0].tolist(), probs[0].tolist())
-        return hit
 
     def save(self, path) -> None:
         with atomic_output(path) as tmp:

@@ -116,7 +116,7 @@ def test_profile_step_accounts_for_every_part_of_a_staged_step(models, tmp_path,
     for rule in ("sample_match", "multi_draft_rejection"):  # profile_step wraps them; restore them afterwards
         monkeypatch.setattr(generate, rule, getattr(generate, rule))
     parts = profile_step.main(bench_args(models, tmp_path, "--method", "staged"))
-    assert set(parts) == {"oracle forward", "draft forward", "trigram lookups", "verification", "tree building",
+    assert set(parts) == {"oracle forward", "draft forward", "trigram trees", "verification", "tree building",
                           "rest of the loop"}
     assert all(ms > 0 for ms in parts.values())
 
