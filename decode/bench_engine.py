@@ -2,7 +2,9 @@
 
 1. per-token latency of greedy decoding: our baseline loop vs transformers `generate`, same checkpoint;
 2. the cost of one forward over q = 1, 2, 4, ..., 64 new nodes after a cached prefix, for a model
-   directory and for a GPT-2-Large-sized config with random weights (cost does not depend on them).
+   directory and for a GPT-2-Large-sized config with random weights (cost does not depend on them);
+3. for the model directory, the same forwards with the nodes as a tree and its explicit attention
+   mask, against the chain: what a tree's mask costs.
 
     python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl
 """
@@ -100,7 +102,11 @@ def main(argv=None) -> dict:
     for name, row in costs.items():
         params = read_config(name)["n_layer"] if name == args.model else GPT2_LARGE["n_layer"]
         print(f"{name[-40:]:<40}" + "".join(f"{row[q]:8.2f}" if q in row else f"{'-':>8}" for q in NODE_COUNTS) + f"   ({params} layers)")
-    result = {"generation": latency, "forward_ms": costs, "dtype": args.dtype, "threads": torch.get_num_threads()}
+    tree_costs = forward_costs(models[args.model], args.prefix, args.repeats, tree=True)
+    print(f"{'the same nodes as a tree, explicit mask':<40}" + "".join(f"{tree_costs[q]:8.2f}" if q in tree_costs else f"{'-':>8}" for q in NODE_COUNTS))
+    print(f"{'  tree / chain':<40}" + "".join(f"{tree_costs[q] / costs[args.model][q]:8.2f}" if q in tree_costs else f"{'-':>8}" for q in NODE_COUNTS))
+    result = {"generation": latency, "forward_ms": costs, "tree_forward_ms": tree_costs, "dtype": args.dtype,
+              "threads": torch.get_num_threads()}
     if args.output:
         with atomic_output(args.output, FILE, args.overwrite) as tmp:
             tmp.write_text(json.dumps(result, indent=2) + "\n")

@@ -16,6 +16,7 @@ import torch
 
 from data.atomic import atomic_output
 from decode.cached_lm import CachedLM
+from decode.tree import Tree
 
 NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_NODE_COUNTS = NODE_COUNTS + (128, 256, 512, 1024, 2048)  # the draft scores the trigram's whole tree
@@ -28,11 +29,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=NODE_COUNTS) -> dict[int, float]:
+def bushy_tree(q: int) -> Tree:
+    """q nodes, three children per node, level by level: the shape of a drafted tree."""
+    tree = Tree.rooted(0)
+    for node in range(1, q):
+        tree.add((node - 1) // 3, node)
+    return tree
+
+
+def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=NODE_COUNTS,
+                  tree: bool = False) -> dict[int, float]:
     """Milliseconds per forward of q nodes after `prefix` cached positions (at most half the context;
-    median of repeats). The nodes
-    form a chain, the costliest tree shape for attention; positions stop at the context's end (a tree's
-    nodes share positions, so a tree can hold more nodes than the context has positions)."""
+    median of repeats). The nodes form a chain, the costliest shape for attention, with the model's
+    default causal mask; with `tree=True` a three-children-per-node tree with its explicit mask (to
+    compare the two). Positions stop at the context's end (a tree's nodes share positions, so a tree
+    can hold more nodes than the context has positions)."""
     costs = {}
     prefix = min(prefix, model.max_length // 2)
     for q in (q for q in counts if prefix + q <= getattr(model, "capacity", model.max_length)):
@@ -40,11 +51,15 @@ def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=
         model.extend(torch.randint(0, model.vocab_size, (prefix,), device=model.device))
         ids = torch.randint(0, model.vocab_size, (q,), device=model.device)
         positions = torch.arange(prefix, prefix + q, device=model.device).clamp(max=model.max_length - 1)
+        mask = None
+        if tree:
+            shape = bushy_tree(q)
+            positions, mask = shape.position_ids(prefix, model.device), shape.mask(model.device)
         times = []
         for _ in range(repeats + 1):  # the first call warms up
             synchronize(model.device)
             start = time.perf_counter()
-            model.forward(ids, positions, None)
+            model.forward(ids, positions, mask)
             synchronize(model.device)
             times.append(time.perf_counter() - start)
             model.commit([])

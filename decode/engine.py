@@ -130,6 +130,8 @@ class GPT2Engine(CachedLM):
             raise InputError(f"{q} new nodes after {start} cached slots overflow the cache of {self.capacity} slots; "
                              f"draft smaller trees (--budget, --widths)")
         x = self.wte[token_ids] + self.wpe[position_ids]
+        if mask is not None and q == 1 and self.pending == 0:  # a lone node sees everything: no mask is faster
+            mask = None
         if mask is not None:  # over the pending slots and the new nodes; every committed position is visible
             full = torch.ones(q, end, dtype=torch.bool, device=self.device)
             full[:, self.length :] = mask
