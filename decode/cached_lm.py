@@ -4,7 +4,14 @@ committed positions followed by `pending` speculative ones.
     forward(token_ids, position_ids, mask) -> logits   score new nodes, append them as pending
     commit(keep)                                        keep these pending slots (a list), in order; drop the rest
 """
+import numpy as np
 import torch
+
+
+def long_tensor(values: list[int], device=None) -> torch.Tensor:
+    """A 1-d int64 tensor from a list of ints: through numpy it costs a quarter of torch.tensor's
+    4-5 us, and a decoding step makes several."""
+    return torch.from_numpy(np.array(values, np.int64)).to(device)
 
 
 class CachedLM:

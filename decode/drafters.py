@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from decode.cached_lm import CachedLM
+from decode.cached_lm import CachedLM, long_tensor
 from decode.lookup import ContextIndex
 from decode.sampling import Sampling, row_argmax, sample
 from decode.tree import Tree, unpack_rows
@@ -56,14 +56,15 @@ class DraftModel:
             self.slots[node] = slot
             self.sees[node] = self.sees[tree.parents[node]] | 1 << slot
             rows.append(self.sees[node])
-        mask = unpack_rows(rows, pending + len(rows))
+        mask = None  # every row sees every slot up to its own (a chain): the model's causal default
+        if any(bits != (2 << slot) - 1 for slot, bits in enumerate(rows, pending)):
+            mask = torch.from_numpy(unpack_rows(rows, pending + len(rows))).to(model.device)
         root_position = model.length + self.slots[0]
         ids = run + [tree.tokens[n] for n in new]
         positions = list(range(model.length, root_position + 1)) if run else []
         positions += [root_position + tree.depths[n] for n in new]
         self.calls += 1
-        logits = model.forward(torch.tensor(ids, device=model.device), torch.tensor(positions, device=model.device),
-                               torch.from_numpy(mask).to(model.device))
+        logits = model.forward(long_tensor(ids, model.device), long_tensor(positions, model.device), mask)
         row_of = {n: len(run) + i for i, n in enumerate(new)} | ({0: len(run) - 1} if run else {})
         wanted = [row_of[n] for n in nodes]
         return logits[wanted[0] :] if wanted == list(range(wanted[0], len(rows))) else logits[wanted]
@@ -272,7 +273,7 @@ class StagedDrafter(ModelDrafter):
         if self.draft_children == 1:
             best = row_argmax(probs)
             tokens = [[t] for t in best]
-            values = [[p] for p in probs[torch.arange(len(tree)), torch.tensor(best)].tolist()]
+            values = [[p] for p in probs[torch.arange(len(tree)), long_tensor(best)].tolist()]
         else:
             top = probs.topk(self.draft_children)
             tokens, values = top.indices.tolist(), top.values.tolist()
@@ -296,7 +297,7 @@ class StagedDrafter(ModelDrafter):
         copied = self.context.graft(tree, tokens, max_depth) if self.context is not None else set()
         n = len(tree)
         probs = ranking_probs(self.draft.score(tree, list(range(n))), self.sampling)  # row i: after node i
-        edges = probs[torch.tensor(tree.parents[1:], dtype=torch.long), torch.tensor(tree.tokens[1:], dtype=torch.long)].tolist()
+        edges = probs[long_tensor(tree.parents[1:]), long_tensor(tree.tokens[1:])].tolist()
         cumulative = tree.cumulative([1.0] + edges)
         leaf_parents, leaf_tokens, leaf_probs = self.draft_leaves(tree, probs, max_depth)
         candidates = cumulative + [cumulative[parent] * p for parent, p in zip(leaf_parents, leaf_probs)]

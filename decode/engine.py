@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from data.errors import InputError
 from data.pretrained import RETRAIN, load_safetensors
-from decode.cached_lm import CachedLM
+from decode.cached_lm import CachedLM, long_tensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SPECULATIVE_SLOTS = 2048  # cache slots beyond the context for the nodes of a speculative tree
@@ -159,7 +159,7 @@ class GPT2Engine(CachedLM):
     def commit(self, keep: list[int]) -> None:
         n = len(keep)
         if keep != list(range(n)):  # already in place otherwise
-            src = self.length + torch.tensor(keep, device=self.device)
+            src = self.length + long_tensor(keep, self.device)
             self.k_cache[:, :, self.length : self.length + n] = self.k_cache[:, :, src]
             self.v_cache[:, :, self.length : self.length + n] = self.v_cache[:, :, src]
         self.length += n

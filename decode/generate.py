@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from decode.cached_lm import CachedLM
+from decode.cached_lm import CachedLM, long_tensor
 from decode.drafters import ChainDrafter
 from decode.healing import constrain_first
 from decode.sampling import Sampling
@@ -53,7 +53,7 @@ def baseline_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, 
         yield out
         if done:
             return
-        logits = oracle.extend(torch.tensor(out.tokens[-1:], device=oracle.device))[-1]
+        logits = oracle.extend(long_tensor(out.tokens[-1:], oracle.device))[-1]
         out.oracle_calls += 1
         out.oracle_nodes += 1
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from decode.cached_lm import long_tensor
+
 
 def unpack_rows(rows: list[int], width: int) -> np.ndarray:
     """(len(rows), width) bool: bit j of rows[i] at [i, j]."""
@@ -85,10 +87,10 @@ class Tree:
         return torch.from_numpy(self.ancestors()).to(device)
 
     def position_ids(self, prefix: int, device=None) -> torch.Tensor:
-        return torch.tensor(self.depths, device=device) + prefix
+        return long_tensor(self.depths, device) + prefix
 
     def token_ids(self, device=None) -> torch.Tensor:
-        return torch.tensor(self.tokens, device=device)
+        return long_tensor(self.tokens, device)
 
     def cumulative(self, edge_probs) -> list[float]:
         """Each node's path probability, the product of `edge_probs` (a node's probability given its
