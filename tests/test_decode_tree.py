@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from decode.drafters import LookupDrafter, NgramDrafter, StagedDrafter, TreeDrafter
+from decode.drafters import LookupDrafter, NgramDrafter, StagedDrafter, TreeDrafter, TrigramTrees
 from decode.engine import GPT2Engine
 from decode.generate import baseline, tree_speculative
 from decode.lookup import ContextIndex
@@ -115,3 +115,20 @@ def test_staged_keeps_the_context_continuation_whatever_the_draft_thinks(models)
     tree = staged.propose(tokens, 10, None)
     chain = tree.path(next(n for n in range(len(tree)) if tree.depths[n] == 4 and tree.tokens[n] == 16))
     assert [tree.tokens[n] for n in chain] == [12, 13, 14, 15, 16] and len(tree) <= 8
+
+
+def test_trigram_trees_hold_each_levels_top_successors_and_are_remembered_unchanged(models):
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    trees = TrigramTrees(table, [3, 2, 1])
+    tree, probs = trees([4, 9, 17], 10)
+    assert len(tree) == 1 + 3 + 6 + 6 and len(probs) == len(tree) and probs[0] == 1.0
+    for node in range(1, len(tree)):  # each node's children: the table's top successors of (grandparent, parent)
+        parent = tree.parents[node]
+        u = tree.tokens[tree.parents[parent]] if parent else 9
+        top, top_probs = table.lookup(np.array([u]), np.array([tree.tokens[parent]]))
+        rank = tree.children[parent].index(node)
+        assert (tree.tokens[node], probs[node]) == (int(top[0, rank]), float(top_probs[0, rank]))
+    tree.add(0, 5)  # the caller grows its copy
+    again, _ = trees([1, 9, 17], 10)  # same last two tokens: the remembered tree, as built
+    assert again.tokens == tree.tokens[:-1] and again.children[0] == tree.children[0][:-1]
+    assert len(trees([9, 17], 2)[0]) == 1 + 3 + 6  # capped at the depth left
