@@ -237,8 +237,9 @@ class TrigramTrees:
         tree, probs = Tree.rooted(root), [1.0]
         level, u = [0], [before_root]
         for width in self.widths[:depth]:
-            successors, successor_probs = self.table.lookup(np.array(u), np.array([tree.tokens[n] for n in level]))
-            u = [tree.tokens[n] for n in level for _ in range(width)]
+            v = [tree.tokens[n] for n in level]
+            successors, successor_probs = self.table.lookup(np.array(u), np.array(v))
+            u = [token for token in v for _ in range(width)]
             level = tree.add_level([n for n in level for _ in range(width)], successors[:, :width].reshape(-1).tolist())
             probs += successor_probs[:, :width].reshape(-1).tolist()
         return tree, probs

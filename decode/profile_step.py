@@ -68,12 +68,13 @@ def main(argv=None) -> dict[str, float]:
         parts["tree building"] = parts.pop("propose") - parts.get("draft forward", 0.0) - parts.get("trigram trees", 0.0)
     parts["rest of the loop"] = total - sum(parts.values())
     ms = {label: 1e3 * seconds / steps for label, seconds in parts.items()}
+    step_ms = 1e3 * total / steps
     print(f"{settings.options.method}: {len(prompts)} prompts, {tokens} tokens, {steps} oracle calls "
-          f"({tokens / steps:.2f} tokens per call), {1e3 * total / steps:.2f} ms per call; "
+          f"({tokens / steps:.2f} tokens per call), {step_ms:.2f} ms per call; "
           f"one q=1 oracle forward: {one_token_ms:.2f} ms")
     print(f"  {'part':<20} {'ms/call':>8} {'of step':>8} {'x q=1':>7}")
     for label, value in ms.items():
-        print(f"  {label:<20} {value:8.3f} {100 * value / (1e3 * total / steps):7.1f}% {value / one_token_ms:7.2f}")
+        print(f"  {label:<20} {value:8.3f} {100 * value / step_ms:7.1f}% {value / one_token_ms:7.2f}")
     groups = {"around the forwards": sum(v for k, v in ms.items() if not k.endswith("forward")),
               "draft forwards": ms.get("draft forward", 0.0)}
     for label, value in groups.items():
