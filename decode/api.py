@@ -18,9 +18,9 @@ import torch
 
 from data.errors import InputError
 from data.tokenizer import load_tokenizer
-from decode import costs, generate
+from decode import generate, planning
 from decode.cached_lm import CachedLM
-from decode.drafters import LookupDrafter, NgramDrafter, StagedDrafter, TreeDrafter, fit_widths, trigram_tree_size
+from decode.drafters import LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
 from decode.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.healing import Prompt, TokenHealer
 from decode.hf_backend import HFEngine
@@ -30,7 +30,6 @@ METHODS = ("baseline", "speculative", "tree", "staged", "ngram", "lookup")
 NEEDS_DRAFT = {"speculative", "tree", "staged"}
 NEEDS_NGRAM = {"staged", "ngram"}
 MAX_BUDGET, MAX_DEPTH = 512, 64
-DRAFT_SHARE = 0.3  # of a one-token oracle call, for the draft's forward in a device-sized staged step
 
 
 @dataclass
@@ -47,7 +46,7 @@ class DecoderOptions:
     widths: list[int] = field(default_factory=lambda: [12, 7, 4, 1, 1, 1])
     branch: int | None = None  # None: 1 for staged (the draft's argmax), 4 for tree
     tree_children: str = "top"
-    size_from_device: bool = False
+    plan: Path | None = None  # a plan.json (decode.plan): its policy for the method replaces k, budget, widths, ...
     context_drafter: bool = True
     lookup_tokens: int = 10
     lookup_branches: int = 1
@@ -119,11 +118,14 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_run(cls, run: str | Path | None = None, *, oracle=None, draft=None, ngram=None, **options) -> "SpeculativeDecoder":
-        """Models from a run directory (RUN/oracle, RUN/draft, RUN/ngram) or given one by one; any other
-        DecoderOptions field (method, dtype, device, budget, widths, ...) as a keyword."""
+        """Models from a run directory (RUN/oracle, RUN/draft, RUN/ngram, and RUN/plan.json when it
+        exists: plan=None turns it off) or given one by one; any other DecoderOptions field (method,
+        dtype, device, budget, widths, ...) as a keyword."""
         if run is not None:
             run = Path(run)
             oracle, draft, ngram = oracle or run / "oracle", draft or run / "draft", ngram or run / "ngram"
+            if "plan" not in options and (run / "plan.json").is_file():
+                options["plan"] = run / "plan.json"
         if oracle is None:
             raise InputError("pass a run directory or oracle=DIR")
         names = {f.name for f in fields(DecoderOptions)}
@@ -296,19 +298,29 @@ class Decoder:
         return {"baseline": 0, "speculative": self.k}.get(self.method, self.depth)
 
 
-def size_from_device(options, oracle: CachedLM, draft: CachedLM) -> tuple[list[int], torch.Tensor]:
-    """Trigram widths the draft scores within DRAFT_SHARE of an oracle call, and the oracle's cost per tree size."""
-    oracle_costs, _ = costs.measured_costs(options.oracle, oracle, options.dtype)
-    draft_costs, _ = costs.measured_costs(options.draft, draft, options.dtype, costs.DRAFT_NODE_COUNTS)
-    widths = fit_widths(options.widths, costs.cost_curve(draft_costs, trigram_tree_size(options.widths)),
-                        DRAFT_SHARE * oracle_costs[1])
-    return widths, costs.cost_curve(oracle_costs, options.budget)
+def apply_plan(options: "DecoderOptions") -> tuple["DecoderOptions", planning.Shape | None]:
+    """The options with the plan's policy for the method in place of the flags', and the tree
+    method's planned shape (None: the flags' best-first tree). Sampled tree children keep the flags."""
+    if options.plan is None or options.method not in planning.PLANNED:
+        return options, None
+    policy = planning.load_plan(options.plan, options).get(options.method)
+    if policy is None or (options.method == "tree" and options.tree_children == "sampled"):
+        return options, None
+    if options.method == "speculative":
+        return replace(options, k=policy["k"]), None
+    if options.method == "lookup":
+        return replace(options, lookup_tokens=policy["tokens"]), None
+    if options.method == "tree":
+        shape = planning.Shape(policy["parents"], policy["ranks"], policy["expected"])
+        return replace(options, budget=max(2, len(shape.parents)), depth=max(1, shape.depth)), shape
+    return replace(options, widths=list(policy["widths"]), budget=policy["budget"]), None
 
 
 def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
     """The method's decoder, and the healer that turns prompt token ids into its prompts (its tokenizer: .tokenizer)."""
     if not Path(options.oracle).is_dir():
         raise InputError(f"oracle directory {options.oracle} does not exist; train one with train/finetune_oracle.py")
+    options, shape = apply_plan(options)
     oracle = load_model(options.oracle, options.backend, options.dtype, options.device)
     tokenizer = load_tokenizer(options.oracle)
     draft = table = drafter = None
@@ -324,14 +336,13 @@ def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
     sampling = Sampling()  # greedy until `Decoder.use` says otherwise
     if options.method in ("tree", "staged", "ngram"):
         check_tree_shape(options, table)
-    if options.method == "tree":
+    if shape is not None:
+        drafter = ShapedTreeDrafter(draft, sampling, shape.parents, shape.ranks)
+    elif options.method == "tree":
         drafter = TreeDrafter(draft, sampling, options.budget, options.depth, options.branch, sampled=options.tree_children == "sampled")
     elif options.method == "staged":
-        widths, oracle_ms = options.widths, None
-        if options.size_from_device:
-            widths, oracle_ms = size_from_device(options, oracle, draft)
         context = LookupDrafter(options.lookup_tokens, options.lookup_branches, options.lookup_ngram) if options.context_drafter else None
-        drafter = StagedDrafter(draft, table, sampling, options.budget, widths, options.branch, oracle_ms, context, options.depth)
+        drafter = StagedDrafter(draft, table, sampling, options.budget, options.widths, options.branch, context, options.depth)
     elif options.method == "ngram":
         drafter = NgramDrafter(table, options.budget, options.widths)
     elif options.method == "lookup":

@@ -10,8 +10,9 @@ oracle batch. Greedy outputs must equal the baseline's: a method that differs be
 near-ties gets no speedup, and the prompts are named. The peers: `hf-generate` (transformers
 generate on the oracle), `hf-assisted` (generate with the draft as assistant model) and `hf-lookup`
 (generate with prompt lookup, `--lookup-tokens` per draft). `lookup` is ours: the same idea as a drafter.
-`staged-device` sizes the staged tree from forward costs measured on this device; `staged` keeps
-the fixed values of the flags (the paper's by default).
+With RUN/plan.json (python -m decode.plan) every method of ours runs its planned policy and the
+table puts the plan's predicted tokens per call and speedup beside the measured ones; `staged-paper`
+is staged with the flags' fixed tree (the paper's by default) and no plan.
 """
 import argparse
 import json
@@ -23,13 +24,14 @@ from tqdm import tqdm
 
 from data.atomic import FILE, atomic_output, check_output
 from data.errors import InputError, exits_on_input_error
-from decode import agreement, run
+from decode import agreement, report, run
+from decode.costs import device_name
 from decode.api import SpeculativeDecoder, check_same_vocabulary
 from decode.peers import HFGenerate
 
-OURS = ("baseline", "speculative", "tree", "staged", "staged-device", "ngram", "lookup")
+OURS = ("baseline", "speculative", "tree", "staged", "staged-paper", "ngram", "lookup")
 PEERS = ("hf-generate", "hf-assisted", "hf-lookup")
-DEFAULT_METHODS = "baseline,speculative,tree,staged,staged-device,ngram,lookup,hf-generate,hf-assisted,hf-lookup"
+DEFAULT_METHODS = "baseline,speculative,tree,staged,staged-paper,ngram,lookup,hf-generate,hf-assisted,hf-lookup"
 WARMUP_TOKENS = 16
 
 
@@ -40,7 +42,7 @@ def build_methods(names: list[str], rest: list[str]) -> tuple[dict, list, run.Se
     for name in names:
         if name in PEERS:
             continue
-        extra = ["--method", "staged", "--size-from-device"] if name == "staged-device" else ["--method", name]
+        extra = ["--method", "staged", "--no-plan"] if name == "staged-paper" else ["--method", name]
         dec = SpeculativeDecoder(run.parse(rest + extra).options)
         dec.use(base.sampling)
         decoders[name] = dec.decoder
@@ -132,6 +134,14 @@ def print_table(summary: dict[str, dict], greedy: bool) -> None:
             n = same["identical"] + len(same["near_ties"]) + len(same["differences"])
             line += f" {same['identical']:>5}/{n}" + (f" +{len(same['near_ties'])} ties" if same["near_ties"] else "")
         print(line)
+    planned = {name: s for name, s in summary.items() if "predicted" in s}
+    if planned:
+        base = summary["baseline"]["tokens_per_second"]
+        print(f"planned (RUN/plan.json) against measured: {'method':<12} {'tokens/call':>19} {'speedup (tokens/s)':>19}")
+        for name, s in planned.items():
+            p = s["predicted"]
+            print(f"{'':<42} {name:<12} {p['tokens_per_call']:8.2f} vs {s['tokens_per_oracle_call']:5.2f}"
+                  f"    {p['speedup']:6.2f}x vs {s['tokens_per_second'] / base:5.2f}x")
     for name, s in summary.items():
         for d in s.get("same_output", {}).get("differences", []):
             print(f"  {name} differs from baseline on {d['task_id']} at token {d['position']} "
@@ -194,19 +204,31 @@ def main(argv=None) -> dict:
     mode = "greedy" if greedy else f"T={sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
     healing = "on" if options.token_healing else "off"
     print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
-          f"token healing {healing}; methods: {', '.join(names)}")
+          f"token healing {healing}; methods: {', '.join(names)}; "
+          + (f"plan {options.plan}" if options.plan else "no plan (python -m decode.plan writes one)"))
     records = timed_runs(decoders, prompts, settings.max_new_tokens, settings.seed)
     checks = check_outputs(records, prompts, decoders["baseline"]) if greedy else None
     summary = summarise(records, checks)
+    plan = json.loads(Path(options.plan).read_text()) if options.plan is not None else None
+    if plan is not None:
+        for name in (n for n in names if n in plan["predicted"] and n != "baseline"):
+            summary[name]["predicted"] = plan["predicted"][name]
+    shown = next((n for n in ("staged", *names) if n in records and n != "baseline"), "baseline")
+    record, prompt = prompts[0]
+    report.show_sample(record["prompt"], prompt.completion(ours[0].tokenizer, records[shown][0]["tokens"],
+                                                           decoders["baseline"].eos_id), shown)
     print_table(summary, greedy)
-    sizing = {n: {"widths": d.drafter.trigram.widths, "budget_cap": d.drafter.budget} for n, d in decoders.items()
+    sizing = {n: {"widths": d.drafter.trigram.widths, "budget": d.drafter.budget} for n, d in decoders.items()
               if n.startswith("staged")}
     for name, size in sizing.items():
         over = ", ".join(f"{x:.2f}x over {rival}" for rival, x in summary[name].get("median_speedup_over", {}).items())
-        print(f"  {name}: trigram widths {size['widths']}, oracle tree of at most {size['budget_cap']} nodes"
+        print(f"  {name}: trigram widths {size['widths']}, oracle tree of {size['budget']} nodes"
               + (f"; median {over}" if over else ""))
+    print()
+    print("\n".join(report.explain(summary, plan, greedy)))
     result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device, "prompts": len(prompts),
                            "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing,
+                           "plan": options.plan and str(options.plan),
                            "token_healing": options.token_healing},
               "summary": summary, "records": records}
     if known.out:
@@ -214,8 +236,9 @@ def main(argv=None) -> dict:
             tmp.write_text(json.dumps(result, indent=1) + "\n")
         print(f"figures: {known.out}")
     if known.plot:
-        plot(summary, known.plot, f"{len(prompts)} prompts x {settings.max_new_tokens} tokens, {mode}, {options.dtype}, "
-                                  f"token healing {healing}",
+        models = f"oracle {options.oracle}, draft {options.draft}"
+        plot(summary, known.plot, f"{models} on {device_name(decoders['baseline'].oracle.device)}\n{len(prompts)} prompts "
+                                  f"x {settings.max_new_tokens} tokens, {mode}, {options.dtype}, token healing {healing}",
              known.overwrite)
         print(f"plot: {known.plot}")
     return result

@@ -8,13 +8,16 @@ import hashlib
 import inspect
 import json
 import os
+import platform
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from data.atomic import atomic_output
+from data.errors import InputError
 from decode.cached_lm import CachedLM
 from decode.tree import Tree
 
@@ -68,14 +71,57 @@ def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=
     return costs
 
 
+class Stopwatch:
+    """Seconds spent in wrapped functions, summed per label."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        """Replace owner.name (a method or a module function) with a timed version."""
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+def cpu_name() -> str:
+    """The processor's model name (the kind of CPU changes between machines of the same name)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    """What a measured time depends on besides the model: the GPU's name, or the CPU's and its threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
+
+
+def fingerprint(directory, pattern: str = "*.safetensors") -> str:
+    """An artifact's identity: its path and its files' sizes and modification times."""
+    directory = Path(directory).resolve()
+    files = sorted(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in directory.glob(pattern))
+    return hashlib.sha256(json.dumps([str(directory), files]).encode()).hexdigest()[:16]
+
+
 def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
-    """Model (path and weight files' size and time), the backend's code, device, dtype and threads."""
-    model_dir = Path(model_dir).resolve()
-    files = sorted(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in model_dir.glob("*.safetensors"))
+    """Model (its fingerprint), the backend's code, device, dtype and threads."""
     backend = Path(inspect.getfile(type(model))).read_text()
-    device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else f"cpu-{torch.get_num_threads()}threads"
-    digest = hashlib.sha256(json.dumps([str(model_dir), files, backend, torch.__version__]).encode()).hexdigest()[:16]
-    return f"{digest}-{device.replace(' ', '_')}-{dtype}"
+    digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, torch.__version__]).encode()).hexdigest()[:16]
+    device = "".join(c if c.isalnum() else "_" for c in device_name(model.device))
+    return f"{digest}-{device}-{dtype}"
 
 
 def measured_costs(model_dir, model: CachedLM, dtype: str, counts=NODE_COUNTS,
@@ -103,3 +149,40 @@ def cost_curve(costs: dict[int, float], largest: int) -> torch.Tensor:
         curve[q > qs[-1]] = ms[-1] + slope * (q[q > qs[-1]] - qs[-1])
     curve[0] = 0.0
     return torch.tensor(curve)
+
+
+PROJECTIONS = {"gpt2": (12, 768, 50257), "gpt2-medium": (24, 1024, 50257), "gpt2-large": (36, 1280, 50257),
+               "gpt2-xl": (48, 1600, 50257)}
+
+
+def projection_shape(spec: str) -> tuple[int, int, int]:
+    """(n_layer, n_embd, vocab_size) from a GPT-2 name or 'n_layer,n_embd,vocab'."""
+    if spec in PROJECTIONS:
+        return PROJECTIONS[spec]
+    try:
+        n_layer, n_embd, vocab = (int(x) for x in spec.split(","))
+    except ValueError:
+        n_layer = 0
+    if n_layer < 1 or n_embd < 64 or n_embd % 64 or vocab < 2:
+        raise InputError(f"--project-oracle {spec!r}: name one of {', '.join(PROJECTIONS)} or give n_layer,n_embd,vocab "
+                         f"(n_embd a multiple of 64, the head size), e.g. 36,1280,50257")
+    return n_layer, n_embd, vocab
+
+
+def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: str, n_positions: int = 1024):
+    """A GPT-2 of this shape with random weights (64-wide heads): its forward costs what a trained
+    one's does."""
+    from decode.engine import GPT2Engine
+
+    e = n_embd
+    config = {"vocab_size": vocab_size, "n_positions": n_positions, "n_layer": n_layer, "n_head": e // 64,
+              "n_embd": e, "layer_norm_epsilon": 1e-5}
+    shapes = {"wte.weight": (vocab_size, e), "wpe.weight": (n_positions, e), "ln_f.weight": (e,), "ln_f.bias": (e,)}
+    for i in range(n_layer):
+        shapes |= {f"h.{i}.{name}": shape for name, shape in {
+            "ln_1.weight": (e,), "ln_1.bias": (e,), "ln_2.weight": (e,), "ln_2.bias": (e,),
+            "attn.c_attn.weight": (e, 3 * e), "attn.c_attn.bias": (3 * e,), "attn.c_proj.weight": (e, e),
+            "attn.c_proj.bias": (e,), "mlp.c_fc.weight": (e, 4 * e), "mlp.c_fc.bias": (4 * e,),
+            "mlp.c_proj.weight": (4 * e, e), "mlp.c_proj.bias": (e,)}.items()}
+    weights = {name: 0.02 * torch.randn(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+    return GPT2Engine(config, weights, dtype, device)

@@ -2,6 +2,7 @@
 
     chain   the draft model proposes k tokens one after another (standard speculative decoding)
     tree    the draft model expands the nodes of highest cumulative probability, a few children each
+    shaped  the draft model fills a fixed tree of ranks, a level per call (Sequoia; decode.plan's tree)
     staged  the Katz trigram proposes children level by level, the draft model scores all of them in
             one forward pass, and the best `budget` nodes by cumulative draft probability are kept
     ngram   the trigram alone, ranked by cumulative trigram probability
@@ -12,9 +13,6 @@ with the accepted tokens the draft has not seen (the oracle's last token, the ro
 the step's first forward feeds them together with the first tree nodes, so a staged step costs one
 draft call. `accept` commits them and the accepted nodes the draft scored.
 """
-import itertools
-import operator
-import time
 
 import numpy as np
 import torch
@@ -91,31 +89,6 @@ def best_first(scores: list[float], budget: int) -> list[int]:
     """The `budget` nodes of highest score (a path probability), in topological order; ancestor-closed
     because a child never beats its parent (ties go to the earlier node, and parents come first)."""
     return sorted(sorted(range(len(scores)), key=scores.__getitem__, reverse=True)[:budget])
-
-
-def best_budget(cumulative, oracle_ms, drafting_ms: float) -> int:
-    """The oracle tree size with the most expected tokens per millisecond. A node is accepted with
-    (about) its path probability under the draft, so the best b nodes yield the sum of their path
-    probabilities (the root's 1 stands for the token the oracle adds); a step costs the drafting
-    already spent plus the oracle's forward over b nodes (`oracle_ms[b]`, measured)."""
-    oracle_ms = np.asarray(oracle_ms, dtype=np.float64)
-    best = -np.sort(-np.asarray(cumulative, dtype=np.float64))[: len(oracle_ms) - 1]
-    rate = best.cumsum() / (oracle_ms[1 : len(best) + 1] + drafting_ms)
-    return int(rate.argmax()) + 1
-
-
-def trigram_tree_size(widths: list[int]) -> int:
-    """Nodes below the root of a trigram tree with these widths per level."""
-    return sum(itertools.accumulate(widths, operator.mul))
-
-
-def fit_widths(widths: list[int], draft_ms: torch.Tensor, limit_ms: float) -> list[int]:
-    """Narrow the widest level, one child at a time, until the draft scores the trigram tree within
-    `limit_ms` (`draft_ms[q]`: its measured forward cost for q nodes)."""
-    widths = list(widths)
-    while draft_ms[min(trigram_tree_size(widths), len(draft_ms) - 1)] > limit_ms and max(widths) > 1:
-        widths[widths.index(max(widths))] -= 1
-    return widths
 
 
 class ModelDrafter:
@@ -214,6 +187,38 @@ class TreeDrafter(ModelDrafter):
         return tree
 
 
+class ShapedTreeDrafter(ModelDrafter):
+    """Sequoia's tree: a fixed shape filled with the draft's ranked tokens, one draft call per level.
+    Node i of the shape hangs below `parents[i]` as its parent's rank-`ranks[i]` token (0: the
+    draft's best); shape nodes come level by level. decode.plan chooses the shape (planning.best_shape)."""
+
+    def __init__(self, model: CachedLM, sampling: Sampling, parents: list[int], ranks: list[int]):
+        super().__init__(model, sampling)
+        self.parents, self.ranks = list(parents), list(ranks)
+        self.below = [[] for _ in self.parents]  # shape node -> its children in the shape
+        for node, parent in enumerate(self.parents[1:], 1):
+            self.below[parent].append(node)
+
+    def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
+        tree, shape_of = Tree.rooted(tokens[-1]), [0]  # tree node -> the shape node it fills
+        self.draft.start(tokens)
+        level = [0]
+        while True:
+            nodes = [n for n in level if self.below[shape_of[n]] and tree.depths[n] < max_depth]
+            if not nodes:
+                return tree
+            logits = self.draft.score(tree, nodes)
+            widest = 1 + max(self.ranks[c] for n in nodes for c in self.below[shape_of[n]])
+            ranked = (logits if self.sampling.greedy else self.sampling.probs(logits)).topk(widest).indices.tolist()
+            parents, children = [], []
+            for n, row in zip(nodes, ranked):
+                for child in self.below[shape_of[n]]:
+                    parents.append(n)
+                    children.append(row[self.ranks[child]])
+                    shape_of.append(child)
+            level = list(tree.add_level(parents, children))
+
+
 class TrigramTrees:
     """The trigram's tree below a context, `widths[d]` children per node at depth d. A tree depends
     only on the last two tokens, so each is built once (a level per batched lookup) and remembered,
@@ -253,14 +258,10 @@ class StagedDrafter(ModelDrafter):
     the sequence already did is accepted far more often than the draft's probabilities suggest."""
 
     def __init__(self, model: CachedLM, table, sampling: Sampling, budget: int = 36, widths=(12, 7, 4, 1, 1, 1),
-                 draft_children: int = 1, oracle_ms: torch.Tensor | None = None, context: "LookupDrafter | None" = None,
-                 depth: int = 8):
-        """`oracle_ms[q]`, the oracle's measured cost for q nodes, makes `budget` a cap: each step keeps
-        the number of nodes with the most expected tokens per millisecond (see best_budget). `context`
-        grafts its continuations from the context onto the trigram's tree (down to `depth`)."""
+                 draft_children: int = 1, context: "LookupDrafter | None" = None, depth: int = 8):
+        """`context` grafts its continuations from the context onto the trigram's tree (down to `depth`)."""
         super().__init__(model, sampling)
         self.trigram, self.budget, self.draft_children = TrigramTrees(table, widths), budget, draft_children
-        self.oracle_ms = None if oracle_ms is None else oracle_ms[: budget + 1]
         self.context, self.depth = context, depth
 
     def reset(self) -> None:
@@ -291,7 +292,6 @@ class StagedDrafter(ModelDrafter):
         return parents, leaf_tokens, leaf_probs
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
-        start = time.perf_counter()
         self.draft.start(tokens)
         tree, _ = self.trigram(tokens, max_depth)
         max_depth = min(max_depth, self.depth)
@@ -305,10 +305,7 @@ class StagedDrafter(ModelDrafter):
         if copied:  # the context's continuations go first, with the root above them
             for node in copied | {0}:
                 candidates[node] += 1.0
-        budget = self.budget
-        if self.oracle_ms is not None:
-            budget = best_budget(candidates, self.oracle_ms, 1e3 * (time.perf_counter() - start))
-        chosen = best_first(candidates, budget)
+        chosen = best_first(candidates, self.budget)
         leaves = [i - n for i in chosen if i >= n]
         added = tree.add_level([leaf_parents[i] for i in leaves], [leaf_tokens[i] for i in leaves])
         tree, self.kept = tree.subtree([i for i in chosen if i < n] + list(added))

@@ -10,7 +10,6 @@ trigram's tree builder (it runs once per new context; trees are remembered), the
 and the verifier; tree building is propose minus the forwards and trigram trees inside it.
 """
 import time
-from collections import defaultdict
 
 from data.errors import exits_on_input_error
 from decode import costs, generate, run
@@ -19,31 +18,13 @@ from decode.api import SpeculativeDecoder
 BOUNDS = {"around the forwards": 0.10, "draft forwards": 0.30}  # of an oracle q=1 forward, the step's budget
 
 
-class Stopwatch:
-    def __init__(self):
-        self.seconds = defaultdict(float)
-
-    def wrap(self, owner, name: str, label: str) -> None:
-        """Replace owner.name (a method or a module function) with a timed version."""
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.perf_counter() - start
-
-        setattr(owner, name, timed)
-
-
 @exits_on_input_error
 def main(argv=None) -> dict[str, float]:
     settings = run.parse(argv, "python -m decode.profile_step", __doc__.split("\n\n")[0])
     dec = SpeculativeDecoder(settings.options)
     dec.use(settings.sampling)
     decoder, prompts = dec.decoder, run.encode_prompts(settings, [dec])
-    watch = Stopwatch()
+    watch = costs.Stopwatch()
     watch.wrap(decoder.oracle, "forward", "oracle forward")
     if decoder.draft is not None:
         watch.wrap(decoder.draft, "forward", "draft forward")

@@ -31,6 +31,7 @@ class Settings:
     output: Path | None
     overwrite: bool
     stream: bool
+    run: Path | None = None
 
 
 def parse(argv=None, prog: str = "python -m decode.run", description: str = __doc__.split("\n\n")[0]) -> Settings:
@@ -68,10 +69,10 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
                    help="lookup: tokens per continuation (staged: at most --depth)")
     p.add_argument("--lookup-branches", type=int, default=1, help="lookup, staged: continuations from different earlier occurrences")
     p.add_argument("--lookup-ngram", type=int, default=3, help="lookup, staged: longest suffix matched in the context")
-    p.add_argument("--size-from-device", action="store_true",
-                   help="staged: size the tree from the models' forward costs measured on this device (cached): narrow "
-                        "--widths until the draft scores them in 30%% of an oracle call, and keep each step the number of "
-                        "nodes (up to --budget) with the most expected tokens per second")
+    p.add_argument("--plan", type=Path,
+                   help="a plan written by decode.plan: its policy for the method (k, tree shape, budget, widths, lookup "
+                        "tokens) replaces those flags (default: RUN/plan.json when it exists)")
+    p.add_argument("--no-plan", action="store_true", help="use the flags' trees even when RUN/plan.json exists")
     p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
                    help="back off the prompt's last token and let the first new token be only one that extends its text "
                         "(a prompt ending in a bare newline otherwise starts where training never went); every method alike")
@@ -90,6 +91,10 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
         args.ngram = args.ngram or args.run / "ngram"
         if args.prompt is None and args.prompts is None:
             args.prompts = str(args.run / "prompts.jsonl")
+        if args.plan is None and (args.run / "plan.json").is_file():
+            args.plan = args.run / "plan.json"
+    if args.no_plan:
+        args.plan = None
     if args.oracle is None:
         p.error("pass --oracle DIR (or --run RUN)")
     if args.prompt is None and args.prompts is None:
@@ -105,14 +110,16 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     except InputError as err:
         p.error(str(err))
     return Settings(options, sampling, args.prompt, args.prompts, args.limit, args.max_new_tokens, args.seed,
-                    args.output, args.overwrite, args.stream)
+                    args.output, args.overwrite, args.stream, args.run)
 
 
-def encode_prompts(settings: Settings, decoders: list[SpeculativeDecoder]) -> list[tuple[dict, Prompt]]:
-    """The prompts, checked to fit every decoder's context with its lookahead, healed as the first decodes them."""
-    if settings.prompt is not None:
+def encode_prompts(settings: Settings, decoders: list[SpeculativeDecoder], records: list[dict] | None = None
+                   ) -> list[tuple[dict, Prompt]]:
+    """The prompts (`records`, or the settings'), checked to fit every decoder's context with its
+    lookahead, healed as the first decodes them."""
+    if records is None and settings.prompt is not None:
         records = [{"task_id": "prompt", "prompt": settings.prompt}]
-    else:
+    elif records is None:
         records = load_prompts(settings.prompts, settings.limit)
     first = min(decoders, key=lambda d: d.decoder.context())
     lookahead = max(d.decoder.lookahead() for d in decoders)

@@ -40,27 +40,35 @@ train() {
     "$py" "$script" --preset "$preset" --out "$out" --data "$run/data" "$@" "${again[@]}"
 }
 
-echo "== 1/5 data: corpus, tokenizer, token shards, prompts -> $run"
+echo "== 1/6 data: corpus, tokenizer, token shards, prompts -> $run"
 if [ -f "$run/data/meta.json" ]; then
     echo "   already prepared (remove $run to rebuild it and everything built on it)"
 else
     "$py" -m data.prepare --out "$run"
 fi
 
-echo "== 2/5 oracle ($preset preset) -> $run/oracle"
+echo "== 2/6 oracle ($preset preset) -> $run/oracle"
 train "$run/oracle" train/finetune_oracle.py
 
-echo "== 3/5 draft, distilled from the oracle -> $run/draft"
+echo "== 3/6 draft, distilled from the oracle -> $run/draft"
 train "$run/draft" train/distill_draft.py --teacher "$run/oracle"
 
-echo "== 4/5 Katz trigram -> $run/ngram"
+echo "== 4/6 Katz trigram -> $run/ngram"
 if [ -f "$run/ngram/successors.npz" ]; then
     echo "   already built (remove $run/ngram to rebuild)"
 else
     "$py" ngram/build_katz.py --out "$run/ngram"
 fi
 
-echo "== 5/5 benchmark: greedy, $limit prompts x 128 new tokens"
+echo "== 5/6 plan each method's tree for these models on this CPU -> $run/plan.json"
+if [ "$run/plan.json" -nt "$run/oracle/model.safetensors" ] && [ "$run/plan.json" -nt "$run/draft/model.safetensors" ] \
+        && [ "$run/plan.json" -nt "$run/ngram/successors.npz" ]; then
+    echo "   already planned for these models (remove $run/plan.json to re-plan)"
+else
+    "$py" -m decode.plan --run "$run" --dtype bfloat16 --calibration 16 --overwrite
+fi
+
+echo "== 6/6 benchmark: greedy, $limit prompts x 128 new tokens"
 mkdir -p "$run/bench"
 "$py" -m decode.bench --run "$run" --limit "$limit" --max-new-tokens 128 --dtype bfloat16 \
     --out "$run/bench/greedy.json" --plot "$run/bench/greedy.png" --overwrite

@@ -1,11 +1,9 @@
 import json
 
 import pytest
-import torch
 
-from decode import bench, costs, generate, profile_step
+from decode import bench, costs, generate, profile_step, report
 from decode.api import Decoder
-from decode.drafters import best_budget, fit_widths, trigram_tree_size
 from decode.engine import GPT2Engine
 from decode_models import run_models
 
@@ -42,7 +40,32 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
     assert set(summary["staged"]["median_speedup_over"]) == {"speculative", "hf-assisted", "hf-lookup"}
     assert json.loads(out.read_text())["summary"]["staged"]["tokens"] == 36
     assert plot.read_bytes()[:4] == b"\x89PNG"
-    assert "refused" not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "refused" not in printed
+    assert "a prompt and its staged completion" in printed and "t2 t7 t3" in printed  # the first prompt, shown
+    assert "Same output: 6 of 6 speculative methods gave exactly the baseline's tokens on all 3 prompts." in printed
+    staged = summary["staged"]["tokens_per_second"] / summary["baseline"]["tokens_per_second"]
+    assert f"staged decoding ran at {summary['staged']['tokens_per_second']:.0f} tokens/s, {staged:.2f}x" in printed
+    assert ("Why slower" in printed) == (staged < 1)
+
+
+def test_the_explanation_says_why_staged_lost_and_labels_the_forecast():
+    summary = {"baseline": {"tokens_per_second": 500.0, "tokens_per_oracle_call": 1.0},
+               "staged": {"tokens_per_second": 250.0, "tokens_per_oracle_call": 3.0}}
+    step = {"oracle_ms_per_call": 2.5, "drafting_ms_per_call": 1.5, "speedup": 0.5}
+    plan = {"predicted": {"staged": step},
+            "projection": {"oracle": "gpt2-large", "predicted": {"baseline": {"ms_per_token": 45.8, "speedup": 1.0},
+                                                                 "staged": {**step, "speedup": 3.2},
+                                                                 "lookup": {**step, "speedup": 2.8}}}}
+    lines = report.explain(summary, plan, greedy=False)
+    assert "planned staged decoding ran at 250 tokens/s, 0.50x the baseline's 500 tokens/s." in lines[1]
+    assert lines[2].startswith("Why slower: an oracle call costs only 2.00 ms here, and a staged step took 12.00 ms "
+                               "for 3.00 tokens (planned: the oracle's forward over the tree 2.50 ms, the draft and "
+                               "the trees 1.50 ms)")
+    assert lines[3].startswith("Forecast, not a measurement: with a gpt2-large-sized oracle on this machine (46 ms per "
+                               "token alone) and these drafters, the plan predicts staged 3.20x")
+    assert not any("Why slower" in line for line in report.explain({**summary, "staged": {
+        "tokens_per_second": 900.0, "tokens_per_oracle_call": 3.0}}, None, greedy=False))
 
 
 class OffByOneAtToken5(Decoder):
@@ -92,24 +115,6 @@ def test_forward_costs_are_measured_once_per_model_and_device(models, cost_cache
 
 def test_cost_curve_interpolates_and_extrapolates():
     assert costs.cost_curve({1: 1.0, 2: 2.0, 4: 3.0}, 6).tolist() == [0, 1, 2, 2.5, 3, 3.5, 4]
-
-
-def test_best_budget_trades_expected_tokens_against_measured_cost():
-    cumulative = torch.tensor([1.0, 0.9, 0.8, 0.1, 0.05], dtype=torch.float64)
-    flat = torch.tensor([0.0] + [1.0] * 5, dtype=torch.float64)
-    assert best_budget(cumulative, flat, 0.0) == 5  # extra nodes are free: take them all
-    linear = torch.arange(6, dtype=torch.float64)
-    assert best_budget(cumulative, linear, 0.0) == 1  # each node costs a whole call: not worth it
-    assert best_budget(cumulative, 1 + 0.1 * linear, 0.0) == 3  # 0.1 ms for a node accepted with p 0.1 is not
-    assert best_budget(cumulative, flat[:3], 0.0) == 2  # the cap
-
-
-def test_fit_widths_narrows_the_widest_level_until_the_draft_fits():
-    per_node = torch.arange(2000, dtype=torch.float64)  # 1 ms per drafted node
-    assert fit_widths([12, 7, 4, 1, 1, 1], per_node, 2000.0) == [12, 7, 4, 1, 1, 1]
-    narrow = fit_widths([12, 7, 4, 1, 1, 1], per_node, 100.0)
-    assert trigram_tree_size(narrow) <= 100 < trigram_tree_size([w + (w == max(narrow)) for w in narrow])
-    assert fit_widths([3, 2], per_node, 0.5) == [1, 1]
 
 
 def test_profile_step_accounts_for_every_part_of_a_staged_step(models, tmp_path, monkeypatch):

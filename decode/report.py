@@ -1,0 +1,58 @@
+"""What a benchmark run means, in sentences a newcomer can read: one prompt with its completion, and
+after the table how many outputs matched, how many tokens an oracle call yielded, the measured
+speedup of staged decoding, the plan's forecast for a GPT-2-L-sized oracle, and, when staged lost,
+why in numbers."""
+
+
+def show_sample(prompt_text: str, completion: str, method: str) -> None:
+    print(f"--- a prompt and its {method} completion (greedy output is the oracle's own) ---")
+    print(prompt_text + completion)
+    print("---")
+
+
+def explain(summary: dict, plan: dict | None, greedy: bool, staged: str = "staged") -> list[str]:
+    """Plain sentences built from the run's own figures (`summary`: decode.bench's) and the plan."""
+    lines = []
+    ours = [name for name in summary if name != "baseline" and not name.startswith("hf-")]
+    if greedy and ours:
+        n = summary["baseline"]["same_output"]["identical"]
+        same = {name: summary[name]["same_output"] for name in ours}
+        exact = [name for name, s in same.items() if not s["differences"] and not s["near_ties"]]
+        ties = sum(len(s["near_ties"]) for s in same.values())
+        lines.append(f"Same output: {len(exact)} of {len(ours)} speculative methods gave exactly the baseline's tokens on "
+                     f"all {n} prompts" + (f"; the others differ only where the oracle's two best tokens tie within "
+                                           f"bfloat16 rounding ({ties} prompt-method pairs)" if ties else "") + ".")
+    calls = ", ".join(f"{name} {summary[name]['tokens_per_oracle_call']:.2f}" for name in ours)
+    if calls:
+        lines.append(f"Tokens per oracle call (the baseline: 1): {calls}.")
+    if staged in summary:
+        s, base = summary[staged], summary["baseline"]
+        ratio = s["tokens_per_second"] / base["tokens_per_second"]
+        planned = "planned " if plan is not None else ""
+        lines.append(f"Measured here: {planned}staged decoding ran at {s['tokens_per_second']:.0f} tokens/s, "
+                     f"{ratio:.2f}x the baseline's {base['tokens_per_second']:.0f} tokens/s.")
+        if ratio < 1:
+            lines.append(why_slower(s, base, plan))
+    if plan is not None and "projection" in plan:
+        projection = plan["projection"]
+        best = max((m for m in projection["predicted"] if m != "baseline"),
+                   key=lambda m: projection["predicted"][m]["speedup"])
+        p = projection["predicted"]
+        lines.append(f"Forecast, not a measurement: with a {projection['oracle']}-sized oracle on this machine "
+                     f"({p['baseline']['ms_per_token']:.0f} ms per token alone) and these drafters, the plan predicts "
+                     f"staged {p['staged']['speedup']:.2f}x" + (f" and {best} {p[best]['speedup']:.2f}x" if best != "staged" else "")
+                     + " (python -m decode.plan --project-oracle).")
+    return lines
+
+
+def why_slower(staged: dict, base: dict, plan: dict | None) -> str:
+    """One line: what an oracle call costs against what a staged step adds."""
+    one_token_ms = 1e3 / base["tokens_per_second"]
+    step_ms = 1e3 * staged["tokens_per_oracle_call"] / staged["tokens_per_second"]
+    line = (f"Why slower: an oracle call costs only {one_token_ms:.2f} ms here, and a staged step took {step_ms:.2f} ms "
+            f"for {staged['tokens_per_oracle_call']:.2f} tokens")
+    if plan is not None:
+        p = plan["predicted"]["staged"]
+        line += (f" (planned: the oracle's forward over the tree {p['oracle_ms_per_call']:.2f} ms, the draft and the "
+                 f"trees {p['drafting_ms_per_call']:.2f} ms)")
+    return line + "; speculation pays when an oracle call costs far more than drafting, as it does for large oracles."

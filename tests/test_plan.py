@@ -1,0 +1,199 @@
+"""decode.plan: the tree optimiser against brute force, the replay against real decoding, the plan
+file's round trip, and plans measured for something else refused."""
+import itertools
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from decode import SpeculativeDecoder, costs, plan, planning, run
+from decode.drafters import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter
+from decode.engine import GPT2Engine
+from decode.generate import baseline, tree_speculative
+from decode.sampling import Sampling
+from decode_models import run_models
+from ngram.successors import SuccessorTable
+
+
+def rank_trees(nodes: int, depth: int, width: int):
+    """Every tree of ranks with `nodes` nodes below the root and at most `depth` levels, as a set of
+    rank paths (a node is the tuple of ranks from the root)."""
+    def below(prefix, m, level):
+        if m == 0:
+            yield ()
+            return
+        if level == depth:
+            return
+        for sizes in itertools.product(range(m + 1), repeat=width):  # nodes per rank's subtree
+            if sum(sizes) != m:
+                continue
+            parts = [[()] if s == 0 else [((prefix + (k,)),) + sub for sub in below(prefix + (k,), s - 1, level + 1)]
+                     for k, s in enumerate(sizes)]
+            for combo in itertools.product(*parts):
+                yield tuple(node for part in combo for node in part)
+    yield from below((), nodes, 0)
+
+
+def value(tree_paths, p) -> float:
+    return sum(torch.tensor([p[d][k] for d, k in enumerate(path)]).prod().item() for path in tree_paths)
+
+
+def shape_paths(shape: planning.Shape) -> set[tuple]:
+    paths = {0: ()}
+    for node, (parent, rank) in enumerate(zip(shape.parents[1:], shape.ranks[1:]), 1):
+        paths[node] = paths[parent] + (rank,)
+    return set(paths.values()) - {()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_shapes_are_the_optimum_found_by_brute_force(seed):
+    rng = random.Random(seed)
+    depth, width = 3, 3
+    p = []
+    for _ in range(depth):  # rates per depth that need not fall with rank
+        row = [rng.random() for _ in range(width)]
+        p.append([x / sum(row) * rng.uniform(0.3, 1.0) for x in row])
+    shapes = planning.best_shapes(p, 7, depth)
+    for n in range(1, 8):
+        best = max(value(t, p) for t in rank_trees(n - 1, depth, width))
+        assert shapes[n].expected == pytest.approx(best)
+        assert len(shapes[n].parents) == n and len(shape_paths(shapes[n])) == n - 1
+        assert value(shape_paths(shapes[n]), p) == pytest.approx(best)  # the tree returned is worth its value
+        assert max((len(path) for path in shape_paths(shapes[n])), default=0) <= depth
+
+
+def test_best_shapes_know_when_no_tree_fits_and_prefer_a_chain_when_the_top_rank_is_sure():
+    shapes = planning.best_shapes([[0.5, 0.3]], 4, 1)
+    assert shapes[3].ranks == [0, 0, 1] and shapes[4] is None  # one level of two ranks holds 2 nodes
+    chain = planning.best_shapes([[0.9, 0.05]] * 4, 5, 4)[5]
+    assert chain.parents == [-1, 0, 1, 2, 3] and chain.ranks == [0] * 5
+    assert chain.expected == pytest.approx(0.9 + 0.81 + 0.729 + 0.6561)
+
+
+def test_acceptance_counts_ranks_where_a_tree_can_reach():
+    # ranks of five tokens; width 2: rank 2 is out of every tree, so nothing below it is reachable
+    p = planning.acceptance([[0, 1, 2, 0, 0]], width=2, depth=2)
+    assert p[0] == pytest.approx([3 / 5, 1 / 5])
+    # depth 2 is reached from starts 0, 1, 3 (the token above it within rank 2): ranks 1, 2, 0
+    assert p[1] == pytest.approx([1 / 3, 1 / 3])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return run_models(tmp_path_factory.mktemp("plan"))
+
+
+def test_replay_counts_the_oracle_calls_real_greedy_decoding_makes(models):
+    oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["draft"])
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    shape = planning.best_shapes([[0.6, 0.2, 0.1]] * 3, 8, 3)[8]
+    greedy = Sampling()
+    drafters = {"chain": ChainDrafter(draft, greedy, 3), "shape": ShapedTreeDrafter(draft, greedy, shape.parents, shape.ranks),
+                "staged": StagedDrafter(draft, table, greedy, 10, [3, 2, 1], context=LookupDrafter(4), depth=4),
+                "lookup": LookupDrafter(5)}
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (int(torch.randint(2, 9, (), generator=rng)),), generator=rng) for _ in range(6)]
+    sequences = [(p.tolist(), baseline(oracle, p, 30, greedy, eos_id=0).tokens) for p in prompts]
+    for name, drafter in drafters.items():
+        replayed = planning.replay(drafter, sequences)
+        calls = nodes = 0
+        for p, (_, expected) in zip(prompts, sequences):
+            out = tree_speculative(oracle, p, 30, greedy, eos_id=0, drafter=drafter)
+            assert out.tokens == expected, name  # the shaped tree is exact too
+            calls, nodes = calls + out.oracle_calls - (len(p) > 1), nodes + out.oracle_nodes
+        assert replayed.steps == calls and sum(replayed.nodes) == nodes, name
+        assert replayed.tokens == sum(len(c) for _, c in sequences)
+
+
+def test_predict_adds_the_prefill_and_per_step_the_oracle_the_drafting_and_the_loop():
+    replayed = planning.Replay(prompts=1, steps=2, tokens=6, drafting_seconds=0.003, nodes=[4, 8], accepted=[2, 2])
+    oracle_ms = torch.arange(0, 10, dtype=torch.float64)  # q nodes cost q ms
+    got = planning.predict(replayed, oracle_ms, loop_ms=0.5, prefill_ms=2.0)
+    assert got["tokens_per_call"] == 2  # the prefill is an oracle call, as decode.bench counts it
+    assert got["ms_per_token"] == pytest.approx((2 + 12 + 3 + 1) / 6)
+    assert replayed.accepted_by_depth(3) == [1.0, 1.0, 0.0]
+
+
+@pytest.fixture
+def planned(models, tmp_path, monkeypatch):
+    monkeypatch.setattr(costs, "CACHE_DIR", tmp_path / "costs")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i + 2} t{i + 7} t{i + 3}"}) + "\n"
+                               for i in range(6)))
+    monkeypatch.setattr(plan, "BUDGETS", (4, 8, 12))
+    monkeypatch.setattr(plan, "STAGED_WIDTHS", ((2, 1, 1), (3, 2, 1)))
+    args = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
+            "--prompts", str(prompts), "--max-new-tokens", "16", "--widths", "3,2,1"]
+    out = tmp_path / "plan.json"
+    written = plan.main(args + ["--calibration", "3", "--max-budget", "12", "--max-depth", "3", "--out", str(out)])
+    return {"args": args, "path": out, "plan": written}
+
+
+def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
+    path, args = planned["path"], planned["args"]
+    on_disk = json.loads(path.read_text())
+    assert on_disk["policies"] == planned["plan"]["policies"] and set(on_disk["policies"]) == set(planning.PLANNED)
+    options = run.parse(args + ["--plan", str(path)]).options
+    assert planning.load_plan(path, options) == on_disk["policies"]
+    for method, policy in on_disk["policies"].items():
+        predicted = on_disk["predicted"][method]
+        assert predicted["tokens_per_call"] >= 1 and predicted["speedup"] > 0
+        dec = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", method]).options)
+        base = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options)
+        assert dec.generate("t3 t9", 16).token_ids == base.generate("t3 t9", 16).token_ids, method
+        drafter = dec.decoder.drafter
+        if method == "speculative":
+            assert dec.decoder.k == policy["k"]
+        elif method == "tree":
+            assert isinstance(drafter, ShapedTreeDrafter) and drafter.parents == policy["parents"]
+        elif method == "lookup":
+            assert drafter.length == policy["tokens"]
+        else:
+            assert drafter.budget == policy["budget"] and drafter.trigram.widths == policy["widths"]
+    assert run.parse(args + ["--plan", str(path), "--no-plan"]).options.plan is None
+
+
+def test_a_plan_for_other_models_or_settings_is_refused_in_one_line(planned, models, capsys):
+    path, args = planned["path"], planned["args"]
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(args + ["--plan", str(path), "--method", "staged", "--dtype", "bfloat16", "--limit", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "dtype" in err and "decode.plan" in err and "--no-plan" in err
+    weights = models["draft"] / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the draft was retrained
+    try:
+        with pytest.raises(SystemExit):
+            run.main(args + ["--plan", str(path), "--method", "speculative", "--limit", "1"])
+        assert "draft" in capsys.readouterr().err
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    path.write_text("{}")
+    with pytest.raises(SystemExit):
+        run.main(args + ["--plan", str(path), "--method", "lookup", "--limit", "1"])
+    assert "not a plan" in capsys.readouterr().err
+
+
+def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(planned, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(planned["args"] + ["--out", str(planned["path"])])
+    assert exit_info.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(planned["args"] + ["--out", str(tmp_path / "x.json"), "--project-oracle", "12,100,50"])
+    assert exit_info.value.code == 2 and "multiple of 64" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_sampled_acceptance_is_certain_for_the_oracle_itself_and_falls_with_depth(models):
+    oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["draft"])
+    sampling, prompt = Sampling(1.0, top_k=20), [3, 9, 4]
+    continuation = baseline(oracle, torch.tensor(prompt), 20, sampling, None, torch.Generator().manual_seed(0)).tokens
+    same = planning.overlaps(oracle, GPT2Engine.load(models["oracle"]), sampling, prompt, continuation)
+    assert same == pytest.approx([1.0] * len(continuation))
+    other = planning.overlaps(oracle, draft, sampling, prompt, continuation)
+    assert all(0 < a < 1 for a in other)
+    chain = planning.chain_acceptance([other], 4)
+    assert chain[0] == pytest.approx(sum(other) / len(other)) and chain == sorted(chain, reverse=True)
