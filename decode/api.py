@@ -124,15 +124,16 @@ class SpeculativeDecoder:
         if run is not None:
             run = Path(run)
             oracle, draft, ngram = oracle or run / "oracle", draft or run / "draft", ngram or run / "ngram"
-            if "plan" not in options and (run / "plan.json").is_file():
-                options["plan"] = run / "plan.json"
         if oracle is None:
             raise InputError("pass a run directory or oracle=DIR")
         names = {f.name for f in fields(DecoderOptions)}
         unknown = sorted(set(options) - names)
         if unknown:
             raise InputError(f"unknown options {unknown}; choose from {', '.join(sorted(names - {'oracle', 'draft', 'ngram'}))}")
-        return cls(DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram), **options))
+        chosen = DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram), **options)
+        if run is not None and "plan" not in options:
+            chosen = replace(chosen, plan=planning.run_plan(run, chosen))
+        return cls(chosen)
 
     def prompt(self, prompt: str | list[int], max_new_tokens: int) -> Prompt:
         """The prompt as the models will see it (healed), checked against the context."""

@@ -17,6 +17,7 @@ and what it was measured with: the models, the device, the dtype.
 """
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,6 +241,26 @@ def identity(options) -> dict:
 def save_plan(plan: dict, path: Path, overwrite: bool) -> None:
     with atomic_output(path, FILE, overwrite) as tmp:
         tmp.write_text(json.dumps(plan, indent=1) + "\n")
+
+
+def run_plan(run: Path, options) -> Path | None:
+    """RUN/plan.json when it exists and was measured on this device with this dtype and backend; when
+    it was not, a one-line note says so and the flags' trees are used (a plan passed explicitly is
+    refused instead, by load_plan)."""
+    path = Path(run) / "plan.json"
+    if not path.is_file():
+        return None
+    try:
+        measured = json.loads(path.read_text())["identity"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return path  # load_plan says what is wrong with it
+    current = identity(options)
+    other = [f"{k} {measured.get(k)!r}" for k in ("device", "dtype", "backend") if measured.get(k) != current[k]]
+    if other:
+        print(f"note: {path} was planned for {', '.join(other)}; using the flags' trees (re-plan with "
+              f"`python -m decode.plan --run {run} --dtype {options.dtype}`)", file=sys.stderr)
+        return None
+    return path
 
 
 def load_plan(path: Path, options) -> dict:

@@ -6,7 +6,7 @@
 """
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from data.atomic import FILE, atomic_output, check_output
@@ -14,6 +14,7 @@ from data.errors import InputError, exits_on_input_error
 from data.prompts import load_prompts
 from decode.api import METHODS, DecoderOptions, SpeculativeDecoder, drain, sampling_of
 from decode.healing import Prompt
+from decode.planning import run_plan
 from decode.sampling import Sampling
 
 
@@ -71,7 +72,8 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--lookup-ngram", type=int, default=3, help="lookup, staged: longest suffix matched in the context")
     p.add_argument("--plan", type=Path,
                    help="a plan written by decode.plan: its policy for the method (k, tree shape, budget, widths, lookup "
-                        "tokens) replaces those flags (default: RUN/plan.json when it exists)")
+                        "tokens) replaces those flags (default: RUN/plan.json when it exists and was planned for this "
+                        "device, dtype and backend; a plan for other models is refused)")
     p.add_argument("--no-plan", action="store_true", help="use the flags' trees even when RUN/plan.json exists")
     p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
                    help="back off the prompt's last token and let the first new token be only one that extends its text "
@@ -91,8 +93,6 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
         args.ngram = args.ngram or args.run / "ngram"
         if args.prompt is None and args.prompts is None:
             args.prompts = str(args.run / "prompts.jsonl")
-        if args.plan is None and (args.run / "plan.json").is_file():
-            args.plan = args.run / "plan.json"
     if args.no_plan:
         args.plan = None
     if args.oracle is None:
@@ -109,6 +109,8 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
         options, sampling = DecoderOptions.of(args).check(), sampling_of(args.temperature, args.top_k, args.top_p)
     except InputError as err:
         p.error(str(err))
+    if args.run is not None and args.plan is None and not args.no_plan:
+        options = replace(options, plan=run_plan(args.run, options))
     return Settings(options, sampling, args.prompt, args.prompts, args.limit, args.max_new_tokens, args.seed,
                     args.output, args.overwrite, args.stream, args.run)
 

@@ -177,6 +177,22 @@ def test_a_plan_for_other_models_or_settings_is_refused_in_one_line(planned, mod
     assert "not a plan" in capsys.readouterr().err
 
 
+def test_a_run_plan_for_another_dtype_is_set_aside_with_a_note(planned, models, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    (run_dir / "plan.json").write_text(planned["path"].read_text())
+    prompts = planned["args"][planned["args"].index("--prompts") + 1]
+    same = run.parse(["--run", str(run_dir), "--prompts", prompts])
+    assert same.options.plan == run_dir / "plan.json" and not capsys.readouterr().err
+    other = run.parse(["--run", str(run_dir), "--prompts", prompts, "--dtype", "bfloat16"])
+    note = capsys.readouterr().err
+    assert other.options.plan is None and "dtype 'float32'" in note and "--dtype bfloat16" in note
+    assert SpeculativeDecoder.from_run(run_dir, method="lookup").options.plan == run_dir / "plan.json"
+    assert SpeculativeDecoder.from_run(run_dir, method="lookup", dtype="bfloat16").options.plan is None
+
+
 def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(planned, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         plan.main(planned["args"] + ["--out", str(planned["path"])])
