@@ -27,6 +27,15 @@ bash "$root/scripts/setup.sh"
 py="$root/.venv/bin/python"
 cd "$root"
 
+# stage TITLE: close the previous stage with its time, open this one
+started=$SECONDS
+stage_start=""
+stage() {
+    [ -n "$stage_start" ] && echo "   ($((SECONDS - stage_start)) s)"
+    stage_start=$SECONDS
+    echo "$1"
+}
+
 # train MODEL SCRIPT ARGS...: skip a finished model, resume an interrupted one
 train() {
     local out="$1" script="$2"; shift 2
@@ -40,27 +49,27 @@ train() {
     "$py" "$script" --preset "$preset" --out "$out" --data "$run/data" "$@" "${again[@]}"
 }
 
-echo "== 1/6 data: corpus, tokenizer, token shards, prompts -> $run"
+stage "== 1/6 data: corpus, tokenizer, token shards, prompts -> $run"
 if [ -f "$run/data/meta.json" ]; then
     echo "   already prepared (remove $run to rebuild it and everything built on it)"
 else
     "$py" -m data.prepare --out "$run"
 fi
 
-echo "== 2/6 oracle ($preset preset) -> $run/oracle"
+stage "== 2/6 oracle ($preset preset) -> $run/oracle"
 train "$run/oracle" train/finetune_oracle.py
 
-echo "== 3/6 draft, distilled from the oracle -> $run/draft"
+stage "== 3/6 draft, distilled from the oracle -> $run/draft"
 train "$run/draft" train/distill_draft.py --teacher "$run/oracle"
 
-echo "== 4/6 Katz trigram -> $run/ngram"
+stage "== 4/6 Katz trigram -> $run/ngram"
 if [ -f "$run/ngram/successors.npz" ]; then
     echo "   already built (remove $run/ngram to rebuild)"
 else
     "$py" ngram/build_katz.py --out "$run/ngram"
 fi
 
-echo "== 5/6 plan each method's tree for these models on this CPU -> $run/plan.json"
+stage "== 5/6 plan each method's tree for these models on this CPU -> $run/plan.json"
 if [ "$run/plan.json" -nt "$run/oracle/model.safetensors" ] && [ "$run/plan.json" -nt "$run/draft/model.safetensors" ] \
         && [ "$run/plan.json" -nt "$run/ngram/successors.npz" ]; then
     echo "   already planned for these models (remove $run/plan.json to re-plan)"
@@ -68,7 +77,8 @@ else
     "$py" -m decode.plan --run "$run" --dtype bfloat16 --calibration 16 --overwrite
 fi
 
-echo "== 6/6 benchmark: greedy, $limit prompts x 128 new tokens"
+stage "== 6/6 benchmark: greedy, $limit prompts x 128 new tokens"
 mkdir -p "$run/bench"
 "$py" -m decode.bench --run "$run" --limit "$limit" --max-new-tokens 128 --dtype bfloat16 \
     --out "$run/bench/greedy.json" --plot "$run/bench/greedy.png" --overwrite
+echo "   ($((SECONDS - stage_start)) s; $((SECONDS - started)) s in all, set-up not counted)"
