@@ -213,3 +213,13 @@ def test_sampled_acceptance_is_certain_for_the_oracle_itself_and_falls_with_dept
     assert all(0 < a < 1 for a in other)
     chain = planning.chain_acceptance([other], 4)
     assert chain[0] == pytest.approx(sum(other) / len(other)) and chain == sorted(chain, reverse=True)
+
+
+def test_plan_reports_the_sampled_chain_acceptance_for_a_sampling_setting(planned, tmp_path):
+    out = tmp_path / "sampled.json"
+    written = plan.main(planned["args"] + ["--calibration", "2", "--max-budget", "8", "--max-depth", "2",
+                                           "--temperature", "1", "--top-k", "20", "--out", str(out)])
+    sampled = json.loads(out.read_text())["acceptance"]["sampled"]
+    assert sampled == written["acceptance"]["sampled"] and sampled["setting"] == "T=1.0 top-k 20 top-p 1.0"
+    chain = sampled["draft_chain"]
+    assert len(chain) == 2 and 0 < chain[1] <= chain[0] < 1
