@@ -2,7 +2,7 @@
 # The whole pipeline on the embedded default (this Python's standard library as the corpus), then the
 # benchmark against plain decoding and the transformers peers:
 #   bash scripts/quickstart.sh [--preset quick|cpu] [--out RUN] [--limit N]
-# quick (default): minutes of training, about 15 minutes in all on 2 cores; cpu: the README's headline
+# quick (default): minutes of training, about 10-12 minutes in all on 2 cores; cpu: the README's headline
 # models (about 2 hours of training). Re-running reuses every step that already finished.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -74,7 +74,7 @@ if [ "$run/plan.json" -nt "$run/oracle/model.safetensors" ] && [ "$run/plan.json
         && [ "$run/plan.json" -nt "$run/ngram/successors.npz" ]; then
     echo "   already planned for these models (remove $run/plan.json to re-plan)"
 else
-    "$py" -m decode.plan --run "$run" --dtype bfloat16 --calibration 16 --overwrite
+    "$py" -m decode.plan --run "$run" --dtype bfloat16 --calibration 16 --project-oracle gpt2-large --overwrite
 fi
 
 stage "== 6/6 benchmark: greedy, $limit prompts x 128 new tokens"
