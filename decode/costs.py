@@ -22,7 +22,6 @@ from decode.cached_lm import CachedLM
 from decode.tree import Tree
 
 NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
-DRAFT_NODE_COUNTS = NODE_COUNTS + (128, 256, 512, 1024, 2048)  # the draft scores the trigram's whole tree
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "staged-speculative" / "forward-costs"
 
 
