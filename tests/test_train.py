@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -94,3 +95,72 @@ def test_bad_inputs_are_one_line_errors(run, tmp_path, capsys):
     err = error_of(capsys, finetune_oracle.main, ["--data", str(other / "data"), "--init", str(root / "oracle"), "--out", str(tmp_path / "i")])
     assert "tokenizer mismatch" in err
     assert not (tmp_path / "d").exists() and not (tmp_path / "i").exists()
+
+
+def test_teacher_windows_end_with_the_teachers_greedy_continuation(run, tmp_path):
+    from data.shards import open_split
+    from train.continuations import POOL_FILE
+
+    root, _ = run
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--max_steps", "20", "--teacher_windows", "0.5"]
+    distill_draft.main(argv + ["--out", str(tmp_path / "draft")])
+    pool = np.load(tmp_path / "draft-train" / POOL_FILE)
+    assert pool.shape == (80, 64)  # half of 20 steps x 8 windows, 32 corpus tokens + 32 of the teacher's
+    teacher = AutoModelForCausalLM.from_pretrained(root / "oracle").eval()
+    text = open_split(root / "data", "train").tobytes()
+    for window in pool[:4].astype(np.int64):
+        assert window[:32].astype(np.uint16).tobytes() in text
+        sequence = torch.from_numpy(window[:32])[None]
+        for _ in range(32):  # greedy decoding by hand, one full forward per token
+            with torch.no_grad():
+                sequence = torch.cat([sequence, teacher(sequence).logits[:, -1:].argmax(-1)], 1)
+        assert sequence[0].tolist() == window.tolist()
+
+
+def test_prompt_prefixes_end_with_a_training_file_prompt_after_an_end_of_text(run):
+    from data.shards import open_split
+    from data.tokenizer import load_tokenizer
+    from train.continuations import prompt_prefixes
+
+    root, _ = run
+    tokenizer = load_tokenizer(root / "tokenizer")
+    tokens = np.asarray(open_split(root / "data", "train"))
+    prefixes = prompt_prefixes(tokens, tokenizer, 12, 48, np.random.default_rng(0))
+    assert prefixes.shape == (12, 48)
+    for prefix in prefixes.tolist():
+        eos = max(i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id)
+        prompt = tokenizer.decode(prefix[eos + 1 :])
+        assert prompt.startswith("import math") and prompt.endswith('return the list."""') or prompt.endswith('ignoring case."""')
+        filler = np.asarray(prefix[: eos + 1], dtype=tokens.dtype).tobytes()
+        assert filler in tokens.tobytes()  # the training text before a document
+
+
+def test_resumed_distillation_reuses_its_teacher_windows(run, tmp_path):
+    root, _ = run
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--max_steps", "16", "--teacher_windows", "0.5",
+            "--continuation_temperature", "1.0", "--teacher_prefixes", "prompts", "--continuation_tokens", "16"]
+    distill_draft.main(argv + ["--out", str(tmp_path / "whole")])
+    distill_draft.main(argv + ["--out", str(tmp_path / "parts"), "--stop_after_steps", "8"])
+    distill_draft.main(argv + ["--out", str(tmp_path / "parts"), "--resume"])
+    whole, parts = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "parts" / "model.safetensors")
+    for name in whole:
+        assert torch.equal(whole[name], parts[name]), name
+
+
+def test_teacher_windows_raise_agreement_on_the_teachers_output(run, tmp_path):
+    """A teacher trained for 10 steps loops when it writes, which its corpus never does: a student that
+    saw only the corpus cannot follow it, one that saw the teacher's own continuations can."""
+    data, weak = str(run[0] / "data"), str(tmp_path / "weak")
+    finetune_oracle.main(["--data", data, "--out", weak, "--max_steps", "10", "--warmup_steps", "2"])
+    common = ["--data", data, "--teacher", weak, "--n_embd", "32", "--max_steps", "100"]
+    corpus = distill_draft.main(common + ["--out", str(tmp_path / "corpus")])
+    mixed = distill_draft.main(common + ["--out", str(tmp_path / "mixed"), "--teacher_windows", "0.5"])
+    assert mixed["top1_agreement_on_teacher_output"] > corpus["top1_agreement_on_teacher_output"] + 0.2
+
+
+def test_bad_teacher_window_settings_are_one_line_errors(run, tmp_path, capsys):
+    argv = ["--data", str(run[0] / "data"), "--teacher", str(run[0] / "oracle"), "--out", str(tmp_path / "d")]
+    assert "--teacher_windows must lie in [0, 1]" in error_of(capsys, distill_draft.main, argv + ["--teacher_windows", "1.5"])
+    assert "--continuation_tokens must lie" in error_of(capsys, distill_draft.main, argv + ["--continuation_tokens", "64"])
+    assert "choose corpus or prompts" in error_of(capsys, distill_draft.main, argv + ["--teacher_prefixes", "files"])
+    assert not (tmp_path / "d").exists()

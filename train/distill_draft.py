@@ -4,20 +4,27 @@
 
 The student is a GPT-2 built from the preset's config with the teacher's tokenizer. Its loss is
 kd_weight * T^2 * KL(teacher || student) on temperature-softened logits plus (1 - kd_weight) *
-cross-entropy on the data. At the end it reports, on the validation split, how often the student's
-top-1 token equals the teacher's (greedy acceptance), the student's mean probability of the
-teacher's greedy token, and the expected acceptance of speculative sampling, sum_x min(p(x), q(x)):
-the numbers that predict acceptance in speculative decoding.
+cross-entropy on the data. With --teacher_windows F a share F of the training windows end with the
+teacher's own continuation of a corpus prefix (train/continuations.py), what the draft reads when
+decoding. At the end it reports, on the validation split, how often the student's top-1 token equals
+the teacher's (greedy acceptance), the student's mean probability of the teacher's greedy token, and
+the expected acceptance of speculative sampling, sum_x min(p(x), q(x)): the numbers that predict
+acceptance in speculative decoding. The first and the last are reported twice: on corpus windows,
+and on the teacher's greedy continuations of validation prefixes ("..._on_teacher_output").
 """
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from data.errors import InputError, exits_on_input_error
 from data.pretrained import load_causal_lm
 from data.tokenizer import load_tokenizer
-from train.loop import build_model, check_same_tokenizer, eval_windows, next_token_loss, report, start_run, train
+from train.continuations import (PoolWindows, build_pool, load_or_build_pool, prompt_prefixes, random_prefixes,
+                                 teacher_continuations)
+from train.loop import (PackedWindows, build_model, check_same_tokenizer, eval_windows, next_token_loss, report, start_run,
+                        train)
 from train.presets import DRAFT_PRESETS, DistillArgs, parse_args
 
 
@@ -51,30 +58,73 @@ def distillation_loss(teacher, kd_weight: float, temperature: float, autocast):
 
 
 @torch.no_grad()
-def agreement(student, teacher, val_tokens, args: DistillArgs, accelerator) -> dict:
-    """Top-1 agreement with the teacher, mean student probability of the teacher's argmax token, and the
-    expected acceptance rate of speculative sampling at temperature 1 (1 - total variation distance)."""
-    student.eval()
-    windows = eval_windows(val_tokens, args.seq_len, args.agreement_batches * args.batch_size)
+def agreement_on(student, teacher, windows: torch.Tensor, first: int, batch_size: int, accelerator) -> tuple[float, float, float]:
+    """Over positions `first`.. of each window: how often the student's top-1 token is the teacher's, the
+    student's mean probability of the teacher's argmax token, and the expected acceptance rate of
+    speculative sampling at temperature 1 (sum_x min(p, q), one minus the total variation distance)."""
     matches, probability, acceptance, count = 0.0, 0.0, 0.0, 0
-    for batch in windows.split(args.batch_size):
+    for batch in windows.split(batch_size):
         inputs = batch.to(accelerator.device)
         with accelerator.autocast():
-            s = student(inputs).logits.float()
-            t = teacher(inputs).logits.float()[..., : s.shape[-1]]
+            s = student(inputs).logits.float()[:, first:]
+            t = teacher(inputs).logits.float()[:, first:, : s.shape[-1]]
         target = t.argmax(-1)
         q = s.softmax(-1)
         matches += (s.argmax(-1) == target).sum().item()
         probability += q.gather(-1, target[..., None]).sum().item()
         acceptance += torch.minimum(q, t.softmax(-1)).sum().item()
         count += target.numel()
+    return matches / count, probability / count, acceptance / count
+
+
+OUTPUT_WINDOWS = 64  # validation prefixes the teacher continues greedily for the agreement on its own output
+
+
+def agreement(student, teacher, val_tokens, args: DistillArgs, accelerator) -> dict:
+    """Agreement with the teacher on validation windows of the corpus, and on the teacher's greedy
+    continuations of validation prefixes (what the draft reads when decoding greedily)."""
+    student.eval()
+    windows = eval_windows(val_tokens, args.seq_len, args.agreement_batches * args.batch_size)
+    top1, probability, acceptance = agreement_on(student, teacher, windows, 0, args.batch_size, accelerator)
+    prefix = args.seq_len - args.continuation_tokens
+    prefixes = random_prefixes(val_tokens, OUTPUT_WINDOWS, prefix, np.random.default_rng(args.seed))
+    with accelerator.autocast():
+        outputs = torch.cat([teacher_continuations(teacher, batch.to(accelerator.device), args.continuation_tokens, 0.0,
+                                                   teacher.config.eos_token_id) for batch in prefixes.split(4 * args.batch_size)])
+    output_top1, _, output_acceptance = agreement_on(student, teacher, outputs, prefix - 1, args.batch_size, accelerator)
     student.train()
     return {
-        "top1_agreement": matches / count,
-        "mean_prob_of_teacher_token": probability / count,
-        "expected_acceptance": acceptance / count,
+        "top1_agreement": top1,
+        "mean_prob_of_teacher_token": probability,
+        "expected_acceptance": acceptance,
+        "top1_agreement_on_teacher_output": output_top1,
+        "expected_acceptance_on_teacher_output": output_acceptance,
         "teacher": str(Path(args.teacher).resolve()),
     }
+
+
+def training_windows(run, args: DistillArgs, teacher) -> torch.utils.data.Dataset | None:
+    """Corpus windows, with --teacher_windows of them replaced by teacher windows (None: corpus only)."""
+    if not args.teacher_windows:
+        return None
+    accelerator = run.accelerator
+    needed = args.max_steps * args.batch_size * args.grad_accum * accelerator.num_processes
+    count = max(1, round(args.teacher_windows * needed))
+
+    def build():
+        rng, length = np.random.default_rng(args.seed), args.seq_len - args.continuation_tokens
+        if args.teacher_prefixes == "prompts":
+            prefixes = prompt_prefixes(run.train_tokens, run.tokenizer, count, length, rng)
+        else:
+            prefixes = random_prefixes(run.train_tokens, count, length, rng)
+        return build_pool(teacher, prefixes, args.continuation_tokens, args.continuation_temperature,
+                          teacher.config.eos_token_id, args.seed, 8 * args.batch_size, accelerator.device, accelerator.autocast)
+
+    with accelerator.main_process_first():
+        pool = load_or_build_pool(run.work_dir, build, count, args.seq_len)
+    corpus = PackedWindows(run.train_tokens, args.seq_len)
+    kept = np.random.default_rng(args.seed).permutation(len(corpus))[: max(needed - count, 0)]
+    return torch.utils.data.ConcatDataset([torch.utils.data.Subset(corpus, kept.tolist()), PoolWindows(pool)])
 
 
 @exits_on_input_error
@@ -82,6 +132,12 @@ def main(argv=None) -> dict:
     args = parse_args(DistillArgs, DRAFT_PRESETS, __doc__.split("\n\n")[0], argv)
     if not 0 <= args.kd_weight <= 1 or args.kd_temperature <= 0:
         raise InputError("--kd_weight must lie in [0, 1] and --kd_temperature be positive")
+    if args.teacher_prefixes not in ("corpus", "prompts"):
+        raise InputError(f"--teacher_prefixes {args.teacher_prefixes!r}: choose corpus or prompts")
+    if not 0 <= args.teacher_windows <= 1 or args.continuation_temperature < 0:
+        raise InputError("--teacher_windows must lie in [0, 1] and --continuation_temperature be 0 (greedy) or positive")
+    if not 0 < args.continuation_tokens < args.seq_len:
+        raise InputError(f"--continuation_tokens must lie between 1 and --seq_len - 1 ({args.seq_len - 1})")
     run = start_run(args)
     teacher = load_teacher(args, run.tokenizer).to(run.accelerator.device)
     student = build_model(args, run.tokenizer)
@@ -90,6 +146,7 @@ def main(argv=None) -> dict:
         student,
         distillation_loss(teacher, args.kd_weight, args.kd_temperature, run.accelerator.autocast),
         lambda trained: agreement(trained, teacher, run.val_tokens, args, run.accelerator),
+        training_windows(run, args, teacher),
     )
     report(args, metrics)
     return metrics

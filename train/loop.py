@@ -83,7 +83,9 @@ def check_output(args: TrainArgs) -> Path:
         if not checkpoints(work_dir):
             raise InputError(f"nothing to resume: no checkpoint in {work_dir / 'checkpoints'}; run without --resume")
         saved = read_saved_args(work_dir)
-        changed = [k for k in ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps") if saved.get(k) != getattr(args, k)]
+        kept = ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps", "teacher_windows", "teacher_prefixes",
+                "continuation_tokens", "continuation_temperature")
+        changed = [k for k in kept if k in saved and saved[k] != getattr(args, k, None)]
         if changed:
             raise InputError(f"--resume with different {', '.join(changed)} than the checkpointed run; keep them, or start over with --overwrite")
     elif not args.overwrite and (out / MODEL.marker).exists():
@@ -254,9 +256,10 @@ def start_run(args: TrainArgs) -> Run:
     return Run(args, work_dir, make_accelerator(args, work_dir), tokenizer, train_tokens, val_tokens)
 
 
-def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = None) -> dict:
+def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = None,
+          windows: torch.utils.data.Dataset | None = None) -> dict:
     """The loop: `loss_fn(model, windows)` returns (loss, extra logs); `final_metrics(model)` adds to the
-    metrics saved with the model."""
+    metrics saved with the model; `windows` replaces the train split's packed windows."""
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     args, accelerator, work_dir = run.args, run.accelerator, run.work_dir
@@ -264,9 +267,9 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, args.warmup_steps, args.max_steps, min_lr_rate=args.min_lr_ratio
     )
-    loader = torch.utils.data.DataLoader(
-        PackedWindows(run.train_tokens, args.seq_len), batch_size=args.batch_size, shuffle=True, drop_last=True
-    )
+    if windows is None:
+        windows = PackedWindows(run.train_tokens, args.seq_len)
+    loader = torch.utils.data.DataLoader(windows, batch_size=args.batch_size, shuffle=True, drop_last=True)
     if len(loader) == 0:
         raise InputError(f"the train split holds fewer than --batch_size {args.batch_size} windows; lower it or prepare more data")
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

@@ -53,6 +53,15 @@ class DistillArgs(TrainArgs):
     kd_weight: float = field(default=0.8, metadata={"help": "weight of KL(teacher || student); cross-entropy gets 1 - kd_weight"})
     kd_temperature: float = field(default=1.0, metadata={"help": "softening temperature of both distributions in the KL term"})
     agreement_batches: int = field(default=16, metadata={"help": "validation micro-batches for the final agreement report"})
+    teacher_windows: float = field(default=0.0, metadata={"help": "share of training windows whose last --continuation_tokens "
+                                   "the teacher wrote (its continuation of a corpus prefix, generated once before training): the "
+                                   "draft then sees the oracle's own output, as when decoding; 0: corpus windows only"})
+    teacher_prefixes: str = field(default="corpus", metadata={"help": "what the teacher continues: corpus (random windows "
+                                  "of the training split) or prompts (a function's signature and docstring, harvested from "
+                                  "the training split's files, as decoding gets them)"})
+    continuation_tokens: int = field(default=32, metadata={"help": "tokens the teacher writes at the end of each teacher window"})
+    continuation_temperature: float = field(default=0.0, metadata={"help": "the teacher's sampling temperature for those "
+                                            "tokens (0: greedy, what greedy decoding sees)"})
 
 
 _SHARED = {
@@ -77,14 +86,14 @@ DRAFT_PRESETS = {
     "tiny": DistillArgs(out="runs/default/draft"),
     # about 0.6M parameters, 9x smaller than the quick oracle
     "quick": DistillArgs(**_SHARED["quick"], out="runs/default/draft", n_layer=1, n_head=2, n_embd=64, batch_size=8,
-                         max_steps=150, learning_rate=3e-3),
+                         max_steps=150, learning_rate=3e-3, continuation_tokens=128),
     # about 1.5M parameters, 15x smaller than the cpu oracle (the paper's ratio is 19x)
     # 220 steps of 8192 tokens: about 25 minutes here (the teacher's forward and the KL over 8192-wide logits dominate)
     "cpu": DistillArgs(**{**_SHARED["cpu"], "warmup_steps": 20}, out="runs/default/draft", n_layer=2, n_head=4, n_embd=128,
-                       batch_size=16, max_steps=220, learning_rate=2e-3),
+                       batch_size=16, max_steps=220, learning_rate=2e-3, continuation_tokens=128),
     # about 39M parameters with GPT-2's 50257-token vocabulary
     "paper": DistillArgs(**_SHARED["paper"], out="runs/paper/draft", teacher="runs/paper/oracle", n_layer=4, n_head=8,
-                         n_embd=512, max_steps=20000, learning_rate=6e-4),
+                         n_embd=512, max_steps=20000, learning_rate=6e-4, continuation_tokens=128),
 }
 
 
