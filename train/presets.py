@@ -54,7 +54,7 @@ class DistillArgs(TrainArgs):
     kd_temperature: float = field(default=1.0, metadata={"help": "softening temperature of both distributions in the KL term"})
     agreement_batches: int = field(default=16, metadata={"help": "validation micro-batches for the final agreement report"})
     teacher_windows: float = field(default=0.0, metadata={"help": "share of training windows whose last --continuation_tokens "
-                                   "the teacher wrote (its continuation of a corpus prefix, generated once before training): the "
+                                   "the teacher wrote (its continuation of a --teacher_prefixes prefix, generated once before training): the "
                                    "draft then sees the oracle's own output, as when decoding; 0: corpus windows only"})
     teacher_prefixes: str = field(default="corpus", metadata={"help": "what the teacher continues: corpus (random windows "
                                   "of the training split) or prompts (a function's signature and docstring, harvested from "
@@ -84,9 +84,11 @@ ORACLE_PRESETS = {
 
 DRAFT_PRESETS = {
     "tiny": DistillArgs(out="runs/default/draft"),
-    # about 0.6M parameters, 9x smaller than the quick oracle
+    # about 0.6M parameters, 9x smaller than the quick oracle; half its windows end with the oracle's own greedy
+    # continuation of a prompt (about a minute to generate): speculative decoding 0.99 -> 3.17 tokens per oracle call
     "quick": DistillArgs(**_SHARED["quick"], out="runs/default/draft", n_layer=1, n_head=2, n_embd=64, batch_size=8,
-                         max_steps=150, learning_rate=3e-3, continuation_tokens=128),
+                         max_steps=150, learning_rate=3e-3, continuation_tokens=128, teacher_windows=0.5,
+                         teacher_prefixes="prompts"),
     # about 1.5M parameters, 15x smaller than the cpu oracle (the paper's ratio is 19x)
     # 220 steps of 8192 tokens: about 25 minutes here (the teacher's forward and the KL over 8192-wide logits dominate)
     "cpu": DistillArgs(**{**_SHARED["cpu"], "warmup_steps": 20}, out="runs/default/draft", n_layer=2, n_head=4, n_embd=128,
