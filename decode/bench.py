@@ -226,6 +226,9 @@ def main(argv=None) -> dict:
               + (f"; median {over}" if over else ""))
     print()
     print("\n".join(report.explain(summary, plan, greedy)))
+    warning = report.looping([r["tokens"] for r in records["baseline"]]) if greedy else None
+    if warning:
+        print(warning)
     result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device, "prompts": len(prompts),
                            "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing,
                            "plan": options.plan and str(options.plan),

@@ -1,7 +1,7 @@
 """What a benchmark run means, in sentences a newcomer can read: one prompt with its completion, and
 after the table how many outputs matched, how many tokens an oracle call yielded, the measured
-speedup of staged decoding, the plan's forecast for a GPT-2-L-sized oracle, and, when staged lost,
-why in numbers."""
+speedup of staged decoding, the plan's forecast for a GPT-2-L-sized oracle, when staged lost why in
+numbers, and when the oracle's completions loop a warning that they flatter every drafter."""
 
 
 def show_sample(prompt_text: str, completion: str, method: str) -> None:
@@ -56,3 +56,14 @@ def why_slower(staged: dict, base: dict, plan: dict | None) -> str:
         line += (f" (planned: the oracle's forward over the tree {p['oracle_ms_per_call']:.2f} ms, the draft and the "
                  f"trees {p['drafting_ms_per_call']:.2f} ms)")
     return line + "; speculation pays when an oracle call costs far more than drafting, as it does for large oracles."
+
+
+def looping(completions: list[list[int]], most: int = 4) -> str | None:
+    """A warning when the oracle's greedy completions cycle through a handful of tokens: drafters that
+    copy the loop then accept runs that an oracle writing code would not give."""
+    loops = sum(len(set(tokens)) <= most for tokens in completions)
+    if not loops:
+        return None
+    return (f"Note: {loops} of {len(completions)} of the oracle's completions repeat at most {most} distinct tokens "
+            f"(an oracle this small loops); drafters that copy a loop accept long runs on it, so an oracle that writes "
+            f"code (--preset cpu) gives fewer tokens per call than this table.")

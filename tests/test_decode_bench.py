@@ -68,6 +68,13 @@ def test_the_explanation_says_why_staged_lost_and_labels_the_forecast():
         "tokens_per_second": 900.0, "tokens_per_oracle_call": 3.0}}, None, greedy=False))
 
 
+def test_looping_completions_are_called_out():
+    loop, code = [7, 9] * 64, list(range(128))
+    assert report.looping([code, code]) is None
+    assert report.looping([loop, code, [3] * 128]).startswith("Note: 2 of 3 of the oracle's completions repeat at most 4 "
+                                                              "distinct tokens")
+
+
 class OffByOneAtToken5(Decoder):
     def __call__(self, prompt, max_new_tokens, seed):
         out = super().__call__(prompt, max_new_tokens, seed)
