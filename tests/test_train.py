@@ -65,6 +65,18 @@ def test_distillation_raises_agreement_with_the_teacher(run, tmp_path):
     assert distilled["expected_acceptance"] > plain["expected_acceptance"]
 
 
+def test_divergences_match_their_definitions():
+    p = torch.tensor([[0.7, 0.2, 0.1], [0.25, 0.25, 0.5]])
+    q = torch.tensor([[0.5, 0.3, 0.2], [0.25, 0.5, 0.25]])
+    forward = (p * (p / q).log()).sum(-1).mean()
+    reverse = (q * (q / p).log()).sum(-1).mean()
+    tv = 0.5 * (p - q).abs().sum(-1).mean()
+    for kind, expected in (("forward", forward), ("reverse", reverse), ("tv", tv)):
+        assert torch.allclose(distill_draft.divergence(q.log(), p.log(), kind), expected), kind
+        assert distill_draft.divergence(p.log(), p.log(), kind).abs() < 1e-6
+    assert not torch.allclose(forward, reverse)
+
+
 def test_saved_models_load_with_auto_classes_and_generate(run, tmp_path):
     root, _ = run
     distill_draft.main(["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--out", str(tmp_path / "draft")])
@@ -163,4 +175,5 @@ def test_bad_teacher_window_settings_are_one_line_errors(run, tmp_path, capsys):
     assert "--teacher_windows must lie in [0, 1]" in error_of(capsys, distill_draft.main, argv + ["--teacher_windows", "1.5"])
     assert "--continuation_tokens must lie" in error_of(capsys, distill_draft.main, argv + ["--continuation_tokens", "64"])
     assert "choose corpus or prompts" in error_of(capsys, distill_draft.main, argv + ["--teacher_prefixes", "files"])
+    assert "choose one of forward, reverse, tv" in error_of(capsys, distill_draft.main, argv + ["--kd_loss", "js"])
     assert not (tmp_path / "d").exists()

@@ -3,8 +3,9 @@
     accelerate launch train/distill_draft.py --preset paper --teacher RUN/oracle --data RUN/data --out RUN/draft
 
 The student is a GPT-2 built from the preset's config with the teacher's tokenizer. Its loss is
-kd_weight * T^2 * KL(teacher || student) on temperature-softened logits plus (1 - kd_weight) *
-cross-entropy on the data. With --teacher_windows F a share F of the training windows end with the
+kd_weight * T^2 * D(teacher, student) on temperature-softened logits plus (1 - kd_weight) *
+cross-entropy on the data, D the forward KL(teacher || student) (--kd_loss forward), the reverse KL
+or the total variation distance. With --teacher_windows F a share F of the training windows end with the
 teacher's own continuation of a corpus prefix (train/continuations.py), what the draft reads when
 decoding. At the end it reports, on the validation split, how often the student's top-1 token equals
 the teacher's (greedy acceptance), the student's mean probability of the teacher's greedy token, and
@@ -36,7 +37,22 @@ def load_teacher(args: DistillArgs, tokenizer):
     return teacher.eval().requires_grad_(False)
 
 
-def distillation_loss(teacher, kd_weight: float, temperature: float, autocast):
+def divergence(student_logp: torch.Tensor, teacher_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Mean over positions of a divergence between the teacher's distribution p and the student's q:
+    forward KL(p || q), reverse KL(q || p), or total variation 1/2 sum |p - q| (one minus speculative
+    sampling's acceptance rate, the quantity DistillSpec relates to speed)."""
+    student_logp, teacher_logp = student_logp.flatten(0, -2), teacher_logp.flatten(0, -2)
+    if kind == "forward":
+        return F.kl_div(student_logp, teacher_logp, log_target=True, reduction="batchmean")
+    if kind == "reverse":
+        return F.kl_div(teacher_logp, student_logp, log_target=True, reduction="batchmean")
+    return 0.5 * (student_logp.exp() - teacher_logp.exp()).abs().sum(-1).mean()
+
+
+DIVERGENCES = ("forward", "reverse", "tv")
+
+
+def distillation_loss(teacher, kd_weight: float, temperature: float, kind: str, autocast):
     """`autocast`: the accelerator's, which only wraps the prepared student; the teacher needs it too."""
 
     def loss_fn(student, windows):
@@ -45,14 +61,10 @@ def distillation_loss(teacher, kd_weight: float, temperature: float, autocast):
         logits = student(windows).logits.float()
         vocab = logits.shape[-1]
         teacher_logits = teacher_logits[..., :vocab]  # a hub teacher may pad its embedding matrix
-        kl = F.kl_div(
-            F.log_softmax(logits / temperature, -1).flatten(0, 1),
-            F.log_softmax(teacher_logits / temperature, -1).flatten(0, 1),
-            log_target=True,
-            reduction="batchmean",
-        ) * temperature**2
+        kd = divergence(F.log_softmax(logits / temperature, -1), F.log_softmax(teacher_logits / temperature, -1),
+                        kind) * temperature**2
         ce = next_token_loss(logits, windows)
-        return kd_weight * kl + (1 - kd_weight) * ce, {"kl": kl.item(), "ce": ce.item()}
+        return kd_weight * kd + (1 - kd_weight) * ce, {"kd": kd.item(), "ce": ce.item()}
 
     return loss_fn
 
@@ -132,6 +144,8 @@ def main(argv=None) -> dict:
     args = parse_args(DistillArgs, DRAFT_PRESETS, __doc__.split("\n\n")[0], argv)
     if not 0 <= args.kd_weight <= 1 or args.kd_temperature <= 0:
         raise InputError("--kd_weight must lie in [0, 1] and --kd_temperature be positive")
+    if args.kd_loss not in DIVERGENCES:
+        raise InputError(f"--kd_loss {args.kd_loss!r}: choose one of {', '.join(DIVERGENCES)}")
     if args.teacher_prefixes not in ("corpus", "prompts"):
         raise InputError(f"--teacher_prefixes {args.teacher_prefixes!r}: choose corpus or prompts")
     if not 0 <= args.teacher_windows <= 1 or args.continuation_temperature < 0:
@@ -144,7 +158,7 @@ def main(argv=None) -> dict:
     metrics = train(
         run,
         student,
-        distillation_loss(teacher, args.kd_weight, args.kd_temperature, run.accelerator.autocast),
+        distillation_loss(teacher, args.kd_weight, args.kd_temperature, args.kd_loss, run.accelerator.autocast),
         lambda trained: agreement(trained, teacher, run.val_tokens, args, run.accelerator),
         training_windows(run, args, teacher),
     )

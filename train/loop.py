@@ -83,7 +83,7 @@ def check_output(args: TrainArgs) -> Path:
         if not checkpoints(work_dir):
             raise InputError(f"nothing to resume: no checkpoint in {work_dir / 'checkpoints'}; run without --resume")
         saved = read_saved_args(work_dir)
-        kept = ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps", "teacher_windows", "teacher_prefixes",
+        kept = ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps", "kd_loss", "teacher_windows", "teacher_prefixes",
                 "continuation_tokens", "continuation_temperature")
         changed = [k for k in kept if k in saved and saved[k] != getattr(args, k, None)]
         if changed:

@@ -50,8 +50,10 @@ class TrainArgs:
 @dataclass
 class DistillArgs(TrainArgs):
     teacher: str = field(default="runs/default/oracle", metadata={"help": "the frozen teacher (the oracle's directory)"})
-    kd_weight: float = field(default=0.8, metadata={"help": "weight of KL(teacher || student); cross-entropy gets 1 - kd_weight"})
-    kd_temperature: float = field(default=1.0, metadata={"help": "softening temperature of both distributions in the KL term"})
+    kd_weight: float = field(default=0.8, metadata={"help": "weight of the divergence to the teacher; cross-entropy gets 1 - kd_weight"})
+    kd_loss: str = field(default="forward", metadata={"help": "the divergence: forward (KL(teacher || student)), reverse "
+                         "(KL(student || teacher)) or tv (total variation, one minus the acceptance rate of speculative sampling)"})
+    kd_temperature: float = field(default=1.0, metadata={"help": "softening temperature of both distributions in the divergence"})
     agreement_batches: int = field(default=16, metadata={"help": "validation micro-batches for the final agreement report"})
     teacher_windows: float = field(default=0.0, metadata={"help": "share of training windows whose last --continuation_tokens "
                                    "the teacher wrote (its continuation of a --teacher_prefixes prefix, generated once before training): the "
