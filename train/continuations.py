@@ -3,7 +3,7 @@
 At decode time the draft reads the oracle's own output, not the corpus: greedy output repeats
 itself, sampled output drifts, and a draft trained on corpus windows alone has never seen either.
 A teacher window is a prefix followed by the teacher's continuation of it; the student is trained
-on it with the same loss (KL to the teacher at every position) as on corpus windows. Prefixes are
+on it with the same loss (a divergence to the teacher at every position) as on corpus windows. Prefixes are
 random corpus windows, or prompts like the ones decoding gets (a function's signature and
 docstring, harvested from the training split's files, never from the held-out prompts' files).
 The pool is generated once before training and kept in the work directory, so a resumed run

@@ -6,8 +6,8 @@ The student is a GPT-2 built from the preset's config with the teacher's tokeniz
 kd_weight * T^2 * D(teacher, student) on temperature-softened logits plus (1 - kd_weight) *
 cross-entropy on the data, D the forward KL(teacher || student) (--kd_loss forward), the reverse KL
 or the total variation distance. With --teacher_windows F a share F of the training windows end with the
-teacher's own continuation of a corpus prefix (train/continuations.py), what the draft reads when
-decoding. At the end it reports, on the validation split, how often the student's top-1 token equals
+teacher's own continuation of a corpus window or of a harvested prompt (train/continuations.py), what
+the draft reads when decoding. At the end it reports, on the validation split, how often the student's top-1 token equals
 the teacher's (greedy acceptance), the student's mean probability of the teacher's greedy token, and
 the expected acceptance of speculative sampling, sum_x min(p(x), q(x)): the numbers that predict
 acceptance in speculative decoding. The first and the last are reported twice: on corpus windows,
