@@ -19,7 +19,6 @@ from data.atomic import atomic_output
 from data.corpus import Document
 from data.errors import InputError
 from data.prompts import harvest_file
-from data.shards import split_documents
 
 POOL_FILE = "teacher_windows.npy"
 
@@ -45,14 +44,13 @@ def prompt_prefixes(tokens: np.ndarray, tokenizer, count: int, length: int, rng:
     """Prefixes of `length` tokens that end with a prompt harvested from one of the split's documents:
     the end of the document before it, the end-of-text token, then the prompt without its final
     newline (where token healing leaves a prompt). Prompts repeat when the split holds fewer."""
-    eos_id = tokenizer.eos_token_id
-    documents = split_documents(tokens, eos_id)
-    starts = np.concatenate([[0], np.flatnonzero(tokens == eos_id)[:-1] + 1])
+    ends = np.flatnonzero(tokens == tokenizer.eos_token_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
     prefixes = []
-    for i in rng.permutation(len(documents)):
+    for i in rng.permutation(len(ends)):
         if starts[i] == 0:
             continue  # no document before it to fill the window from
-        for prompt in harvest_file(Document(str(i), tokenizer.decode(documents[i].tolist()))):
+        for prompt in harvest_file(Document(str(i), tokenizer.decode(tokens[starts[i] : ends[i]].tolist()))):
             ids = tokenizer.encode(prompt["prompt"].rstrip("\n"))
             if len(ids) < length <= starts[i] + len(ids):
                 prefixes.append(np.concatenate([tokens[starts[i] - (length - len(ids)) : starts[i]], ids]))
@@ -78,10 +76,12 @@ def build_pool(teacher, prefixes: torch.Tensor, new_tokens: int, temperature: fl
 def load_or_build_pool(work_dir: Path, build, count: int, seq_len: int) -> np.ndarray:
     """The work directory's pool (a resumed run), or a new one written there atomically."""
     path = work_dir / POOL_FILE
-    if path.is_file():
+    try:
         pool = np.load(path)
         if pool.shape == (count, seq_len):
             return pool
+    except (OSError, ValueError, EOFError):
+        pass  # none yet, or damaged: generate it again
     pool = build()
     with atomic_output(path, overwrite=True) as tmp, open(tmp, "wb") as file:
         np.save(file, pool, allow_pickle=False)
