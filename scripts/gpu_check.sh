@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU checklist (../shared/GPU.md) on a CUDA machine, in stages that each fit a 10-minute command:
+#   bash scripts/gpu_check.sh tests            # the whole suite, CUDA tests included
+#   bash scripts/gpu_check.sh train RUN        # GPT-2-small-sized oracle, draft, trigram (RUN/data prepared)
+#   bash scripts/gpu_check.sh decode RUN       # exactness on CUDA, sampling, engine costs, plan, bench
+# It runs with the machine's own python3 (a CUDA torch) and PYTHONPATH=. instead of scripts/setup.sh, which
+# needs a package registry. Wheels in .whl/ (nltk; kenlm has none, its tests skip) are installed first.
+# Logs and JSON go to $LOGS (default: $OUT, the device tool's folder, else gpu-logs/).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+stage="${1:?usage: bash scripts/gpu_check.sh tests|train|decode [RUN]}"
+run="${2:-runs/gpu}"
+logs="${LOGS:-${OUT:-gpu-logs}}"
+mkdir -p "$logs"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" > /dev/null; then
+    [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=".:/tmp/site"
+else
+    export PYTHONPATH="."
+fi
+launch() { python3 -m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no "$@"; }
+failed=0
+step() {  # step NAME COMMAND...: run it, log it, keep going on failure
+    local name="$1"; shift
+    local t0=$SECONDS
+    echo "== $name"
+    timeout "${STEP_TIMEOUT:-300}" "$@" > "$logs/$name.log" 2>&1
+    local rc=$?
+    echo "   rc $rc, $((SECONDS - t0)) s; last lines:"; tail -n 4 "$logs/$name.log" | sed 's/^/   | /'
+    [ $rc -eq 0 ] || failed=1
+}
+
+case "$stage" in
+tests)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
+    # one thread per worker: tiny models, and it leaves cores to a training beside it
+    OMP_NUM_THREADS=1 step pytest python3 -m pytest -q -n 8 -p no:cacheprovider
+    grep -E "passed|failed|error" "$logs/pytest.log" | tail -n 3
+    ;;
+train)
+    # the paper's regime at a size that trains in minutes: a GPT-2-small-sized oracle (12 x 768), a 4 x 256 draft
+    step oracle launch train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle" --overwrite \
+        --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --grad_accum 1 --max_steps 1500 --learning_rate 6e-4 \
+        --eval_every 500 --save_every 500
+    step draft launch train/distill_draft.py --preset cpu --teacher "$run/oracle" --data "$run/data" --out "$run/draft" \
+        --overwrite --n_layer 4 --n_head 4 --n_embd 256 --max_steps 600 --kd_loss tv --teacher_windows 0.5 \
+        --teacher_prefixes prompts
+    step trigram python3 ngram/build_katz.py --data "$run/data" --out "$run/ngram" --overwrite
+    cat "$run/oracle/metrics.json" "$run/draft/metrics.json" > "$logs/metrics.json" 2>/dev/null
+    ;;
+decode)
+    methods=speculative,tree,staged,ngram,lookup
+    for dtype in float32 bfloat16; do
+        step "agreement-$dtype" python3 -m decode.agreement --run "$run" --device cuda --dtype "$dtype" --limit 10 \
+            --max-new-tokens 128 --methods "$methods" --no-plan --report "$logs/agreement-$dtype.json" --overwrite
+    done
+    for method in baseline ${methods//,/ }; do
+        step "sample-$method" python3 -m decode.run --run "$run" --device cuda --dtype bfloat16 --method "$method" \
+            --limit 4 --max-new-tokens 64 --temperature 1 --top-k 50 --seed 1 --no-plan
+    done
+    step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" --device cuda \
+        --dtype bfloat16 --output "$logs/engine.json" --overwrite
+    step plan python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 16 --screen 8 \
+        --project-oracle gpt2-large --overwrite
+    cp "$run/plan.json" "$logs/plan.json" 2>/dev/null
+    step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 20 --max-new-tokens 128 \
+        --methods baseline,speculative,tree,staged,staged-paper,ngram,lookup,hf-generate,hf-assisted,hf-lookup \
+        --out "$logs/bench.json" --plot "$logs/bench.png" --overwrite
+    ;;
+*)
+    echo "error: unknown stage $stage; use tests, train or decode" >&2; exit 2 ;;
+esac
+exit $failed
