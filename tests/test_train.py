@@ -1,3 +1,4 @@
+import contextlib
 import json
 
 import numpy as np
@@ -116,7 +117,7 @@ def test_teacher_windows_end_with_the_teachers_greedy_continuation(run, tmp_path
     root, _ = run
     argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--max_steps", "20", "--teacher_windows", "0.5"]
     distill_draft.main(argv + ["--out", str(tmp_path / "draft")])
-    pool = np.load(tmp_path / "draft-train" / POOL_FILE)
+    pool = np.load(tmp_path / "draft-train" / POOL_FILE)["windows"]
     assert pool.shape == (80, 64)  # half of 20 steps x 8 windows, 32 corpus tokens + 32 of the teacher's
     teacher = AutoModelForCausalLM.from_pretrained(root / "oracle").eval()
     text = open_split(root / "data", "train").tobytes()
@@ -177,3 +178,74 @@ def test_bad_teacher_window_settings_are_one_line_errors(run, tmp_path, capsys):
     assert "choose corpus or prompts" in error_of(capsys, distill_draft.main, argv + ["--teacher_prefixes", "files"])
     assert "choose one of forward, reverse, tv" in error_of(capsys, distill_draft.main, argv + ["--kd_loss", "js"])
     assert not (tmp_path / "d").exists()
+
+
+def test_sparse_targets_reproduce_the_dense_divergence(run):
+    """The tiny oracle (a flat one: its top 32 of 400 tokens hold about 80% of the mass) against a perturbed
+    copy, on validation windows. With every token kept the sparse divergence is the dense one. With fewer,
+    it is never above the dense one (merging outcomes never raises an f-divergence), grows with k, and for
+    the forward KL misses exactly the rest's share: p_rest * KL(p_rest_dist || q_rest_dist)."""
+    from data.shards import open_split
+    from train.loop import PackedWindows
+    from train.teacher_targets import sparse_divergence, top_k_targets
+
+    root, _ = run
+    teacher = AutoModelForCausalLM.from_pretrained(root / "oracle").eval()
+    student = AutoModelForCausalLM.from_pretrained(root / "oracle").eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for weight in student.parameters():
+            weight.add_(0.3 * torch.randn_like(weight))
+    windows = torch.utils.data.Subset(PackedWindows(open_split(root / "data", "val"), 64), range(8))
+    batch = torch.stack([windows[i] for i in range(8)])
+    vocab, temperature = teacher.config.vocab_size, 2.0
+    with torch.no_grad():
+        student_logp = torch.log_softmax(student(batch).logits / temperature, -1)
+        teacher_logp = torch.log_softmax(teacher(batch).logits / temperature, -1)
+    for kind in distill_draft.DIVERGENCES:
+        dense, previous = distill_draft.divergence(student_logp, teacher_logp, kind), 0.0
+        for k in (16, 64, vocab):
+            top = top_k_targets(teacher, windows, k, temperature, vocab, 3, "cpu", contextlib.nullcontext)
+            ids, logp = torch.from_numpy(top["ids"]).long(), torch.from_numpy(top["logp"])
+            sparse = sparse_divergence(student_logp, ids, logp, kind)
+            assert previous <= sparse <= dense * 1.002, (kind, k, sparse, dense)  # float16 log-probabilities
+            previous = sparse
+            if kind == "forward" and k < vocab:
+                rest = torch.ones_like(teacher_logp, dtype=torch.bool).scatter(-1, ids, False)
+                p, q = teacher_logp.exp() * rest, student_logp.exp() * rest
+                p_rest, q_rest = p.sum(-1, keepdim=True), q.sum(-1, keepdim=True)
+                missed = (p * ((p / p_rest).log() - (q / q_rest).log())).nan_to_num().sum(-1).mean()
+                assert torch.allclose(dense - sparse, missed, rtol=1e-2, atol=1e-3), (k, dense - sparse, missed)
+        assert torch.allclose(sparse, dense, rtol=2e-3), (kind, sparse, dense)
+
+
+def test_distillation_on_sparse_targets_trains_and_resumes(run, tmp_path, capsys):
+    from data.shards import open_split
+    from train.loop import PackedWindows
+    from train.teacher_targets import TARGETS_FILE
+
+    root, _ = run
+    common = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--n_embd", "32"]
+    sparse = common + ["--sparse_targets", "32", "--target_epochs", "4", "--max_steps", "150", "--kd_weight", "1.0"]
+    distilled = distill_draft.main(sparse + ["--out", str(tmp_path / "sparse")])
+    distinct = min(150 * 8 // 4, len(PackedWindows(open_split(root / "data", "train"), 64)))  # a tiny corpus has fewer
+    with np.load(tmp_path / "sparse-train" / TARGETS_FILE) as targets:
+        assert targets["ids"].shape == targets["logp"].shape == (distinct, 64, 32)
+    plain = distill_draft.main(common + ["--max_steps", "150", "--kd_weight", "0.0", "--out", str(tmp_path / "plain")])
+    assert distilled["top1_agreement"] > plain["top1_agreement"] + 0.02
+
+    short = sparse[:-4] + ["--max_steps", "16", "--teacher_windows", "0.5"]
+    distill_draft.main(short + ["--out", str(tmp_path / "whole")])
+    distill_draft.main(short + ["--out", str(tmp_path / "parts"), "--stop_after_steps", "8"])
+    distill_draft.main(short + ["--out", str(tmp_path / "parts"), "--resume"])
+    whole, parts = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "parts" / "model.safetensors")
+    for name in whole:
+        assert torch.equal(whole[name], parts[name]), name
+    assert "different sparse_targets" in error_of(capsys, distill_draft.main, short[:-4] + ["--max_steps", "16", "--teacher_windows",
+                                                  "0.5", "--sparse_targets", "8", "--out", str(tmp_path / "parts"), "--resume"])
+
+    argv = common + ["--out", str(tmp_path / "bad")]
+    assert "--sparse_targets must be 0" in error_of(capsys, distill_draft.main, argv + ["--sparse_targets", "-1"])
+    assert "--target_epochs at least 1" in error_of(capsys, distill_draft.main, argv + ["--target_epochs", "0"])
+    assert "exceeds the vocabulary (400 tokens)" in error_of(capsys, distill_draft.main, argv + ["--sparse_targets", "500"])
+    assert not (tmp_path / "bad").exists()

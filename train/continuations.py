@@ -9,18 +9,15 @@ docstring, harvested from the training split's files, never from the held-out pr
 The pool is generated once before training and kept in the work directory, so a resumed run
 trains on the same windows.
 """
-from pathlib import Path
-
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from data.atomic import atomic_output
 from data.corpus import Document
 from data.errors import InputError
 from data.prompts import harvest_file
 
-POOL_FILE = "teacher_windows.npy"
+POOL_FILE = "teacher_windows.npz"
 
 
 @torch.no_grad()
@@ -71,21 +68,6 @@ def build_pool(teacher, prefixes: torch.Tensor, new_tokens: int, temperature: fl
         with autocast():
             windows.append(teacher_continuations(teacher, batch.to(device), new_tokens, temperature, eos_id).cpu())
     return torch.cat(windows).numpy().astype(np.uint16)
-
-
-def load_or_build_pool(work_dir: Path, build, count: int, seq_len: int) -> np.ndarray:
-    """The work directory's pool (a resumed run), or a new one written there atomically."""
-    path = work_dir / POOL_FILE
-    try:
-        pool = np.load(path)
-        if pool.shape == (count, seq_len):
-            return pool
-    except (OSError, ValueError, EOFError):
-        pass  # none yet, or damaged: generate it again
-    pool = build()
-    with atomic_output(path, overwrite=True) as tmp, open(tmp, "wb") as file:
-        np.save(file, pool, allow_pickle=False)
-    return pool
 
 
 class PoolWindows(torch.utils.data.Dataset):

@@ -13,6 +13,7 @@ the expected acceptance of speculative sampling, sum_x min(p(x), q(x)): the numb
 acceptance in speculative decoding. The first and the last are reported twice: on corpus windows,
 and on the teacher's greedy continuations of validation prefixes ("..._on_teacher_output").
 """
+import math
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +23,12 @@ import torch.nn.functional as F
 from data.errors import InputError, exits_on_input_error
 from data.pretrained import load_causal_lm
 from data.tokenizer import load_tokenizer
-from train.continuations import (PoolWindows, build_pool, load_or_build_pool, prompt_prefixes, random_prefixes,
+from train.continuations import (POOL_FILE, PoolWindows, build_pool, prompt_prefixes, random_prefixes,
                                  teacher_continuations)
-from train.loop import (PackedWindows, build_model, check_same_tokenizer, eval_windows, next_token_loss, report, start_run,
-                        train)
+from train.loop import (PackedWindows, build_model, check_same_tokenizer, eval_windows, load_or_build_arrays, next_token_loss,
+                        report, start_run, train)
 from train.presets import DRAFT_PRESETS, DistillArgs, parse_args
+from train.teacher_targets import TargetWindows, load_or_build_targets, sparse_divergence, top_k_targets
 
 
 def load_teacher(args: DistillArgs, tokenizer):
@@ -53,16 +55,23 @@ DIVERGENCES = ("forward", "reverse", "tv")
 
 
 def distillation_loss(teacher, kd_weight: float, temperature: float, kind: str, autocast):
-    """`autocast`: the accelerator's, which only wraps the prepared student; the teacher needs it too."""
+    """`autocast`: the accelerator's, which only wraps the prepared student; the teacher needs it too.
+    A batch is windows (the teacher runs on them) or (windows, ids, logp) with the teacher's precomputed
+    top-k targets (train/teacher_targets.py)."""
 
-    def loss_fn(student, windows):
-        with torch.no_grad(), autocast():
-            teacher_logits = teacher(windows).logits.float()
-        logits = student(windows).logits.float()
-        vocab = logits.shape[-1]
-        teacher_logits = teacher_logits[..., :vocab]  # a hub teacher may pad its embedding matrix
-        kd = divergence(F.log_softmax(logits / temperature, -1), F.log_softmax(teacher_logits / temperature, -1),
-                        kind) * temperature**2
+    def loss_fn(student, batch):
+        if isinstance(batch, (list, tuple)):
+            windows, ids, teacher_logp = batch
+            logits = student(windows).logits.float()
+            kd = sparse_divergence(F.log_softmax(logits / temperature, -1), ids, teacher_logp, kind)
+        else:
+            windows = batch
+            with torch.no_grad(), autocast():
+                teacher_logits = teacher(windows).logits.float()
+            logits = student(windows).logits.float()
+            teacher_logits = teacher_logits[..., : logits.shape[-1]]  # a hub teacher may pad its embedding matrix
+            kd = divergence(F.log_softmax(logits / temperature, -1), F.log_softmax(teacher_logits / temperature, -1), kind)
+        kd = kd * temperature**2
         ce = next_token_loss(logits, windows)
         return kd_weight * kd + (1 - kd_weight) * ce, {"kd": kd.item(), "ce": ce.item()}
 
@@ -115,28 +124,42 @@ def agreement(student, teacher, val_tokens, args: DistillArgs, accelerator) -> d
     }
 
 
-def training_windows(run, args: DistillArgs, teacher) -> torch.utils.data.Dataset | None:
-    """Corpus windows, with --teacher_windows of them replaced by teacher windows (None: corpus only)."""
-    if not args.teacher_windows:
+def training_windows(run, args: DistillArgs, teacher, vocab_size: int) -> torch.utils.data.Dataset | None:
+    """Corpus windows, with --teacher_windows of them replaced by teacher windows; with --sparse_targets a
+    fixed set of them, 1 / --target_epochs of what the run draws, with the teacher's top-k targets.
+    None: the whole corpus, dense."""
+    if not args.teacher_windows and not args.sparse_targets:
         return None
     accelerator = run.accelerator
-    needed = args.max_steps * args.batch_size * args.grad_accum * accelerator.num_processes
-    count = max(1, round(args.teacher_windows * needed))
+    drawn = args.max_steps * args.batch_size * args.grad_accum * accelerator.num_processes
+    needed = math.ceil(drawn / args.target_epochs) if args.sparse_targets else drawn
+    count = max(1, round(args.teacher_windows * needed)) if args.teacher_windows else 0
 
-    def build():
+    def build_pool_windows():
         rng, length = np.random.default_rng(args.seed), args.seq_len - args.continuation_tokens
         if args.teacher_prefixes == "prompts":
             prefixes = prompt_prefixes(run.train_tokens, run.tokenizer, count, length, rng)
         else:
             prefixes = random_prefixes(run.train_tokens, count, length, rng)
-        return build_pool(teacher, prefixes, args.continuation_tokens, args.continuation_temperature,
-                          teacher.config.eos_token_id, args.seed, 8 * args.batch_size, accelerator.device, accelerator.autocast)
+        return {"windows": build_pool(teacher, prefixes, args.continuation_tokens, args.continuation_temperature,
+                                      teacher.config.eos_token_id, args.seed, 8 * args.batch_size, accelerator.device,
+                                      accelerator.autocast)}
 
-    with accelerator.main_process_first():
-        pool = load_or_build_pool(run.work_dir, build, count, args.seq_len)
     corpus = PackedWindows(run.train_tokens, args.seq_len)
     kept = np.random.default_rng(args.seed).permutation(len(corpus))[: max(needed - count, 0)]
-    return torch.utils.data.ConcatDataset([torch.utils.data.Subset(corpus, kept.tolist()), PoolWindows(pool)])
+    parts = [torch.utils.data.Subset(corpus, kept.tolist())]
+    with accelerator.main_process_first():
+        if count:
+            pool = load_or_build_arrays(run.work_dir / POOL_FILE, build_pool_windows, {"windows": (count, args.seq_len)})
+            parts.append(PoolWindows(pool["windows"]))
+        windows = torch.utils.data.ConcatDataset(parts)
+        if not args.sparse_targets:
+            return windows
+        targets = load_or_build_targets(
+            run.work_dir, lambda: top_k_targets(teacher, windows, args.sparse_targets, args.kd_temperature, vocab_size,
+                                                4 * args.batch_size, accelerator.device, accelerator.autocast),
+            len(windows), args.seq_len, args.sparse_targets)
+    return TargetWindows(windows, targets)
 
 
 @exits_on_input_error
@@ -152,15 +175,20 @@ def main(argv=None) -> dict:
         raise InputError("--teacher_windows must lie in [0, 1] and --continuation_temperature be 0 (greedy) or positive")
     if not 0 < args.continuation_tokens < args.seq_len:
         raise InputError(f"--continuation_tokens must lie between 1 and --seq_len - 1 ({args.seq_len - 1})")
+    if args.sparse_targets < 0 or args.target_epochs < 1:
+        raise InputError("--sparse_targets must be 0 (dense) or a positive number of tokens, --target_epochs at least 1")
     run = start_run(args)
     teacher = load_teacher(args, run.tokenizer).to(run.accelerator.device)
     student = build_model(args, run.tokenizer)
+    vocab_size = student.config.vocab_size
+    if args.sparse_targets > vocab_size:
+        raise InputError(f"--sparse_targets {args.sparse_targets} exceeds the vocabulary ({vocab_size} tokens)")
     metrics = train(
         run,
         student,
         distillation_loss(teacher, args.kd_weight, args.kd_temperature, args.kd_loss, run.accelerator.autocast),
         lambda trained: agreement(trained, teacher, run.val_tokens, args, run.accelerator),
-        training_windows(run, args, teacher),
+        training_windows(run, args, teacher, vocab_size),
     )
     report(args, metrics)
     return metrics

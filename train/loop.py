@@ -84,7 +84,7 @@ def check_output(args: TrainArgs) -> Path:
             raise InputError(f"nothing to resume: no checkpoint in {work_dir / 'checkpoints'}; run without --resume")
         saved = read_saved_args(work_dir)
         kept = ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps", "kd_loss", "teacher_windows", "teacher_prefixes",
-                "continuation_tokens", "continuation_temperature")
+                "continuation_tokens", "continuation_temperature", "kd_temperature", "sparse_targets", "target_epochs")
         changed = [k for k in kept if k in saved and saved[k] != getattr(args, k, None)]
         if changed:
             raise InputError(f"--resume with different {', '.join(changed)} than the checkpointed run; keep them, or start over with --overwrite")
@@ -95,6 +95,22 @@ def check_output(args: TrainArgs) -> Path:
     elif not args.overwrite and (work_dir / WORK_DIR.marker).exists():
         raise InputError(f"{work_dir} holds a run that stopped before its first checkpoint; pass --overwrite to start over")
     return work_dir
+
+
+def load_or_build_arrays(path: Path, build: Callable[[], dict], shapes: dict) -> dict:
+    """Arrays generated once before training and kept in the work directory (so a resumed run trains on the
+    same ones): those at `path` (an .npz) if they have the expected shapes, else `build()`'s, written atomically."""
+    try:
+        with np.load(path) as saved:
+            arrays = {name: saved[name] for name in shapes}
+        if all(arrays[name].shape == shape for name, shape in shapes.items()):
+            return arrays
+    except (OSError, ValueError, KeyError, EOFError):
+        pass  # none yet, or damaged: generate them again
+    arrays = build()
+    with atomic_output(path, overwrite=True) as tmp, open(tmp, "wb") as file:
+        np.savez(file, **arrays)
+    return arrays
 
 
 def read_saved_args(work_dir: Path) -> dict:

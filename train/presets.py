@@ -64,6 +64,11 @@ class DistillArgs(TrainArgs):
     continuation_tokens: int = field(default=32, metadata={"help": "tokens the teacher writes at the end of each teacher window"})
     continuation_temperature: float = field(default=0.0, metadata={"help": "the teacher's sampling temperature for those "
                                             "tokens (0: greedy, what greedy decoding sees)"})
+    sparse_targets: int = field(default=0, metadata={"help": "K > 0: compute the teacher's K most probable next tokens and their "
+                                "log-probabilities once, over a fixed set of windows, and train on those (train/teacher_targets.py); "
+                                "0: run the teacher at every step (dense)"})
+    target_epochs: int = field(default=1, metadata={"help": "with --sparse_targets: passes over the windows whose targets were "
+                               "computed (the run draws --max_steps x --batch_size x --grad_accum windows; 1 / this of them are distinct)"})
 
 
 _SHARED = {

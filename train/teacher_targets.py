@@ -1,0 +1,75 @@
+"""The teacher's top-k next-token distribution over a fixed set of training windows, computed once.
+
+Dense distillation runs the teacher on every step's windows, its forward most of a step's cost when
+the student is small. With --sparse_targets K the teacher runs once over the windows the run trains
+on, keeping at each position its K most probable tokens and their log-probabilities (softened by
+--kd_temperature), and the student makes --target_epochs passes over them: the teacher is paid once
+per window instead of once per pass.
+
+The divergence then sees K + 1 outcomes: the K tokens and the rest of the vocabulary as one, with
+mass 1 - sum of the K on either side. Merging outcomes never increases an f-divergence (forward KL,
+reverse KL, total variation alike), so the sparse value is at most the dense one, equal to it when
+the rest holds no teacher mass.
+"""
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from train.loop import load_or_build_arrays
+
+TARGETS_FILE = "teacher_targets.npz"
+
+
+@torch.no_grad()
+def top_k_targets(teacher, windows: torch.utils.data.Dataset, k: int, temperature: float, vocab_size: int,
+                  batch_size: int, device, autocast) -> dict:
+    """For every window (in order) and position: the teacher's k most probable next tokens ("ids", as int32)
+    and their log-probabilities at `temperature` ("logp", float16), over the first vocab_size logits."""
+    ids, logp = [], []
+    for start in tqdm(range(0, len(windows), batch_size), desc="teacher targets", unit="batch"):
+        batch = torch.stack([windows[i] for i in range(start, min(start + batch_size, len(windows)))]).to(device)
+        with autocast():
+            logits = teacher(batch).logits.float()[..., :vocab_size]
+        top = F.log_softmax(logits / temperature, -1).topk(k, dim=-1)
+        ids.append(top.indices.int().cpu())
+        logp.append(top.values.half().cpu())
+    return {"ids": torch.cat(ids).numpy(), "logp": torch.cat(logp).numpy()}
+
+
+def load_or_build_targets(work_dir: Path, build, count: int, seq_len: int, k: int) -> dict:
+    return load_or_build_arrays(work_dir / TARGETS_FILE, build, {"ids": (count, seq_len, k), "logp": (count, seq_len, k)})
+
+
+def sparse_divergence(student_logp: torch.Tensor, ids: torch.Tensor, teacher_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Mean over positions of the divergence (forward, reverse, tv as in distill_draft.divergence) between the
+    teacher's top-k distribution and the student's, each with the rest of the vocabulary as one more outcome."""
+    p = teacher_logp.float().exp()
+    log_q = student_logp.gather(-1, ids.long())
+    q = log_q.exp()
+    p_rest = (1 - p.sum(-1, keepdim=True)).clamp(0, 1)
+    q_rest = (1 - q.sum(-1, keepdim=True)).clamp(1e-12, 1)  # rounding can push a sum of probabilities past one
+    p, q = torch.cat([p, p_rest], -1), torch.cat([q, q_rest], -1)
+    log_p, log_q = torch.cat([teacher_logp.float(), p_rest.clamp_min(1e-12).log()], -1), torch.cat([log_q, q_rest.log()], -1)
+    if kind == "forward":
+        terms = torch.xlogy(p, p) - p * log_q
+    elif kind == "reverse":
+        terms = q * (log_q - log_p)
+    else:
+        terms = 0.5 * (p - q).abs()
+    return terms.sum(-1).mean()
+
+
+class TargetWindows(torch.utils.data.Dataset):
+    """Windows with their precomputed targets: items (window, ids, logp)."""
+
+    def __init__(self, windows: torch.utils.data.Dataset, targets: dict):
+        self.windows, self.ids, self.logp = windows, targets["ids"], targets["logp"]
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int):
+        return self.windows[i], torch.from_numpy(self.ids[i]), torch.from_numpy(self.logp[i])
