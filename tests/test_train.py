@@ -249,3 +249,19 @@ def test_distillation_on_sparse_targets_trains_and_resumes(run, tmp_path, capsys
     assert "--target_epochs at least 1" in error_of(capsys, distill_draft.main, argv + ["--target_epochs", "0"])
     assert "exceeds the vocabulary (400 tokens)" in error_of(capsys, distill_draft.main, argv + ["--sparse_targets", "500"])
     assert not (tmp_path / "bad").exists()
+
+
+def test_unset_bf16_is_measured_once_and_kept_on_resume(run, tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    from train import loop, presets
+
+    assert isinstance(loop.bf16_is_faster(), bool)
+    monkeypatch.setitem(presets.ORACLE_PRESETS, "tiny", dataclasses.replace(presets.ORACLE_PRESETS["tiny"], bf16=None))
+    monkeypatch.setattr(loop, "bf16_is_faster", lambda: False)
+    argv = ["--data", str(run[0] / "data"), "--out", str(tmp_path / "oracle"), "--max_steps", "12"]
+    finetune_oracle.main(argv + ["--stop_after_steps", "6"])
+    assert "bf16 autocast off" in capsys.readouterr().out
+    monkeypatch.setattr(loop, "bf16_is_faster", lambda: True)  # another measurement: the resumed run keeps its own
+    finetune_oracle.main(argv + ["--resume"])
+    assert json.loads((tmp_path / "oracle" / "training_args.json").read_text())["bf16"] is False

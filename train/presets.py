@@ -39,7 +39,9 @@ class TrainArgs:
     eval_batches: int = field(default=4, metadata={"help": "micro-batches of validation windows per evaluation"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: at the end only)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept in the work directory"})
-    bf16: bool = field(default=False, metadata={"help": "bf16 autocast (CPUs with AMX, Ampere+ GPUs)"})
+    bf16: Optional[bool] = field(default=False, metadata={"help": "bf16 autocast: True, False, or unset (the quick, cpu and "
+                                 "paper presets): on where it measures faster than float32 (GPUs with bf16, CPUs with AMX or "
+                                 "AVX-512 BF16; a CPU with AVX2 alone emulates it, several times slower)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (inductor)"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and dropout"})
     log_with: str = field(default="jsonl", metadata={"help": "accelerate tracker: jsonl (offline) or tensorboard"})
@@ -73,9 +75,9 @@ class DistillArgs(TrainArgs):
 
 _SHARED = {
     "tiny": {},
-    "quick": dict(seq_len=512, bf16=True, compile=True, eval_every=50, eval_batches=4, save_every=50, warmup_steps=20),
-    "cpu": dict(seq_len=512, bf16=True, compile=True, eval_every=200, eval_batches=8, save_every=200, warmup_steps=100),
-    "paper": dict(seq_len=1024, bf16=True, batch_size=8, grad_accum=8, eval_every=500, eval_batches=32, save_every=1000,
+    "quick": dict(seq_len=512, bf16=None, compile=True, eval_every=50, eval_batches=4, save_every=50, warmup_steps=20),
+    "cpu": dict(seq_len=512, bf16=None, compile=True, eval_every=200, eval_batches=8, save_every=200, warmup_steps=100),
+    "paper": dict(seq_len=1024, bf16=None, batch_size=8, grad_accum=8, eval_every=500, eval_batches=32, save_every=1000,
                   warmup_steps=500, data="runs/paper/data"),
 }
 
