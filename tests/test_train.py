@@ -148,16 +148,21 @@ def test_prompt_prefixes_end_with_a_training_file_prompt_after_an_end_of_text(ru
         assert filler in tokens.tobytes()  # the training text before a document
 
 
-def test_resumed_distillation_reuses_its_teacher_windows(run, tmp_path):
-    root, _ = run
-    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--max_steps", "16", "--teacher_windows", "0.5",
-            "--continuation_temperature", "1.0", "--teacher_prefixes", "prompts", "--continuation_tokens", "16"]
+def assert_resumed_distillation_matches(argv, tmp_path):
+    """A run stopped after 8 steps and resumed ends with the weights of one that ran through."""
     distill_draft.main(argv + ["--out", str(tmp_path / "whole")])
     distill_draft.main(argv + ["--out", str(tmp_path / "parts"), "--stop_after_steps", "8"])
     distill_draft.main(argv + ["--out", str(tmp_path / "parts"), "--resume"])
     whole, parts = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "parts" / "model.safetensors")
     for name in whole:
         assert torch.equal(whole[name], parts[name]), name
+
+
+def test_resumed_distillation_reuses_its_teacher_windows(run, tmp_path):
+    root, _ = run
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--max_steps", "16", "--teacher_windows", "0.5",
+            "--continuation_temperature", "1.0", "--teacher_prefixes", "prompts", "--continuation_tokens", "16"]
+    assert_resumed_distillation_matches(argv, tmp_path)
 
 
 def test_teacher_windows_raise_agreement_on_the_teachers_output(run, tmp_path):
@@ -234,15 +239,10 @@ def test_distillation_on_sparse_targets_trains_and_resumes(run, tmp_path, capsys
     plain = distill_draft.main(common + ["--max_steps", "150", "--kd_weight", "0.0", "--out", str(tmp_path / "plain")])
     assert distilled["top1_agreement"] > plain["top1_agreement"] + 0.02
 
-    short = sparse[:-4] + ["--max_steps", "16", "--teacher_windows", "0.5"]
-    distill_draft.main(short + ["--out", str(tmp_path / "whole")])
-    distill_draft.main(short + ["--out", str(tmp_path / "parts"), "--stop_after_steps", "8"])
-    distill_draft.main(short + ["--out", str(tmp_path / "parts"), "--resume"])
-    whole, parts = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "parts" / "model.safetensors")
-    for name in whole:
-        assert torch.equal(whole[name], parts[name]), name
-    assert "different sparse_targets" in error_of(capsys, distill_draft.main, short[:-4] + ["--max_steps", "16", "--teacher_windows",
-                                                  "0.5", "--sparse_targets", "8", "--out", str(tmp_path / "parts"), "--resume"])
+    short = common + ["--target_epochs", "4", "--max_steps", "16", "--teacher_windows", "0.5"]
+    assert_resumed_distillation_matches(short + ["--sparse_targets", "32"], tmp_path)
+    resumed_otherwise = short + ["--sparse_targets", "8", "--out", str(tmp_path / "parts"), "--resume"]
+    assert "different sparse_targets" in error_of(capsys, distill_draft.main, resumed_otherwise)
 
     argv = common + ["--out", str(tmp_path / "bad")]
     assert "--sparse_targets must be 0" in error_of(capsys, distill_draft.main, argv + ["--sparse_targets", "-1"])
