@@ -20,7 +20,7 @@ from data.errors import exits_on_input_error
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
 from decode.api import check_device
-from decode.costs import NODE_COUNTS, device_name, forward_costs, synchronize
+from decode.costs import NODE_COUNTS, device_name, forward_costs
 from decode.engine import GPT2Engine, read_config
 from decode.generate import baseline
 from decode.sampling import Sampling
@@ -55,13 +55,12 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
         ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, device=engine.device)
         start = time.perf_counter()
         tokens = baseline(engine, ids, new_tokens, Sampling(), eos_id=None).tokens
-        ours_s += time.perf_counter() - start  # the loop reads every token on the host: nothing left queued
+        ours_s += time.perf_counter() - start  # both loops read every token on the host: nothing is left queued
         ours_n += len(tokens)
         start = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(ids[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               pad_token_id=tokenizer.eos_token_id)[0, ids.numel():].tolist()
-        synchronize(engine.device)
         hf_s += time.perf_counter() - start
         hf_n += len(out)
         agree += out == tokens
@@ -89,18 +88,17 @@ def main(argv=None) -> dict:
     if args.output:
         check_output(args.output, FILE, args.overwrite, "--output")
     check_device(args.device)
-    device = args.device
 
     texts = [r["prompt"] for r in load_prompts(args.prompts, args.limit)]
-    latency = generation_latency(args.model, texts, args.new_tokens, args.dtype, device)
-    print(f"greedy decoding, {len(texts)} prompts x {args.new_tokens} tokens ({args.dtype}, {device_name(torch.device(device))})")
+    latency = generation_latency(args.model, texts, args.new_tokens, args.dtype, args.device)
+    print(f"greedy decoding, {len(texts)} prompts x {args.new_tokens} tokens ({args.dtype}, {device_name(torch.device(args.device))})")
     print(f"  ours (lean engine)        {latency['ours_ms_per_token']:8.2f} ms/token")
     print(f"  transformers generate     {latency['hf_generate_ms_per_token']:8.2f} ms/token")
     print(f"  speedup {latency['speedup']:.2f}x, identical outputs {latency['identical_outputs']}")
 
-    models = {args.model: GPT2Engine.load(args.model, args.dtype, device)}
+    models = {args.model: GPT2Engine.load(args.model, args.dtype, args.device)}
     if not args.skip_large:
-        models["gpt2-large-sized (random)"] = GPT2Engine(GPT2_LARGE, random_gpt2_weights(GPT2_LARGE), args.dtype, device)
+        models["gpt2-large-sized (random)"] = GPT2Engine(GPT2_LARGE, random_gpt2_weights(GPT2_LARGE), args.dtype, args.device)
     costs = {name: forward_costs(engine, args.prefix, args.repeats) for name, engine in models.items()}
     print(f"\nforward cost in ms after {args.prefix} cached positions, by new nodes q")
     print(f"{'model':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
@@ -111,7 +109,7 @@ def main(argv=None) -> dict:
     print(f"{'the same nodes as a tree, explicit mask':<40}" + "".join(f"{tree_costs[q]:8.2f}" if q in tree_costs else f"{'-':>8}" for q in NODE_COUNTS))
     print(f"{'  tree / chain':<40}" + "".join(f"{tree_costs[q] / costs[args.model][q]:8.2f}" if q in tree_costs else f"{'-':>8}" for q in NODE_COUNTS))
     result = {"generation": latency, "forward_ms": costs, "tree_forward_ms": tree_costs, "dtype": args.dtype,
-              "device": device_name(torch.device(device))}
+              "device": device_name(torch.device(args.device))}
     if args.output:
         with atomic_output(args.output, FILE, args.overwrite) as tmp:
             tmp.write_text(json.dumps(result, indent=2) + "\n")

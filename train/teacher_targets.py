@@ -13,7 +13,6 @@ the rest holds no teacher mass.
 """
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
