@@ -19,7 +19,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 else
     export PYTHONPATH="."
 fi
-launch() { python3 -m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no "$@"; }
+# a command, not a function: step runs it under timeout, which cannot run shell functions
+launch=(python3 -m accelerate.commands.launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no)
 failed=0
 step() {  # step NAME COMMAND...: run it, log it, keep going on failure
     local name="$1"; shift
@@ -41,10 +42,10 @@ tests)
     ;;
 train)
     # the paper's regime at a size that trains in minutes: a GPT-2-small-sized oracle (12 x 768), a 4 x 256 draft
-    step oracle launch train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle" --overwrite \
+    step oracle "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle" --overwrite \
         --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --grad_accum 1 --max_steps 1500 --learning_rate 6e-4 \
         --eval_every 500 --save_every 500
-    step draft launch train/distill_draft.py --preset cpu --teacher "$run/oracle" --data "$run/data" --out "$run/draft" \
+    step draft "${launch[@]}" train/distill_draft.py --preset cpu --teacher "$run/oracle" --data "$run/data" --out "$run/draft" \
         --overwrite --n_layer 4 --n_head 4 --n_embd 256 --max_steps 600 --kd_loss tv --teacher_windows 0.5 \
         --teacher_prefixes prompts
     step trigram python3 ngram/build_katz.py --data "$run/data" --out "$run/ngram" --overwrite
