@@ -4,7 +4,9 @@
 2. the cost of one forward over q = 1, 2, 4, ..., 64 new nodes after a cached prefix, for a model
    directory and for a GPT-2-Large-sized config with random weights (cost does not depend on them);
 3. for the model directory, the same forwards with the nodes as a tree and its explicit attention
-   mask, against the chain: what a tree's mask costs.
+   mask, against the chain: what a tree's mask costs;
+4. for the model directory, the chain's forwards with all its matrices in each layout this device runs
+   (decode.engine.LAYOUTS), against the engine's own choice (per matrix shape, timed at start-up).
 
     python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl
 """
@@ -20,27 +22,10 @@ from data.errors import exits_on_input_error
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
 from decode.api import check_device
-from decode.costs import NODE_COUNTS, device_name, forward_costs
-from decode.engine import GPT2Engine, read_config
+from decode.costs import NODE_COUNTS, PROJECTIONS, device_name, forward_costs, random_gpt2
+from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline
 from decode.sampling import Sampling
-
-GPT2_LARGE = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_layer=36, n_head=20, n_embd=1280,
-                  layer_norm_epsilon=1e-5)
-
-
-def random_gpt2_weights(config: dict) -> dict[str, torch.Tensor]:
-    d, v, p = config["n_embd"], config["vocab_size"], config["n_positions"]
-    weights = {"wte.weight": torch.randn(v, d) * 0.02, "wpe.weight": torch.randn(p, d) * 0.01,
-               "ln_f.weight": torch.ones(d), "ln_f.bias": torch.zeros(d)}
-    for i in range(config["n_layer"]):
-        shapes = {"ln_1.weight": (d,), "ln_1.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
-                  "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,), "attn.c_proj.weight": (d, d),
-                  "attn.c_proj.bias": (d,), "mlp.c_fc.weight": (d, 4 * d), "mlp.c_fc.bias": (4 * d,),
-                  "mlp.c_proj.weight": (4 * d, d), "mlp.c_proj.bias": (d,)}
-        weights.update({f"h.{i}.{name}": torch.randn(shape) * 0.02 for name, shape in shapes.items()})
-    return weights
-
 
 def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: str, device: str) -> dict:
     """Milliseconds per generated token, ours vs transformers generate (greedy), and whether they agree."""
@@ -98,17 +83,25 @@ def main(argv=None) -> dict:
 
     models = {args.model: GPT2Engine.load(args.model, args.dtype, args.device)}
     if not args.skip_large:
-        models["gpt2-large-sized (random)"] = GPT2Engine(GPT2_LARGE, random_gpt2_weights(GPT2_LARGE), args.dtype, args.device)
+        models["gpt2-large-sized (random)"] = random_gpt2(*PROJECTIONS["gpt2-large"], args.dtype, args.device)
     costs = {name: forward_costs(engine, args.prefix, args.repeats) for name, engine in models.items()}
     print(f"\nforward cost in ms after {args.prefix} cached positions, by new nodes q")
     print(f"{'model':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
     for name, row in costs.items():
-        params = read_config(name)["n_layer"] if name == args.model else GPT2_LARGE["n_layer"]
-        print(f"{name[-40:]:<40}" + "".join(f"{row[q]:8.2f}" if q in row else f"{'-':>8}" for q in NODE_COUNTS) + f"   ({params} layers)")
+        layers = models[name].shape.n_layer
+        print(f"{name[-40:]:<40}" + "".join(f"{row[q]:8.2f}" if q in row else f"{'-':>8}" for q in NODE_COUNTS) + f"   ({layers} layers)")
     tree_costs = forward_costs(models[args.model], args.prefix, args.repeats, tree=True)
     print(f"{'the same nodes as a tree, explicit mask':<40}" + "".join(f"{tree_costs[q]:8.2f}" if q in tree_costs else f"{'-':>8}" for q in NODE_COUNTS))
     print(f"{'  tree / chain':<40}" + "".join(f"{tree_costs[q] / costs[args.model][q]:8.2f}" if q in tree_costs else f"{'-':>8}" for q in NODE_COUNTS))
+    layouts = [name for name in LAYOUTS if name != "packed" or (args.device == "cpu" and onednn_packs(models[args.model].dtype))]
+    layout_costs = {name: forward_costs(GPT2Engine.load(args.model, args.dtype, args.device, layout=name), args.prefix,
+                                        args.repeats) for name in layouts}
+    chosen = models[args.model].layouts
+    print(f"\nthe chain's forward by weight layout (chosen per matrix: {', '.join(f'{k} {v}' for k, v in chosen.items())})")
+    for name, row in (layout_costs | {"chosen per matrix (first table)": costs[args.model]}).items():
+        print(f"{name:<40}" + "".join(f"{row[q]:8.2f}" if q in row else f"{'-':>8}" for q in NODE_COUNTS))
     result = {"generation": latency, "forward_ms": costs, "tree_forward_ms": tree_costs, "dtype": args.dtype,
+              "layouts": chosen, "forward_ms_by_layout": layout_costs,
               "device": device_name(torch.device(args.device))}
     if args.output:
         with atomic_output(args.output, FILE, args.overwrite) as tmp:

@@ -116,9 +116,10 @@ def fingerprint(directory, pattern: str = "*.safetensors") -> str:
 
 
 def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
-    """Model (its fingerprint), the backend's code, device, dtype and threads."""
+    """Model (its fingerprint), the backend's code and weight layout, device, dtype and threads."""
     backend = Path(inspect.getfile(type(model))).read_text()
-    digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, torch.__version__]).encode()).hexdigest()[:16]
+    layouts = getattr(model, "layouts", None)
+    digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, layouts, torch.__version__]).encode()).hexdigest()[:16]
     device = "".join(c if c.isalnum() else "_" for c in device_name(model.device))
     return f"{digest}-{device}-{dtype}"
 

@@ -12,6 +12,7 @@ accepted path) and drops the rest.
 """
 import functools
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ SPECULATIVE_SLOTS = 2048  # cache slots beyond the context for the nodes of a sp
 # cuDNN's attention builds a plan for every new shape, and each decoding call has a new cached length: measured
 # on an H100 (cpu-preset oracle, bfloat16), greedy decoding ran at 17 tokens/s with it and 260 without
 ATTENTION_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-LINEAR_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+LINEAR_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 @dataclass(frozen=True)
@@ -69,39 +70,92 @@ def is_lean_compatible(config: dict) -> bool:
     )
 
 
-@functools.cache
-def onednn_packs_bfloat16() -> bool:
-    """Whether oneDNN's prepacked bfloat16 linear runs here: private ops (inductor's) that need AVX-512 or
-    AVX-NE-CONVERT (an AVX2-only CPU refuses them); F.linear where they are missing or refused."""
+# How a linear layer multiplies its input by a weight matrix: addmm over Hugging Face's Conv1D (in, out)
+# layout, F.linear over (out, in), or oneDNN's matmul over (out, in) prepacked in its blocked layout (private
+# ops, inductor's). Which is fastest depends on the device and the matrix's shape: on CPUs it is measured.
+LAYOUTS = ("in_out", "out_in", "packed")
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs here in this dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT:
+    an AVX2-only CPU refuses it)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
     try:
-        weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16))
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=torch.bfloat16), weight, None, "none", [], "")
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), weight, None, "none", [], "")
     except RuntimeError:
         return False
     return True
 
 
+class Projection:
+    """x @ weight + bias, the (in, out) weight stored in one of LAYOUTS."""
+
+    def __init__(self, in_out: torch.Tensor, bias: torch.Tensor | None, layout: str):
+        self.bias, self.layout = bias, layout
+        if layout == "in_out":
+            self.weight = in_out
+        else:
+            out_in = in_out.T.contiguous()
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(out_in) if layout == "packed" else out_in
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "packed":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.layout == "out_in":
+            return F.linear(x, self.weight, self.bias)
+        return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+
+@functools.cache
+def fastest_layout(dtype: torch.dtype, device_type: str, in_features: int, out_features: int) -> str:
+    """The layout whose product of 1 and of 16 rows by a matrix of this shape takes least time here. On a GPU:
+    F.linear in bfloat16, addmm in float32 (not measured). On CPUs it differs by kind and shape: on an
+    AVX2-only EPYC in float32, 512 x 8192 took 0.50 / 4.48 ms (1 / 16 rows) with addmm and 0.28 / 1.22
+    prepacked, while 128 x 384 took 0.013 / 0.040 with addmm and 0.069 / 0.075 prepacked (oneDNN's fixed
+    cost per call); bfloat16 cannot be prepacked there."""
+    if device_type != "cpu":
+        return "out_in" if dtype == torch.bfloat16 else "in_out"
+    weight = torch.randn(in_features, out_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    bias = torch.zeros(out_features, dtype=dtype)
+    times = {}
+    for layout in (name for name in LAYOUTS if name != "packed" or onednn_packs(dtype)):
+        projection = Projection(weight, bias, layout)
+        for rows in (1, 16):
+            x = torch.ones(rows, in_features, dtype=dtype)
+            samples = []
+            for _ in range(12):
+                start = time.perf_counter()
+                projection(x)
+                samples.append(time.perf_counter() - start)
+            times[layout] = times.get(layout, 0.0) + sorted(samples)[len(samples) // 2]
+    return min(times, key=times.get)
+
+
 class GPT2Engine(CachedLM):
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
-                 max_length: int | None = None):
-        """From a GPT-2 config and its weights as named in a Hugging Face checkpoint."""
+                 max_length: int | None = None, layout: str | None = None):
+        """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
+        stores every matrix in that layout; by default each matrix gets the fastest measured for its shape."""
         self.shape = s = GPT2Shape.from_config(config)
         self.device, self.dtype = torch.device(device), DTYPES[dtype]
         weights = {k.removeprefix("transformer."): v.to(self.device, self.dtype) for k, v in weights.items()}
-        # Measured here, matmuls with few rows: float32 streams the weights fastest as addmm over Hugging
-        # Face's Conv1D (in, out) layout; bfloat16 as F.linear over (out, in), and on CPU 1.5x faster again
-        # through oneDNN with the matrix prepacked in its blocked layout (same results).
-        self.out_in = self.dtype == torch.bfloat16
-        self.packed = self.out_in and self.device.type == "cpu" and onednn_packs_bfloat16()
         self.on_gpu = self.device.type == "cuda"
-        if self.out_in:
-            weights = {k: self.prepare(v.T.contiguous()) if k.endswith(LINEAR_WEIGHTS) else v for k, v in weights.items()}
+
+        def projection(in_out: torch.Tensor, bias: torch.Tensor | None) -> Projection:
+            return Projection(in_out, bias, layout or fastest_layout(self.dtype, self.device.type, *in_out.shape))
+
         self.wte, self.wpe = weights["wte.weight"], weights["wpe.weight"]
-        self.layers = [{k[len(f"h.{i}.") :]: v for k, v in weights.items() if k.startswith(f"h.{i}.")} for i in range(s.n_layer)]
+        self.layers = []
+        for i in range(s.n_layer):
+            layer = {k[len(f"h.{i}.") :]: v for k, v in weights.items() if k.startswith(f"h.{i}.")}
+            for name in LINEAR_LAYERS:
+                layer[name] = projection(layer.pop(f"{name}.weight"), layer.pop(f"{name}.bias"))
+            self.layers.append(layer)
         self.ln_f = (weights["ln_f.weight"], weights["ln_f.bias"])
-        self.head = self.prepare(self.wte) if self.out_in else self.wte.T  # the output projection, tied to wte
+        self.head = projection(self.wte.T, None)  # the output projection, tied to wte
+        self.layouts = {name: self.layers[0][name].layout for name in LINEAR_LAYERS} | {"head": self.head.layout}
         self.head_dim = s.n_embd // s.n_head
         self.max_length = max_length or s.n_positions  # positions: the context
         self.capacity = self.max_length + SPECULATIVE_SLOTS  # slots: a tree's nodes share positions
@@ -112,7 +166,8 @@ class GPT2Engine(CachedLM):
         self.pending = 0  # speculative positions after them
 
     @classmethod
-    def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None) -> "GPT2Engine":
+    def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
+             layout: str | None = None) -> "GPT2Engine":
         """From a save_pretrained directory (safetensors)."""
         config = read_config(model_dir)
         if not is_lean_compatible(config):
@@ -120,25 +175,11 @@ class GPT2Engine(CachedLM):
                 f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
                 f"use the transformers backend (--backend hf)"
             )
-        return cls(config, load_safetensors(model_dir), dtype, device, max_length)
+        return cls(config, load_safetensors(model_dir), dtype, device, max_length, layout)
 
     @property
     def vocab_size(self) -> int:
         return self.shape.vocab_size
-
-    def prepare(self, out_in: torch.Tensor) -> torch.Tensor:
-        """An (out, in) weight matrix in the layout `project` uses."""
-        return torch.ops.mkldnn._reorder_linear_weight(out_in) if self.packed else out_in
-
-    def project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        if self.out_in:
-            return F.linear(x, weight, bias)
-        return x @ weight if bias is None else torch.addmm(bias, x, weight)
-
-    def linear(self, x: torch.Tensor, layer: dict, name: str) -> torch.Tensor:
-        return self.project(x, layer[f"{name}.weight"], layer[f"{name}.bias"])
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -164,24 +205,24 @@ class GPT2Engine(CachedLM):
             x = self.layers_forward(x, mask, start, end)
         x = F.layer_norm(x, (s.n_embd,), *self.ln_f, s.layer_norm_epsilon)
         self.pending += q
-        return self.project(x, self.head).float()
+        return self.head(x).float()
 
     def layers_forward(self, x: torch.Tensor, mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
         """The transformer blocks over q new nodes, writing their keys/values into cache slots start..end."""
         s, q = self.shape, x.shape[0]
         for i, layer in enumerate(self.layers):
             h = F.layer_norm(x, (s.n_embd,), layer["ln_1.weight"], layer["ln_1.bias"], s.layer_norm_epsilon)
-            qkv = self.linear(h, layer, "attn.c_attn")
+            qkv = layer["attn.c_attn"](h)
             query, key, value = qkv.view(q, 3, s.n_head, self.head_dim).permute(1, 2, 0, 3)
             self.k_cache[i, :, start:end] = key
             self.v_cache[i, :, start:end] = value
             # a batch dimension and a contiguous query let torch pick its fused attention kernel
             att = F.scaled_dot_product_attention(query.contiguous()[None], self.k_cache[None, i, :, :end],
                                                  self.v_cache[None, i, :, :end], attn_mask=mask)[0]
-            x = x + self.linear(att.transpose(0, 1).reshape(q, s.n_embd), layer, "attn.c_proj")
+            x = x + layer["attn.c_proj"](att.transpose(0, 1).reshape(q, s.n_embd))
             h = F.layer_norm(x, (s.n_embd,), layer["ln_2.weight"], layer["ln_2.bias"], s.layer_norm_epsilon)
-            h = F.gelu(self.linear(h, layer, "mlp.c_fc"), approximate="tanh")
-            x = x + self.linear(h, layer, "mlp.c_proj")
+            h = F.gelu(layer["mlp.c_fc"](h), approximate="tanh")
+            x = x + layer["mlp.c_proj"](h)
         return x
 
     @torch.inference_mode()

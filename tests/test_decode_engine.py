@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from decode.engine import GPT2Engine
+from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline, speculative
 from decode.hf_backend import HFEngine
 from decode.sampling import Sampling, sample
@@ -77,10 +77,30 @@ def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, back
         assert torch.allclose(tree.v_cache[:, :, :9], chain.v_cache[:, :, :9], atol=1e-5)
 
 
-def test_bfloat16_engine_tracks_float32(models):
+def runnable(layout: str, dtype: torch.dtype) -> None:
+    if layout == "packed" and not onednn_packs(dtype):
+        pytest.skip(f"oneDNN does not prepack {dtype} weights on this CPU")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_weight_layout_gives_transformers_logits(models, layout):
+    runnable(layout, torch.float32)
+    hf = GPT2LMHeadModel.from_pretrained(models["oracle"]).eval()
+    ids = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2))
+    engine = GPT2Engine.load(models["oracle"], layout=layout)
+    assert set(engine.layouts.values()) == {layout}
+    with torch.no_grad():
+        reference = hf(ids[None]).logits[0]
+    ours = torch.cat([engine.extend(ids[:8]), engine.extend(ids[8:9]), engine.extend(ids[9:])])
+    assert torch.allclose(ours, reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bfloat16_engine_tracks_float32(models, layout):
+    runnable(layout, torch.bfloat16)
     ids = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(1))
     full = GPT2Engine.load(models["oracle"]).extend(ids)
-    half = GPT2Engine.load(models["oracle"], dtype="bfloat16").extend(ids)
+    half = GPT2Engine.load(models["oracle"], dtype="bfloat16", layout=layout).extend(ids)
     assert (full.argmax(-1) == half.argmax(-1)).float().mean() > 0.8
     assert (full - half).abs().max() < 0.1 * full.abs().max()
 
