@@ -6,6 +6,7 @@ data/meta.json, a trigram's meta.json, a model's config.json). `check_output` re
 anything else at the path; an artifact of the same kind is replaced only with --overwrite.
 """
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -131,3 +132,9 @@ def atomic_output(final, kind: Kind = FILE, overwrite: bool = False):
     """One output: see `atomic_outputs`. Without `overwrite` an existing output of the same kind is refused."""
     with atomic_outputs([(Path(final), kind)], overwrite) as (tmp,):
         yield tmp
+
+
+def write_json(final, data, overwrite: bool = False, indent: int = 2) -> None:
+    """`data` as a JSON file, written atomically (see `atomic_outputs` for `overwrite`)."""
+    with atomic_output(final, FILE, overwrite) as tmp:
+        tmp.write_text(json.dumps(data, indent=indent) + "\n")

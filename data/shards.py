@@ -7,7 +7,7 @@ from typing import Iterable
 
 import numpy as np
 
-from data.atomic import atomic_output
+from data.atomic import write_json
 from data.errors import InputError
 
 META = "meta.json"
@@ -30,8 +30,7 @@ def write_tokens(path: Path, documents: Iterable[list[int]], eos_id: int, dtype:
 
 
 def write_meta(directory: Path, meta: dict) -> None:
-    with atomic_output(directory / META) as tmp:
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    write_json(directory / META, meta)
 
 
 def read_meta(data_dir) -> dict:

@@ -9,13 +9,12 @@ near-tie's gap moves by at least its own size. With sampling, outputs are not co
 (each method draws differently); tokens per oracle call are still reported.
 """
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from data.atomic import FILE, atomic_output, check_output
+from data.atomic import FILE, check_output, write_json
 from data.errors import exits_on_input_error
 from decode import run
 from decode.api import SpeculativeDecoder
@@ -121,8 +120,7 @@ def main(argv=None) -> dict:
             print(f"  {method} differs from baseline on {bug['task_id']} at token {bug['position']} "
                   f"({describe(bug)})")
     if known.report:
-        with atomic_output(known.report, FILE, known.overwrite) as tmp:
-            tmp.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(known.report, report, known.overwrite)
     return report
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data.atomic import FILE, atomic_output, check_output
+from data.atomic import FILE, atomic_output, check_output, write_json
 from data.errors import InputError, exits_on_input_error
 from decode import agreement, report, run
 from decode.costs import device_name
@@ -235,8 +235,7 @@ def main(argv=None) -> dict:
                            "token_healing": options.token_healing},
               "summary": summary, "records": records}
     if known.out:
-        with atomic_output(known.out, FILE, known.overwrite) as tmp:
-            tmp.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(known.out, result, known.overwrite, indent=1)
         print(f"figures: {known.out}")
     if known.plot:
         models = f"oracle {options.oracle}, draft {options.draft}"

@@ -11,13 +11,12 @@
     python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl
 """
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from data.atomic import FILE, atomic_output, check_output
+from data.atomic import FILE, check_output, write_json
 from data.errors import exits_on_input_error
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
@@ -104,8 +103,7 @@ def main(argv=None) -> dict:
               "layouts": chosen, "forward_ms_by_layout": layout_costs,
               "device": device_name(torch.device(args.device))}
     if args.output:
-        with atomic_output(args.output, FILE, args.overwrite) as tmp:
-            tmp.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.output, result, args.overwrite)
     return result
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.atomic import atomic_output
+from data.atomic import write_json
 from data.errors import InputError
 from decode.cached_lm import CachedLM
 from decode.tree import Tree
@@ -133,8 +133,7 @@ def measured_costs(model_dir, model: CachedLM, dtype: str, counts=NODE_COUNTS,
         return {int(q): ms for q, ms in json.loads(path.read_text()).items()}, True
     costs = forward_costs(model, counts=counts)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(path) as tmp:
-        tmp.write_text(json.dumps(costs, indent=1) + "\n")
+    write_json(path, costs, indent=1)
     return costs, False
 
 

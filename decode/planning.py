@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.atomic import FILE, atomic_output
+from data.atomic import write_json
 from data.errors import InputError
 from decode.cached_lm import CachedLM, long_tensor
 from decode.costs import device_name, fingerprint
@@ -239,8 +239,7 @@ def identity(options) -> dict:
 
 
 def save_plan(plan: dict, path: Path, overwrite: bool) -> None:
-    with atomic_output(path, FILE, overwrite) as tmp:
-        tmp.write_text(json.dumps(plan, indent=1) + "\n")
+    write_json(path, plan, overwrite, indent=1)
 
 
 def run_plan(run: Path, options) -> Path | None:
