@@ -76,6 +76,7 @@ def is_lean_compatible(config: dict) -> bool:
 LAYOUTS = ("in_out", "out_in", "packed")
 
 
+@functools.cache
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN's prepacked linear runs here in this dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT:
     an AVX2-only CPU refuses it)."""
@@ -138,6 +139,8 @@ class GPT2Engine(CachedLM):
                  max_length: int | None = None, layout: str | None = None):
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
         stores every matrix in that layout; by default each matrix gets the fastest measured for its shape."""
+        if layout not in (None, *LAYOUTS):
+            raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         self.shape = s = GPT2Shape.from_config(config)
         self.device, self.dtype = torch.device(device), DTYPES[dtype]
         weights = {k.removeprefix("transformer."): v.to(self.device, self.dtype) for k, v in weights.items()}
