@@ -91,22 +91,22 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 class Projection:
-    """x @ weight + bias, the (in, out) weight stored in one of LAYOUTS."""
+    """x @ weight + bias, the (in, out) weight stored in one of LAYOUTS; the product is picked once, not per call."""
 
     def __init__(self, in_out: torch.Tensor, bias: torch.Tensor | None, layout: str):
-        self.bias, self.layout = bias, layout
+        self.layout = layout
         if layout == "in_out":
             self.weight = in_out
+            self.multiply = (lambda x: x @ in_out) if bias is None else functools.partial(torch.addmm, bias, mat2=in_out)
+        elif layout == "out_in":
+            self.weight = in_out.T.contiguous()
+            self.multiply = functools.partial(F.linear, weight=self.weight, bias=bias)
         else:
-            out_in = in_out.T.contiguous()
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(out_in) if layout == "packed" else out_in
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(in_out.T.contiguous())
+            self.multiply = lambda x: torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == "packed":
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        if self.layout == "out_in":
-            return F.linear(x, self.weight, self.bias)
-        return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+        return self.multiply(x)
 
 
 @functools.cache
