@@ -39,6 +39,23 @@ def load_teacher(args: DistillArgs, tokenizer):
     return teacher.eval().requires_grad_(False)
 
 
+@torch.no_grad()
+def copy_teacher_embeddings(teacher, student) -> None:
+    """The student's embeddings as the teacher's seen through their top n_embd principal directions V: a
+    token's row of U S (wte = U S V^T), a position's row of wpe V. The tied output layer's logits h . wte
+    then start as those of the teacher's best rank-n_embd approximation, for a hidden state h expressed in V."""
+    if not all(hasattr(getattr(model, "transformer", None), "wpe") for model in (teacher, student)):
+        raise InputError("--teacher_embeddings needs a GPT-2 teacher and student (learned position embeddings)")
+    t_wte, t_wpe = teacher.get_input_embeddings().weight.float(), teacher.transformer.wpe.weight.float()
+    s_wte, s_wpe = student.get_input_embeddings().weight, student.transformer.wpe.weight
+    dims, vocab, positions = s_wte.shape[1], s_wte.shape[0], min(len(s_wpe), len(t_wpe))
+    if dims > t_wte.shape[1]:
+        raise InputError(f"--teacher_embeddings: the student's --n_embd {dims} exceeds the teacher's {t_wte.shape[1]}")
+    u, s, vt = torch.linalg.svd(t_wte[:vocab].cpu(), full_matrices=False)
+    s_wte.copy_((u[:, :dims] * s[:dims]).to(s_wte))
+    s_wpe[:positions].copy_((t_wpe[:positions].cpu() @ vt[:dims].T).to(s_wpe))
+
+
 def divergence(student_logp: torch.Tensor, teacher_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Mean over positions of a divergence between the teacher's distribution p and the student's q:
     forward KL(p || q), reverse KL(q || p), or total variation 1/2 sum |p - q| (one minus speculative
@@ -181,6 +198,8 @@ def main(argv=None) -> dict:
     teacher = load_teacher(args, run.tokenizer).to(run.accelerator.device)
     student = build_model(args, run.tokenizer)
     vocab_size = student.config.vocab_size
+    if args.teacher_embeddings:
+        copy_teacher_embeddings(teacher, student)
     if args.sparse_targets > vocab_size:
         raise InputError(f"--sparse_targets {args.sparse_targets} exceeds the vocabulary ({vocab_size} tokens)")
     metrics = train(

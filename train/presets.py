@@ -69,6 +69,9 @@ class DistillArgs(TrainArgs):
     sparse_targets: int = field(default=0, metadata={"help": "K > 0: compute the teacher's K most probable next tokens and their "
                                 "log-probabilities once, over a fixed set of windows, and train on those (train/teacher_targets.py); "
                                 "0: run the teacher at every step (dense)"})
+    teacher_embeddings: bool = field(default=False, metadata={"help": "start the student's token and position embeddings "
+                                     "from the teacher's, projected onto their --n_embd principal directions (SVD): the "
+                                     "student's tied output layer then begins as the best rank --n_embd copy of the teacher's"})
     target_epochs: int = field(default=1, metadata={"help": "with --sparse_targets: passes over the windows whose targets were "
                                "computed (the run draws --max_steps x --batch_size x --grad_accum windows; 1 / this of them are distinct)"})
 
