@@ -69,11 +69,11 @@ class DistillArgs(TrainArgs):
     sparse_targets: int = field(default=0, metadata={"help": "K > 0: compute the teacher's K most probable next tokens and their "
                                 "log-probabilities once, over a fixed set of windows, and train on those (train/teacher_targets.py); "
                                 "0: run the teacher at every step (dense)"})
+    target_epochs: int = field(default=1, metadata={"help": "with --sparse_targets: passes over the windows whose targets were "
+                               "computed (the run draws --max_steps x --batch_size x --grad_accum windows; 1 / this of them are distinct)"})
     teacher_embeddings: bool = field(default=False, metadata={"help": "start the student's token and position embeddings "
                                      "from the teacher's, projected onto their --n_embd principal directions (SVD): the "
                                      "student's tied output layer then begins as the best rank --n_embd copy of the teacher's"})
-    target_epochs: int = field(default=1, metadata={"help": "with --sparse_targets: passes over the windows whose targets were "
-                               "computed (the run draws --max_steps x --batch_size x --grad_accum windows; 1 / this of them are distinct)"})
 
 
 _SHARED = {
@@ -105,8 +105,8 @@ DRAFT_PRESETS = {
                          teacher_prefixes="prompts", kd_loss="tv", teacher_embeddings=True),
     # about 1.5M parameters, 15x smaller than the cpu oracle (the paper's ratio is 19x); embeddings from the teacher's
     # principal directions; the teacher's top-32 targets over 960 windows, computed once, then 480 steps of 8192
-    # tokens (8 passes over them): 21-36 minutes on 2 AVX2 cores, top-1 agreement 0.57 (random embeddings: 0.41;
-    # dense targets, 220 steps: 0.34; README section 2); measured without torch.compile, untried with these targets
+    # tokens (8 passes over them): 36 minutes on 2 AVX2 cores shared with tests, top-1 agreement 0.57 (random
+    # embeddings, 27 minutes: 0.41; dense targets, 220 steps: 0.34; README section 2); measured without torch.compile
     "cpu": DistillArgs(**{**_SHARED["cpu"], "warmup_steps": 20, "compile": False}, out="runs/default/draft", n_layer=2, n_head=4, n_embd=128,
                        batch_size=16, max_steps=480, learning_rate=2e-3, continuation_tokens=128, sparse_targets=32,
                        target_epochs=8, teacher_embeddings=True),
