@@ -43,9 +43,8 @@ train() {
         echo "   already trained (remove $out to retrain)"
         return
     fi
-    local again=()  # this script's own earlier attempt: continue it, or restart one that never checkpointed
-    if compgen -G "$out-train/checkpoints/step-*" > /dev/null; then again=(--resume)
-    elif [ -f "$out-train/args.json" ]; then again=(--overwrite); fi
+    local again=()  # this script's own earlier attempt: continue it (from its last checkpoint, or from what it generated)
+    if [ -f "$out-train/args.json" ]; then again=(--resume); fi
     "$py" "$script" --preset "$preset" --out "$out" --data "$run/data" "$@" "${again[@]}"
 }
 

@@ -51,10 +51,7 @@ def test_resumed_run_ends_with_the_same_weights(run, tmp_path):
     assert finetune_oracle.main(part + ["--overwrite", "--max_steps", "12"])["step"] == 12
     finetune_oracle.main(part + ["--overwrite", "--stop_after_steps", "8"])
     finetune_oracle.main(part + ["--resume"])
-    whole, parts = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "parts" / "model.safetensors")
-    assert whole.keys() == parts.keys()
-    for name in whole:
-        assert torch.equal(whole[name], parts[name]), name
+    assert_same_weights(tmp_path / "whole", tmp_path / "parts")
 
 
 def test_distillation_raises_agreement_with_the_teacher(run, tmp_path):
@@ -153,9 +150,14 @@ def assert_resumed_distillation_matches(argv, tmp_path):
     distill_draft.main(argv + ["--out", str(tmp_path / "whole")])
     distill_draft.main(argv + ["--out", str(tmp_path / "parts"), "--stop_after_steps", "8"])
     distill_draft.main(argv + ["--out", str(tmp_path / "parts"), "--resume"])
-    whole, parts = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "parts" / "model.safetensors")
-    for name in whole:
-        assert torch.equal(whole[name], parts[name]), name
+    assert_same_weights(tmp_path / "whole", tmp_path / "parts")
+
+
+def assert_same_weights(one, other):
+    one, other = load_file(one / "model.safetensors"), load_file(other / "model.safetensors")
+    assert one.keys() == other.keys()
+    for name in one:
+        assert torch.equal(one[name], other[name]), name
 
 
 def test_resumed_distillation_reuses_its_teacher_windows(run, tmp_path):
@@ -249,6 +251,47 @@ def test_distillation_on_sparse_targets_trains_and_resumes(run, tmp_path, capsys
     assert "--target_epochs at least 1" in error_of(capsys, distill_draft.main, argv + ["--target_epochs", "0"])
     assert "exceeds the vocabulary (400 tokens)" in error_of(capsys, distill_draft.main, argv + ["--sparse_targets", "500"])
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_run_stopped_before_its_first_checkpoint_resumes_on_its_targets_and_overwrite_rebuilds_them(
+        run, tmp_path, monkeypatch, capsys):
+    """Generating targets takes minutes on the cpu preset: a run stopped after that, before its first checkpoint,
+    resumes on them (ending with the weights of a run that went through). --overwrite starts from nothing, so a
+    replaced run's targets, stale if the teacher changed, are never reused."""
+    from train import teacher_targets
+    from train.teacher_targets import TARGETS_FILE
+
+    root, _ = run
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--n_embd", "32", "--max_steps", "12",
+            "--sparse_targets", "16", "--target_epochs", "2"]
+    distill_draft.main(argv + ["--out", str(tmp_path / "whole")])
+    parts, work = argv + ["--out", str(tmp_path / "parts")], tmp_path / "parts-train"
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(distill_draft, "sparse_divergence", stop)  # the first step
+        with pytest.raises(SystemExit):  # Ctrl-C: exit 130, saying what it had written
+            distill_draft.main(parts)
+    assert (work / TARGETS_FILE).is_file() and not (work / "checkpoints").exists()
+    assert "pass --resume to start it again" in error_of(capsys, distill_draft.main, parts)
+
+    built = []
+    build = teacher_targets.top_k_targets
+    monkeypatch.setattr(distill_draft, "top_k_targets", lambda *a: built.append(1) or build(*a))
+    distill_draft.main(parts + ["--resume"])
+    assert not built
+    assert_same_weights(tmp_path / "whole", tmp_path / "parts")
+
+    with np.load(work / TARGETS_FILE) as saved:
+        stale = {name: saved[name] for name in saved.files}
+    np.savez(work / TARGETS_FILE, ids=stale["ids"], logp=np.zeros_like(stale["logp"]))  # another teacher's, same shape
+    distill_draft.main(parts + ["--overwrite"])
+    assert built
+    with np.load(work / TARGETS_FILE) as rebuilt:
+        assert np.array_equal(rebuilt["logp"], stale["logp"])
+    assert_same_weights(tmp_path / "whole", tmp_path / "parts")
 
 
 def test_unset_bf16_is_measured_once_and_kept_on_resume(run, tmp_path, monkeypatch, capsys):

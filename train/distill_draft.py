@@ -207,7 +207,7 @@ def main(argv=None) -> dict:
         student,
         distillation_loss(teacher, args.kd_weight, args.kd_temperature, args.kd_loss, run.accelerator.autocast),
         lambda trained: agreement(trained, teacher, run.val_tokens, args, run.accelerator),
-        training_windows(run, args, teacher, vocab_size),
+        lambda: training_windows(run, args, teacher, vocab_size),
     )
     report(args, metrics)
     return metrics

@@ -80,12 +80,15 @@ def check_output(args: TrainArgs) -> Path:
     check_output_path(out, MODEL, args.overwrite or args.resume, "--out")
     check_output_path(work_dir, WORK_DIR, True, "--work_dir")  # a run there: decided below
     if args.resume:
-        if not checkpoints(work_dir):
-            raise InputError(f"nothing to resume: no checkpoint in {work_dir / 'checkpoints'}; run without --resume")
+        if not (work_dir / WORK_DIR.marker).is_file():
+            raise InputError(f"nothing to resume: no run in {work_dir}; run without --resume")
         saved = read_saved_args(work_dir)
-        kept = ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps", "kd_loss", "teacher_windows", "teacher_prefixes",
-                "continuation_tokens", "continuation_temperature", "kd_temperature", "sparse_targets", "target_epochs")
+        kept = ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps", "seed", "kd_loss", "teacher_windows",
+                "teacher_prefixes", "continuation_tokens", "continuation_temperature", "kd_temperature", "sparse_targets",
+                "target_epochs")
         changed = [k for k in kept if k in saved and saved[k] != getattr(args, k, None)]
+        if "teacher" in saved and Path(saved["teacher"]).resolve() != Path(args.teacher).resolve():
+            changed.append("teacher")
         if changed:
             raise InputError(f"--resume with different {', '.join(changed)} than the checkpointed run; keep them, or start over with --overwrite")
     elif not args.overwrite and (out / MODEL.marker).exists():
@@ -93,8 +96,18 @@ def check_output(args: TrainArgs) -> Path:
     elif not args.overwrite and checkpoints(work_dir):
         raise InputError(f"{work_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
     elif not args.overwrite and (work_dir / WORK_DIR.marker).exists():
-        raise InputError(f"{work_dir} holds a run that stopped before its first checkpoint; pass --overwrite to start over")
+        raise InputError(f"{work_dir} holds a run that stopped before its first checkpoint; pass --resume to start it again "
+                         f"on what it already generated (teacher windows, targets), or --overwrite to start over")
     return work_dir
+
+
+def start_work_dir(work_dir: Path, args: TrainArgs) -> None:
+    """A new run's work directory, before anything is generated into it: --overwrite empties it first (check_output
+    made sure it holds a run), so nothing from the run it replaces is reused; args.json marks it as a run's."""
+    if args.overwrite:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / WORK_DIR.marker).write_text(json.dumps(asdict(args), indent=2) + "\n")
 
 
 def load_or_build_arrays(path: Path, build: Callable[[], dict], shapes: dict) -> dict:
@@ -295,12 +308,17 @@ def start_run(args: TrainArgs) -> Run:
 
 
 def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = None,
-          windows: torch.utils.data.Dataset | None = None) -> dict:
+          make_windows: Callable[[], torch.utils.data.Dataset | None] | None = None) -> dict:
     """The loop: `loss_fn(model, windows)` returns (loss, extra logs); `final_metrics(model)` adds to the
-    metrics saved with the model; `windows` replaces the train split's packed windows."""
+    metrics saved with the model; `make_windows()`, called once the work directory is ready (it may generate
+    into it), returns what replaces the train split's packed windows."""
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     args, accelerator, work_dir = run.args, run.accelerator, run.work_dir
+    if not args.resume and accelerator.is_main_process:
+        start_work_dir(work_dir, args)
+    accelerator.wait_for_everyone()
+    windows = make_windows() if make_windows else None
     optimizer = make_optimizer(args, model)
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, args.warmup_steps, args.max_steps, min_lr_rate=args.min_lr_ratio
@@ -315,7 +333,7 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
     val_windows = eval_windows(run.val_tokens, args.seq_len, args.eval_batches * args.batch_size)
 
     step = 0
-    if args.resume:
+    if args.resume and checkpoints(work_dir):
         latest = checkpoints(work_dir)[-1]
         check_checkpoint(latest, accelerator.process_index)
         try:
@@ -324,11 +342,6 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
             raise InputError(f"cannot resume from {latest}, it is damaged ({first_line(err)}); delete it to resume "
                              f"from the one before, or start over with --overwrite") from None
         step = int(latest.name[len(CHECKPOINT_PREFIX) :])
-    elif accelerator.is_main_process:
-        if args.overwrite:
-            shutil.rmtree(work_dir, ignore_errors=True)  # a work directory, checked by check_output
-        work_dir.mkdir(parents=True, exist_ok=True)
-        (work_dir / WORK_DIR.marker).write_text(json.dumps(asdict(args), indent=2) + "\n")
     accelerator.init_trackers("train", config={k: v for k, v in asdict(args).items() if v is not None})
 
     stop = min(args.max_steps, args.stop_after_steps or args.max_steps)
