@@ -50,17 +50,34 @@ def gaps_by_shape(oracle, context: list[int], a: int, b: int, prompt_length: int
     return gaps
 
 
-def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int]) -> dict | None:
+@torch.inference_mode()
+def peer_gap(model, context: list[int], a: int, b: int, prompt_length: int) -> float:
+    """logit[a] - logit[b] after `context` as a transformers model computes it in `generate`: the prompt in
+    one forward, then token by token on its cache."""
+    ids = torch.tensor([context], device=model.device)
+    out = model(ids[:, :prompt_length], use_cache=True)
+    for i in range(prompt_length, len(context)):
+        out = model(ids[:, i : i + 1], past_key_values=out.past_key_values, use_cache=True)
+    logits = out.logits[0, -1].float()
+    return float(logits[a] - logits[b])
+
+
+def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer=None) -> dict | None:
     """Where a greedy output first differs from the baseline's, and whether that is a numerical near-tie:
     the oracle's logit gap between the two tokens lies within how far it moves across forward sizes
-    (measured at that prefix, not assumed). An output that stops early or runs on is never a near-tie."""
+    (measured at that prefix, not assumed). `got` from a peer (a transformers model, `peer`, with its own
+    kernels): that model's own gap at the prefix counts among the forwards. An output that stops early or
+    runs on is never a near-tie."""
     at = first_divergence(expected, got)
     if at is None:
         return None
     a, b = (seq[at] if at < len(seq) else None for seq in (expected, got))
     if a is None or b is None:
         return {"position": at, "expected": a, "got": b, "gap": None, "noise": None, "near_tie": False}
-    gaps = gaps_by_shape(oracle, prompt.ids.tolist() + expected[:at], a, b, len(prompt.ids))
+    context = prompt.ids.tolist() + expected[:at]
+    gaps = gaps_by_shape(oracle, context, a, b, len(prompt.ids))
+    if peer is not None:
+        gaps.append(peer_gap(peer, context, a, b, len(prompt.ids)))
     noise = max(gaps) - min(gaps)
     return {"position": at, "expected": a, "got": b, "gap": gaps[0], "noise": noise, "near_tie": abs(gaps[0]) <= noise}
 

@@ -75,13 +75,15 @@ def timed_runs(decoders: dict, prompts: list, max_new_tokens: int, seed: int) ->
     return records
 
 
-def check_outputs(records: dict[str, list[dict]], prompts: list, baseline) -> dict[str, dict]:
-    """Greedy: per method, prompts whose output equals the baseline's, near-ties, and differences that are not."""
+def check_outputs(records: dict[str, list[dict]], prompts: list, decoders: dict) -> dict[str, dict]:
+    """Greedy: per method, prompts whose output equals the baseline's, near-ties, and differences that are not.
+    A peer's difference is judged with its own model's logits too (transformers' kernels round otherwise)."""
     checks = {}
     for name, rows in records.items():
         check = {"identical": 0, "near_ties": [], "differences": []}
+        peer = decoders[name].oracle if name in PEERS else None
         for (_, prompt), row, expected in zip(prompts, rows, records["baseline"]):
-            diff = agreement.divergence(baseline.oracle, prompt, expected["tokens"], row["tokens"])
+            diff = agreement.divergence(decoders["baseline"].oracle, prompt, expected["tokens"], row["tokens"], peer)
             if diff is None:
                 check["identical"] += 1
             else:
@@ -207,7 +209,7 @@ def main(argv=None) -> dict:
           f"token healing {healing}; methods: {', '.join(names)}; "
           + (f"plan {options.plan}" if options.plan else "no plan (python -m decode.plan writes one)"))
     records = timed_runs(decoders, prompts, settings.max_new_tokens, settings.seed)
-    checks = check_outputs(records, prompts, decoders["baseline"]) if greedy else None
+    checks = check_outputs(records, prompts, decoders) if greedy else None
     summary = summarise(records, checks)
     plan = json.loads(Path(options.plan).read_text()) if options.plan is not None else None
     if plan is not None:

@@ -101,3 +101,36 @@ def test_agreement_reports_identical_outputs_and_explains_divergences(models, tm
         assert diff["near_tie"] == (abs(measured[0]) <= max(measured) - min(measured))
     assert not all(d["near_tie"] for d in [agreement.divergence(bf16, Prompt(torch.tensor(context[:2])), context[2:] + [ranked[0]],
                                                                 context[2:] + [ranked[-1]])])
+
+
+def test_a_peers_difference_is_judged_with_its_own_models_logits_too(models):
+    """A peer runs the same checkpoint through transformers' kernels: where its output differs, its own
+    logits at that prefix count among the forwards. A peer whose model ranks its token first (here a
+    perturbed copy, standing in for kernels that round otherwise) made a near-tie, not a bug."""
+    from transformers import AutoModelForCausalLM
+
+    from decode import agreement
+    from decode.engine import GPT2Engine
+    from decode.healing import Prompt
+
+    oracle = GPT2Engine.load(models["oracle"])
+    hf = AutoModelForCausalLM.from_pretrained(models["oracle"]).eval()
+    context, (a, b) = [3, 4, 5, 9, 11, 2, 7], (6, 8)
+    assert agreement.peer_gap(hf, context, a, b, 2) == pytest.approx(agreement.gaps_by_shape(oracle, context, a, b, 2)[0], abs=1e-4)
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for weight in hf.parameters():
+            weight.add_(0.5 * torch.randn_like(weight))
+    prompt = Prompt(torch.tensor([3, 4]))
+    for tail in ([5, 9, 11], [7, 2], [9], [11, 5, 5, 2], [2, 2, 9]):
+        context = [3, 4, *tail]
+        oracle.reset()
+        ours = int(oracle.extend(torch.tensor(context))[-1].argmax())
+        theirs = int(hf(torch.tensor([context])).logits[0, -1].argmax())
+        if ours != theirs:
+            break
+    assert ours != theirs
+    expected, got = tail + [ours], tail + [theirs]
+    assert not agreement.divergence(oracle, prompt, expected, got)["near_tie"]
+    assert agreement.divergence(oracle, prompt, expected, got, peer=hf)["near_tie"]
