@@ -52,8 +52,8 @@ def gaps_by_shape(oracle, context: list[int], a: int, b: int, prompt_length: int
 
 @torch.inference_mode()
 def peer_gap(model, context: list[int], a: int, b: int, prompt_length: int) -> float:
-    """logit[a] - logit[b] after `context` as a transformers model computes it in `generate`: the prompt in
-    one forward, then token by token on its cache."""
+    """logit[a] - logit[b] after `context` as a transformers model computes it in plain `generate`: the prompt
+    in one forward, then token by token on its cache."""
     ids = torch.tensor([context], device=model.device)
     out = model(ids[:, :prompt_length], use_cache=True)
     for i in range(prompt_length, len(context)):

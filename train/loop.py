@@ -333,8 +333,9 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
     val_windows = eval_windows(run.val_tokens, args.seq_len, args.eval_batches * args.batch_size)
 
     step = 0
-    if args.resume and checkpoints(work_dir):
-        latest = checkpoints(work_dir)[-1]
+    found = checkpoints(work_dir) if args.resume else []  # none: stopped before its first, starts at step 0
+    if found:
+        latest = found[-1]
         check_checkpoint(latest, accelerator.process_index)
         try:
             accelerator.load_state(str(latest))
