@@ -183,7 +183,7 @@ class TreeDrafter(ModelDrafter):
             expanded.update(nodes)
         if self.sampled_children:  # sampled children stay as drawn: pruning by value would bias them
             return tree
-        tree, self.kept = tree.subtree(best_first(cumulative, self.budget))
+        tree, self.kept = tree.subtree(best_first(cumulative, self.budget), cumulative)
         return tree
 
 
@@ -308,7 +308,8 @@ class StagedDrafter(ModelDrafter):
         chosen = best_first(candidates, self.budget)
         leaves = [i - n for i in chosen if i >= n]
         added = tree.add_level([leaf_parents[i] for i in leaves], [leaf_tokens[i] for i in leaves])
-        tree, self.kept = tree.subtree([i for i in chosen if i < n] + list(added))
+        scores = candidates[:n] + [candidates[n + i] for i in leaves]  # by tree node
+        tree, self.kept = tree.subtree([i for i in chosen if i < n] + list(added), scores)
         return tree
 
 
@@ -333,7 +334,8 @@ class NgramDrafter(ModelFreeDrafter):
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         tree, probs = self.trigram(tokens, max_depth)
-        return tree.subtree(best_first(tree.cumulative(probs), self.budget))[0]
+        cumulative = tree.cumulative(probs)
+        return tree.subtree(best_first(cumulative, self.budget), cumulative)[0]
 
 
 class LookupDrafter(ModelFreeDrafter):

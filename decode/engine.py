@@ -231,10 +231,14 @@ class GPT2Engine(CachedLM):
     @torch.inference_mode()
     def commit(self, keep: list[int]) -> None:
         n = len(keep)
-        if keep != list(range(n)):  # already in place otherwise
+        # Slots already in place stay: drafters put a tree's likeliest path first (Tree.subtree), so an accepted
+        # path is often all in place. A copy right after a forward is slow (the cache rows it moves were evicted by
+        # the weights: 0.39 ms per staged step, cpu oracle, AVX2 EPYC, against 0.03 ms warm).
+        moved = next((i for i, slot in enumerate(keep) if slot != i), n)
+        if moved < n:
             # index_select: indexing the slot dimension with a tensor took 2.5x longer on CPU (73 vs 28 us, cpu oracle)
-            src = self.length + long_tensor(keep, self.device)
-            self.k_cache[:, :, self.length : self.length + n] = self.k_cache.index_select(2, src)
-            self.v_cache[:, :, self.length : self.length + n] = self.v_cache.index_select(2, src)
+            src = self.length + long_tensor(keep[moved:], self.device)
+            self.k_cache[:, :, self.length + moved : self.length + n] = self.k_cache.index_select(2, src)
+            self.v_cache[:, :, self.length + moved : self.length + n] = self.v_cache.index_select(2, src)
         self.length += n
         self.pending = 0

@@ -100,12 +100,21 @@ class Tree:
             out[node] = out[self.parents[node]] * edge_probs[node]
         return out
 
-    def subtree(self, nodes) -> tuple["Tree", list[int]]:
-        """The tree restricted to `nodes` (which must hold every ancestor of each), renumbered in
-        topological order; returns it and, for each new node, its old index."""
-        keep = sorted(nodes)
+    def subtree(self, nodes, scores=None) -> tuple["Tree", list[int]]:
+        """The tree restricted to `nodes` (which must hold the root and every ancestor of each), renumbered
+        depth first with each node's children by descending `scores` (default: in their order), so the
+        likeliest path is nodes 0, 1, 2, ...: when the oracle accepts it, its cache slots are already in place.
+        Returns the tree and, for each new node, its old index."""
+        chosen, keep, stack = set(nodes), [], [0]
+        while stack:
+            node = stack.pop()
+            keep.append(node)
+            below = [c for c in self.children[node] if c in chosen]
+            if scores is not None:
+                below.sort(key=lambda c: -scores[c])
+            stack += reversed(below)
         new_index = {old: new for new, old in enumerate(keep)}
-        tree = Tree.rooted(self.tokens[keep[0]])
+        tree = Tree.rooted(self.tokens[0])
         tree.add_level([new_index[self.parents[old]] for old in keep[1:]], [self.tokens[old] for old in keep[1:]])
         tree.child_dists = {new_index[o]: d for o, d in self.child_dists.items() if o in new_index}
         return tree, keep

@@ -60,21 +60,22 @@ def test_logits_equal_transformers_for_prompt_steps_and_tree(models, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, backend):
-    prefix = torch.tensor([3, 1, 4, 1, 5])
+@pytest.mark.parametrize("path", [[0, 2, 3], [0, 2], [0, 1]])  # 9 -> 6 -> 5, 9 -> 6 (moved), 9 -> 2 (in place)
+def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, backend, path):
+    prefix, nodes = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 6, 5])
     tree = backend.load(models["oracle"])
     tree.extend(prefix)
-    tree.forward(torch.tensor([9, 2, 6, 5]), 5 + torch.tensor([0, 1, 1, 2]), tree_mask([-1, 0, 0, 2]))
-    tree.commit([0, 2, 3])  # the path 9 -> 6 -> 5
+    tree.forward(nodes, 5 + torch.tensor([0, 1, 1, 2]), tree_mask([-1, 0, 0, 2]))
+    tree.commit(path)
     chain = backend.load(models["oracle"])
-    for token in [3, 1, 4, 1, 5, 9, 6, 5]:
+    for token in prefix.tolist() + nodes[path].tolist():
         chain.extend(torch.tensor([token]))
-    assert tree.length == chain.length == 8
+    assert tree.length == chain.length == 5 + len(path)
     probe = torch.tensor([7])
     assert torch.allclose(tree.extend(probe), chain.extend(probe), atol=1e-5)
     if backend is GPT2Engine:
-        assert torch.allclose(tree.k_cache[:, :, :9], chain.k_cache[:, :, :9], atol=1e-5)
-        assert torch.allclose(tree.v_cache[:, :, :9], chain.v_cache[:, :, :9], atol=1e-5)
+        assert torch.allclose(tree.k_cache[:, :, : chain.length], chain.k_cache[:, :, : chain.length], atol=1e-5)
+        assert torch.allclose(tree.v_cache[:, :, : chain.length], chain.v_cache[:, :, : chain.length], atol=1e-5)
 
 
 def runnable(layout: str, dtype: torch.dtype) -> None:

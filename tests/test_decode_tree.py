@@ -37,6 +37,16 @@ def test_subtree_keeps_structure_and_order():
     assert kept == [0, 1, 2, 5] and sub.tokens == [5, 7, 9, 2] and sub.parents == [-1, 0, 0, 2]
 
 
+def test_subtree_numbers_depth_first_with_the_best_child_first():
+    tree = example_tree()  # 0 -> 1 -> 3 -> 4 and 0 -> 2 -> 5
+    sub, kept = tree.subtree(range(6))
+    assert kept == [0, 1, 3, 4, 2, 5] and sub.parents == [-1, 0, 1, 2, 0, 4]
+    scores = [1.0, 0.3, 0.6, 0.2, 0.1, 0.5]  # node 2's branch is the likelier
+    sub, kept = tree.subtree([0, 1, 2, 3, 5], scores)
+    assert kept == [0, 2, 5, 1, 3] and sub.tokens == [5, 9, 2, 7, 11] and sub.parents == [-1, 0, 1, 0, 3]
+    assert sub.path(2) == [0, 1, 2]  # the likeliest path occupies the first slots: committing it moves nothing
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tree")
