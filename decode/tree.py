@@ -111,7 +111,7 @@ class Tree:
             keep.append(node)
             below = [c for c in self.children[node] if c in chosen]
             if scores is not None:
-                below.sort(key=lambda c: -scores[c])
+                below.sort(key=scores.__getitem__, reverse=True)  # stable: ties keep their order, as in best_first
             stack += reversed(below)
         new_index = {old: new for new, old in enumerate(keep)}
         tree = Tree.rooted(self.tokens[0])
