@@ -44,8 +44,8 @@ class DecoderOptions:
     budget: int = 36
     depth: int = 8
     widths: list[int] = field(default_factory=lambda: [12, 7, 4, 1, 1, 1])
-    branch: int | None = None  # None: 1 for staged (the draft's argmax), 4 for tree
-    tree_children: str = "top"
+    branch: int | None = None  # None: 4 for tree; staged: 1 top child (the draft's argmax), or 2 draws when sampled
+    tree_children: str | None = None  # None: sampled for staged, top for tree (either way top when greedy)
     plan: Path | None = None  # a plan.json (decode.plan): its policy for the method replaces k, budget, widths, ...
     context_drafter: bool = True
     lookup_tokens: int = 10
@@ -62,20 +62,22 @@ class DecoderOptions:
         return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
 
     def check(self) -> "DecoderOptions":
-        """Settings that cannot work, as InputError; returns the options with `branch` resolved."""
+        """Settings that cannot work, as InputError; returns the options with `branch` (but staged's, which
+        depends on the sampling settings of each call) and `tree_children` resolved."""
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if self.dtype not in ("float32", "bfloat16") or self.backend not in ("auto", "lean", "hf"):
             raise InputError(f"dtype must be float32 or bfloat16 and backend auto, lean or hf (got {self.dtype!r}, {self.backend!r})")
-        if self.tree_children not in ("top", "sampled"):
+        if self.tree_children not in (None, "top", "sampled"):
             raise InputError(f"tree_children must be top or sampled (got {self.tree_children!r})")
         if self.k < 0:
             raise InputError(f"--k must be at least 0 (got {self.k})")
         if min(self.lookup_tokens, self.lookup_branches, self.lookup_ngram) < 1 or self.lookup_tokens > MAX_DEPTH:
             raise InputError(f"--lookup-tokens (1 to {MAX_DEPTH}), --lookup-branches and --lookup-ngram must be at least 1")
         check_device(self.device)
-        branch = self.branch if self.branch is not None else 1 if self.method == "staged" else 4
-        return replace(self, widths=list(self.widths), branch=branch)
+        branch = self.branch if self.branch is not None or self.method == "staged" else 4
+        children = self.tree_children or ("sampled" if self.method == "staged" else "top")
+        return replace(self, widths=list(self.widths), branch=branch, tree_children=children)
 
 
 def sampling_of(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
@@ -218,7 +220,7 @@ def check_tree_shape(options, table) -> None:
         raise InputError(f"--budget {options.budget} is out of range: the oracle's tree needs 2 to {MAX_BUDGET} nodes")
     if not 1 <= options.depth <= MAX_DEPTH:
         raise InputError(f"--depth {options.depth} is out of range: use 1 to {MAX_DEPTH}")
-    if options.branch < 1:
+    if options.branch is not None and options.branch < 1:
         raise InputError(f"--branch {options.branch} must be at least 1")
     if options.method in NEEDS_NGRAM:
         if any(w < 1 for w in options.widths) or len(options.widths) > options.depth:
@@ -343,7 +345,8 @@ def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
         drafter = TreeDrafter(draft, sampling, options.budget, options.depth, options.branch, sampled=options.tree_children == "sampled")
     elif options.method == "staged":
         context = LookupDrafter(options.lookup_tokens, options.lookup_branches, options.lookup_ngram) if options.context_drafter else None
-        drafter = StagedDrafter(draft, table, sampling, options.budget, options.widths, options.branch, context, options.depth)
+        drafter = StagedDrafter(draft, table, sampling, options.budget, options.widths, options.branch, context, options.depth,
+                                sampled=options.tree_children == "sampled")
     elif options.method == "ngram":
         drafter = NgramDrafter(table, options.budget, options.widths)
     elif options.method == "lookup":

@@ -220,12 +220,14 @@ def main(argv=None) -> dict:
     report.show_sample(record["prompt"], prompt.completion(ours[0].tokenizer, records[shown][0]["tokens"],
                                                            decoders["baseline"].eos_id), shown)
     print_table(summary, greedy)
-    sizing = {n: {"widths": d.drafter.trigram.widths, "budget": d.drafter.budget} for n, d in decoders.items()
-              if n.startswith("staged")}
+    sizing = {n: {"widths": d.drafter.trigram.widths, "budget": d.drafter.budget,
+                  "children": "sampled" if d.drafter.sampled_children else "top"}
+              for n, d in decoders.items() if n.startswith("staged")}
     for name, size in sizing.items():
         over = ", ".join(f"{x:.2f}x over {rival}" for rival, x in summary[name].get("median_speedup_over", {}).items())
-        print(f"  {name}: trigram widths {size['widths']}, oracle tree of {size['budget']} nodes"
-              + (f"; median {over}" if over else ""))
+        tree = ("the oracle's tree drawn from the draft below the nodes it scored" if size["children"] == "sampled"
+                else f"oracle tree of {size['budget']} nodes")
+        print(f"  {name}: trigram widths {size['widths']}, {tree}" + (f"; median {over}" if over else ""))
     print()
     print("\n".join(report.explain(summary, plan, greedy)))
     warning = report.looping([r["tokens"] for r in records["baseline"]]) if greedy else None

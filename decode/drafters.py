@@ -19,7 +19,7 @@ import torch
 
 from decode.cached_lm import CachedLM, long_tensor
 from decode.lookup import ContextIndex
-from decode.sampling import Sampling, row_argmax, sample
+from decode.sampling import Sampling, row_argmax
 from decode.tree import Tree, unpack_rows
 
 
@@ -85,6 +85,14 @@ def ranking_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return logits.float().softmax(-1) if sampling.greedy else sampling.probs(logits)
 
 
+def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generator) -> tuple[list[list[int]], torch.Tensor]:
+    """`count` independent draws per row from the draft's proposal (Sampling.proposal), and each row's
+    proposal over the whole vocabulary, the q that multi-draft rejection checks the draws against."""
+    probs, tokens = sampling.proposal(logits)
+    drawn = tokens.gather(-1, torch.multinomial(probs, count, replacement=True, generator=generator))
+    return drawn.tolist(), logits.new_zeros(logits.shape, dtype=torch.float32).scatter_(-1, tokens, probs)
+
+
 def best_first(scores: list[float], budget: int) -> list[int]:
     """The `budget` nodes of highest score (a path probability), in topological order; ancestor-closed
     because a child never beats its parent (ties go to the earlier node, and parents come first)."""
@@ -93,13 +101,17 @@ def best_first(scores: list[float], budget: int) -> list[int]:
 
 class ModelDrafter:
     """A drafter that uses the draft model. `propose` builds the tree; when it prunes a larger tree,
-    `kept` maps each proposed node to the node the draft model scored."""
+    `kept` maps each proposed node to the node the draft model scored (None: a node it did not score)."""
 
-    sampled_children = False
-
-    def __init__(self, model: CachedLM, sampling: Sampling):
-        self.draft, self.sampling = DraftModel(model), sampling
+    def __init__(self, model: CachedLM, sampling: Sampling, sampled: bool = False):
+        self.draft, self.sampling, self.sampled = DraftModel(model), sampling, sampled
         self.kept = None
+
+    @property
+    def sampled_children(self) -> bool:
+        """Children drawn from the draft, verified by multi-draft rejection, rather than its top tokens,
+        verified by sample-match. Only when sampling: a greedy draft's point mass has nothing to draw."""
+        return self.sampled and not self.sampling.greedy
 
     def reset(self) -> None:
         self.draft.reset()
@@ -117,9 +129,8 @@ class ChainDrafter(ModelDrafter):
     sample-match), else samples from q (verified by rejection sampling)."""
 
     def __init__(self, model: CachedLM, sampling: Sampling, k: int):
-        super().__init__(model, sampling)
+        super().__init__(model, sampling, sampled=True)
         self.k = k
-        self.sampled_children = not sampling.greedy
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         tree = Tree.rooted(tokens[-1])
@@ -128,8 +139,8 @@ class ChainDrafter(ModelDrafter):
         for _ in range(min(self.k, max_depth)):
             logits = self.draft.score(tree, [node])
             if self.sampled_children:
-                tree.child_dists[node] = q = self.sampling.probs(logits[0])
-                token = sample(q, generator)
+                (token,), q = draw_children(self.sampling, logits[0], 1, generator)
+                tree.child_dists[node] = q
             else:
                 token = row_argmax(logits)[0]
             node = tree.add(node, token)
@@ -145,19 +156,19 @@ class TreeDrafter(ModelDrafter):
 
     def __init__(self, model: CachedLM, sampling: Sampling, budget: int = 36, depth: int = 8, branch: int = 4,
                  expand: int = 4, sampled: bool = False):
-        super().__init__(model, sampling)
-        self.budget, self.depth, self.branch, self.expand, self.sampled_children = budget, depth, branch, expand, sampled
+        super().__init__(model, sampling, sampled)
+        self.budget, self.depth, self.branch, self.expand = budget, depth, branch, expand
 
     def _children(self, tree: Tree, cumulative: list[float], nodes: list[int], logits: torch.Tensor, generator) -> None:
-        probs = ranking_probs(logits, self.sampling)
         if self.sampled_children:
-            for node, row, q in zip(nodes, probs, self.sampling.probs(logits)):
-                tree.child_dists[node] = q
-                for token in [sample(q, generator) for _ in range(self.branch)]:
+            drawn, q = draw_children(self.sampling, logits, self.branch, generator)
+            for node, tokens, row in zip(nodes, drawn, q):
+                tree.child_dists[node] = row
+                for token in tokens:
                     tree.add(node, token)
                     cumulative.append(cumulative[node] * float(row[token]))
             return
-        top = probs.topk(self.branch)
+        top = ranking_probs(logits, self.sampling).topk(self.branch)
         for node, values, tokens in zip(nodes, top.values.tolist(), top.indices.tolist()):
             for p, token in zip(values, tokens):
                 tree.add(node, token)
@@ -255,12 +266,17 @@ class StagedDrafter(ModelDrafter):
     One draft forward per step scores the unseen accepted tokens and the trigram's whole tree; the
     draft's own top children of every scored node join as candidate leaves. With a `context` drafter,
     the continuations it copies from the context join the tree and are always kept: a copy of what
-    the sequence already did is accepted far more often than the draft's probabilities suggest."""
+    the sequence already did is accepted far more often than the draft's probabilities suggest.
+    With `sampled` children (when sampling), the oracle's tree is drawn from the draft instead
+    (`sampled_tree`): the trigram's tree only decides where the draft's q is known."""
 
     def __init__(self, model: CachedLM, table, sampling: Sampling, budget: int = 36, widths=(12, 7, 4, 1, 1, 1),
-                 draft_children: int = 1, context: "LookupDrafter | None" = None, depth: int = 8):
-        """`context` grafts its continuations from the context onto the trigram's tree (down to `depth`)."""
-        super().__init__(model, sampling)
+                 draft_children: int | None = None, context: "LookupDrafter | None" = None, depth: int = 8,
+                 sampled: bool = False):
+        """`context` grafts its continuations from the context onto the trigram's tree (down to `depth`).
+        `draft_children`: the draft's best children per node (None: 1), or its draws per node when the
+        children are sampled (None: 2; measured best on the cpu preset at top-k 50)."""
+        super().__init__(model, sampling, sampled)
         self.trigram, self.budget, self.draft_children = TrigramTrees(table, widths), budget, draft_children
         self.context, self.depth = context, depth
 
@@ -272,7 +288,7 @@ class StagedDrafter(ModelDrafter):
     def draft_leaves(self, tree: Tree, probs: torch.Tensor, max_depth: int) -> tuple[list[int], list[int], list[float]]:
         """The draft's own best children of every node above `max_depth` that the trigram did not
         propose: (parents, tokens, probabilities). One child each is an argmax; more need a top-k."""
-        if self.draft_children == 1:
+        if (self.draft_children or 1) == 1:
             best = row_argmax(probs)
             tokens = [[t] for t in best]
             values = [[p] for p in probs[torch.arange(len(tree)), long_tensor(best)].tolist()]
@@ -291,13 +307,37 @@ class StagedDrafter(ModelDrafter):
                     leaf_probs.append(p)
         return parents, leaf_tokens, leaf_probs
 
+    def sampled_tree(self, tree: Tree, logits: torch.Tensor, max_depth: int, generator) -> Tree:
+        """When sampling: `draft_children` independent draws from the draft's q below the root and below
+        every draw that lands on a node the draft scored (`tree`, whose q its one call computed), depth
+        first; a draw elsewhere is a leaf. Verified by multi-draft rejection."""
+        drawn, q = draw_children(self.sampling, logits, self.draft_children or 2, generator)
+        out, self.kept = Tree.rooted(tree.tokens[0]), [0]
+
+        def grow(node: int, scored: int) -> None:
+            if out.depths[node] >= max_depth:
+                return
+            out.child_dists[node] = q[scored]
+            below = {tree.tokens[c]: c for c in tree.children[scored]}
+            for token in drawn[scored]:
+                child = out.add(node, token)
+                self.kept.append(below.get(token))
+                if token in below:
+                    grow(child, below[token])
+
+        grow(0, 0)
+        return out
+
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         self.draft.start(tokens)
         tree, _ = self.trigram(tokens, max_depth)
         max_depth = min(max_depth, self.depth)
         copied = self.context.graft(tree, tokens, max_depth) if self.context is not None else set()
         n = len(tree)
-        probs = ranking_probs(self.draft.score(tree, list(range(n))), self.sampling)  # row i: after node i
+        logits = self.draft.score(tree, list(range(n)))  # row i: after node i
+        if self.sampled_children:
+            return self.sampled_tree(tree, logits, max_depth, generator)
+        probs = ranking_probs(logits, self.sampling)
         edges = probs[long_tensor(tree.parents[1:]), long_tensor(tree.tokens[1:])].tolist()
         cumulative = tree.cumulative([1.0] + edges)
         leaf_parents, leaf_tokens, leaf_probs = self.draft_leaves(tree, probs, max_depth)

@@ -60,9 +60,13 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--widths", default="12,7,4,1,1,1", help="staged/ngram: trigram children per node at each level")
     p.add_argument("--branch", type=int, default=None,
                    help="tree: children per expanded node (default 4); staged: the draft's own top children per node "
-                        "(default 1: an argmax costs a tenth of a top-k over the vocabulary and measured faster per token)")
-    p.add_argument("--tree-children", choices=["top", "sampled"], default="top",
-                   help="tree: the draft's top tokens (verified by sample-match) or samples from it (multi-draft rejection)")
+                        "(default 1: an argmax costs a tenth of a top-k over the vocabulary and measured faster per token), "
+                        "or with sampled --tree-children its draws per node (default 2)")
+    p.add_argument("--tree-children", choices=["top", "sampled"], default=None,
+                   help="tree, staged, when sampling (greedy decoding always takes the draft's top tokens): the draft's "
+                        "top tokens, verified by sample-match (the same seed gives the baseline's very tokens), or draws "
+                        "from it, verified by multi-draft rejection (more tokens per call) (default: sampled for "
+                        "staged, top for tree)")
     p.add_argument("--context-drafter", action=argparse.BooleanOptionalAction, default=True,
                    help="staged: graft onto the trigram's tree the tokens that followed earlier occurrences of the "
                         "sequence's current suffix (what the lookup method drafts); the draft ranks them with the rest")

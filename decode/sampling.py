@@ -33,6 +33,14 @@ class Sampling:
             logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
         return logits.softmax(-1)
 
+    def proposal(self, logits: torch.Tensor, cap: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft's distribution as a proposal that is cheap to draw from: the processed distribution over
+        each row's K likeliest tokens (K: top_k, at most `cap`), renormalised. Rejection sampling stays exact
+        for any proposal it checks against, and this one skips the passes over the whole vocabulary
+        (torch's top-k, mask and softmax over 8192 logits cost ~30 us a row on a CPU). (probs, tokens), (..., K)."""
+        top = logits.float().topk(min(self.top_k or cap, cap, logits.shape[-1]), dim=-1)
+        return self.probs(top.values), top.indices
+
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         """One token from the processed distribution of one row of logits (the argmax when greedy)."""
         return row_argmax(logits[None])[0] if self.greedy else sample(self.probs(logits), generator)

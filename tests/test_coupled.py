@@ -1,6 +1,6 @@
 """Coupled exactness: same seed, same tokens as the baseline, for every method whose tree does not
-depend on the oracle's randomness (tree with top children, staged, ngram, lookup, staged with the
-context drafter).
+depend on the oracle's randomness (tree and staged with top children, staged with the context
+drafter, ngram, lookup; not sampled children, which draw from the same generator).
 
 Why this holds: such a tree is a function of the accepted tokens only, and sample-match walks it
 by drawing, at each visited node, one token from the oracle's processed distribution p at that
@@ -15,8 +15,9 @@ import torch
 from decode import SpeculativeDecoder
 from decode_models import PROMPTS
 
-METHODS = {"tree": {"budget": 12}, "staged": {"budget": 16, "widths": [4, 2, 1]},
-           "staged-no-context": {"method": "staged", "budget": 16, "widths": [4, 2, 1], "context_drafter": False},
+METHODS = {"tree": {"budget": 12}, "staged": {"budget": 16, "widths": [4, 2, 1], "tree_children": "top"},
+           "staged-no-context": {"method": "staged", "budget": 16, "widths": [4, 2, 1], "context_drafter": False,
+                                 "tree_children": "top"},
            "ngram": {"budget": 16, "widths": [4, 2, 1]}, "lookup": {}}
 SETTINGS = [{"temperature": 1.0}, {"temperature": 1.0, "top_k": 50}, {"temperature": 0.7, "top_p": 0.9},
             {"temperature": 1.3, "top_k": 20, "top_p": 0.8}]
@@ -41,7 +42,8 @@ def test_same_seed_same_tokens_as_the_baseline(decoders, name, sampling):
 def test_cuda_sampling_is_reproducible_and_coupled(bpe_run):
     """On CUDA the generator lives on the model's device (torch refuses a CPU generator for CUDA tensors)."""
     build = lambda method, **extra: SpeculativeDecoder.from_run(bpe_run["run"], method=method, device="cuda", **extra)
-    base, staged, chain = build("baseline"), build("staged", budget=16, widths=[4, 2, 1]), build("speculative")
+    base, chain = build("baseline"), build("speculative")
+    staged = build("staged", budget=16, widths=[4, 2, 1], tree_children="top")
     for seed in range(3):
         sampling = {"temperature": 1.0, "top_k": 50, "seed": seed}
         expected = base.generate(PROMPTS[0], 24, **sampling).token_ids

@@ -3,6 +3,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
+from decode.drafters import draw_children
 from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline, speculative
 from decode.hf_backend import HFEngine
@@ -132,3 +133,22 @@ def test_sampling_processes_temperature_top_k_and_top_p():
     hot = Sampling(2.0).probs(logits)
     assert torch.allclose(hot, logits.div(2).softmax(-1))
     assert Sampling().probs(logits).tolist() == [1, 0, 0, 0, 0] and sample(Sampling().probs(logits), None) == 0
+
+
+def test_proposal_is_the_processed_distribution_on_the_likeliest_tokens():
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.1, 0.2, 0.15]]))
+    probs, tokens = Sampling(1.0, top_k=2).proposal(logits)
+    assert tokens.tolist() == [[1, 3]] and torch.allclose(probs, torch.tensor([[5 / 7, 2 / 7]]), atol=1e-6)
+    probs, tokens = Sampling(1.0).proposal(logits, cap=3)  # no top-k: the cap truncates, renormalised
+    assert tokens.tolist() == [[1, 3, 4]] and torch.allclose(probs, torch.tensor([[50, 20, 15]]) / 85, atol=1e-6)
+    probs, tokens = Sampling(2.0, top_p=0.5).proposal(logits, cap=3)  # temperature, then top-p within the cap
+    hot = torch.tensor([0.5, 0.2, 0.15]).sqrt()  # T = 2: 0.46, 0.29, 0.25 of the three; the nucleus of 0.5 keeps two
+    assert tokens.tolist() == [[1, 3, 4]] and torch.allclose(probs, torch.tensor([[hot[0], hot[1], 0]]) / (hot[0] + hot[1]), atol=1e-6)
+
+
+def test_draw_children_draws_from_the_proposal_and_returns_it_over_the_vocabulary():
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.1, 0.2, 0.15], [0.6, 0.1, 0.2, 0.05, 0.05]]))
+    drawn, q = draw_children(Sampling(1.0, top_k=2), logits, 4000, torch.Generator().manual_seed(0))
+    assert torch.allclose(q, torch.tensor([[0, 5 / 7, 0, 2 / 7, 0], [0.75, 0, 0.25, 0, 0]]), atol=1e-6)
+    assert set(drawn[0]) == {1, 3} and set(drawn[1]) == {0, 2}
+    assert abs(drawn[0].count(1) / 4000 - 5 / 7) < 0.03 and abs(drawn[1].count(0) / 4000 - 0.75) < 0.03

@@ -142,3 +142,46 @@ def test_trigram_trees_hold_each_levels_top_successors_and_are_remembered_unchan
     again, _ = trees([1, 9, 17], 10)  # same last two tokens: the remembered tree, as built
     assert again.tokens == tree.tokens[:-1] and again.children[0] == tree.children[0][:-1]
     assert len(trees([9, 17], 2)[0]) == 1 + 3 + 6  # capped at the depth left
+
+
+def test_staged_sampled_children_are_draws_that_grow_only_where_the_draft_scored(models):
+    draft = GPT2Engine.load(models["good"])
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    sampling = Sampling(1.0, top_k=8)
+    staged = StagedDrafter(draft, table, sampling, widths=[3, 2, 1], sampled=True)
+    generator = torch.Generator().manual_seed(3)
+    grown = 0
+    for tokens in ([4, 9, 17], [1, 2, 3, 4], [30, 31]):
+        staged.reset()
+        tree = staged.propose(tokens, 10, generator)
+        scored, _ = staged.trigram(tokens, 10)  # the draft scored exactly this tree (no context drafter)
+        assert staged.sampled_children and tree.tokens[0] == tokens[-1] and staged.kept[0] == 0
+        for node in range(len(tree)):
+            kept = staged.kept[node]
+            if kept is None:  # a draw off the scored tree: a leaf
+                assert not tree.children[node]
+                continue
+            assert tree.tokens[node] == scored.tokens[kept]
+            assert len(tree.children[node]) == 2  # the default draws per node, duplicates kept as drawn
+            q = tree.child_dists[node]
+            assert abs(float(q.sum()) - 1) < 1e-5 and int((q > 0).sum()) <= 8  # the top-k proposal
+            assert all(q[tree.tokens[c]] > 0 for c in tree.children[node])
+            grown += kept != 0
+    assert grown > 0  # some draws landed on the trigram's tree and were drawn below
+
+
+def test_staged_sampled_children_leave_the_drafts_cache_on_the_accepted_tokens(models):
+    """The draft commits the accepted draws it scored; its next logits must be a fresh prefill's."""
+    oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["good"])
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    sampling = Sampling(1.0)
+    staged = StagedDrafter(draft, table, sampling, widths=[3, 2, 1], sampled=True)
+    generator = torch.Generator().manual_seed(4)
+    for prompt in ([4, 9, 17], [1, 2, 3, 4, 5]):
+        out = tree_speculative(oracle, torch.tensor(prompt), 30, sampling, None, generator, drafter=staged)
+        tokens = prompt + out.tokens
+        assert out.draft_calls == out.oracle_calls - 1 and len(out.tokens) / out.oracle_calls > 1.5
+        assert 0 < draft.length < len(tokens)
+        fresh = GPT2Engine.load(models["good"])
+        expected = fresh.extend(torch.tensor(tokens))[-1]
+        assert torch.allclose(draft.extend(torch.tensor(tokens[draft.length:]))[-1], expected, atol=1e-4)

@@ -68,6 +68,9 @@ def sampled_tree(models, sampling):
 CORRECT = {  # one case per verification rule, and the chain (Chen et al.'s rule)
     "chain, rejection sampling": (lambda m, s: ChainDrafter(m["bad"], s, k=2), Sampling(1.0)),
     "tree of sampled children, multi-draft rejection": (sampled_tree, Sampling(1.0)),
+    "staged, sampled children and the context drafter, multi-draft rejection": (
+        lambda m, s: StagedDrafter(m["bad"], m["ngram"], s, widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4,
+                                   sampled=True), Sampling(0.9, top_k=4)),
     "staged with the context drafter, sample-match": (
         lambda m, s: StagedDrafter(m["good"], m["ngram"], s, budget=12, widths=[3, 2, 1], draft_children=2,
                                    context=LookupDrafter(4, 2), depth=4), Sampling(0.9, top_k=4)),
