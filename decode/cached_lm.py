@@ -2,16 +2,22 @@
 committed positions followed by `pending` speculative ones.
 
     forward(token_ids, position_ids, mask) -> logits   score new nodes, append them as pending
-    commit(keep)                                        keep these pending slots (a list), in order; drop the rest
+    commit(keep)                                        keep these pending slots (increasing), in order; drop the rest
 """
 import numpy as np
 import torch
 
 
+def on(tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` (on the CPU) moved to `device`, without a call when it is the CPU: a torch call right
+    after a model's forward costs tens of microseconds on a CPU (its code and data were evicted)."""
+    return tensor if device is None or getattr(device, "type", device) == "cpu" else tensor.to(device)
+
+
 def long_tensor(values: list[int], device=None) -> torch.Tensor:
     """A 1-d int64 tensor from a list of ints: through numpy it costs a quarter of torch.tensor's
     4-5 us, and a decoding step makes several."""
-    return torch.from_numpy(np.array(values, np.int64)).to(device)
+    return on(torch.from_numpy(np.array(values, np.int64)), device)
 
 
 class CachedLM:

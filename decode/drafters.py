@@ -17,7 +17,7 @@ draft call. `accept` commits them and the accepted nodes the draft scored.
 import numpy as np
 import torch
 
-from decode.cached_lm import CachedLM, long_tensor
+from decode.cached_lm import CachedLM, long_tensor, on
 from decode.lookup import ContextIndex
 from decode.sampling import Sampling, row_argmax
 from decode.tree import Tree, unpack_rows
@@ -30,6 +30,7 @@ class DraftModel:
         self.model = model
         self.calls = 0
         self.slots = {}
+        self.masks = {}  # (rows, width) -> mask: trees repeat their shapes (the trigram's are mostly one shape)
 
     def reset(self) -> None:
         self.model.reset()
@@ -56,7 +57,7 @@ class DraftModel:
             rows.append(self.sees[node])
         mask = None  # every row sees every slot up to its own (a chain): the model's causal default
         if any(bits != (2 << slot) - 1 for slot, bits in enumerate(rows, pending)):
-            mask = torch.from_numpy(unpack_rows(rows, pending + len(rows))).to(model.device)
+            mask = self.mask(rows, pending + len(rows))
         root_position = model.length + self.slots[0]
         ids = run + [tree.tokens[n] for n in new]
         positions = list(range(model.length, root_position + 1)) if run else []
@@ -65,7 +66,18 @@ class DraftModel:
         logits = model.forward(long_tensor(ids, model.device), long_tensor(positions, model.device), mask)
         row_of = {n: len(run) + i for i, n in enumerate(new)} | ({0: len(run) - 1} if run else {})
         wanted = [row_of[n] for n in nodes]
+        if wanted == list(range(len(rows))):
+            return logits
         return logits[wanted[0] :] if wanted == list(range(wanted[0], len(rows))) else logits[wanted]
+
+    def mask(self, rows: list[int], width: int) -> torch.Tensor:
+        """The pending slots' and new nodes' mask (bit j of rows[i]: row i sees slot j), remembered."""
+        key = (tuple(rows), width)
+        if key not in self.masks:
+            if len(self.masks) >= 1 << 12:
+                self.masks.clear()
+            self.masks[key] = on(torch.from_numpy(unpack_rows(rows, width)), self.model.device)
+        return self.masks[key]
 
     def accept(self, tree_path: list[int]) -> None:
         """Commit the unseen tokens and the accepted nodes the draft has scored (a prefix of the path)."""
@@ -83,6 +95,19 @@ def ranking_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """What the drafters rank continuations by: the processed distribution, or the plain softmax when
     greedy (a point mass would rank only one child)."""
     return logits.float().softmax(-1) if sampling.greedy else sampling.probs(logits)
+
+
+def ranked_children(probs: torch.Tensor, tree: Tree, k: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """From the draft's ranking distribution after every node of `tree` (`probs`, a row per node): each node's
+    probability given its parent (the root's: 1), and each node's `k` likeliest children and their
+    probabilities. One argmax (or top-k), one gather and one transfer: a step's first reads of the draft's
+    logits are the slow ones (they were just written, by both cores)."""
+    n, vocab = probs.shape
+    best = [[token] for token in row_argmax(probs)] if k == 1 else probs.topk(k).indices.tolist()
+    flat = [parent * vocab + token for parent, token in zip(tree.parents[1:], tree.tokens[1:])]
+    flat += [node * vocab + token for node, tokens in enumerate(best) for token in tokens]
+    values = probs.take(long_tensor(flat, probs.device)).tolist()
+    return [1.0] + values[: n - 1], best, [values[n - 1 + i * k : n - 1 + (i + 1) * k] for i in range(n)]
 
 
 def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generator) -> tuple[list[list[int]], torch.Tensor]:
@@ -285,22 +310,16 @@ class StagedDrafter(ModelDrafter):
         if self.context is not None:
             self.context.reset()
 
-    def draft_leaves(self, tree: Tree, probs: torch.Tensor, max_depth: int) -> tuple[list[int], list[int], list[float]]:
-        """The draft's own best children of every node above `max_depth` that the trigram did not
-        propose: (parents, tokens, probabilities). One child each is an argmax; more need a top-k."""
-        if (self.draft_children or 1) == 1:
-            best = row_argmax(probs)
-            tokens = [[t] for t in best]
-            values = [[p] for p in probs[torch.arange(len(tree)), long_tensor(best)].tolist()]
-        else:
-            top = probs.topk(self.draft_children)
-            tokens, values = top.indices.tolist(), top.values.tolist()
+    def draft_leaves(self, tree: Tree, tokens: list[list[int]], probs: list[list[float]],
+                     max_depth: int) -> tuple[list[int], list[int], list[float]]:
+        """The draft's best children (`ranked_children`) of every node above `max_depth` that the trigram
+        did not propose: (parents, tokens, probabilities)."""
         parents, leaf_tokens, leaf_probs = [], [], []
         for node in range(len(tree)):
             if tree.depths[node] >= max_depth:
                 continue
             taken = {tree.tokens[c] for c in tree.children[node]}
-            for token, p in zip(tokens[node], values[node]):
+            for token, p in zip(tokens[node], probs[node]):
                 if token not in taken:
                     parents.append(node)
                     leaf_tokens.append(token)
@@ -337,10 +356,9 @@ class StagedDrafter(ModelDrafter):
         logits = self.draft.score(tree, list(range(n)))  # row i: after node i
         if self.sampled_children:
             return self.sampled_tree(tree, logits, max_depth, generator)
-        probs = ranking_probs(logits, self.sampling)
-        edges = probs[long_tensor(tree.parents[1:]), long_tensor(tree.tokens[1:])].tolist()
-        cumulative = tree.cumulative([1.0] + edges)
-        leaf_parents, leaf_tokens, leaf_probs = self.draft_leaves(tree, probs, max_depth)
+        edges, best, best_probs = ranked_children(ranking_probs(logits, self.sampling), tree, self.draft_children or 1)
+        cumulative = tree.cumulative(edges)
+        leaf_parents, leaf_tokens, leaf_probs = self.draft_leaves(tree, best, best_probs, max_depth)
         candidates = cumulative + [cumulative[parent] * p for parent, p in zip(leaf_parents, leaf_probs)]
         if copied:  # the context's continuations go first, with the root above them
             for node in copied | {0}:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decode.cached_lm import long_tensor
+from decode.cached_lm import long_tensor, on
 
 
 def unpack_rows(rows: list[int], width: int) -> np.ndarray:
@@ -84,10 +84,10 @@ class Tree:
 
     def mask(self, device=None) -> torch.Tensor:
         """(N, N) bool: what each node sees among the tree's nodes (the cache it sees whole)."""
-        return torch.from_numpy(self.ancestors()).to(device)
+        return on(torch.from_numpy(self.ancestors()), device)
 
     def position_ids(self, prefix: int, device=None) -> torch.Tensor:
-        return long_tensor(self.depths, device) + prefix
+        return long_tensor([prefix + depth for depth in self.depths], device)
 
     def token_ids(self, device=None) -> torch.Tensor:
         return long_tensor(self.tokens, device)

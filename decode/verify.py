@@ -9,16 +9,16 @@ rules reduce to: follow the child that carries the oracle's argmax, then emit th
 """
 import torch
 
-from decode.sampling import Sampling, row_argmax, sample
+from decode.sampling import Sampling, argmax_of_rows, sample
 
 
 class Target:
     """The oracle's processed distribution p at each node of a scored tree, computed only at the
-    nodes verification visits. Greedy: the argmax of every row, in one pass over the logits."""
+    nodes verification visits (greedy: the row's argmax)."""
 
     def __init__(self, logits: torch.Tensor, sampling: Sampling):
         self.logits, self.sampling = logits, sampling
-        self.argmax = row_argmax(logits) if sampling.greedy else None
+        self.argmax = argmax_of_rows(logits) if sampling.greedy else None
         self._probs = {}
 
     def probs(self, node: int) -> torch.Tensor:
@@ -28,7 +28,7 @@ class Target:
 
     def draw(self, node: int, generator) -> int:
         """A token from p at `node` (its argmax when greedy: a point mass needs no random draw)."""
-        return self.argmax[node] if self.argmax is not None else sample(self.probs(node), generator)
+        return self.argmax(node) if self.argmax is not None else sample(self.probs(node), generator)
 
 
 def sample_match(tree, target: Target, generator) -> tuple[list[int], int]:

@@ -75,8 +75,7 @@ def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, back
     probe = torch.tensor([7])
     assert torch.allclose(tree.extend(probe), chain.extend(probe), atol=1e-5)
     if backend is GPT2Engine:
-        assert torch.allclose(tree.k_cache[:, :, : chain.length], chain.k_cache[:, :, : chain.length], atol=1e-5)
-        assert torch.allclose(tree.v_cache[:, :, : chain.length], chain.v_cache[:, :, : chain.length], atol=1e-5)
+        assert torch.allclose(tree.kv_cache[:, :, :, : chain.length], chain.kv_cache[:, :, :, : chain.length], atol=1e-5)
 
 
 def runnable(layout: str, dtype: torch.dtype) -> None:
