@@ -11,6 +11,7 @@ import os
 import platform
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,13 @@ class Stopwatch:
                 self.seconds[label] += time.perf_counter() - start
 
         setattr(owner, name, timed)
+
+    @contextmanager
+    def paused(self):
+        """What runs inside is not counted."""
+        counted = dict(self.seconds)
+        yield
+        self.seconds = defaultdict(float, counted)
 
 
 def cpu_name() -> str:
