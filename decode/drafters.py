@@ -66,9 +66,9 @@ class DraftModel:
         logits = model.forward(long_tensor(ids, model.device), long_tensor(positions, model.device), mask)
         row_of = {n: len(run) + i for i, n in enumerate(new)} | ({0: len(run) - 1} if run else {})
         wanted = [row_of[n] for n in nodes]
-        if wanted == list(range(len(rows))):
-            return logits
-        return logits[wanted[0] :] if wanted == list(range(wanted[0], len(rows))) else logits[wanted]
+        if wanted == list(range(wanted[0], len(rows))):  # the last rows: a view (none when it is every row)
+            return logits[wanted[0] :] if wanted[0] else logits
+        return logits[wanted]
 
     def mask(self, rows: list[int], width: int) -> torch.Tensor:
         """The pending slots' and new nodes' mask (bit j of rows[i]: row i sees slot j), remembered."""
@@ -100,8 +100,8 @@ def ranking_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 def ranked_children(probs: torch.Tensor, tree: Tree, k: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """From the draft's ranking distribution after every node of `tree` (`probs`, a row per node): each node's
     probability given its parent (the root's: 1), and each node's `k` likeliest children and their
-    probabilities. One argmax (or top-k), one gather and one transfer: a step's first reads of the draft's
-    logits are the slow ones (they were just written, by both cores)."""
+    probabilities. One argmax (or top-k), one gather and one transfer: right after the draft's forward,
+    each torch call costs tens of microseconds on a CPU."""
     n, vocab = probs.shape
     best = [[token] for token in row_argmax(probs)] if k == 1 else probs.topk(k).indices.tolist()
     flat = [parent * vocab + token for parent, token in zip(tree.parents[1:], tree.tokens[1:])]

@@ -3,11 +3,12 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from decode.drafters import draw_children
+from decode.drafters import draw_children, ranked_children
 from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline, speculative
 from decode.hf_backend import HFEngine
-from decode.sampling import Sampling, sample
+from decode.sampling import Sampling, argmax_of_rows, sample
+from decode.tree import Tree
 from decode_models import tiny_gpt2
 
 BACKENDS = [GPT2Engine, HFEngine]
@@ -151,3 +152,23 @@ def test_draw_children_draws_from_the_proposal_and_returns_it_over_the_vocabular
     assert torch.allclose(q, torch.tensor([[0, 5 / 7, 0, 2 / 7, 0], [0.75, 0, 0.25, 0, 0]]), atol=1e-6)
     assert set(drawn[0]) == {1, 3} and set(drawn[1]) == {0, 2}
     assert abs(drawn[0].count(1) / 4000 - 5 / 7) < 0.03 and abs(drawn[1].count(0) / 4000 - 0.75) < 0.03
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_ranked_children_reads_each_edge_and_each_nodes_best_children_from_the_draft(k):
+    probs = torch.rand(4, 10, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    tree = Tree.rooted(3)
+    tree.add_level([0, 0, 1], [5, 7, 2])
+    edges, best, best_probs = ranked_children(probs, tree, k)
+    assert edges == pytest.approx([1.0, float(probs[0, 5]), float(probs[0, 7]), float(probs[1, 2])])
+    top = probs.topk(k)
+    assert best == top.indices.tolist() and torch.allclose(torch.tensor(best_probs), top.values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # numpy's rows on CPU in float32, torch's else
+def test_argmax_of_rows_gives_each_rows_first_largest_token(dtype):
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[2, 7] = logits[2, 30] = logits[2].max() + 1  # a tie: the first index, as torch's argmax
+    argmax = argmax_of_rows(logits)
+    assert [argmax(row) for row in (4, 2, 0)] == logits.float().argmax(-1)[[4, 2, 0]].tolist()
+    assert argmax(2) == 7
