@@ -66,6 +66,10 @@ def argmax_of_rows(logits: torch.Tensor) -> Callable[[int], int]:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from a distribution; a point mass (greedy) needs no random draw."""
-    top = probs.max(-1)
-    return int(top.indices) if top.values == 1 else int(torch.multinomial(probs, 1, generator=generator))
+    """One token from a distribution, by inverting its cumulative sum at a uniform draw (in float64:
+    the sum's rounding stays far below any probability that matters). torch.multinomial draws one
+    exponential per token: 220 us over 8192 tokens on a CPU, against 21 us for this, and the
+    baseline samples every token this way."""
+    cumulative = probs.double().cumsum(-1)
+    point = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device) * cumulative[-1]
+    return int(torch.searchsorted(cumulative, point, right=True))

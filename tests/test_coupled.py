@@ -4,7 +4,7 @@ drafter, ngram, lookup; not sampled children, which draw from the same generator
 
 Why this holds: such a tree is a function of the accepted tokens only, and sample-match walks it
 by drawing, at each visited node, one token from the oracle's processed distribution p at that
-prefix with the shared generator: one `torch.multinomial` call per emitted token, in output order,
+prefix with the shared generator: one `sampling.sample` draw per emitted token, in output order,
 from the same p the baseline draws its token from at the same prefix. So the generator's stream is
 consumed identically and every draw lands on the same token (up to float rounding of p at a
 category boundary, which these fixed seeds do not hit; a wrong rule shifts whole draws and fails at
