@@ -17,10 +17,10 @@ draft call. `accept` commits them and the accepted nodes the draft scored.
 import numpy as np
 import torch
 
-from decode.cached_lm import CachedLM, long_tensor, on
+from decode.cached_lm import CachedLM, long_tensor
 from decode.lookup import ContextIndex
 from decode.sampling import Sampling, row_argmax
-from decode.tree import Tree, unpack_rows
+from decode.tree import Tree, rows_mask
 
 
 class DraftModel:
@@ -76,7 +76,7 @@ class DraftModel:
         if key not in self.masks:
             if len(self.masks) >= 1 << 12:
                 self.masks.clear()
-            self.masks[key] = on(torch.from_numpy(unpack_rows(rows, width)), self.model.device)
+            self.masks[key] = rows_mask(rows, width, self.model.device)
         return self.masks[key]
 
     def accept(self, tree_path: list[int]) -> None:

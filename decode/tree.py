@@ -23,6 +23,11 @@ def unpack_rows(rows: list[int], width: int) -> np.ndarray:
     return np.unpackbits(packed.reshape(len(rows), nbytes), axis=1, count=width, bitorder="little").view(bool)
 
 
+def rows_mask(rows: list[int], width: int, device=None) -> torch.Tensor:
+    """unpack_rows as a tensor on `device` (an attention mask)."""
+    return on(torch.from_numpy(unpack_rows(rows, width)), device)
+
+
 @dataclass
 class Tree:
     tokens: list[int] = field(default_factory=list)
@@ -78,13 +83,9 @@ class Tree:
             node = self.parents[node]
         return nodes[::-1]
 
-    def ancestors(self) -> np.ndarray:
-        """(N, N) bool: [i, j] when j is i or one of its ancestors."""
-        return unpack_rows(self.lineage, len(self))
-
     def mask(self, device=None) -> torch.Tensor:
         """(N, N) bool: what each node sees among the tree's nodes (the cache it sees whole)."""
-        return on(torch.from_numpy(self.ancestors()), device)
+        return rows_mask(self.lineage, len(self), device)
 
     def position_ids(self, prefix: int, device=None) -> torch.Tensor:
         return long_tensor([prefix + depth for depth in self.depths], device)
