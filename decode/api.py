@@ -9,6 +9,7 @@
 Every command-line tool builds its decoders here (`DecoderOptions` mirrors decode.run's flags), and
 bad settings raise the same one-line InputError the tools print.
 """
+import math
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -82,8 +83,8 @@ class DecoderOptions:
 
 def sampling_of(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
     """The processed distribution's settings, checked (temperature 0: greedy)."""
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise InputError(f"need temperature >= 0, 0 < top-p <= 1 and top-k >= 0 (got {temperature}, {top_p}, {top_k})")
+    if not 0 <= temperature < math.inf or not 0 < top_p <= 1 or top_k < 0:
+        raise InputError(f"need a finite temperature >= 0, 0 < top-p <= 1 and top-k >= 0 (got {temperature}, {top_p}, {top_k})")
     return Sampling(temperature, top_k, top_p)
 
 

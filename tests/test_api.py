@@ -68,6 +68,8 @@ def test_bad_arguments_are_input_errors(bpe_run, decoders):
         (lambda: dec.generate("x", max_new_tokens=0), "--max-new-tokens must be at least 1"),
         (lambda: dec.generate("", max_new_tokens=4), "is empty"),
         (lambda: dec.generate("x", 4, temperature=-1), "temperature >= 0"),
+        (lambda: dec.generate("x", 4, temperature=float("nan")), "a finite temperature"),
+        (lambda: dec.generate("x", 4, temperature=float("inf")), "a finite temperature"),
         (lambda: dec.generate("x", 4, top_p=0), "0 < top-p <= 1"),
         (lambda: dec.generate([1, 10**6], 4), "token ids must lie in"),
         (lambda: dec.generate(3.5, 4), "a string or a list of token ids"),

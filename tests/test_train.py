@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import write_corpus
 from data import prepare
 from train import distill_draft, finetune_oracle
+from train.presets import DIVERGENCES
 
 
 def prepared_run(root, vocab_size=400):
@@ -105,6 +106,26 @@ def test_bad_inputs_are_one_line_errors(run, tmp_path, capsys):
     err = error_of(capsys, finetune_oracle.main, ["--data", str(other / "data"), "--init", str(root / "oracle"), "--out", str(tmp_path / "i")])
     assert "tokenizer mismatch" in err
     assert not (tmp_path / "d").exists() and not (tmp_path / "i").exists()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--batch_size", "0", "--batch_size must be at least 1"),
+    ("--grad_accum", "0", "--grad_accum must be at least 1"),
+    ("--eval_every", "0", "--eval_every must be at least 1"),
+    ("--learning_rate", "nan", "must be positive and finite"),
+    ("--learning_rate", "-1e-3", "must be positive and finite"),
+    ("--dropout", "1", "--dropout in [0, 1)"),
+    ("--max_steps", "0", "must be positive and above --warmup_steps"),
+    ("--stop_after_steps", "0", "--stop_after_steps must be at least 1"),
+    ("--log_with", "wandb", "choose jsonl or tensorboard"),
+    ("--kd_temperature", "inf", "--kd_temperature be positive"),
+    ("--agreement_batches", "0", "--agreement_batches must be at least 1"),
+])
+def test_training_numbers_out_of_range_are_refused_before_anything_is_written(run, tmp_path, capsys, flag, value, message):
+    argv = ["--data", str(run[0] / "data"), "--out", str(tmp_path / "m"), f"{flag}={value}"]
+    main = distill_draft.main if flag in ("--kd_temperature", "--agreement_batches") else finetune_oracle.main
+    assert message in error_of(capsys, main, argv + (["--teacher", str(run[0] / "oracle")] if main is distill_draft.main else []))
+    assert not (tmp_path / "m").exists() and not (tmp_path / "m-train").exists()
 
 
 def test_teacher_windows_end_with_the_teachers_greedy_continuation(run, tmp_path):
@@ -209,7 +230,7 @@ def test_sparse_targets_reproduce_the_dense_divergence(run):
     with torch.no_grad():
         student_logp = torch.log_softmax(student(batch).logits / temperature, -1)
         teacher_logp = torch.log_softmax(teacher(batch).logits / temperature, -1)
-    for kind in distill_draft.DIVERGENCES:
+    for kind in DIVERGENCES:
         dense, previous = distill_draft.divergence(student_logp, teacher_logp, kind), 0.0
         for k in (16, 64, vocab):
             top = top_k_targets(teacher, windows, k, temperature, vocab, 3, "cpu", contextlib.nullcontext)

@@ -68,8 +68,6 @@ def divergence(student_logp: torch.Tensor, teacher_logp: torch.Tensor, kind: str
     return 0.5 * (student_logp.exp() - teacher_logp.exp()).abs().sum(-1).mean()
 
 
-DIVERGENCES = ("forward", "reverse", "tv")
-
 
 def distillation_loss(teacher, kd_weight: float, temperature: float, kind: str, autocast):
     """`autocast`: the accelerator's, which only wraps the prepared student; the teacher needs it too.
@@ -182,18 +180,6 @@ def training_windows(run, args: DistillArgs, teacher, vocab_size: int) -> torch.
 @exits_on_input_error
 def main(argv=None) -> dict:
     args = parse_args(DistillArgs, DRAFT_PRESETS, __doc__.split("\n\n")[0], argv)
-    if not 0 <= args.kd_weight <= 1 or args.kd_temperature <= 0:
-        raise InputError("--kd_weight must lie in [0, 1] and --kd_temperature be positive")
-    if args.kd_loss not in DIVERGENCES:
-        raise InputError(f"--kd_loss {args.kd_loss!r}: choose one of {', '.join(DIVERGENCES)}")
-    if args.teacher_prefixes not in ("corpus", "prompts"):
-        raise InputError(f"--teacher_prefixes {args.teacher_prefixes!r}: choose corpus or prompts")
-    if not 0 <= args.teacher_windows <= 1 or args.continuation_temperature < 0:
-        raise InputError("--teacher_windows must lie in [0, 1] and --continuation_temperature be 0 (greedy) or positive")
-    if not 0 < args.continuation_tokens < args.seq_len:
-        raise InputError(f"--continuation_tokens must lie between 1 and --seq_len - 1 ({args.seq_len - 1})")
-    if args.sparse_targets < 0 or args.target_epochs < 1:
-        raise InputError("--sparse_targets must be 0 (dense) or a positive number of tokens, --target_epochs at least 1")
     run = start_run(args)
     teacher = load_teacher(args, run.tokenizer).to(run.accelerator.device)
     student = build_model(args, run.tokenizer)

@@ -296,8 +296,6 @@ def start_run(args: TrainArgs) -> Run:
 
     work_dir = check_output(args)
     meta, train_tokens, val_tokens = load_data(args)
-    if args.max_steps < 1 or args.warmup_steps >= args.max_steps:
-        raise InputError(f"--max_steps {args.max_steps} must be positive and above --warmup_steps {args.warmup_steps}")
     tokenizer = data_tokenizer(args, meta)
     if args.bf16 is None:  # measured once per run; a resumed run keeps its run's choice
         args.bf16 = read_saved_args(work_dir)["bf16"] if args.resume else bf16_is_faster()

@@ -6,11 +6,14 @@ The preset fills in the defaults, HfArgumentParser reads the command line over t
 """
 import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 from data.errors import InputError
+
+DIVERGENCES = ("forward", "reverse", "tv")  # --kd_loss: train/distill_draft.py's divergence()
 
 
 @dataclass
@@ -48,6 +51,27 @@ class TrainArgs:
     resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in the work directory"})
     overwrite: bool = field(default=False, metadata={"help": "replace a previous run in OUT and the work directory"})
 
+    def check(self) -> None:
+        """Values no run can use, as one-line InputErrors, before anything is written."""
+        for name in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
+                     "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise InputError(f"--{name} must be at least 1 (got {getattr(self, name)})")
+        if self.save_every < 0 or not 0 <= self.warmup_steps < self.max_steps:
+            raise InputError(f"--max_steps {self.max_steps} must be positive and above --warmup_steps {self.warmup_steps}, "
+                             f"and --save_every at least 0")
+        if self.stop_after_steps is not None and self.stop_after_steps < 1:
+            raise InputError(f"--stop_after_steps must be at least 1 (got {self.stop_after_steps})")
+        if not 0 < self.learning_rate < math.inf or not 0 < self.grad_clip < math.inf:
+            raise InputError(f"--learning_rate and --grad_clip must be positive and finite "
+                             f"(got {self.learning_rate}, {self.grad_clip})")
+        if not (0 <= self.min_lr_ratio <= 1 and 0 <= self.adam_beta2 < 1 and 0 <= self.dropout < 1
+                and 0 <= self.weight_decay < math.inf):
+            raise InputError("--min_lr_ratio must lie in [0, 1], --adam_beta2 and --dropout in [0, 1), "
+                             "--weight_decay be 0 or positive")
+        if self.log_with not in ("jsonl", "tensorboard"):
+            raise InputError(f"--log_with {self.log_with!r}: choose jsonl or tensorboard")
+
 
 @dataclass
 class DistillArgs(TrainArgs):
@@ -74,6 +98,23 @@ class DistillArgs(TrainArgs):
     teacher_embeddings: bool = field(default=False, metadata={"help": "start the student's token and position embeddings "
                                      "from the teacher's, projected onto their --n_embd principal directions (SVD): the "
                                      "student's tied output layer then begins as the best rank --n_embd copy of the teacher's"})
+
+    def check(self) -> None:
+        super().check()
+        if not 0 <= self.kd_weight <= 1 or not 0 < self.kd_temperature < math.inf:
+            raise InputError("--kd_weight must lie in [0, 1] and --kd_temperature be positive")
+        if self.kd_loss not in DIVERGENCES:
+            raise InputError(f"--kd_loss {self.kd_loss!r}: choose one of {', '.join(DIVERGENCES)}")
+        if self.teacher_prefixes not in ("corpus", "prompts"):
+            raise InputError(f"--teacher_prefixes {self.teacher_prefixes!r}: choose corpus or prompts")
+        if not 0 <= self.teacher_windows <= 1 or not 0 <= self.continuation_temperature < math.inf:
+            raise InputError("--teacher_windows must lie in [0, 1] and --continuation_temperature be 0 (greedy) or positive")
+        if not 0 < self.continuation_tokens < self.seq_len:
+            raise InputError(f"--continuation_tokens must lie between 1 and --seq_len - 1 ({self.seq_len - 1})")
+        if self.sparse_targets < 0 or self.target_epochs < 1:
+            raise InputError("--sparse_targets must be 0 (dense) or a positive number of tokens, --target_epochs at least 1")
+        if self.agreement_batches < 1:
+            raise InputError(f"--agreement_batches must be at least 1 (got {self.agreement_batches})")
 
 
 _SHARED = {
@@ -129,4 +170,5 @@ def parse_args(args_class, presets: dict, description: str, argv=None):
     parser = HfArgumentParser(args_class, description=description)
     parser.set_defaults(**dataclasses.asdict(presets[name]))
     (args,) = parser.parse_args_into_dataclasses(args=argv)
+    args.check()
     return args
