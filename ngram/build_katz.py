@@ -9,6 +9,7 @@ Writes OUT/model.arpa (kenlm.Model loads it), OUT/successors.npz and OUT/meta.js
 """
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -53,8 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--tokens needs --vocab-size")
     if args.k < 1 or args.top_k < 1:
         p.error("--k and --top-k must be positive")
-    if (args.max_tokens is not None and args.max_tokens < 1) or args.num_tokens < 1 or args.temperature <= 0:
-        p.error("--max-tokens and --num-tokens must be at least 1, and --temperature positive")
+    if (args.max_tokens is not None and args.max_tokens < 1) or args.num_tokens < 1 or not 0 < args.temperature < math.inf:
+        p.error("--max-tokens and --num-tokens must be at least 1, and --temperature positive and finite")
     if args.vocab_size is not None and args.vocab_size < 1:
         p.error("--vocab-size must be positive")
     if args.eos_id is not None and not (args.tokens is not None and 0 <= args.eos_id < args.vocab_size):

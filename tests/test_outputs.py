@@ -295,6 +295,8 @@ def test_bad_trigram_inputs_are_one_line_errors(trained, tmp_path, capsys):
     assert "at least 1" in one_line_error(capsys, build_katz.main, [*data, "--max-tokens", "0"])
     assert "at least 1" in one_line_error(capsys, build_katz.main, ["--from-draft", str(trained["run"] / "draft"), "--num-tokens", "0",
                                                                     "--out", str(tmp_path / "ng")])
+    assert "positive and finite" in one_line_error(capsys, build_katz.main, ["--from-draft", str(trained["run"] / "draft"),
+                                                                             "--temperature", "nan", "--out", str(tmp_path / "ng")])
     binary = tmp_path / "tokens.bin"
     binary.write_bytes(bytes(range(256)) * 8)
     tokens = ["--tokens", str(binary), "--vocab-size", "100", "--out", str(tmp_path / "ng")]
