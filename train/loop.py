@@ -189,7 +189,7 @@ def build_model(args: TrainArgs, tokenizer):
         context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
         if context is not None and args.seq_len > context:
             raise InputError(f"--seq_len {args.seq_len} exceeds {args.init}'s context of {context} tokens; lower it")
-        return model
+        return causal_loss(model)
     if args.n_embd % args.n_head:
         raise InputError(f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
     config = GPT2Config(
@@ -197,7 +197,14 @@ def build_model(args: TrainArgs, tokenizer):
         resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
-    return GPT2LMHeadModel(config)
+    return causal_loss(GPT2LMHeadModel(config))
+
+
+def causal_loss(model):
+    """Name the model's loss: transformers cannot tell a causal LM's from the class name GPT2LMHeadModel, and
+    warns (`loss_type=None ... unrecognized`) on every run before falling back to that same loss."""
+    model.loss_type = model.loss_type or "ForCausalLM"
+    return model
 
 
 def make_accelerator(args: TrainArgs, work_dir: Path):
