@@ -6,8 +6,25 @@ numbers, and when the oracle's completions loop a warning that they flatter ever
 
 def show_sample(prompt_text: str, completion: str, method: str) -> None:
     print(f"--- a prompt and its {method} completion (greedy output is the oracle's own) ---")
-    print(prompt_text + completion)
+    print(prompt_text + abridged(completion))
     print("---")
+
+
+def abridged(text: str, shown: int = 3, longest: int = 80) -> str:
+    """`text` cut `shown` periods into the longest tail that repeats one stretch of at most `longest`
+    characters, with a line saying how much was cut: a looping completion in three lines, not sixty."""
+    start, period = len(text), 0
+    for p in range(1, min(longest, len(text) // 2) + 1):
+        s = len(text) - p
+        while s > 0 and text[s - 1] == text[s - 1 + p]:
+            s -= 1
+        if s < start and len(text) - s - shown * p >= max(2 * p, longest):  # worth cutting: a few periods, a line or more
+            start, period = s, p
+    if not period:
+        return text
+    cut = start + shown * period
+    return (text[:cut] + ("" if text[cut - 1] == "\n" else "\n")
+            + f"... ({len(text) - cut} more characters repeating the last {period}: this oracle loops)")
 
 
 def explain(summary: dict, plan: dict | None, greedy: bool, staged: str = "staged") -> list[str]:

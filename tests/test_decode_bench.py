@@ -75,6 +75,15 @@ def test_looping_completions_are_called_out():
                                                               "distinct tokens")
 
 
+def test_a_looping_completion_is_shown_abridged():
+    loop = "    return x\n" + '    """\n' * 40
+    assert report.abridged(loop) == ("    return x" + '\n    """' * 3 +  # the repeating stretch starts at x's newline
+                                     "\n... (297 more characters repeating the last 8: this oracle loops)")
+    assert report.abridged("x" + "ab\n" * 40).endswith("ab\nab\nab\n... (111 more characters repeating the last 3: this oracle loops)")
+    code = "    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\n\n"
+    assert report.abridged(code) == code
+
+
 class OffByOneAtToken5(Decoder):
     def __call__(self, prompt, max_new_tokens, seed):
         out = super().__call__(prompt, max_new_tokens, seed)
