@@ -42,9 +42,9 @@ class DecoderOptions:
     ngram: Path | None = None
     method: str = "staged"
     k: int = 4
-    budget: int = 36
+    budget: int = planning.PAPER_BUDGET
     depth: int = 8
-    widths: list[int] = field(default_factory=lambda: [12, 7, 4, 1, 1, 1])
+    widths: list[int] = field(default_factory=lambda: list(planning.PAPER_WIDTHS))
     branch: int | None = None  # None: 4 for tree; staged: 1 top child (the draft's argmax), or 2 draws when sampled
     tree_children: str | None = None  # None: sampled for staged, top for tree (either way top when greedy)
     plan: Path | None = None  # a plan.json (decode.plan): its policy for the method replaces k, budget, widths, ...

@@ -32,6 +32,7 @@ from decode.costs import device_name, fingerprint
 
 PLAN_VERSION = 1
 PLANNED = ("speculative", "tree", "staged", "ngram", "lookup")
+PAPER_WIDTHS, PAPER_BUDGET = (12, 7, 4, 1, 1, 1), 36  # staged's tree without a plan: the paper's, sized for a GPU
 
 
 def ranks(model: CachedLM, prompt: list[int], continuation: list[int]) -> list[int]:
@@ -248,6 +249,11 @@ def run_plan(run: Path, options) -> Path | None:
     refused instead, by load_plan)."""
     path = Path(run) / "plan.json"
     if not path.is_file():
+        if (options.method == "staged" and str(options.device).split(":")[0] == "cpu"
+                and (tuple(options.widths), options.budget) == (PAPER_WIDTHS, PAPER_BUDGET)):
+            print(f"note: no plan in {run}, so staged drafts the paper's tree (--widths {','.join(map(str, PAPER_WIDTHS))} "
+                  f"--budget {PAPER_BUDGET}, sized for a GPU: on a CPU it is slower than plain decoding); plan once with "
+                  f"`python -m decode.plan --run {run}`, or pass a smaller tree (--widths 4,2,1 --budget 16)", file=sys.stderr)
         return None
     try:
         measured = json.loads(path.read_text())["identity"]

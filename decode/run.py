@@ -14,7 +14,7 @@ from data.errors import InputError, exits_on_input_error
 from data.prompts import load_prompts
 from decode.api import METHODS, DecoderOptions, SpeculativeDecoder, drain, sampling_of
 from decode.healing import Prompt
-from decode.planning import run_plan
+from decode.planning import PAPER_BUDGET, PAPER_WIDTHS, run_plan
 from decode.sampling import Sampling
 
 
@@ -55,9 +55,11 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this much probability")
     p.add_argument("--k", type=int, default=4, help="speculative: tokens the draft proposes per oracle call")
-    p.add_argument("--budget", type=int, default=36, help="tree methods: nodes in the oracle's tree")
+    p.add_argument("--budget", type=int, default=PAPER_BUDGET, help="tree methods: nodes in the oracle's tree (default: "
+                   "the paper's; a plan's on this device replaces it)")
     p.add_argument("--depth", type=int, default=8, help="tree methods: deepest drafted level")
-    p.add_argument("--widths", default="12,7,4,1,1,1", help="staged/ngram: trigram children per node at each level")
+    p.add_argument("--widths", default=",".join(map(str, PAPER_WIDTHS)), help="staged/ngram: trigram children per node "
+                   "at each level (default: the paper's, sized for a GPU; a plan's on this device replaces it)")
     p.add_argument("--branch", type=int, default=None,
                    help="tree: children per expanded node (default 4); staged: the draft's own top children per node "
                         "(default 1: an argmax costs a tenth of a top-k over the vocabulary and measured faster per token), "

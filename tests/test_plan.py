@@ -193,6 +193,22 @@ def test_a_run_plan_for_another_dtype_is_set_aside_with_a_note(planned, models, 
     assert SpeculativeDecoder.from_run(run_dir, method="lookup", dtype="bfloat16").options.plan is None
 
 
+def test_staged_without_a_plan_on_a_cpu_says_its_tree_is_the_papers(planned, models, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    prompts = ["--prompts", planned["args"][planned["args"].index("--prompts") + 1]]
+    assert run.parse(["--run", str(run_dir), *prompts]).options.plan is None
+    note = capsys.readouterr().err
+    assert "no plan in" in note and "the paper's tree" in note and f"python -m decode.plan --run {run_dir}" in note
+    for quiet in (["--widths", "4,2,1", "--budget", "16"], ["--method", "lookup"], ["--no-plan"]):
+        run.parse(["--run", str(run_dir), *prompts, *quiet])
+        assert not capsys.readouterr().err
+    SpeculativeDecoder.from_run(run_dir, method="staged")
+    assert "the paper's tree" in capsys.readouterr().err
+
+
 def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(planned, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         plan.main(planned["args"] + ["--out", str(planned["path"])])
