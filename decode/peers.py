@@ -4,6 +4,8 @@ default schedule) and prompt lookup (`hf-lookup`: `generate(prompt_lookup_num_to
 copied from the context). Each returns a Generation, with the oracle's forward calls counted by a
 hook, and heals a prompt's last token as our methods do (the same first-token constraint, as a
 logits processor)."""
+import logging
+
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -21,6 +23,15 @@ class FirstTokenConstraint(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         return constrain_first(scores, self.allowed) if input_ids.shape[-1] == self.prompt_length else scores
+
+
+def without_internal_deprecation(record: logging.LogRecord) -> bool:
+    """Assisted generation calls the assistant's `generate` with a generation config and loose arguments
+    both, and transformers warns that this is deprecated: its own call, which no caller can change."""
+    return "Passing `generation_config` together with generation-related" not in record.getMessage()
+
+
+logging.getLogger("transformers.generation.utils").addFilter(without_internal_deprecation)
 
 
 class HFGenerate:

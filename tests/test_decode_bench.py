@@ -1,8 +1,9 @@
 import json
+import logging
 
 import pytest
 
-from decode import bench, costs, generate, profile_step, report
+from decode import bench, costs, generate, peers, profile_step, report
 from decode.api import Decoder
 from decode.engine import GPT2Engine
 from decode_models import run_models
@@ -140,6 +141,14 @@ def test_profile_step_accounts_for_every_part_of_a_staged_step(models, tmp_path,
     assert set(parts) == {"oracle forward", "draft forward", "trigram trees", "verification", "tree building",
                           "rest of the loop"}
     assert all(ms > 0 for ms in parts.values())
+
+
+def test_transformers_own_deprecation_warning_in_assisted_generation_is_not_shown():
+    logger = logging.getLogger("transformers.generation.utils")
+    record = lambda message: logger.makeRecord(logger.name, logging.WARNING, __file__, 0, message, (), None)
+    own = record("Passing `generation_config` together with generation-related arguments=({'max_new_tokens'}) is deprecated")
+    assert peers.without_internal_deprecation in logger.filters
+    assert not logger.filter(own) and logger.filter(record("Setting `pad_token_id` to `eos_token_id`"))
 
 
 def test_bench_refuses_an_assistant_of_another_vocabulary(models, tmp_path, capsys):
