@@ -116,6 +116,7 @@ def test_bad_inputs_are_one_line_errors(run, tmp_path, capsys):
     ("--learning_rate", "-1e-3", "must be positive and finite"),
     ("--dropout", "1", "--dropout in [0, 1)"),
     ("--max_steps", "0", "must be positive and above --warmup_steps"),
+    ("--save_every", "-1", "--save_every must be 0"),
     ("--stop_after_steps", "0", "--stop_after_steps must be at least 1"),
     ("--log_with", "wandb", "choose jsonl or tensorboard"),
     ("--kd_temperature", "inf", "--kd_temperature be positive"),

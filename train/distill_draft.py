@@ -68,7 +68,6 @@ def divergence(student_logp: torch.Tensor, teacher_logp: torch.Tensor, kind: str
     return 0.5 * (student_logp.exp() - teacher_logp.exp()).abs().sum(-1).mean()
 
 
-
 def distillation_loss(teacher, kd_weight: float, temperature: float, kind: str, autocast):
     """`autocast`: the accelerator's, which only wraps the prepared student; the teacher needs it too.
     A batch is windows (the teacher runs on them) or (windows, ids, logp) with the teacher's precomputed

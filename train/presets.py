@@ -57,9 +57,10 @@ class TrainArgs:
                      "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name} must be at least 1 (got {getattr(self, name)})")
-        if self.save_every < 0 or not 0 <= self.warmup_steps < self.max_steps:
-            raise InputError(f"--max_steps {self.max_steps} must be positive and above --warmup_steps {self.warmup_steps}, "
-                             f"and --save_every at least 0")
+        if not 0 <= self.warmup_steps < self.max_steps:
+            raise InputError(f"--max_steps {self.max_steps} must be positive and above --warmup_steps {self.warmup_steps}")
+        if self.save_every < 0:
+            raise InputError(f"--save_every must be 0 (at the end only) or more (got {self.save_every})")
         if self.stop_after_steps is not None and self.stop_after_steps < 1:
             raise InputError(f"--stop_after_steps must be at least 1 (got {self.stop_after_steps})")
         if not 0 < self.learning_rate < math.inf or not 0 < self.grad_clip < math.inf:
