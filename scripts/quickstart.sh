@@ -77,7 +77,7 @@ if grep -q "\"dtype\": \"$dtype\"" "$run/plan.json" 2>/dev/null && [ "$run/plan.
         && [ "$run/plan.json" -nt "$run/draft/model.safetensors" ] && [ "$run/plan.json" -nt "$run/ngram/successors.npz" ]; then
     echo "   already planned for these models in $dtype (remove $run/plan.json to re-plan)"
 else
-    "$py" -m decode.plan --run "$run" --dtype "$dtype" --calibration 16 --project-oracle gpt2-large --overwrite
+    "$py" -m decode.plan --run "$run" --dtype "$dtype" --calibration 16 --screen 4 --project-oracle gpt2-large --overwrite
 fi
 
 stage "== 6/6 benchmark: greedy, $limit prompts x 128 new tokens"
