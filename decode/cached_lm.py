@@ -28,7 +28,7 @@ class CachedLM:
     device: torch.device
 
     def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Logits (q, vocab) of q new nodes. Every committed position is visible to them; `mask`
+        """Float32 logits (q, vocab) of q new nodes. Every committed position is visible to them; `mask`
         (q, pending + q) marks which pending slots and new nodes each one sees (None: all of them, the
         new nodes as a causal chain)."""
         raise NotImplementedError

@@ -93,8 +93,8 @@ class DraftModel:
 
 def ranking_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """What the drafters rank continuations by: the processed distribution, or the plain softmax when
-    greedy (a point mass would rank only one child)."""
-    return logits.float().softmax(-1) if sampling.greedy else sampling.probs(logits)
+    greedy (a point mass would rank only one child). Every backend returns float32 logits: no conversion call."""
+    return logits.softmax(-1) if sampling.greedy else sampling.probs(logits)
 
 
 def ranked_children(probs: torch.Tensor, tree: Tree, k: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
