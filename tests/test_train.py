@@ -248,6 +248,40 @@ def test_sparse_targets_reproduce_the_dense_divergence(run):
         assert torch.allclose(sparse, dense, rtol=2e-3), (kind, sparse, dense)
 
 
+@pytest.mark.parametrize("kind, sparse", [("tv", False), ("forward", True)])
+def test_compiled_loss_is_the_eager_loss(run, monkeypatch, kind, sparse):
+    """--compile_loss changes how a step's loss is computed, not what: through torch.compile (the teacher's
+    forward and the loss terms) the loss and the student's gradient are the eager ones, to float32 rounding."""
+    from train.teacher_targets import top_k_targets
+
+    root, _ = run
+    teacher = AutoModelForCausalLM.from_pretrained(root / "oracle").eval().requires_grad_(False)
+    torch.manual_seed(0)
+    windows = torch.randint(0, teacher.config.vocab_size, (4, 32))
+    batch = windows
+    if sparse:
+        top = top_k_targets(teacher, windows, 24, 2.0, teacher.config.vocab_size, 4, "cpu", contextlib.nullcontext)
+        batch = (windows, torch.from_numpy(top["ids"]), torch.from_numpy(top["logp"]))
+    compile_, compiled_calls = torch.compile, []
+    monkeypatch.setattr(torch, "compile", lambda fn: compiled_calls.append(fn) or compile_(fn))
+    results = []
+    for compiled in (False, True):
+        student = AutoModelForCausalLM.from_pretrained(root / "oracle")
+        with torch.no_grad():
+            for weight in student.parameters():
+                weight.add_(0.3 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(weight.numel())))
+        loss_fn = distill_draft.distillation_loss(teacher, 0.7, 2.0, kind, contextlib.nullcontext, compiled)
+        loss, logs = loss_fn(student, batch)
+        loss.backward()
+        results.append((loss.detach(), logs, torch.cat([w.grad.flatten() for w in student.parameters()])))
+    (eager, eager_logs, eager_grad), (compiled, compiled_logs, compiled_grad) = results
+    assert len(compiled_calls) == 2 and teacher in compiled_calls  # the teacher's forward and the loss terms
+    assert eager > 0.1 and eager_grad.abs().max() > 1e-3  # a loss worth comparing
+    assert torch.allclose(compiled, eager, rtol=1e-5), (compiled, eager)
+    assert compiled_logs == pytest.approx(eager_logs, rel=1e-5)
+    assert torch.allclose(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
+
+
 def test_distillation_on_sparse_targets_trains_and_resumes(run, tmp_path, capsys):
     from data.shards import open_split
     from train.loop import PackedWindows

@@ -68,26 +68,45 @@ def divergence(student_logp: torch.Tensor, teacher_logp: torch.Tensor, kind: str
     return 0.5 * (student_logp.exp() - teacher_logp.exp()).abs().sum(-1).mean()
 
 
-def distillation_loss(teacher, kd_weight: float, temperature: float, kind: str, autocast):
+def loss_terms(logits: torch.Tensor, windows: torch.Tensor, targets, kd_weight: float, temperature: float,
+               kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, divergence, cross-entropy) from the student's float32 logits and the teacher's: its logits (dense)
+    or its top-k targets (ids, logp) (sparse)."""
+    student_logp = F.log_softmax(logits / temperature, -1)
+    if isinstance(targets, tuple):
+        kd = sparse_divergence(student_logp, *targets, kind)
+    else:
+        kd = divergence(student_logp, F.log_softmax(targets / temperature, -1), kind)
+    kd = kd * temperature**2
+    ce = next_token_loss(logits, windows)
+    return kd_weight * kd + (1 - kd_weight) * ce, kd, ce
+
+
+def distillation_loss(teacher, kd_weight: float, temperature: float, kind: str, autocast, compiled: bool = False):
     """`autocast`: the accelerator's, which only wraps the prepared student; the teacher needs it too.
     A batch is windows (the teacher runs on them) or (windows, ids, logp) with the teacher's precomputed
-    top-k targets (train/teacher_targets.py)."""
+    top-k targets (train/teacher_targets.py). `compiled`: the teacher's forward and the loss terms through
+    torch.compile, which fuses the passes over batch x positions x vocabulary that dominate a small student's step."""
+
+    def terms(logits, windows, targets):
+        return loss_terms(logits, windows, targets, kd_weight, temperature, kind)
+
+    forward = teacher
+    if compiled:
+        terms, forward = torch.compile(terms), torch.compile(teacher)
 
     def loss_fn(student, batch):
         if isinstance(batch, (list, tuple)):
-            windows, ids, teacher_logp = batch
-            logits = student(windows).logits.float()
-            kd = sparse_divergence(F.log_softmax(logits / temperature, -1), ids, teacher_logp, kind)
+            windows, targets = batch[0], tuple(batch[1:])
         else:
             windows = batch
             with torch.no_grad(), autocast():
-                teacher_logits = teacher(windows).logits.float()
-            logits = student(windows).logits.float()
-            teacher_logits = teacher_logits[..., : logits.shape[-1]]  # a hub teacher may pad its embedding matrix
-            kd = divergence(F.log_softmax(logits / temperature, -1), F.log_softmax(teacher_logits / temperature, -1), kind)
-        kd = kd * temperature**2
-        ce = next_token_loss(logits, windows)
-        return kd_weight * kd + (1 - kd_weight) * ce, {"kd": kd.item(), "ce": ce.item()}
+                targets = forward(windows).logits.float()
+        logits = student(windows).logits.float()
+        if not isinstance(targets, tuple):
+            targets = targets[..., : logits.shape[-1]]  # a hub teacher may pad its embedding matrix
+        loss, kd, ce = terms(logits, windows, targets)
+        return loss, {"kd": kd.item(), "ce": ce.item()}
 
     return loss_fn
 
@@ -190,7 +209,8 @@ def main(argv=None) -> dict:
     metrics = train(
         run,
         student,
-        distillation_loss(teacher, args.kd_weight, args.kd_temperature, args.kd_loss, run.accelerator.autocast),
+        distillation_loss(teacher, args.kd_weight, args.kd_temperature, args.kd_loss, run.accelerator.autocast,
+                          args.compile_loss),
         lambda trained: agreement(trained, teacher, run.val_tokens, args, run.accelerator),
         lambda: training_windows(run, args, teacher, vocab_size),
     )

@@ -99,6 +99,9 @@ class DistillArgs(TrainArgs):
     teacher_embeddings: bool = field(default=False, metadata={"help": "start the student's token and position embeddings "
                                      "from the teacher's, projected onto their --n_embd principal directions (SVD): the "
                                      "student's tied output layer then begins as the best rank --n_embd copy of the teacher's"})
+    compile_loss: bool = field(default=False, metadata={"help": "torch.compile the teacher's forward and the loss (the "
+                               "divergence and the cross-entropy over the whole vocabulary), where a small student's step spends "
+                               "most of its time; --compile is the student's own"})
 
     def check(self) -> None:
         super().check()
@@ -142,16 +145,16 @@ DRAFT_PRESETS = {
     # continuation of a prompt (about a minute to generate), trained on the total variation distance: speculative
     # decoding 0.99 -> 3.53 tokens per oracle call (README section 2.1); embeddings from the teacher's: top-1
     # agreement 0.52 -> 0.71 (README section 2)
-    "quick": DistillArgs(**_SHARED["quick"], out="runs/default/draft", n_layer=1, n_head=2, n_embd=64, batch_size=8,
-                         max_steps=150, learning_rate=3e-3, continuation_tokens=128, teacher_windows=0.5,
-                         teacher_prefixes="prompts", kd_loss="tv", teacher_embeddings=True),
+    "quick": DistillArgs(**{**_SHARED["quick"], "compile": False}, out="runs/default/draft", n_layer=1, n_head=2, n_embd=64,
+                         batch_size=8, max_steps=150, learning_rate=3e-3, continuation_tokens=128, teacher_windows=0.5,
+                         teacher_prefixes="prompts", kd_loss="tv", teacher_embeddings=True, compile_loss=True),
     # about 1.5M parameters, 15x smaller than the cpu oracle (the paper's ratio is 19x); embeddings from the teacher's
     # principal directions; the teacher's top-32 targets over 960 windows, computed once, then 720 steps of 8192
     # tokens (12 passes over them): 47 minutes on 2 AVX2 cores (5 of them shared with tests), top-1 agreement 0.61
     # (480 steps: 0.57; random embeddings: 0.41; dense targets, 220 steps: 0.34; README section 2); no torch.compile
     "cpu": DistillArgs(**{**_SHARED["cpu"], "warmup_steps": 20, "compile": False}, out="runs/default/draft", n_layer=2, n_head=4, n_embd=128,
                        batch_size=16, max_steps=720, learning_rate=2e-3, continuation_tokens=128, sparse_targets=32,
-                       target_epochs=12, teacher_embeddings=True),
+                       target_epochs=12, teacher_embeddings=True, compile_loss=True),
     # about 39M parameters with GPT-2's 50257-token vocabulary
     "paper": DistillArgs(**_SHARED["paper"], out="runs/paper/draft", teacher="runs/paper/oracle", n_layer=4, n_head=8,
                          n_embd=512, max_steps=20000, learning_rate=6e-4, continuation_tokens=128),
