@@ -282,6 +282,20 @@ def test_compiled_loss_is_the_eager_loss(run, monkeypatch, kind, sparse):
     assert torch.allclose(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
 
 
+def test_compiling_without_a_cpp_compiler_is_a_one_line_error(run, tmp_path, monkeypatch, capsys):
+    """torch.compile on a CPU builds C++ at the first step: without a compiler, one line naming the flags,
+    before anything is written."""
+    from torch._inductor import config
+
+    root, _ = run
+    monkeypatch.setattr(config.cpp, "cxx", (None, str(tmp_path / "no-such-g++")))
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--out", str(tmp_path / "d")]
+    assert "--compile_loss needs a C++ compiler" in error_of(capsys, distill_draft.main, argv + ["--compile_loss", "True"])
+    message = error_of(capsys, finetune_oracle.main, argv[:2] + ["--out", str(tmp_path / "o"), "--compile", "True"])
+    assert "--compile needs a C++ compiler" in message and "pass --compile False" in message
+    assert not list(tmp_path.glob("[do]*"))
+
+
 def test_distillation_on_sparse_targets_trains_and_resumes(run, tmp_path, capsys):
     from data.shards import open_split
     from train.loop import PackedWindows

@@ -297,10 +297,30 @@ def bf16_is_faster() -> bool:
     return seconds(torch.bfloat16) < seconds(torch.float32)
 
 
+def check_compiler(args: TrainArgs) -> None:
+    """torch.compile on a CPU writes and builds C++ at the first step: where no compiler works, say so before
+    anything is written, naming the flags that turn it off."""
+    flags = [f"--{name}" for name in ("compile", "compile_loss") if getattr(args, name, False)]
+    if not flags or torch.cuda.is_available():
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.exc import InvalidCxxCompiler
+    except ImportError:
+        return  # a torch without this check: its compile reports for itself
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler as err:
+        raise InputError(f"{' and '.join(flags)} {'need' if len(flags) > 1 else 'needs'} a C++ compiler on a CPU "
+                         f"({first_line(err)}); install one (g++), "
+                         f"or pass {' '.join(flag + ' False' for flag in flags)}") from None
+
+
 def start_run(args: TrainArgs) -> Run:
-    """Check the output and the data, load the data's tokenizer, seed, and make the accelerator."""
+    """Check the compiler, the output and the data, load the data's tokenizer, seed, and make the accelerator."""
     from accelerate.utils import set_seed
 
+    check_compiler(args)
     work_dir = check_output(args)
     meta, train_tokens, val_tokens = load_data(args)
     tokenizer = data_tokenizer(args, meta)
