@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Creates .venv in the repository root and installs the toolkit into it (editable, with the test
-# extra). Idempotent: a second run only checks and returns within seconds.
+# Creates .venv in the repository root and installs the toolkit into it (editable). Idempotent: a
+# second run only checks and returns within seconds.
 #
 #   bash scripts/setup.sh            # then: source .venv/bin/activate
+#   bash scripts/setup.sh --test     # with the test extra too: pytest, and kenlm (compiled from source,
+#                                    # about a minute), which the tests use to read our ARPA files
 #
 # torch is pinned to 2.13.0 where we install it: on a CPU machine that takes the local CPU wheel,
 # whereas an unpinned torch would pull several GB of CUDA packages. Users with GPUs can install
@@ -11,7 +13,13 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 python="${PYTHON:-python3}"
-stamp="$venv/.installed"
+stamp="$venv/.installed" target="$root" modules="torch, transformers, data" what="its dependencies"
+case "${1:-}" in
+    "") ;;
+    --test) stamp="$venv/.installed-test" target="$root[test]" modules="$modules, pytest, kenlm"
+            what="its dependencies and the test extra (kenlm compiles from source, about a minute)" ;;
+    *) echo "error: unknown argument $1; usage: bash scripts/setup.sh [--test]" >&2; exit 2 ;;
+esac
 
 if [ ! -x "$venv/bin/python" ]; then
     echo "setup: creating $venv"
@@ -20,7 +28,7 @@ fi
 py="$venv/bin/python"
 
 # Fast path: nothing changed since the last complete install.
-if [ -f "$stamp" ] && [ "$stamp" -nt "$root/pyproject.toml" ] && "$py" -c "import torch, transformers, kenlm, data" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$stamp" -nt "$root/pyproject.toml" ] && "$py" -c "import $modules" 2>/dev/null; then
     exit 0
 fi
 
@@ -28,7 +36,7 @@ if ! "$py" -c "import torch" 2>/dev/null; then
     echo "setup: installing torch==2.13.0"
     "$py" -m pip install --quiet "torch==2.13.0" 2> >(grep -v "is ignored: it is neither" >&2)
 fi
-echo "setup: installing the toolkit and its dependencies (kenlm compiles from source, about a minute)"
-"$py" -m pip install --quiet -e "$root[test]" 2> >(grep -v "is ignored: it is neither" >&2)
+echo "setup: installing the toolkit and $what"
+"$py" -m pip install --quiet -e "$target" 2> >(grep -v "is ignored: it is neither" >&2)
 touch "$stamp"
 echo "setup: done ($("$py" -c 'import torch; print("torch", torch.__version__)'))"
