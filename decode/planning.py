@@ -249,7 +249,7 @@ def run_plan(run: Path, options) -> Path | None:
     refused instead, by load_plan)."""
     path = Path(run) / "plan.json"
     if not path.is_file():
-        if (options.method == "staged" and str(options.device).split(":")[0] == "cpu"
+        if (options.method == "staged" and torch.device(options.device).type == "cpu"
                 and (tuple(options.widths), options.budget) == (PAPER_WIDTHS, PAPER_BUDGET)):
             print(f"note: no plan in {run}, so staged drafts the paper's tree (--widths {','.join(map(str, PAPER_WIDTHS))} "
                   f"--budget {PAPER_BUDGET}, sized for a GPU: on a CPU it is slower than plain decoding); plan once with "

@@ -76,6 +76,7 @@ def loss_terms(logits: torch.Tensor, windows: torch.Tensor, targets, kd_weight: 
     if isinstance(targets, tuple):
         kd = sparse_divergence(student_logp, *targets, kind)
     else:
+        targets = targets[..., : logits.shape[-1]]  # a hub teacher may pad its embedding matrix
         kd = divergence(student_logp, F.log_softmax(targets / temperature, -1), kind)
     kd = kd * temperature**2
     ce = next_token_loss(logits, windows)
@@ -102,10 +103,7 @@ def distillation_loss(teacher, kd_weight: float, temperature: float, kind: str, 
             windows = batch
             with torch.no_grad(), autocast():
                 targets = forward(windows).logits.float()
-        logits = student(windows).logits.float()
-        if not isinstance(targets, tuple):
-            targets = targets[..., : logits.shape[-1]]  # a hub teacher may pad its embedding matrix
-        loss, kd, ce = terms(logits, windows, targets)
+        loss, kd, ce = terms(student(windows).logits.float(), windows, targets)
         return loss, {"kd": kd.item(), "ce": ce.item()}
 
     return loss_fn
