@@ -133,7 +133,7 @@ class SpeculativeDecoder:
         unknown = sorted(set(options) - names)
         if unknown:
             raise InputError(f"unknown options {unknown}; choose from {', '.join(sorted(names - {'oracle', 'draft', 'ngram'}))}")
-        chosen = DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram), **options)
+        chosen = DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram), **options).check()
         if run is not None and "plan" not in options:
             chosen = replace(chosen, plan=planning.run_plan(run, chosen))
         return cls(chosen)
