@@ -89,9 +89,12 @@ def describe(diff: dict) -> str:
     return f"logit gap {diff['gap']:.3g} outside the {diff['noise']:.3g} it moves across forward sizes: not a near-tie"
 
 
+PROG = "python -m decode.agreement"
+
+
 @exits_on_input_error
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m decode.agreement", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="speculative,tree,staged,ngram", help="comma-separated methods to compare with baseline")
     p.add_argument("--report", type=Path, help="write the per-prompt divergences and totals as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --report file")
@@ -102,11 +105,11 @@ def main(argv=None) -> dict:
     unknown = [m for m in methods if m not in run.METHODS or m == "baseline"]
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(m for m in run.METHODS if m != 'baseline')}")
-    base = run.parse(rest + ["--method", "baseline"])
+    base = run.parse(rest + ["--method", "baseline"], PROG)
     baseline = SpeculativeDecoder(base.options)
     decoders = {}
     for method in methods:
-        decoders[method] = SpeculativeDecoder(run.parse(rest + ["--method", method]).options)
+        decoders[method] = SpeculativeDecoder(run.parse(rest + ["--method", method], PROG).options)
     for dec in [baseline, *decoders.values()]:
         dec.use(base.sampling)
     prompts = run.encode_prompts(base, [baseline, *decoders.values()])

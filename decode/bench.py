@@ -33,17 +33,18 @@ OURS = ("baseline", "speculative", "tree", "staged", "staged-paper", "ngram", "l
 PEERS = ("hf-generate", "hf-assisted", "hf-lookup")
 DEFAULT_METHODS = "baseline,speculative,tree,staged,staged-paper,ngram,lookup,hf-generate,hf-assisted,hf-lookup"
 WARMUP_TOKENS = 16
+PROG = "python -m decode.bench"
 
 
 def build_methods(names: list[str], rest: list[str]) -> tuple[dict, list, run.Settings]:
     """A decoder per method (each with its own models and caches), our SpeculativeDecoders, and the baseline's settings."""
-    base = run.parse(rest + ["--method", "baseline"])
+    base = run.parse(rest + ["--method", "baseline"], PROG)
     decoders, ours = {}, []
     for name in names:
         if name in PEERS:
             continue
         extra = ["--method", "staged", "--no-plan"] if name == "staged-paper" else ["--method", name]
-        dec = SpeculativeDecoder(run.parse(rest + extra).options)
+        dec = SpeculativeDecoder(run.parse(rest + extra, PROG).options)
         dec.use(base.sampling)
         decoders[name] = dec.decoder
         ours.append(dec)
@@ -182,7 +183,7 @@ def plot(summary: dict[str, dict], path: Path, title: str, overwrite: bool) -> N
 
 @exits_on_input_error
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m decode.bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 epilog="Every other flag is decode.run's (--run, --prompts, --limit, --max-new-tokens, "
                                        "--temperature, --top-k, --budget, --widths, --dtype, ...).")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {', '.join(OURS + PEERS)}")

@@ -120,6 +120,16 @@ def test_bench_rejects_unknown_methods(models, tmp_path, capsys):
     assert exit_.value.code == 2 and "unknown methods ['medusa']" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["bench", "agreement"])
+def test_a_bad_decoding_flag_is_reported_by_the_command_that_was_run(models, tmp_path, capsys, command):
+    from decode import agreement
+
+    with pytest.raises(SystemExit) as exit_:
+        {"bench": bench, "agreement": agreement}[command].main(bench_args(models, tmp_path, "--device", "gpu"))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"python -m decode.{command}: error: unknown --device 'gpu'" in err
+
+
 def test_forward_costs_are_measured_once_per_model_and_device(models, cost_cache):
     oracle = GPT2Engine.load(models["oracle"])
     table, cached = costs.measured_costs(models["oracle"], oracle, "float32")
