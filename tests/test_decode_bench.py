@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from decode import bench, costs, generate, peers, profile_step, report
+from decode import agreement, bench, costs, generate, peers, profile_step, report
 from decode.api import Decoder
 from decode.engine import GPT2Engine
 from decode_models import run_models
@@ -122,8 +122,6 @@ def test_bench_rejects_unknown_methods(models, tmp_path, capsys):
 
 @pytest.mark.parametrize("command", ["bench", "agreement"])
 def test_a_bad_decoding_flag_is_reported_by_the_command_that_was_run(models, tmp_path, capsys, command):
-    from decode import agreement
-
     with pytest.raises(SystemExit) as exit_:
         {"bench": bench, "agreement": agreement}[command].main(bench_args(models, tmp_path, "--device", "gpu"))
     err = capsys.readouterr().err
