@@ -256,12 +256,14 @@ class ShapedTreeDrafter(ModelDrafter):
 
 
 class TrigramTrees:
-    """The trigram's tree below a context, `widths[d]` children per node at depth d. A tree depends
-    only on the last two tokens, so each is built once (a level per batched lookup) and remembered,
-    up to `size` of them: code repeats its contexts. Callers get a copy to grow."""
+    """The trigram's tree below a context, `widths[d]` children per node at depth d. Every such tree has
+    the same shape (the table keeps at least max(widths) successors of every context), so a context's tree
+    is its tokens and probabilities, a level per batched lookup, laid on the shape. A tree depends only on
+    the last two tokens, so each is built once and remembered, up to `size` of them: code repeats its
+    contexts. Callers get a copy to grow."""
 
     def __init__(self, table, widths, size: int = 1 << 14):
-        self.table, self.widths, self.size, self.built = table, list(widths), size, {}
+        self.table, self.widths, self.size, self.built, self.shapes = table, list(widths), size, {}, {}
 
     def __call__(self, tokens: list[int], max_depth: int) -> tuple[Tree, list[float]]:
         """The tree below tokens[-1] (at most `max_depth` levels) and each node's trigram probability
@@ -271,19 +273,28 @@ class TrigramTrees:
             if len(self.built) >= self.size:
                 self.built.clear()
             self.built[key] = self.build(*key)
-        tree, probs = self.built[key]
-        return tree.copy(), probs
+        node_tokens, probs = self.built[key]
+        return self.shape(key[2]).copy(node_tokens), probs
 
-    def build(self, before_root: int, root: int, depth: int) -> tuple[Tree, list[float]]:
-        tree, probs = Tree.rooted(root), [1.0]
-        level, u = [0], [before_root]
+    def shape(self, depth: int) -> Tree:
+        """The shape of every tree `depth` levels deep: nodes level by level, each parent's children by rank."""
+        if depth not in self.shapes:
+            tree, level = Tree.rooted(0), [0]
+            for width in self.widths[:depth]:
+                level = tree.add_level([n for n in level for _ in range(width)], [0] * (len(level) * width))
+            self.shapes[depth] = tree
+        return self.shapes[depth]
+
+    def build(self, before_root: int, root: int, depth: int) -> tuple[list[int], list[float]]:
+        """The tokens and probabilities of the tree's nodes, in the shape's order."""
+        tokens, probs = [root], [1.0]
+        u, v = np.array([before_root]), np.array([root])
         for width in self.widths[:depth]:
-            v = [tree.tokens[n] for n in level]
-            successors, successor_probs = self.table.lookup(np.array(u), np.array(v))
-            u = [token for token in v for _ in range(width)]
-            level = tree.add_level([n for n in level for _ in range(width)], successors[:, :width].reshape(-1).tolist())
+            successors, successor_probs = self.table.lookup(u, v)
+            u, v = np.repeat(v, width), successors[:, :width].reshape(-1)
+            tokens += v.tolist()
             probs += successor_probs[:, :width].reshape(-1).tolist()
-        return tree, probs
+        return tokens, probs
 
 
 class StagedDrafter(ModelDrafter):

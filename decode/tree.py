@@ -42,8 +42,9 @@ class Tree:
     def rooted(cls, token: int) -> "Tree":
         return cls([token], [-1], [0], [[]], [1])
 
-    def copy(self) -> "Tree":
-        return Tree(self.tokens[:], self.parents[:], self.depths[:], [c[:] for c in self.children], self.lineage[:],
+    def copy(self, tokens: list[int] | None = None) -> "Tree":
+        """A copy to grow; with `tokens`, a tree of this shape that holds them instead."""
+        return Tree(list(self.tokens if tokens is None else tokens), self.parents[:], self.depths[:], [c[:] for c in self.children], self.lineage[:],
                     dict(self.child_dists))
 
     def __len__(self) -> int:
