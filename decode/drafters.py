@@ -14,6 +14,8 @@ the step's first forward feeds them together with the first tree nodes, so a sta
 draft call. `accept` commits them and the accepted nodes the draft scored.
 """
 
+import math
+
 import numpy as np
 import torch
 
@@ -91,23 +93,35 @@ class DraftModel:
         self.model.commit(keep)
 
 
-def ranking_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """What the drafters rank continuations by: the processed distribution, or the plain softmax when
-    greedy (a point mass would rank only one child). Every backend returns float32 logits: no conversion call."""
-    return logits.softmax(-1) if sampling.greedy else sampling.probs(logits)
+def ranking_scores(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """What the drafters rank continuations by, a row per scored node: the processed distribution when
+    sampling, the logits themselves when greedy (a point mass would rank only one child). A greedy child's
+    weight is then `relative`: its probability over its likeliest sibling's, which needs no pass of exp over
+    the vocabulary (a softmax over 20-40 rows of 8192 logits was the largest piece of a staged step's time
+    around the forwards on a CPU). The ranking decides only what is proposed, never what is accepted."""
+    return logits if sampling.greedy else sampling.probs(logits)
 
 
-def ranked_children(probs: torch.Tensor, tree: Tree, k: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
-    """From the draft's ranking distribution after every node of `tree` (`probs`, a row per node): each node's
-    probability given its parent (the root's: 1), and each node's `k` likeliest children and their
-    probabilities. One argmax (or top-k), one gather and one transfer: right after the draft's forward,
-    each torch call costs tens of microseconds on a CPU."""
-    n, vocab = probs.shape
-    best = [[token] for token in row_argmax(probs)] if k == 1 else probs.topk(k).indices.tolist()
+def relative(values: list[float], best: float) -> list[float]:
+    """Greedy ranking weights from logits (`ranking_scores`): exp(logit - the row's best logit)."""
+    return [math.exp(v - best) for v in values]
+
+
+def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """From the draft's ranking scores after every node of `tree` (`ranking_scores`, a row per node): each
+    node's weight given its parent (the root's: 1), and each node's `k` best children and their weights.
+    One argmax (or top-k), one gather and one transfer: right after the draft's forward, each torch call
+    costs tens of microseconds on a CPU."""
+    n, vocab = scores.shape
+    best = [[token] for token in row_argmax(scores)] if k == 1 else scores.topk(k).indices.tolist()
     flat = [parent * vocab + token for parent, token in zip(tree.parents[1:], tree.tokens[1:])]
     flat += [node * vocab + token for node, tokens in enumerate(best) for token in tokens]
-    values = probs.take(long_tensor(flat, probs.device)).tolist()
-    return [1.0] + values[: n - 1], best, [values[n - 1 + i * k : n - 1 + (i + 1) * k] for i in range(n)]
+    values = scores.take(long_tensor(flat, scores.device)).tolist()
+    edges, rows = values[: n - 1], [values[n - 1 + i * k : n - 1 + (i + 1) * k] for i in range(n)]
+    if greedy:  # each row's best value comes first
+        edges = [math.exp(v - rows[parent][0]) for parent, v in zip(tree.parents[1:], edges)]
+        rows = [relative(row, row[0]) for row in rows]
+    return [1.0] + edges, best, rows
 
 
 def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generator) -> tuple[list[list[int]], torch.Tensor]:
@@ -193,9 +207,9 @@ class TreeDrafter(ModelDrafter):
                     tree.add(node, token)
                     cumulative.append(cumulative[node] * float(row[token]))
             return
-        top = ranking_probs(logits, self.sampling).topk(self.branch)
+        top = ranking_scores(logits, self.sampling).topk(self.branch)
         for node, values, tokens in zip(nodes, top.values.tolist(), top.indices.tolist()):
-            for p, token in zip(values, tokens):
+            for p, token in zip(relative(values, values[0]) if self.sampling.greedy else values, tokens):
                 tree.add(node, token)
                 cumulative.append(cumulative[node] * p)
 
@@ -367,7 +381,8 @@ class StagedDrafter(ModelDrafter):
         logits = self.draft.score(tree, list(range(n)))  # row i: after node i
         if self.sampled_children:
             return self.sampled_tree(tree, logits, max_depth, generator)
-        edges, best, best_probs = ranked_children(ranking_probs(logits, self.sampling), tree, self.draft_children or 1)
+        edges, best, best_probs = ranked_children(ranking_scores(logits, self.sampling), tree, self.draft_children or 1,
+                                                  self.sampling.greedy)
         cumulative = tree.cumulative(edges)
         leaf_parents, leaf_tokens, leaf_probs = self.draft_leaves(tree, best, best_probs, max_depth)
         candidates = cumulative + [cumulative[parent] * p for parent, p in zip(leaf_parents, leaf_probs)]

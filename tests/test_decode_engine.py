@@ -159,10 +159,16 @@ def test_ranked_children_reads_each_edge_and_each_nodes_best_children_from_the_d
     probs = torch.rand(4, 10, generator=torch.Generator().manual_seed(0)).softmax(-1)
     tree = Tree.rooted(3)
     tree.add_level([0, 0, 1], [5, 7, 2])
-    edges, best, best_probs = ranked_children(probs, tree, k)
+    edges, best, best_probs = ranked_children(probs, tree, k, greedy=False)
     assert edges == pytest.approx([1.0, float(probs[0, 5]), float(probs[0, 7]), float(probs[1, 2])])
     top = probs.topk(k)
     assert best == top.indices.tolist() and torch.allclose(torch.tensor(best_probs), top.values)
+    # greedy: ranked by the logits, each weight a probability over the likeliest sibling's, with no softmax
+    edges, best, weights = ranked_children(probs.log() + 3.0, tree, k, greedy=True)
+    ratio = probs / probs.max(-1, keepdim=True).values
+    assert edges == pytest.approx([1.0, float(ratio[0, 5]), float(ratio[0, 7]), float(ratio[1, 2])], rel=1e-5)
+    assert best == top.indices.tolist() and torch.allclose(torch.tensor(weights), ratio.topk(k).values)
+    assert all(row[0] == 1.0 for row in weights)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # numpy's rows on CPU in float32, torch's else
