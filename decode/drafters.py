@@ -335,21 +335,21 @@ class StagedDrafter(ModelDrafter):
         if self.context is not None:
             self.context.reset()
 
-    def draft_leaves(self, tree: Tree, tokens: list[list[int]], probs: list[list[float]],
+    def draft_leaves(self, tree: Tree, tokens: list[list[int]], weights: list[list[float]],
                      max_depth: int) -> tuple[list[int], list[int], list[float]]:
         """The draft's best children (`ranked_children`) of every node above `max_depth` that the trigram
-        did not propose: (parents, tokens, probabilities)."""
-        parents, leaf_tokens, leaf_probs = [], [], []
+        did not propose: (parents, tokens, weights)."""
+        parents, leaf_tokens, leaf_weights = [], [], []
         for node in range(len(tree)):
             if tree.depths[node] >= max_depth:
                 continue
             taken = {tree.tokens[c] for c in tree.children[node]}
-            for token, p in zip(tokens[node], probs[node]):
+            for token, w in zip(tokens[node], weights[node]):
                 if token not in taken:
                     parents.append(node)
                     leaf_tokens.append(token)
-                    leaf_probs.append(p)
-        return parents, leaf_tokens, leaf_probs
+                    leaf_weights.append(w)
+        return parents, leaf_tokens, leaf_weights
 
     def sampled_tree(self, tree: Tree, logits: torch.Tensor, max_depth: int, generator) -> Tree:
         """When sampling: `draft_children` independent draws from the draft's q below the root and below
@@ -381,11 +381,11 @@ class StagedDrafter(ModelDrafter):
         logits = self.draft.score(tree, list(range(n)))  # row i: after node i
         if self.sampled_children:
             return self.sampled_tree(tree, logits, max_depth, generator)
-        edges, best, best_probs = ranked_children(ranking_scores(logits, self.sampling), tree, self.draft_children or 1,
-                                                  self.sampling.greedy)
+        edges, best, best_weights = ranked_children(ranking_scores(logits, self.sampling), tree, self.draft_children or 1,
+                                                    self.sampling.greedy)
         cumulative = tree.cumulative(edges)
-        leaf_parents, leaf_tokens, leaf_probs = self.draft_leaves(tree, best, best_probs, max_depth)
-        candidates = cumulative + [cumulative[parent] * p for parent, p in zip(leaf_parents, leaf_probs)]
+        leaf_parents, leaf_tokens, leaf_weights = self.draft_leaves(tree, best, best_weights, max_depth)
+        candidates = cumulative + [cumulative[parent] * w for parent, w in zip(leaf_parents, leaf_weights)]
         if copied:  # the context's continuations go first, with the root above them
             for node in copied | {0}:
                 candidates[node] += 1.0

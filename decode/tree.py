@@ -44,8 +44,8 @@ class Tree:
 
     def copy(self, tokens: list[int] | None = None) -> "Tree":
         """A copy to grow; with `tokens`, a tree of this shape that holds them instead."""
-        return Tree(list(self.tokens if tokens is None else tokens), self.parents[:], self.depths[:], [c[:] for c in self.children], self.lineage[:],
-                    dict(self.child_dists))
+        return Tree(list(self.tokens if tokens is None else tokens), self.parents[:], self.depths[:],
+                    [c[:] for c in self.children], self.lineage[:], dict(self.child_dists))
 
     def __len__(self) -> int:
         return len(self.tokens)
