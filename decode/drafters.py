@@ -15,6 +15,7 @@ draft call. `accept` commits them and the accepted nodes the draft scored.
 """
 
 import math
+from typing import Callable
 
 import numpy as np
 import torch
@@ -23,6 +24,15 @@ from decode.cached_lm import CachedLM, long_tensor
 from decode.lookup import ContextIndex
 from decode.sampling import Sampling, row_argmax
 from decode.tree import Tree, rows_mask
+
+
+def remember(memo: dict, key, make: Callable, size: int):
+    """memo[key], made once by `make()`; a memo that holds `size` entries is emptied first."""
+    if key not in memo:
+        if len(memo) >= size:
+            memo.clear()
+        memo[key] = make()
+    return memo[key]
 
 
 class DraftModel:
@@ -74,12 +84,7 @@ class DraftModel:
 
     def mask(self, rows: list[int], width: int) -> torch.Tensor:
         """The pending slots' and new nodes' mask (bit j of rows[i]: row i sees slot j), remembered."""
-        key = (tuple(rows), width)
-        if key not in self.masks:
-            if len(self.masks) >= 1 << 12:
-                self.masks.clear()
-            self.masks[key] = rows_mask(rows, width, self.model.device)
-        return self.masks[key]
+        return remember(self.masks, (tuple(rows), width), lambda: rows_mask(rows, width, self.model.device), 1 << 12)
 
     def accept(self, tree_path: list[int]) -> None:
         """Commit the unseen tokens and the accepted nodes the draft has scored (a prefix of the path)."""
@@ -274,21 +279,41 @@ class TrigramTrees:
     the same shape (the table keeps at least max(widths) successors of every context), so a context's tree
     is its tokens and probabilities, a level per batched lookup, laid on the shape. A tree depends only on
     the last two tokens, so each is built once and remembered, up to `size` of them: code repeats its
-    contexts. Callers get a copy to grow."""
+    contexts. Callers get a copy to grow; `best`, the trigram's own selection, is remembered too."""
 
     def __init__(self, table, widths, size: int = 1 << 14):
-        self.table, self.widths, self.size, self.built, self.shapes = table, list(widths), size, {}, {}
+        self.table, self.widths, self.size, self.shapes = table, list(widths), size, {}
+        self.built, self.selected = {}, {}
+
+    def forget(self) -> None:
+        """Drop every remembered tree: drafting then costs what it does in a new decoder."""
+        self.built.clear()
+        self.selected.clear()
 
     def __call__(self, tokens: list[int], max_depth: int) -> tuple[Tree, list[float]]:
         """The tree below tokens[-1] (at most `max_depth` levels) and each node's trigram probability
         given its parent (the root's: 1)."""
-        key = (tokens[-2] if len(tokens) > 1 else self.table.bos, tokens[-1], min(max_depth, len(self.widths)))
-        if key not in self.built:
-            if len(self.built) >= self.size:
-                self.built.clear()
-            self.built[key] = self.build(*key)
-        node_tokens, probs = self.built[key]
+        key = self.key(tokens, max_depth)
+        node_tokens, probs = self.remembered(key)
         return self.shape(key[2]).copy(node_tokens), probs
+
+    def best(self, tokens: list[int], max_depth: int, budget: int) -> Tree:
+        """The `budget` nodes of that tree of highest cumulative trigram probability (`best_first`),
+        likeliest path first (`Tree.subtree`); remembered, and shared: callers must not grow it."""
+        key = self.key(tokens, max_depth)
+        return remember(self.selected, key + (budget,), lambda: self.select(key, budget), self.size)
+
+    def select(self, key: tuple[int, int, int], budget: int) -> Tree:
+        node_tokens, probs = self.remembered(key)
+        shape = self.shape(key[2])
+        cumulative = shape.cumulative(probs)
+        return shape.holding(node_tokens).subtree(best_first(cumulative, budget), cumulative)[0]
+
+    def key(self, tokens: list[int], max_depth: int) -> tuple[int, int, int]:
+        return tokens[-2] if len(tokens) > 1 else self.table.bos, tokens[-1], min(max_depth, len(self.widths))
+
+    def remembered(self, key: tuple[int, int, int]) -> tuple[list[int], list[float]]:
+        return remember(self.built, key, lambda: self.build(*key), self.size)
 
     def shape(self, depth: int) -> Tree:
         """The shape of every tree `depth` levels deep: nodes level by level, each parent's children by rank."""
@@ -417,9 +442,7 @@ class NgramDrafter(ModelFreeDrafter):
         self.trigram, self.budget = TrigramTrees(table, widths), budget
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
-        tree, probs = self.trigram(tokens, max_depth)
-        cumulative = tree.cumulative(probs)
-        return tree.subtree(best_first(cumulative, self.budget), cumulative)[0]
+        return self.trigram.best(tokens, max_depth, self.budget)
 
 
 class LookupDrafter(ModelFreeDrafter):

@@ -202,7 +202,7 @@ def replay(drafter, sequences: list[tuple[list[int], list[int]]]) -> Replay:
 def forget(drafter) -> None:
     """Drop the trigram trees a drafter remembers: its drafting time then starts where a new decoder's does."""
     if hasattr(drafter, "trigram"):
-        drafter.trigram.built.clear()
+        drafter.trigram.forget()
 
 
 def predict(replayed: Replay, oracle_ms: torch.Tensor, loop_ms: float, prefill_ms: float,

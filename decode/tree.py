@@ -47,6 +47,10 @@ class Tree:
         return Tree(list(self.tokens if tokens is None else tokens), self.parents[:], self.depths[:],
                     [c[:] for c in self.children], self.lineage[:], dict(self.child_dists))
 
+    def holding(self, tokens: list[int]) -> "Tree":
+        """A tree of this shape that holds `tokens`, sharing the shape's lists: to read, never to grow."""
+        return Tree(tokens, self.parents, self.depths, self.children, self.lineage)
+
     def __len__(self) -> int:
         return len(self.tokens)
 

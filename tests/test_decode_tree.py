@@ -144,6 +144,25 @@ def test_trigram_trees_hold_each_levels_top_successors_and_are_remembered_unchan
     assert len(trees([9, 17], 2)[0]) == 1 + 3 + 6  # capped at the depth left
 
 
+def test_ngram_selection_is_the_likeliest_nodes_remembered_per_context(models):
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    trees = TrigramTrees(table, [3, 2, 1])
+    best = trees.best([4, 9, 17], 10, budget=5)
+    tree, probs = trees([4, 9, 17], 10)
+    cumulative = tree.cumulative(probs)
+    top = sorted(range(len(tree)), key=lambda n: -cumulative[n])[:5]  # a child never beats its parent: ancestor-closed
+    spelled = lambda t, nodes: sorted(tuple(t.tokens[n] for n in t.path(node)) for node in nodes)
+    assert len(best) == 5 and spelled(best, range(5)) == spelled(tree, top)
+    path, node = [tree.tokens[0]], 0  # the likeliest path: from the root, the chosen child of highest probability
+    while chosen := [c for c in tree.children[node] if c in top]:
+        node = max(chosen, key=lambda c: cumulative[c])
+        path.append(tree.tokens[node])
+    assert best.tokens[: len(path)] == path and best.parents[1 : len(path)] == list(range(len(path) - 1))
+    assert trees.best([1, 9, 17], 10, budget=5) is best  # same last two tokens: the remembered selection
+    trees.forget()
+    assert not trees.built and trees.best([1, 9, 17], 10, budget=5) is not best
+
+
 def test_staged_sampled_children_are_draws_that_grow_only_where_the_draft_scored(models):
     draft = GPT2Engine.load(models["good"])
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
