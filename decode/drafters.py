@@ -307,7 +307,7 @@ class TrigramTrees:
         node_tokens, probs = self.remembered(key)
         shape = self.shape(key[2])
         cumulative = shape.cumulative(probs)
-        return shape.holding(node_tokens).subtree(best_first(cumulative, budget), cumulative)[0]
+        return Tree.chosen(node_tokens, shape.parents, best_first(cumulative, budget), cumulative)[0]
 
     def key(self, tokens: list[int], max_depth: int) -> tuple[int, int, int]:
         return tokens[-2] if len(tokens) > 1 else self.table.bos, tokens[-1], min(max_depth, len(self.widths))
@@ -414,11 +414,8 @@ class StagedDrafter(ModelDrafter):
         if copied:  # the context's continuations go first, with the root above them
             for node in copied | {0}:
                 candidates[node] += 1.0
-        chosen = best_first(candidates, self.budget)
-        leaves = [i - n for i in chosen if i >= n]
-        added = tree.add_level([leaf_parents[i] for i in leaves], [leaf_tokens[i] for i in leaves])
-        scores = candidates[:n] + [candidates[n + i] for i in leaves]  # by tree node
-        tree, self.kept = tree.subtree([i for i in chosen if i < n] + list(added), scores)
+        chosen = best_first(candidates, self.budget)  # candidate n + i is the draft's leaf i
+        tree, self.kept = Tree.chosen(tree.tokens + leaf_tokens, tree.parents + leaf_parents, chosen, candidates)
         return tree
 
 

@@ -47,10 +47,6 @@ class Tree:
         return Tree(list(self.tokens if tokens is None else tokens), self.parents[:], self.depths[:],
                     [c[:] for c in self.children], self.lineage[:], dict(self.child_dists))
 
-    def holding(self, tokens: list[int]) -> "Tree":
-        """A tree of this shape that holds `tokens`, sharing the shape's lists: to read, never to grow."""
-        return Tree(tokens, self.parents, self.depths, self.children, self.lineage)
-
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -111,16 +107,28 @@ class Tree:
         depth first with each node's children by descending `scores` (default: in their order), so the
         likeliest path is nodes 0, 1, 2, ...: when the oracle accepts it, its cache slots are already in place.
         Returns the tree and, for each new node, its old index."""
-        chosen, keep, stack = set(nodes), [], [0]
+        tree, keep = Tree.chosen(self.tokens, self.parents, nodes, scores)
+        tree.child_dists = {new: self.child_dists[old] for new, old in enumerate(keep) if old in self.child_dists}
+        return tree, keep
+
+    @staticmethod
+    def chosen(tokens: list[int], parents: list[int], nodes, scores=None) -> tuple["Tree", list[int]]:
+        """`subtree` of the tree that node i's token and parent, tokens[i] and parents[i], describe: a
+        drafter's candidates can be chosen from without first being added to a tree."""
+        below = {}
+        for node in sorted(nodes)[1:]:  # children in their order, as `add` numbered them
+            below.setdefault(parents[node], []).append(node)
+        keep, stack = [], [0]
         while stack:
             node = stack.pop()
             keep.append(node)
-            below = [c for c in self.children[node] if c in chosen]
-            if scores is not None:
-                below.sort(key=scores.__getitem__, reverse=True)  # stable: ties keep their order, as in best_first
-            stack += reversed(below)
+            if node in below:
+                children = below[node]
+                if scores is not None:
+                    children.sort(key=scores.__getitem__, reverse=True)  # stable: ties keep their order, as in best_first
+                stack += reversed(children)
         new_index = {old: new for new, old in enumerate(keep)}
-        tree = Tree.rooted(self.tokens[0])
-        tree.add_level([new_index[self.parents[old]] for old in keep[1:]], [self.tokens[old] for old in keep[1:]])
-        tree.child_dists = {new_index[o]: d for o, d in self.child_dists.items() if o in new_index}
+        tree = Tree.rooted(tokens[0])
+        for old in keep[1:]:
+            tree.add(new_index[parents[old]], tokens[old])
         return tree, keep

@@ -47,6 +47,18 @@ def test_subtree_numbers_depth_first_with_the_best_child_first():
     assert sub.path(2) == [0, 1, 2]  # the likeliest path occupies the first slots: committing it moves nothing
 
 
+def test_candidates_are_chosen_without_being_added_to_a_tree():
+    tree = example_tree()  # candidates 6, 7, 8: leaves below nodes 4, 0 and 5, not added to the tree
+    tokens, parents = tree.tokens + [21, 22, 23], tree.parents + [4, 0, 5]
+    scores = [1.0, 0.3, 0.6, 0.2, 0.1, 0.5, 0.05, 0.7, 0.4]
+    chosen, kept = Tree.chosen(tokens, parents, [8, 0, 2, 7, 5, 1], scores)
+    assert kept == [0, 7, 2, 5, 8, 1]  # depth first, the likelier child first: 22 (0.7), then 9 (0.6) -> 2 -> 23, then 7
+    assert chosen.tokens == [5, 22, 9, 2, 23, 7] and chosen.parents == [-1, 0, 0, 2, 3, 0]
+    assert chosen.depths == [0, 1, 1, 2, 3, 1] and chosen.children == [[1, 2, 5], [], [3], [4], [], []]
+    for node in range(len(chosen)):
+        assert set(chosen.mask()[node].nonzero().flatten().tolist()) == set(chosen.path(node))
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tree")
