@@ -112,15 +112,21 @@ def relative(values: list[float], best: float) -> list[float]:
     return [math.exp(v - best) for v in values]
 
 
-def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool) -> tuple[list[float], list[list[int]], list[list[float]]]:
-    """From the draft's ranking scores after every node of `tree` (`ranking_scores`, a row per node): each
-    node's weight given its parent (the root's: 1), and each node's `k` best children and their weights.
-    One argmax (or top-k), one gather and one transfer: right after the draft's forward, each torch call
-    costs tens of microseconds on a CPU."""
+def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
+                    order: list[int] | None = None) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """From the draft's ranking scores after every node of `tree` (`ranking_scores`, a row per node, row i
+    after node `order[i]`, by default node i): each node's weight given its parent (the root's: 1), and each
+    node's `k` best children and their weights. One argmax (or top-k), one gather and one transfer: right
+    after the draft's forward, each torch call costs tens of microseconds on a CPU."""
     n, vocab = scores.shape
     best = [[token] for token in row_argmax(scores)] if k == 1 else scores.topk(k).indices.tolist()
-    flat = [parent * vocab + token for parent, token in zip(tree.parents[1:], tree.tokens[1:])]
-    flat += [node * vocab + token for node, tokens in enumerate(best) for token in tokens]
+    row = list(range(n))
+    if order is not None:
+        best = [best[i] for i in sorted(row, key=order.__getitem__)]  # by node
+        for i, node in enumerate(order):
+            row[node] = i
+    flat = [row[parent] * vocab + token for parent, token in zip(tree.parents[1:], tree.tokens[1:])]
+    flat += [row[node] * vocab + token for node, tokens in enumerate(best) for token in tokens]
     values = scores.take(long_tensor(flat, scores.device)).tolist()
     edges, rows = values[: n - 1], [values[n - 1 + i * k : n - 1 + (i + 1) * k] for i in range(n)]
     if greedy:  # each row's best value comes first
@@ -403,11 +409,13 @@ class StagedDrafter(ModelDrafter):
         max_depth = min(max_depth, self.depth)
         copied = self.context.graft(tree, tokens, max_depth) if self.context is not None else set()
         n = len(tree)
-        logits = self.draft.score(tree, list(range(n)))  # row i: after node i
         if self.sampled_children:
-            return self.sampled_tree(tree, logits, max_depth, generator)
+            return self.sampled_tree(tree, self.draft.score(tree, list(range(n))), max_depth, generator)
+        # The copied continuation, likeliest to be accepted, takes the draft's first slots: accepted, it is in place.
+        order = [0] + sorted(copied) + [node for node in range(1, n) if node not in copied]
+        logits = self.draft.score(tree, order)
         edges, best, best_weights = ranked_children(ranking_scores(logits, self.sampling), tree, self.draft_children or 1,
-                                                    self.sampling.greedy)
+                                                    self.sampling.greedy, order)
         cumulative = tree.cumulative(edges)
         leaf_parents, leaf_tokens, leaf_weights = self.draft_leaves(tree, best, best_weights, max_depth)
         candidates = cumulative + [cumulative[parent] * w for parent, w in zip(leaf_parents, leaf_weights)]

@@ -169,6 +169,9 @@ def test_ranked_children_reads_each_edge_and_each_nodes_best_children_from_the_d
     assert edges == pytest.approx([1.0, float(ratio[0, 5]), float(ratio[0, 7]), float(ratio[1, 2])], rel=1e-5)
     assert best == top.indices.tolist() and torch.allclose(torch.tensor(weights), ratio.topk(k).values)
     assert all(row[0] == 1.0 for row in weights)
+    order = [0, 3, 1, 2]  # the draft scored node 3 second: row i is after node order[i]
+    assert ranked_children(probs[order], tree, k, greedy=False, order=order) == ranked_children(probs, tree, k, greedy=False)
+    assert ranked_children(probs[order].log(), tree, k, True, order) == ranked_children(probs.log(), tree, k, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # numpy's rows on CPU in float32, torch's else
