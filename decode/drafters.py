@@ -120,11 +120,11 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
     after the draft's forward, each torch call costs tens of microseconds on a CPU."""
     n, vocab = scores.shape
     best = [[token] for token in row_argmax(scores)] if k == 1 else scores.topk(k).indices.tolist()
-    row = list(range(n))
+    row = list(range(n))  # node -> its row
     if order is not None:
-        best = [best[i] for i in sorted(row, key=order.__getitem__)]  # by node
         for i, node in enumerate(order):
             row[node] = i
+        best = [best[row[node]] for node in range(n)]
     flat = [row[parent] * vocab + token for parent, token in zip(tree.parents[1:], tree.tokens[1:])]
     flat += [row[node] * vocab + token for node, tokens in enumerate(best) for token in tokens]
     values = scores.take(long_tensor(flat, scores.device)).tolist()
