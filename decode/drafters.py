@@ -20,10 +20,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from decode.cached_lm import CachedLM, long_tensor
+from decode.cached_lm import CachedLM, long_tensor, on
 from decode.lookup import ContextIndex
-from decode.sampling import Sampling, row_argmax
+from decode.sampling import Sampling, row_argmax, top_tokens
 from decode.tree import Tree, rows_mask
+
+
+ARRAY_NODES = 128  # trees (and candidate lists) past this size are ranked by array code, smaller ones in Python lists
 
 
 def remember(memo: dict, key, make: Callable, size: int):
@@ -117,8 +120,11 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
     """From the draft's ranking scores after every node of `tree` (`ranking_scores`, a row per node, row i
     after node `order[i]`, by default node i): each node's weight given its parent (the root's: 1), and each
     node's `k` best children and their weights. One argmax (or top-k), one gather and one transfer: right
-    after the draft's forward, each torch call costs tens of microseconds on a CPU."""
+    after the draft's forward, each torch call costs tens of microseconds on a CPU. Trees of more than
+    ARRAY_NODES nodes take `ranked_children_arrays`."""
     n, vocab = scores.shape
+    if n > ARRAY_NODES:
+        return ranked_children_arrays(scores, tree, k, greedy, order)
     best = [[token] for token in row_argmax(scores)] if k == 1 else scores.topk(k).indices.tolist()
     row = list(range(n))  # node -> its row
     if order is not None:
@@ -135,6 +141,24 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
     return [1.0] + edges, best, rows
 
 
+def ranked_children_arrays(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
+                           order: list[int] | None = None) -> tuple[list[float], np.ndarray, np.ndarray]:
+    """`ranked_children` as array code (what runs per node in Python there runs per tree here), the best
+    children and their weights as (n, k) arrays."""
+    n, vocab = scores.shape
+    row = np.arange(n)  # node -> its row
+    if order is not None:
+        row[order] = np.arange(n)
+    best = top_tokens(scores, k)[row]
+    parents, tokens = np.array(tree.parents[1:], np.int64), np.array(tree.tokens[1:], np.int64)
+    flat = np.concatenate([row[parents] * vocab + tokens, (row[:, None] * vocab + best).ravel()])
+    values = scores.take(on(torch.from_numpy(flat), scores.device)).float().cpu().numpy().astype(np.float64)
+    edges, rows = values[: n - 1], values[n - 1 :].reshape(n, k)
+    if greedy:  # each row's best value comes first
+        edges, rows = np.exp(edges - rows[parents, 0]), np.exp(rows - rows[:, :1])
+    return [1.0, *edges.tolist()], best, rows
+
+
 def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generator) -> tuple[list[list[int]], torch.Tensor]:
     """`count` independent draws per row from the draft's proposal (Sampling.proposal), and each row's
     proposal over the whole vocabulary, the q that multi-draft rejection checks the draws against."""
@@ -145,8 +169,13 @@ def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generato
 
 def best_first(scores: list[float], budget: int) -> list[int]:
     """The `budget` nodes of highest score (a path probability), in topological order; ancestor-closed
-    because a child never beats its parent (ties go to the earlier node, and parents come first)."""
-    return sorted(sorted(range(len(scores)), key=scores.__getitem__, reverse=True)[:budget])
+    because a child never beats its parent (ties go to the earlier node, and parents come first).
+    Past ARRAY_NODES scores, only those at or above the budget-th are sorted, in numpy."""
+    if len(scores) <= ARRAY_NODES:
+        return sorted(sorted(range(len(scores)), key=scores.__getitem__, reverse=True)[:budget])
+    values = np.array(scores)
+    pool = np.flatnonzero(values >= np.partition(values, -budget)[-budget])
+    return np.sort(pool[np.argsort(-values[pool], kind="stable")[:budget]]).tolist()
 
 
 class ModelDrafter:
@@ -366,10 +395,13 @@ class StagedDrafter(ModelDrafter):
         if self.context is not None:
             self.context.reset()
 
-    def draft_leaves(self, tree: Tree, tokens: list[list[int]], weights: list[list[float]],
+    @staticmethod
+    def draft_leaves(tree: Tree, tokens: list[list[int]], weights: list[list[float]],
                      max_depth: int) -> tuple[list[int], list[int], list[float]]:
         """The draft's best children (`ranked_children`) of every node above `max_depth` that the trigram
-        did not propose: (parents, tokens, weights)."""
+        did not propose: (parents, tokens, weights). Past ARRAY_NODES nodes, in numpy."""
+        if len(tree) > ARRAY_NODES:
+            return StagedDrafter.draft_leaves_arrays(tree, np.asarray(tokens), np.asarray(weights), max_depth)
         parents, leaf_tokens, leaf_weights = [], [], []
         for node in range(len(tree)):
             if tree.depths[node] >= max_depth:
@@ -381,6 +413,17 @@ class StagedDrafter(ModelDrafter):
                     leaf_tokens.append(token)
                     leaf_weights.append(w)
         return parents, leaf_tokens, leaf_weights
+
+    @staticmethod
+    def draft_leaves_arrays(tree: Tree, tokens: np.ndarray, weights: np.ndarray,
+                            max_depth: int) -> tuple[list[int], list[int], list[float]]:
+        above = np.flatnonzero(np.array(tree.depths) < max_depth)
+        parents, tokens, weights = np.repeat(above, tokens.shape[1]), tokens[above].ravel(), weights[above].ravel()
+        vocab = 1 + max(int(tokens.max(initial=0)), max(tree.tokens))
+        keys = parents * vocab + tokens
+        proposed = np.sort(np.array(tree.parents, np.int64) * vocab + np.array(tree.tokens, np.int64))  # the root's first: below every key
+        fresh = proposed[np.searchsorted(proposed, keys, side="right") - 1] != keys  # the largest proposed key <= each
+        return parents[fresh].tolist(), tokens[fresh].tolist(), weights[fresh].tolist()
 
     def sampled_tree(self, tree: Tree, logits: torch.Tensor, max_depth: int, generator) -> Tree:
         """When sampling: `draft_children` independent draws from the draft's q below the root and below

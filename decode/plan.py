@@ -77,10 +77,12 @@ class ForwardLog:
         model.forward = self
 
     def __call__(self, token_ids, position_ids, mask):
+        costs.synchronize(self.model.device)  # CUDA runs kernels asynchronously
         start = time.perf_counter()
         try:
             return self.inner(token_ids, position_ids, mask)
         finally:
+            costs.synchronize(self.model.device)
             self.calls.append((token_ids.numel(), self.model.length + self.model.pending, time.perf_counter() - start))
 
     def remove(self) -> None:
@@ -113,7 +115,7 @@ def loop_costs(decoder, drafters: dict, prompts, max_new_tokens: int, oracle_ms:
     their weights from the caches). Per drafter: the oracle's forward as a multiple of its isolated
     cost for the same node counts (`oracle_ms`), the drafting's ms per step and the rest of a step's
     ms (masks, verification, commits); for "baseline", its baseline_costs."""
-    names, log, watch = ["baseline", *drafters], ForwardLog(decoder.oracle), costs.Stopwatch()
+    names, log, watch = ["baseline", *drafters], ForwardLog(decoder.oracle), costs.Stopwatch(decoder.oracle.device)
     proposes = {name: drafter.propose for name, drafter in drafters.items()}
     for name, drafter in drafters.items():
         planning.forget(drafter)

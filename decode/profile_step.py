@@ -25,7 +25,7 @@ def main(argv=None) -> dict[str, float]:
     dec = SpeculativeDecoder(settings.options)
     dec.use(settings.sampling)
     decoder, prompts = dec.decoder, run.encode_prompts(settings, [dec])
-    watch = costs.Stopwatch()
+    watch = costs.Stopwatch(decoder.oracle.device)
     watch.wrap(decoder.oracle, "forward", "oracle forward")
     if decoder.draft is not None:
         watch.wrap(decoder.draft, "forward", "draft forward")

@@ -4,9 +4,10 @@ Node 0 is the root: the last accepted token, which the models have not seen yet.
 topological order (a parent before its children). A node attends to every cached position and to
 its own ancestors, itself included, and sits at position prefix length + depth.
 
-Trees hold tens of nodes and are built once per step, so they live in Python lists: a torch
-operation costs microseconds of dispatch, a list append a fraction of that. Each node carries its
-ancestors as the bits of a Python integer, unpacked into a mask by one numpy call.
+Trees the oracle scores hold tens of nodes and are built once per step, so they live in Python lists:
+a torch operation costs microseconds of dispatch, a list append a fraction of that. Each node carries
+its ancestors as the bits of a Python integer, unpacked into a mask by one numpy call. What runs over
+every node of a drafter's larger trees (the staged trigram tree: up to 1,441 nodes) is array code.
 """
 from dataclasses import dataclass, field
 
@@ -113,11 +114,11 @@ class Tree:
 
     @staticmethod
     def chosen(tokens: list[int], parents: list[int], nodes, scores=None) -> tuple["Tree", list[int]]:
-        """`subtree` of the tree that node i's token and parent, tokens[i] and parents[i], describe: a
-        drafter's candidates can be chosen from without first being added to a tree."""
+        """`subtree` of the tree that node i's token and parent, tokens[i] and parents[i] (lists or arrays),
+        describe: a drafter's candidates can be chosen from without first being added to a tree."""
         below = {}
         for node in sorted(nodes)[1:]:  # children in their order, as `add` numbered them
-            below.setdefault(parents[node], []).append(node)
+            below.setdefault(int(parents[node]), []).append(node)
         keep, stack = [], [0]
         while stack:
             node = stack.pop()
@@ -130,5 +131,5 @@ class Tree:
         new_index = {old: new for new, old in enumerate(keep)}
         tree = Tree.rooted(tokens[0])
         for old in keep[1:]:
-            tree.add(new_index[parents[old]], tokens[old])
+            tree.add(new_index[int(parents[old])], int(tokens[old]))
         return tree, keep

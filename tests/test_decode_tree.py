@@ -139,6 +139,39 @@ def test_staged_keeps_the_context_continuation_whatever_the_draft_thinks(models)
     assert [tree.tokens[n] for n in chain] == [12, 13, 14, 15, 16] and len(tree) <= 8
 
 
+@pytest.mark.parametrize("context", [False, True])
+@pytest.mark.parametrize("draft_children", [1, 2])
+def test_staged_ranks_large_trees_in_arrays_as_small_ones_in_lists(models, monkeypatch, context, draft_children):
+    """Past ARRAY_NODES the staged selection runs as array code (a paper-sized trigram tree has 1,441 nodes):
+    the same trees, node for node, and the same map to the nodes the draft scored."""
+    from decode import drafters
+
+    draft = GPT2Engine.load(models["good"])
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    proposals = {}
+    for array_nodes in (0, 10**9):
+        monkeypatch.setattr(drafters, "ARRAY_NODES", array_nodes)
+        staged = StagedDrafter(draft, table, Sampling(), budget=12, widths=[4, 3, 2], draft_children=draft_children,
+                               context=LookupDrafter(4) if context else None, depth=4)
+        proposals[array_nodes] = []
+        for tokens in ([4, 9, 17], [11, 12, 13, 14, 15, 16, 11, 12], [30, 31, 30, 31, 30]):
+            staged.reset()
+            tree = staged.propose(tokens, 10, None)
+            proposals[array_nodes].append((tree.tokens, tree.parents, staged.kept))
+    assert proposals[0] == proposals[10**9]
+    assert all(len(tokens) == 12 for tokens, _, _ in proposals[0])
+
+
+def test_best_first_in_arrays_keeps_the_earlier_of_tied_nodes(monkeypatch):
+    from decode import drafters
+
+    scores = np.round(np.random.default_rng(0).random(400), 1).tolist()  # ties at every value
+    expected = sorted(sorted(range(400), key=lambda n: (-scores[n], n))[:30])
+    for array_nodes in (0, 10**9):
+        monkeypatch.setattr(drafters, "ARRAY_NODES", array_nodes)
+        assert drafters.best_first(scores, 30) == expected
+
+
 def test_trigram_trees_hold_each_levels_top_successors_and_are_remembered_unchanged(models):
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
     trees = TrigramTrees(table, [3, 2, 1])
