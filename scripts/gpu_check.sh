@@ -63,10 +63,14 @@ decode)
     done
     step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" --device cuda \
         --dtype bfloat16 --output "$logs/engine.json" --overwrite
-    step plan python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 16 --screen 8 \
-        --project-oracle gpt2-large --overwrite
+    step profile python3 -m decode.profile_step --run "$run" --device cuda --dtype bfloat16 --method staged --limit 4 \
+        --max-new-tokens 128 --no-plan
+    # screening every policy outlasts one command (129 policies at ~4 s each): a smaller search
+    step plan python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 8 --screen 2 \
+        --max-budget 32 --project-oracle gpt2-large --overwrite
     cp "$run/plan.json" "$logs/plan.json" 2>/dev/null
-    step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 20 --max-new-tokens 128 \
+    # 8 prompts: with the transformers peers, 20 took over 4 minutes on an H100 (eighteenth session)
+    step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 8 --max-new-tokens 128 \
         --methods baseline,speculative,tree,staged,staged-paper,ngram,lookup,hf-generate,hf-assisted,hf-lookup \
         --out "$logs/bench.json" --plot "$logs/bench.png" --overwrite
     ;;
