@@ -420,9 +420,9 @@ class StagedDrafter(ModelDrafter):
         above = np.flatnonzero(np.array(tree.depths) < max_depth)
         parents, tokens, weights = np.repeat(above, tokens.shape[1]), tokens[above].ravel(), weights[above].ravel()
         vocab = 1 + max(int(tokens.max(initial=0)), max(tree.tokens))
-        keys = parents * vocab + tokens
-        proposed = np.sort(np.array(tree.parents, np.int64) * vocab + np.array(tree.tokens, np.int64))  # the root's first: below every key
-        fresh = proposed[np.searchsorted(proposed, keys, side="right") - 1] != keys  # the largest proposed key <= each
+        keys = parents * vocab + tokens  # (parent, token) as one number; the trigram's own children likewise:
+        proposed = np.sort(np.array(tree.parents, np.int64) * vocab + np.array(tree.tokens, np.int64))
+        fresh = proposed[np.searchsorted(proposed, keys, side="right") - 1] != keys  # the root's key is below all
         return parents[fresh].tolist(), tokens[fresh].tolist(), weights[fresh].tolist()
 
     def sampled_tree(self, tree: Tree, logits: torch.Tensor, max_depth: int, generator) -> Tree:

@@ -114,11 +114,11 @@ class Tree:
 
     @staticmethod
     def chosen(tokens: list[int], parents: list[int], nodes, scores=None) -> tuple["Tree", list[int]]:
-        """`subtree` of the tree that node i's token and parent, tokens[i] and parents[i] (lists or arrays),
-        describe: a drafter's candidates can be chosen from without first being added to a tree."""
+        """`subtree` of the tree that node i's token and parent, tokens[i] and parents[i], describe: a
+        drafter's candidates can be chosen from without first being added to a tree."""
         below = {}
         for node in sorted(nodes)[1:]:  # children in their order, as `add` numbered them
-            below.setdefault(int(parents[node]), []).append(node)
+            below.setdefault(parents[node], []).append(node)
         keep, stack = [], [0]
         while stack:
             node = stack.pop()
@@ -131,5 +131,5 @@ class Tree:
         new_index = {old: new for new, old in enumerate(keep)}
         tree = Tree.rooted(tokens[0])
         for old in keep[1:]:
-            tree.add(new_index[int(parents[old])], int(tokens[old]))
+            tree.add(new_index[parents[old]], tokens[old])
         return tree, keep
