@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from decode.cached_lm import CachedLM, long_tensor, on
+from decode.cached_lm import CachedLM, long_tensor
 from decode.lookup import ContextIndex
 from decode.sampling import Sampling, row_argmax, top_tokens
 from decode.tree import Tree, rows_mask
@@ -152,7 +152,7 @@ def ranked_children_arrays(scores: torch.Tensor, tree: Tree, k: int, greedy: boo
     best = top_tokens(scores, k)[row]
     parents, tokens = np.array(tree.parents[1:], np.int64), np.array(tree.tokens[1:], np.int64)
     flat = np.concatenate([row[parents] * vocab + tokens, (row[:, None] * vocab + best).ravel()])
-    values = scores.take(on(torch.from_numpy(flat), scores.device)).float().cpu().numpy().astype(np.float64)
+    values = scores.take(long_tensor(flat, scores.device)).float().cpu().numpy().astype(np.float64)
     edges, rows = values[: n - 1], values[n - 1 :].reshape(n, k)
     if greedy:  # each row's best value comes first
         edges, rows = np.exp(edges - rows[parents, 0]), np.exp(rows - rows[:, :1])
