@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import write_corpus
 from data import prepare
-from train import distill_draft, finetune_oracle
+from train import distill_draft, finetune_oracle, teacher_init
 from train.presets import DIVERGENCES
 
 
@@ -381,6 +381,45 @@ def test_unset_bf16_is_measured_once_and_kept_on_resume(run, tmp_path, monkeypat
     assert json.loads((tmp_path / "oracle" / "training_args.json").read_text())["bf16"] is False
 
 
+def test_teacher_layers_at_the_teachers_shape_copy_the_teacher_exactly(run, tmp_path, capsys):
+    """With the identity as the basis and the teacher's shape, the student built from the teacher's embeddings and
+    blocks is the teacher (layer norms folded, heads, q/k/v and MLP units in place); narrower, it is a start
+    whose logits are closer to the teacher's than the embeddings alone give. --teacher_layers needs the embeddings."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    root, _ = run
+    teacher = AutoModelForCausalLM.from_pretrained(root / "oracle").eval()
+    with torch.no_grad():  # layer norms away from gain 1, bias 0, so that folding them is checked
+        for name, parameter in teacher.named_parameters():
+            if ".ln_" in name:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    config, width = teacher.config, teacher.config.n_embd
+    windows = torch.from_numpy(np.fromfile(root / "data" / "val.bin", np.uint16)[:192].astype(np.int64)).view(3, 64)
+    same = GPT2LMHeadModel(GPT2Config(**{**config.to_dict(), "architectures": None})).eval()
+    teacher_init.copy_teacher_embeddings(teacher, same, torch.eye(width))
+    teacher_init.copy_teacher_layers(teacher, same, torch.eye(width))
+    with torch.no_grad():
+        assert torch.allclose(same(windows).logits, teacher(windows).logits, atol=1e-4)
+
+    def divergence_from_teacher(layers: bool) -> float:
+        torch.manual_seed(0)
+        student = GPT2LMHeadModel(GPT2Config(vocab_size=config.vocab_size, n_positions=64, n_embd=width // 2,
+                                             n_layer=1, n_head=config.n_head // 2)).eval()
+        teacher_init.copy_teacher_embeddings(teacher, student)
+        if layers:
+            teacher_init.copy_teacher_layers(teacher, student)
+        with torch.no_grad():
+            return torch.nn.functional.kl_div(student(windows).logits.log_softmax(-1), teacher(windows).logits.log_softmax(-1),
+                                              log_target=True, reduction="batchmean").item()
+
+    assert divergence_from_teacher(layers=True) < divergence_from_teacher(layers=False)
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--out", str(tmp_path / "d"), "--teacher_layers", "True"]
+    assert "needs --teacher_embeddings True" in error_of(capsys, distill_draft.main, argv)
+    wide = argv + ["--teacher_embeddings", "True", "--n_layer", str(config.n_layer + 1)]
+    assert "must be no larger than the teacher" in error_of(capsys, distill_draft.main, wide)
+    assert not (tmp_path / "d").exists() and not (tmp_path / "d-train").exists()
+
+
 def test_teacher_embeddings_start_the_student_as_the_teachers_best_low_rank_copy(run, tmp_path, capsys):
     """At the teacher's width the student's token embeddings are the teacher's in a rotated basis (same dot
     products, so the tied output layer gives the teacher's logits for the rotated hidden state); narrower,
@@ -394,7 +433,7 @@ def test_teacher_embeddings_start_the_student_as_the_teachers_best_low_rank_copy
     singular = torch.linalg.svdvals(t_wte)
     for width in (t_wte.shape[1], 16):
         student = GPT2LMHeadModel(GPT2Config(vocab_size=len(t_wte), n_positions=64, n_embd=width, n_layer=1, n_head=2))
-        distill_draft.copy_teacher_embeddings(teacher, student)
+        teacher_init.copy_teacher_embeddings(teacher, student)
         s_wte, s_wpe = student.transformer.wte.weight.detach(), student.transformer.wpe.weight.detach()
         error = torch.linalg.matrix_norm(t_wte @ t_wte.T - s_wte @ s_wte.T)
         assert error == pytest.approx(singular[width:].pow(4).sum().sqrt().item(), rel=1e-3, abs=1e-3)

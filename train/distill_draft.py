@@ -28,6 +28,7 @@ from train.continuations import (POOL_FILE, PoolWindows, build_pool, prompt_pref
 from train.loop import (PackedWindows, build_model, check_same_tokenizer, eval_windows, load_or_build_arrays, next_token_loss,
                         report, start_run, train)
 from train.presets import DRAFT_PRESETS, DistillArgs, parse_args
+from train.teacher_init import copy_teacher_embeddings, copy_teacher_layers
 from train.teacher_targets import TargetWindows, load_or_build_targets, sparse_divergence, top_k_targets
 
 
@@ -37,23 +38,6 @@ def load_teacher(args: DistillArgs, tokenizer):
     teacher = load_causal_lm(args.teacher, "teacher (--teacher)")
     check_same_tokenizer(tokenizer, args.teacher, load_tokenizer(args.teacher), teacher.config.vocab_size)
     return teacher.eval().requires_grad_(False)
-
-
-@torch.no_grad()
-def copy_teacher_embeddings(teacher, student) -> None:
-    """The student's embeddings as the teacher's seen through their top n_embd principal directions V: a
-    token's row of U S (wte = U S V^T), a position's row of wpe V. The tied output layer's logits h . wte
-    then start as those of the teacher's best rank-n_embd approximation, for a hidden state h expressed in V."""
-    if not all(hasattr(getattr(model, "transformer", None), "wpe") for model in (teacher, student)):
-        raise InputError("--teacher_embeddings needs a GPT-2 teacher and student (learned position embeddings)")
-    t_wte, t_wpe = teacher.get_input_embeddings().weight.float(), teacher.transformer.wpe.weight.float()
-    s_wte, s_wpe = student.get_input_embeddings().weight, student.transformer.wpe.weight
-    dims, vocab, positions = s_wte.shape[1], s_wte.shape[0], min(len(s_wpe), len(t_wpe))
-    if dims > t_wte.shape[1]:
-        raise InputError(f"--teacher_embeddings: the student's --n_embd {dims} exceeds the teacher's {t_wte.shape[1]}")
-    u, s, vt = torch.linalg.svd(t_wte[:vocab].cpu(), full_matrices=False)
-    s_wte.copy_((u[:, :dims] * s[:dims]).to(s_wte))
-    s_wpe[:positions].copy_((t_wpe[:positions].cpu() @ vt[:dims].T).to(s_wpe))
 
 
 def divergence(student_logp: torch.Tensor, teacher_logp: torch.Tensor, kind: str) -> torch.Tensor:
@@ -202,6 +186,8 @@ def main(argv=None) -> dict:
     vocab_size = student.config.vocab_size
     if args.teacher_embeddings:
         copy_teacher_embeddings(teacher, student)
+    if args.teacher_layers:
+        copy_teacher_layers(teacher, student)
     if args.sparse_targets > vocab_size:
         raise InputError(f"--sparse_targets {args.sparse_targets} exceeds the vocabulary ({vocab_size} tokens)")
     metrics = train(
