@@ -347,6 +347,8 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_on_its_targets_and_ov
             distill_draft.main(parts)
     assert (work / TARGETS_FILE).is_file() and not (work / "checkpoints").exists()
     assert "pass --resume to start it again" in error_of(capsys, distill_draft.main, parts)
+    started_otherwise = parts + ["--resume", "--teacher_embeddings", "True", "--teacher_layers", "True"]
+    assert "different teacher_embeddings, teacher_layers" in error_of(capsys, distill_draft.main, started_otherwise)
 
     built = []
     build = teacher_targets.top_k_targets

@@ -83,9 +83,10 @@ def check_output(args: TrainArgs) -> Path:
         if not (work_dir / WORK_DIR.marker).is_file():
             raise InputError(f"nothing to resume: no run in {work_dir}; run without --resume")
         saved = read_saved_args(work_dir)
+        # the teacher_ starts matter where a run stopped before its first checkpoint: it starts again from them
         kept = ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps", "seed", "kd_loss", "teacher_windows",
                 "teacher_prefixes", "continuation_tokens", "continuation_temperature", "kd_temperature", "sparse_targets",
-                "target_epochs")
+                "target_epochs", "teacher_embeddings", "teacher_layers")
         changed = [k for k in kept if k in saved and saved[k] != getattr(args, k, None)]
         if "teacher" in saved and Path(saved["teacher"]).resolve() != Path(args.teacher).resolve():
             changed.append("teacher")
