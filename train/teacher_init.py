@@ -57,8 +57,8 @@ def copy_teacher_layers(teacher, student, basis: torch.Tensor | None = None) -> 
     """Student block i from teacher block i (its first n_layer blocks), and the final layer norm, through `basis`
     (default: as `copy_teacher_embeddings`). A layer norm's gain and bias fold into the weights that read its
     output (the student's norms start at gain 1, bias 0), which are then scaled by sqrt(share x teacher width /
-    student width): a normalised state of the teacher's width projected on V_d has that norm per dimension,
-    the student's normalised state 1. Queries are scaled by sqrt(teacher head dim / student head dim) so that
+    student width): about the root mean square of a normalised state of the teacher's width projected on V_d
+    (`share`: of the embeddings' squared norm that V_d holds), where the student's normalised state has 1. Queries are scaled by sqrt(teacher head dim / student head dim) so that
     attention scores over fewer dimensions keep their scale."""
     check_gpt2(teacher, student, "--teacher_layers")
     t, s = teacher.config, student.config
