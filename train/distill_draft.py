@@ -28,7 +28,7 @@ from train.continuations import (POOL_FILE, PoolWindows, build_pool, prompt_pref
 from train.loop import (PackedWindows, build_model, check_same_tokenizer, eval_windows, load_or_build_arrays, next_token_loss,
                         report, start_run, train)
 from train.presets import DRAFT_PRESETS, DistillArgs, parse_args
-from train.teacher_init import copy_teacher_embeddings, copy_teacher_layers
+from train.teacher_init import copy_teacher_embeddings, copy_teacher_layers, principal_directions
 from train.teacher_targets import TargetWindows, load_or_build_targets, sparse_divergence, top_k_targets
 
 
@@ -184,10 +184,11 @@ def main(argv=None) -> dict:
     teacher = load_teacher(args, run.tokenizer).to(run.accelerator.device)
     student = build_model(args, run.tokenizer)
     vocab_size = student.config.vocab_size
-    if args.teacher_embeddings:
-        copy_teacher_embeddings(teacher, student)
-    if args.teacher_layers:
-        copy_teacher_layers(teacher, student)
+    if args.teacher_embeddings:  # --teacher_layers needs it (DistillArgs.check): both read the stream through one basis
+        basis, share = principal_directions(teacher, student)
+        copy_teacher_embeddings(teacher, student, basis)
+        if args.teacher_layers:
+            copy_teacher_layers(teacher, student, basis, share)
     if args.sparse_targets > vocab_size:
         raise InputError(f"--sparse_targets {args.sparse_targets} exceeds the vocabulary ({vocab_size} tokens)")
     metrics = train(

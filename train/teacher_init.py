@@ -53,13 +53,14 @@ def head_columns(teacher_heads: int, teacher_dim: int, heads: int, dim: int) -> 
 
 
 @torch.no_grad()
-def copy_teacher_layers(teacher, student, basis: torch.Tensor | None = None) -> None:
+def copy_teacher_layers(teacher, student, basis: torch.Tensor | None = None, share: float = 1.0) -> None:
     """Student block i from teacher block i (its first n_layer blocks), and the final layer norm, through `basis`
-    (default: as `copy_teacher_embeddings`). A layer norm's gain and bias fold into the weights that read its
-    output (the student's norms start at gain 1, bias 0), which are then scaled by sqrt(share x teacher width /
-    student width): about the root mean square of a normalised state of the teacher's width projected on V_d
-    (`share`: of the embeddings' squared norm that V_d holds), where the student's normalised state has 1. Queries are scaled by sqrt(teacher head dim / student head dim) so that
-    attention scores over fewer dimensions keep their scale."""
+    (default: the principal directions and their `share`, as `principal_directions` gives them). A layer norm's
+    gain and bias fold into the weights that read its output (the student's norms start at gain 1, bias 0),
+    which are then scaled by sqrt(share x teacher width / student width): about the root mean square of a
+    normalised state of the teacher's width projected on V_d (`share`: of the embeddings' squared norm that V_d
+    holds), where the student's normalised state has 1. Queries are scaled by sqrt(teacher head dim / student
+    head dim) so that attention scores over fewer dimensions keep their scale."""
     check_gpt2(teacher, student, "--teacher_layers")
     t, s = teacher.config, student.config
     t_dim, s_dim = t.n_embd // t.n_head, s.n_embd // s.n_head
@@ -67,7 +68,6 @@ def copy_teacher_layers(teacher, student, basis: torch.Tensor | None = None) -> 
     if s.n_layer > t.n_layer or s.n_head > t.n_head or s_dim > t_dim or s_units > t_units:
         raise InputError(f"--teacher_layers: the student ({s.n_layer} layers, {s.n_head} heads of {s_dim}, {s_units} MLP "
                          f"units) must be no larger than the teacher ({t.n_layer}, {t.n_head} of {t_dim}, {t_units}) in each")
-    share = 1.0
     if basis is None:
         basis, share = principal_directions(teacher, student)
     scale = math.sqrt(share * t.n_embd / s.n_embd)
