@@ -367,6 +367,40 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_on_its_targets_and_ov
     assert_same_weights(tmp_path / "whole", tmp_path / "parts")
 
 
+def test_targets_from_another_run_are_copied_not_computed_and_refused_when_its_settings_differ(
+        run, tmp_path, monkeypatch, capsys):
+    """Student shapes compared against one teacher pay for its windows and targets once: a run given another's
+    work directory trains on copies of them and ends where computing them itself would have ended."""
+    from train.continuations import POOL_FILE
+    from train.teacher_targets import TARGETS_FILE
+
+    root, _ = run
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--n_embd", "32", "--max_steps", "12",
+            "--sparse_targets", "16", "--target_epochs", "2", "--teacher_windows", "0.5", "--continuation_tokens", "16"]
+    distill_draft.main(argv + ["--out", str(tmp_path / "first")])
+    deeper = argv + ["--n_layer", "3"]
+    distill_draft.main(deeper + ["--out", str(tmp_path / "own")])
+
+    built = []
+    monkeypatch.setattr(distill_draft, "top_k_targets", lambda *a: built.append("targets"))
+    monkeypatch.setattr(distill_draft, "build_pool", lambda *a: built.append("windows"))
+    reuse = ["--targets_from", str(tmp_path / "first-train")]
+    distill_draft.main(deeper + reuse + ["--out", str(tmp_path / "copied")])
+    assert not built
+    for name in (POOL_FILE, TARGETS_FILE):
+        assert (tmp_path / "copied-train" / name).read_bytes() == (tmp_path / "first-train" / name).read_bytes()
+    assert_same_weights(tmp_path / "own", tmp_path / "copied")
+
+    bad = ["--out", str(tmp_path / "bad")]
+    message = error_of(capsys, distill_draft.main, deeper + reuse + bad + ["--seed", "1", "--max_steps", "13"])
+    assert "different --seed, --max_steps" in message and "drop --targets_from" in message
+    message = error_of(capsys, distill_draft.main, deeper + ["--targets_from", str(tmp_path / "own")] + bad)
+    assert "no teacher_targets.npz there" in message
+    message = error_of(capsys, distill_draft.main, deeper + reuse + bad + ["--sparse_targets", "0"])
+    assert "--targets_from needs --sparse_targets" in message
+    assert not list(tmp_path.glob("bad*"))
+
+
 def test_unset_bf16_is_measured_once_and_kept_on_resume(run, tmp_path, monkeypatch, capsys):
     import dataclasses
 

@@ -29,7 +29,8 @@ from train.loop import (PackedWindows, build_model, check_same_tokenizer, eval_w
                         report, start_run, train)
 from train.presets import DRAFT_PRESETS, DistillArgs, parse_args
 from train.teacher_init import copy_teacher_embeddings, copy_teacher_layers, principal_directions
-from train.teacher_targets import TargetWindows, load_or_build_targets, sparse_divergence, top_k_targets
+from train.teacher_targets import (TargetWindows, check_targets_from, copy_targets, load_or_build_targets, sparse_divergence,
+                                   top_k_targets)
 
 
 def load_teacher(args: DistillArgs, tokenizer):
@@ -164,6 +165,8 @@ def training_windows(run, args: DistillArgs, teacher, vocab_size: int) -> torch.
     kept = np.random.default_rng(args.seed).permutation(len(corpus))[: max(needed - count, 0)]
     parts = [torch.utils.data.Subset(corpus, kept.tolist())]
     with accelerator.main_process_first():
+        if args.targets_from and accelerator.is_main_process:
+            copy_targets(Path(args.targets_from), run.work_dir)
         if count:
             pool = load_or_build_arrays(run.work_dir / POOL_FILE, build_pool_windows, {"windows": (count, args.seq_len)})
             parts.append(PoolWindows(pool["windows"]))
@@ -180,6 +183,8 @@ def training_windows(run, args: DistillArgs, teacher, vocab_size: int) -> torch.
 @exits_on_input_error
 def main(argv=None) -> dict:
     args = parse_args(DistillArgs, DRAFT_PRESETS, __doc__.split("\n\n")[0], argv)
+    if args.targets_from:
+        check_targets_from(args)
     run = start_run(args)
     teacher = load_teacher(args, run.tokenizer).to(run.accelerator.device)
     student = build_model(args, run.tokenizer)

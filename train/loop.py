@@ -82,14 +82,11 @@ def check_output(args: TrainArgs) -> Path:
     if args.resume:
         if not (work_dir / WORK_DIR.marker).is_file():
             raise InputError(f"nothing to resume: no run in {work_dir}; run without --resume")
-        saved = read_saved_args(work_dir)
         # the teacher_ starts matter where a run stopped before its first checkpoint: it starts again from them
         kept = ("n_layer", "n_head", "n_embd", "seq_len", "init", "data", "max_steps", "seed", "kd_loss", "teacher_windows",
                 "teacher_prefixes", "continuation_tokens", "continuation_temperature", "kd_temperature", "sparse_targets",
-                "target_epochs", "teacher_embeddings", "teacher_layers")
-        changed = [k for k in kept if k in saved and saved[k] != getattr(args, k, None)]
-        if "teacher" in saved and Path(saved["teacher"]).resolve() != Path(args.teacher).resolve():
-            changed.append("teacher")
+                "target_epochs", "teacher_embeddings", "teacher_layers", "teacher")
+        changed = changed_args(read_saved_args(work_dir), args, kept)
         if changed:
             raise InputError(f"--resume with different {', '.join(changed)} than the checkpointed run; keep them, or start over with --overwrite")
     elif not args.overwrite and (out / MODEL.marker).exists():
@@ -127,12 +124,21 @@ def load_or_build_arrays(path: Path, build: Callable[[], dict], shapes: dict) ->
     return arrays
 
 
-def read_saved_args(work_dir: Path) -> dict:
+def changed_args(saved: dict, args: TrainArgs, names) -> list[str]:
+    """Those of `names` that a run's saved args.json sets to another value than `args` (paths compared resolved)."""
+    def same(name):
+        if name in ("data", "teacher"):
+            return Path(saved[name]).resolve() == Path(getattr(args, name)).resolve()
+        return saved[name] == getattr(args, name, None)
+    return [name for name in names if name in saved and not same(name)]
+
+
+def read_saved_args(work_dir: Path, refused: str = "cannot resume", fix: str = "start over with --overwrite") -> dict:
     path = work_dir / WORK_DIR.marker
     try:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"cannot resume: {path} is missing or damaged ({first_line(err)}); start over with --overwrite") from None
+        raise InputError(f"{refused}: {path} is missing or damaged ({first_line(err)}); {fix}") from None
 
 
 def check_checkpoint(checkpoint: Path, process_index: int) -> None:

@@ -96,6 +96,10 @@ class DistillArgs(TrainArgs):
                                 "0: run the teacher at every step (dense)"})
     target_epochs: int = field(default=1, metadata={"help": "with --sparse_targets: passes over the windows whose targets were "
                                "computed (the run draws --max_steps x --batch_size x --grad_accum windows; 1 / this of them are distinct)"})
+    targets_from: str = field(default="", metadata={"help": "with --sparse_targets: copy the teacher targets (and teacher "
+                              "windows) another distillation run generated, from its work directory (OUT-train), instead of "
+                              "computing them again; refused unless that run had the same teacher, data, seed and every "
+                              "setting they depend on (to compare student shapes against one teacher at the cost of one)"})
     teacher_embeddings: bool = field(default=False, metadata={"help": "start the student's token and position embeddings "
                                      "from the teacher's, projected onto their --n_embd principal directions (SVD): the "
                                      "student's tied output layer then begins as the best rank --n_embd copy of the teacher's"})
@@ -120,6 +124,8 @@ class DistillArgs(TrainArgs):
             raise InputError(f"--continuation_tokens must lie between 1 and --seq_len - 1 ({self.seq_len - 1})")
         if self.sparse_targets < 0 or self.target_epochs < 1:
             raise InputError("--sparse_targets must be 0 (dense) or a positive number of tokens, --target_epochs at least 1")
+        if self.targets_from and not self.sparse_targets:
+            raise InputError("--targets_from needs --sparse_targets (dense distillation keeps no targets to copy)")
         if self.teacher_layers and not self.teacher_embeddings:
             raise InputError("--teacher_layers True needs --teacher_embeddings True (the blocks read the stream in their basis)")
         if self.agreement_batches < 1:

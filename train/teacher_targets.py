@@ -11,15 +11,44 @@ mass 1 - sum of the K on either side. Merging outcomes never increases an f-dive
 reverse KL, total variation alike), so the sparse value is at most the dense one, equal to it when
 the rest holds no teacher mass.
 """
+import shutil
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from train.loop import load_or_build_arrays
+from data.atomic import atomic_output
+from data.errors import InputError
+from train.continuations import POOL_FILE
+from train.loop import changed_args, load_or_build_arrays, read_saved_args
 
 TARGETS_FILE = "teacher_targets.npz"
+# what decides the windows a run trains on and the teacher's targets over them (not the student's shape)
+TARGETS_DEPEND_ON = ("teacher", "data", "seed", "seq_len", "max_steps", "batch_size", "grad_accum", "teacher_windows",
+                     "teacher_prefixes", "continuation_tokens", "continuation_temperature", "sparse_targets",
+                     "target_epochs", "kd_temperature")
+
+
+def check_targets_from(args) -> None:
+    """Refuse a --targets_from run whose targets this run would not have computed itself."""
+    source = Path(args.targets_from)
+    if not (source / TARGETS_FILE).is_file():
+        raise InputError(f"--targets_from {source}: no {TARGETS_FILE} there; pass the work directory (OUT-train) of a "
+                         f"distillation run with --sparse_targets that got past its teacher targets")
+    saved = read_saved_args(source, f"--targets_from {source}", "pass another run's work directory")
+    changed = changed_args(saved, args, TARGETS_DEPEND_ON)
+    if changed:
+        raise InputError(f"--targets_from {source}: that run had different {', '.join('--' + name for name in changed)}, "
+                         f"so its targets are not this run's; use the same settings, or drop --targets_from")
+
+
+def copy_targets(source: Path, work_dir: Path) -> None:
+    """Copy the teacher windows and targets a run generated into this run's work directory, where it has none."""
+    for name in (POOL_FILE, TARGETS_FILE):
+        if (source / name).is_file() and not (work_dir / name).exists():
+            with atomic_output(work_dir / name, overwrite=True) as tmp:
+                shutil.copyfile(source / name, tmp)
 
 
 @torch.no_grad()
