@@ -22,7 +22,7 @@ import torch
 
 from decode.cached_lm import CachedLM, long_tensor
 from decode.lookup import ContextIndex
-from decode.sampling import Sampling, row_argmax, top_tokens
+from decode.sampling import Sampling, row_argmax, top_tokens, values_at
 from decode.tree import Tree, rows_mask
 
 
@@ -45,7 +45,6 @@ class DraftModel:
         self.model = model
         self.calls = 0
         self.slots = {}
-        self.masks = {}  # (rows, width) -> mask: trees repeat their shapes (the trigram's are mostly one shape)
 
     def reset(self) -> None:
         self.model.reset()
@@ -72,7 +71,7 @@ class DraftModel:
             rows.append(self.sees[node])
         mask = None  # every row sees every slot up to its own (a chain): the model's causal default
         if any(bits != (2 << slot) - 1 for slot, bits in enumerate(rows, pending)):
-            mask = self.mask(rows, pending + len(rows))
+            mask = rows_mask(tuple(rows), pending + len(rows), model.device)
         root_position = model.length + self.slots[0]
         ids = run + [tree.tokens[n] for n in new]
         positions = list(range(model.length, root_position + 1)) if run else []
@@ -84,10 +83,6 @@ class DraftModel:
         if wanted == list(range(wanted[0], len(rows))):  # the last rows: a view (none when it is every row)
             return logits[wanted[0] :] if wanted[0] else logits
         return logits[wanted]
-
-    def mask(self, rows: list[int], width: int) -> torch.Tensor:
-        """The pending slots' and new nodes' mask (bit j of rows[i]: row i sees slot j), remembered."""
-        return remember(self.masks, (tuple(rows), width), lambda: rows_mask(rows, width, self.model.device), 1 << 12)
 
     def accept(self, tree_path: list[int]) -> None:
         """Commit the unseen tokens and the accepted nodes the draft has scored (a prefix of the path)."""
@@ -119,25 +114,24 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
                     order: list[int] | None = None) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """From the draft's ranking scores after every node of `tree` (`ranking_scores`, a row per node, row i
     after node `order[i]`, by default node i): each node's weight given its parent (the root's: 1), and each
-    node's `k` best children and their weights. One argmax (or top-k), one gather and one transfer: right
-    after the draft's forward, each torch call costs tens of microseconds on a CPU. Trees of more than
-    ARRAY_NODES nodes take `ranked_children_arrays`."""
-    n, vocab = scores.shape
+    node's `k` best children and their weights. One argmax (or top-k) and one gather: right after the draft's
+    forward, each torch or numpy call costs microseconds on a CPU, a step of Python over a node a fraction of
+    one. Trees of more than ARRAY_NODES nodes take `ranked_children_arrays`."""
+    n = len(tree)
     if n > ARRAY_NODES:
         return ranked_children_arrays(scores, tree, k, greedy, order)
-    best = [[token] for token in row_argmax(scores)] if k == 1 else scores.topk(k).indices.tolist()
+    best = top_tokens(scores, k).tolist()
     row = list(range(n))  # node -> its row
     if order is not None:
         for i, node in enumerate(order):
             row[node] = i
         best = [best[row[node]] for node in range(n)]
-    flat = [row[parent] * vocab + token for parent, token in zip(tree.parents[1:], tree.tokens[1:])]
-    flat += [row[node] * vocab + token for node, tokens in enumerate(best) for token in tokens]
-    values = scores.take(long_tensor(flat, scores.device)).tolist()
+    values = values_at(scores, [row[parent] for parent in tree.parents[1:]] + [row[node] for node in range(n) for _ in range(k)],
+                       tree.tokens[1:] + [token for tokens in best for token in tokens]).tolist()
     edges, rows = values[: n - 1], [values[n - 1 + i * k : n - 1 + (i + 1) * k] for i in range(n)]
     if greedy:  # each row's best value comes first
         edges = [math.exp(v - rows[parent][0]) for parent, v in zip(tree.parents[1:], edges)]
-        rows = [relative(row, row[0]) for row in rows]
+        rows = [[math.exp(v - row[0]) for v in row] for row in rows]
     return [1.0] + edges, best, rows
 
 
@@ -145,14 +139,14 @@ def ranked_children_arrays(scores: torch.Tensor, tree: Tree, k: int, greedy: boo
                            order: list[int] | None = None) -> tuple[list[float], np.ndarray, np.ndarray]:
     """`ranked_children` as array code (what runs per node in Python there runs per tree here), the best
     children and their weights as (n, k) arrays."""
-    n, vocab = scores.shape
+    n = len(tree)
     row = np.arange(n)  # node -> its row
     if order is not None:
-        row[order] = np.arange(n)
+        row[order] = row.copy()
     best = top_tokens(scores, k)[row]
     parents, tokens = np.array(tree.parents[1:], np.int64), np.array(tree.tokens[1:], np.int64)
-    flat = np.concatenate([row[parents] * vocab + tokens, (row[:, None] * vocab + best).ravel()])
-    values = scores.take(long_tensor(flat, scores.device)).float().cpu().numpy().astype(np.float64)
+    values = values_at(scores, np.concatenate([row[parents], np.repeat(row, k)]),
+                       np.concatenate([tokens, best.ravel()])).astype(np.float64)
     edges, rows = values[: n - 1], values[n - 1 :].reshape(n, k)
     if greedy:  # each row's best value comes first
         edges, rows = np.exp(edges - rows[parents, 0]), np.exp(rows - rows[:, :1])
@@ -402,16 +396,15 @@ class StagedDrafter(ModelDrafter):
         did not propose: (parents, tokens, weights). Past ARRAY_NODES nodes, in numpy."""
         if len(tree) > ARRAY_NODES:
             return StagedDrafter.draft_leaves_arrays(tree, np.asarray(tokens), np.asarray(weights), max_depth)
+        proposed = set(zip(tree.parents, tree.tokens))
         parents, leaf_tokens, leaf_weights = [], [], []
-        for node in range(len(tree)):
-            if tree.depths[node] >= max_depth:
-                continue
-            taken = {tree.tokens[c] for c in tree.children[node]}
-            for token, w in zip(tokens[node], weights[node]):
-                if token not in taken:
-                    parents.append(node)
-                    leaf_tokens.append(token)
-                    leaf_weights.append(w)
+        for node, depth in enumerate(tree.depths):
+            if depth < max_depth:
+                for token, w in zip(tokens[node], weights[node]):
+                    if (node, token) not in proposed:
+                        parents.append(node)
+                        leaf_tokens.append(token)
+                        leaf_weights.append(w)
         return parents, leaf_tokens, leaf_weights
 
     @staticmethod

@@ -9,6 +9,7 @@ a torch operation costs microseconds of dispatch, a list append a fraction of th
 its ancestors as the bits of a Python integer, unpacked into a mask by one numpy call. What runs over
 every node of a drafter's larger trees (the staged trigram tree: up to 1,441 nodes) is array code.
 """
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,8 +25,10 @@ def unpack_rows(rows: list[int], width: int) -> np.ndarray:
     return np.unpackbits(packed.reshape(len(rows), nbytes), axis=1, count=width, bitorder="little").view(bool)
 
 
-def rows_mask(rows: list[int], width: int, device=None) -> torch.Tensor:
-    """unpack_rows as a tensor on `device` (an attention mask)."""
+@functools.lru_cache(maxsize=1 << 12)
+def rows_mask(rows: tuple[int, ...], width: int, device=None) -> torch.Tensor:
+    """unpack_rows as a tensor on `device` (an attention mask), remembered: trees repeat their shapes (the
+    staged oracle's, chosen from a trigram tree of one shape, mostly do). Shared: never written to."""
     return on(torch.from_numpy(unpack_rows(rows, width)), device)
 
 
@@ -87,7 +90,7 @@ class Tree:
 
     def mask(self, device=None) -> torch.Tensor:
         """(N, N) bool: what each node sees among the tree's nodes (the cache it sees whole)."""
-        return rows_mask(self.lineage, len(self), device)
+        return rows_mask(tuple(self.lineage), len(self), device)
 
     def position_ids(self, prefix: int, device=None) -> torch.Tensor:
         return long_tensor([prefix + depth for depth in self.depths], device)

@@ -62,12 +62,22 @@ def test_logits_equal_transformers_for_prompt_steps_and_tree(models, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("path", [[0, 2, 3], [0, 2], [0, 1]])  # 9 -> 6 -> 5, 9 -> 6 (moved), 9 -> 2 (in place)
-def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, backend, path):
-    prefix, nodes = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 6, 5])
+@pytest.mark.parametrize("parents, path", [
+    ([-1, 0, 0, 2], [0, 2, 3]),  # 9 -> 6 -> 5: two slots moved by one, overlapping their destination
+    ([-1, 0, 0, 2], [0, 2]),
+    ([-1, 0, 0, 2], [0, 1]),  # in place
+    ([-1, 0, 1, 2, 0, 4, 5], [0, 4, 5, 6]),  # three consecutive slots moved by three: one block
+    ([-1, 0, 1, 0, 3, 4, 5], [0, 3, 4, 5, 6]),  # four consecutive slots moved by two: blocks of two
+    ([-1, 0, 0, 2, 0, 4, 5], [0, 4, 5, 6]),
+])
+def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, backend, parents, path):
+    prefix, nodes = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 6, 5, 8, 3, 1][: len(parents)])
+    depths = [0]
+    for parent in parents[1:]:
+        depths.append(depths[parent] + 1)
     tree = backend.load(models["oracle"])
     tree.extend(prefix)
-    tree.forward(nodes, 5 + torch.tensor([0, 1, 1, 2]), tree_mask([-1, 0, 0, 2]))
+    tree.forward(nodes, 5 + torch.tensor(depths), tree_mask(parents))
     tree.commit(path)
     chain = backend.load(models["oracle"])
     for token in prefix.tolist() + nodes[path].tolist():
