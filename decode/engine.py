@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from data.errors import InputError
-from data.pretrained import RETRAIN, load_safetensors
+from data.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode.cached_lm import CachedLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -63,7 +63,7 @@ def is_lean_compatible(config: dict) -> bool:
     """The lean engine implements GPT-2 exactly as configured by default (tanh GELU, no attention variants)."""
     return (
         config.get("model_type") == "gpt2"
-        and config.get("activation_function", "gelu_new") == "gelu_new"
+        and config.get("activation_function", "gelu_new") in ("gelu_new", FUSED_GELU)
         and not config.get("scale_attn_by_inverse_layer_idx", False)
         and not config.get("reorder_and_upcast_attn", False)
         and config.get("tie_word_embeddings", True)

@@ -3,6 +3,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
+from data.pretrained import FUSED_GELU, load_causal_lm
 from decode.drafters import draw_children, ranked_children
 from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline, speculative
@@ -59,6 +60,18 @@ def test_logits_equal_transformers_for_prompt_steps_and_tree(models, backend):
         with torch.no_grad():
             expected = hf(torch.cat([ids[:10], torch.tensor(path)])[None]).logits[0, -1]
         assert torch.allclose(logits[node], expected, atol=1e-4), node
+
+
+def test_gpt2_gelu_loads_as_the_fused_kernel_with_the_same_logits_and_runs_on_the_lean_engine(models, tmp_path):
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
+    stock = GPT2LMHeadModel.from_pretrained(models["oracle"]).eval()  # the checkpoint's own "gelu_new"
+    loaded = load_causal_lm(models["oracle"], "oracle").eval()
+    assert (stock.config.activation_function, loaded.config.activation_function) == ("gelu_new", FUSED_GELU)
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, stock(ids).logits, atol=1e-5)
+    fused = tiny_gpt2(tmp_path / "fused", seed=0, activation_function=FUSED_GELU)  # as train.loop builds models
+    with torch.no_grad():
+        assert torch.allclose(GPT2Engine.load(fused).extend(ids[0]), stock(ids).logits[0], atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

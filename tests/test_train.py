@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import write_corpus
 from data import prepare
+from data.pretrained import FUSED_GELU
 from train import distill_draft, finetune_oracle, teacher_init
 from train.presets import DIVERGENCES
 
@@ -87,6 +88,7 @@ def test_saved_models_load_with_auto_classes_and_generate(run, tmp_path):
         assert out.shape[1] > prompt.shape[1]
         assert isinstance(tokenizer.decode(out[0]), str)
         assert json.loads((directory / "training_args.json").read_text())["max_steps"] == 60
+        assert model.config.activation_function == FUSED_GELU  # GPT-2's GELU in torch's fused kernel
     metrics = json.loads((tmp_path / "draft" / "metrics.json").read_text())
     assert metrics["teacher"] == str((root / "oracle").resolve()) and 0 <= metrics["top1_agreement"] <= 1
 

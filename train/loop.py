@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from data.atomic import Kind, atomic_output, check_output as check_output_path, written
 from data.errors import InputError, first_line
-from data.pretrained import load_causal_lm
+from data.pretrained import FUSED_GELU, load_causal_lm
 from data.shards import open_split, read_meta
 from data.tokenizer import load_tokenizer
 from train.presets import TrainArgs
@@ -202,7 +202,7 @@ def build_model(args: TrainArgs, tokenizer):
     config = GPT2Config(
         vocab_size=len(tokenizer), n_positions=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
         resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, activation_function=FUSED_GELU,
     )
     return causal_loss(GPT2LMHeadModel(config))
 
