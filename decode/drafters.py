@@ -126,8 +126,9 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
         for i, node in enumerate(order):
             row[node] = i
         best = [best[row[node]] for node in range(n)]
-    values = values_at(scores, [row[parent] for parent in tree.parents[1:]] + [row[node] for node in range(n) for _ in range(k)],
-                       tree.tokens[1:] + [token for tokens in best for token in tokens]).tolist()
+    read_rows = [row[parent] for parent in tree.parents[1:]] + [row[node] for node in range(n) for _ in range(k)]
+    read_columns = tree.tokens[1:] + [token for tokens in best for token in tokens]  # each edge, then each best child
+    values = values_at(scores, read_rows, read_columns).tolist()
     edges, rows = values[: n - 1], [values[n - 1 + i * k : n - 1 + (i + 1) * k] for i in range(n)]
     if greedy:  # each row's best value comes first
         edges = [math.exp(v - rows[parent][0]) for parent, v in zip(tree.parents[1:], edges)]
