@@ -238,7 +238,7 @@ def test_sparse_targets_reproduce_the_dense_divergence(run):
         for k in (16, 64, vocab):
             top = top_k_targets(teacher, windows, k, temperature, vocab, 3, "cpu", contextlib.nullcontext)
             ids, logp = torch.from_numpy(top["ids"]).long(), torch.from_numpy(top["logp"])
-            sparse = sparse_divergence(student_logp, ids, logp, kind)
+            sparse = sparse_divergence(student_logp.gather(-1, ids), logp, kind)
             assert previous <= sparse <= dense * 1.002, (kind, k, sparse, dense)  # float16 log-probabilities
             previous = sparse
             if kind == "forward" and k < vocab:
@@ -248,6 +248,50 @@ def test_sparse_targets_reproduce_the_dense_divergence(run):
                 missed = (p * ((p / p_rest).log() - (q / q_rest).log())).nan_to_num().sum(-1).mean()
                 assert torch.allclose(dense - sparse, missed, rtol=1e-2, atol=1e-3), (k, dense - sparse, missed)
         assert torch.allclose(sparse, dense, rtol=2e-3), (kind, sparse, dense)
+
+
+def test_selected_log_probs_gradient_is_the_numerical_one():
+    """The log-softmax at chosen columns, a column chosen twice in some rows: its hand-written backward
+    against finite differences, in float64."""
+    from train.teacher_targets import selected_log_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 9, dtype=torch.float64, requires_grad=True)
+    columns = torch.randint(0, 9, (3, 4, 5))
+    columns[0, :, 1] = columns[0, :, 0]
+    assert torch.allclose(selected_log_probs(logits, columns), torch.log_softmax(logits, -1).gather(-1, columns))
+    assert torch.autograd.gradcheck(selected_log_probs, (logits, columns))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("kind", DIVERGENCES)
+def test_sparse_loss_is_autograd_through_the_dense_log_softmax(kind, temperature):
+    """The sparse loss reads the student's log-probabilities at the teacher's tokens and the next token only;
+    its value and its gradient are those of autograd through the dense log-softmax (the divergence on it, and
+    next_token_loss), where the next token is one of the teacher's tokens as well as where it is not."""
+    from train.loop import next_token_loss
+    from train.teacher_targets import sparse_divergence
+
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 7, 40)).requires_grad_()
+    top = torch.log_softmax(2 * torch.randn(2, 7, 40), -1).topk(6)
+    ids, teacher_logp = top.indices.int(), top.values.half()
+    windows = torch.randint(0, 40, (2, 7))
+    windows[0, 1:] = top.indices[0, :-1, 0]  # the teacher's likeliest token comes next
+    losses = []
+    for dense in (True, False):
+        if dense:
+            log_q = torch.log_softmax(logits / temperature, -1).gather(-1, ids.long())
+            kd, ce = sparse_divergence(log_q, teacher_logp, kind) * temperature**2, next_token_loss(logits, windows)
+            loss = 0.7 * kd + 0.3 * ce
+        else:
+            loss, kd, ce = distill_draft.loss_terms(logits, windows, (ids, teacher_logp), 0.7, temperature, kind)
+        losses.append((loss.detach(), kd.detach(), ce.detach(), torch.autograd.grad(loss, logits)[0]))
+    (*dense_values, dense_grad), (*values, grad) = losses
+    assert dense_values[1] > 1e-3 and dense_values[2] > 1.0  # terms worth comparing
+    for value, expected in zip(values, dense_values):
+        assert torch.allclose(value, expected, rtol=1e-5), (value, expected)
+    assert torch.allclose(grad, dense_grad, rtol=1e-4, atol=1e-7), (grad - dense_grad).abs().max()
 
 
 @pytest.mark.parametrize("kind, sparse", [("tv", False), ("forward", True)])
@@ -344,7 +388,7 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_on_its_targets_and_ov
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patched:
-        patched.setattr(distill_draft, "sparse_divergence", stop)  # the first step
+        patched.setattr(distill_draft, "sparse_terms", stop)  # the first step
         with pytest.raises(SystemExit):  # Ctrl-C: exit 130, saying what it had written
             distill_draft.main(parts)
     assert (work / TARGETS_FILE).is_file() and not (work / "checkpoints").exists()

@@ -29,7 +29,7 @@ from train.loop import (PackedWindows, build_model, check_same_tokenizer, eval_w
                         report, start_run, train)
 from train.presets import DRAFT_PRESETS, DistillArgs, parse_args
 from train.teacher_init import copy_teacher_embeddings, copy_teacher_layers, principal_directions
-from train.teacher_targets import (TargetWindows, check_targets_from, copy_targets, load_or_build_targets, sparse_divergence,
+from train.teacher_targets import (TargetWindows, check_targets_from, copy_targets, load_or_build_targets, sparse_terms,
                                    top_k_targets)
 
 
@@ -57,14 +57,13 @@ def loss_terms(logits: torch.Tensor, windows: torch.Tensor, targets, kd_weight: 
                kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, divergence, cross-entropy) from the student's float32 logits and the teacher's: its logits (dense)
     or its top-k targets (ids, logp) (sparse)."""
-    student_logp = F.log_softmax(logits / temperature, -1)
     if isinstance(targets, tuple):
-        kd = sparse_divergence(student_logp, *targets, kind)
+        kd, ce = sparse_terms(logits, windows, *targets, temperature, kind)
     else:
         targets = targets[..., : logits.shape[-1]]  # a hub teacher may pad its embedding matrix
-        kd = divergence(student_logp, F.log_softmax(targets / temperature, -1), kind)
+        kd = divergence(F.log_softmax(logits / temperature, -1), F.log_softmax(targets / temperature, -1), kind)
+        ce = next_token_loss(logits, windows)
     kd = kd * temperature**2
-    ce = next_token_loss(logits, windows)
     return kd_weight * kd + (1 - kd_weight) * ce, kd, ce
 
 
