@@ -1,5 +1,7 @@
 import contextlib
+import ctypes
 import json
+import platform
 
 import numpy as np
 import pytest
@@ -248,6 +250,28 @@ def test_sparse_targets_reproduce_the_dense_divergence(run):
                 missed = (p * ((p / p_rest).log() - (q / q_rest).log())).nan_to_num().sum(-1).mean()
                 assert torch.allclose(dense - sparse, missed, rtol=1e-2, atol=1e-3), (k, dense - sparse, missed)
         assert torch.allclose(sparse, dense, rtol=2e-3), (kind, sparse, dense)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a setting of glibc's malloc")
+def test_kept_freed_memory_serves_large_tensors_from_the_heap():
+    """After keep_freed_memory, a 64 MB tensor is not mapped on its own (glibc's mmapped bytes do not grow) and
+    its memory stays with the process when freed, for the next one."""
+    from train.loop import keep_freed_memory
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    keep_freed_memory()
+    before = libc.mallinfo2()
+    tensor = torch.ones(16 << 20)
+    during = libc.mallinfo2()
+    del tensor
+    after = libc.mallinfo2()
+    assert during.hblkhd == before.hblkhd and during.uordblks >= before.uordblks + (64 << 20)
+    assert after.arena >= 64 << 20 and after.fordblks >= 64 << 20  # freed, kept
 
 
 def test_selected_log_probs_gradient_is_the_numerical_one():

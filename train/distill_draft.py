@@ -174,7 +174,7 @@ def training_windows(run, args: DistillArgs, teacher, vocab_size: int) -> torch.
             return windows
         targets = load_or_build_targets(
             run.work_dir, lambda: top_k_targets(teacher, windows, args.sparse_targets, args.kd_temperature, vocab_size,
-                                                4 * args.batch_size, accelerator.device, accelerator.autocast),
+                                                args.batch_size, accelerator.device, accelerator.autocast),
             len(windows), args.seq_len, args.sparse_targets)
     return TargetWindows(windows, targets)
 
