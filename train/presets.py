@@ -167,7 +167,8 @@ DRAFT_PRESETS = {
     # agreement 0.68, expected acceptance 0.73 (16 passes over 1,200 windows: 0.65, 0.70, the student learned the
     # windows; 720 steps before the loss was compiled: 0.61; random embeddings: 0.41; dense targets: 0.34; README section 2);
     # its blocks from the teacher's first two (--teacher_layers): top-1 0.68 -> 0.71, expected acceptance 0.73 -> 0.75
-    # (47 minutes on a slower AVX2 VM, GELU in one kernel, the teacher's targets 12 of them; README section 2)
+    # (28 minutes on a slower AVX2 VM with GELU in one kernel, freed memory kept and the sparse loss in one pass,
+    # the teacher's targets 8 of them; README section 2)
     "cpu": DistillArgs(**{**_SHARED["cpu"], "warmup_steps": 20, "compile": False}, out="runs/default/draft", n_layer=2, n_head=4, n_embd=128,
                        batch_size=16, max_steps=1200, learning_rate=2e-3, continuation_tokens=128, sparse_targets=32,
                        target_epochs=8, teacher_embeddings=True, teacher_layers=True, compile_loss=True),
