@@ -158,8 +158,18 @@ def test_a_failed_prepare_leaves_no_empty_out(trained, tmp_path, capsys, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 
 
+@pytest.fixture
+def interruptible():
+    """Python's Ctrl-C handler, which raises KeyboardInterrupt. A Python started with SIGINT ignored (a background
+    job of a non-interactive shell, `nohup bash .ci/run &`) keeps ignoring it, and these tests would see nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_an_interrupted_prepare_removes_its_temporary_files_and_says_so(trained, tmp_path, capsys, monkeypatch, signum):
+def test_an_interrupted_prepare_removes_its_temporary_files_and_says_so(trained, tmp_path, capsys, monkeypatch, signum,
+                                                                     interruptible):
     from data import shards
 
     def interrupted(*args, **kwargs):  # the signal arrives while the shards are being written
@@ -175,7 +185,8 @@ def test_an_interrupted_prepare_removes_its_temporary_files_and_says_so(trained,
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_an_interrupted_trigram_build_removes_its_temporary_files(trained, tmp_path, capsys, monkeypatch, signum):
+def test_an_interrupted_trigram_build_removes_its_temporary_files(trained, tmp_path, capsys, monkeypatch, signum,
+                                                                  interruptible):
     monkeypatch.setattr(build_katz, "write_arpa", lambda *a: os.kill(os.getpid(), signum))
     with pytest.raises(SystemExit) as exit_:
         build_katz.main(["--data", str(trained["run"] / "data"), "--out", str(tmp_path / "ngram")])
