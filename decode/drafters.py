@@ -132,7 +132,7 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
     edges, rows = values[: n - 1], [values[n - 1 + i * k : n - 1 + (i + 1) * k] for i in range(n)]
     if greedy:  # each row's best value comes first
         edges = [math.exp(v - rows[parent][0]) for parent, v in zip(tree.parents[1:], edges)]
-        rows = [[math.exp(v - row[0]) for v in row] for row in rows]
+        rows = [relative(row, row[0]) for row in rows]
     return [1.0] + edges, best, rows
 
 
