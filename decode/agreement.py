@@ -4,9 +4,10 @@
 
 Greedy outputs must equal the baseline's token for token. Where one differs, the oracle's logit gap
 between the two tokens at the first differing step tells a numerical near-tie from a bug: scored in
-forwards of several sizes (a batched forward may round differently than a single-token one), a
-near-tie's gap moves by at least its own size. With sampling, outputs are not compared
-(each method draws differently); tokens per oracle call are still reported.
+forwards of several sizes, with its cache written in forwards of several sizes (a batched forward may
+round differently than a single-token one), a near-tie's gap moves by at least its own size. With
+sampling, outputs are not compared (each method draws differently); tokens per oracle call are still
+reported.
 """
 import argparse
 from pathlib import Path
@@ -23,6 +24,9 @@ from decode.healing import Prompt
 # Forward sizes the diverging position is scored at: a matmul over another number of rows may round
 # differently (in bfloat16 by up to a unit in the logits' last place: 0.03-0.06 at logits of 8-16).
 SHAPES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# The cache before it may have been written in such forwards too (a chain of k drafted tokens is scored
+# in forwards of k + 1): on an H100 a gap of one bfloat16 unit, steady across SHAPES, still flipped.
+CHUNKS = (2, 3, 4, 5, 6, 8)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -34,13 +38,17 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def gaps_by_shape(oracle, context: list[int], a: int, b: int, prompt_length: int | None = None) -> list[float]:
     """logit[a] - logit[b] after `context` as the baseline computes it (the first `prompt_length`
-    tokens in one forward, then token by token; first), then its last position scored in one forward
-    with the 1, 2, ... 31 tokens before it (SHAPES), and with the whole context."""
-    oracle.reset()
-    logits = oracle.extend(torch.tensor(context[:prompt_length], device=oracle.device))[-1]
-    for token in context[prompt_length or len(context):]:
-        logits = oracle.extend(torch.tensor([token], device=oracle.device))[-1]
-    gaps = [float(logits[a].float() - logits[b].float())]
+    tokens in one forward, then token by token; first), then with the tokens after the prompt in
+    forwards of 2, 3, ... tokens each (CHUNKS: the cache as a speculative method writes it), then its
+    last position scored in one forward with the 1, 2, ... 31 tokens before it (SHAPES), and with the
+    whole context."""
+    gaps, generated = [], context[prompt_length or len(context):]
+    for chunk in (1, *CHUNKS) if generated else (1,):
+        oracle.reset()
+        logits = oracle.extend(torch.tensor(context[:prompt_length], device=oracle.device))[-1]
+        for i in range(0, len(generated), chunk):
+            logits = oracle.extend(torch.tensor(generated[i : i + chunk], device=oracle.device))[-1]
+        gaps.append(float(logits[a].float() - logits[b].float()))
     for q in sorted({*(q for q in SHAPES if q <= len(context)), len(context)}):
         oracle.reset()
         if len(context) > q:

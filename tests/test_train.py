@@ -287,6 +287,28 @@ def test_selected_log_probs_gradient_is_the_numerical_one():
     assert torch.autograd.gradcheck(selected_log_probs, (logits, columns))
 
 
+def test_selected_log_probs_gradient_does_not_depend_on_the_order_columns_are_added_in():
+    """On CUDA scatter_add_ adds with atomics in no fixed order, so a column chosen twice (the next token among
+    the teacher's) must not reach it as two values: with the columns and their gradients reversed, the logits'
+    gradient is the same bit for bit."""
+    from train.teacher_targets import selected_log_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 8, 50, requires_grad=True)
+    columns = torch.randint(0, 50, (64, 8, 6))
+    columns[..., -1] = columns[..., 2]
+    # whole numbers of several magnitudes: their sums are exact in any order, while a logit's gradient plus one
+    # of them, then the other, rounds differently in each order
+    weights = torch.randint(-2**12, 2**12, (64, 8, 6)).float()
+    grads = []
+    for reverse in (False, True):
+        order = (lambda t: t.flip(-1)) if reverse else (lambda t: t)
+        (selected_log_probs(logits, order(columns)) * order(weights)).sum().backward()
+        grads.append(logits.grad)
+        logits.grad = None
+    assert torch.equal(*grads)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 @pytest.mark.parametrize("kind", DIVERGENCES)
 def test_sparse_loss_is_autograd_through_the_dense_log_softmax(kind, temperature):

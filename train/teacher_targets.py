@@ -90,7 +90,12 @@ class SelectedLogProbs(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         logits, columns, log_norm = ctx.saved_tensors
         dense = (logits - log_norm).exp_().mul_(-grad.sum(-1, keepdim=True))
-        return dense.scatter_add_(-1, columns, grad), None
+        # a column chosen twice in a row gets its gradients summed here, and zero from all but its first copy:
+        # scatter_add_ then adds at most one nonzero value per logit, so its result does not depend on the order
+        # it adds in (on CUDA it adds with atomics, in no fixed order: a resumed run did not repeat itself)
+        same = columns[..., :, None] == columns[..., None, :]
+        first = ~same.tril(-1).any(-1)
+        return dense.scatter_add_(-1, columns, (same * grad[..., None, :]).sum(-1) * first), None
 
 
 def selected_log_probs(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
