@@ -94,8 +94,8 @@ class SelectedLogProbs(torch.autograd.Function):
         # scatter_add_ then adds at most one nonzero value per logit, so its result does not depend on the order
         # it adds in (on CUDA it adds with atomics, in no fixed order: a resumed run did not repeat itself)
         same = columns[..., :, None] == columns[..., None, :]
-        first = ~same.tril(-1).any(-1)
-        return dense.scatter_add_(-1, columns, (same * grad[..., None, :]).sum(-1) * first), None
+        summed = torch.where(same, grad[..., None, :], 0).sum(-1)  # where, not a product: 0 * inf would be nan
+        return dense.scatter_add_(-1, columns, torch.where(same.tril(-1).any(-1), 0, summed)), None
 
 
 def selected_log_probs(logits: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
