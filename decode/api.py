@@ -55,6 +55,7 @@ class DecoderOptions:
     dtype: str = "float32"
     device: str = "cpu"
     backend: str = "auto"
+    cuda_graphs: bool = False  # the lean engine on a GPU: replay each forward's kernels as one graph (unmeasured)
     token_healing: bool = True
 
     @classmethod
@@ -246,10 +247,10 @@ def load_trigram(options, vocab_size: int, eos_id: int):
     return table
 
 
-def load_model(directory: Path, backend: str, dtype: str, device: str) -> CachedLM:
+def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_graphs: bool = False) -> CachedLM:
     config = read_config(directory)
     if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
-        return GPT2Engine.load(directory, dtype, device)
+        return GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs)
     return HFEngine.load(directory, dtype, device)
 
 
@@ -325,14 +326,14 @@ def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
     if not Path(options.oracle).is_dir():
         raise InputError(f"oracle directory {options.oracle} does not exist; train one with train/finetune_oracle.py")
     options, shape = apply_plan(options)
-    oracle = load_model(options.oracle, options.backend, options.dtype, options.device)
+    oracle = load_model(options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs)
     tokenizer = load_tokenizer(options.oracle)
     draft = table = drafter = None
     if options.method in NEEDS_DRAFT:
         if options.draft is None or not Path(options.draft).is_dir():
             raise InputError(f"--method {options.method} needs a draft model; pass --draft DIR (got {options.draft})")
         check_same_vocabulary(options.oracle, options.draft, "draft")
-        draft = load_model(options.draft, options.backend, options.dtype, options.device)
+        draft = load_model(options.draft, options.backend, options.dtype, options.device, options.cuda_graphs)
         if draft.vocab_size != oracle.vocab_size:
             raise InputError(f"the oracle has {oracle.vocab_size} output tokens and the draft {draft.vocab_size}; they must match")
     if options.method in NEEDS_NGRAM:

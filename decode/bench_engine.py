@@ -6,7 +6,8 @@
 3. for the model directory, the same forwards with the nodes as a tree and its explicit attention
    mask, against the chain: what a tree's mask costs;
 4. for the model directory, the chain's forwards with all its matrices in each layout this device runs
-   (decode.engine.LAYOUTS), against the engine's own choice (per matrix shape, timed at start-up).
+   (decode.engine.LAYOUTS), against the engine's own choice (per matrix shape, timed at start-up);
+5. on a GPU, decoding and the forwards of 2 again with CUDA graphs (decode.cuda_graphs).
 
     python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl
 """
@@ -26,12 +27,13 @@ from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline
 from decode.sampling import Sampling
 
-def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: str, device: str) -> dict:
+def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: str, device: str,
+                       cuda_graphs: bool = False) -> dict:
     """Milliseconds per generated token, ours vs transformers generate (greedy), and whether they agree."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = load_tokenizer(model_dir)
-    engine = GPT2Engine.load(model_dir, dtype, device)
+    engine = GPT2Engine.load(model_dir, dtype, device, cuda_graphs=cuda_graphs)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype).to(engine.device).eval()
     ours_s = hf_s = 0.0
     ours_n = hf_n = agree = 0
@@ -50,6 +52,24 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
         agree += out == tokens
     return {"ours_ms_per_token": 1e3 * ours_s / ours_n, "hf_generate_ms_per_token": 1e3 * hf_s / hf_n,
             "speedup": (hf_s / hf_n) / (ours_s / ours_n), "identical_outputs": f"{agree}/{len(prompts)}"}
+
+
+def with_cuda_graphs(args, texts: list[str], costs: dict) -> dict:
+    """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph, against launching
+    every kernel on its own (the first table)."""
+    latency = generation_latency(args.model, texts, args.new_tokens, args.dtype, args.device, cuda_graphs=True)
+    print(f"\nwith CUDA graphs: ours {latency['ours_ms_per_token']:.2f} ms/token (transformers generate "
+          f"{latency['hf_generate_ms_per_token']:.2f}), identical outputs {latency['identical_outputs']}")
+    models = {args.model: GPT2Engine.load(args.model, args.dtype, args.device, cuda_graphs=True)}
+    if not args.skip_large:
+        models["gpt2-large-sized (random)"] = random_gpt2(*PROJECTIONS["gpt2-large"], args.dtype, args.device,
+                                                          cuda_graphs=True)
+    graphed = {name: forward_costs(engine, args.prefix, args.repeats) for name, engine in models.items()}
+    for name, row in graphed.items():
+        print(f"{name[-40:]:<40}" + "".join(f"{row[q]:8.2f}" if q in row else f"{'-':>8}" for q in NODE_COUNTS))
+        print(f"{'  with graphs / without':<40}" + "".join(f"{row[q] / costs[name][q]:8.2f}" if q in row else f"{'-':>8}"
+                                                             for q in NODE_COUNTS))
+    return {"generation_with_cuda_graphs": latency, "forward_ms_with_cuda_graphs": graphed}
 
 
 @exits_on_input_error
@@ -102,6 +122,8 @@ def main(argv=None) -> dict:
     result = {"generation": latency, "forward_ms": costs, "tree_forward_ms": tree_costs, "dtype": args.dtype,
               "layouts": chosen, "forward_ms_by_layout": layout_costs,
               "device": device_name(torch.device(args.device))}
+    if models[args.model].on_gpu:
+        result |= with_cuda_graphs(args, texts, costs)
     if args.output:
         write_json(args.output, result, args.overwrite)
     return result

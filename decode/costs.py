@@ -128,10 +128,11 @@ def fingerprint(directory, pattern: str = "*.safetensors") -> str:
 
 
 def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
-    """Model (its fingerprint), the backend's code and weight layout, device, dtype and threads."""
+    """Model (its fingerprint), the backend's code, weight layout and CUDA graphs, device, dtype and threads."""
     backend = Path(inspect.getfile(type(model))).read_text()
-    layouts = getattr(model, "layouts", None)
-    digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, layouts, torch.__version__]).encode()).hexdigest()[:16]
+    layouts, graphs = getattr(model, "layouts", None), getattr(model, "graphs", None) is not None
+    digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, layouts, graphs, torch.__version__]).encode()
+                            ).hexdigest()[:16]
     device = "".join(c if c.isalnum() else "_" for c in device_name(model.device))
     return f"{digest}-{device}-{dtype}"
 
@@ -180,7 +181,8 @@ def projection_shape(spec: str) -> tuple[int, int, int]:
     return n_layer, n_embd, vocab
 
 
-def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: str, n_positions: int = 1024):
+def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: str, n_positions: int = 1024,
+                cuda_graphs: bool = False):
     """A GPT-2 of this shape with random weights (64-wide heads): its forward costs what a trained
     one's does."""
     from decode.engine import GPT2Engine
@@ -196,4 +198,4 @@ def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: 
             "attn.c_proj.bias": (e,), "mlp.c_fc.weight": (e, 4 * e), "mlp.c_fc.bias": (4 * e,),
             "mlp.c_proj.weight": (4 * e, e), "mlp.c_proj.bias": (e,)}.items()}
     weights = {name: 0.02 * torch.randn(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
-    return GPT2Engine(config, weights, dtype, device)
+    return GPT2Engine(config, weights, dtype, device, cuda_graphs=cuda_graphs)

@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from data.errors import InputError
 from data.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode.cached_lm import CachedLM
+from decode.cuda_graphs import CUDAGraphs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SPECULATIVE_SLOTS = 2048  # cache slots beyond the context for the nodes of a speculative tree
@@ -136,9 +137,10 @@ def fastest_layout(dtype: torch.dtype, device_type: str, in_features: int, out_f
 
 class GPT2Engine(CachedLM):
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
-                 max_length: int | None = None, layout: str | None = None):
+                 max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False):
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
-        stores every matrix in that layout; by default each matrix gets the fastest measured for its shape."""
+        stores every matrix in that layout; by default each matrix gets the fastest measured for its shape. On a
+        GPU with `cuda_graphs`, forwards replay CUDA graphs (decode.cuda_graphs; not yet run on a GPU)."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         self.shape = s = GPT2Shape.from_config(config)
@@ -167,10 +169,11 @@ class GPT2Engine(CachedLM):
                                     dtype=self.dtype)
         self.length = 0  # committed positions
         self.pending = 0  # speculative positions after them
+        self.graphs = CUDAGraphs(self) if cuda_graphs and self.on_gpu else None
 
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
-             layout: str | None = None) -> "GPT2Engine":
+             layout: str | None = None, cuda_graphs: bool = False) -> "GPT2Engine":
         """From a save_pretrained directory (safetensors)."""
         config = read_config(model_dir)
         if not is_lean_compatible(config):
@@ -178,7 +181,7 @@ class GPT2Engine(CachedLM):
                 f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
                 f"use the transformers backend (--backend hf)"
             )
-        return cls(config, load_safetensors(model_dir), dtype, device, max_length, layout)
+        return cls(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs)
 
     @property
     def vocab_size(self) -> int:
@@ -186,13 +189,12 @@ class GPT2Engine(CachedLM):
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        s, q = self.shape, token_ids.numel()
+        q = token_ids.numel()
         start = self.length + self.pending
         end = start + q
         if end > self.capacity:
             raise InputError(f"{q} new nodes after {start} cached slots overflow the cache of {self.capacity} slots; "
                              f"draft smaller trees (--budget, --widths)")
-        x = self.wte[token_ids] + self.wpe[position_ids]
         if mask is not None and q == 1 and self.pending == 0:  # a lone node sees everything: no mask is faster
             mask = None
         if mask is not None:  # over the pending slots and the new nodes; every committed position is visible
@@ -201,23 +203,36 @@ class GPT2Engine(CachedLM):
             mask = full
         elif q > 1:  # a chain: the new nodes see the whole cache and their predecessors
             mask = torch.ones(q, end, dtype=torch.bool, device=self.device).tril(start)
+        graph = self.graphs.get(q, start, end) if self.graphs is not None else None
+        if graph is not None:
+            logits = graph(token_ids, position_ids, mask, start, end)
+        else:
+            logits = self.logits(token_ids, position_ids, mask, slice(start, end), end)
+        self.pending += q
+        return logits
+
+    def logits(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+               slots: slice | torch.Tensor, end: int) -> torch.Tensor:
+        """Float32 logits of new nodes that write their keys/values into cache `slots` and attend to slots 0..end
+        (all of them, or where `mask` is true)."""
+        x = self.wte[token_ids] + self.wpe[position_ids]
         if self.on_gpu:
             with sdpa_kernel(ATTENTION_WITHOUT_CUDNN):
-                x = self.layers_forward(x, mask, start, end)
+                x = self.layers_forward(x, mask, slots, end)
         else:
-            x = self.layers_forward(x, mask, start, end)
-        x = F.layer_norm(x, (s.n_embd,), *self.ln_f, s.layer_norm_epsilon)
-        self.pending += q
+            x = self.layers_forward(x, mask, slots, end)
+        x = F.layer_norm(x, (self.shape.n_embd,), *self.ln_f, self.shape.layer_norm_epsilon)
         return self.head(x).float()
 
-    def layers_forward(self, x: torch.Tensor, mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
-        """The transformer blocks over q new nodes, writing their keys/values into cache slots start..end."""
+    def layers_forward(self, x: torch.Tensor, mask: torch.Tensor | None, slots: slice | torch.Tensor, end: int
+                       ) -> torch.Tensor:
+        """The transformer blocks over q new nodes, writing their keys/values into cache `slots`."""
         s, q = self.shape, x.shape[0]
         for i, layer in enumerate(self.layers):
             h = F.layer_norm(x, (s.n_embd,), layer["ln_1.weight"], layer["ln_1.bias"], s.layer_norm_epsilon)
             qkv = layer["attn.c_attn"](h)
             qkv = qkv.view(q, 3, s.n_head, self.head_dim).permute(1, 2, 0, 3)
-            self.kv_cache[:, i, :, start:end] = qkv[1:]
+            self.kv_cache[:, i, :, slots] = qkv[1:]
             keys, values = self.kv_cache[:, i, None, :, :end]
             # a batch dimension and a contiguous query let torch pick its fused attention kernel
             att = F.scaled_dot_product_attention(qkv[0].contiguous()[None], keys, values, attn_mask=mask)[0]

@@ -89,6 +89,9 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--backend", choices=["auto", "lean", "hf"], default="auto",
                    help="lean: our GPT-2 engine; hf: any transformers causal LM; auto: lean where it applies")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the lean engine on a GPU: replay each forward as a CUDA graph, one launch instead of a dozen "
+                        "kernels per layer (tested on a CPU without graphs; not yet run or measured on a GPU)")
     p.add_argument("--output", type=Path, help="write one JSON object per prompt here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--stream", action="store_true", help="print each completion as its tokens are accepted")

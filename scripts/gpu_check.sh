@@ -57,14 +57,19 @@ decode)
         step "agreement-$dtype" python3 -m decode.agreement --run "$run" --device cuda --dtype "$dtype" --limit 10 \
             --max-new-tokens 128 --methods "$methods" --no-plan --report "$logs/agreement-$dtype.json" --overwrite
     done
+    # CUDA graphs (decode.cuda_graphs, opt-in until measured here): the same outputs, then their speed below
+    step agreement-graphs python3 -m decode.agreement --run "$run" --device cuda --dtype float32 --limit 10 \
+        --max-new-tokens 128 --methods "$methods" --no-plan --cuda-graphs --report "$logs/agreement-graphs.json" --overwrite
     for method in baseline ${methods//,/ }; do
         step "sample-$method" python3 -m decode.run --run "$run" --device cuda --dtype bfloat16 --method "$method" \
             --limit 4 --max-new-tokens 64 --temperature 1 --top-k 50 --seed 1 --no-plan
     done
     step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" --device cuda \
         --dtype bfloat16 --output "$logs/engine.json" --overwrite
-    step profile python3 -m decode.profile_step --run "$run" --device cuda --dtype bfloat16 --method staged --limit 4 \
-        --max-new-tokens 128 --no-plan
+    for graphs in "" --cuda-graphs; do
+        step "profile$graphs" python3 -m decode.profile_step --run "$run" --device cuda --dtype bfloat16 --method staged \
+            --limit 4 --max-new-tokens 128 --no-plan $graphs
+    done
     # screening every policy outlasts one command (129 policies at ~4 s each): a smaller search
     step plan python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 8 --screen 2 \
         --max-budget 32 --project-oracle gpt2-large --overwrite
@@ -73,6 +78,8 @@ decode)
     step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 8 --max-new-tokens 128 \
         --methods baseline,speculative,tree,staged,staged-paper,ngram,lookup,hf-generate,hf-assisted,hf-lookup \
         --out "$logs/bench.json" --plot "$logs/bench.png" --overwrite
+    step bench-graphs python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 8 --max-new-tokens 128 \
+        --methods baseline,speculative,tree,staged,staged-paper,ngram,lookup --cuda-graphs --out "$logs/bench-graphs.json" --overwrite
     ;;
 *)
     echo "error: unknown stage $stage; use tests, train or decode" >&2; exit 2 ;;
