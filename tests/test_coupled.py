@@ -44,9 +44,12 @@ def test_cuda_sampling_is_reproducible_and_coupled(bpe_run):
     build = lambda method, **extra: SpeculativeDecoder.from_run(bpe_run["run"], method=method, device="cuda", **extra)
     base, chain = build("baseline"), build("speculative")
     staged = build("staged", budget=16, widths=[4, 2, 1], tree_children="top")
+    graphed = build("staged", budget=16, widths=[4, 2, 1], tree_children="top", cuda_graphs=True)
+    assert graphed.decoder.oracle.graphs is not None and staged.decoder.oracle.graphs is None
     for seed in range(3):
         sampling = {"temperature": 1.0, "top_k": 50, "seed": seed}
         expected = base.generate(PROMPTS[0], 24, **sampling).token_ids
         assert base.generate(PROMPTS[0], 24, **sampling).token_ids == expected
         assert staged.generate(PROMPTS[0], 24, **sampling).token_ids == expected
+        assert graphed.generate(PROMPTS[0], 24, **sampling).token_ids == expected
         assert chain.generate(PROMPTS[0], 24, **sampling).token_ids == chain.generate(PROMPTS[0], 24, **sampling).token_ids
