@@ -54,6 +54,11 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
             "speedup": (hf_s / hf_n) / (ours_s / ours_n), "identical_outputs": f"{agree}/{len(prompts)}"}
 
 
+def table_row(label: str, values: dict[int, float]) -> str:
+    """A label (its last 40 characters) and a value per node count, '-' where there is none."""
+    return f"{label[-40:]:<40}" + "".join(f"{values[q]:8.2f}" if q in values else f"{'-':>8}" for q in NODE_COUNTS)
+
+
 def with_cuda_graphs(args, texts: list[str], costs: dict) -> dict:
     """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph, against launching
     every kernel on its own (the first table)."""
@@ -66,9 +71,8 @@ def with_cuda_graphs(args, texts: list[str], costs: dict) -> dict:
                                                           cuda_graphs=True)
     graphed = {name: forward_costs(engine, args.prefix, args.repeats) for name, engine in models.items()}
     for name, row in graphed.items():
-        print(f"{name[-40:]:<40}" + "".join(f"{row[q]:8.2f}" if q in row else f"{'-':>8}" for q in NODE_COUNTS))
-        print(f"{'  with graphs / without':<40}" + "".join(f"{row[q] / costs[name][q]:8.2f}" if q in row else f"{'-':>8}"
-                                                             for q in NODE_COUNTS))
+        print(table_row(name, row))
+        print(table_row("  with graphs / without", {q: ms / costs[name][q] for q, ms in row.items()}))
     return {"generation_with_cuda_graphs": latency, "forward_ms_with_cuda_graphs": graphed}
 
 
@@ -108,17 +112,17 @@ def main(argv=None) -> dict:
     print(f"{'model':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
     for name, row in costs.items():
         layers = models[name].shape.n_layer
-        print(f"{name[-40:]:<40}" + "".join(f"{row[q]:8.2f}" if q in row else f"{'-':>8}" for q in NODE_COUNTS) + f"   ({layers} layers)")
+        print(table_row(name, row) + f"   ({layers} layers)")
     tree_costs = forward_costs(models[args.model], args.prefix, args.repeats, tree=True)
-    print(f"{'the same nodes as a tree, explicit mask':<40}" + "".join(f"{tree_costs[q]:8.2f}" if q in tree_costs else f"{'-':>8}" for q in NODE_COUNTS))
-    print(f"{'  tree / chain':<40}" + "".join(f"{tree_costs[q] / costs[args.model][q]:8.2f}" if q in tree_costs else f"{'-':>8}" for q in NODE_COUNTS))
+    print(table_row("the same nodes as a tree, explicit mask", tree_costs))
+    print(table_row("  tree / chain", {q: ms / costs[args.model][q] for q, ms in tree_costs.items()}))
     layouts = [name for name in LAYOUTS if name != "packed" or (args.device == "cpu" and onednn_packs(models[args.model].dtype))]
     layout_costs = {name: forward_costs(GPT2Engine.load(args.model, args.dtype, args.device, layout=name), args.prefix,
                                         args.repeats) for name in layouts}
     chosen = models[args.model].layouts
     print(f"\nthe chain's forward by weight layout (chosen per matrix: {', '.join(f'{k} {v}' for k, v in chosen.items())})")
     for name, row in (layout_costs | {"chosen per matrix (first table)": costs[args.model]}).items():
-        print(f"{name:<40}" + "".join(f"{row[q]:8.2f}" if q in row else f"{'-':>8}" for q in NODE_COUNTS))
+        print(table_row(name, row))
     result = {"generation": latency, "forward_ms": costs, "tree_forward_ms": tree_costs, "dtype": args.dtype,
               "layouts": chosen, "forward_ms_by_layout": layout_costs,
               "device": device_name(torch.device(args.device))}
