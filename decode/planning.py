@@ -232,11 +232,22 @@ def ranked(candidates: list[dict], oracle_ms: torch.Tensor, loop_ms: float, pref
     return sorted(out, key=lambda c: c["ms_per_token"])
 
 
+SETTINGS = ("device", "dtype", "backend", "cuda_graphs")  # what a plan's identity holds besides the models
+
+
 def identity(options) -> dict:
-    """What a plan's measurements depend on: the models, the device, the dtype and the backend."""
+    """What a plan's measurements depend on: the models, the device, the dtype, the backend, and whether the
+    forwards replay CUDA graphs (recorded only where they do: a plan made without them keeps its identity)."""
+    graphs = options.cuda_graphs and torch.device(options.device).type == "cuda" and options.backend != "hf"
     return {"oracle": fingerprint(options.oracle), "draft": options.draft and fingerprint(options.draft),
             "ngram": options.ngram and fingerprint(options.ngram, "*.npz"),
-            "device": device_name(torch.device(options.device)), "dtype": options.dtype, "backend": options.backend}
+            "device": device_name(torch.device(options.device)), "dtype": options.dtype, "backend": options.backend,
+            **({"cuda_graphs": True} if graphs else {})}
+
+
+def replan_command(run, options) -> str:
+    return (f"python -m decode.plan --run {run} --dtype {options.dtype}"
+            + (" --cuda-graphs" if options.cuda_graphs else ""))
 
 
 def save_plan(plan: dict, path: Path, overwrite: bool) -> None:
@@ -260,17 +271,17 @@ def run_plan(run: Path, options) -> Path | None:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return path  # load_plan says what is wrong with it
     current = identity(options)
-    other = [f"{k} {measured.get(k)!r}" for k in ("device", "dtype", "backend") if measured.get(k) != current[k]]
+    other = [f"{k} {measured.get(k)!r}" for k in SETTINGS if measured.get(k) != current.get(k)]
     if other:
         print(f"note: {path} was planned for {', '.join(other)}; using the flags' trees (re-plan with "
-              f"`python -m decode.plan --run {run} --dtype {options.dtype}`)", file=sys.stderr)
+              f"`{replan_command(run, options)}`)", file=sys.stderr)
         return None
     return path
 
 
 def load_plan(path: Path, options) -> dict:
     """The plan's policies, checked to have been measured for these models on this device."""
-    redo = f"re-plan with `python -m decode.plan --run RUN` (--dtype {options.dtype}), or pass --no-plan"
+    redo = f"re-plan with `{replan_command('RUN', options)}`, or pass --no-plan"
     if not Path(path).is_file():
         raise InputError(f"plan {path} does not exist; write one with `python -m decode.plan --run RUN`, or pass --no-plan")
     try:
@@ -281,9 +292,9 @@ def load_plan(path: Path, options) -> dict:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         raise InputError(f"{path} is not a plan this version of decode.plan wrote; {redo}") from None
     current = identity(options)
-    changed = [k for k in current if measured.get(k) != current[k]]
+    changed = [k for k in current | measured if measured.get(k) != current.get(k)]
     if changed:
-        what = ", ".join(f"{k} {measured.get(k)!r} (now {current[k]!r})" if k in ("device", "dtype", "backend") else k
+        what = ", ".join(f"{k} {measured.get(k)!r} (now {current.get(k)!r})" if k in SETTINGS else k
                          for k in changed)
         raise InputError(f"{path} was measured for another setting: {what} changed; {redo}")
     return policies

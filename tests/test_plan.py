@@ -1,5 +1,6 @@
 """decode.plan: the tree optimiser against brute force, the replay against real decoding, the plan
 file's round trip, and plans measured for something else refused."""
+import dataclasses
 import itertools
 import json
 import os
@@ -7,6 +8,7 @@ import random
 
 import pytest
 import torch
+from data.errors import InputError
 
 from decode import SpeculativeDecoder, costs, plan, planning, run
 from decode.drafters import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter
@@ -191,6 +193,31 @@ def test_a_run_plan_for_another_dtype_is_set_aside_with_a_note(planned, models, 
     assert other.options.plan is None and "dtype 'float32'" in note and "--dtype bfloat16" in note
     assert SpeculativeDecoder.from_run(run_dir, method="lookup").options.plan == run_dir / "plan.json"
     assert SpeculativeDecoder.from_run(run_dir, method="lookup", dtype="bfloat16").options.plan is None
+
+
+def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models, tmp_path, capsys, monkeypatch):
+    path, args = planned["path"], planned["args"]
+    on_cpu = run.parse(args + ["--plan", str(path), "--cuda-graphs"]).options  # graphs change nothing on a CPU
+    assert planning.identity(on_cpu) == planned["plan"]["identity"]
+    assert planning.load_plan(path, on_cpu) == planned["plan"]["policies"]
+    monkeypatch.setattr(planning, "device_name", lambda device: planned["plan"]["identity"]["device"])
+    on_gpu = dataclasses.replace(on_cpu, device="cuda")  # as a GPU would see it
+    assert planning.identity(on_gpu) == planned["plan"]["identity"] | {"cuda_graphs": True}
+    with pytest.raises(InputError, match=r"cuda_graphs None \(now True\).*decode\.plan .*--cuda-graphs"):
+        planning.load_plan(path, on_gpu)
+    graphed = json.loads(path.read_text())
+    graphed["identity"]["cuda_graphs"] = True  # the plan a GPU run with --cuda-graphs writes
+    path.write_text(json.dumps(graphed))
+    with pytest.raises(InputError, match=r"cuda_graphs True \(now None\)"):
+        planning.load_plan(path, run.parse(args + ["--plan", str(path)]).options)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    (run_dir / "plan.json").write_text(path.read_text())
+    prompts = args[args.index("--prompts") + 1]
+    assert run.parse(["--run", str(run_dir), "--prompts", prompts]).options.plan is None
+    assert "cuda_graphs True" in capsys.readouterr().err
 
 
 def test_staged_without_a_plan_on_a_cpu_says_its_tree_is_the_papers(planned, models, tmp_path, capsys):
