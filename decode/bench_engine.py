@@ -7,7 +7,7 @@
    mask, against the chain: what a tree's mask costs;
 4. for the model directory, the chain's forwards with all its matrices in each layout this device runs
    (decode.engine.LAYOUTS), against the engine's own choice (per matrix shape, timed at start-up);
-5. on a GPU, decoding and the forwards of 2 again with CUDA graphs (decode.cuda_graphs).
+5. on a GPU, our decoding and the forwards of 2 again with CUDA graphs (decode.cuda_graphs).
 
     python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl
 """
@@ -27,31 +27,44 @@ from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline
 from decode.sampling import Sampling
 
-def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: str, device: str,
-                       cuda_graphs: bool = False) -> dict:
-    """Milliseconds per generated token, ours vs transformers generate (greedy), and whether they agree."""
+def encoded(model_dir, prompts: list[str], device) -> list[torch.Tensor]:
+    tokenizer = load_tokenizer(model_dir)
+    return [torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, device=device) for text in prompts]
+
+
+def greedy(engine: GPT2Engine, ids: torch.Tensor, new_tokens: int) -> tuple[list[int], float]:
+    """Our greedy decoding of one prompt and its seconds (the loop reads every token on the host: nothing is
+    left queued)."""
+    start = time.perf_counter()
+    tokens = baseline(engine, ids, new_tokens, Sampling(), eos_id=None).tokens
+    return tokens, time.perf_counter() - start
+
+
+def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: str, device: str
+                       ) -> tuple[dict, list[list[int]]]:
+    """Milliseconds per generated token, ours vs transformers generate (greedy, prompt by prompt), whether
+    they agree, and our outputs."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(model_dir)
-    engine = GPT2Engine.load(model_dir, dtype, device, cuda_graphs=cuda_graphs)
+    engine = GPT2Engine.load(model_dir, dtype, device)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype).to(engine.device).eval()
+    pad_token_id = load_tokenizer(model_dir).eos_token_id
     ours_s = hf_s = 0.0
     ours_n = hf_n = agree = 0
-    for text in prompts:
-        ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, device=engine.device)
-        start = time.perf_counter()
-        tokens = baseline(engine, ids, new_tokens, Sampling(), eos_id=None).tokens
-        ours_s += time.perf_counter() - start  # both loops read every token on the host: nothing is left queued
-        ours_n += len(tokens)
+    outputs = []
+    for ids in encoded(model_dir, prompts, engine.device):
+        tokens, seconds = greedy(engine, ids, new_tokens)
+        outputs.append(tokens)
+        ours_s, ours_n = ours_s + seconds, ours_n + len(tokens)
         start = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(ids[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              pad_token_id=tokenizer.eos_token_id)[0, ids.numel():].tolist()
+                              pad_token_id=pad_token_id)[0, ids.numel():].tolist()
         hf_s += time.perf_counter() - start
         hf_n += len(out)
         agree += out == tokens
     return {"ours_ms_per_token": 1e3 * ours_s / ours_n, "hf_generate_ms_per_token": 1e3 * hf_s / hf_n,
-            "speedup": (hf_s / hf_n) / (ours_s / ours_n), "identical_outputs": f"{agree}/{len(prompts)}"}
+            "speedup": (hf_s / hf_n) / (ours_s / ours_n), "identical_outputs": f"{agree}/{len(prompts)}"}, outputs
 
 
 def table_row(label: str, values: dict[int, float]) -> str:
@@ -59,21 +72,25 @@ def table_row(label: str, values: dict[int, float]) -> str:
     return f"{label[-40:]:<40}" + "".join(f"{values[q]:8.2f}" if q in values else f"{'-':>8}" for q in NODE_COUNTS)
 
 
-def with_cuda_graphs(args, texts: list[str], costs: dict) -> dict:
+def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[int]], costs: dict) -> dict:
     """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph, against launching
-    every kernel on its own (the first table)."""
-    latency = generation_latency(args.model, texts, args.new_tokens, args.dtype, args.device, cuda_graphs=True)
-    print(f"\nwith CUDA graphs: ours {latency['ours_ms_per_token']:.2f} ms/token (transformers generate "
-          f"{latency['hf_generate_ms_per_token']:.2f}), identical outputs {latency['identical_outputs']}")
-    models = {args.model: GPT2Engine.load(args.model, args.dtype, args.device, cuda_graphs=True)}
+    every kernel on its own (the first two tables)."""
+    engine = GPT2Engine.load(args.model, args.dtype, args.device, cuda_graphs=True)
+    runs = [greedy(engine, ids, args.new_tokens) for ids in encoded(args.model, texts, engine.device)]
+    ms_per_token = 1e3 * sum(seconds for _, seconds in runs) / sum(len(tokens) for tokens, _ in runs)
+    same = sum(tokens == before for (tokens, _), before in zip(runs, outputs))
+    print(f"\nwith CUDA graphs: ours {ms_per_token:.2f} ms/token (without {latency['ours_ms_per_token']:.2f}: "
+          f"{latency['ours_ms_per_token'] / ms_per_token:.2f}x), outputs identical to those without: {same}/{len(texts)}")
+    models = {args.model: engine}
     if not args.skip_large:
         models["gpt2-large-sized (random)"] = random_gpt2(*PROJECTIONS["gpt2-large"], args.dtype, args.device,
                                                           cuda_graphs=True)
-    graphed = {name: forward_costs(engine, args.prefix, args.repeats) for name, engine in models.items()}
+    graphed = {name: forward_costs(model, args.prefix, args.repeats) for name, model in models.items()}
     for name, row in graphed.items():
         print(table_row(name, row))
         print(table_row("  with graphs / without", {q: ms / costs[name][q] for q, ms in row.items()}))
-    return {"generation_with_cuda_graphs": latency, "forward_ms_with_cuda_graphs": graphed}
+    return {"generation_with_cuda_graphs": {"ours_ms_per_token": ms_per_token, "identical_to_without": f"{same}/{len(texts)}"},
+            "forward_ms_with_cuda_graphs": graphed}
 
 
 @exits_on_input_error
@@ -98,7 +115,7 @@ def main(argv=None) -> dict:
     check_device(args.device)
 
     texts = [r["prompt"] for r in load_prompts(args.prompts, args.limit)]
-    latency = generation_latency(args.model, texts, args.new_tokens, args.dtype, args.device)
+    latency, outputs = generation_latency(args.model, texts, args.new_tokens, args.dtype, args.device)
     print(f"greedy decoding, {len(texts)} prompts x {args.new_tokens} tokens ({args.dtype}, {device_name(torch.device(args.device))})")
     print(f"  ours (lean engine)        {latency['ours_ms_per_token']:8.2f} ms/token")
     print(f"  transformers generate     {latency['hf_generate_ms_per_token']:8.2f} ms/token")
@@ -127,7 +144,7 @@ def main(argv=None) -> dict:
               "layouts": chosen, "forward_ms_by_layout": layout_costs,
               "device": device_name(torch.device(args.device))}
     if models[args.model].on_gpu:
-        result |= with_cuda_graphs(args, texts, costs)
+        result |= with_cuda_graphs(args, texts, latency, outputs, costs)
     if args.output:
         write_json(args.output, result, args.overwrite)
     return result

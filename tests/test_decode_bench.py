@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from decode import agreement, bench, costs, generate, peers, profile_step, report
+from decode import agreement, bench, bench_engine, costs, generate, peers, profile_step, report
 from decode.api import Decoder
 from decode.engine import GPT2Engine
 from decode_models import run_models
@@ -166,3 +166,25 @@ def test_bench_refuses_an_assistant_of_another_vocabulary(models, tmp_path, caps
         bench.main(args)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exit_.value.code == 2 and len(errors) == 1 and "different tokenizers" in errors[0]
+
+
+def test_bench_engine_times_both_loops_on_the_same_outputs_and_its_graph_section_compares_with_them(models, tmp_path,
+                                                                                                    capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i + 2} t{i + 7}"}) + "\n" for i in range(2)))
+    oracle = str(models["oracle"])
+    argv = ["--model", oracle, "--prompts", str(prompts), "--new-tokens", "6", "--repeats", "1",
+            "--prefix", "8", "--skip-large"]
+    out = bench_engine.main(argv)
+    assert out["generation"]["identical_outputs"] == "2/2" and out["dtype"] == "float32"
+    assert set(out["forward_ms"][oracle]) == set(costs.NODE_COUNTS) and "generation_with_cuda_graphs" not in out
+    latency, outputs = bench_engine.generation_latency(oracle, ["t2 t7", "t3 t8"], 6, "float32", "cpu")
+    assert [len(tokens) for tokens in outputs] == [6, 6] and latency["identical_outputs"] == "2/2"
+    # the GPU's section 5, run where graphs fall back to the eager forward: the outputs it compares are the same
+    args = bench_engine.argparse.Namespace(model=oracle, new_tokens=6, dtype="float32", device="cpu",
+                                           skip_large=True, prefix=8, repeats=1)
+    graphed = bench_engine.with_cuda_graphs(args, ["t2 t7", "t3 t8"], latency, outputs,
+                                            {oracle: out["forward_ms"][oracle]})
+    assert graphed["generation_with_cuda_graphs"]["identical_to_without"] == "2/2"
+    assert set(graphed["forward_ms_with_cuda_graphs"][oracle]) == set(costs.NODE_COUNTS)
+    assert "with graphs / without" in capsys.readouterr().out
