@@ -11,6 +11,7 @@ from data.atomic import write_json
 from data.errors import InputError
 
 META = "meta.json"
+TOKEN_COUNTS = "token_counts.npy"  # beside a trained model: its training split's count of each token id
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -55,3 +56,8 @@ def split_documents(tokens: np.ndarray, eos_id: int) -> list[np.ndarray]:
     ends = np.flatnonzero(tokens == eos_id)
     starts = np.concatenate([[0], ends[:-1] + 1])
     return [tokens[s:e] for s, e in zip(starts, ends)]
+
+
+def token_counts(data_dir, split: str = "train") -> np.ndarray:
+    """How often each token id occurs in a split: (vocab_size,) int64."""
+    return np.bincount(open_split(data_dir, split), minlength=read_meta(data_dir)["vocab_size"]).astype(np.int64)

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Generator, Iterator
 
+import numpy as np
 import torch
 
 from data.errors import InputError
+from data.shards import TOKEN_COUNTS
 from data.tokenizer import load_tokenizer
 from decode import generate, planning
-from decode.cached_lm import CachedLM
+from decode.cached_lm import CachedLM, Shortlist
 from decode.drafters import LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
 from decode.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.healing import Prompt, TokenHealer
@@ -31,6 +33,7 @@ METHODS = ("baseline", "speculative", "tree", "staged", "ngram", "lookup")
 NEEDS_DRAFT = {"speculative", "tree", "staged"}
 NEEDS_NGRAM = {"staged", "ngram"}
 MAX_BUDGET, MAX_DEPTH = 512, 64
+MIN_DRAFT_VOCAB = 64  # a shortlist holds every draft's top children and a sampled proposal's 64 tokens
 
 
 @dataclass
@@ -56,6 +59,7 @@ class DecoderOptions:
     device: str = "cpu"
     backend: str = "auto"
     cuda_graphs: bool = False  # the lean engine on a GPU: replay each forward's kernels as one graph (unmeasured)
+    draft_vocab: int = 0  # the draft's logits over its N most frequent training tokens only (0: every token)
     token_healing: bool = True
 
     @classmethod
@@ -76,6 +80,8 @@ class DecoderOptions:
             raise InputError(f"--k must be at least 0 (got {self.k})")
         if min(self.lookup_tokens, self.lookup_branches, self.lookup_ngram) < 1 or self.lookup_tokens > MAX_DEPTH:
             raise InputError(f"--lookup-tokens (1 to {MAX_DEPTH}), --lookup-branches and --lookup-ngram must be at least 1")
+        if self.draft_vocab != 0 and self.draft_vocab < MIN_DRAFT_VOCAB:
+            raise InputError(f"--draft-vocab {self.draft_vocab}: use 0 (the whole vocabulary) or at least {MIN_DRAFT_VOCAB} tokens")
         check_device(self.device)
         branch = self.branch if self.branch is not None or self.method == "staged" else 4
         children = self.tree_children or ("sampled" if self.method == "staged" else "top")
@@ -247,11 +253,30 @@ def load_trigram(options, vocab_size: int, eos_id: int):
     return table
 
 
-def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_graphs: bool = False) -> CachedLM:
+def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_graphs: bool = False,
+               shortlist: Shortlist | None = None) -> CachedLM:
     config = read_config(directory)
     if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
-        return GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs)
-    return HFEngine.load(directory, dtype, device)
+        return GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist)
+    return HFEngine.load(directory, dtype, device, shortlist=shortlist)
+
+
+def draft_shortlist(draft_dir: Path, size: int, vocab_size: int) -> Shortlist | None:
+    """The draft's `size` most frequent training tokens (None: the whole vocabulary, for 0 or at least its size)."""
+    if size == 0 or size >= vocab_size:
+        return None
+    path = Path(draft_dir) / TOKEN_COUNTS
+    if not path.is_file():
+        raise InputError(f"--draft-vocab needs {path}, the draft's training token counts (training writes them beside "
+                         f"the model; older models lack them): re-train the draft, or numpy.save there "
+                         f"data.shards.token_counts(RUN/data)")
+    try:
+        counts = np.load(path)
+    except (OSError, ValueError) as err:
+        raise InputError(f"{path} is not a numpy array of token counts ({err}); re-train the draft") from None
+    if counts.shape != (vocab_size,):
+        raise InputError(f"{path} counts {counts.size} tokens, the draft has {vocab_size}; re-train the draft")
+    return Shortlist.most_frequent(counts, size)
 
 
 def check_same_vocabulary(oracle_dir: Path, other_dir: Path, other: str) -> None:
@@ -333,7 +358,8 @@ def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
         if options.draft is None or not Path(options.draft).is_dir():
             raise InputError(f"--method {options.method} needs a draft model; pass --draft DIR (got {options.draft})")
         check_same_vocabulary(options.oracle, options.draft, "draft")
-        draft = load_model(options.draft, options.backend, options.dtype, options.device, options.cuda_graphs)
+        shortlist = draft_shortlist(options.draft, options.draft_vocab, oracle.vocab_size)
+        draft = load_model(options.draft, options.backend, options.dtype, options.device, options.cuda_graphs, shortlist)
         if draft.vocab_size != oracle.vocab_size:
             raise InputError(f"the oracle has {oracle.vocab_size} output tokens and the draft {draft.vocab_size}; they must match")
     if options.method in NEEDS_NGRAM:

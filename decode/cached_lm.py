@@ -20,17 +20,55 @@ def long_tensor(values: list[int], device=None) -> torch.Tensor:
     return on(torch.from_numpy(np.array(values, np.int64)), device)
 
 
+class Shortlist:
+    """The tokens a model's logits stand for, column by column, when they are a part of the vocabulary: a
+    draft's most frequent training tokens (FR-Spec, Zhao et al. 2025), whose output layer then costs that part
+    of the whole. What a draft proposes is then among them; what is accepted is the oracle's either way."""
+
+    def __init__(self, tokens, vocab_size: int):
+        self.tokens = np.unique(np.asarray(tokens, np.int64))  # column -> token, ascending
+        self.column = np.full(vocab_size, -1, np.int64)  # token -> column, -1 off the list
+        self.column[self.tokens] = np.arange(len(self.tokens))
+        self.on_device = {}
+
+    @classmethod
+    def most_frequent(cls, counts: np.ndarray, size: int) -> "Shortlist":
+        """The `size` tokens counted most often (ties: the lower id)."""
+        return cls(np.argsort(-counts, kind="stable")[:size], len(counts))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.column)
+
+    def widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary from logits over the shortlist: -inf off it."""
+        wide = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        wide[..., self.tokens_at(torch.arange(len(self), device=logits.device))] = logits
+        return wide
+
+    def tokens_at(self, columns: torch.Tensor) -> torch.Tensor:
+        """The tokens of these columns, a tensor on the columns' device."""
+        device = columns.device
+        if device not in self.on_device:
+            self.on_device[device] = torch.from_numpy(self.tokens).to(device)
+        return self.on_device[device][columns]
+
+
 class CachedLM:
     length: int = 0
     pending: int = 0
     max_length: int
     vocab_size: int
     device: torch.device
+    shortlist: Shortlist | None = None  # forward's logits cover these tokens only (None: the whole vocabulary)
 
     def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Float32 logits (q, vocab) of q new nodes. Every committed position is visible to them; `mask`
-        (q, pending + q) marks which pending slots and new nodes each one sees (None: all of them, the
-        new nodes as a causal chain)."""
+        """Float32 logits (q, vocab) of q new nodes (with a shortlist, (q, len(shortlist))). Every committed
+        position is visible to them; `mask` (q, pending + q) marks which pending slots and new nodes each one
+        sees (None: all of them, the new nodes as a causal chain)."""
         raise NotImplementedError
 
     def commit(self, keep: list[int]) -> None:
@@ -51,3 +89,8 @@ class CachedLM:
         self.length += self.pending  # every pending slot is kept where it is
         self.pending = 0
         return logits
+
+    def extend_whole(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """`extend`, its logits over the whole vocabulary even with a shortlist (-inf off it): for measurements."""
+        logits = self.extend(token_ids)
+        return logits if self.shortlist is None else self.shortlist.widen(logits)

@@ -128,11 +128,13 @@ def fingerprint(directory, pattern: str = "*.safetensors") -> str:
 
 
 def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
-    """Model (its fingerprint), the backend's code, weight layout and CUDA graphs, device, dtype and threads."""
+    """Model (its fingerprint), the backend's code, weight layout, CUDA graphs and output shortlist, device, dtype
+    and threads."""
     backend = Path(inspect.getfile(type(model))).read_text()
     layouts, graphs = getattr(model, "layouts", None), getattr(model, "graphs", None) is not None
-    digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, layouts, graphs, torch.__version__]).encode()
-                            ).hexdigest()[:16]
+    shortlist = None if model.shortlist is None else model.shortlist.tokens.tolist()
+    digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, layouts, graphs, torch.__version__]
+                                       + ([shortlist] if shortlist is not None else [])).encode()).hexdigest()[:16]
     device = "".join(c if c.isalnum() else "_" for c in device_name(model.device))
     return f"{digest}-{device}-{dtype}"
 

@@ -20,9 +20,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from decode.cached_lm import CachedLM, long_tensor
+from decode.cached_lm import CachedLM, Shortlist, long_tensor
 from decode.lookup import ContextIndex
-from decode.sampling import Sampling, row_argmax, top_tokens, values_at
+from decode.sampling import Sampling, row_argmax, tokens_at, top_tokens, values_at
 from decode.tree import Tree, rows_mask
 
 
@@ -43,6 +43,7 @@ class DraftModel:
 
     def __init__(self, model: CachedLM):
         self.model = model
+        self.shortlist = model.shortlist  # the tokens of the draft's logits' columns (None: every token)
         self.calls = 0
         self.slots = {}
 
@@ -110,17 +111,18 @@ def relative(values: list[float], best: float) -> list[float]:
     return [math.exp(v - best) for v in values]
 
 
-def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
-                    order: list[int] | None = None) -> tuple[list[float], list[list[int]], list[list[float]]]:
+def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool, order: list[int] | None = None,
+                    shortlist: Shortlist | None = None) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """From the draft's ranking scores after every node of `tree` (`ranking_scores`, a row per node, row i
-    after node `order[i]`, by default node i): each node's weight given its parent (the root's: 1), and each
-    node's `k` best children and their weights. One argmax (or top-k) and one gather: right after the draft's
+    after node `order[i]`, by default node i; its columns the `shortlist`'s tokens when there is one): each node's
+    weight given its parent (the root's: 1; 0 for a token off the shortlist), and each node's `k` best children and
+    their weights. One argmax (or top-k) and one gather: right after the draft's
     forward, each torch or numpy call costs microseconds on a CPU, a step of Python over a node a fraction of
     one. Trees of more than ARRAY_NODES nodes take `ranked_children_arrays`."""
     n = len(tree)
     if n > ARRAY_NODES:
-        return ranked_children_arrays(scores, tree, k, greedy, order)
-    best = top_tokens(scores, k).tolist()
+        return ranked_children_arrays(scores, tree, k, greedy, order, shortlist)
+    best = top_tokens(scores, k, shortlist).tolist()
     row = list(range(n))  # node -> its row
     if order is not None:
         for i, node in enumerate(order):
@@ -128,7 +130,7 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
         best = [best[row[node]] for node in range(n)]
     read_rows = [row[parent] for parent in tree.parents[1:]] + [row[node] for node in range(n) for _ in range(k)]
     read_columns = tree.tokens[1:] + [token for tokens in best for token in tokens]  # each edge, then each best child
-    values = values_at(scores, read_rows, read_columns).tolist()
+    values = values_at(scores, read_rows, read_columns, shortlist).tolist()
     edges, rows = values[: n - 1], [values[n - 1 + i * k : n - 1 + (i + 1) * k] for i in range(n)]
     if greedy:  # each row's best value comes first
         edges = [math.exp(v - rows[parent][0]) for parent, v in zip(tree.parents[1:], edges)]
@@ -136,30 +138,34 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
     return [1.0] + edges, best, rows
 
 
-def ranked_children_arrays(scores: torch.Tensor, tree: Tree, k: int, greedy: bool,
-                           order: list[int] | None = None) -> tuple[list[float], np.ndarray, np.ndarray]:
+def ranked_children_arrays(scores: torch.Tensor, tree: Tree, k: int, greedy: bool, order: list[int] | None = None,
+                           shortlist: Shortlist | None = None) -> tuple[list[float], np.ndarray, np.ndarray]:
     """`ranked_children` as array code (what runs per node in Python there runs per tree here), the best
     children and their weights as (n, k) arrays."""
     n = len(tree)
     row = np.arange(n)  # node -> its row
     if order is not None:
         row[order] = row.copy()
-    best = top_tokens(scores, k)[row]
+    best = top_tokens(scores, k, shortlist)[row]
     parents, tokens = np.array(tree.parents[1:], np.int64), np.array(tree.tokens[1:], np.int64)
     values = values_at(scores, np.concatenate([row[parents], np.repeat(row, k)]),
-                       np.concatenate([tokens, best.ravel()])).astype(np.float64)
+                       np.concatenate([tokens, best.ravel()]), shortlist).astype(np.float64)
     edges, rows = values[: n - 1], values[n - 1 :].reshape(n, k)
     if greedy:  # each row's best value comes first
         edges, rows = np.exp(edges - rows[parents, 0]), np.exp(rows - rows[:, :1])
     return [1.0, *edges.tolist()], best, rows
 
 
-def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generator) -> tuple[list[list[int]], torch.Tensor]:
-    """`count` independent draws per row from the draft's proposal (Sampling.proposal), and each row's
-    proposal over the whole vocabulary, the q that multi-draft rejection checks the draws against."""
-    probs, tokens = sampling.proposal(logits)
+def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generator,
+                  shortlist: Shortlist | None = None) -> tuple[list[list[int]], torch.Tensor]:
+    """`count` independent draws per row from the draft's proposal (Sampling.proposal; over the `shortlist`'s
+    tokens when the logits are theirs), and each row's proposal over the whole vocabulary, the q that
+    multi-draft rejection checks the draws against."""
+    probs, columns = sampling.proposal(logits)
+    tokens = tokens_at(columns, shortlist)
     drawn = tokens.gather(-1, torch.multinomial(probs, count, replacement=True, generator=generator))
-    return drawn.tolist(), logits.new_zeros(logits.shape, dtype=torch.float32).scatter_(-1, tokens, probs)
+    vocab_size = logits.shape[-1] if shortlist is None else shortlist.vocab_size
+    return drawn.tolist(), probs.new_zeros((*logits.shape[:-1], vocab_size)).scatter_(-1, tokens, probs)
 
 
 def best_first(scores: list[float], budget: int) -> list[int]:
@@ -213,10 +219,10 @@ class ChainDrafter(ModelDrafter):
         for _ in range(min(self.k, max_depth)):
             logits = self.draft.score(tree, [node])
             if self.sampled_children:
-                (token,), q = draw_children(self.sampling, logits[0], 1, generator)
+                (token,), q = draw_children(self.sampling, logits[0], 1, generator, self.draft.shortlist)
                 tree.child_dists[node] = q
             else:
-                token = row_argmax(logits)[0]
+                token = row_argmax(logits, self.draft.shortlist)[0]
             node = tree.add(node, token)
         return tree
 
@@ -235,7 +241,7 @@ class TreeDrafter(ModelDrafter):
 
     def _children(self, tree: Tree, cumulative: list[float], nodes: list[int], logits: torch.Tensor, generator) -> None:
         if self.sampled_children:
-            drawn, q = draw_children(self.sampling, logits, self.branch, generator)
+            drawn, q = draw_children(self.sampling, logits, self.branch, generator, self.draft.shortlist)
             for node, tokens, row in zip(nodes, drawn, q):
                 tree.child_dists[node] = row
                 for token in tokens:
@@ -243,7 +249,7 @@ class TreeDrafter(ModelDrafter):
                     cumulative.append(cumulative[node] * float(row[token]))
             return
         top = ranking_scores(logits, self.sampling).topk(self.branch)
-        for node, values, tokens in zip(nodes, top.values.tolist(), top.indices.tolist()):
+        for node, values, tokens in zip(nodes, top.values.tolist(), tokens_at(top.indices, self.draft.shortlist).tolist()):
             for p, token in zip(relative(values, values[0]) if self.sampling.greedy else values, tokens):
                 tree.add(node, token)
                 cumulative.append(cumulative[node] * p)
@@ -294,7 +300,8 @@ class ShapedTreeDrafter(ModelDrafter):
                 return tree
             logits = self.draft.score(tree, nodes)
             widest = 1 + max(self.ranks[c] for n in nodes for c in self.below[shape_of[n]])
-            ranked = (logits if self.sampling.greedy else self.sampling.probs(logits)).topk(widest).indices.tolist()
+            ranked = (logits if self.sampling.greedy else self.sampling.probs(logits)).topk(widest).indices
+            ranked = tokens_at(ranked, self.draft.shortlist).tolist()
             parents, children = [], []
             for n, row in zip(nodes, ranked):
                 for child in self.below[shape_of[n]]:
@@ -423,7 +430,7 @@ class StagedDrafter(ModelDrafter):
         """When sampling: `draft_children` independent draws from the draft's q below the root and below
         every draw that lands on a node the draft scored (`tree`, whose q its one call computed), depth
         first; a draw elsewhere is a leaf. Verified by multi-draft rejection."""
-        drawn, q = draw_children(self.sampling, logits, self.draft_children or 2, generator)
+        drawn, q = draw_children(self.sampling, logits, self.draft_children or 2, generator, self.draft.shortlist)
         out, self.kept = Tree.rooted(tree.tokens[0]), [0]
 
         def grow(node: int, scored: int) -> None:
@@ -452,7 +459,7 @@ class StagedDrafter(ModelDrafter):
         order = [0] + sorted(copied) + [node for node in range(1, n) if node not in copied]
         logits = self.draft.score(tree, order)
         edges, best, best_weights = ranked_children(ranking_scores(logits, self.sampling), tree, self.draft_children or 1,
-                                                    self.sampling.greedy, order)
+                                                    self.sampling.greedy, order, self.draft.shortlist)
         cumulative = tree.cumulative(edges)
         leaf_parents, leaf_tokens, leaf_weights = self.draft_leaves(tree, best, best_weights, max_depth)
         candidates = cumulative + [cumulative[parent] * w for parent, w in zip(leaf_parents, leaf_weights)]

@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from data.errors import InputError
 from data.pretrained import FUSED_GELU, RETRAIN, load_safetensors
-from decode.cached_lm import CachedLM
+from decode.cached_lm import CachedLM, Shortlist
 from decode.cuda_graphs import CUDAGraphs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -137,10 +137,12 @@ def fastest_layout(dtype: torch.dtype, device_type: str, in_features: int, out_f
 
 class GPT2Engine(CachedLM):
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
-                 max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False):
+                 max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False,
+                 shortlist: Shortlist | None = None):
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
         stores every matrix in that layout; by default each matrix gets the fastest measured for its shape. On a
-        GPU with `cuda_graphs`, forwards replay CUDA graphs (decode.cuda_graphs; not yet run on a GPU)."""
+        GPU with `cuda_graphs`, forwards replay CUDA graphs (decode.cuda_graphs; not yet run on a GPU). With a
+        `shortlist`, the output layer computes the logits of its tokens only."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         self.shape = s = GPT2Shape.from_config(config)
@@ -159,7 +161,9 @@ class GPT2Engine(CachedLM):
                 layer[name] = projection(layer.pop(f"{name}.weight"), layer.pop(f"{name}.bias"))
             self.layers.append(layer)
         self.ln_f = (weights["ln_f.weight"], weights["ln_f.bias"])
-        self.head = projection(self.wte.T, None)  # the output projection, tied to wte
+        self.shortlist = shortlist
+        output = self.wte if shortlist is None else self.wte[torch.from_numpy(shortlist.tokens).to(self.device)]
+        self.head = projection(output.T, None)  # the output projection, tied to wte
         self.layouts = {name: self.layers[0][name].layout for name in LINEAR_LAYERS} | {"head": self.head.layout}
         self.head_dim = s.n_embd // s.n_head
         self.max_length = max_length or s.n_positions  # positions: the context
@@ -173,7 +177,7 @@ class GPT2Engine(CachedLM):
 
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
-             layout: str | None = None, cuda_graphs: bool = False) -> "GPT2Engine":
+             layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None) -> "GPT2Engine":
         """From a save_pretrained directory (safetensors)."""
         config = read_config(model_dir)
         if not is_lean_compatible(config):
@@ -181,7 +185,7 @@ class GPT2Engine(CachedLM):
                 f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
                 f"use the transformers backend (--backend hf)"
             )
-        return cls(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs)
+        return cls(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs, shortlist)
 
     @property
     def vocab_size(self) -> int:

@@ -4,7 +4,7 @@ GPT-2 engine (framework overhead per call), and exact."""
 import torch
 
 from data.pretrained import load_causal_lm
-from decode.cached_lm import CachedLM
+from decode.cached_lm import CachedLM, Shortlist
 from decode.engine import DTYPES
 
 
@@ -14,7 +14,9 @@ def load_hf_model(model_dir, dtype: str, device: str):
 
 
 class HFEngine(CachedLM):
-    def __init__(self, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None):
+    def __init__(self, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
+                 shortlist: Shortlist | None = None):
+        """With a `shortlist`, forward returns its tokens' logits (selected from the whole vocabulary's)."""
         from transformers import DynamicCache
 
         self.model = load_hf_model(model_dir, dtype, device)
@@ -26,10 +28,13 @@ class HFEngine(CachedLM):
         self._new_cache = DynamicCache
         self.cache = DynamicCache()
         self.length = self.pending = 0
+        self.shortlist = shortlist
+        self.columns = None if shortlist is None else torch.from_numpy(shortlist.tokens).to(self.device)
 
     @classmethod
-    def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None) -> "HFEngine":
-        return cls(model_dir, dtype, device, max_length)
+    def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
+             shortlist: Shortlist | None = None) -> "HFEngine":
+        return cls(model_dir, dtype, device, max_length, shortlist)
 
     def reset(self) -> None:
         super().reset()
@@ -51,7 +56,8 @@ class HFEngine(CachedLM):
         )
         self.cache = out.past_key_values
         self.pending += q
-        return out.logits[0].float()
+        logits = out.logits[0].float()
+        return logits if self.columns is None else logits[:, self.columns]
 
     @torch.inference_mode()
     def commit(self, keep: list[int]) -> None:

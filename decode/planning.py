@@ -39,7 +39,7 @@ def ranks(model: CachedLM, prompt: list[int], continuation: list[int]) -> list[i
     """The rank of each continuation token among the model's next-token logits (0: its argmax),
     the model reading the prompt and the continuation before it (teacher forcing)."""
     model.reset()
-    logits = model.extend(long_tensor(prompt + continuation[:-1], model.device))[len(prompt) - 1 :]
+    logits = model.extend_whole(long_tensor(prompt + continuation[:-1], model.device))[len(prompt) - 1 :]
     target = logits.gather(1, long_tensor(continuation, model.device)[:, None])
     return (logits > target).sum(1).tolist()
 
@@ -78,7 +78,7 @@ def overlaps(oracle: CachedLM, draft: CachedLM, sampling, prompt: list[int], con
     dists = []
     for model in (oracle, draft):
         model.reset()
-        dists.append(sampling.probs(model.extend(ids)[len(prompt) - 1 :]))
+        dists.append(sampling.probs(model.extend_whole(ids)[len(prompt) - 1 :]))
     return torch.minimum(*dists).sum(-1).tolist()
 
 
@@ -232,22 +232,23 @@ def ranked(candidates: list[dict], oracle_ms: torch.Tensor, loop_ms: float, pref
     return sorted(out, key=lambda c: c["ms_per_token"])
 
 
-SETTINGS = ("device", "dtype", "backend", "cuda_graphs")  # what a plan's identity holds besides the models
+SETTINGS = ("device", "dtype", "backend", "cuda_graphs", "draft_vocab")  # a plan's identity besides the models
 
 
 def identity(options) -> dict:
-    """What a plan's measurements depend on: the models, the device, the dtype, the backend, and whether the
-    forwards replay CUDA graphs (recorded only where they do: a plan made without them keeps its identity)."""
+    """What a plan's measurements depend on: the models, the device, the dtype, the backend, whether the
+    forwards replay CUDA graphs and the draft's shortlist (these two recorded only where they are used: a plan
+    made without them keeps its identity)."""
     graphs = options.cuda_graphs and torch.device(options.device).type == "cuda" and options.backend != "hf"
     return {"oracle": fingerprint(options.oracle), "draft": options.draft and fingerprint(options.draft),
             "ngram": options.ngram and fingerprint(options.ngram, "*.npz"),
             "device": device_name(torch.device(options.device)), "dtype": options.dtype, "backend": options.backend,
-            **({"cuda_graphs": True} if graphs else {})}
+            **({"cuda_graphs": True} if graphs else {}), **({"draft_vocab": options.draft_vocab} if options.draft_vocab else {})}
 
 
 def replan_command(run, options) -> str:
-    return (f"python -m decode.plan --run {run} --dtype {options.dtype}"
-            + (" --cuda-graphs" if options.cuda_graphs else ""))
+    return (f"python -m decode.plan --run {run} --dtype {options.dtype}" + (" --cuda-graphs" if options.cuda_graphs else "")
+            + (f" --draft-vocab {options.draft_vocab}" if options.draft_vocab else ""))
 
 
 def save_plan(plan: dict, path: Path, overwrite: bool) -> None:

@@ -9,6 +9,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from decode.cached_lm import Shortlist
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -48,27 +50,38 @@ class Sampling:
         return row_argmax(logits[None])[0] if self.greedy else sample(self.probs(logits), generator)
 
 
-def top_tokens(logits: torch.Tensor, k: int = 1) -> np.ndarray:
-    """(rows, k): each row's k largest tokens, best first. The argmax on CPU goes through numpy: torch's CPU
-    argmax over a vocabulary is ~10x slower (measured: 110-290 us vs 12 us for 30 x 8192 float32). Ties go
-    to the first index for k = 1."""
+def top_tokens(logits: torch.Tensor, k: int = 1, shortlist: Shortlist | None = None) -> np.ndarray:
+    """(rows, k): each row's k largest tokens, best first (with a shortlist, the logits' columns are its tokens).
+    The argmax on CPU goes through numpy: torch's CPU argmax over a vocabulary is ~10x slower (measured: 110-290
+    us vs 12 us for 30 x 8192 float32). Ties go to the first index for k = 1."""
     if k == 1 and logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.numpy().argmax(1)[:, None]
-    return (logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k).indices).cpu().numpy()
+        best = logits.numpy().argmax(1)[:, None]
+    else:
+        best = (logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k).indices).cpu().numpy()
+    return best if shortlist is None else shortlist.tokens[best]
 
 
-def values_at(logits: torch.Tensor, rows, columns) -> np.ndarray:
-    """logits[rows[i], columns[i]] for every i. On CPU in float32 numpy reads them: right after a model's
-    forward, a torch call costs tens of microseconds there, a numpy gather a few."""
+def values_at(logits: torch.Tensor, rows, tokens, shortlist: Shortlist | None = None) -> np.ndarray:
+    """logits[rows[i], tokens[i]] for every i; with a shortlist, the column of each token, and -inf for a token
+    off it. On CPU in float32 numpy reads them: right after a model's forward, a torch call costs tens of
+    microseconds there, a numpy gather a few."""
+    if shortlist is not None:
+        columns = shortlist.column[np.asarray(tokens, np.int64)]
+        return np.where(columns >= 0, values_at(logits, rows, np.maximum(columns, 0)), -np.inf)
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.numpy()[rows, columns]
-    flat = np.asarray(rows, np.int64) * logits.shape[-1] + np.asarray(columns, np.int64)
+        return logits.numpy()[rows, tokens]
+    flat = np.asarray(rows, np.int64) * logits.shape[-1] + np.asarray(tokens, np.int64)
     return logits.take(torch.from_numpy(flat).to(logits.device)).float().cpu().numpy()
 
 
-def row_argmax(logits: torch.Tensor) -> list[int]:
-    """The argmax of each row (`top_tokens`)."""
-    return top_tokens(logits)[:, 0].tolist()
+def row_argmax(logits: torch.Tensor, shortlist: Shortlist | None = None) -> list[int]:
+    """The argmax token of each row (`top_tokens`)."""
+    return top_tokens(logits, 1, shortlist)[:, 0].tolist()
+
+
+def tokens_at(columns: torch.Tensor, shortlist: Shortlist | None) -> torch.Tensor:
+    """The tokens that these columns of a model's logits stand for (the columns themselves without a shortlist)."""
+    return columns if shortlist is None else shortlist.tokens_at(columns)
 
 
 def argmax_of_rows(logits: torch.Tensor) -> Callable[[int], int]:

@@ -1,9 +1,12 @@
 """Tiny GPT-2 checkpoints for decoding tests: an oracle, a good draft (the oracle's weights plus a
 little noise) and a bad one (independent weights). A large init range makes their predictions
 depend on the context, so drafts really disagree with the oracle."""
+import numpy as np
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
+
+from data.shards import TOKEN_COUNTS
 
 # Prompts for a byte-level BPE run (see conftest.bpe_run): three end in a bare newline token.
 PROMPTS = ['def scale_1(values, factor=1):\n    """Multiply every value by 1 and return the list."""\n',
@@ -58,11 +61,14 @@ def run_models(root) -> dict:
     trigram of another vocabulary."""
     oracle = tiny_gpt2(root / "oracle", seed=0, n_positions=64)
     other = tiny_gpt2(root / "other", vocab_size=50, seed=2)
+    draft, ngram = tiny_gpt2(root / "draft", seed=1, noise_from=oracle, noise=0.005, n_positions=64), tiny_trigram(root / "ngram", oracle)
+    text = [int(t) for line in (root / "ngram.txt").read_text().split("\n") for t in line.split()]
+    np.save(draft / TOKEN_COUNTS, np.bincount(text, minlength=97))  # as training writes them: the trigram's text
     return {
         "root": root,
         "oracle": oracle,
-        "draft": tiny_gpt2(root / "draft", seed=1, noise_from=oracle, noise=0.005, n_positions=64),
-        "ngram": tiny_trigram(root / "ngram", oracle),
+        "draft": draft,
+        "ngram": ngram,
         "other_vocab": other,
         "other_ngram": tiny_trigram(root / "other_ngram", other, documents=20),
     }

@@ -1,14 +1,17 @@
+import math
+
 import numpy as np
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
 from data.pretrained import FUSED_GELU, load_causal_lm
+from decode.cached_lm import Shortlist
 from decode.drafters import draw_children, ranked_children
 from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline, speculative
 from decode.hf_backend import HFEngine
-from decode.sampling import Sampling, argmax_of_rows, sample
+from decode.sampling import Sampling, argmax_of_rows, sample, top_tokens, values_at
 from decode.tree import Tree
 from decode_models import tiny_gpt2
 
@@ -204,3 +207,37 @@ def test_argmax_of_rows_gives_each_rows_first_largest_token(dtype):
     argmax = argmax_of_rows(logits)
     assert [argmax(row) for row in (4, 2, 0)] == logits.float().argmax(-1)[[4, 2, 0]].tolist()
     assert argmax(2) == 7
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shortlisted_model_gives_the_whole_models_logits_at_its_tokens(models, backend):
+    shortlist = Shortlist.most_frequent(np.arange(97) % 7, 40)  # counts 6 (tokens 6, 13, ...) first, ties by id
+    assert len(shortlist) == 40 and list(shortlist.tokens) == sorted(shortlist.tokens)
+    assert set(range(6, 97, 7)) <= set(shortlist.tokens) and 0 not in set(shortlist.tokens)
+    assert all(shortlist.column[t] == i for i, t in enumerate(shortlist.tokens)) and (shortlist.column == -1).sum() == 57
+    whole, short = backend.load(models["oracle"]), backend.load(models["oracle"], shortlist=shortlist)
+    ids = torch.tensor([5, 17, 2, 40, 8])
+    parents = [-1, 0, 0, 1, 2]
+    for model in (whole, short):
+        model.extend(torch.tensor([3, 9, 11]))
+    expected = whole.forward(ids, torch.tensor([3, 4, 4, 5, 5]), tree_mask(parents))
+    got = short.forward(ids, torch.tensor([3, 4, 4, 5, 5]), tree_mask(parents))
+    assert got.shape == (5, 40)
+    torch.testing.assert_close(got, expected[:, torch.from_numpy(shortlist.tokens)], atol=1e-5, rtol=1e-5)
+    wide = shortlist.widen(got)
+    assert torch.equal(wide[:, torch.from_numpy(shortlist.tokens)], got) and (wide == float("-inf")).sum() == 5 * 57
+
+
+def test_helpers_read_a_shortlisted_models_columns_as_tokens():
+    shortlist = Shortlist([7, 2, 9], 10)  # columns 0, 1, 2 stand for tokens 2, 7, 9
+    logits = torch.tensor([[0.5, 3.0, 1.0], [2.0, -1.0, 0.0]])
+    assert top_tokens(logits, 1, shortlist).tolist() == [[7], [2]] and top_tokens(logits, 2, shortlist).tolist() == [[7, 9], [2, 9]]
+    values = values_at(logits, [0, 1, 1], [9, 2, 4], shortlist)  # token 4 is off the list
+    assert values.tolist() == [1.0, 2.0, float("-inf")]
+    drawn, q = draw_children(Sampling(1.0), logits, 2000, torch.Generator().manual_seed(0), shortlist)
+    assert q.shape == (2, 10) and torch.allclose(q[:, [2, 7, 9]], logits.softmax(-1)) and q.sum() == pytest.approx(2.0)
+    assert set(drawn[0]) == {2, 7, 9} and abs(drawn[0].count(7) / 2000 - float(logits[0].softmax(-1)[1])) < 0.03
+    tree = Tree.rooted(3)
+    tree.add_level([0, 0], [9, 4])
+    edges, best, weights = ranked_children(torch.cat([logits, logits[:1]]), tree, 1, greedy=True, shortlist=shortlist)
+    assert best == [[7], [2], [7]] and edges == pytest.approx([1.0, math.exp(1.0 - 3.0), 0.0])  # token 4: off, weight 0

@@ -1,5 +1,7 @@
 import json
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +29,8 @@ def error_of(capsys, argv) -> str:
     ("ngram", ["--budget", "16", "--widths", "4,2,1"]),
     ("staged", ["--budget", "16", "--widths", "8,4,3"]),  # 136 drafted nodes: more than the 64-position context
     ("staged", ["--budget", "16", "--widths", "4,2,1", "--no-context-drafter"]), ("lookup", []),
+    ("speculative", ["--draft-vocab", "64"]), ("tree", ["--budget", "12", "--draft-vocab", "64"]),  # a shortlisted draft
+    ("staged", ["--budget", "16", "--widths", "4,2,1", "--draft-vocab", "64"]),
 ])
 def test_run_writes_records_and_every_method_matches_baseline(models, tmp_path, method, extra):
     prompts = tmp_path / "p.jsonl"
@@ -62,6 +66,19 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
     assert "keeps only the top 16" in error_of(capsys, staged + ["--widths", "20,2"])
     assert "do not fit --budget 8" in error_of(capsys, staged + ["--widths", "12,2", "--budget", "8"])
     assert "at most --depth 2 levels" in error_of(capsys, staged + ["--widths", "3,2,1", "--depth", "2"])
+    with pytest.raises(SystemExit) as exit_:  # a flag out of range: argparse's usage and error
+        run.main(spec + ["--prompt", "t1", "--draft-vocab", "10"])
+    assert exit_.value.code == 2 and "at least 64 tokens" in capsys.readouterr().err
+    counts_dir = tmp_path / "draft without counts"  # a draft trained before training wrote its token counts
+    shutil.copytree(models["draft"], counts_dir)
+    (counts_dir / "token_counts.npy").unlink()
+    no_counts = ["--oracle", oracle, "--draft", str(counts_dir), "--method", "speculative", "--prompt", "t1"]
+    assert "token_counts.npy" in error_of(capsys, no_counts + ["--draft-vocab", "64"])
+    np.save(counts_dir / "token_counts.npy", np.ones(50))
+    assert "counts 50 tokens" in error_of(capsys, no_counts + ["--draft-vocab", "64"])
+    (counts_dir / "token_counts.npy").write_text("not counts")
+    assert "not a numpy array" in error_of(capsys, no_counts + ["--draft-vocab", "64"])
+    assert run.main(no_counts + ["--draft-vocab", "97", "--max-new-tokens", "8"])  # the whole vocabulary: no counts read
     # a checkpoint the lean engine does not implement: suggest the transformers backend
     config = json.loads((models["oracle"] / "config.json").read_text())
     llama = tmp_path / "llama"

@@ -17,6 +17,7 @@ Power: at 20,000 draws the first-token test alone detects with 99% probability a
 import pytest
 import torch
 
+from decode.cached_lm import Shortlist
 from decode.drafters import ChainDrafter, LookupDrafter, StagedDrafter, TreeDrafter
 from decode.engine import GPT2Engine
 from decode.generate import tree_speculative
@@ -42,8 +43,9 @@ def one_thread():
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("distribution")
     oracle = tiny_gpt2(root / "oracle", vocab_size=6, seed=10)
-    return {"oracle": GPT2Engine.load(oracle),
-            "bad": GPT2Engine.load(tiny_gpt2(root / "bad", vocab_size=6, seed=12)),
+    bad = tiny_gpt2(root / "bad", vocab_size=6, seed=12)
+    return {"oracle": GPT2Engine.load(oracle), "bad": GPT2Engine.load(bad),
+            "shortlisted": GPT2Engine.load(bad, shortlist=Shortlist([0, 2, 3, 5], 6)),  # q is 0 off the shortlist
             "good": GPT2Engine.load(tiny_gpt2(root / "good", vocab_size=6, seed=11, noise_from=oracle, noise=0.1)),
             "ngram": SuccessorTable.load(tiny_trigram(root / "ngram", oracle, documents=100, length=20) / "successors.npz")}
 
@@ -71,6 +73,10 @@ CORRECT = {  # one case per verification rule, and the chain (Chen et al.'s rule
     "staged, sampled children and the context drafter, multi-draft rejection": (
         lambda m, s: StagedDrafter(m["bad"], m["ngram"], s, widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4,
                                    sampled=True), Sampling(0.9, top_k=4)),
+    "chain from a draft with a shortlist, rejection sampling": (lambda m, s: ChainDrafter(m["shortlisted"], s, k=2),
+                                                                Sampling(1.0)),
+    "staged, sampled children from a draft with a shortlist, multi-draft rejection": (
+        lambda m, s: StagedDrafter(m["shortlisted"], m["ngram"], s, widths=[3, 2, 1], depth=4, sampled=True), Sampling(1.0)),
     "staged with the context drafter, sample-match": (
         lambda m, s: StagedDrafter(m["good"], m["ngram"], s, budget=12, widths=[3, 2, 1], draft_children=2,
                                    context=LookupDrafter(4, 2), depth=4), Sampling(0.9, top_k=4)),

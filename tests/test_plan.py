@@ -2,15 +2,19 @@
 file's round trip, and plans measured for something else refused."""
 import dataclasses
 import itertools
+import math
 import json
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from data.errors import InputError
+from data.shards import TOKEN_COUNTS
 
 from decode import SpeculativeDecoder, costs, plan, planning, run
+from decode.cached_lm import Shortlist
 from decode.drafters import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter
 from decode.engine import GPT2Engine
 from decode.generate import baseline, tree_speculative
@@ -87,8 +91,10 @@ def models(tmp_path_factory):
     return run_models(tmp_path_factory.mktemp("plan"))
 
 
-def test_replay_counts_the_oracle_calls_real_greedy_decoding_makes(models):
-    oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["draft"])
+@pytest.mark.parametrize("shortlisted", [False, True])
+def test_replay_counts_the_oracle_calls_real_greedy_decoding_makes(models, shortlisted):
+    shortlist = Shortlist.most_frequent(np.load(models["draft"] / TOKEN_COUNTS), 64) if shortlisted else None
+    oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["draft"], shortlist=shortlist)
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
     shape = planning.best_shapes([[0.6, 0.2, 0.1]] * 3, 8, 3)[8]
     greedy = Sampling()
@@ -107,6 +113,14 @@ def test_replay_counts_the_oracle_calls_real_greedy_decoding_makes(models):
             calls, nodes = calls + out.oracle_calls - (len(p) > 1), nodes + out.oracle_nodes
         assert replayed.steps == calls and sum(replayed.nodes) == nodes, name
         assert replayed.tokens == sum(len(c) for _, c in sequences)
+    if shortlisted:  # the planner's ranks: among the shortlist's tokens, and past all of them for a token off it
+        whole = GPT2Engine.load(models["draft"])
+        prompt, continuation = sequences[0]
+        logits = whole.extend(torch.tensor(prompt + continuation[:-1]))[len(prompt) - 1 :][:, torch.from_numpy(shortlist.tokens)]
+        target = torch.tensor([float(row[shortlist.column[t]]) if shortlist.column[t] >= 0 else math.inf
+                               for row, t in zip(logits, continuation)])
+        assert planning.ranks(draft, prompt, continuation) == (logits > target[:, None]).sum(1).where(
+            target < math.inf, torch.tensor(64)).tolist()
 
 
 def test_predict_adds_the_prefill_and_per_step_the_oracle_the_drafting_and_the_loop():

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import write_corpus
 from data import prepare
 from data.pretrained import FUSED_GELU
+from data.shards import TOKEN_COUNTS, open_split
 from train import distill_draft, finetune_oracle, teacher_init
 from train.presets import DIVERGENCES
 
@@ -91,6 +92,9 @@ def test_saved_models_load_with_auto_classes_and_generate(run, tmp_path):
         assert isinstance(tokenizer.decode(out[0]), str)
         assert json.loads((directory / "training_args.json").read_text())["max_steps"] == 60
         assert model.config.activation_function == FUSED_GELU  # GPT-2's GELU in torch's fused kernel
+        counts = np.load(directory / TOKEN_COUNTS)  # what a shortlist of the model's output tokens is chosen by
+        assert counts.shape == (model.config.vocab_size,) and counts.sum() == len(open_split(root / "data", "train"))
+        assert counts[tokenizer.eos_token_id] == sum(open_split(root / "data", "train") == tokenizer.eos_token_id)
     metrics = json.loads((tmp_path / "draft" / "metrics.json").read_text())
     assert metrics["teacher"] == str((root / "oracle").resolve()) and 0 <= metrics["top1_agreement"] <= 1
 

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from data.atomic import Kind, atomic_output, check_output as check_output_path, written
 from data.errors import InputError, first_line
 from data.pretrained import FUSED_GELU, load_causal_lm
-from data.shards import open_split, read_meta
+from data.shards import TOKEN_COUNTS, open_split, read_meta, token_counts
 from data.tokenizer import load_tokenizer
 from train.presets import TrainArgs
 from train.tracking import JSONLinesTracker
@@ -267,12 +267,14 @@ def save_checkpoint(accelerator, work_dir: Path, step: int, keep: int) -> None:
 
 
 def save_final(model, tokenizer, args: TrainArgs, metrics: dict) -> None:
-    """save_pretrained model + tokenizer + arguments + metrics, renamed into place when complete."""
+    """save_pretrained model + tokenizer + arguments + metrics + the training split's token counts (a draft's
+    shortlist of output tokens comes from them, decode --draft-vocab), renamed into place when complete."""
     with atomic_output(args.out, MODEL, overwrite=args.overwrite or args.resume) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "training_args.json").write_text(json.dumps(asdict(args), indent=2) + "\n")
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        np.save(tmp / TOKEN_COUNTS, token_counts(args.data))
 
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, dict]]
