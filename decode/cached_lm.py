@@ -43,18 +43,21 @@ class Shortlist:
     def vocab_size(self) -> int:
         return len(self.column)
 
-    def widen(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary from logits over the shortlist: -inf off it."""
-        wide = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        wide[..., self.tokens_at(torch.arange(len(self), device=logits.device))] = logits
-        return wide
+    def tokens_on(self, device: torch.device) -> torch.Tensor:
+        """The tokens, column by column, as a tensor on `device` (made once per device)."""
+        if device not in self.on_device:
+            self.on_device[device] = on(torch.from_numpy(self.tokens), device)
+        return self.on_device[device]
 
     def tokens_at(self, columns: torch.Tensor) -> torch.Tensor:
         """The tokens of these columns, a tensor on the columns' device."""
-        device = columns.device
-        if device not in self.on_device:
-            self.on_device[device] = torch.from_numpy(self.tokens).to(device)
-        return self.on_device[device][columns]
+        return self.tokens_on(columns.device)[columns]
+
+    def widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary from logits over the shortlist: -inf off it."""
+        wide = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        wide[..., self.tokens_on(logits.device)] = logits
+        return wide
 
 
 class CachedLM:

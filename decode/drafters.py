@@ -114,11 +114,11 @@ def relative(values: list[float], best: float) -> list[float]:
 def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool, order: list[int] | None = None,
                     shortlist: Shortlist | None = None) -> tuple[list[float], list[list[int]], list[list[float]]]:
     """From the draft's ranking scores after every node of `tree` (`ranking_scores`, a row per node, row i
-    after node `order[i]`, by default node i; its columns the `shortlist`'s tokens when there is one): each node's
-    weight given its parent (the root's: 1; 0 for a token off the shortlist), and each node's `k` best children and
-    their weights. One argmax (or top-k) and one gather: right after the draft's
-    forward, each torch or numpy call costs microseconds on a CPU, a step of Python over a node a fraction of
-    one. Trees of more than ARRAY_NODES nodes take `ranked_children_arrays`."""
+    after node `order[i]`, by default node i; its columns the `shortlist`'s tokens when there is one): each
+    node's weight given its parent (the root's: 1; 0 for a token off the shortlist), and each node's `k` best
+    children and their weights. One argmax (or top-k) and one gather: right after the draft's forward, each
+    torch or numpy call costs microseconds on a CPU, a step of Python over a node a fraction of one. Trees of
+    more than ARRAY_NODES nodes take `ranked_children_arrays`."""
     n = len(tree)
     if n > ARRAY_NODES:
         return ranked_children_arrays(scores, tree, k, greedy, order, shortlist)

@@ -162,7 +162,7 @@ class GPT2Engine(CachedLM):
             self.layers.append(layer)
         self.ln_f = (weights["ln_f.weight"], weights["ln_f.bias"])
         self.shortlist = shortlist
-        output = self.wte if shortlist is None else self.wte[torch.from_numpy(shortlist.tokens).to(self.device)]
+        output = self.wte if shortlist is None else self.wte[shortlist.tokens_on(self.device)]
         self.head = projection(output.T, None)  # the output projection, tied to wte
         self.layouts = {name: self.layers[0][name].layout for name in LINEAR_LAYERS} | {"head": self.head.layout}
         self.head_dim = s.n_embd // s.n_head

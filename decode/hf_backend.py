@@ -29,7 +29,7 @@ class HFEngine(CachedLM):
         self.cache = DynamicCache()
         self.length = self.pending = 0
         self.shortlist = shortlist
-        self.columns = None if shortlist is None else torch.from_numpy(shortlist.tokens).to(self.device)
+        self.columns = None if shortlist is None else shortlist.tokens_on(self.device)
 
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,

@@ -232,18 +232,23 @@ def ranked(candidates: list[dict], oracle_ms: torch.Tensor, loop_ms: float, pref
     return sorted(out, key=lambda c: c["ms_per_token"])
 
 
-SETTINGS = ("device", "dtype", "backend", "cuda_graphs", "draft_vocab")  # a plan's identity besides the models
+# A plan's identity besides the models, with the value a plan written before the setting existed was made with
+SETTINGS = {"device": None, "dtype": None, "backend": None, "cuda_graphs": False, "draft_vocab": 0}
 
 
 def identity(options) -> dict:
     """What a plan's measurements depend on: the models, the device, the dtype, the backend, whether the
-    forwards replay CUDA graphs and the draft's shortlist (these two recorded only where they are used: a plan
-    made without them keeps its identity)."""
+    forwards replay CUDA graphs (only on a GPU with the lean engine) and the draft's shortlist."""
     graphs = options.cuda_graphs and torch.device(options.device).type == "cuda" and options.backend != "hf"
     return {"oracle": fingerprint(options.oracle), "draft": options.draft and fingerprint(options.draft),
             "ngram": options.ngram and fingerprint(options.ngram, "*.npz"),
             "device": device_name(torch.device(options.device)), "dtype": options.dtype, "backend": options.backend,
-            **({"cuda_graphs": True} if graphs else {}), **({"draft_vocab": options.draft_vocab} if options.draft_vocab else {})}
+            "cuda_graphs": graphs, "draft_vocab": options.draft_vocab}
+
+
+def recorded(identity: dict, key: str):
+    """A plan identity's `key`, or the default of a setting added after the plan was written."""
+    return identity.get(key, SETTINGS.get(key))
 
 
 def replan_command(run, options) -> str:
@@ -272,7 +277,7 @@ def run_plan(run: Path, options) -> Path | None:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return path  # load_plan says what is wrong with it
     current = identity(options)
-    other = [f"{k} {measured.get(k)!r}" for k in SETTINGS if measured.get(k) != current.get(k)]
+    other = [f"{k} {recorded(measured, k)!r}" for k in SETTINGS if recorded(measured, k) != current[k]]
     if other:
         print(f"note: {path} was planned for {', '.join(other)}; using the flags' trees (re-plan with "
               f"`{replan_command(run, options)}`)", file=sys.stderr)
@@ -293,9 +298,9 @@ def load_plan(path: Path, options) -> dict:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         raise InputError(f"{path} is not a plan this version of decode.plan wrote; {redo}") from None
     current = identity(options)
-    changed = [k for k in current | measured if measured.get(k) != current.get(k)]
+    changed = [k for k in current if recorded(measured, k) != current[k]]
     if changed:
-        what = ", ".join(f"{k} {measured.get(k)!r} (now {current.get(k)!r})" if k in SETTINGS else k
+        what = ", ".join(f"{k} {recorded(measured, k)!r} (now {current[k]!r})" if k in SETTINGS else k
                          for k in changed)
         raise InputError(f"{path} was measured for another setting: {what} changed; {redo}")
     return policies

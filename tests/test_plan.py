@@ -209,7 +209,7 @@ def test_a_run_plan_for_another_dtype_is_set_aside_with_a_note(planned, models, 
     assert SpeculativeDecoder.from_run(run_dir, method="lookup", dtype="bfloat16").options.plan is None
 
 
-def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models, tmp_path, capsys, monkeypatch):
+def test_a_plan_measured_with_cuda_graphs_or_a_draft_shortlist_is_used_only_with_them(planned, models, tmp_path, capsys, monkeypatch):
     path, args = planned["path"], planned["args"]
     on_cpu = run.parse(args + ["--plan", str(path), "--cuda-graphs"]).options  # graphs change nothing on a CPU
     assert planning.identity(on_cpu) == planned["plan"]["identity"]
@@ -217,12 +217,18 @@ def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models
     monkeypatch.setattr(planning, "device_name", lambda device: planned["plan"]["identity"]["device"])
     on_gpu = dataclasses.replace(on_cpu, device="cuda")  # as a GPU would see it
     assert planning.identity(on_gpu) == planned["plan"]["identity"] | {"cuda_graphs": True}
-    with pytest.raises(InputError, match=r"cuda_graphs None \(now True\).*decode\.plan .*--cuda-graphs"):
+    with pytest.raises(InputError, match=r"cuda_graphs False \(now True\).*decode\.plan .*--cuda-graphs"):
         planning.load_plan(path, on_gpu)
+    with pytest.raises(InputError, match=r"draft_vocab 0 \(now 64\).*--draft-vocab 64"):
+        planning.load_plan(path, run.parse(args + ["--plan", str(path), "--draft-vocab", "64"]).options)
+    older = json.loads(path.read_text())
+    del older["identity"]["cuda_graphs"], older["identity"]["draft_vocab"]  # a plan written before these settings
+    path.write_text(json.dumps(older))
+    assert planning.load_plan(path, on_cpu) == planned["plan"]["policies"]
     graphed = json.loads(path.read_text())
     graphed["identity"]["cuda_graphs"] = True  # the plan a GPU run with --cuda-graphs writes
     path.write_text(json.dumps(graphed))
-    with pytest.raises(InputError, match=r"cuda_graphs True \(now None\)"):
+    with pytest.raises(InputError, match=r"cuda_graphs True \(now False\)"):
         planning.load_plan(path, run.parse(args + ["--plan", str(path)]).options)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
