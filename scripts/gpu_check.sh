@@ -66,9 +66,9 @@ decode)
     done
     step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" --device cuda \
         --dtype bfloat16 --output "$logs/engine.json" --overwrite
-    for graphs in "" --cuda-graphs; do
-        step "profile$graphs" python3 -m decode.profile_step --run "$run" --device cuda --dtype bfloat16 --method staged \
-            --limit 4 --max-new-tokens 128 --no-plan $graphs
+    for variant in "" --cuda-graphs "--draft-vocab 4096"; do  # the shortlist: a half-size output layer for the draft
+        step "profile${variant// /}" python3 -m decode.profile_step --run "$run" --device cuda --dtype bfloat16 \
+            --method staged --limit 4 --max-new-tokens 128 --no-plan $variant
     done
     # screening every policy outlasts one command (129 policies at ~4 s each): a smaller search
     step plan python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 8 --screen 2 \
