@@ -61,9 +61,10 @@ def run_models(root) -> dict:
     trigram of another vocabulary."""
     oracle = tiny_gpt2(root / "oracle", seed=0, n_positions=64)
     other = tiny_gpt2(root / "other", vocab_size=50, seed=2)
-    draft, ngram = tiny_gpt2(root / "draft", seed=1, noise_from=oracle, noise=0.005, n_positions=64), tiny_trigram(root / "ngram", oracle)
-    text = [int(t) for line in (root / "ngram.txt").read_text().split("\n") for t in line.split()]
-    np.save(draft / TOKEN_COUNTS, np.bincount(text, minlength=97))  # as training writes them: the trigram's text
+    draft = tiny_gpt2(root / "draft", seed=1, noise_from=oracle, noise=0.005, n_positions=64)
+    ngram = tiny_trigram(root / "ngram", oracle)
+    sampled = [int(t) for t in (root / "ngram.txt").read_text().split()]  # the oracle's text the trigram counted
+    np.save(draft / TOKEN_COUNTS, np.bincount(sampled, minlength=97))  # what training writes beside a model
     return {
         "root": root,
         "oracle": oracle,
