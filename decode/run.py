@@ -92,7 +92,7 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--cuda-graphs", action="store_true",
                    help="the lean engine on a GPU: replay each forward as a CUDA graph, one launch instead of a dozen "
                         "kernels per layer (tested on a CPU without graphs; not yet run or measured on a GPU)")
-    p.add_argument("--draft-vocab", type=int, default=0,
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="the draft's output layer over its N most frequent training tokens only (RUN/draft/"
                         "token_counts.npy): a fraction of its cost; it then proposes only those, and the output stays "
                         "the oracle's (0: every token)")
