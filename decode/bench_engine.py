@@ -27,8 +27,8 @@ from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline
 from decode.sampling import Sampling
 
-def encoded(model_dir, prompts: list[str], device) -> list[torch.Tensor]:
-    tokenizer = load_tokenizer(model_dir)
+
+def encoded(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:
     return [torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, device=device) for text in prompts]
 
 
@@ -48,18 +48,18 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
 
     engine = GPT2Engine.load(model_dir, dtype, device)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype).to(engine.device).eval()
-    pad_token_id = load_tokenizer(model_dir).eos_token_id
+    tokenizer = load_tokenizer(model_dir)
     ours_s = hf_s = 0.0
     ours_n = hf_n = agree = 0
     outputs = []
-    for ids in encoded(model_dir, prompts, engine.device):
+    for ids in encoded(tokenizer, prompts, engine.device):
         tokens, seconds = greedy(engine, ids, new_tokens)
         outputs.append(tokens)
         ours_s, ours_n = ours_s + seconds, ours_n + len(tokens)
         start = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(ids[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              pad_token_id=pad_token_id)[0, ids.numel():].tolist()
+                              pad_token_id=tokenizer.eos_token_id)[0, ids.numel():].tolist()
         hf_s += time.perf_counter() - start
         hf_n += len(out)
         agree += out == tokens
@@ -76,7 +76,7 @@ def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[i
     """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph, against launching
     every kernel on its own (the first two tables)."""
     engine = GPT2Engine.load(args.model, args.dtype, args.device, cuda_graphs=True)
-    runs = [greedy(engine, ids, args.new_tokens) for ids in encoded(args.model, texts, engine.device)]
+    runs = [greedy(engine, ids, args.new_tokens) for ids in encoded(load_tokenizer(args.model), texts, engine.device)]
     ms_per_token = 1e3 * sum(seconds for _, seconds in runs) / sum(len(tokens) for tokens, _ in runs)
     same = sum(tokens == before for (tokens, _), before in zip(runs, outputs))
     print(f"\nwith CUDA graphs: ours {ms_per_token:.2f} ms/token (without {latency['ours_ms_per_token']:.2f}: "
