@@ -329,13 +329,15 @@ class Decoder:
 
 
 def apply_plan(options: "DecoderOptions") -> tuple["DecoderOptions", planning.Shape | None]:
-    """The options with the plan's policy for the method in place of the flags', and the tree
-    method's planned shape (None: the flags' best-first tree). Sampled tree children keep the flags."""
+    """The options with the plan's policy for the method (its tree, and the draft's shortlist) in place
+    of the flags', and the tree method's planned shape (None: the flags' best-first tree). Sampled tree
+    children keep the flags."""
     if options.plan is None or options.method not in planning.PLANNED:
         return options, None
     policy = planning.load_plan(options.plan, options).get(options.method)
     if policy is None or (options.method == "tree" and options.tree_children == "sampled"):
         return options, None
+    options = replace(options, draft_vocab=policy.get("draft_vocab", options.draft_vocab))
     if options.method == "speculative":
         return replace(options, k=policy["k"]), None
     if options.method == "lookup":

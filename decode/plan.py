@@ -8,12 +8,15 @@ oracle's greedy outputs, how often each drafter's rank-k candidate at depth d is
 the oracle's forward cost per node count (the cost cache), and the time a step spends around the
 forwards. Each candidate policy (chain k; Sequoia tree shapes from the rates; staged widths and
 budget; ngram budget; lookup length) is replayed along the oracle's outputs (every one on --screen
-prompts, the best few per method on all), each method's best policy also decodes a few prompts for
-real to measure its costs inside a decoding loop, and the policy with the least predicted ms per
-token is written to RUN/plan.json, which decode.run and decode.bench then use. --project-oracle repeats the choice with the forward costs of a larger oracle shape measured
+prompts, the best few per method on all, and each draft method's best again with the draft's output
+layer over its most frequent tokens only, --draft-vocab), each method's best policy also decodes a
+few prompts for real to measure its costs inside a decoding loop, and the policy with the least
+predicted ms per token is written to RUN/plan.json, which decode.run and decode.bench then use.
+--project-oracle repeats the choice with the forward costs of a larger oracle shape measured
 here on random weights: a projection, not a measurement.
 """
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -23,8 +26,9 @@ from tqdm import tqdm
 from data.atomic import FILE, check_output
 from data.errors import exits_on_input_error
 from data.prompts import load_prompts
+from data.shards import TOKEN_COUNTS
 from decode import costs, generate, planning, run
-from decode.api import SpeculativeDecoder
+from decode.api import MIN_DRAFT_VOCAB, SpeculativeDecoder, draft_shortlist, load_model
 from decode.cached_lm import CachedLM
 from decode.drafters import ChainDrafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter
 from decode.sampling import Sampling
@@ -38,8 +42,18 @@ RANKS = 8  # candidates per node the acceptance rates cover
 FINALISTS = 3  # policies per method (and per oracle cost) replayed on every calibration prompt
 
 
+def shortlists(text: str) -> list[int]:
+    try:
+        sizes = [int(n) for n in text.split(",")]
+    except ValueError:
+        sizes = [-1]
+    if any(n != 0 and n < MIN_DRAFT_VOCAB for n in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: give sizes of at least {MIN_DRAFT_VOCAB} tokens, comma-separated, or 0")
+    return sizes
+
+
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m decode.plan", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m decode.plan", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 epilog="Every other flag is decode.run's (--run, --oracle, --draft, --ngram, --prompts, "
                                        "--max-new-tokens, --dtype, --device, --backend, --lookup-ngram, ...).")
     p.add_argument("--calibration", type=int, default=100,
@@ -50,6 +64,10 @@ def parse(argv):
     p.add_argument("--max-depth", type=int, default=8, help="the deepest tree level considered")
     p.add_argument("--project-oracle", help="also forecast for an oracle of this shape: gpt2, gpt2-medium, gpt2-large, "
                                             "gpt2-xl or n_layer,n_embd,vocab (costs measured here on random weights)")
+    p.add_argument("--draft-vocab", type=shortlists, metavar="N[,N...]",
+                   help="the draft shortlists (decode.run --draft-vocab) each method's best policy is replayed with, "
+                        "besides the whole vocabulary; the plan keeps the fastest (default: every power of two from an "
+                        f"eighth to half of the vocabulary when the draft has {TOKEN_COUNTS}; 0: none)")
     p.add_argument("--out", type=Path, help="where the plan goes (default RUN/plan.json)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing plan")
     known, rest = p.parse_known_args(argv)
@@ -142,6 +160,16 @@ def loop_costs(decoder, drafters: dict, prompts, max_new_tokens: int, oracle_ms:
     return measured
 
 
+def leaders(replays: dict, keep: int, oracle_curves: list[tuple]) -> list[tuple[str, dict, object]]:
+    """(method, policy, drafter) for each method's `keep` best policies of `replays` under each of
+    `oracle_curves` (the oracle's ms per node count, and the baseline's costs), with drafting and
+    the loop as measured outside a decoding loop."""
+    plain = {method: {"oracle": 1.0, "drafting": 1.0, "loop_ms": 0.0} for method in replays}
+    return [(method, c["policy"], c["drafter"]) for method, group in replays.items()
+            for c in unique_best(group, [forecast({method: group}, ms, baseline, plain, keep) for ms, baseline in oracle_curves],
+                                 method)]
+
+
 def unique_best(group: list[dict], forecasts: list[dict], method: str) -> list[dict]:
     """The candidates of `group` among the ranked policies of any forecast, once each."""
     wanted = [p["policy"] for f in forecasts for p in f[method]]
@@ -165,8 +193,7 @@ def sampled_acceptance(decoder, prompts, settings, depth: int) -> dict:
 
 def candidates(known, options, draft, table, p_draft) -> list[tuple[str, dict, object]]:
     """(method, policy, drafter) for every policy to replay."""
-    greedy = Sampling()
-    out = [("speculative", {"k": k}, ChainDrafter(draft, greedy, k)) for k in CHAIN_K]
+    policies = [("speculative", {"k": k, "draft_vocab": 0}) for k in CHAIN_K]
     budgets = [b for b in BUDGETS if b <= known.max_budget]
     seen = set()
     for depth in range(1, known.max_depth + 1):
@@ -176,21 +203,47 @@ def candidates(known, options, draft, table, p_draft) -> list[tuple[str, dict, o
             key = shape and (tuple(shape.parents), tuple(shape.ranks))
             if shape and key not in seen:
                 seen.add(key)
-                policy = {"parents": shape.parents, "ranks": shape.ranks, "expected": shape.expected,
-                          "nodes": len(shape.parents), "depth": shape.depth}
-                out.append(("tree", policy, ShapedTreeDrafter(draft, greedy, shape.parents, shape.ranks)))
+                policies.append(("tree", {"parents": shape.parents, "ranks": shape.ranks, "expected": shape.expected,
+                                          "nodes": len(shape.parents), "depth": shape.depth, "draft_vocab": 0}))
     for widths in STAGED_WIDTHS:
-        for budget in (b for b in budgets if b > widths[0]):
-            context = (LookupDrafter(options.lookup_tokens, options.lookup_branches, options.lookup_ngram)
-                       if options.context_drafter else None)
-            out.append(("staged", {"widths": list(widths), "budget": budget},
-                        StagedDrafter(draft, table, greedy, budget, widths, options.branch, context, options.depth)))
-    for budget in (b for b in budgets if b > options.widths[0]):
-        out.append(("ngram", {"widths": options.widths, "budget": budget}, NgramDrafter(table, budget, options.widths)))
-    for length in LOOKUP_TOKENS:
-        out.append(("lookup", {"tokens": length},
-                    LookupDrafter(length, options.lookup_branches, options.lookup_ngram)))
-    return out
+        policies += [("staged", {"widths": list(widths), "budget": budget, "draft_vocab": 0})
+                     for budget in budgets if budget > widths[0]]
+    policies += [("ngram", {"widths": options.widths, "budget": budget}) for budget in budgets if budget > options.widths[0]]
+    policies += [("lookup", {"tokens": length}) for length in LOOKUP_TOKENS]
+    return [(method, policy, drafter_for(method, policy, draft, table, options)) for method, policy in policies]
+
+
+def drafter_for(method: str, policy: dict, draft, table, options):
+    """The greedy drafter that drafts `method`'s `policy` with this draft model."""
+    greedy = Sampling()
+    if method == "speculative":
+        return ChainDrafter(draft, greedy, policy["k"])
+    if method == "tree":
+        return ShapedTreeDrafter(draft, greedy, policy["parents"], policy["ranks"])
+    if method == "staged":
+        context = (LookupDrafter(options.lookup_tokens, options.lookup_branches, options.lookup_ngram)
+                   if options.context_drafter else None)
+        return StagedDrafter(draft, table, greedy, policy["budget"], policy["widths"], options.branch, context, options.depth)
+    if method == "ngram":
+        return NgramDrafter(table, policy["budget"], policy["widths"])
+    return LookupDrafter(policy["tokens"], options.lookup_branches, options.lookup_ngram)
+
+
+def shortlist_sizes(requested: list[int] | None, options, vocab_size: int) -> list[int]:
+    """The draft shortlists to weigh against the whole vocabulary: those requested, or by default
+    every power of two from an eighth to half of the vocabulary when the draft has its token counts."""
+    if requested is None:
+        if not (Path(options.draft) / TOKEN_COUNTS).is_file():
+            print(f"note: {options.draft} has no {TOKEN_COUNTS} (training writes it), so the plan keeps the draft's "
+                  f"whole vocabulary", file=sys.stderr)
+            return []
+        requested = [2**i for i in range(20) if vocab_size / 8 <= 2**i <= vocab_size / 2]
+    return [n for n in requested if MIN_DRAFT_VOCAB <= n < vocab_size]
+
+
+def shortlisted_drafts(sizes: list[int], options, vocab_size: int) -> dict[int, CachedLM]:
+    return {n: load_model(options.draft, options.backend, options.dtype, options.device, options.cuda_graphs,
+                          draft_shortlist(options.draft, n, vocab_size)) for n in sizes}
 
 
 def forecast(replays: dict, oracle_ms: torch.Tensor, baseline: dict, in_loop: dict, keep: int = 1) -> dict:
@@ -248,9 +301,7 @@ def print_forecast(title: str, predicted: dict) -> None:
     print(title)
     print(f"  {'method':<12} {'tokens/call':>11} {'ms/token':>9} {'speedup':>8}  policy")
     for method, p in predicted.items():
-        policy = p.get("policy", {})
-        if "parents" in policy:
-            policy = {"nodes": policy["nodes"], "depth": policy["depth"]}
+        policy = {k: v for k, v in p.get("policy", {}).items() if k not in ("parents", "ranks", "expected")}  # a tree: its size
         print(f"  {method:<12} {p['tokens_per_call']:11.2f} {p['ms_per_token']:9.3f} {p['speedup']:7.2f}x  "
               + ", ".join(f"{k} {v}" for k, v in policy.items()))
 
@@ -283,15 +334,19 @@ def main(argv=None) -> dict:
         prompt_length = round(sum(len(p) for p, _ in sequences) / len(sequences))
         big_ms = costs.cost_curve(big_costs, max(2 * known.max_budget, prompt_length))
         projection = (big_ms, {"prefill": float(big_ms[prompt_length]), "one_token": big_costs[1], "loop": 0.0})
+    oracle_curves = [(isolated_ms, {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0})] + [projection] * bool(projection)
     screened = replay_all(candidates(known, options, draft, table, p_draft), sequences[: known.screen],
                           f"screening policies on {min(known.screen, len(sequences))} prompts")
-    plain = {method: {"oracle": 1.0, "drafting": 1.0, "loop_ms": 0.0} for method in screened}  # ranks within a method
-    isolated = {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0}
-    finalists = [(method, c["policy"], c["drafter"]) for method, group in screened.items()
-                 for c in unique_best(group, [forecast({method: group}, isolated_ms, isolated, plain, FINALISTS)]
-                                      + ([forecast({method: group}, *projection, plain, FINALISTS)] if projection else []),
-                                      method)]
-    replays = replay_all(finalists, sequences, f"replaying the finalists on {len(sequences)} prompts")
+    replays = replay_all(leaders(screened, FINALISTS, oracle_curves), sequences,
+                         f"replaying the finalists on {len(sequences)} prompts")
+    drafts = shortlisted_drafts(shortlist_sizes(known.draft_vocab, options, oracle.vocab_size), options, oracle.vocab_size)
+    if drafts:  # each method's best policy again, with the draft's output layer over its most frequent tokens
+        drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
+        variants = [(method, policy | {"draft_vocab": n}, drafter_for(method, policy, shortlisted, table, options))
+                    for method, policy, _ in leaders(drafted, 1, oracle_curves) for n, shortlisted in drafts.items()]
+        for method, group in replay_all(variants, sequences, f"replaying them with the draft's {', '.join(map(str, drafts))} "
+                                                             f"most frequent tokens").items():
+            replays[method] += group
     in_loop, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings.max_new_tokens,
                                           isolated_ms)
     predicted = best(forecast(replays, isolated_ms, baseline, in_loop))

@@ -233,17 +233,18 @@ def ranked(candidates: list[dict], oracle_ms: torch.Tensor, loop_ms: float, pref
 
 
 # A plan's identity besides the models, with the value a plan written before the setting existed was made with
-SETTINGS = {"device": None, "dtype": None, "backend": None, "cuda_graphs": False, "draft_vocab": 0}
+SETTINGS = {"device": None, "dtype": None, "backend": None, "cuda_graphs": False}
 
 
 def identity(options) -> dict:
-    """What a plan's measurements depend on: the models, the device, the dtype, the backend, whether the
-    forwards replay CUDA graphs (only on a GPU with the lean engine) and the draft's shortlist."""
+    """What a plan's measurements depend on: the models, the device, the dtype, the backend and whether
+    the forwards replay CUDA graphs (only on a GPU with the lean engine). The draft's shortlist is the
+    plan's choice, in each policy."""
     graphs = options.cuda_graphs and torch.device(options.device).type == "cuda" and options.backend != "hf"
     return {"oracle": fingerprint(options.oracle), "draft": options.draft and fingerprint(options.draft),
             "ngram": options.ngram and fingerprint(options.ngram, "*.npz"),
             "device": device_name(torch.device(options.device)), "dtype": options.dtype, "backend": options.backend,
-            "cuda_graphs": graphs, "draft_vocab": options.draft_vocab}
+            "cuda_graphs": graphs}
 
 
 def recorded(identity: dict, key: str):
@@ -252,8 +253,7 @@ def recorded(identity: dict, key: str):
 
 
 def replan_command(run, options) -> str:
-    return (f"python -m decode.plan --run {run} --dtype {options.dtype}" + (" --cuda-graphs" if options.cuda_graphs else "")
-            + (f" --draft-vocab {options.draft_vocab}" if options.draft_vocab else ""))
+    return f"python -m decode.plan --run {run} --dtype {options.dtype}" + (" --cuda-graphs" if options.cuda_graphs else "")
 
 
 def save_plan(plan: dict, path: Path, overwrite: bool) -> None:

@@ -78,7 +78,7 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--lookup-ngram", type=int, default=3, help="lookup, staged: longest suffix matched in the context")
     p.add_argument("--plan", type=Path,
                    help="a plan written by decode.plan: its policy for the method (k, tree shape, budget, widths, lookup "
-                        "tokens) replaces those flags (default: RUN/plan.json when it exists and was planned for this "
+                        "tokens, draft vocabulary) replaces those flags (default: RUN/plan.json when it exists and was planned for this "
                         "device, dtype and backend; a plan for other models is refused)")
     p.add_argument("--no-plan", action="store_true", help="use the flags' trees even when RUN/plan.json exists")
     p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
@@ -95,7 +95,7 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="the draft's output layer over its N most frequent training tokens only (RUN/draft/"
                         "token_counts.npy): a fraction of its cost; it then proposes only those, and the output stays "
-                        "the oracle's (0: every token)")
+                        "the oracle's (0: every token; a plan's choice replaces it)")
     p.add_argument("--output", type=Path, help="write one JSON object per prompt here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--stream", action="store_true", help="print each completion as its tokens are accepted")

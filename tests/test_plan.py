@@ -142,9 +142,11 @@ def planned(models, tmp_path, monkeypatch):
     monkeypatch.setattr(plan, "STAGED_WIDTHS", ((2, 1, 1), (3, 2, 1)))
     args = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
             "--prompts", str(prompts), "--max-new-tokens", "16", "--widths", "3,2,1"]
-    out = tmp_path / "plan.json"
-    written = plan.main(args + ["--calibration", "3", "--max-budget", "12", "--max-depth", "3", "--out", str(out)])
-    return {"args": args, "path": out, "plan": written}
+    out, replayed, replay_all = tmp_path / "plan.json", [], plan.replay_all
+    monkeypatch.setattr(plan, "replay_all", lambda candidates, *rest: replay_all(replayed.extend(candidates) or candidates, *rest))
+    written = plan.main(args + ["--calibration", "3", "--max-budget", "12", "--max-depth", "3", "--draft-vocab", "64",
+                                "--out", str(out)])
+    return {"args": args, "path": out, "plan": written, "replayed": replayed}
 
 
 def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
@@ -159,7 +161,8 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
         dec = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", method]).options)
         base = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options)
         assert dec.generate("t3 t9", 16).token_ids == base.generate("t3 t9", 16).token_ids, method
-        drafter = dec.decoder.drafter
+        drafter, shortlist = dec.decoder.drafter, dec.decoder.draft and dec.decoder.draft.shortlist
+        assert (len(shortlist) if shortlist else 0) == policy.get("draft_vocab", 0), method
         if method == "speculative":
             assert dec.decoder.k == policy["k"]
         elif method == "tree":
@@ -169,6 +172,41 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
         else:
             assert drafter.budget == policy["budget"] and drafter.trigram.widths == policy["widths"]
     assert run.parse(args + ["--plan", str(path), "--no-plan"]).options.plan is None
+
+
+def test_plan_weighs_each_draft_methods_best_policy_with_the_draft_shortlist_and_decoding_follows_its_choice(planned):
+    weighed = {}
+    for method, policy, drafter in planned["replayed"]:
+        weighed.setdefault(method, set()).add(policy.get("draft_vocab"))
+        shortlist = getattr(getattr(drafter, "draft", None), "shortlist", None)
+        assert (len(shortlist) if shortlist else 0) == policy.get("draft_vocab", 0)
+    assert weighed == {"speculative": {0, 64}, "tree": {0, 64}, "staged": {0, 64}, "ngram": {None}, "lookup": {None}}
+    path, args = planned["path"], planned["args"]
+    shortlisted = json.loads(path.read_text())
+    for method in ("speculative", "tree", "staged"):
+        shortlisted["policies"][method]["draft_vocab"] = 64
+    path.write_text(json.dumps(shortlisted))
+    expected = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options).generate("t3 t9", 16).token_ids
+    for method in ("speculative", "tree", "staged"):
+        dec = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", method]).options)
+        assert len(dec.decoder.draft.shortlist) == 64 and dec.generate("t3 t9", 16).token_ids == expected, method
+    whole = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", "staged", "--no-plan", "--draft-vocab", "0"]).options)
+    assert whole.decoder.draft.shortlist is None
+
+
+def test_plan_weighs_every_power_of_two_from_an_eighth_to_half_the_vocabulary_by_default(models, tmp_path, capsys):
+    options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1"]).options
+    assert plan.shortlist_sizes(None, options, 8192) == [1024, 2048, 4096]
+    assert plan.shortlist_sizes(None, options, 50257) == [8192, 16384]
+    assert plan.shortlist_sizes(None, options, 97) == []  # too small a vocabulary to shortlist
+    assert plan.shortlist_sizes([0, 64, 96, 97, 200], options, 97) == [64, 96]
+    no_counts = tmp_path / "draft"
+    no_counts.mkdir()
+    assert plan.shortlist_sizes(None, dataclasses.replace(options, draft=no_counts), 8192) == []
+    assert TOKEN_COUNTS in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        plan.parse(["--oracle", str(models["oracle"]), "--prompt", "t1", "--out", str(tmp_path / "p.json"), "--draft-vocab", "4096,10"])
+    assert exit_info.value.code == 2 and "at least 64" in capsys.readouterr().err
 
 
 def test_a_plan_for_other_models_or_settings_is_refused_in_one_line(planned, models, capsys):
@@ -209,7 +247,7 @@ def test_a_run_plan_for_another_dtype_is_set_aside_with_a_note(planned, models, 
     assert SpeculativeDecoder.from_run(run_dir, method="lookup", dtype="bfloat16").options.plan is None
 
 
-def test_a_plan_measured_with_cuda_graphs_or_a_draft_shortlist_is_used_only_with_them(planned, models, tmp_path, capsys, monkeypatch):
+def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models, tmp_path, capsys, monkeypatch):
     path, args = planned["path"], planned["args"]
     on_cpu = run.parse(args + ["--plan", str(path), "--cuda-graphs"]).options  # graphs change nothing on a CPU
     assert planning.identity(on_cpu) == planned["plan"]["identity"]
@@ -219,10 +257,9 @@ def test_a_plan_measured_with_cuda_graphs_or_a_draft_shortlist_is_used_only_with
     assert planning.identity(on_gpu) == planned["plan"]["identity"] | {"cuda_graphs": True}
     with pytest.raises(InputError, match=r"cuda_graphs False \(now True\).*decode\.plan .*--cuda-graphs"):
         planning.load_plan(path, on_gpu)
-    with pytest.raises(InputError, match=r"draft_vocab 0 \(now 64\).*--draft-vocab 64"):
-        planning.load_plan(path, run.parse(args + ["--plan", str(path), "--draft-vocab", "64"]).options)
     older = json.loads(path.read_text())
-    del older["identity"]["cuda_graphs"], older["identity"]["draft_vocab"]  # a plan written before these settings
+    del older["identity"]["cuda_graphs"]  # a plan written before the setting
+    older["identity"]["draft_vocab"] = 0  # nor does a shortlist recorded there by an older decode.plan count
     path.write_text(json.dumps(older))
     assert planning.load_plan(path, on_cpu) == planned["plan"]["policies"]
     graphed = json.loads(path.read_text())
