@@ -16,6 +16,7 @@ predicted ms per token is written to RUN/plan.json, which decode.run and decode.
 here on random weights: a projection, not a measurement.
 """
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -66,8 +67,8 @@ def parse(argv):
                                             "gpt2-xl or n_layer,n_embd,vocab (costs measured here on random weights)")
     p.add_argument("--draft-vocab", type=shortlists, metavar="N[,N...]",
                    help="the draft shortlists (decode.run --draft-vocab) each method's best policy is replayed with, "
-                        "besides the whole vocabulary; the plan keeps the fastest (default: every power of two from an "
-                        f"eighth to half of the vocabulary when the draft has {TOKEN_COUNTS}; 0: none)")
+                        "besides the whole vocabulary; the plan keeps the fastest (default: the largest power of two up to "
+                        f"half the vocabulary, when the draft has {TOKEN_COUNTS}; 0: none)")
     p.add_argument("--out", type=Path, help="where the plan goes (default RUN/plan.json)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing plan")
     known, rest = p.parse_known_args(argv)
@@ -230,14 +231,15 @@ def drafter_for(method: str, policy: dict, draft, table, options):
 
 
 def shortlist_sizes(requested: list[int] | None, options, vocab_size: int) -> list[int]:
-    """The draft shortlists to weigh against the whole vocabulary: those requested, or by default
-    every power of two from an eighth to half of the vocabulary when the draft has its token counts."""
+    """The draft shortlists to weigh against the whole vocabulary: those requested, or by default the
+    largest power of two up to half of the vocabulary when the draft has its token counts (smaller
+    ones lost acceptance on other prompts than the calibration's: README section 4.1)."""
     if requested is None:
         if not (Path(options.draft) / TOKEN_COUNTS).is_file():
             print(f"note: {options.draft} has no {TOKEN_COUNTS} (training writes it), so the plan keeps the draft's "
                   f"whole vocabulary", file=sys.stderr)
             return []
-        requested = [2**i for i in range(20) if vocab_size / 8 <= 2**i <= vocab_size / 2]
+        requested = [2 ** int(math.log2(vocab_size / 2))]
     return [n for n in requested if MIN_DRAFT_VOCAB <= n < vocab_size]
 
 
@@ -344,7 +346,7 @@ def main(argv=None) -> dict:
         drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
         variants = [(method, policy | {"draft_vocab": n}, drafter_for(method, policy, shortlisted, table, options))
                     for method, policy, _ in leaders(drafted, 1, oracle_curves) for n, shortlisted in drafts.items()]
-        for method, group in replay_all(variants, sequences, f"replaying them with the draft's {', '.join(map(str, drafts))} "
+        for method, group in replay_all(variants, sequences, f"replaying the best with the draft's {', '.join(map(str, drafts))} "
                                                              f"most frequent tokens").items():
             replays[method] += group
     in_loop, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings.max_new_tokens,

@@ -194,10 +194,10 @@ def test_plan_weighs_each_draft_methods_best_policy_with_the_draft_shortlist_and
     assert whole.decoder.draft.shortlist is None
 
 
-def test_plan_weighs_every_power_of_two_from_an_eighth_to_half_the_vocabulary_by_default(models, tmp_path, capsys):
+def test_plan_weighs_the_largest_power_of_two_up_to_half_the_vocabulary_by_default(models, tmp_path, capsys):
     options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1"]).options
-    assert plan.shortlist_sizes(None, options, 8192) == [1024, 2048, 4096]
-    assert plan.shortlist_sizes(None, options, 50257) == [8192, 16384]
+    assert plan.shortlist_sizes(None, options, 8192) == [4096]
+    assert plan.shortlist_sizes(None, options, 50257) == [16384]
     assert plan.shortlist_sizes(None, options, 97) == []  # too small a vocabulary to shortlist
     assert plan.shortlist_sizes([0, 64, 96, 97, 200], options, 97) == [64, 96]
     no_counts = tmp_path / "draft"
