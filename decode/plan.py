@@ -316,6 +316,7 @@ def main(argv=None) -> dict:
     dec = SpeculativeDecoder(options)
     decoder = dec.decoder
     oracle, draft, table = decoder.oracle, decoder.draft, decoder.drafter.trigram.table
+    drafts = shortlisted_drafts(shortlist_sizes(known.draft_vocab, options, oracle.vocab_size), options, oracle.vocab_size)
     prompts = calibration_prompts(settings, known, dec)
     print(f"calibrating on {len(prompts)} prompts x {settings.max_new_tokens} tokens, {options.dtype} on "
           f"{costs.device_name(oracle.device)}")
@@ -341,7 +342,6 @@ def main(argv=None) -> dict:
                           f"screening policies on {min(known.screen, len(sequences))} prompts")
     replays = replay_all(leaders(screened, FINALISTS, oracle_curves), sequences,
                          f"replaying the finalists on {len(sequences)} prompts")
-    drafts = shortlisted_drafts(shortlist_sizes(known.draft_vocab, options, oracle.vocab_size), options, oracle.vocab_size)
     if drafts:  # each method's best policy again, with the draft's output layer over its most frequent tokens
         drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
         variants = [(method, policy | {"draft_vocab": n}, drafter_for(method, policy, shortlisted, table, options))

@@ -207,6 +207,15 @@ def test_plan_weighs_the_largest_power_of_two_up_to_half_the_vocabulary_by_defau
     with pytest.raises(SystemExit) as exit_info:
         plan.parse(["--oracle", str(models["oracle"]), "--prompt", "t1", "--out", str(tmp_path / "p.json"), "--draft-vocab", "4096,10"])
     assert exit_info.value.code == 2 and "at least 64" in capsys.readouterr().err
+    for f in models["draft"].iterdir():  # a draft trained before the counts were saved
+        if f.name != TOKEN_COUNTS:
+            (no_counts / f.name).symlink_to(f)
+    with pytest.raises(SystemExit) as exit_info:  # asked for a shortlist it cannot make: before any calibration
+        plan.main(["--oracle", str(models["oracle"]), "--draft", str(no_counts), "--ngram", str(models["ngram"]),
+                   "--prompt", "t1", "--out", str(tmp_path / "p.json"), "--draft-vocab", "64"])
+    err = capsys.readouterr()
+    assert exit_info.value.code == 2 and TOKEN_COUNTS in err.err and "calibrating" not in err.out
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_a_plan_for_other_models_or_settings_is_refused_in_one_line(planned, models, capsys):
