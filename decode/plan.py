@@ -35,8 +35,9 @@ from decode.drafters import ChainDrafter, LookupDrafter, NgramDrafter, ShapedTre
 from decode.sampling import Sampling
 
 BUDGETS = (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# Six trigram levels, and three (the draft's best children add a fourth): shallow and wide was the cpu preset's best
 STAGED_WIDTHS = ((1, 1, 1, 1, 1, 1), (2, 1, 1, 1, 1, 1), (2, 2, 1, 1, 1, 1), (3, 2, 2, 1, 1, 1), (4, 3, 2, 1, 1, 1),
-                 (6, 4, 2, 1, 1, 1))
+                 (6, 4, 2, 1, 1, 1), (3, 2, 1), (4, 2, 1), (6, 3, 1))
 CHAIN_K = range(1, 9)
 LOOKUP_TOKENS = (1, 2, 3, 4, 6, 8, 10, 12, 16)
 RANKS = 8  # candidates per node the acceptance rates cover
