@@ -279,6 +279,12 @@ def draft_shortlist(draft_dir: Path, size: int, vocab_size: int) -> Shortlist | 
     return Shortlist.most_frequent(counts, size)
 
 
+def load_draft(options: "DecoderOptions", vocab_size: int) -> CachedLM:
+    """The draft model as the options load it, its output layer over `options.draft_vocab` tokens when set."""
+    return load_model(options.draft, options.backend, options.dtype, options.device, options.cuda_graphs,
+                      draft_shortlist(options.draft, options.draft_vocab, vocab_size))
+
+
 def check_same_vocabulary(oracle_dir: Path, other_dir: Path, other: str) -> None:
     a, b = load_tokenizer(oracle_dir), load_tokenizer(other_dir)
     if a.get_vocab() != b.get_vocab():
@@ -360,8 +366,7 @@ def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
         if options.draft is None or not Path(options.draft).is_dir():
             raise InputError(f"--method {options.method} needs a draft model; pass --draft DIR (got {options.draft})")
         check_same_vocabulary(options.oracle, options.draft, "draft")
-        shortlist = draft_shortlist(options.draft, options.draft_vocab, oracle.vocab_size)
-        draft = load_model(options.draft, options.backend, options.dtype, options.device, options.cuda_graphs, shortlist)
+        draft = load_draft(options, oracle.vocab_size)
         if draft.vocab_size != oracle.vocab_size:
             raise InputError(f"the oracle has {oracle.vocab_size} output tokens and the draft {draft.vocab_size}; they must match")
     if options.method in NEEDS_NGRAM:

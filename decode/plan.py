@@ -19,6 +19,7 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from data.errors import exits_on_input_error
 from data.prompts import load_prompts
 from data.shards import TOKEN_COUNTS
 from decode import costs, generate, planning, run
-from decode.api import MIN_DRAFT_VOCAB, SpeculativeDecoder, draft_shortlist, load_model
+from decode.api import MIN_DRAFT_VOCAB, SpeculativeDecoder, load_draft
 from decode.cached_lm import CachedLM
 from decode.drafters import ChainDrafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter
 from decode.sampling import Sampling
@@ -245,8 +246,7 @@ def shortlist_sizes(requested: list[int] | None, options, vocab_size: int) -> li
 
 
 def shortlisted_drafts(sizes: list[int], options, vocab_size: int) -> dict[int, CachedLM]:
-    return {n: load_model(options.draft, options.backend, options.dtype, options.device, options.cuda_graphs,
-                          draft_shortlist(options.draft, n, vocab_size)) for n in sizes}
+    return {n: load_draft(replace(options, draft_vocab=n), vocab_size) for n in sizes}
 
 
 def forecast(replays: dict, oracle_ms: torch.Tensor, baseline: dict, in_loop: dict, keep: int = 1) -> dict:
