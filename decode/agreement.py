@@ -20,6 +20,7 @@ from data.errors import exits_on_input_error
 from decode import run
 from decode.api import SpeculativeDecoder
 from decode.healing import Prompt
+from decode.hf_backend import cache_keyword
 
 # Forward sizes the diverging position is scored at: a matmul over another number of rows may round
 # differently (in bfloat16 by up to a unit in the logits' last place: 0.03-0.06 at logits of 8-16).
@@ -62,10 +63,10 @@ def gaps_by_shape(oracle, context: list[int], a: int, b: int, prompt_length: int
 def peer_gap(model, context: list[int], a: int, b: int, prompt_length: int) -> float:
     """logit[a] - logit[b] after `context` as a transformers model computes it in plain `generate`: the prompt
     in one forward, then token by token on its cache."""
-    ids = torch.tensor([context], device=model.device)
+    ids, cache = torch.tensor([context], device=model.device), cache_keyword(model)
     out = model(ids[:, :prompt_length], use_cache=True)
     for i in range(prompt_length, len(context)):
-        out = model(ids[:, i : i + 1], past_key_values=out.past_key_values, use_cache=True)
+        out = model(ids[:, i : i + 1], use_cache=True, **{cache: out[cache]})
     logits = out.logits[0, -1].float()
     return float(logits[a] - logits[b])
 

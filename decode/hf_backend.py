@@ -1,6 +1,8 @@
 """The CachedLM interface over any transformers causal LM (Llama, GPT-2, ...): 4D additive masks,
 explicit position ids, and a cache compacted by gathering the kept slots. Slower than the lean
 GPT-2 engine (framework overhead per call), and exact."""
+import inspect
+
 import torch
 
 from data.pretrained import load_causal_lm
@@ -11,6 +13,12 @@ from decode.engine import DTYPES
 def load_hf_model(model_dir, dtype: str, device: str):
     """A transformers causal LM in inference mode on `device`, with a one-line error when it cannot load."""
     return load_causal_lm(model_dir, "model", dtype=DTYPES[dtype]).to(device).eval()
+
+
+def cache_keyword(model) -> str:
+    """The name a transformers model's forward takes its KV cache by, and returns it under: `cache` since
+    transformers 5.24, `past_key_values` before (the old name warns until its removal in 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class HFEngine(CachedLM):
@@ -26,6 +34,7 @@ class HFEngine(CachedLM):
         context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         self.max_length = max_length or context
         self._new_cache = DynamicCache
+        self.cache_keyword = cache_keyword(self.model)
         self.cache = DynamicCache()
         self.length = self.pending = 0
         self.shortlist = shortlist
@@ -52,9 +61,9 @@ class HFEngine(CachedLM):
         additive = torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill(~mask, torch.finfo(dtype).min)
         out = self.model(
             input_ids=token_ids[None], position_ids=position_ids[None], attention_mask=additive[None, None],
-            past_key_values=self.cache, use_cache=True,
+            use_cache=True, **{self.cache_keyword: self.cache},
         )
-        self.cache = out.past_key_values
+        self.cache = out[self.cache_keyword]
         self.pending += q
         logits = out.logits[0].float()
         return logits if self.columns is None else logits[:, self.columns]

@@ -365,7 +365,7 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
     """The loop: `loss_fn(model, windows)` returns (loss, extra logs); `final_metrics(model)` adds to the
     metrics saved with the model; `make_windows()`, called once the work directory is ready (it may generate
     into it), returns what replaces the train split's packed windows."""
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
     args, accelerator, work_dir = run.args, run.accelerator, run.work_dir
     if not args.resume and accelerator.is_main_process:
