@@ -112,12 +112,32 @@ def test_agreement_reports_identical_outputs_and_explains_divergences(models, tm
     context = [3, 4, 5, 9, 11, 2, 7]
     bf16.reset()
     ranked = bf16.extend(torch.tensor(context))[-1].float().argsort(descending=True).tolist()
-    gaps = {b: agreement.gaps_by_shape(bf16, context, ranked[0], b) for b in ranked[1:]}
-    for b, measured in gaps.items():
+    rows = agreement.replayed_logits(bf16, context, 2)
+    top = rows[0].topk(agreement.TOP).indices
+    spread = float((rows[:, top].amax(0) - rows[:, top].amin(0)).max())
+    for b in ranked[1:]:
+        measured = (rows[:, ranked[0]] - rows[:, b]).tolist()
+        assert measured == agreement.gaps_by_shape(bf16, context, ranked[0], b, 2)
         diff = agreement.divergence(bf16, Prompt(torch.tensor(context[:2])), context[2:] + [ranked[0]], context[2:] + [b])
-        assert diff["near_tie"] == (abs(measured[0]) <= max(measured) - min(measured))
+        assert diff["gap"] == measured[0]
+        assert diff["near_tie"] == (abs(measured[0]) <= max(max(measured) - min(measured), spread))
     assert not all(d["near_tie"] for d in [agreement.divergence(bf16, Prompt(torch.tensor(context[:2])), context[2:] + [ranked[0]],
                                                                 context[2:] + [ranked[-1]])])
+
+
+def test_rounding_noise_is_the_larger_of_the_gaps_spread_and_the_best_tokens_logits_spread():
+    """A gap that holds steady across the replays while the oracle's other best tokens move by a bfloat16 unit
+    is within rounding (what a CPU with AMX showed: README section 5); tokens outside the best do not count."""
+    from decode.agreement import TOP, rounding_noise
+
+    first = torch.tensor([10.6875, 10.625, 9.0] + [2.0] * (TOP - 3) + [-5.0, -6.0])  # TOP + 2 tokens
+    rows = torch.stack([first, first.clone(), first.clone()])
+    rows[1, 2] += 0.0625  # the third best moves by a unit in one replay
+    rows[2, -1] += 1.0  # the worst token moves far: not among the best
+    steady = (rows[:, 0] - rows[:, 1]).tolist()  # 0.0625 in every replay
+    assert rounding_noise(rows, steady) == 0.0625
+    assert rounding_noise(rows[[0, 2]], steady[:2]) == 0.0  # nothing among the best moved: a steady gap is not a tie
+    assert rounding_noise(rows[[0, 2]], steady[:2] + [-0.0625]) == 0.125  # a peer's own gap counts with the replays'
 
 
 @pytest.mark.filterwarnings("error::FutureWarning")  # e.g. transformers' renamed `past_key_values`: it goes in 5.40
