@@ -66,13 +66,24 @@ def gaps_by_shape(oracle, context: list[int], a: int, b: int, prompt_length: int
     return (rows[:, a] - rows[:, b]).tolist()
 
 
-def rounding_noise(rows: torch.Tensor, gaps: list[float]) -> float:
-    """How far rounding moves the oracle's logits at a prefix, from its `replayed_logits`: the spread of the two
-    tokens' `gaps` across them, or of any of the TOP best tokens' logits, whichever is larger. A pair's gap can
-    hold steady where its neighbours move (a CPU with AMX in bfloat16, README section 5: one unit, 0.0625,
-    steady across every replay, while the methods' own forwards, with caches written in other shapes, saw 0)."""
+def last_place(row: torch.Tensor) -> torch.Tensor:
+    """The unit in the last place of each of a row of logits, in the precision they were computed in: bfloat16
+    or float16 where every value of the row is exact in it (a model computing in it), else float32."""
+    dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32) if torch.equal(row.to(d).float(), row))
+    info = torch.finfo(dtype)
+    return torch.exp2(torch.floor(torch.log2(row.abs().clamp_min(info.tiny)))) * info.eps
+
+
+def rounding_noise(rows: torch.Tensor, gaps: list[float], a: int, b: int) -> float:
+    """How far rounding moves the oracle's logits at a prefix, from its `replayed_logits`: the spread of tokens a
+    and b's `gaps` across them, or the largest spread of the TOP best tokens' logits, counted in units of each
+    one's last place and applied at a and b's, whichever is larger. A pair's gap can hold steady where its
+    neighbours move (a CPU with AMX in bfloat16, README section 5: one unit, 0.0625, steady across every replay,
+    while the methods' own forwards, with caches written in other shapes, saw 0)."""
+    units = last_place(rows[0])
     top = rows[0].topk(min(TOP, rows.shape[1])).indices
-    return max(max(gaps) - min(gaps), float((rows[:, top].amax(0) - rows[:, top].amin(0)).max()))
+    moved = ((rows[:, top].amax(0) - rows[:, top].amin(0)) / units[top]).max()
+    return max(max(gaps) - min(gaps), float(moved * units[[a, b]].max()))
 
 
 @torch.inference_mode()
@@ -104,7 +115,7 @@ def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer
     gaps = (rows[:, a] - rows[:, b]).tolist()
     if peer is not None:
         gaps.append(peer_gap(peer, context, a, b, len(prompt.ids)))
-    noise = rounding_noise(rows, gaps)
+    noise = rounding_noise(rows, gaps, a, b)
     return {"position": at, "expected": a, "got": b, "gap": gaps[0], "noise": noise, "near_tie": abs(gaps[0]) <= noise}
 
 

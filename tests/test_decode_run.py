@@ -113,31 +113,35 @@ def test_agreement_reports_identical_outputs_and_explains_divergences(models, tm
     bf16.reset()
     ranked = bf16.extend(torch.tensor(context))[-1].float().argsort(descending=True).tolist()
     rows = agreement.replayed_logits(bf16, context, 2)
-    top = rows[0].topk(agreement.TOP).indices
-    spread = float((rows[:, top].amax(0) - rows[:, top].amin(0)).max())
     for b in ranked[1:]:
         measured = (rows[:, ranked[0]] - rows[:, b]).tolist()
         assert measured == agreement.gaps_by_shape(bf16, context, ranked[0], b, 2)
         diff = agreement.divergence(bf16, Prompt(torch.tensor(context[:2])), context[2:] + [ranked[0]], context[2:] + [b])
         assert diff["gap"] == measured[0]
-        assert diff["near_tie"] == (abs(measured[0]) <= max(max(measured) - min(measured), spread))
+        assert diff["noise"] == agreement.rounding_noise(rows, measured, ranked[0], b) >= max(measured) - min(measured)
+        assert diff["near_tie"] == (abs(measured[0]) <= diff["noise"])
     assert not all(d["near_tie"] for d in [agreement.divergence(bf16, Prompt(torch.tensor(context[:2])), context[2:] + [ranked[0]],
                                                                 context[2:] + [ranked[-1]])])
 
 
-def test_rounding_noise_is_the_larger_of_the_gaps_spread_and_the_best_tokens_logits_spread():
+def test_rounding_noise_is_the_larger_of_the_gaps_spread_and_the_best_tokens_logits_spread_in_units_of_the_last_place():
     """A gap that holds steady across the replays while the oracle's other best tokens move by a bfloat16 unit
-    is within rounding (what a CPU with AMX showed: README section 5); tokens outside the best do not count."""
-    from decode.agreement import TOP, rounding_noise
+    is within rounding (what a CPU with AMX showed: README section 5); a unit is counted at each logit's own
+    magnitude; tokens outside the best do not count."""
+    from decode.agreement import TOP, last_place, rounding_noise
 
-    first = torch.tensor([10.6875, 10.625, 9.0] + [2.0] * (TOP - 3) + [-5.0, -6.0])  # TOP + 2 tokens
-    rows = torch.stack([first, first.clone(), first.clone()])
+    first = torch.tensor([10.6875, 10.625, 9.0, 6.0] + [2.0] * (TOP - 4) + [-5.0, -6.0])  # TOP + 2 tokens, bfloat16-exact
+    assert last_place(first)[:4].tolist() == [0.0625, 0.0625, 0.0625, 0.03125]
+    assert last_place(first + 1e-3)[0] == torch.finfo(torch.float32).eps * 8  # not bfloat16-exact: float32's unit
+    rows = torch.stack([first, first.clone(), first.clone(), first.clone()])
     rows[1, 2] += 0.0625  # the third best moves by a unit in one replay
     rows[2, -1] += 1.0  # the worst token moves far: not among the best
+    rows[3, 3] += 0.03125  # the fourth best moves by a unit of its own magnitude: a unit at the pair's is 0.0625
     steady = (rows[:, 0] - rows[:, 1]).tolist()  # 0.0625 in every replay
-    assert rounding_noise(rows, steady) == 0.0625
-    assert rounding_noise(rows[[0, 2]], steady[:2]) == 0.0  # nothing among the best moved: a steady gap is not a tie
-    assert rounding_noise(rows[[0, 2]], steady[:2] + [-0.0625]) == 0.125  # a peer's own gap counts with the replays'
+    assert rounding_noise(rows, steady, 0, 1) == 0.0625
+    assert rounding_noise(rows[[0, 3]], steady[:2], 0, 1) == 0.0625
+    assert rounding_noise(rows[[0, 2]], steady[:2], 0, 1) == 0.0  # nothing among the best moved: a steady gap is no tie
+    assert rounding_noise(rows[[0, 2]], steady[:2] + [-0.0625], 0, 1) == 0.125  # a peer's own gap counts as the replays'
 
 
 @pytest.mark.filterwarnings("error::FutureWarning")  # e.g. transformers' renamed `past_key_values`: it goes in 5.40
