@@ -79,11 +79,13 @@ def rounding_noise(rows: torch.Tensor, gaps: list[float], a: int, b: int) -> flo
     and b's `gaps` across them, or the largest spread of the TOP best tokens' logits, counted in units of each
     one's last place and applied at a and b's, whichever is larger. A pair's gap can hold steady where its
     neighbours move (a CPU with AMX in bfloat16, README section 5: one unit, 0.0625, steady across every replay,
-    while the methods' own forwards, with caches written in other shapes, saw 0)."""
-    units = last_place(rows[0])
-    top = rows[0].topk(min(TOP, rows.shape[1])).indices
-    moved = ((rows[:, top].amax(0) - rows[:, top].amin(0)) / units[top]).max()
-    return max(max(gaps) - min(gaps), float(moved * units[[a, b]].max()))
+    while the methods' own forwards, with caches written in other shapes, saw 0). Only logits of at least half
+    the pair's magnitude count: nearer 0 a unit is finer than what rounds there."""
+    units, first = last_place(rows[0]), rows[0]
+    top = first.topk(min(TOP, rows.shape[1])).indices
+    pair = first[[a, b]].abs().max()
+    moved = torch.where(first[top].abs() >= pair / 2, (rows[:, top].amax(0) - rows[:, top].amin(0)) / units[top], 0)
+    return max(max(gaps) - min(gaps), float(moved.max() * units[[a, b]].max()))
 
 
 @torch.inference_mode()
@@ -101,8 +103,9 @@ def peer_gap(model, context: list[int], a: int, b: int, prompt_length: int) -> f
 def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer=None) -> dict | None:
     """Where a greedy output first differs from the baseline's, and whether that is a numerical near-tie:
     the oracle's logit gap between the two tokens lies within how far rounding moves it, or the best tokens'
-    logits, across forward sizes (`rounding_noise`: measured at that prefix, not assumed). `got` from a peer (a transformers model, `peer`, with its own
-    kernels): that model's own gap at the prefix counts among the forwards. An output that stops early or
+    logits, across forward sizes (`rounding_noise`: measured at that prefix, not assumed). `got` from a peer
+    (a transformers model, `peer`, with its own kernels): that model's own gap at the prefix counts among the
+    forwards. An output that stops early or
     runs on is never a near-tie."""
     at = first_divergence(expected, got)
     if at is None:

@@ -133,13 +133,15 @@ def test_rounding_noise_is_the_larger_of_the_gaps_spread_and_the_best_tokens_log
     first = torch.tensor([10.6875, 10.625, 9.0, 6.0] + [2.0] * (TOP - 4) + [-5.0, -6.0])  # TOP + 2 tokens, bfloat16-exact
     assert last_place(first)[:4].tolist() == [0.0625, 0.0625, 0.0625, 0.03125]
     assert last_place(first + 1e-3)[0] == torch.finfo(torch.float32).eps * 8  # not bfloat16-exact: float32's unit
-    rows = torch.stack([first, first.clone(), first.clone(), first.clone()])
+    rows = torch.stack([first, first.clone(), first.clone(), first.clone(), first.clone()])
     rows[1, 2] += 0.0625  # the third best moves by a unit in one replay
     rows[2, -1] += 1.0  # the worst token moves far: not among the best
     rows[3, 3] += 0.03125  # the fourth best moves by a unit of its own magnitude: a unit at the pair's is 0.0625
+    rows[4, 4] += 0.0078125  # a unit at 2, below half the pair's magnitude: finer than what rounds at the pair's
     steady = (rows[:, 0] - rows[:, 1]).tolist()  # 0.0625 in every replay
     assert rounding_noise(rows, steady, 0, 1) == 0.0625
     assert rounding_noise(rows[[0, 3]], steady[:2], 0, 1) == 0.0625
+    assert rounding_noise(rows[[0, 4]], steady[:2], 0, 1) == 0.0
     assert rounding_noise(rows[[0, 2]], steady[:2], 0, 1) == 0.0  # nothing among the best moved: a steady gap is no tie
     assert rounding_noise(rows[[0, 2]], steady[:2] + [-0.0625], 0, 1) == 0.125  # a peer's own gap counts as the replays'
 
