@@ -105,8 +105,7 @@ def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer
     the oracle's logit gap between the two tokens lies within how far rounding moves it, or the best tokens'
     logits, across forward sizes (`rounding_noise`: measured at that prefix, not assumed). `got` from a peer
     (a transformers model, `peer`, with its own kernels): that model's own gap at the prefix counts among the
-    forwards. An output that stops early or
-    runs on is never a near-tie."""
+    forwards. An output that stops early or runs on is never a near-tie."""
     at = first_divergence(expected, got)
     if at is None:
         return None
