@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -77,29 +78,36 @@ class Stopwatch:
     reads its result."""
 
     def __init__(self, device: torch.device = torch.device("cpu")):
-        self.seconds, self.device = defaultdict(float), device
+        self.seconds, self.calls, self.device = defaultdict(float), defaultdict(int), device
 
-    def wrap(self, owner, name: str, label: str) -> None:
-        """Replace owner.name (a method or a module function) with a timed version."""
+    def wrap(self, owner, name: str, label: str | Callable[[], str]) -> None:
+        """Replace owner.name (a method or a module function) with a timed version; a callable `label` is
+        asked before each call which label the call's time goes to."""
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
+            counted = label if isinstance(label, str) else label()
             synchronize(self.device)
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 synchronize(self.device)
-                self.seconds[label] += time.perf_counter() - start
+                self.seconds[counted] += time.perf_counter() - start
+                self.calls[counted] += 1
 
         setattr(owner, name, timed)
+
+    def clear(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
 
     @contextmanager
     def paused(self):
         """What runs inside is not counted."""
-        counted = dict(self.seconds)
+        seconds, calls = dict(self.seconds), dict(self.calls)
         yield
-        self.seconds = defaultdict(float, counted)
+        self.seconds, self.calls = defaultdict(float, seconds), defaultdict(int, calls)
 
 
 def cpu_name() -> str:

@@ -1,7 +1,9 @@
 """Where a decoding step's time goes: the oracle's forward, the draft's forwards, building the
 trigram's trees, the rest of tree building, verification and the rest of the loop. Each part is
-given in milliseconds per oracle call, as a share of the step, and as a fraction of one q=1 oracle
+given in milliseconds per step, as a share of the step, and as a fraction of one q=1 oracle
 forward measured in the same run (before each prompt; the median): the cost a speculative step has to beat.
+Reading the prompt (each model's forward at an empty cache: the oracle's prompt, the draft's prompt with
+the first tree) happens once per prompt and is reported apart, per prompt.
 
     python -m decode.profile_step --run RUN --method staged --limit 10 --dtype bfloat16
 
@@ -26,9 +28,9 @@ def main(argv=None) -> dict[str, float]:
     dec.use(settings.sampling)
     decoder, prompts = dec.decoder, run.encode_prompts(settings, [dec])
     watch = costs.Stopwatch(decoder.oracle.device)
-    watch.wrap(decoder.oracle, "forward", "oracle forward")
-    if decoder.draft is not None:
-        watch.wrap(decoder.draft, "forward", "draft forward")
+    for name, model in (("oracle", decoder.oracle), ("draft", decoder.draft)):
+        if model is not None:
+            watch.wrap(model, "forward", lambda name=name, model=model: f"{name} {'prompt' if model.length == 0 else 'forward'}")
     if decoder.drafter is not None:
         watch.wrap(decoder.drafter, "propose", "propose")
         if hasattr(decoder.drafter, "trigram"):
@@ -36,8 +38,8 @@ def main(argv=None) -> dict[str, float]:
     for rule in ("sample_match", "multi_draft_rejection"):  # the loop looks them up in decode.generate
         watch.wrap(generate, rule, "verification")
     decoder(prompts[0][1], 8, settings.seed)  # warm-up
-    watch.seconds.clear()
-    total = steps = tokens = 0
+    watch.clear()
+    total = calls = tokens = 0
     one_token = []  # measured before each prompt: on a shared machine the speed drifts within a run
     for i, (_, prompt) in enumerate(prompts):
         with watch.paused():
@@ -45,18 +47,24 @@ def main(argv=None) -> dict[str, float]:
         start = time.perf_counter()
         out = decoder(prompt, settings.max_new_tokens, settings.seed + i)
         total += time.perf_counter() - start
-        steps += out.oracle_calls
+        calls += out.oracle_calls
         tokens += len(out.tokens)
     parts = dict(watch.seconds)
+    reading = {name: parts.pop(f"{name} prompt", 0.0) for name in ("oracle", "draft")}
     if "propose" in parts:  # every draft forward and trigram tree is built while proposing
-        parts["tree building"] = parts.pop("propose") - parts.get("draft forward", 0.0) - parts.get("trigram trees", 0.0)
-    parts["rest of the loop"] = total - sum(parts.values())
+        parts["tree building"] = (parts.pop("propose") - parts.get("draft forward", 0.0) - reading["draft"]
+                                  - parts.get("trigram trees", 0.0))
+    steps = calls - watch.calls["oracle prompt"]
+    parts["rest of the loop"] = total - sum(parts.values()) - sum(reading.values())
     ms = {label: 1e3 * seconds / steps for label, seconds in parts.items()}
-    step_ms, one_token_ms = 1e3 * total / steps, statistics.median(one_token)
-    print(f"{settings.options.method}: {len(prompts)} prompts, {tokens} tokens, {steps} oracle calls "
-          f"({tokens / steps:.2f} tokens per call), {step_ms:.2f} ms per call; one q=1 oracle forward: "
-          f"{one_token_ms:.2f} ms (median over the prompts, {min(one_token):.2f}-{max(one_token):.2f})")
-    print(f"  {'part':<20} {'ms/call':>8} {'of step':>8} {'x q=1':>7}")
+    step_ms, one_token_ms = sum(ms.values()), statistics.median(one_token)
+    print(f"{settings.options.method}: {len(prompts)} prompts, {tokens} tokens, {calls} oracle calls ({tokens / calls:.2f} "
+          f"tokens per call), {steps} of them steps of {step_ms:.2f} ms; one q=1 oracle forward: {one_token_ms:.2f} ms "
+          f"(median over the prompts, {min(one_token):.2f}-{max(one_token):.2f})")
+    draft = f", draft {1e3 * reading['draft'] / len(prompts):.2f} ms (with the first tree)" if decoder.draft else ""
+    print(f"  reading a prompt, apart from the steps: oracle {1e3 * reading['oracle'] / len(prompts):.2f} ms{draft}; "
+          f"{100 * sum(reading.values()) / total:.1f}% of the time")
+    print(f"  {'part':<20} {'ms/step':>8} {'of step':>8} {'x q=1':>7}")
     for label, value in ms.items():
         print(f"  {label:<20} {value:8.3f} {100 * value / step_ms:7.1f}% {value / one_token_ms:7.2f}")
     groups = {"around the forwards": sum(v for k, v in ms.items() if not k.endswith("forward")),

@@ -1,5 +1,7 @@
 import json
 import logging
+import re
+import types
 
 import pytest
 
@@ -142,13 +144,31 @@ def test_cost_curve_interpolates_and_extrapolates():
     assert costs.cost_curve({1: 1.0, 2: 2.0, 4: 3.0}, 6).tolist() == [0, 1, 2, 2.5, 3, 3.5, 4]
 
 
-def test_profile_step_accounts_for_every_part_of_a_staged_step(models, tmp_path, monkeypatch):
+def test_profile_step_accounts_for_every_part_of_a_staged_step_and_reads_the_prompts_apart(models, tmp_path,
+                                                                                            monkeypatch, capsys):
     for rule in ("sample_match", "multi_draft_rejection"):  # profile_step wraps them; restore them afterwards
         monkeypatch.setattr(generate, rule, getattr(generate, rule))
     parts = profile_step.main(bench_args(models, tmp_path, "--method", "staged"))
     assert set(parts) == {"oracle forward", "draft forward", "trigram trees", "verification", "tree building",
                           "rest of the loop"}
     assert all(ms > 0 for ms in parts.values())
+    calls, steps = map(int, re.search(r"(\d+) oracle calls .*?, (\d+) of them steps", capsys.readouterr().out).groups())
+    assert calls - steps == 3  # each of the three prompts read once, at an empty cache
+
+
+def test_stopwatch_asks_a_callable_label_before_each_call():
+    watch, state = costs.Stopwatch(), {"label": "a"}
+    box = types.SimpleNamespace(work=lambda n: sum(range(n)))
+    watch.wrap(box, "work", lambda: state["label"])
+    box.work(10)
+    state["label"] = "b"
+    assert box.work(20) == 190 and box.work(30) == 435
+    assert dict(watch.calls) == {"a": 1, "b": 2} and set(watch.seconds) == {"a", "b"}
+    with watch.paused():
+        box.work(5)
+    assert dict(watch.calls) == {"a": 1, "b": 2}
+    watch.clear()
+    assert not watch.calls and not watch.seconds
 
 
 def test_transformers_own_deprecation_warning_in_assisted_generation_is_not_shown():
