@@ -228,7 +228,8 @@ class GPT2Engine(CachedLM):
                slots: slice | torch.Tensor, end: int) -> torch.Tensor:
         """Float32 logits of new nodes that write their keys/values into cache `slots` and attend to slots 0..end
         (all of them, or where `mask` is true)."""
-        x = self.wte[token_ids] + self.wpe[position_ids]
+        # F.embedding (an index_select) took 7 us for 16 rows where indexing the matrices took 17 (AMX CPU, bfloat16)
+        x = F.embedding(token_ids, self.wte) + F.embedding(position_ids, self.wpe)
         if self.on_gpu:
             with sdpa_kernel(ATTENTION_WITHOUT_CUDNN):
                 x = self.layers_forward(x, mask, slots, end)
