@@ -77,15 +77,18 @@ def last_place(row: torch.Tensor) -> torch.Tensor:
 def rounding_noise(rows: torch.Tensor, gaps: list[float], a: int, b: int) -> float:
     """How far rounding moves the oracle's logits at a prefix, from its `replayed_logits`: the spread of tokens a
     and b's `gaps` across them, or the largest spread of the TOP best tokens' logits, counted in units of each
-    one's last place and applied at a and b's, whichever is larger. A pair's gap can hold steady where its
-    neighbours move (a CPU with AMX in bfloat16, README section 5: one unit, 0.0625, steady across every replay,
-    while the methods' own forwards, with caches written in other shapes, saw 0). Only logits of at least half
-    the pair's magnitude count: nearer 0 a unit is finer than what rounds there."""
+    one's last place and applied at a and b's, and never less than one unit of a and b's last place, whichever is
+    largest. A pair's gap can hold steady where its neighbours move (a CPU with AMX in bfloat16, README section 5:
+    one unit, 0.0625, steady across every replay, while the methods' own forwards, with caches written in other
+    shapes, saw 0). Only logits of at least half the pair's magnitude count: nearer 0 a unit is finer than what
+    rounds there. The floor is the last rounding's own: two logits a hair apart before it can land a unit apart
+    or together, so a one-unit gap is a tie under any other order of the same arithmetic, even where every replay
+    rounds it alike (in float32 a unit at such logits is about 1e-6)."""
     units, first = last_place(rows[0]), rows[0]
     top = first.topk(min(TOP, rows.shape[1])).indices
-    pair = first[[a, b]].abs().max()
+    pair, unit = first[[a, b]].abs().max(), float(units[[a, b]].max())
     moved = torch.where(first[top].abs() >= pair / 2, (rows[:, top].amax(0) - rows[:, top].amin(0)) / units[top], 0)
-    return max(max(gaps) - min(gaps), float(moved.max() * units[[a, b]].max()))
+    return max(max(gaps) - min(gaps), float(moved.max()) * unit, unit)
 
 
 @torch.inference_mode()

@@ -124,26 +124,31 @@ def test_agreement_reports_identical_outputs_and_explains_divergences(models, tm
                                                                 context[2:] + [ranked[-1]])])
 
 
-def test_rounding_noise_is_the_larger_of_the_gaps_spread_and_the_best_tokens_logits_spread_in_units_of_the_last_place():
+def test_rounding_noise_is_the_largest_of_the_gaps_spread_the_best_tokens_spread_and_a_unit_in_the_last_place():
     """A gap that holds steady across the replays while the oracle's other best tokens move by a bfloat16 unit
     is within rounding (what a CPU with AMX showed: README section 5); a unit is counted at each logit's own
-    magnitude; tokens outside the best do not count."""
+    magnitude; tokens outside the best do not count; and a single unit at the pair's magnitude is always within
+    rounding (the last rounding of the logits alone makes it), in the precision the logits were computed in."""
     from decode.agreement import TOP, last_place, rounding_noise
 
-    first = torch.tensor([10.6875, 10.625, 9.0, 6.0] + [2.0] * (TOP - 4) + [-5.0, -6.0])  # TOP + 2 tokens, bfloat16-exact
+    first = torch.tensor([10.6875, 10.5625, 9.0, 6.0] + [2.0] * (TOP - 4) + [-5.0, -6.0])  # TOP + 2 tokens, bfloat16-exact
     assert last_place(first)[:4].tolist() == [0.0625, 0.0625, 0.0625, 0.03125]
     assert last_place(first + 1e-3)[0] == torch.finfo(torch.float32).eps * 8  # not bfloat16-exact: float32's unit
-    rows = torch.stack([first, first.clone(), first.clone(), first.clone(), first.clone()])
+    rows = torch.stack([first, first.clone(), first.clone(), first.clone(), first.clone(), first.clone()])
     rows[1, 2] += 0.0625  # the third best moves by a unit in one replay
     rows[2, -1] += 1.0  # the worst token moves far: not among the best
-    rows[3, 3] += 0.03125  # the fourth best moves by a unit of its own magnitude: a unit at the pair's is 0.0625
+    rows[3, 3] += 0.0625  # the fourth best moves by two units of its own magnitude: two units at the pair's are 0.125
     rows[4, 4] += 0.0078125  # a unit at 2, below half the pair's magnitude: finer than what rounds at the pair's
-    steady = (rows[:, 0] - rows[:, 1]).tolist()  # 0.0625 in every replay
-    assert rounding_noise(rows, steady, 0, 1) == 0.0625
-    assert rounding_noise(rows[[0, 3]], steady[:2], 0, 1) == 0.0625
-    assert rounding_noise(rows[[0, 4]], steady[:2], 0, 1) == 0.0
-    assert rounding_noise(rows[[0, 2]], steady[:2], 0, 1) == 0.0  # nothing among the best moved: a steady gap is no tie
-    assert rounding_noise(rows[[0, 2]], steady[:2] + [-0.0625], 0, 1) == 0.125  # a peer's own gap counts as the replays'
+    rows[5, 2] += 0.1875  # the third best moves by three units
+    steady = (rows[:, 0] - rows[:, 1]).tolist()  # 0.125 in every replay: two units
+    assert rounding_noise(rows[:2], steady[:2], 0, 1) == 0.0625
+    assert rounding_noise(rows[[0, 3]], steady[:2], 0, 1) == 0.125
+    assert rounding_noise(rows, steady, 0, 1) == 0.1875
+    assert rounding_noise(rows[[0, 4]], steady[:2], 0, 1) == 0.0625  # only the floor: a unit at the pair's magnitude
+    assert rounding_noise(rows[[0, 2]], steady[:2], 0, 1) == 0.0625  # nothing among the best moved: two units are no tie
+    assert rounding_noise(rows[[0, 2]], steady[:2] + [-0.0625], 0, 1) == 0.1875  # a peer's own gap counts as the replays'
+    near = rows[[0, 2]] + 1e-3  # the same logits computed in float32: the floor is float32's unit there
+    assert rounding_noise(near, (near[:, 0] - near[:, 1]).tolist(), 0, 1) == torch.finfo(torch.float32).eps * 8
 
 
 @pytest.mark.filterwarnings("error::FutureWarning")  # e.g. transformers' renamed `past_key_values`: it goes in 5.40
