@@ -48,14 +48,14 @@ def replayed_logits(oracle, context: list[int], prompt_length: int | None = None
     rows, generated = [], context[prompt_length or len(context):]
     for chunk in (1, *CHUNKS) if generated else (1,):
         oracle.reset()
-        logits = oracle.extend(torch.tensor(context[:prompt_length], device=oracle.device))[-1]
+        logits = oracle.extend(torch.tensor(context[:prompt_length], device=oracle.device), last=1)[-1]
         for i in range(0, len(generated), chunk):
             logits = oracle.extend(torch.tensor(generated[i : i + chunk], device=oracle.device))[-1]
         rows.append(logits.float())
     for q in sorted({*(q for q in SHAPES if q <= len(context)), len(context)}):
         oracle.reset()
         if len(context) > q:
-            oracle.extend(torch.tensor(context[:-q], device=oracle.device))
+            oracle.extend(torch.tensor(context[:-q], device=oracle.device), last=0)
         rows.append(oracle.extend(torch.tensor(context[-q:], device=oracle.device))[-1].float())
     return torch.stack(rows).cpu()
 

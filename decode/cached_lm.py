@@ -1,7 +1,7 @@
 """The interface every backend offers the decoders: a causal LM with a KV cache of `length`
 committed positions followed by `pending` speculative ones.
 
-    forward(token_ids, position_ids, mask) -> logits   score new nodes, append them as pending
+    forward(token_ids, position_ids, mask[, last]) -> logits   score new nodes, append them as pending
     commit(keep)                                        keep these pending slots (increasing), in order; drop the rest
 """
 import numpy as np
@@ -68,10 +68,13 @@ class CachedLM:
     device: torch.device
     shortlist: Shortlist | None = None  # forward's logits cover these tokens only (None: the whole vocabulary)
 
-    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                last: int | None = None) -> torch.Tensor:
         """Float32 logits (q, vocab) of q new nodes (with a shortlist, (q, len(shortlist))). Every committed
         position is visible to them; `mask` (q, pending + q) marks which pending slots and new nodes each one
-        sees (None: all of them, the new nodes as a causal chain)."""
+        sees (None: all of them, the new nodes as a causal chain). With `last`, the logits of the last `last`
+        nodes only (0: none): reading a prompt needs its last row at most, and the output layer over every row
+        of a long prompt costs as much as a small model's layers."""
         raise NotImplementedError
 
     def commit(self, keep: list[int]) -> None:
@@ -80,15 +83,15 @@ class CachedLM:
     def reset(self) -> None:
         self.length = self.pending = 0
 
-    def append(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Score a run of tokens after everything cached, keeping them pending."""
+    def append(self, token_ids: torch.Tensor, last: int | None = None) -> torch.Tensor:
+        """Score a run of tokens after everything cached, keeping them pending (the logits of the `last` only)."""
         start = self.length + self.pending
         positions = torch.arange(start, start + token_ids.numel(), device=self.device)
-        return self.forward(token_ids, positions, None)
+        return self.forward(token_ids, positions, None, last)
 
-    def extend(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Score a run of tokens after everything cached and commit all pending slots."""
-        logits = self.append(token_ids)
+    def extend(self, token_ids: torch.Tensor, last: int | None = None) -> torch.Tensor:
+        """Score a run of tokens after everything cached and commit all pending slots (the logits of the `last` only)."""
+        logits = self.append(token_ids, last)
         self.length += self.pending  # every pending slot is kept where it is
         self.pending = 0
         return logits

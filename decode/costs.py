@@ -52,7 +52,7 @@ def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=
     prefix = min(prefix, model.max_length // 2)
     for q in (q for q in counts if prefix + q <= getattr(model, "capacity", model.max_length)):
         model.reset()
-        model.extend(torch.randint(0, model.vocab_size, (prefix,), device=model.device))
+        model.extend(torch.randint(0, model.vocab_size, (prefix,), device=model.device), last=0)
         ids = torch.randint(0, model.vocab_size, (q,), device=model.device)
         positions = torch.arange(prefix, prefix + q, device=model.device).clamp(max=model.max_length - 1)
         mask = None

@@ -78,12 +78,12 @@ class DraftModel:
         positions = list(range(model.length, root_position + 1)) if run else []
         positions += [root_position + tree.depths[n] for n in new]
         self.calls += 1
-        logits = model.forward(long_tensor(ids, model.device), long_tensor(positions, model.device), mask)
         row_of = {n: len(run) + i for i, n in enumerate(new)} | ({0: len(run) - 1} if run else {})
-        wanted = [row_of[n] for n in nodes]
-        if wanted == list(range(wanted[0], len(rows))):  # the last rows: a view (none when it is every row)
-            return logits[wanted[0] :] if wanted[0] else logits
-        return logits[wanted]
+        first = min(row_of[n] for n in nodes)  # the unseen tokens before the root (a prompt, at first) need no logits
+        logits = model.forward(long_tensor(ids, model.device), long_tensor(positions, model.device), mask,
+                               len(rows) - first if first else None)
+        wanted = [row_of[n] - first for n in nodes]
+        return logits if wanted == list(range(len(rows) - first)) else logits[wanted]
 
     def accept(self, tree_path: list[int]) -> None:
         """Commit the unseen tokens and the accepted nodes the draft has scored (a prefix of the path)."""

@@ -31,6 +31,11 @@ SPECULATIVE_SLOTS = 2048  # cache slots beyond the context for the nodes of a sp
 # on an H100 (cpu-preset oracle, bfloat16), greedy decoding ran at 17 tokens/s with it and 260 without
 ATTENTION_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 LINEAR_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# On a CPU in bfloat16, oneDNN builds a kernel for every new number of rows a matrix is multiplied with: 1-4 ms a
+# matrix, a first prompt of a new length cost 8 ms more than a second on the cpu preset's oracle (5 on its draft;
+# AMX CPU). Products of more than PAD_ABOVE rows (prompts; the trees a step scores are smaller) are padded to a
+# multiple of ROW_BLOCK, so prompts of any length share a few kernels.
+PAD_ABOVE, ROW_BLOCK = 64, 32
 
 
 @dataclass(frozen=True)
@@ -98,8 +103,9 @@ class Projection:
     512 x 2048 took 47 us against 73 for the product and F.gelu; in float32 about 10% less). The separate GELU
     rounds the product to the dtype first, so the two can differ by a unit in the last place."""
 
-    def __init__(self, in_out: torch.Tensor, bias: torch.Tensor | None, layout: str, gelu: bool = False):
-        self.layout = layout
+    def __init__(self, in_out: torch.Tensor, bias: torch.Tensor | None, layout: str, gelu: bool = False,
+                 pad_rows: bool = False):
+        self.layout, self.pad_rows = layout, pad_rows  # pad_rows: past PAD_ABOVE rows, to a multiple of ROW_BLOCK
         if layout == "packed":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(in_out.T.contiguous())
             attr, algorithm = ("gelu", "tanh") if gelu else ("none", "")
@@ -114,6 +120,9 @@ class Projection:
         self.multiply = (lambda x: F.gelu(product(x), approximate="tanh")) if gelu else product
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.pad_rows and rows > PAD_ABOVE and rows % ROW_BLOCK:
+            return self.multiply(F.pad(x, (0, 0, 0, ROW_BLOCK - rows % ROW_BLOCK)))[:rows]
         return self.multiply(x)
 
 
@@ -158,9 +167,11 @@ class GPT2Engine(CachedLM):
         weights = {k.removeprefix("transformer."): v.to(self.device, self.dtype) for k, v in weights.items()}
         self.on_gpu = self.device.type == "cuda"
 
+        pad_rows = self.device.type == "cpu" and self.dtype == torch.bfloat16
+
         def projection(in_out: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False) -> Projection:
             return Projection(in_out, bias, layout or fastest_layout(self.dtype, self.device.type, *in_out.shape, gelu),
-                              gelu)
+                              gelu, pad_rows)
 
         self.wte, self.wpe = weights["wte.weight"], weights["wpe.weight"]
         self.layers = []
@@ -201,7 +212,8 @@ class GPT2Engine(CachedLM):
         return self.shape.vocab_size
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                last: int | None = None) -> torch.Tensor:
         q = token_ids.numel()
         start = self.length + self.pending
         end = start + q
@@ -219,15 +231,16 @@ class GPT2Engine(CachedLM):
         graph = self.graphs.get(q, start, end) if self.graphs is not None else None
         if graph is not None:
             logits = graph(token_ids, position_ids, mask, start, end)
+            logits = logits if last is None else logits[q - last :]
         else:
-            logits = self.logits(token_ids, position_ids, mask, slice(start, end), end)
+            logits = self.logits(token_ids, position_ids, mask, slice(start, end), end, last)
         self.pending += q
         return logits
 
     def logits(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-               slots: slice | torch.Tensor, end: int) -> torch.Tensor:
-        """Float32 logits of new nodes that write their keys/values into cache `slots` and attend to slots 0..end
-        (all of them, or where `mask` is true)."""
+               slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
+        """Float32 logits of new nodes (of the `last` of them, with `last`) that write their keys/values into cache
+        `slots` and attend to slots 0..end (all of them, or where `mask` is true)."""
         # F.embedding (an index_select) took 7 us for 16 rows where indexing the matrices took 17 (AMX CPU, bfloat16)
         x = F.embedding(token_ids, self.wte) + F.embedding(position_ids, self.wpe)
         if self.on_gpu:
@@ -235,6 +248,8 @@ class GPT2Engine(CachedLM):
                 x = self.layers_forward(x, mask, slots, end)
         else:
             x = self.layers_forward(x, mask, slots, end)
+        if last is not None:
+            x = x[x.shape[0] - last :]
         x = F.layer_norm(x, (self.shape.n_embd,), *self.ln_f, self.shape.layer_norm_epsilon)
         return self.head(x).float()
 

@@ -46,7 +46,7 @@ def baseline_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, 
                    **_) -> Iterator[Generation]:
     """One oracle call per token. `allowed` (a healed prompt's): the tokens the first one may be."""
     oracle.reset()
-    logits = constrain_first(oracle.extend(prompt)[-1:], allowed)[0]
+    logits = constrain_first(oracle.extend(prompt, last=1), allowed)[0]
     out = Generation(oracle_calls=1, oracle_nodes=1)
     while True:
         done = out.add([sampling.choose(logits, generator)], max_new_tokens, eos_id)
@@ -74,7 +74,7 @@ def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_token
     tokens = prompt.tolist()
     out = Generation()
     if len(tokens) > 1:
-        oracle.extend(prompt[:-1])
+        oracle.extend(prompt[:-1], last=0)
         out.oracle_calls += 1
     while True:
         tree = drafter.propose(tokens, max_new_tokens - len(out.tokens) - 1, generator)

@@ -50,7 +50,8 @@ class HFEngine(CachedLM):
         self.cache = self._new_cache()
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                last: int | None = None) -> torch.Tensor:
         q = token_ids.numel()
         start = self.length + self.pending
         if mask is None:
@@ -65,7 +66,7 @@ class HFEngine(CachedLM):
         )
         self.cache = out[self.cache_keyword]
         self.pending += q
-        logits = out.logits[0].float()
+        logits = (out.logits[0] if last is None else out.logits[0, q - last :]).float()
         return logits if self.columns is None else logits[:, self.columns]
 
     @torch.inference_mode()

@@ -97,11 +97,11 @@ class ForwardLog:
         self.model, self.calls, self.inner = model, [], model.forward
         model.forward = self
 
-    def __call__(self, token_ids, position_ids, mask):
+    def __call__(self, token_ids, position_ids, mask, last=None):
         costs.synchronize(self.model.device)  # CUDA runs kernels asynchronously
         start = time.perf_counter()
         try:
-            return self.inner(token_ids, position_ids, mask)
+            return self.inner(token_ids, position_ids, mask, last)
         finally:
             costs.synchronize(self.model.device)
             self.calls.append((token_ids.numel(), self.model.length + self.model.pending, time.perf_counter() - start))

@@ -78,6 +78,41 @@ def test_gpt2_gelu_loads_as_the_fused_kernel_with_the_same_logits_and_runs_on_th
         assert torch.allclose(GPT2Engine.load(fused).extend(ids[0]), stock(ids).logits[0], atol=1e-5)
 
 
+def test_bfloat16_products_of_many_rows_are_padded_to_shared_row_counts_on_a_cpu(models):
+    """oneDNN builds a kernel per row count in bfloat16: a prompt's product is padded to a multiple of ROW_BLOCK
+    (past PAD_ABOVE rows, above any tree's), its extra rows dropped; float32 is left as it is."""
+    from decode.engine import LINEAR_LAYERS, PAD_ABOVE, ROW_BLOCK, Projection
+
+    assert PAD_ABOVE % ROW_BLOCK == 0
+    weight, bias = torch.randn(32, 48), torch.randn(48)
+    padded = Projection(weight.bfloat16(), bias.bfloat16(), "in_out", gelu=True, pad_rows=True)
+    plain = Projection(weight.bfloat16(), bias.bfloat16(), "in_out", gelu=True)
+    rows_seen, multiply = [], padded.multiply
+    padded.multiply = lambda x: rows_seen.append(x.shape[0]) or multiply(x)
+    for rows in (1, 16, PAD_ABOVE, PAD_ABOVE + 1, PAD_ABOVE + ROW_BLOCK, PAD_ABOVE + ROW_BLOCK + 5):
+        x = torch.randn(rows, 32).bfloat16()
+        out = padded(x)
+        assert out.shape == (rows, 48) and torch.allclose(out.float(), plain(x).float(), atol=0.1, rtol=0.02)
+    assert rows_seen == [1, 16, PAD_ABOVE, PAD_ABOVE + ROW_BLOCK, PAD_ABOVE + ROW_BLOCK, PAD_ABOVE + 2 * ROW_BLOCK]
+    pads = lambda engine: {layer[name].pad_rows for layer in engine.layers for name in LINEAR_LAYERS} | {engine.head.pad_rows}
+    assert pads(GPT2Engine.load(models["oracle"], dtype="bfloat16")) == {True}
+    assert pads(GPT2Engine.load(models["oracle"])) == {False}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_last_scores_only_the_last_rows_and_caches_every_one(models, backend):
+    ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(3))
+    whole, part = backend.load(models["oracle"]), backend.load(models["oracle"])
+    every = whole.extend(ids[:9])
+    assert torch.allclose(part.extend(ids[:9], last=2), every[-2:], atol=1e-5)
+    none = part.append(ids[9:], last=0)
+    assert none.shape == (0, every.shape[1]) and (part.length, part.pending) == (9, 3)
+    part.commit([0, 1, 2])
+    whole.extend(ids[9:])
+    probe = torch.tensor([5, 6])
+    assert torch.allclose(part.extend(probe), whole.extend(probe), atol=1e-5)  # the rows without logits were cached
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("parents, path", [
     ([-1, 0, 0, 2], [0, 2, 3]),  # 9 -> 6 -> 5: two slots moved by one, overlapping their destination
