@@ -2,7 +2,7 @@
 committed positions followed by `pending` speculative ones.
 
     forward(token_ids, position_ids, mask[, last]) -> logits   score new nodes, append them as pending
-    commit(keep)                                        keep these pending slots (increasing), in order; drop the rest
+    commit(keep)                                               keep these pending slots (increasing), in order; drop the rest
 """
 import numpy as np
 import torch

@@ -101,7 +101,7 @@ class Projection:
     product is picked once, not per call. Prepacked, oneDNN applies the GELU to the product's float32 accumulator
     as it writes it out: one pass fewer over the MLP's widest activations (on an AMX CPU in bfloat16, 16 rows by
     512 x 2048 took 47 us against 73 for the product and F.gelu; in float32 about 10% less). The separate GELU
-    rounds the product to the dtype first, so the two can differ by a unit in the last place."""
+    rounds the product to the dtype first, so the two can differ in the last place."""
 
     def __init__(self, in_out: torch.Tensor, bias: torch.Tensor | None, layout: str, gelu: bool = False,
                  pad_rows: bool = False):
@@ -129,11 +129,10 @@ class Projection:
 @functools.cache
 def fastest_layout(dtype: torch.dtype, device_type: str, in_features: int, out_features: int, gelu: bool = False) -> str:
     """The layout whose product of 1 and of 16 rows by a matrix of this shape (and its GELU, with `gelu`) takes
-    least time here. On a GPU:
-    F.linear in bfloat16, addmm in float32 (not measured). On CPUs it differs by kind and shape: on an
-    AVX2-only EPYC in float32, 512 x 8192 took 0.50 / 4.48 ms (1 / 16 rows) with addmm and 0.28 / 1.22
-    prepacked, while 128 x 384 took 0.013 / 0.040 with addmm and 0.069 / 0.075 prepacked (oneDNN's fixed
-    cost per call); bfloat16 cannot be prepacked there."""
+    least time here. On a GPU: F.linear in bfloat16, addmm in float32 (not measured). On CPUs it differs by kind
+    and shape: on an AVX2-only EPYC in float32, 512 x 8192 took 0.50 / 4.48 ms (1 / 16 rows) with addmm and
+    0.28 / 1.22 prepacked, while 128 x 384 took 0.013 / 0.040 with addmm and 0.069 / 0.075 prepacked (oneDNN's
+    fixed cost per call); bfloat16 cannot be prepacked there."""
     if device_type != "cpu":
         return "out_in" if dtype == torch.bfloat16 else "in_out"
     weight = torch.randn(in_features, out_features, generator=torch.Generator().manual_seed(0)).to(dtype)
