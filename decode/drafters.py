@@ -79,7 +79,7 @@ class DraftModel:
         positions += [root_position + tree.depths[n] for n in new]
         self.calls += 1
         row_of = {n: len(run) + i for i, n in enumerate(new)} | ({0: len(run) - 1} if run else {})
-        first = min(row_of[n] for n in nodes)  # the unseen tokens before the root (a prompt, at first) need no logits
+        first = len(run) - 1 if run else 0  # the unseen tokens before the root (a prompt, at first) need no logits
         logits = model.forward(long_tensor(ids, model.device), long_tensor(positions, model.device), mask,
                                len(rows) - first if first else None)
         wanted = [row_of[n] - first for n in nodes]
