@@ -32,15 +32,17 @@ class BucketForward:
 
     def __call__(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, start: int,
                  end: int) -> torch.Tensor:
-        """Logits of q = end - start new nodes written into slots start..end; `mask` (q, end) as the engine
-        builds it, None when each sees every slot."""
+        """Logits of q = end - start new nodes written into slots start..end; `mask` (q, k) over the last k of
+        slots 0..end as the engine builds it (every earlier slot is seen), None when each sees every slot."""
         q, nodes = token_ids.numel(), self.slots.numel()
         self.token_ids[:q] = token_ids
         self.position_ids[:q] = position_ids
         torch.arange(start, start + nodes, out=self.slots)
         self.mask.zero_()
         self.mask[:, 0] = True
-        self.mask[:q, :end] = True if mask is None else mask
+        self.mask[:q, :end] = True
+        if mask is not None:
+            self.mask[:q, end - mask.shape[1] : end] = mask
         if not self.capture:
             return self.run()[:q]
         if self.graph is None:

@@ -222,12 +222,8 @@ class GPT2Engine(CachedLM):
                              f"draft smaller trees (--budget, --widths)")
         if mask is not None and q == 1 and self.pending == 0:  # a lone node sees everything: no mask is faster
             mask = None
-        if mask is not None:  # over the pending slots and the new nodes; every committed position is visible
-            full = torch.ones(q, end, dtype=torch.bool, device=self.device)
-            full[:, self.length :] = mask
-            mask = full
-        elif q > 1:  # a chain: the new nodes see the whole cache and their predecessors
-            mask = torch.ones(q, end, dtype=torch.bool, device=self.device).tril(start)
+        elif mask is None and q > 1:  # a chain: the new nodes see the pending slots and their predecessors
+            mask = torch.ones(q, self.pending + q, dtype=torch.bool, device=self.device).tril(self.pending)
         graph = self.graphs.get(q, start, end) if self.graphs is not None else None
         if graph is not None:
             logits = graph(token_ids, position_ids, mask, start, end)
@@ -240,11 +236,13 @@ class GPT2Engine(CachedLM):
     def logits(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
         """Float32 logits of new nodes (of the `last` of them, with `last`) that write their keys/values into cache
-        `slots` and attend to slots 0..end (all of them, or where `mask` is true)."""
+        `slots` and attend to slots 0..end: all of them, or with a (q, k) boolean `mask`, the last k where it is
+        true and every one before them."""
         # F.embedding (an index_select) took 7 us for 16 rows where indexing the matrices took 17 (AMX CPU, bfloat16)
         x = F.embedding(token_ids, self.wte) + F.embedding(position_ids, self.wpe)
-        if mask is not None:  # SDPA makes a boolean mask additive in every layer (5-7 us each on a CPU): once here
-            mask = torch.where(mask, *self.mask_values)
+        if mask is not None:  # SDPA makes a boolean mask additive in every layer (5-7 us each on a CPU): once here,
+            # over the slots the mask covers, then padded with the committed slots' zeros (one op, not a copy into ones)
+            mask = F.pad(torch.where(mask, *self.mask_values), (end - mask.shape[1], 0))
         if self.on_gpu:
             with sdpa_kernel(ATTENTION_WITHOUT_CUDNN):
                 x = self.layers_forward(x, mask, slots, end)
