@@ -3,7 +3,10 @@ trigram's trees, the rest of tree building, verification and the rest of the loo
 given in milliseconds per step, as a share of the step, and as a fraction of one q=1 oracle
 forward measured in the same run (before each prompt; the median): the cost a speculative step has to beat.
 Reading the prompt (each model's forward at an empty cache: the oracle's prompt, the draft's prompt with
-the first tree) happens once per prompt and is reported apart, per prompt.
+the first tree) happens once per prompt and is reported apart, per prompt. The prompts are decoded once untimed
+first: in bfloat16 on a CPU, oneDNN builds a kernel the first time a matrix is multiplied with a new number of
+rows (2-4 ms each), a cost paid once per process and tree size, not per step; the first pass's extra time is
+reported apart. The trigram's remembered trees are forgotten after it, so new contexts cost what they do.
 
     python -m decode.profile_step --run RUN --method staged --limit 10 --dtype bfloat16
 
@@ -15,7 +18,7 @@ import statistics
 import time
 
 from data.errors import exits_on_input_error
-from decode import costs, generate, run
+from decode import costs, generate, planning, run
 from decode.api import SpeculativeDecoder
 
 BOUNDS = {"around the forwards": 0.10, "draft forwards": 0.30}  # of an oracle q=1 forward, the step's budget
@@ -37,18 +40,13 @@ def main(argv=None) -> dict[str, float]:
             watch.wrap(decoder.drafter.trigram, "build", "trigram trees")
     for rule in ("sample_match", "multi_draft_rejection"):  # the loop looks them up in decode.generate
         watch.wrap(generate, rule, "verification")
-    decoder(prompts[0][1], 8, settings.seed)  # warm-up
+    with watch.paused():
+        first = timed_pass(decoder, prompts, settings)[0]
+    planning.forget(decoder.drafter)
     watch.clear()
-    total = calls = tokens = 0
     one_token = []  # measured before each prompt: on a shared machine the speed drifts within a run
-    for i, (_, prompt) in enumerate(prompts):
-        with watch.paused():
-            one_token.append(costs.forward_costs(decoder.oracle, repeats=10, counts=(1,))[1])
-        start = time.perf_counter()
-        out = decoder(prompt, settings.max_new_tokens, settings.seed + i)
-        total += time.perf_counter() - start
-        calls += out.oracle_calls
-        tokens += len(out.tokens)
+    total, calls, tokens = timed_pass(decoder, prompts, settings, lambda: one_token.append(
+        costs.forward_costs(decoder.oracle, repeats=10, counts=(1,))[1]), watch)
     parts = dict(watch.seconds)
     reading = {name: parts.pop(f"{name} prompt", 0.0) for name in ("oracle", "draft")}
     if "propose" in parts:  # every draft forward and trigram tree is built while proposing
@@ -62,6 +60,8 @@ def main(argv=None) -> dict[str, float]:
           f"tokens per call), {steps} of them steps of {step_ms:.2f} ms; one q=1 oracle forward: {one_token_ms:.2f} ms "
           f"(median over the prompts, {min(one_token):.2f}-{max(one_token):.2f})")
     draft = f", draft {1e3 * reading['draft'] / len(prompts):.2f} ms (with the first tree)" if decoder.draft is not None else ""
+    print(f"  the untimed first pass took {first - total:.2f} s more than this one (kernels built per new shape, "
+          f"trigram trees; {first:.2f} s against {total:.2f})")
     print(f"  reading a prompt, apart from the steps: oracle {1e3 * reading['oracle'] / len(prompts):.2f} ms{draft}; "
           f"{100 * sum(reading.values()) / total:.1f}% of the time")
     print(f"  {'part':<20} {'ms/step':>8} {'of step':>8} {'x q=1':>7}")
@@ -72,6 +72,22 @@ def main(argv=None) -> dict[str, float]:
     for label, value in groups.items():
         print(f"  {label:<20} {value:8.3f} {'':8} {value / one_token_ms:7.2f}  (budget {BOUNDS[label]:.2f})")
     return ms
+
+
+def timed_pass(decoder, prompts, settings, before_each=None, watch=None) -> tuple[float, int, int]:
+    """Every prompt decoded once: seconds spent decoding, oracle calls, tokens. `before_each` runs untimed (paused
+    on `watch`) before each prompt."""
+    total = calls = tokens = 0
+    for i, (_, prompt) in enumerate(prompts):
+        if before_each is not None:
+            with watch.paused():
+                before_each()
+        start = time.perf_counter()
+        out = decoder(prompt, settings.max_new_tokens, settings.seed + i)
+        total += time.perf_counter() - start
+        calls += out.oracle_calls
+        tokens += len(out.tokens)
+    return total, calls, tokens
 
 
 if __name__ == "__main__":
