@@ -7,7 +7,9 @@
    mask, against the chain: what a tree's mask costs;
 4. for the model directory, the chain's forwards with all its matrices in each layout this device runs
    (decode.engine.LAYOUTS), against the engine's own choice (per matrix shape, timed at start-up);
-5. on a GPU, our decoding and the forwards of 2 again with CUDA graphs (decode.cuda_graphs).
+5. on a GPU, our decoding and the forwards of 2 again with CUDA graphs (decode.cuda_graphs);
+6. what a forward costs the host work after it: a fixed piece of Python and numpy, of the kind a decoding
+   step runs between forwards, right after a q=1 forward of the model directory and again right after itself.
 
     python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl
 """
@@ -22,7 +24,7 @@ from data.errors import exits_on_input_error
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
 from decode.api import check_device
-from decode.costs import NODE_COUNTS, PROJECTIONS, device_name, forward_costs, random_gpt2
+from decode.costs import NODE_COUNTS, PROJECTIONS, device_name, forward_costs, host_work_after_forward, random_gpt2
 from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline
 from decode.sampling import Sampling
@@ -140,8 +142,11 @@ def main(argv=None) -> dict:
     print(f"\nthe chain's forward by weight layout (chosen per matrix: {', '.join(f'{k} {v}' for k, v in chosen.items())})")
     for name, row in (layout_costs | {"chosen per matrix (first table)": costs[args.model]}).items():
         print(table_row(name, row))
+    host = host_work_after_forward(models[args.model], args.prefix, args.repeats)
+    print(f"\nhost work between forwards (a 200-item Python loop, a 64-value numpy gather): {host['after a forward']:.1f} us "
+          f"right after a q=1 forward, {host['again']:.1f} us again ({host['after a forward'] / host['again']:.1f}x)")
     result = {"generation": latency, "forward_ms": costs, "tree_forward_ms": tree_costs, "dtype": args.dtype,
-              "layouts": chosen, "forward_ms_by_layout": layout_costs,
+              "layouts": chosen, "forward_ms_by_layout": layout_costs, "host_work_us": host,
               "device": device_name(torch.device(args.device))}
     if models[args.model].on_gpu:
         result |= with_cuda_graphs(args, texts, latency, outputs, costs)

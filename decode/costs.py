@@ -72,6 +72,35 @@ def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=
     return costs
 
 
+def host_work_after_forward(model: CachedLM, prefix: int = 128, repeats: int = 50) -> dict[str, float]:
+    """Microseconds of a fixed piece of host work of the kind a decoding step does between forwards (a loop
+    of Python over 200 items, a numpy gather of 64 values from a (32, 4096) array and its tolist) timed right
+    after a q=1 forward of `model` and again right after itself (medians). On a CPU a forward streams the
+    model's weights through the caches the step's Python and data then have to be read back into."""
+    prefix = min(prefix, model.max_length // 2)
+    model.reset()
+    model.extend(torch.randint(0, model.vocab_size, (prefix,), device=model.device), last=0)
+    ids, positions = torch.zeros(1, dtype=torch.long, device=model.device), torch.tensor([prefix], device=model.device)
+    rng = np.random.default_rng(0)
+    table, rows, columns = rng.standard_normal((32, 4096), np.float32), rng.integers(0, 32, 64), rng.integers(0, 4096, 64)
+
+    def work() -> float:
+        start = time.perf_counter()
+        sum(i * 3 % 7 for i in range(200))
+        table[rows, columns].tolist()
+        return time.perf_counter() - start
+
+    after, again = [], []
+    for _ in range(repeats + 1):
+        model.forward(ids, positions, None)
+        synchronize(model.device)
+        after.append(work())
+        again.append(work())
+        model.commit([])
+    model.reset()
+    return {"after a forward": 1e6 * float(np.median(after[1:])), "again": 1e6 * float(np.median(again[1:]))}
+
+
 class Stopwatch:
     """Seconds spent in wrapped functions, summed per label. On a CUDA `device` each timed call first waits
     for the kernels queued before it and then for its own: else a forward's time lands in whatever next

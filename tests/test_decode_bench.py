@@ -197,6 +197,7 @@ def test_bench_engine_times_both_loops_on_the_same_outputs_and_its_graph_section
             "--prefix", "8", "--skip-large"]
     out = bench_engine.main(argv)
     assert out["generation"]["identical_outputs"] == "2/2" and out["dtype"] == "float32"
+    assert set(out["host_work_us"]) == {"after a forward", "again"}
     assert set(out["forward_ms"][oracle]) == set(costs.NODE_COUNTS) and "generation_with_cuda_graphs" not in out
     latency, outputs = bench_engine.generation_latency(oracle, ["t2 t7", "t3 t8"], 6, "float32", "cpu")
     assert [len(tokens) for tokens in outputs] == [6, 6] and latency["identical_outputs"] == "2/2"
@@ -208,3 +209,14 @@ def test_bench_engine_times_both_loops_on_the_same_outputs_and_its_graph_section
     assert graphed["generation_with_cuda_graphs"]["identical_to_without"] == "2/2"
     assert set(graphed["forward_ms_with_cuda_graphs"][oracle]) == set(costs.NODE_COUNTS)
     assert "with graphs / without" in capsys.readouterr().out
+
+
+def test_host_work_is_timed_right_after_each_forward_and_again_and_leaves_the_cache_empty(models):
+    engine = GPT2Engine.load(models["oracle"])
+    seen = []
+    forward = engine.forward
+    engine.forward = lambda ids, *rest: seen.append((engine.length, ids.numel())) or forward(ids, *rest)
+    timings = costs.host_work_after_forward(engine, prefix=8, repeats=3)
+    assert seen == [(0, 8)] + [(8, 1)] * 4  # the prefix, then a first (untimed) and three timed q=1 forwards after it
+    assert set(timings) == {"after a forward", "again"} and all(us > 0 for us in timings.values())
+    assert engine.length == engine.pending == 0
