@@ -190,6 +190,7 @@ class GPT2Engine(CachedLM):
         # keys and values in one tensor (keys at [0], values at [1]): one copy writes or moves both
         self.kv_cache = torch.zeros((2, s.n_layer, s.n_head, self.capacity, self.head_dim), device=self.device,
                                     dtype=self.dtype)
+        self.layer_caches = self.kv_cache.unbind(1)  # views, one per layer: indexing them parses one index fewer
         self.length = 0  # committed positions
         self.pending = 0  # speculative positions after them
         self.mask_values = [torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf"))]
@@ -257,12 +258,12 @@ class GPT2Engine(CachedLM):
                        ) -> torch.Tensor:
         """The transformer blocks over q new nodes, writing their keys/values into cache `slots`."""
         s, q = self.shape, x.shape[0]
-        for i, layer in enumerate(self.layers):
+        for layer, cache in zip(self.layers, self.layer_caches):
             h = F.layer_norm(x, (s.n_embd,), layer["ln_1.weight"], layer["ln_1.bias"], s.layer_norm_epsilon)
             qkv = layer["attn.c_attn"](h)
             qkv = qkv.view(q, 3, s.n_head, self.head_dim).permute(1, 2, 0, 3)
-            self.kv_cache[:, i, :, slots] = qkv[1:]
-            keys, values = self.kv_cache[:, i, None, :, :end]
+            cache[:, :, slots] = qkv[1:]
+            keys, values = cache[:, None, :, :end]
             # a batch dimension and a contiguous query let torch pick its fused attention kernel
             att = F.scaled_dot_product_attention(qkv[0].contiguous()[None], keys, values, attn_mask=mask)[0]
             x = x + layer["attn.c_proj"](att.transpose(0, 1).reshape(q, s.n_embd))
