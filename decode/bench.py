@@ -140,6 +140,8 @@ def print_table(summary: dict[str, dict], greedy: bool) -> None:
     planned = {name: s for name, s in summary.items() if "predicted" in s}
     if planned:
         base = summary["baseline"]["tokens_per_second"]
+        if not greedy:  # the planner replays greedy decoding; sampled acceptance is lower (sum of min(p, q))
+            print("planned (RUN/plan.json) for greedy decoding, so not a forecast for this sampled run:")
         print(f"planned (RUN/plan.json) against measured: {'method':<12} {'tokens/call':>19} {'speedup (tokens/s)':>19}")
         for name, s in planned.items():
             p = s["predicted"]

@@ -67,6 +67,8 @@ def test_the_explanation_says_why_staged_lost_and_labels_the_forecast():
                                "the trees 1.50 ms)")
     assert lines[3].startswith("Forecast, not a measurement: with a gpt2-large-sized oracle on this machine (46 ms per "
                                "token alone) and these drafters, the plan predicts staged 3.20x")
+    assert lines[3].endswith("; for greedy decoding.")  # sampled here: the plan replays greedy decoding
+    assert report.explain({"baseline": summary["baseline"]}, plan, greedy=True)[-1].endswith("(python -m decode.plan --project-oracle).")
     assert not any("Why slower" in line for line in report.explain({**summary, "staged": {
         "tokens_per_second": 900.0, "tokens_per_oracle_call": 3.0}}, None, greedy=False))
 
@@ -114,6 +116,20 @@ def test_bench_sampling_reports_tokens_per_call_without_comparing_outputs(models
     summary = bench.main(bench_args(models, tmp_path, "--methods", "speculative,staged,hf-assisted",
                                     "--temperature", "1", "--top-k", "20"))["summary"]
     assert "same_output" not in summary["staged"] and summary["staged"]["tokens_per_oracle_call"] > 1
+
+
+def test_the_plans_greedy_forecast_is_labelled_as_such_beside_a_sampled_run(capsys):
+    row = {"tokens_per_second": 300.0, "tokens_per_oracle_call": 2.0, "oracle_calls_per_token": 0.5,
+           "mean_oracle_batch": 6.0, "speedup": {"median": 1.2, "mean": 1.2, "min": 1.0, "max": 1.4}}
+    summary = {"baseline": {**row, "tokens_per_second": 250.0, "tokens_per_oracle_call": 1.0},
+               "staged": {**row, "predicted": {"tokens_per_call": 4.9, "speedup": 2.6}}}
+    bench.print_table(summary, greedy=False)
+    sampled = capsys.readouterr().out
+    assert "for greedy decoding, so not a forecast for this sampled run" in sampled
+    assert "staged           4.90 vs  2.00      2.60x vs  1.20x" in sampled
+    bench.print_table({name: {**s, "same_output": {"identical": 3, "near_ties": [], "differences": []}}
+                       for name, s in summary.items()}, greedy=True)
+    assert "not a forecast" not in capsys.readouterr().out
 
 
 def test_bench_rejects_unknown_methods(models, tmp_path, capsys):
