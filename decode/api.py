@@ -49,7 +49,7 @@ class DecoderOptions:
     depth: int = 8
     widths: list[int] = field(default_factory=lambda: list(planning.PAPER_WIDTHS))
     branch: int | None = None  # None: 4 for tree; staged: 1 top child (the draft's argmax), or 2 draws when sampled
-    tree_children: str | None = None  # None: sampled for staged, top for tree (either way top when greedy)
+    tree_children: str | None = None  # None: sampled (top when greedy, either way)
     plan: Path | None = None  # a plan.json (decode.plan): its policy for the method replaces k, budget, widths, ...
     context_drafter: bool = True
     lookup_tokens: int = 10
@@ -84,7 +84,7 @@ class DecoderOptions:
             raise InputError(f"--draft-vocab {self.draft_vocab}: use 0 (the whole vocabulary) or at least {MIN_DRAFT_VOCAB} tokens")
         check_device(self.device)
         branch = self.branch if self.branch is not None or self.method == "staged" else 4
-        children = self.tree_children or ("sampled" if self.method == "staged" else "top")
+        children = self.tree_children or "sampled"
         return replace(self, widths=list(self.widths), branch=branch, tree_children=children)
 
 
@@ -336,12 +336,11 @@ class Decoder:
 
 def apply_plan(options: "DecoderOptions") -> tuple["DecoderOptions", planning.Shape | None]:
     """The options with the plan's policy for the method (its tree, and the draft's shortlist) in place
-    of the flags', and the tree method's planned shape (None: the flags' best-first tree). Sampled tree
-    children keep the flags."""
+    of the flags', and the tree method's planned shape (None: the flags' best-first tree)."""
     if options.plan is None or options.method not in planning.PLANNED:
         return options, None
     policy = planning.load_plan(options.plan, options).get(options.method)
-    if policy is None or (options.method == "tree" and options.tree_children == "sampled"):
+    if policy is None:
         return options, None
     options = replace(options, draft_vocab=policy.get("draft_vocab", options.draft_vocab))
     if options.method == "speculative":
@@ -375,7 +374,7 @@ def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
     if options.method in ("tree", "staged", "ngram"):
         check_tree_shape(options, table)
     if shape is not None:
-        drafter = ShapedTreeDrafter(draft, sampling, shape.parents, shape.ranks)
+        drafter = ShapedTreeDrafter(draft, sampling, shape.parents, shape.ranks, options.tree_children == "sampled")
     elif options.method == "tree":
         drafter = TreeDrafter(draft, sampling, options.budget, options.depth, options.branch, sampled=options.tree_children == "sampled")
     elif options.method == "staged":

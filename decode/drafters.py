@@ -281,10 +281,13 @@ class TreeDrafter(ModelDrafter):
 class ShapedTreeDrafter(ModelDrafter):
     """Sequoia's tree: a fixed shape filled with the draft's ranked tokens, one draft call per level.
     Node i of the shape hangs below `parents[i]` as its parent's rank-`ranks[i]` token (0: the
-    draft's best); shape nodes come level by level. decode.plan chooses the shape (planning.best_shape)."""
+    draft's best); shape nodes come level by level. decode.plan chooses the shape (planning.best_shape).
+    With `sampled` children (when sampling), a node's children in the shape are instead that many
+    independent draws from the draft's q, verified by multi-draft rejection."""
 
-    def __init__(self, model: CachedLM, sampling: Sampling, parents: list[int], ranks: list[int]):
-        super().__init__(model, sampling)
+    def __init__(self, model: CachedLM, sampling: Sampling, parents: list[int], ranks: list[int],
+                 sampled: bool = False):
+        super().__init__(model, sampling, sampled)
         self.parents, self.ranks = list(parents), list(ranks)
         self.below = [[] for _ in self.parents]  # shape node -> its children in the shape
         for node, parent in enumerate(self.parents[1:], 1):
@@ -299,14 +302,19 @@ class ShapedTreeDrafter(ModelDrafter):
             if not nodes:
                 return tree
             logits = self.draft.score(tree, nodes)
-            widest = 1 + max(self.ranks[c] for n in nodes for c in self.below[shape_of[n]])
-            ranked = (logits if self.sampling.greedy else self.sampling.probs(logits)).topk(widest).indices
-            ranked = tokens_at(ranked, self.draft.shortlist).tolist()
+            if self.sampled_children:  # child j of a node is its j-th independent draw
+                drawn, q = draw_children(self.sampling, logits, max(len(self.below[shape_of[n]]) for n in nodes),
+                                         generator, self.draft.shortlist)
+                tree.child_dists.update(zip(nodes, q))
+            else:  # child j is the draft's rank-ranks[j] token
+                widest = 1 + max(self.ranks[c] for n in nodes for c in self.below[shape_of[n]])
+                ranked = tokens_at(ranking_scores(logits, self.sampling).topk(widest).indices, self.draft.shortlist)
+                drawn = [[row[self.ranks[c]] for c in self.below[shape_of[n]]] for n, row in zip(nodes, ranked.tolist())]
             parents, children = [], []
-            for n, row in zip(nodes, ranked):
-                for child in self.below[shape_of[n]]:
+            for n, row in zip(nodes, drawn):
+                for child, token in zip(self.below[shape_of[n]], row):
                     parents.append(n)
-                    children.append(row[self.ranks[child]])
+                    children.append(token)
                     shape_of.append(child)
             level = list(tree.add_level(parents, children))
 

@@ -67,8 +67,8 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--tree-children", choices=["top", "sampled"], default=None,
                    help="tree, staged, when sampling (greedy decoding always takes the draft's top tokens): the draft's "
                         "top tokens, verified by sample-match (the same seed gives the baseline's very tokens), or draws "
-                        "from it, verified by multi-draft rejection (more tokens per call) (default: sampled for "
-                        "staged, top for tree)")
+                        "from it, verified by multi-draft rejection (more tokens per call) (default: sampled; a planned "
+                        "tree then draws as many children per node as its shape gives it)")
     p.add_argument("--context-drafter", action=argparse.BooleanOptionalAction, default=True,
                    help="staged: graft onto the trigram's tree the tokens that followed earlier occurrences of the "
                         "sequence's current suffix (what the lookup method drafts); the draft ranks them with the rest")

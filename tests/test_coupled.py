@@ -15,7 +15,7 @@ import torch
 from decode import SpeculativeDecoder
 from decode_models import PROMPTS
 
-METHODS = {"tree": {"budget": 12}, "staged": {"budget": 16, "widths": [4, 2, 1], "tree_children": "top"},
+METHODS = {"tree": {"budget": 12, "tree_children": "top"}, "staged": {"budget": 16, "widths": [4, 2, 1], "tree_children": "top"},
            "staged-no-context": {"method": "staged", "budget": 16, "widths": [4, 2, 1], "context_drafter": False,
                                  "tree_children": "top"},
            "ngram": {"budget": 16, "widths": [4, 2, 1]}, "lookup": {}}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from decode.cached_lm import Shortlist
-from decode.drafters import ChainDrafter, LookupDrafter, StagedDrafter, TreeDrafter
+from decode.drafters import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
 from decode.engine import GPT2Engine
 from decode.generate import tree_speculative
 from decode.sampling import Sampling, sample
@@ -73,6 +73,9 @@ CORRECT = {  # one case per verification rule, and the chain (Chen et al.'s rule
     "staged, sampled children and the context drafter, multi-draft rejection": (
         lambda m, s: StagedDrafter(m["bad"], m["ngram"], s, widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4,
                                    sampled=True), Sampling(0.9, top_k=4)),
+    "a planned tree shape of sampled children, multi-draft rejection": (  # two, one and no draws below nodes
+        lambda m, s: ShapedTreeDrafter(m["bad"], s, parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0],
+                                       sampled=True), Sampling(1.0, top_k=5)),
     "chain from a draft with a shortlist, rejection sampling": (lambda m, s: ChainDrafter(m["shortlisted"], s, k=2),
                                                                 Sampling(1.0)),
     "staged, sampled children from a draft with a shortlist, multi-draft rejection": (

@@ -167,6 +167,7 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
             assert dec.decoder.k == policy["k"]
         elif method == "tree":
             assert isinstance(drafter, ShapedTreeDrafter) and drafter.parents == policy["parents"]
+            assert drafter.sampled and len(dec.generate("t3 t9", 16, temperature=1.0, seed=1).token_ids) == 16
         elif method == "lookup":
             assert drafter.length == policy["tokens"]
         else:
