@@ -43,6 +43,8 @@ class Sampling:
         for any proposal it checks against, and this one skips the passes over the whole vocabulary
         (torch's top-k, mask and softmax over 8192 logits cost ~30 us a row on a CPU). (probs, tokens), (..., K)."""
         top = logits.float().topk(min(self.top_k or cap, cap, logits.shape[-1]), dim=-1)
+        if self.top_p == 1.0 and not self.greedy:  # top-k over K <= top_k values keeps them all: what probs does
+            return (top.values / self.temperature).softmax(-1), top.indices
         return self.probs(top.values), top.indices
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -206,6 +206,10 @@ def test_proposal_is_the_processed_distribution_on_the_likeliest_tokens():
     probs, tokens = Sampling(2.0, top_p=0.5).proposal(logits, cap=3)  # temperature, then top-p within the cap
     hot = torch.tensor([0.5, 0.2, 0.15]).sqrt()  # T = 2: 0.46, 0.29, 0.25 of the three; the nucleus of 0.5 keeps two
     assert tokens.tolist() == [[1, 3, 4]] and torch.allclose(probs, torch.tensor([[hot[0], hot[1], 0]]) / (hot[0] + hot[1]), atol=1e-6)
+    wide = torch.randn(3, 4096, generator=torch.Generator().manual_seed(0)) * 4
+    for sampling in (Sampling(1.0, top_k=50), Sampling(0.7), Sampling(1.3, top_k=100), Sampling(0.9, top_k=8, top_p=0.7)):
+        probs, tokens = sampling.proposal(wide)  # bit for bit what the processed distribution of the K values is
+        assert torch.equal(probs, sampling.probs(wide.gather(-1, tokens))), sampling
 
 
 def test_draw_children_draws_from_the_proposal_and_returns_it_over_the_vocabulary():
