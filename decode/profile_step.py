@@ -60,8 +60,9 @@ def main(argv=None) -> dict[str, float]:
           f"tokens per call), {steps} of them steps of {step_ms:.2f} ms; one q=1 oracle forward: {one_token_ms:.2f} ms "
           f"(median over the prompts, {min(one_token):.2f}-{max(one_token):.2f})")
     draft = f", draft {1e3 * reading['draft'] / len(prompts):.2f} ms (with the first tree)" if decoder.draft is not None else ""
-    print(f"  the untimed first pass took {first - total:.2f} s more than this one (kernels built per new shape, "
-          f"trigram trees; {first:.2f} s against {total:.2f})")
+    built = "kernels built per new shape" + (", trigram trees" if hasattr(decoder.drafter, "trigram") else "")
+    print(f"  the untimed first pass took {first - total:.2f} s more than this one ({built}; {first:.2f} s against "
+          f"{total:.2f})")
     print(f"  reading a prompt, apart from the steps: oracle {1e3 * reading['oracle'] / len(prompts):.2f} ms{draft}; "
           f"{100 * sum(reading.values()) / total:.1f}% of the time")
     print(f"  {'part':<20} {'ms/step':>8} {'of step':>8} {'x q=1':>7}")
