@@ -167,7 +167,13 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
             assert dec.decoder.k == policy["k"]
         elif method == "tree":
             assert isinstance(drafter, ShapedTreeDrafter) and drafter.parents == policy["parents"]
-            assert drafter.sampled and len(dec.generate("t3 t9", 16, temperature=1.0, seed=1).token_ids) == 16
+            dec.decoder.use(Sampling(1.0))  # sampling: the shape's children are draws, each node's q recorded
+            drafter.reset()
+            drawn = drafter.propose([3, 9], 8, torch.Generator().manual_seed(1))
+            counts = lambda children: sorted(map(len, children))
+            assert counts(drawn.children) == counts([[c for c, p in enumerate(policy["parents"]) if p == n]
+                                                     for n in range(len(policy["parents"]))])
+            assert set(drawn.child_dists) == {n for n, children in enumerate(drawn.children) if children}
         elif method == "lookup":
             assert drafter.length == policy["tokens"]
         else:
