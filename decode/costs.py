@@ -41,6 +41,13 @@ def bushy_tree(q: int) -> Tree:
     return tree
 
 
+def prefill(model: CachedLM, prefix: int) -> int:
+    """An empty cache filled with `prefix` random tokens, committed; returns `prefix`."""
+    model.reset()
+    model.extend(torch.randint(0, model.vocab_size, (prefix,), device=model.device), last=0)
+    return prefix
+
+
 def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=NODE_COUNTS,
                   tree: bool = False) -> dict[int, float]:
     """Milliseconds per forward of q nodes after `prefix` cached positions (at most half the context;
@@ -51,8 +58,7 @@ def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=
     costs = {}
     prefix = min(prefix, model.max_length // 2)
     for q in (q for q in counts if prefix + q <= getattr(model, "capacity", model.max_length)):
-        model.reset()
-        model.extend(torch.randint(0, model.vocab_size, (prefix,), device=model.device), last=0)
+        prefill(model, prefix)
         ids = torch.randint(0, model.vocab_size, (q,), device=model.device)
         positions = torch.arange(prefix, prefix + q, device=model.device).clamp(max=model.max_length - 1)
         mask = None
@@ -77,9 +83,7 @@ def host_work_after_forward(model: CachedLM, prefix: int = 128, repeats: int = 5
     of Python over 200 items, a numpy gather of 64 values from a (32, 4096) array and its tolist) timed right
     after a q=1 forward of `model` and again right after itself (medians). On a CPU a forward streams the
     model's weights through the caches the step's Python and data then have to be read back into."""
-    prefix = min(prefix, model.max_length // 2)
-    model.reset()
-    model.extend(torch.randint(0, model.vocab_size, (prefix,), device=model.device), last=0)
+    prefix = prefill(model, min(prefix, model.max_length // 2))
     ids, positions = torch.zeros(1, dtype=torch.long, device=model.device), torch.tensor([prefix], device=model.device)
     rng = np.random.default_rng(0)
     table, rows, columns = rng.standard_normal((32, 4096), np.float32), rng.integers(0, 32, 64), rng.integers(0, 4096, 64)

@@ -45,8 +45,12 @@ def main(argv=None) -> dict[str, float]:
     planning.forget(decoder.drafter)
     watch.clear()
     one_token = []  # measured before each prompt: on a shared machine the speed drifts within a run
-    total, calls, tokens = timed_pass(decoder, prompts, settings, lambda: one_token.append(
-        costs.forward_costs(decoder.oracle, repeats=10, counts=(1,))[1]), watch)
+
+    def measure_one_token() -> None:
+        with watch.paused():
+            one_token.append(costs.forward_costs(decoder.oracle, repeats=10, counts=(1,))[1])
+
+    total, calls, tokens = timed_pass(decoder, prompts, settings, measure_one_token)
     parts = dict(watch.seconds)
     reading = {name: parts.pop(f"{name} prompt", 0.0) for name in ("oracle", "draft")}
     if "propose" in parts:  # every draft forward and trigram tree is built while proposing
@@ -75,14 +79,13 @@ def main(argv=None) -> dict[str, float]:
     return ms
 
 
-def timed_pass(decoder, prompts, settings, before_each=None, watch=None) -> tuple[float, int, int]:
-    """Every prompt decoded once: seconds spent decoding, oracle calls, tokens. `before_each` runs untimed (paused
-    on `watch`) before each prompt."""
+def timed_pass(decoder, prompts, settings, before_each=None) -> tuple[float, int, int]:
+    """Every prompt decoded once: seconds spent decoding, oracle calls, tokens. `before_each` runs, untimed, before
+    each prompt."""
     total = calls = tokens = 0
     for i, (_, prompt) in enumerate(prompts):
         if before_each is not None:
-            with watch.paused():
-                before_each()
+            before_each()
         start = time.perf_counter()
         out = decoder(prompt, settings.max_new_tokens, settings.seed + i)
         total += time.perf_counter() - start
