@@ -23,7 +23,7 @@ from data.shards import TOKEN_COUNTS
 from data.tokenizer import load_tokenizer
 from decode import generate, planning
 from decode.cached_lm import CachedLM, Shortlist
-from decode.drafters import LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
+from decode.drafters import ChainDrafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
 from decode.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.healing import Prompt, TokenHealer
 from decode.hf_backend import HFEngine
@@ -311,8 +311,6 @@ class Decoder:
         args = (self.oracle, prompt.ids, max_new_tokens, self.sampling, self.eos_id, generator, prompt.allowed)
         if self.method == "baseline":
             return generate.baseline_steps(*args)
-        if self.method == "speculative":
-            return generate.speculative_steps(*args, draft=self.draft, k=self.k)
         return generate.tree_speculative_steps(*args, drafter=self.drafter)
 
     def __call__(self, prompt: Prompt, max_new_tokens: int, seed: int) -> generate.Generation:
@@ -373,7 +371,9 @@ def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
     sampling = Sampling()  # greedy until `Decoder.use` says otherwise
     if options.method in ("tree", "staged", "ngram"):
         check_tree_shape(options, table)
-    if shape is not None:
+    if options.method == "speculative":
+        drafter = ChainDrafter(draft, sampling, options.k)
+    elif shape is not None:
         drafter = ShapedTreeDrafter(draft, sampling, shape.parents, shape.ranks, options.tree_children == "sampled")
     elif options.method == "tree":
         drafter = TreeDrafter(draft, sampling, options.budget, options.depth, options.branch, sampled=options.tree_children == "sampled")

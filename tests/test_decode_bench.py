@@ -160,13 +160,14 @@ def test_cost_curve_interpolates_and_extrapolates():
     assert costs.cost_curve({1: 1.0, 2: 2.0, 4: 3.0}, 6).tolist() == [0, 1, 2, 2.5, 3, 3.5, 4]
 
 
-def test_profile_step_accounts_for_every_part_of_a_staged_step_and_reads_the_prompts_apart(models, tmp_path,
-                                                                                            monkeypatch, capsys):
+@pytest.mark.parametrize("method, drafting", [("staged", {"trigram trees", "tree building"}),
+                                              ("speculative", {"tree building"})])  # a chain's draws are its tree
+def test_profile_step_accounts_for_every_part_of_a_step_and_reads_the_prompts_apart(models, tmp_path, monkeypatch, capsys,
+                                                                                    method, drafting):
     for rule in ("sample_match", "multi_draft_rejection"):  # profile_step wraps them; restore them afterwards
         monkeypatch.setattr(generate, rule, getattr(generate, rule))
-    parts = profile_step.main(bench_args(models, tmp_path, "--method", "staged"))
-    assert set(parts) == {"oracle forward", "draft forward", "trigram trees", "verification", "tree building",
-                          "rest of the loop"}
+    parts = profile_step.main(bench_args(models, tmp_path, "--method", method))
+    assert set(parts) == {"oracle forward", "draft forward", "verification", "rest of the loop"} | drafting
     assert all(ms > 0 for ms in parts.values())
     calls, steps = map(int, re.search(r"(\d+) oracle calls .*?, (\d+) of them steps", capsys.readouterr().out).groups())
     assert calls - steps == 3  # each of the three prompts read once, at an empty cache
