@@ -56,6 +56,7 @@ class DecoderOptions:
     lookup_branches: int = 1
     lookup_ngram: int = 3
     dtype: str = "float32"
+    draft_dtype: str | None = None  # None: the oracle's dtype
     device: str = "cpu"
     backend: str = "auto"
     cuda_graphs: bool = False  # the lean engine on a GPU: replay each forward's kernels as one graph (unmeasured)
@@ -72,8 +73,10 @@ class DecoderOptions:
         depends on the sampling settings of each call) and `tree_children` resolved."""
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if self.dtype not in ("float32", "bfloat16") or self.backend not in ("auto", "lean", "hf"):
-            raise InputError(f"dtype must be float32 or bfloat16 and backend auto, lean or hf (got {self.dtype!r}, {self.backend!r})")
+        if self.dtype not in ("float32", "bfloat16") or self.draft_dtype not in (None, "float32", "bfloat16"):
+            raise InputError(f"dtype and draft_dtype must be float32 or bfloat16 (got {self.dtype!r}, {self.draft_dtype!r})")
+        if self.backend not in ("auto", "lean", "hf"):
+            raise InputError(f"backend must be auto, lean or hf (got {self.backend!r})")
         if self.tree_children not in (None, "top", "sampled"):
             raise InputError(f"tree_children must be top or sampled (got {self.tree_children!r})")
         if self.k < 0:
@@ -281,7 +284,7 @@ def draft_shortlist(draft_dir: Path, size: int, vocab_size: int) -> Shortlist | 
 
 def load_draft(options: "DecoderOptions", vocab_size: int) -> CachedLM:
     """The draft model as the options load it, its output layer over `options.draft_vocab` tokens when set."""
-    return load_model(options.draft, options.backend, options.dtype, options.device, options.cuda_graphs,
+    return load_model(options.draft, options.backend, options.draft_dtype or options.dtype, options.device, options.cuda_graphs,
                       draft_shortlist(options.draft, options.draft_vocab, vocab_size))
 
 
@@ -340,7 +343,8 @@ def apply_plan(options: "DecoderOptions") -> tuple["DecoderOptions", planning.Sh
     policy = planning.load_plan(options.plan, options).get(options.method)
     if policy is None:
         return options, None
-    options = replace(options, draft_vocab=policy.get("draft_vocab", options.draft_vocab))
+    options = replace(options, draft_vocab=policy.get("draft_vocab", options.draft_vocab),
+                      draft_dtype=policy.get("draft_dtype", options.draft_dtype))
     if options.method == "speculative":
         return replace(options, k=policy["k"]), None
     if options.method == "lookup":

@@ -93,6 +93,12 @@ def check_outputs(records: dict[str, list[dict]], prompts: list, decoders: dict)
     return checks
 
 
+def draft_of(model) -> dict:
+    """How a method's draft was loaded: its dtype (the plan may choose one other than the oracle's) and output layer."""
+    return {"dtype": str(model.dtype).removeprefix("torch."),
+            "vocabulary": f"its {len(model.shortlist)} most frequent tokens" if model.shortlist else "every token"}
+
+
 RIVALS = ("speculative", "hf-assisted", "hf-lookup")  # what staged must also beat
 
 
@@ -231,13 +237,16 @@ def main(argv=None) -> dict:
         tree = ("the oracle's tree drawn from the draft below the nodes it scored" if size["children"] == "sampled"
                 else f"oracle tree of {size['budget']} nodes")
         print(f"  {name}: trigram widths {size['widths']}, {tree}" + (f"; median {over}" if over else ""))
+    drafts = {n: draft_of(d.draft) for n, d in decoders.items() if n in OURS and d.draft is not None}
+    if drafts:
+        print("  the draft: " + "; ".join(f"{name} {draft['dtype']}, {draft['vocabulary']}" for name, draft in drafts.items()))
     print()
     print("\n".join(report.explain(summary, plan, greedy)))
     warning = report.looping([r["tokens"] for r in records["baseline"]]) if greedy else None
     if warning:
         print(warning)
     result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device, "prompts": len(prompts),
-                           "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing,
+                           "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing, "drafts": drafts,
                            "plan": options.plan and str(options.plan),
                            "token_healing": options.token_healing},
               "summary": summary, "records": records}

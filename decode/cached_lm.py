@@ -66,6 +66,7 @@ class CachedLM:
     max_length: int
     vocab_size: int
     device: torch.device
+    dtype: torch.dtype  # the weights' (logits are float32 either way)
     shortlist: Shortlist | None = None  # forward's logits cover these tokens only (None: the whole vocabulary)
 
     def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,

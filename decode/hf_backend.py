@@ -29,7 +29,7 @@ class HFEngine(CachedLM):
 
         self.model = load_hf_model(model_dir, dtype, device)
         config = self.model.config
-        self.device = torch.device(device)
+        self.device, self.dtype = torch.device(device), self.model.dtype
         self.vocab_size = config.vocab_size
         context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         self.max_length = max_length or context

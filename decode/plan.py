@@ -8,8 +8,9 @@ oracle's greedy outputs, how often each drafter's rank-k candidate at depth d is
 the oracle's forward cost per node count (the cost cache), and the time a step spends around the
 forwards. Each candidate policy (chain k; Sequoia tree shapes from the rates; staged widths and
 budget; ngram budget; lookup length) is replayed along the oracle's outputs (every one on --screen
-prompts, the best few per method on all, and each draft method's best again with the draft's output
-layer over its most frequent tokens only, --draft-vocab), each method's best policy also decodes a
+prompts, the best few per method on all, and each draft method's best again with other drafts: the draft's output
+layer over its most frequent tokens only, --draft-vocab, and beside a bfloat16 oracle the draft in float32), each
+method's best policy also decodes a
 few prompts for real to measure its costs inside a decoding loop, and the policy with the least
 predicted ms per token is written to RUN/plan.json, which decode.run and decode.bench then use.
 --project-oracle repeats the choice with the forward costs of a larger oracle shape measured
@@ -196,7 +197,8 @@ def sampled_acceptance(decoder, prompts, settings, depth: int) -> dict:
 
 def candidates(known, options, draft, table, p_draft) -> list[tuple[str, dict, object]]:
     """(method, policy, drafter) for every policy to replay."""
-    policies = [("speculative", {"k": k, "draft_vocab": 0}) for k in CHAIN_K]
+    drafted = {"draft_vocab": 0, "draft_dtype": base_dtype(options)}  # the draft the plan loaded; other drafts later
+    policies = [("speculative", {"k": k} | drafted) for k in CHAIN_K]
     budgets = [b for b in BUDGETS if b <= known.max_budget]
     seen = set()
     for depth in range(1, known.max_depth + 1):
@@ -207,9 +209,9 @@ def candidates(known, options, draft, table, p_draft) -> list[tuple[str, dict, o
             if shape and key not in seen:
                 seen.add(key)
                 policies.append(("tree", {"parents": shape.parents, "ranks": shape.ranks, "expected": shape.expected,
-                                          "nodes": len(shape.parents), "depth": shape.depth, "draft_vocab": 0}))
+                                          "nodes": len(shape.parents), "depth": shape.depth} | drafted))
     for widths in STAGED_WIDTHS:
-        policies += [("staged", {"widths": list(widths), "budget": budget, "draft_vocab": 0})
+        policies += [("staged", {"widths": list(widths), "budget": budget} | drafted)
                      for budget in budgets if budget > widths[0]]
     policies += [("ngram", {"widths": options.widths, "budget": budget}) for budget in budgets if budget > options.widths[0]]
     policies += [("lookup", {"tokens": length}) for length in LOOKUP_TOKENS]
@@ -245,8 +247,22 @@ def shortlist_sizes(requested: list[int] | None, options, vocab_size: int) -> li
     return [n for n in requested if MIN_DRAFT_VOCAB <= n < vocab_size]
 
 
-def shortlisted_drafts(sizes: list[int], options, vocab_size: int) -> dict[int, CachedLM]:
-    return {n: load_draft(replace(options, draft_vocab=n), vocab_size) for n in sizes}
+def base_dtype(options) -> str:
+    return options.draft_dtype or options.dtype
+
+
+def draft_variants(sizes: list[int], options, vocab_size: int) -> dict[tuple[int, str], CachedLM]:
+    """The drafts besides the plan's own (whole vocabulary, `base_dtype`) that each draft method's best policy is
+    replayed with, by (shortlist size or 0, dtype): each of `sizes` and the whole vocabulary, in the base dtype and,
+    when that is bfloat16, in float32. A draft's forwards of a few rows are mostly per-call overhead, which differs by
+    dtype (on an AMX CPU, MKL's float32 products of one row took 4-12 us against oneDNN's bfloat16 19-25): measured."""
+    dtypes = [base_dtype(options)] + ["float32"] * (base_dtype(options) != "float32")
+    return {(n, dtype): load_draft(replace(options, draft_vocab=n, draft_dtype=dtype), vocab_size)
+            for n in [0, *sizes] for dtype in dtypes if (n, dtype) != (0, base_dtype(options))}
+
+
+def variant_name(size: int, dtype: str) -> str:
+    return f"{f'{size} tokens' if size else 'every token'} in {dtype}"
 
 
 def forecast(replays: dict, oracle_ms: torch.Tensor, baseline: dict, in_loop: dict, keep: int = 1) -> dict:
@@ -317,7 +333,7 @@ def main(argv=None) -> dict:
     dec = SpeculativeDecoder(options)
     decoder = dec.decoder
     oracle, draft, table = decoder.oracle, decoder.draft, decoder.drafter.trigram.table
-    drafts = shortlisted_drafts(shortlist_sizes(known.draft_vocab, options, oracle.vocab_size), options, oracle.vocab_size)
+    drafts = draft_variants(shortlist_sizes(known.draft_vocab, options, oracle.vocab_size), options, oracle.vocab_size)
     prompts = calibration_prompts(settings, known, dec)
     print(f"calibrating on {len(prompts)} prompts x {settings.max_new_tokens} tokens, {options.dtype} on "
           f"{costs.device_name(oracle.device)}")
@@ -343,12 +359,12 @@ def main(argv=None) -> dict:
                           f"screening policies on {min(known.screen, len(sequences))} prompts")
     replays = replay_all(leaders(screened, FINALISTS, oracle_curves), sequences,
                          f"replaying the finalists on {len(sequences)} prompts")
-    if drafts:  # each method's best policy again, with the draft's output layer over its most frequent tokens
+    if drafts:  # each method's best policy again, with the other drafts
         drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
-        variants = [(method, policy | {"draft_vocab": n}, drafter_for(method, policy, shortlisted, table, options))
-                    for method, policy, _ in leaders(drafted, 1, oracle_curves) for n, shortlisted in drafts.items()]
-        for method, group in replay_all(variants, sequences, f"replaying the best with the draft's {', '.join(map(str, drafts))} "
-                                                             f"most frequent tokens").items():
+        variants = [(method, policy | {"draft_vocab": n, "draft_dtype": dtype}, drafter_for(method, policy, variant, table, options))
+                    for method, policy, _ in leaders(drafted, 1, oracle_curves) for (n, dtype), variant in drafts.items()]
+        for method, group in replay_all(variants, sequences, "replaying the best with the draft over "
+                                        + "; ".join(variant_name(*key) for key in drafts)).items():
             replays[method] += group
     in_loop, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings.max_new_tokens,
                                           isolated_ms)

@@ -238,8 +238,8 @@ SETTINGS = {"device": None, "dtype": None, "backend": None, "cuda_graphs": False
 
 def identity(options) -> dict:
     """What a plan's measurements depend on: the models, the device, the dtype, the backend and whether
-    the forwards replay CUDA graphs (only on a GPU with the lean engine). The draft's shortlist is the
-    plan's choice, in each policy."""
+    the forwards replay CUDA graphs (only on a GPU with the lean engine). The draft's shortlist and dtype are
+    the plan's choice, in each policy."""
     graphs = options.cuda_graphs and torch.device(options.device).type == "cuda" and options.backend != "hf"
     return {"oracle": fingerprint(options.oracle), "draft": options.draft and fingerprint(options.draft),
             "ngram": options.ngram and fingerprint(options.ngram, "*.npz"),

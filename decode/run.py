@@ -78,7 +78,7 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--lookup-ngram", type=int, default=3, help="lookup, staged: longest suffix matched in the context")
     p.add_argument("--plan", type=Path,
                    help="a plan written by decode.plan: its policy for the method (k, tree shape, budget, widths, lookup "
-                        "tokens, draft vocabulary) replaces those flags (default: RUN/plan.json when it exists and was planned for this "
+                        "tokens, draft vocabulary and dtype) replaces those flags (default: RUN/plan.json when it exists and was planned for this "
                         "device, dtype and backend; a plan for other models is refused)")
     p.add_argument("--no-plan", action="store_true", help="use the flags' trees even when RUN/plan.json exists")
     p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
@@ -86,6 +86,10 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
                         "(a prompt ending in a bare newline otherwise starts where training never went); every method alike")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the draft's dtype (default: --dtype's). A draft's forwards of a few rows are per-call overhead: "
+                        "on an AMX CPU beside a bfloat16 oracle, a float32 draft's products (MKL, 4-12 us each) beat "
+                        "bfloat16's (oneDNN, 19-25 us); a plan's choice replaces it")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--backend", choices=["auto", "lean", "hf"], default="auto",
                    help="lean: our GPT-2 engine; hf: any transformers causal LM; auto: lean where it applies")

@@ -45,6 +45,9 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
     assert plot.read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "refused" not in printed
+    drafts = {name: {"dtype": "float32", "vocabulary": "every token"} for name in ("speculative", "tree", "staged", "staged-paper")}
+    assert result["settings"]["drafts"] == drafts
+    assert "  the draft: speculative float32, every token; tree float32, every token; staged float32" in printed
     assert "a prompt and its staged completion" in printed and "t2 t7 t3" in printed  # the first prompt, shown
     assert "Same output: 6 of 6 speculative methods gave exactly the baseline's tokens on all 3 prompts." in printed
     staged = summary["staged"]["tokens_per_second"] / summary["baseline"]["tokens_per_second"]

@@ -31,6 +31,8 @@ def error_of(capsys, argv) -> str:
     ("staged", ["--budget", "16", "--widths", "4,2,1", "--no-context-drafter"]), ("lookup", []),
     ("speculative", ["--draft-vocab", "64"]), ("tree", ["--budget", "12", "--draft-vocab", "64"]),  # a shortlisted draft
     ("staged", ["--budget", "16", "--widths", "4,2,1", "--draft-vocab", "64"]),
+    ("speculative", ["--draft-dtype", "bfloat16"]), ("staged", ["--budget", "16", "--widths", "4,2,1", "--draft-dtype",
+                                                               "bfloat16"]),  # a bfloat16 draft beside a float32 oracle
 ])
 def test_run_writes_records_and_every_method_matches_baseline(models, tmp_path, method, extra):
     prompts = tmp_path / "p.jsonl"

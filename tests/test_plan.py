@@ -184,21 +184,35 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
 def test_plan_weighs_each_draft_methods_best_policy_with_the_draft_shortlist_and_decoding_follows_its_choice(planned):
     weighed = {}
     for method, policy, drafter in planned["replayed"]:
-        weighed.setdefault(method, set()).add(policy.get("draft_vocab"))
-        shortlist = getattr(getattr(drafter, "draft", None), "shortlist", None)
-        assert (len(shortlist) if shortlist else 0) == policy.get("draft_vocab", 0)
-    assert weighed == {"speculative": {0, 64}, "tree": {0, 64}, "staged": {0, 64}, "ngram": {None}, "lookup": {None}}
+        weighed.setdefault(method, set()).add((policy.get("draft_vocab"), policy.get("draft_dtype")))
+        model = getattr(getattr(drafter, "draft", None), "model", None)
+        assert (len(model.shortlist) if model and model.shortlist else 0) == policy.get("draft_vocab", 0)
+        assert model is None or model.dtype == torch.float32
+    drafts = {(0, "float32"), (64, "float32")}  # a float32 plan weighs no other dtype
+    assert weighed == {"speculative": drafts, "tree": drafts, "staged": drafts, "ngram": {(None, None)}, "lookup": {(None, None)}}
     path, args = planned["path"], planned["args"]
     shortlisted = json.loads(path.read_text())
     for method in ("speculative", "tree", "staged"):
-        shortlisted["policies"][method]["draft_vocab"] = 64
+        shortlisted["policies"][method] |= {"draft_vocab": 64, "draft_dtype": "bfloat16"}
     path.write_text(json.dumps(shortlisted))
     expected = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options).generate("t3 t9", 16).token_ids
     for method in ("speculative", "tree", "staged"):
         dec = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", method]).options)
-        assert len(dec.decoder.draft.shortlist) == 64 and dec.generate("t3 t9", 16).token_ids == expected, method
+        assert len(dec.decoder.draft.shortlist) == 64 and dec.decoder.draft.dtype == torch.bfloat16, method
+        assert dec.decoder.oracle.dtype == torch.float32 and dec.generate("t3 t9", 16).token_ids == expected, method
     whole = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", "staged", "--no-plan", "--draft-vocab", "0"]).options)
-    assert whole.decoder.draft.shortlist is None
+    assert whole.decoder.draft.shortlist is None and whole.decoder.draft.dtype == torch.float32
+
+
+def test_beside_a_bfloat16_oracle_the_plan_weighs_the_draft_in_float32_too(models):
+    options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1",
+                         "--dtype", "bfloat16"]).options
+    variants = plan.draft_variants([64], options, 97)
+    assert set(variants) == {(0, "float32"), (64, "bfloat16"), (64, "float32")}  # (0, bfloat16) is the plan's own draft
+    for (size, dtype), draft in variants.items():
+        assert (len(draft.shortlist) if draft.shortlist else 0) == size and draft.dtype == getattr(torch, dtype)
+    chosen = plan.draft_variants([], dataclasses.replace(options, draft_dtype="float32"), 97)
+    assert set(chosen) == set()  # a float32 draft (--draft-dtype) has no other dtype to weigh
 
 
 def test_plan_weighs_the_largest_power_of_two_up_to_half_the_vocabulary_by_default(models, tmp_path, capsys):
