@@ -8,11 +8,11 @@ oracle's greedy outputs, how often each drafter's rank-k candidate at depth d is
 the oracle's forward cost per node count (the cost cache), and the time a step spends around the
 forwards. Each candidate policy (chain k; Sequoia tree shapes from the rates; staged widths and
 budget; ngram budget; lookup length) is replayed along the oracle's outputs (every one on --screen
-prompts, the best few per method on all, and each draft method's best again with other drafts: the draft's output
-layer over its most frequent tokens only, --draft-vocab, and beside a bfloat16 oracle the draft in float32), each
-method's best policy also decodes a
-few prompts for real to measure its costs inside a decoding loop, and the policy with the least
-predicted ms per token is written to RUN/plan.json, which decode.run and decode.bench then use.
+prompts, the best few per method on all, and a draft method's best few again with other drafts: the
+draft's output layer over its most frequent tokens only, --draft-vocab, and beside a bfloat16 oracle
+the draft in float32), each method's best policy also decodes a few prompts for real to measure its
+costs inside a decoding loop, and the policy with the least predicted ms per token is written to
+RUN/plan.json, which decode.run and decode.bench then use.
 --project-oracle repeats the choice with the forward costs of a larger oracle shape measured
 here on random weights: a projection, not a measurement.
 """
@@ -359,11 +359,12 @@ def main(argv=None) -> dict:
                           f"screening policies on {min(known.screen, len(sequences))} prompts")
     replays = replay_all(leaders(screened, FINALISTS, oracle_curves), sequences,
                          f"replaying the finalists on {len(sequences)} prompts")
-    if drafts:  # each method's best policy again, with the other drafts
+    if drafts:  # each draft method's finalists again, with the other drafts (a cheaper draft may favour a larger tree)
         drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
-        variants = [(method, policy | {"draft_vocab": n, "draft_dtype": dtype}, drafter_for(method, policy, variant, table, options))
-                    for method, policy, _ in leaders(drafted, 1, oracle_curves) for (n, dtype), variant in drafts.items()]
-        for method, group in replay_all(variants, sequences, "replaying the best with the draft over "
+        variants = [(method, c["policy"] | {"draft_vocab": n, "draft_dtype": dtype},
+                     drafter_for(method, c["policy"], variant, table, options))
+                    for method, group in drafted.items() for c in group for (n, dtype), variant in drafts.items()]
+        for method, group in replay_all(variants, sequences, "replaying them with the draft over "
                                         + "; ".join(variant_name(*key) for key in drafts)).items():
             replays[method] += group
     in_loop, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings.max_new_tokens,
