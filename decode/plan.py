@@ -252,11 +252,13 @@ def base_dtype(options) -> str:
 
 
 def draft_variants(sizes: list[int], options, vocab_size: int) -> dict[tuple[int, str], CachedLM]:
-    """The drafts besides the plan's own (whole vocabulary, `base_dtype`) that each draft method's best policy is
+    """The drafts besides the plan's own (whole vocabulary, `base_dtype`) that each draft method's finalists are
     replayed with, by (shortlist size or 0, dtype): each of `sizes` and the whole vocabulary, in the base dtype and,
-    when that is bfloat16, in float32. A draft's forwards of a few rows are mostly per-call overhead, which differs by
-    dtype (on an AMX CPU, MKL's float32 products of one row took 4-12 us against oneDNN's bfloat16 19-25): measured."""
-    dtypes = [base_dtype(options)] + ["float32"] * (base_dtype(options) != "float32")
+    when that is bfloat16 on a CPU, in float32. A draft's forwards of a few rows are mostly per-call overhead, which
+    on a CPU differs by dtype (on an AMX CPU, MKL's float32 products of one row took 4-12 us against oneDNN's
+    bfloat16 19-25): measured. A GPU launches the same kernels either way (not weighed there)."""
+    on_cpu = torch.device(options.device).type == "cpu"
+    dtypes = [base_dtype(options)] + ["float32"] * (base_dtype(options) != "float32" and on_cpu)
     return {(n, dtype): load_draft(replace(options, draft_vocab=n, draft_dtype=dtype), vocab_size)
             for n in [0, *sizes] for dtype in dtypes if (n, dtype) != (0, base_dtype(options))}
 
@@ -361,9 +363,9 @@ def main(argv=None) -> dict:
                          f"replaying the finalists on {len(sequences)} prompts")
     if drafts:  # each draft method's finalists again, with the other drafts (a cheaper draft may favour a larger tree)
         drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
-        variants = [(method, c["policy"] | {"draft_vocab": n, "draft_dtype": dtype},
-                     drafter_for(method, c["policy"], variant, table, options))
-                    for method, group in drafted.items() for c in group for (n, dtype), variant in drafts.items()]
+        variants = [(method, policy | {"draft_vocab": n, "draft_dtype": dtype}, drafter_for(method, policy, variant, table, options))
+                    for method, policy, _ in leaders(drafted, FINALISTS, oracle_curves[:1])  # this device's finalists
+                    for (n, dtype), variant in drafts.items()]
         for method, group in replay_all(variants, sequences, "replaying them with the draft over "
                                         + "; ".join(variant_name(*key) for key in drafts)).items():
             replays[method] += group

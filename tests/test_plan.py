@@ -215,6 +215,14 @@ def test_beside_a_bfloat16_oracle_the_plan_weighs_the_draft_in_float32_too(model
     assert set(chosen) == set()  # a float32 draft (--draft-dtype) has no other dtype to weigh
 
 
+def test_on_a_gpu_the_plan_weighs_no_other_draft_dtype(models, monkeypatch):
+    monkeypatch.setattr(plan, "load_draft", lambda options, vocab_size: (options.draft_vocab, options.draft_dtype))
+    options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1",
+                         "--dtype", "bfloat16"]).options
+    assert set(plan.draft_variants([64], dataclasses.replace(options, device="cuda"), 97)) == {(64, "bfloat16")}
+    assert set(plan.draft_variants([64], options, 97)) == {(0, "float32"), (64, "bfloat16"), (64, "float32")}
+
+
 def test_plan_weighs_the_largest_power_of_two_up_to_half_the_vocabulary_by_default(models, tmp_path, capsys):
     options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1"]).options
     assert plan.shortlist_sizes(None, options, 8192) == [4096]
