@@ -9,8 +9,8 @@ the oracle's forward cost per node count (the cost cache), and the time a step s
 forwards. Each candidate policy (chain k; Sequoia tree shapes from the rates; staged widths and
 budget; ngram budget; lookup length) is replayed along the oracle's outputs (every one on --screen
 prompts, the best few per method on all, and a draft method's best few again with other drafts: the
-draft's output layer over its most frequent tokens only, --draft-vocab, and beside a bfloat16 oracle
-the draft in float32), each method's best policy also decodes a few prompts for real to measure its
+draft's output layer over its most frequent tokens only, --draft-vocab, and on a CPU beside a bfloat16
+oracle the draft in float32), each method's best policy also decodes a few prompts for real to measure its
 costs inside a decoding loop, and the policy with the least predicted ms per token is written to
 RUN/plan.json, which decode.run and decode.bench then use.
 --project-oracle repeats the choice with the forward costs of a larger oracle shape measured
