@@ -308,8 +308,8 @@ class ShapedTreeDrafter(ModelDrafter):
                 tree.child_dists.update(zip(nodes, q))
             else:  # child j is the draft's rank-ranks[j] token
                 widest = 1 + max(self.ranks[c] for n in nodes for c in self.below[shape_of[n]])
-                ranked = tokens_at(ranking_scores(logits, self.sampling).topk(widest).indices, self.draft.shortlist)
-                drawn = [[row[self.ranks[c]] for c in self.below[shape_of[n]]] for n, row in zip(nodes, ranked.tolist())]
+                ranked = top_tokens(ranking_scores(logits, self.sampling), widest, self.draft.shortlist).tolist()
+                drawn = [[row[self.ranks[c]] for c in self.below[shape_of[n]]] for n, row in zip(nodes, ranked)]
             parents, children = [], []
             for n, row in zip(nodes, drawn):
                 for child, token in zip(self.below[shape_of[n]], row):
