@@ -322,9 +322,8 @@ def print_forecast(title: str, predicted: dict) -> None:
     print(title)
     print(f"  {'method':<12} {'tokens/call':>11} {'ms/token':>9} {'speedup':>8}  policy")
     for method, p in predicted.items():
-        policy = {k: v for k, v in p.get("policy", {}).items() if k not in ("parents", "ranks", "expected")}  # a tree: its size
         print(f"  {method:<12} {p['tokens_per_call']:11.2f} {p['ms_per_token']:9.3f} {p['speedup']:7.2f}x  "
-              + ", ".join(f"{k} {v}" for k, v in policy.items()))
+              + planning.describe(p.get("policy", {})))
 
 
 @exits_on_input_error

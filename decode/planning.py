@@ -285,6 +285,11 @@ def run_plan(run: Path, options) -> Path | None:
     return path
 
 
+def describe(policy: dict) -> str:
+    """A policy in words, its tree by its size (a planned tree's parents and ranks left out)."""
+    return ", ".join(f"{k} {v}" for k, v in policy.items() if k not in ("parents", "ranks", "expected"))
+
+
 def load_plan(path: Path, options) -> dict:
     """The plan's policies, checked to have been measured for these models on this device."""
     redo = f"re-plan with `{replan_command('RUN', options)}`, or pass --no-plan"

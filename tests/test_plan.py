@@ -179,6 +179,10 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
         else:
             assert drafter.budget == policy["budget"] and drafter.trigram.widths == policy["widths"]
     assert run.parse(args + ["--plan", str(path), "--no-plan"]).options.plan is None
+    capsys.readouterr()
+    run.main(args + ["--plan", str(path), "--method", "speculative", "--limit", "1"])
+    policy = on_disk["policies"]["speculative"]
+    assert f"speculative with k {policy['k']}, draft_vocab {policy['draft_vocab']}, draft_dtype float32" in capsys.readouterr().err
 
 
 def test_plan_weighs_each_draft_methods_best_policy_with_the_draft_shortlist_and_decoding_follows_its_choice(planned):
