@@ -322,7 +322,7 @@ class ShapedTreeDrafter(ModelDrafter):
 class TrigramTrees:
     """The trigram's tree below a context, `widths[d]` children per node at depth d. Every such tree has
     the same shape (the table keeps at least max(widths) successors of every context), so a context's tree
-    is its tokens and probabilities, a level per batched lookup, laid on the shape. A tree depends only on
+    is its tokens and probabilities, a gather a level, laid on the shape. A tree depends only on
     the last two tokens, so each is built once and remembered, up to `size` of them: code repeats its
     contexts. Callers get a copy to grow; `best`, the trigram's own selection, is remembered too."""
 
@@ -358,6 +358,7 @@ class TrigramTrees:
         return tokens[-2] if len(tokens) > 1 else self.table.bos, tokens[-1], min(max_depth, len(self.widths))
 
     def remembered(self, key: tuple[int, int, int]) -> tuple[list[int], list[float]]:
+        """The tokens and probabilities of the tree below a key's context (`build`)."""
         return remember(self.built, key, lambda: self.build(*key), self.size)
 
     def shape(self, depth: int) -> Tree:
@@ -370,14 +371,15 @@ class TrigramTrees:
         return self.shapes[depth]
 
     def build(self, before_root: int, root: int, depth: int) -> tuple[list[int], list[float]]:
-        """The tokens and probabilities of the tree's nodes, in the shape's order."""
+        """The tokens and probabilities of the tree's nodes, in the shape's order: one search for the root's
+        row of the successor table, then a gather a level (each successor names the row after it)."""
         tokens, probs = [root], [1.0]
-        u, v = np.array([before_root]), np.array([root])
+        rows = self.table.rows_after(np.array([before_root]), np.array([root]))
         for width in self.widths[:depth]:
-            successors, successor_probs = self.table.lookup(u, v)
-            u, v = np.repeat(v, width), successors[:, :width].reshape(-1)
-            tokens += v.tolist()
-            probs += successor_probs[:, :width].reshape(-1).tolist()
+            level = self.table.successors[rows, :width].ravel()
+            tokens += level["token"].tolist()
+            probs += level["prob"].tolist()
+            rows = level["next"]
         return tokens, probs
 
 

@@ -14,7 +14,7 @@ from ngram.successors import SuccessorTable
 def lookup_cost_us(table: SuccessorTable, batch: int = 64, seconds: float = 0.2) -> float:
     """Microseconds per context of batched lookups of seen trigram histories."""
     rng = np.random.default_rng(0)
-    keys = rng.choice(table.trigram_histories, batch)
+    keys = rng.choice(table.histories, batch)
     u, v = keys // (table.vocab_size + 2), keys % (table.vocab_size + 2)
     calls, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -29,7 +29,7 @@ def main(argv=None) -> None:
     p.add_argument("ngram_dir", help="directory written by ngram/build_katz.py")
     args = p.parse_args(argv)
     table = SuccessorTable.load(f"{args.ngram_dir}/successors.npz")
-    print(f"{table.trigram_histories.size:,} trigram histories, top-{table.k} successors")
+    print(f"{table.histories.size:,} trigram histories, top-{table.k} successors")
     print("batch  us/context")
     for batch in (1, 4, 16, 64, 256, 1024):
         print(f"{batch:5d}  {lookup_cost_us(table, batch):9.3f}")

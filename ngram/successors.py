@@ -1,8 +1,9 @@
 """Top-K successor tables: the draft-of-the-draft's fast path.
 
-For every seen trigram history (u, v), every history symbol v and the unigram level, the K most
-probable next tokens under the full Katz model with their probabilities. A batch of contexts is one
-searchsorted and a gather. `</s>` is returned as the tokenizer's end-of-text id.
+For every seen trigram history (u, v) and every history symbol v (Katz's backoff), a row of the K most
+probable next tokens under the full Katz model with their probabilities, and for each token the row
+that follows it: a tree below a context is one search for its first row and then a gather a level.
+A batch of contexts is one searchsorted and a gather. `</s>` is returned as the tokenizer's end-of-text id.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -18,17 +19,21 @@ ROW_CHUNK = 512  # histories per dense block when ranking a whole row
 EXTRA_CANDIDATES = 48  # lower-order candidates kept beyond K; rows with more seen overlap fall back to exact
 
 
+# One successor: a token, its probability, and the row of the table that follows it. Side by side, a
+# row's first tokens lie in one or two cache lines: a new context's tree reads a few dozen rows of a
+# table of tens of megabytes, and each row read is a cache miss.
+SUCCESSOR = np.dtype([("token", np.int32), ("prob", np.float32), ("next", np.int32)])
+
+
 @dataclass
 class SuccessorTable:
     vocab_size: int
     eos_id: int
-    unigram_tokens: np.ndarray  # (K,)
-    unigram_probs: np.ndarray  # (K,)
-    bigram_tokens: np.ndarray  # (V + 2, K): a row per history symbol (unseen histories: the unigram row)
-    bigram_probs: np.ndarray
-    trigram_histories: np.ndarray  # (H,) sorted keys u * (V + 2) + v
-    trigram_tokens: np.ndarray  # (H, K)
-    trigram_probs: np.ndarray
+    histories: np.ndarray  # (H,) sorted trigram history keys u * (V + 2) + v
+    # (H + V + 2, K) SUCCESSOR, each row most probable first: row r < H follows the history histories[r],
+    # row H + v follows v alone (the bigram level; an unseen v: the unigram level's row). `next` is the
+    # row after (v, token): its history's row when seen, else the token's own.
+    successors: np.ndarray
 
     @property
     def bos(self) -> int:
@@ -36,17 +41,19 @@ class SuccessorTable:
 
     @property
     def k(self) -> int:
-        return self.unigram_tokens.size
+        return self.successors.shape[1]
+
+    def rows_after(self, u, v) -> np.ndarray:
+        """The row that follows each context (u, v): the trigram's when the history was seen, else v's
+        backoff row. u may be `bos` (start of text)."""
+        keys = np.asarray(u, np.int64) * (self.vocab_size + 2) + v
+        idx = np.minimum(self.histories.searchsorted(keys), self.histories.size - 1)
+        return np.where(self.histories[idx] == keys, idx, self.histories.size + np.asarray(v))
 
     def lookup(self, u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Top-K next tokens and probabilities after each context (u, v); u may be `bos` (start of text)."""
-        keys = np.asarray(u, np.int64) * (self.vocab_size + 2) + v
-        idx = np.minimum(self.trigram_histories.searchsorted(keys), self.trigram_histories.size - 1)
-        tokens, probs = self.trigram_tokens[idx], self.trigram_probs[idx]
-        unseen = self.trigram_histories[idx] != keys  # back off to the bigram row of v
-        if unseen.any():
-            tokens[unseen], probs[unseen] = self.bigram_tokens[v[unseen]], self.bigram_probs[v[unseen]]
-        return tokens, probs
+        found = self.successors[self.rows_after(u, v)]
+        return found["token"], found["prob"]
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -71,7 +78,7 @@ class SuccessorTable:
                              f"`python ngram/build_katz.py --out {path.parent} --overwrite`") from None
         expected = set(cls.field_names())
         if set(fields) != expected:
-            raise InputError(f"{path} is not a successor table (fields {sorted(fields)}); rebuild it with "
+            raise InputError(f"{path} is not a successor table of this version (fields {sorted(fields)}); rebuild it with "
                              f"`python ngram/build_katz.py --out {path.parent} --overwrite`")
         return cls(**{k: (int(v) if v.ndim == 0 else v) for k, v in fields.items()})
 
@@ -117,7 +124,6 @@ def build(model: KatzModel, k: int, eos_id: int) -> SuccessorTable:
     if model.order != 3:
         raise ValueError("successor tables are built for trigram models")
     k = min(k, base - 1)  # every token id and </s> can follow; <s> cannot
-    uni_tok, uni_prob = _top(model.unigram[None, :], k)
     width = min(k + EXTRA_CANDIDATES, base)
     big_tok, big_prob = np.empty((base, width), np.int64), np.empty((base, width))
     for lo in range(0, base, ROW_CHUNK):
@@ -144,12 +150,12 @@ def build(model: KatzModel, k: int, eos_id: int) -> SuccessorTable:
         t, p = _top(full[None, :], k)
         tri_tok[r], tri_prob[r] = t[0], p[0]
 
-    def tokens(symbols):  # </s> is the tokenizer's end-of-text token
-        return np.where(symbols == vocab.eos, eos_id, symbols).astype(np.int32)
-
-    return SuccessorTable(
-        vocab_size=vocab.size, eos_id=eos_id,
-        unigram_tokens=tokens(uni_tok[0]), unigram_probs=uni_prob[0].astype(np.float32),
-        bigram_tokens=tokens(big_tok[:, :k]), bigram_probs=big_prob[:, :k].astype(np.float32),
-        trigram_histories=level.histories, trigram_tokens=tokens(tri_tok), trigram_probs=tri_prob.astype(np.float32),
-    )
+    successors = np.empty((level.histories.size + base, k), SUCCESSOR)
+    tokens = np.concatenate([tri_tok, big_tok[:, :k]])
+    successors["token"] = np.where(tokens == vocab.eos, eos_id, tokens)  # </s> is the tokenizer's end-of-text token
+    successors["prob"] = np.concatenate([tri_prob, big_prob[:, :k]])
+    table = SuccessorTable(vocab_size=vocab.size, eos_id=eos_id, histories=level.histories, successors=successors)
+    # Each row's last history symbol, then each token's row after it: as the drafters look contexts up.
+    after = np.concatenate([level.histories % base, np.arange(base)])
+    successors["next"] = table.rows_after(after[:, None], successors["token"])
+    return table

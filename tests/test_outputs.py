@@ -4,6 +4,7 @@ import json
 import os
 import signal
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -287,6 +288,8 @@ def test_a_damaged_successor_table_is_a_one_line_error(models, tmp_path, capsys)
     for content in (data[: len(data) // 2], b"not a zip file at all"):
         (ngram / "successors.npz").write_bytes(content)
         assert "successors.npz is damaged" in one_line_error(capsys, run.main, argv)
+    np.savez(ngram / "successors.npz", vocab_size=20, eos_id=0, trigram_histories=np.arange(3))  # an earlier format
+    assert "is not a successor table of this version" in one_line_error(capsys, run.main, argv)
 
 
 def test_bad_devices_limits_and_counts_are_one_line_errors(trained, models, tmp_path, capsys):
