@@ -350,9 +350,20 @@ class TrigramTrees:
 
     def select(self, key: tuple[int, int, int], budget: int) -> Tree:
         node_tokens, probs = self.remembered(key)
-        shape = self.shape(key[2])
-        cumulative = shape.cumulative(probs)
-        return Tree.chosen(node_tokens, shape.parents, best_first(cumulative, budget), cumulative)[0]
+        cumulative = self.cumulative(probs, key[2])
+        return Tree.chosen(node_tokens, self.shape(key[2]).parents, best_first(cumulative, budget), cumulative)[0]
+
+    def cumulative(self, probs: list[float], depth: int):
+        """`Tree.cumulative` on the shape `depth` levels deep; past ARRAY_NODES nodes a level at a time in
+        numpy (the same products in the same order)."""
+        if len(self.shape(depth)) <= ARRAY_NODES:
+            return self.shape(depth).cumulative(probs)
+        values, above = np.array(probs), slice(0, 1)
+        for width in self.widths[:depth]:
+            level = slice(above.stop, above.stop + (above.stop - above.start) * width)
+            values[level] *= np.repeat(values[above], width)
+            above = level
+        return values
 
     def key(self, tokens: list[int], max_depth: int) -> tuple[int, int, int]:
         return tokens[-2] if len(tokens) > 1 else self.table.bos, tokens[-1], min(max_depth, len(self.widths))

@@ -189,6 +189,16 @@ def test_trigram_trees_hold_each_levels_top_successors_and_are_remembered_unchan
     assert len(trees([9, 17], 2)[0]) == 1 + 3 + 6  # capped at the depth left
 
 
+def test_path_products_of_a_large_trigram_tree_are_a_level_at_a_time_and_the_same(models, monkeypatch):
+    from decode import drafters
+
+    trees = TrigramTrees(SuccessorTable.load(models["ngram"] / "successors.npz"), [3, 2, 2])
+    tree, probs = trees([4, 9, 17], 10)
+    monkeypatch.setattr(drafters, "ARRAY_NODES", 0)  # numpy for every tree
+    assert isinstance(trees.cumulative(probs, 3), np.ndarray) and list(trees.cumulative(probs, 3)) == tree.cumulative(probs)
+    assert list(trees.cumulative(probs[:4], 1)) == tree.cumulative(probs)[:4]  # a shallower tree's
+
+
 def test_ngram_selection_is_the_likeliest_nodes_remembered_per_context(models):
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
     trees = TrigramTrees(table, [3, 2, 1])
