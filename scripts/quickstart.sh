@@ -62,8 +62,14 @@ stage "== 3/6 draft, distilled from the oracle -> $run/draft"
 train "$run/draft" train/distill_draft.py --teacher "$run/oracle"
 
 stage "== 4/6 Katz trigram -> $run/ngram"
-if [ -f "$run/ngram/successors.npz" ]; then
+table_loads() {  # a table of this version (an earlier version's is refused with the command that rebuilds it)
+    "$py" -c "import sys; from ngram.successors import SuccessorTable; SuccessorTable.load(sys.argv[1])" "$1" 2>/dev/null
+}
+if [ -f "$run/ngram/successors.npz" ] && table_loads "$run/ngram/successors.npz"; then
     echo "   already built (remove $run/ngram to rebuild)"
+elif [ -f "$run/ngram/successors.npz" ]; then
+    echo "   $run/ngram/successors.npz cannot be read by this version (an earlier version's table, or damaged): rebuilding the trigram"
+    "$py" ngram/build_katz.py --out "$run/ngram" --overwrite
 else
     "$py" ngram/build_katz.py --out "$run/ngram"
 fi
