@@ -307,6 +307,7 @@ class Decoder:
     k: int
     depth: int
     eos_id: int
+    policy: dict | None = None  # the plan's policy the method was built with (None: the flags')
 
     def steps(self, prompt: Prompt, max_new_tokens: int, seed: int) -> Iterator[generate.Generation]:
         """The generation so far after each oracle call."""
@@ -335,31 +336,32 @@ class Decoder:
         return {"baseline": 0, "speculative": self.k}.get(self.method, self.depth)
 
 
-def apply_plan(options: "DecoderOptions") -> tuple["DecoderOptions", planning.Shape | None]:
+def apply_plan(options: "DecoderOptions") -> tuple["DecoderOptions", planning.Shape | None, dict | None]:
     """The options with the plan's policy for the method (its tree, and the draft's shortlist) in place
-    of the flags', and the tree method's planned shape (None: the flags' best-first tree)."""
+    of the flags', the tree method's planned shape (None: the flags' best-first tree), and the policy
+    (None: no plan, or none for the method)."""
     if options.plan is None or options.method not in planning.PLANNED:
-        return options, None
+        return options, None, None
     policy = planning.load_plan(options.plan, options).get(options.method)
     if policy is None:
-        return options, None
+        return options, None, None
     options = replace(options, draft_vocab=policy.get("draft_vocab", options.draft_vocab),
                       draft_dtype=policy.get("draft_dtype", options.draft_dtype))
     if options.method == "speculative":
-        return replace(options, k=policy["k"]), None
+        return replace(options, k=policy["k"]), None, policy
     if options.method == "lookup":
-        return replace(options, lookup_tokens=policy["tokens"]), None
+        return replace(options, lookup_tokens=policy["tokens"]), None, policy
     if options.method == "tree":
         shape = planning.Shape(policy["parents"], policy["ranks"], policy["expected"])
-        return replace(options, budget=max(2, len(shape.parents)), depth=max(1, shape.depth)), shape
-    return replace(options, widths=list(policy["widths"]), budget=policy["budget"]), None
+        return replace(options, budget=max(2, len(shape.parents)), depth=max(1, shape.depth)), shape, policy
+    return replace(options, widths=list(policy["widths"]), budget=policy["budget"]), None, policy
 
 
 def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
     """The method's decoder, and the healer that turns prompt token ids into its prompts (its tokenizer: .tokenizer)."""
     if not Path(options.oracle).is_dir():
         raise InputError(f"oracle directory {options.oracle} does not exist; train one with train/finetune_oracle.py")
-    options, shape = apply_plan(options)
+    options, shape, policy = apply_plan(options)
     oracle = load_model(options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs)
     tokenizer = load_tokenizer(options.oracle)
     draft = table = drafter = None
@@ -389,5 +391,5 @@ def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
         drafter = NgramDrafter(table, options.budget, options.widths)
     elif options.method == "lookup":
         drafter = LookupDrafter(options.lookup_tokens, options.lookup_branches, options.lookup_ngram)
-    decoder = Decoder(options.method, oracle, draft, drafter, sampling, options.k, options.depth, tokenizer.eos_token_id)
+    decoder = Decoder(options.method, oracle, draft, drafter, sampling, options.k, options.depth, tokenizer.eos_token_id, policy)
     return decoder, TokenHealer(tokenizer, oracle.vocab_size, options.token_healing)

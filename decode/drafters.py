@@ -356,8 +356,9 @@ class TrigramTrees:
     def cumulative(self, probs: list[float], depth: int):
         """`Tree.cumulative` on the shape `depth` levels deep; past ARRAY_NODES nodes a level at a time in
         numpy (the same products in the same order)."""
-        if len(self.shape(depth)) <= ARRAY_NODES:
-            return self.shape(depth).cumulative(probs)
+        shape = self.shape(depth)
+        if len(shape) <= ARRAY_NODES:
+            return shape.cumulative(probs)
         values, above = np.array(probs), slice(0, 1)
         for width in self.widths[:depth]:
             level = slice(above.stop, above.stop + (above.stop - above.start) * width)

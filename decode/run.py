@@ -15,7 +15,7 @@ from data.errors import InputError, exits_on_input_error
 from data.prompts import load_prompts
 from decode.api import METHODS, DecoderOptions, SpeculativeDecoder, drain, sampling_of
 from decode.healing import Prompt
-from decode.planning import PAPER_BUDGET, PAPER_WIDTHS, describe, load_plan, run_plan
+from decode.planning import PAPER_BUDGET, PAPER_WIDTHS, describe, run_plan
 from decode.sampling import Sampling
 
 
@@ -161,10 +161,9 @@ def main(argv=None) -> list[dict]:
         check_output(settings.output, FILE, settings.overwrite, "--output")
     dec = SpeculativeDecoder(settings.options)
     dec.use(settings.sampling)
-    policy = load_plan(settings.options.plan, settings.options).get(settings.options.method) if settings.options.plan else None
-    if policy is not None:
-        print(f"plan {settings.options.plan}: {settings.options.method} with {describe(policy)} (--no-plan for the flags')",
-              file=sys.stderr)
+    if dec.decoder.policy is not None:
+        print(f"plan {settings.options.plan}: {settings.options.method} with {describe(dec.decoder.policy)} (--no-plan for the "
+              "flags')", file=sys.stderr)
     records = []
     for i, (record, prompt) in enumerate(encode_prompts(settings, [dec])):
         pieces = dec.decode(prompt, settings.max_new_tokens, settings.seed + i, pieces=settings.stream)
