@@ -6,12 +6,15 @@ Greedy outputs must equal the baseline's token for token. Where one differs, the
 between the two tokens at the first differing step tells a numerical near-tie from a bug: scored in
 forwards of several sizes, with its cache written in forwards of several sizes (a batched forward may
 round differently than a single-token one), a near-tie's gap lies within how far rounding moves the logits
-there: the gap itself, or the logit of any of the oracle's best tokens (`rounding_noise`). With
-sampling, outputs are not compared (each method draws differently); tokens per oracle call are still
-reported.
+there: the gap itself, or the logit of any of the oracle's best tokens (`rounding_noise`). Where the replays
+do not settle it, the method decodes the prompt again recording its own forwards: the row that chose the
+other token is a near-tie when it holds every one of the oracle's best logits within that rounding of the
+baseline's (`own_moved`). With sampling, outputs are not compared (each method draws differently); tokens
+per oracle call are still reported.
 """
 import argparse
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -20,8 +23,10 @@ from data.atomic import FILE, check_output, write_json
 from data.errors import exits_on_input_error
 from decode import run
 from decode.api import SpeculativeDecoder
+from decode.generate import last
 from decode.healing import Prompt
 from decode.hf_backend import cache_keyword
+from decode.verify import sample_match
 
 # Forward sizes the diverging position is scored at: a matmul over another number of rows may round
 # differently (in bfloat16 by up to a unit in the logits' last place: 0.03-0.06 at logits of 8-16).
@@ -74,21 +79,43 @@ def last_place(row: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(row.abs().clamp_min(info.tiny)))) * info.eps
 
 
-def rounding_noise(rows: torch.Tensor, gaps: list[float], a: int, b: int) -> float:
-    """How far rounding moves the oracle's logits at a prefix, from its `replayed_logits`: the spread of tokens a
-    and b's `gaps` across them, or the largest spread of the TOP best tokens' logits, counted in units of each
-    one's last place and applied at a and b's, and never less than one unit of a and b's last place, whichever is
-    largest. A pair's gap can hold steady where its neighbours move (a CPU with AMX in bfloat16, README section 5:
-    one unit, 0.0625, steady across every replay, while the methods' own forwards, with caches written in other
-    shapes, saw 0). Only logits of at least half the pair's magnitude count: nearer 0 a unit is finer than what
-    rounds there. The floor is the last rounding's own: two logits a hair apart before it can land a unit apart
-    or together, so a one-unit gap is a tie under any other order of the same arithmetic, even where every replay
-    rounds it alike (in float32 a unit at such logits is about 1e-6)."""
+def best_moved(rows: torch.Tensor, a: int, b: int) -> float:
+    """The largest spread across `rows` (computations of the same logits) of the oracle's TOP best logits in
+    rows[0], a and b's among them, each counted in units of its own last place and applied at a and b's. Only
+    logits of at least half the pair's magnitude count: nearer 0 a unit is finer than what rounds there."""
     units, first = last_place(rows[0]), rows[0]
-    top = first.topk(min(TOP, rows.shape[1])).indices
+    top = torch.cat([first.topk(min(TOP, rows.shape[1])).indices, torch.tensor([a, b])]).unique()
     pair, unit = first[[a, b]].abs().max(), float(units[[a, b]].max())
     moved = torch.where(first[top].abs() >= pair / 2, (rows[:, top].amax(0) - rows[:, top].amin(0)) / units[top], 0)
-    return max(max(gaps) - min(gaps), float(moved.max()) * unit, unit)
+    return float(moved.max()) * unit
+
+
+def rounding_noise(rows: torch.Tensor, gaps: list[float], a: int, b: int) -> float:
+    """How far rounding moves the oracle's logits at a prefix, from its `replayed_logits`: the spread of tokens a
+    and b's `gaps` across them, or the largest spread of the best tokens' logits (`best_moved`), and never less
+    than one unit of a and b's last place, whichever is largest. A pair's gap can hold steady where its
+    neighbours move (a CPU with AMX in bfloat16, README section 5: one unit, 0.0625, steady across every replay,
+    while the methods' own forwards, with caches written in other shapes, saw 0). The floor is the last
+    rounding's own: two logits a hair apart before it can land a unit apart or together, so a one-unit gap is a
+    tie under any other order of the same arithmetic, even where every replay rounds it alike (in float32 a unit
+    at such logits is about 1e-6)."""
+    unit = float(last_place(rows[0])[[a, b]].max())
+    return max(max(gaps) - min(gaps), best_moved(rows, a, b), unit)
+
+
+def own_rows(decoder, prompt: Prompt, max_new_tokens: int, seed: int) -> tuple[list[int], torch.Tensor]:
+    """A greedy speculative method's output decoded again, with the oracle's logits row that chose each of its
+    tokens as the method's own forwards computed it (a tree node's row, over a cache its earlier trees wrote):
+    the tokens, and a (tokens, vocabulary) float32 row for each."""
+    rows = []
+
+    def recording(tree, target, generator):
+        path, following = sample_match(tree, target, generator)
+        rows.append(target.logits[path].float().cpu())  # the row of path[j] chose the j-th token this step emits
+        return path, following
+
+    tokens = last(decoder.steps(prompt, max_new_tokens, seed, verify=recording)).tokens
+    return tokens, torch.cat(rows)[: len(tokens)]
 
 
 @torch.inference_mode()
@@ -103,12 +130,17 @@ def peer_gap(model, context: list[int], a: int, b: int, prompt_length: int) -> f
     return float(logits[a] - logits[b])
 
 
-def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer=None) -> dict | None:
+def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer=None,
+               own: Callable[[], tuple[list[int], torch.Tensor]] | None = None) -> dict | None:
     """Where a greedy output first differs from the baseline's, and whether that is a numerical near-tie:
     the oracle's logit gap between the two tokens lies within how far rounding moves it, or the best tokens'
     logits, across forward sizes (`rounding_noise`: measured at that prefix, not assumed). `got` from a peer
     (a transformers model, `peer`, with its own kernels): that model's own gap at the prefix counts among the
-    forwards. An output that stops early or runs on is never a near-tie."""
+    forwards. `got` from one of our methods (`own`: its `own_rows`, decoded again only when the replays do not
+    settle it): the method's own forward is a near-tie too when it computed every one of the best logits
+    within that rounding of the baseline's, so that only the pair's order moved (`own_moved`): a tree forward
+    over a cache that trees wrote can round a gap by a unit more than any replay (README section 5), while a
+    wrong mask or position moves the whole row. An output that stops early or runs on is never a near-tie."""
     at = first_divergence(expected, got)
     if at is None:
         return None
@@ -121,14 +153,23 @@ def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer
     if peer is not None:
         gaps.append(peer_gap(peer, context, a, b, len(prompt.ids)))
     noise = rounding_noise(rows, gaps, a, b)
-    return {"position": at, "expected": a, "got": b, "gap": gaps[0], "noise": noise, "near_tie": abs(gaps[0]) <= noise}
+    diff = {"position": at, "expected": a, "got": b, "gap": gaps[0], "noise": noise, "near_tie": abs(gaps[0]) <= noise}
+    if not diff["near_tie"] and own is not None:
+        tokens, chosen = own()
+        if tokens[: at + 1] == got[: at + 1]:  # the same output again: these are the forwards that chose b
+            diff["own_moved"] = best_moved(torch.stack([rows[0], chosen[at].to(rows.dtype)]), a, b)
+            diff["near_tie"] = diff["own_moved"] <= noise and abs(gaps[0]) <= 2 * noise
+    return diff
 
 
 def describe(diff: dict) -> str:
     """Why a divergence is not a near-tie, in words."""
     if diff["gap"] is None:
         return "one output ends where the other goes on"
-    return f"logit gap {diff['gap']:.3g} outside the {diff['noise']:.3g} rounding moves logits there across forward sizes: not a near-tie"
+    why = (f"logit gap {diff['gap']:.3g} outside the {diff['noise']:.3g} rounding moves logits there across forward sizes")
+    if "own_moved" in diff:
+        why += f", and the method's own forward moved the best logits by {diff['own_moved']:.3g}"
+    return why + ": not a near-tie"
 
 
 PROG = "python -m decode.agreement"
@@ -164,7 +205,8 @@ def main(argv=None) -> dict:
             report[method]["tokens_per_oracle_call"].append(len(out.tokens) / out.oracle_calls)
             if not greedy:
                 continue
-            diff = divergence(baseline.decoder.oracle, prompt, expected, out.tokens)
+            diff = divergence(baseline.decoder.oracle, prompt, expected, out.tokens,
+                              own=lambda: own_rows(dec.decoder, prompt, base.max_new_tokens, base.seed + i))
             if diff is None:
                 report[method]["identical"] += 1
             else:

@@ -309,13 +309,14 @@ class Decoder:
     eos_id: int
     policy: dict | None = None  # the plan's policy the method was built with (None: the flags')
 
-    def steps(self, prompt: Prompt, max_new_tokens: int, seed: int) -> Iterator[generate.Generation]:
-        """The generation so far after each oracle call."""
+    def steps(self, prompt: Prompt, max_new_tokens: int, seed: int, verify: Callable | None = None) -> Iterator[generate.Generation]:
+        """The generation so far after each oracle call. `verify`: a speculative method's verification rule in
+        place of its own (decode.agreement passes one that records what the oracle's forwards computed)."""
         generator = torch.Generator(self.oracle.device).manual_seed(seed)  # torch samples with a generator on the tensors' device
         args = (self.oracle, prompt.ids, max_new_tokens, self.sampling, self.eos_id, generator, prompt.allowed)
         if self.method == "baseline":
             return generate.baseline_steps(*args)
-        return generate.tree_speculative_steps(*args, drafter=self.drafter)
+        return generate.tree_speculative_steps(*args, drafter=self.drafter, verify=verify)
 
     def __call__(self, prompt: Prompt, max_new_tokens: int, seed: int) -> generate.Generation:
         return generate.last(self.steps(prompt, max_new_tokens, seed))

@@ -76,15 +76,18 @@ def timed_runs(decoders: dict, prompts: list, max_new_tokens: int, seed: int) ->
     return records
 
 
-def check_outputs(records: dict[str, list[dict]], prompts: list, decoders: dict) -> dict[str, dict]:
+def check_outputs(records: dict[str, list[dict]], prompts: list, decoders: dict, max_new_tokens: int,
+                  seed: int) -> dict[str, dict]:
     """Greedy: per method, prompts whose output equals the baseline's, near-ties, and differences that are not.
-    A peer's difference is judged with its own model's logits too (transformers' kernels round otherwise)."""
+    A peer's difference is judged with its own model's logits too (transformers' kernels round otherwise), one
+    of ours with the rows its own forwards computed (`agreement.own_rows`, decoded again with the run's seed)."""
     checks = {}
     for name, rows in records.items():
         check = {"identical": 0, "near_ties": [], "differences": []}
         peer = decoders[name].oracle if name in PEERS else None
-        for (_, prompt), row, expected in zip(prompts, rows, records["baseline"]):
-            diff = agreement.divergence(decoders["baseline"].oracle, prompt, expected["tokens"], row["tokens"], peer)
+        for i, ((_, prompt), row, expected) in enumerate(zip(prompts, rows, records["baseline"])):
+            own = None if name in PEERS else lambda: agreement.own_rows(decoders[name], prompt, max_new_tokens, seed + i)
+            diff = agreement.divergence(decoders["baseline"].oracle, prompt, expected["tokens"], row["tokens"], peer, own)
             if diff is None:
                 check["identical"] += 1
             else:
@@ -218,7 +221,7 @@ def main(argv=None) -> dict:
           f"token healing {healing}; methods: {', '.join(names)}; "
           + (f"plan {options.plan}" if options.plan else "no plan (python -m decode.plan writes one)"))
     records = timed_runs(decoders, prompts, settings.max_new_tokens, settings.seed)
-    checks = check_outputs(records, prompts, decoders) if greedy else None
+    checks = check_outputs(records, prompts, decoders, settings.max_new_tokens, settings.seed) if greedy else None
     summary = summarise(records, checks)
     plan = json.loads(Path(options.plan).read_text()) if options.plan is not None else None
     if plan is not None:

@@ -153,6 +153,59 @@ def test_rounding_noise_is_the_largest_of_the_gaps_spread_the_best_tokens_spread
     assert rounding_noise(near, (near[:, 0] - near[:, 1]).tolist(), 0, 1) == torch.finfo(torch.float32).eps * 8
 
 
+@pytest.mark.parametrize("method, extra", [("speculative", {"k": 3}), ("tree", {"budget": 12}),
+                                           ("staged", {"budget": 12, "widths": [3, 2, 1]}), ("lookup", {})])
+def test_own_rows_are_the_rows_that_chose_each_token(models, method, extra):
+    """Decoded again with a recording verifier, a method gives the same tokens, and the row recorded for each
+    is the one that chose it (its argmax) and the baseline's row at that prefix (float32: to rounding)."""
+    from decode import agreement
+    from decode.api import SpeculativeDecoder
+
+    dec = SpeculativeDecoder.from_run(oracle=models["oracle"], draft=models["draft"], ngram=models["ngram"],
+                                      method=method, **extra)
+    prompt = dec.prompt([3, 4, 5, 9], 20)
+    tokens, rows = agreement.own_rows(dec.decoder, prompt, 20, 0)
+    assert tokens == dec.decoder(prompt, 20, 0).tokens and rows.shape == (20, dec.decoder.oracle.vocab_size)
+    assert rows.argmax(-1).tolist() == tokens
+    for at in (0, 7, 19):
+        replayed = agreement.replayed_logits(dec.decoder.oracle, prompt.ids.tolist() + tokens[:at], len(prompt.ids))
+        assert torch.allclose(rows[at], replayed[0], atol=1e-4)
+
+
+def test_a_methods_own_forward_makes_a_near_tie_only_when_it_moved_no_best_logit_beyond_rounding(monkeypatch):
+    """A gap of two bfloat16 units, steady across every replay (noise: the one-unit floor), is outside rounding
+    by the replays alone. The method's own row that chose the other token settles it: the pair moved a unit
+    each and nothing else moved, a near-tie; a third best token moved by three units (a row computed over
+    something else), or the pair four units apart, or a re-decode that does not give the same output, not."""
+    from decode import agreement
+    from decode.healing import Prompt
+
+    base = torch.tensor([10.6875, 10.5625, 9.0, 6.0] + [2.0] * 8 + [-5.0, -6.0])  # bfloat16-exact
+    monkeypatch.setattr(agreement, "replayed_logits", lambda oracle, context, n: base.expand(4, -1).clone())
+    prompt, expected, got = Prompt(torch.tensor([3, 4])), [2, 0, 5], [2, 1, 5]
+
+    def judged(own_row, tokens=got):
+        return agreement.divergence(None, prompt, expected, got, own=lambda: (tokens, torch.stack([base, own_row, base])))
+
+    flipped = base.clone()
+    flipped[:2] += torch.tensor([-0.0625, 0.0625])  # a tie at 10.625, which the method's forward broke the other way
+    assert not agreement.divergence(None, prompt, expected, got)["near_tie"]  # the replays alone: 0.125 > 0.0625
+    tie = judged(flipped)
+    assert tie["near_tie"] and tie["own_moved"] == 0.0625 and tie["noise"] == 0.0625
+    moved = flipped.clone()
+    moved[2] += 0.1875
+    assert not judged(moved)["near_tie"] and judged(moved)["own_moved"] == 0.1875
+    assert "own forward moved the best logits by 0.188" in agreement.describe(judged(moved))
+    other = judged(flipped, tokens=[2, 0, 5])  # decoded again, the method gave the baseline's token: no evidence
+    assert not other["near_tie"] and "own_moved" not in other
+    far = base.clone()
+    far[0] = 10.8125  # four units above token 1: a one-unit move of each cannot flip it
+    monkeypatch.setattr(agreement, "replayed_logits", lambda oracle, context, n: far.expand(4, -1).clone())
+    own = far.clone()
+    own[:2] += torch.tensor([-0.0625, 0.0625])
+    assert not agreement.divergence(None, prompt, expected, got, own=lambda: (got, torch.stack([far, own, far])))["near_tie"]
+
+
 @pytest.mark.filterwarnings("error::FutureWarning")  # e.g. transformers' renamed `past_key_values`: it goes in 5.40
 def test_a_peers_difference_is_judged_with_its_own_models_logits_too(models):
     """A peer runs the same checkpoint through transformers' kernels: where its output differs, its own
