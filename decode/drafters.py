@@ -22,7 +22,7 @@ import torch
 
 from decode.cached_lm import CachedLM, Shortlist, long_tensor
 from decode.lookup import ContextIndex
-from decode.sampling import Sampling, row_argmax, tokens_at, top_tokens, values_at
+from decode.sampling import Sampling, row_argmax, tokens_at, top_tokens, values_at, values_list
 from decode.tree import Tree, rows_mask
 
 
@@ -130,7 +130,7 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool, orde
         best = [best[row[node]] for node in range(n)]
     read_rows = [row[parent] for parent in tree.parents[1:]] + [row[node] for node in range(n) for _ in range(k)]
     read_columns = tree.tokens[1:] + [token for tokens in best for token in tokens]  # each edge, then each best child
-    values = values_at(scores, read_rows, read_columns, shortlist).tolist()
+    values = values_list(scores, read_rows, read_columns, shortlist)
     edges, rows = values[: n - 1], [values[n - 1 + i * k : n - 1 + (i + 1) * k] for i in range(n)]
     if greedy:  # each row's best value comes first
         edges = [math.exp(v - rows[parent][0]) for parent, v in zip(tree.parents[1:], edges)]

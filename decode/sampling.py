@@ -3,6 +3,7 @@
 Temperature 0 means greedy: the distribution is a point mass on the argmax, so the same exact
 verification rules serve greedy decoding (they reduce to "accept while the token is the argmax").
 """
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,6 +75,19 @@ def values_at(logits: torch.Tensor, rows, tokens, shortlist: Shortlist | None = 
         return logits.numpy()[rows, tokens]
     flat = np.asarray(rows, np.int64) * logits.shape[-1] + np.asarray(tokens, np.int64)
     return logits.take(torch.from_numpy(flat).to(logits.device)).float().cpu().numpy()
+
+
+def values_list(logits: torch.Tensor, rows: list[int], tokens: list[int], shortlist: Shortlist | None = None) -> list[float]:
+    """`values_at` for a few values, as a list. On CPU in float32 each is read alone (`ndarray.item`: a tenth of a
+    microsecond), where numpy's gather costs microseconds a call: a staged step's 48 values took 45-50 us through
+    `values_at` right after the draft's forward."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return values_at(logits, rows, tokens, shortlist).tolist()
+    item = logits.numpy().item
+    if shortlist is None:
+        return [item(row, token) for row, token in zip(rows, tokens)]
+    column = shortlist.column_list
+    return [item(row, c) if (c := column[token]) >= 0 else -math.inf for row, token in zip(rows, tokens)]
 
 
 def row_argmax(logits: torch.Tensor, shortlist: Shortlist | None = None) -> list[int]:

@@ -11,7 +11,7 @@ from decode.drafters import draw_children, ranked_children
 from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline, speculative
 from decode.hf_backend import HFEngine
-from decode.sampling import Sampling, argmax_of_rows, sample, top_tokens, values_at
+from decode.sampling import Sampling, argmax_of_rows, sample, top_tokens, values_at, values_list
 from decode.tree import Tree
 from decode_models import tiny_gpt2
 
@@ -274,6 +274,9 @@ def test_helpers_read_a_shortlisted_models_columns_as_tokens():
     assert top_tokens(logits, 1, shortlist).tolist() == [[7], [2]] and top_tokens(logits, 2, shortlist).tolist() == [[7, 9], [2, 9]]
     values = values_at(logits, [0, 1, 1], [9, 2, 4], shortlist)  # token 4 is off the list
     assert values.tolist() == [1.0, 2.0, float("-inf")]
+    assert values_list(logits, [0, 1, 1], [9, 2, 4], shortlist) == [1.0, 2.0, float("-inf")]  # read one by one
+    assert values_list(logits.bfloat16(), [0, 1, 1], [9, 2, 4], shortlist) == [1.0, 2.0, float("-inf")]  # through numpy
+    assert values_list(logits, [1, 0], [2, 1]) == [0.0, 3.0]  # no shortlist: columns are tokens
     drawn, q = draw_children(Sampling(1.0), logits, 2000, torch.Generator().manual_seed(0), shortlist)
     assert q.shape == (2, 10) and torch.allclose(q[:, [2, 7, 9]], logits.softmax(-1)) and q.sum() == pytest.approx(2.0)
     assert set(drawn[0]) == {2, 7, 9} and abs(drawn[0].count(7) / 2000 - float(logits[0].softmax(-1)[1])) < 0.03
