@@ -119,15 +119,18 @@ def own_rows(decoder, prompt: Prompt, max_new_tokens: int, seed: int) -> tuple[l
 
 
 @torch.inference_mode()
-def peer_gap(model, context: list[int], a: int, b: int, prompt_length: int) -> float:
-    """logit[a] - logit[b] after `context` as a transformers model computes it in plain `generate`: the prompt
-    in one forward, then token by token on its cache."""
-    ids, cache = torch.tensor([context], device=model.device), cache_keyword(model)
-    out = model(ids[:, :prompt_length], use_cache=True)
-    for i in range(prompt_length, len(context)):
-        out = model(ids[:, i : i + 1], use_cache=True, **{cache: out[cache]})
-    logits = out.logits[0, -1].float()
-    return float(logits[a] - logits[b])
+def peer_gaps(model, context: list[int], a: int, b: int, prompt_length: int) -> list[float]:
+    """logit[a] - logit[b] after `context` as a transformers model computes it in `generate`: the prompt in one
+    forward, then the tokens after it one at a time (plain generate; first), then a few at a time (CHUNKS:
+    assisted generation and prompt lookup score their candidates in one forward on the cache)."""
+    ids, cache, gaps = torch.tensor([context], device=model.device), cache_keyword(model), []
+    for chunk in (1, *CHUNKS):
+        out = model(ids[:, :prompt_length], use_cache=True)
+        for i in range(prompt_length, len(context), chunk):
+            out = model(ids[:, i : i + chunk], use_cache=True, **{cache: out[cache]})
+        logits = out.logits[0, -1].float()
+        gaps.append(float(logits[a] - logits[b]))
+    return gaps
 
 
 def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer=None,
@@ -135,8 +138,8 @@ def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer
     """Where a greedy output first differs from the baseline's, and whether that is a numerical near-tie:
     the oracle's logit gap between the two tokens lies within how far rounding moves it, or the best tokens'
     logits, across forward sizes (`rounding_noise`: measured at that prefix, not assumed). `got` from a peer
-    (a transformers model, `peer`, with its own kernels): that model's own gap at the prefix counts among the
-    forwards. `got` from one of our methods (`own`: its `own_rows`, decoded again only when the replays do not
+    (a transformers model, `peer`, with its own kernels): that model's own gaps at the prefix, token by token and in
+    chunks, count among the forwards. `got` from one of our methods (`own`: its `own_rows`, decoded again only when the replays do not
     settle it): the method's own forward is a near-tie too when it computed every one of the best logits
     within that rounding of the baseline's, so that only the pair's order moved (`own_moved`): a tree forward
     over a cache that trees wrote can round a gap by a unit more than any replay (README section 5), while a
@@ -151,7 +154,7 @@ def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer
     rows = replayed_logits(oracle, context, len(prompt.ids))
     gaps = (rows[:, a] - rows[:, b]).tolist()
     if peer is not None:
-        gaps.append(peer_gap(peer, context, a, b, len(prompt.ids)))
+        gaps += peer_gaps(peer, context, a, b, len(prompt.ids))
     noise = rounding_noise(rows, gaps, a, b)
     diff = {"position": at, "expected": a, "got": b, "gap": gaps[0], "noise": noise, "near_tie": abs(gaps[0]) <= noise}
     if not diff["near_tie"] and own is not None:
