@@ -172,6 +172,28 @@ def test_own_rows_are_the_rows_that_chose_each_token(models, method, extra):
         assert torch.allclose(rows[at], replayed[0], atol=1e-4)
 
 
+def test_in_bfloat16_a_wrong_position_is_still_a_bug_with_the_methods_own_forwards_recorded(models, tmp_path, monkeypatch):
+    """The own-forward rule admits only rows that match the baseline's to rounding: an oracle tree whose nodes below
+    the root sit one position too far (a bug) differs from the baseline, and every difference is reported as a bug
+    whose own row moved the best logits beyond the replays' rounding, in bfloat16 as in float32."""
+    from decode import agreement
+    from decode.cached_lm import long_tensor
+    from decode.tree import Tree
+
+    monkeypatch.setattr(Tree, "position_ids", lambda self, prefix, device=None:
+                        long_tensor([prefix + depth + (depth > 0) for depth in self.depths], device))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i} t{i + 5}"}) + "\n" for i in range(6)))
+    for dtype in ("bfloat16", "float32"):
+        report = agreement.main(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
+                                 "--prompts", str(prompts), "--max-new-tokens", "16", "--budget", "12", "--widths", "3,2,1",
+                                 "--methods", "staged,ngram", "--dtype", dtype])
+        for method in ("staged", "ngram"):
+            bugs = report[method]["bugs"]
+            assert len(bugs) >= 3 and not report[method]["near_ties"]
+            assert all(bug["own_moved"] > bug["noise"] for bug in bugs)
+
+
 def test_a_methods_own_forward_makes_a_near_tie_only_when_it_moved_no_best_logit_beyond_rounding(monkeypatch):
     """A gap of two bfloat16 units, steady across every replay (noise: the one-unit floor), is outside rounding
     by the replays alone. The method's own row that chose the other token settles it: the pair moved a unit
