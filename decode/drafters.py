@@ -128,11 +128,11 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool, orde
         for i, node in enumerate(order):
             row[node] = i
         best = [best[row[node]] for node in range(n)]
-    edge_rows = [row[parent] for parent in tree.parents[1:]]
-    edges = values_list(scores, edge_rows, tree.tokens[1:], shortlist)
-    rows = values_list(scores, [row[node] for node in range(n) for _ in range(k)], [t for tokens in best for t in tokens], shortlist)
-    rows = [rows[i : i + k] for i in range(0, n * k, k)]  # per node, best first
-    if greedy:
+    read_rows = [row[parent] for parent in tree.parents[1:]] + [row[node] for node in range(n) for _ in range(k)]
+    read_columns = tree.tokens[1:] + [token for tokens in best for token in tokens]  # each edge, then each best child
+    values = values_list(scores, read_rows, read_columns, shortlist)  # one read: off the CPU, one transfer
+    edges, rows = values[: n - 1], [values[n - 1 + i * k : n - 1 + (i + 1) * k] for i in range(n)]
+    if greedy:  # each row's best value comes first
         edges = [math.exp(v - rows[parent][0]) for parent, v in zip(tree.parents[1:], edges)]
         rows = [[1.0] for _ in rows] if k == 1 else [relative(row, row[0]) for row in rows]
     return [1.0] + edges, best, rows
