@@ -132,22 +132,28 @@ def fastest_layout(dtype: torch.dtype, device_type: str, in_features: int, out_f
     least time here. On a GPU: F.linear in bfloat16, addmm in float32 (not measured). On CPUs it differs by kind
     and shape: on an AVX2-only EPYC in float32, 512 x 8192 took 0.50 / 4.48 ms (1 / 16 rows) with addmm and
     0.28 / 1.22 prepacked, while 128 x 384 took 0.013 / 0.040 with addmm and 0.069 / 0.075 prepacked (oneDNN's
-    fixed cost per call); bfloat16 cannot be prepacked there."""
+    fixed cost per call); bfloat16 cannot be prepacked there. Every candidate is called once before the timing
+    (its first call builds kernels), then the candidates take turns, so a drift of the machine's speed during the
+    measurement weighs on all of them alike. Timed one after another with no first call apart, a fresh process
+    once chose a layout 3.5x slower at 1 row for the cpu preset oracle's 512 x 1536 matrix (1 of 40 processes,
+    AVX-512 BF16 EPYC, bfloat16; none of 44 since)."""
     if device_type != "cpu":
         return "out_in" if dtype == torch.bfloat16 else "in_out"
     weight = torch.randn(in_features, out_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     bias = torch.zeros(out_features, dtype=dtype)
+    cases = [(layout, Projection(weight, bias, layout, gelu), torch.ones(rows, in_features, dtype=dtype))
+             for layout in LAYOUTS if layout != "packed" or onednn_packs(dtype) for rows in (1, 16)]
+    samples = [[] for _ in cases]
+    for _, projection, x in cases:
+        projection(x)
+    for _ in range(12):
+        for (_, projection, x), timings in zip(cases, samples):
+            start = time.perf_counter()
+            projection(x)
+            timings.append(time.perf_counter() - start)
     times = {}
-    for layout in (name for name in LAYOUTS if name != "packed" or onednn_packs(dtype)):
-        projection = Projection(weight, bias, layout, gelu)
-        for rows in (1, 16):
-            x = torch.ones(rows, in_features, dtype=dtype)
-            samples = []
-            for _ in range(12):
-                start = time.perf_counter()
-                projection(x)
-                samples.append(time.perf_counter() - start)
-            times[layout] = times.get(layout, 0.0) + sorted(samples)[len(samples) // 2]
+    for (layout, _, _), timings in zip(cases, samples):
+        times[layout] = times.get(layout, 0.0) + sorted(timings)[len(timings) // 2]
     return min(times, key=times.get)
 
 
