@@ -451,12 +451,18 @@ class StagedDrafter(ModelDrafter):
     def sampled_tree(self, tree: Tree, logits: torch.Tensor, max_depth: int, generator) -> Tree:
         """When sampling: `draft_children` independent draws from the draft's q below the root and below
         every draw that lands on a node the draft scored (`tree`, whose q its one call computed), level by
-        level; a draw elsewhere is a leaf. Verified by multi-draft rejection. Only the rows drawn below get
-        a proposal: its top-k costs microseconds a row, and most of the scored nodes are never drawn."""
+        level, up to `budget` nodes; a draw elsewhere is a leaf. Verified by multi-draft rejection. Only the
+        rows drawn below get a proposal: its top-k costs microseconds a row, and most of the scored nodes are
+        never drawn. Draws that repeat a token each get draws below, so a confident path would multiply
+        (3 draws a node: trees of thousands of nodes); the budget stops it at the first nodes of a level, in
+        their order, which the earlier levels' draws decide before this level's are made: which nodes get
+        draws never depends on the draws themselves, so multi-draft rejection stays exact."""
+        count = self.draft_children or 2
         out, self.kept = Tree.rooted(tree.tokens[0]), [0]
         level = [(0, 0)]  # (node of `out`, the scored node it stands for): their children are drawn next
-        while level := [(node, scored) for node, scored in level if out.depths[node] < max_depth]:
-            drawn, q = draw_children(self.sampling, logits[[scored for _, scored in level]], self.draft_children or 2,
+        while level := [(node, scored) for node, scored in level if out.depths[node] < max_depth][
+                : (self.budget - len(out)) // count]:
+            drawn, q = draw_children(self.sampling, logits[[scored for _, scored in level]], count,
                                      generator, self.draft.shortlist)
             below_level = []
             for (node, scored), tokens, dist in zip(level, drawn, q):

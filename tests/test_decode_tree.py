@@ -244,6 +244,37 @@ def test_staged_sampled_children_are_draws_that_grow_only_where_the_draft_scored
     assert grown > 0  # some draws landed on the trigram's tree and were drawn below
 
 
+def test_staged_sampled_trees_stop_at_the_budget_at_the_first_nodes_of_a_level(models):
+    """Repeated draws each get draws below: uncapped, a confident draft multiplies a path (3 draws a node once
+    made trees of 3,589 nodes on the cpu preset). The budget stops the drawing at the first nodes of a level."""
+    draft = GPT2Engine.load(models["good"])
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    sampling = Sampling(1.0, top_k=1)  # one token to draw: every draw repeats the draft's best
+    # the draft's own greedy text: it falls into a loop, which the context drafter grafts and the draft's best
+    # token follows, so every draw lands on a node the draft scored
+    contexts = [start + baseline(draft, torch.tensor(start), 60, Sampling(), None).tokens
+                for start in ([4, 9, 17], [1, 2, 3], [30, 31, 32])]
+
+    def trees(budget):
+        staged = StagedDrafter(draft, table, sampling, budget=budget, widths=[3, 2, 1], draft_children=3,
+                               context=LookupDrafter(8, 1), depth=6, sampled=True)
+        generator = torch.Generator().manual_seed(5)
+        out = []
+        for tokens in contexts:
+            staged.reset()
+            out.append((staged.propose(tokens, 10, generator), staged.kept))
+        return out
+
+    assert max(len(tree) for tree, _ in trees(10_000)) > 100  # the multiplication the budget is for
+    for tree, kept in trees(10):
+        assert len(tree) <= 10
+        for depth in range(max(tree.depths)):
+            drawable = [n for n in range(len(tree)) if tree.depths[n] == depth and kept[n] is not None]
+            drawn = [n in tree.child_dists for n in drawable]
+            assert drawn == sorted(drawn, reverse=True)  # the nodes with draws come first in their level
+            assert all(len(tree.children[n]) == 3 for n in drawable if n in tree.child_dists)
+
+
 def test_staged_sampled_children_leave_the_drafts_cache_on_the_accepted_tokens(models):
     """The draft commits the accepted draws it scored; its next logits must be a fresh prefill's."""
     oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["good"])

@@ -80,6 +80,9 @@ CORRECT = {  # one case per verification rule, and the chain (Chen et al.'s rule
                                                                 Sampling(1.0)),
     "staged, sampled children from a draft with a shortlist, multi-draft rejection": (
         lambda m, s: StagedDrafter(m["shortlisted"], m["ngram"], s, widths=[3, 2, 1], depth=4, sampled=True), Sampling(1.0)),
+    "staged, sampled children stopped by a budget of 5 nodes, multi-draft rejection": (  # draws below the first nodes only
+        lambda m, s: StagedDrafter(m["bad"], m["ngram"], s, budget=5, widths=[3, 2, 1], context=LookupDrafter(4, 2),
+                                   depth=4, sampled=True), Sampling(1.0)),
     "staged with the context drafter, sample-match": (
         lambda m, s: StagedDrafter(m["good"], m["ngram"], s, budget=12, widths=[3, 2, 1], draft_children=2,
                                    context=LookupDrafter(4, 2), depth=4), Sampling(0.9, top_k=4)),
