@@ -79,6 +79,8 @@ def test_the_explanation_says_why_staged_lost_and_labels_the_forecast():
 def test_looping_completions_are_called_out():
     loop, code = [7, 9] * 64, list(range(128))
     assert report.looping([code, code]) is None
+    assert report.looping([loop] + [code] * 9) is None  # one prompt in ten: the table stands
+    assert report.looping([loop, loop] + [code] * 8).startswith("Note: 2 of 10")
     assert report.looping([loop, code, [3] * 128]).startswith("Note: 2 of 3 of the oracle's completions repeat at most 4 "
                                                               "distinct tokens")
 
