@@ -50,7 +50,7 @@ class DecoderOptions:
     widths: list[int] = field(default_factory=lambda: list(planning.PAPER_WIDTHS))
     branch: int | None = None  # None: 4 for tree; staged: 1 top child (the draft's argmax), or 2 draws when sampled
     tree_children: str | None = None  # None: sampled (top when greedy, either way)
-    plan: Path | None = None  # a plan.json (decode.plan): its policy for the method replaces k, budget, widths, ...
+    plan: Path | None = None  # a plan.json (decode.plan): its policy for the method fills in k, budget, widths, ...
     context_drafter: bool = True
     lookup_tokens: int = 10
     lookup_branches: int = 1
@@ -62,6 +62,7 @@ class DecoderOptions:
     cuda_graphs: bool = False  # the lean engine on a GPU: replay each forward's kernels as one graph (unmeasured)
     draft_vocab: int = 0  # the draft's logits over its N most frequent training tokens only (0: every token)
     token_healing: bool = True
+    given: frozenset[str] = frozenset()  # the options the caller set by hand: a plan fills in only the others
 
     @classmethod
     def of(cls, settings) -> "DecoderOptions":
@@ -88,7 +89,7 @@ class DecoderOptions:
         check_device(self.device)
         branch = self.branch if self.branch is not None or self.method == "staged" else 4
         children = self.tree_children or "sampled"
-        return replace(self, widths=list(self.widths), branch=branch, tree_children=children)
+        return replace(self, widths=list(self.widths), branch=branch, tree_children=children, given=frozenset(self.given))
 
 
 def sampling_of(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
@@ -133,7 +134,7 @@ class SpeculativeDecoder:
     def from_run(cls, run: str | Path | None = None, *, oracle=None, draft=None, ngram=None, **options) -> "SpeculativeDecoder":
         """Models from a run directory (RUN/oracle, RUN/draft, RUN/ngram, and RUN/plan.json when it
         exists: plan=None turns it off) or given one by one; any other DecoderOptions field (method,
-        dtype, device, budget, widths, ...) as a keyword."""
+        dtype, device, budget, widths, ...) as a keyword, which wins over the plan's value."""
         if run is not None:
             run = Path(run)
             oracle, draft, ngram = oracle or run / "oracle", draft or run / "draft", ngram or run / "ngram"
@@ -143,7 +144,8 @@ class SpeculativeDecoder:
         unknown = sorted(set(options) - names)
         if unknown:
             raise InputError(f"unknown options {unknown}; choose from {', '.join(sorted(names - {'oracle', 'draft', 'ngram'}))}")
-        chosen = DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram), **options).check()
+        chosen = DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram),
+                                **{"given": frozenset(options), **options}).check()
         if run is not None and "plan" not in options:
             chosen = replace(chosen, plan=planning.run_plan(run, chosen))
         return cls(chosen)
@@ -339,23 +341,22 @@ class Decoder:
 
 def apply_plan(options: "DecoderOptions") -> tuple["DecoderOptions", planning.Shape | None, dict | None]:
     """The options with the plan's policy for the method (its tree, and the draft's shortlist) in place
-    of the flags', the tree method's planned shape (None: the flags' best-first tree), and the policy
-    (None: no plan, or none for the method)."""
+    of the options the caller did not set (`given`), the tree method's planned shape (None: the flags'
+    best-first tree), and the policy as applied (None: no plan, none for the method, or all of it set by hand)."""
     if options.plan is None or options.method not in planning.PLANNED:
         return options, None, None
     policy = planning.load_plan(options.plan, options).get(options.method)
-    if policy is None:
+    policy = policy and planning.unless_given(policy, options.method, options.given)
+    if not policy:
         return options, None, None
     options = replace(options, draft_vocab=policy.get("draft_vocab", options.draft_vocab),
-                      draft_dtype=policy.get("draft_dtype", options.draft_dtype))
-    if options.method == "speculative":
-        return replace(options, k=policy["k"]), None, policy
-    if options.method == "lookup":
-        return replace(options, lookup_tokens=policy["tokens"]), None, policy
-    if options.method == "tree":
-        shape = planning.Shape(policy["parents"], policy["ranks"], policy["expected"])
-        return replace(options, budget=max(2, len(shape.parents)), depth=max(1, shape.depth)), shape, policy
-    return replace(options, widths=list(policy["widths"]), budget=policy["budget"]), None, policy
+                      draft_dtype=policy.get("draft_dtype", options.draft_dtype),
+                      k=policy.get("k", options.k), lookup_tokens=policy.get("tokens", options.lookup_tokens),
+                      widths=list(policy.get("widths", options.widths)), budget=policy.get("budget", options.budget))
+    if "parents" not in policy:
+        return options, None, policy
+    shape = planning.Shape(policy["parents"], policy["ranks"], policy["expected"])
+    return replace(options, budget=max(2, len(shape.parents)), depth=max(1, shape.depth)), shape, policy
 
 
 def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:

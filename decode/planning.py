@@ -267,7 +267,7 @@ def run_plan(run: Path, options) -> Path | None:
     path = Path(run) / "plan.json"
     if not path.is_file():
         if (options.method == "staged" and torch.device(options.device).type == "cpu"
-                and (tuple(options.widths), options.budget) == (PAPER_WIDTHS, PAPER_BUDGET)):
+                and not {"widths", "budget"} & options.given):
             print(f"note: no plan in {run}, so staged drafts the paper's tree (--widths {','.join(map(str, PAPER_WIDTHS))} "
                   f"--budget {PAPER_BUDGET}, sized for a GPU: on a CPU it is slower than plain decoding); plan once with "
                   f"`python -m decode.plan --run {run}`, or pass a smaller tree (--widths 4,2,1 --budget 16)", file=sys.stderr)
@@ -283,6 +283,26 @@ def run_plan(run: Path, options) -> Path | None:
               f"`{replan_command(run, options)}`)", file=sys.stderr)
         return None
     return path
+
+
+# The options each method's policy stands for: an option the caller set (DecoderOptions.given) keeps its value,
+# the plan fills in the rest. A planned tree (its shape) stands for the flags of a best-first tree all at once.
+POLICY_OPTIONS = {"speculative": {"k": "k"}, "lookup": {"tokens": "lookup_tokens"},
+                  "staged": {"widths": "widths", "budget": "budget"}, "ngram": {"widths": "widths", "budget": "budget"}}
+TREE_SHAPE, TREE_FLAGS = ("parents", "ranks", "expected", "nodes", "depth"), ("budget", "depth", "branch")
+DRAFT_OPTIONS = {"draft_vocab": "draft_vocab", "draft_dtype": "draft_dtype"}
+
+
+def options_of(method: str, key: str) -> tuple[str, ...]:
+    """The options a policy's `key` gives values to."""
+    if method == "tree" and key in TREE_SHAPE:
+        return TREE_FLAGS
+    return (POLICY_OPTIONS.get(method, {}) | DRAFT_OPTIONS)[key],
+
+
+def unless_given(policy: dict, method: str, given) -> dict:
+    """The policy less what the caller set by hand: a flag they typed wins over the plan."""
+    return {key: value for key, value in policy.items() if not set(options_of(method, key)) & set(given)}
 
 
 def describe(policy: dict) -> str:

@@ -36,6 +36,14 @@ class Settings:
     run: Path | None = None
 
 
+class Typed(argparse.Action):
+    """Stores the flag's value and notes that it was typed (`given`): a plan fills in only the flags not typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = namespace.given | {self.dest}
+
+
 def parse(argv=None, prog: str = "python -m decode.run", description: str = __doc__.split("\n\n")[0]) -> Settings:
     """decode.run's flags as Settings; the tools built on them (profile_step) pass their own name and summary."""
     p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -55,13 +63,14 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this much probability")
-    p.add_argument("--k", type=int, default=4, help="speculative: tokens the draft proposes per oracle call")
-    p.add_argument("--budget", type=int, default=PAPER_BUDGET, help="tree methods: nodes in the oracle's tree (default: "
-                   "the paper's; a plan's on this device replaces it)")
-    p.add_argument("--depth", type=int, default=8, help="tree methods: deepest drafted level")
-    p.add_argument("--widths", default=",".join(map(str, PAPER_WIDTHS)), help="staged/ngram: trigram children per node "
-                   "at each level (default: the paper's, sized for a GPU; a plan's on this device replaces it)")
-    p.add_argument("--branch", type=int, default=None,
+    p.add_argument("--k", type=int, default=4, action=Typed, help="speculative: tokens the draft proposes per oracle call")
+    p.add_argument("--budget", type=int, default=PAPER_BUDGET, action=Typed,
+                   help="tree methods: nodes in the oracle's tree (a plan on this device replaces the paper's default)")
+    p.add_argument("--depth", type=int, default=8, action=Typed, help="tree methods: deepest drafted level")
+    p.add_argument("--widths", default=",".join(map(str, PAPER_WIDTHS)), action=Typed,
+                   help="staged/ngram: trigram children per node at each level (a plan on this device replaces the "
+                        "paper's default, which is sized for a GPU)")
+    p.add_argument("--branch", type=int, default=None, action=Typed,
                    help="tree: children per expanded node (default 4); staged: the draft's own top children per node "
                         "(default 1: an argmax costs a tenth of a top-k over the vocabulary and measured faster per token), "
                         "or with sampled --tree-children its draws per node (default 2)")
@@ -73,37 +82,38 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--context-drafter", action=argparse.BooleanOptionalAction, default=True,
                    help="staged: graft onto the trigram's tree the tokens that followed earlier occurrences of the "
                         "sequence's current suffix (what the lookup method drafts); the draft ranks them with the rest")
-    p.add_argument("--lookup-tokens", type=int, default=10,
+    p.add_argument("--lookup-tokens", type=int, default=10, action=Typed,
                    help="lookup: tokens per continuation (staged: at most --depth)")
     p.add_argument("--lookup-branches", type=int, default=1, help="lookup, staged: continuations from different earlier occurrences")
     p.add_argument("--lookup-ngram", type=int, default=3, help="lookup, staged: longest suffix matched in the context")
     p.add_argument("--plan", type=Path,
                    help="a plan written by decode.plan: its policy for the method (k, tree shape, budget, widths, lookup "
-                        "tokens, draft vocabulary and dtype) replaces those flags (default: RUN/plan.json when it exists and was planned for this "
-                        "device, dtype and backend; a plan for other models is refused)")
-    p.add_argument("--no-plan", action="store_true", help="use the flags' trees even when RUN/plan.json exists")
+                        "tokens, draft vocabulary and dtype) fills in those flags that you do not type (default: RUN/plan.json when it "
+                        "exists and was planned for this device, dtype and backend; a plan for other models is refused)")
+    p.add_argument("--no-plan", action="store_true", help="use the flags' defaults even when RUN/plan.json exists")
     p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
                    help="back off the prompt's last token and let the first new token be only one that extends its text "
                         "(a prompt ending in a bare newline otherwise starts where training never went); every method alike")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None, action=Typed,
                    help="the draft's dtype (default: --dtype's). A draft's forwards of a few rows are per-call overhead: "
                         "on an AMX CPU beside a bfloat16 oracle, a float32 draft's products (MKL, 4-12 us each) beat "
-                        "bfloat16's (oneDNN, 19-25 us); a plan's choice replaces it")
+                        "bfloat16's (oneDNN, 19-25 us); a plan's choice when not typed")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--backend", choices=["auto", "lean", "hf"], default="auto",
                    help="lean: our GPT-2 engine; hf: any transformers causal LM; auto: lean where it applies")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="the lean engine on a GPU: replay each forward as a CUDA graph, one launch instead of a dozen "
                         "kernels per layer (tested on a CPU without graphs; not yet run or measured on a GPU)")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N", action=Typed,
                    help="the draft's output layer over its N most frequent training tokens only (RUN/draft/"
                         "token_counts.npy): a fraction of its cost; it then proposes only those, and the output stays "
-                        "the oracle's (0: every token; a plan's choice replaces it)")
+                        "the oracle's (0: every token; a plan's choice when not typed)")
     p.add_argument("--output", type=Path, help="write one JSON object per prompt here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--stream", action="store_true", help="print each completion as its tokens are accepted")
+    p.set_defaults(given=frozenset())
     args = p.parse_args(argv)
     if args.run is not None:
         args.oracle = args.oracle or args.run / "oracle"
@@ -162,8 +172,8 @@ def main(argv=None) -> list[dict]:
     dec = SpeculativeDecoder(settings.options)
     dec.use(settings.sampling)
     if dec.decoder.policy is not None:
-        print(f"plan {settings.options.plan}: {settings.options.method} with {describe(dec.decoder.policy)} (--no-plan for the "
-              "flags')", file=sys.stderr)
+        print(f"plan {settings.options.plan}: {settings.options.method} with {describe(dec.decoder.policy)} (a flag you type "
+              "wins; --no-plan for the flags' defaults)", file=sys.stderr)
     records = []
     for i, (record, prompt) in enumerate(encode_prompts(settings, [dec])):
         pieces = dec.decode(prompt, settings.max_new_tokens, settings.seed + i, pieces=settings.stream)

@@ -15,7 +15,7 @@ from data.shards import TOKEN_COUNTS
 
 from decode import SpeculativeDecoder, costs, plan, planning, run
 from decode.cached_lm import Shortlist
-from decode.drafters import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter
+from decode.drafters import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
 from decode.engine import GPT2Engine
 from decode.generate import baseline, tree_speculative
 from decode.sampling import Sampling
@@ -149,8 +149,14 @@ def planned(models, tmp_path, monkeypatch):
     return {"args": args, "path": out, "plan": written, "replayed": replayed}
 
 
+def without(args: list[str], flag: str) -> list[str]:
+    """`args` less `flag` and its value."""
+    at = args.index(flag)
+    return args[:at] + args[at + 2 :]
+
+
 def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
-    path, args = planned["path"], planned["args"]
+    path, args = planned["path"], without(planned["args"], "--widths")  # a typed flag would win over the plan
     on_disk = json.loads(path.read_text())
     assert on_disk["policies"] == planned["plan"]["policies"] and set(on_disk["policies"]) == set(planning.PLANNED)
     options = run.parse(args + ["--plan", str(path)]).options
@@ -183,6 +189,38 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
     run.main(args + ["--plan", str(path), "--method", "speculative", "--limit", "1"])
     policy = on_disk["policies"]["speculative"]
     assert f"speculative with k {policy['k']}, draft_vocab {policy['draft_vocab']}, draft_dtype float32" in capsys.readouterr().err
+
+
+def test_a_flag_typed_wins_over_the_plan_which_fills_in_the_rest(planned, models, tmp_path, capsys):
+    path, args = planned["path"], without(planned["args"], "--widths") + ["--plan", str(planned["path"])]
+    policies = json.loads(path.read_text())["policies"]
+    decoder = lambda *flags: SpeculativeDecoder(run.parse(args + list(flags)).options).decoder
+    staged = decoder("--method", "staged", "--budget", "7")
+    assert staged.drafter.budget == 7 and staged.drafter.trigram.widths == policies["staged"]["widths"]
+    assert (len(staged.draft.shortlist) if staged.draft.shortlist else 0) == policies["staged"].get("draft_vocab", 0)
+    assert "budget" not in staged.policy and staged.policy["widths"] == policies["staged"]["widths"]
+    whole = decoder("--method", "staged", "--draft-vocab", "0")
+    assert whole.draft.shortlist is None and whole.drafter.budget == policies["staged"]["budget"]
+    assert decoder("--method", "speculative", "--k", "2").k == 2
+    tree = decoder("--method", "tree", "--budget", "5")  # a planned tree stands for every tree flag: the flags' tree
+    assert isinstance(tree.drafter, TreeDrafter) and tree.drafter.budget == 5 and "parents" not in tree.policy
+    typed_all = decoder("--method", "lookup", "--lookup-tokens", "3")
+    assert typed_all.policy is None and typed_all.drafter.length == 3
+    base = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options)
+    assert SpeculativeDecoder(run.parse(args + ["--method", "staged", "--budget", "7"]).options).generate("t3 t9", 16).token_ids \
+        == base.generate("t3 t9", 16).token_ids
+    capsys.readouterr()
+    run.main(args + ["--method", "staged", "--budget", "7", "--limit", "1"])
+    said = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("plan "))
+    assert f"widths {policies['staged']['widths']}" in said and "budget" not in said and "a flag you type wins" in said
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    (run_dir / "plan.json").write_text(path.read_text())
+    from_run = SpeculativeDecoder.from_run(run_dir, method="staged", budget=7).decoder
+    assert from_run.drafter.budget == 7 and from_run.drafter.trigram.widths == policies["staged"]["widths"]
+    assert SpeculativeDecoder.from_run(run_dir, method="staged").decoder.drafter.budget == policies["staged"]["budget"]
 
 
 def test_plan_weighs_each_draft_methods_best_policy_with_the_draft_shortlist_and_decoding_follows_its_choice(planned):
@@ -328,7 +366,7 @@ def test_staged_without_a_plan_on_a_cpu_says_its_tree_is_the_papers(planned, mod
     assert run.parse(["--run", str(run_dir), *prompts]).options.plan is None
     note = capsys.readouterr().err
     assert "no plan in" in note and "the paper's tree" in note and f"python -m decode.plan --run {run_dir}" in note
-    for quiet in (["--widths", "4,2,1", "--budget", "16"], ["--method", "lookup"], ["--no-plan"]):
+    for quiet in (["--widths", "4,2,1", "--budget", "16"], ["--budget", "36"], ["--method", "lookup"], ["--no-plan"]):
         run.parse(["--run", str(run_dir), *prompts, *quiet])
         assert not capsys.readouterr().err
     SpeculativeDecoder.from_run(run_dir, method="staged")
