@@ -24,7 +24,7 @@ from data.tokenizer import load_tokenizer
 from decode import generate, planning
 from decode.cached_lm import CachedLM, Shortlist
 from decode.drafters import ChainDrafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
-from decode.engine import GPT2Engine, is_lean_compatible, read_config
+from decode.engine import SPECULATIVE_SLOTS, GPT2Engine, is_lean_compatible, read_config
 from decode.healing import Prompt, TokenHealer
 from decode.hf_backend import HFEngine
 from decode.sampling import Sampling
@@ -244,6 +244,13 @@ def check_tree_shape(options, table) -> None:
         if options.widths[0] + 1 > options.budget:
             raise InputError(f"--widths {options.widths} do not fit --budget {options.budget}: the first level alone has "
                              f"{options.widths[0]} nodes; raise the budget or narrow the first width")
+    if options.method == "staged":  # the draft scores the trigram's whole tree, and the context's continuations, in one call
+        levels = np.cumprod(options.widths[: options.depth])
+        scored = 1 + int(levels.sum()) + (options.lookup_tokens * options.lookup_branches if options.context_drafter else 0)
+        if scored > SPECULATIVE_SLOTS:
+            raise InputError(f"--widths {','.join(map(str, options.widths))} make a trigram tree of {1 + int(levels.sum()):,} nodes, "
+                             f"which the draft scores in one call (with the context's continuations, {scored:,}); it holds at "
+                             f"most {SPECULATIVE_SLOTS:,}: narrow the widths")
 
 
 def load_trigram(options, vocab_size: int, eos_id: int):
