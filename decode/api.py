@@ -21,7 +21,7 @@ import torch
 from data.errors import InputError
 from data.shards import TOKEN_COUNTS
 from data.tokenizer import load_tokenizer
-from decode import generate, planning
+from decode import generate, native, planning
 from decode.cached_lm import CachedLM, Shortlist
 from decode.drafters import ChainDrafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
 from decode.engine import SPECULATIVE_SLOTS, GPT2Engine, is_lean_compatible, read_config
@@ -384,6 +384,8 @@ def build_decoder(options: "DecoderOptions") -> tuple[Decoder, TokenHealer]:
     if options.method in NEEDS_NGRAM:
         table = load_trigram(options, len(tokenizer), tokenizer.eos_token_id)
     sampling = Sampling()  # greedy until `Decoder.use` says otherwise
+    if options.method != "baseline" and torch.device(options.device).type == "cpu":
+        native.module()  # built (or found built) now, not inside the first decode's time
     if options.method in ("tree", "staged", "ngram"):
         check_tree_shape(options, table)
     if options.method == "speculative":

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from decode import native
 from decode.cached_lm import CachedLM, Shortlist, long_tensor
 from decode.lookup import ContextIndex
 from decode.sampling import Sampling, row_argmax, tokens_at, top_tokens, values_at, values_list
@@ -174,7 +175,7 @@ def best_first(scores: list[float], budget: int) -> list[int]:
     Past ARRAY_NODES scores, only those at or above the budget-th are sorted, in numpy."""
     if len(scores) <= ARRAY_NODES:
         return sorted(sorted(range(len(scores)), key=scores.__getitem__, reverse=True)[:budget])
-    values = np.array(scores)
+    values, budget = np.array(scores), min(budget, len(scores))
     pool = np.flatnonzero(values >= np.partition(values, -budget)[-budget])
     return np.sort(pool[np.argsort(-values[pool], kind="stable")[:budget]]).tolist()
 
@@ -487,6 +488,19 @@ class StagedDrafter(ModelDrafter):
         # The copied continuation, likeliest to be accepted, takes the draft's first slots: accepted, it is in place.
         order = [0] + sorted(copied) + [node for node in range(1, n) if node not in copied]
         logits = self.draft.score(tree, order)
+        if self.sampling.greedy and (self.draft_children or 1) == 1 and native.takes(logits):
+            tokens, parents, self.kept = native.staged_selection(logits, order, tree.parents, tree.tokens, tree.depths,
+                                                                 copied, self.draft.shortlist, max_depth, self.budget)
+            return Tree.of(tokens, parents)
+        tree, self.kept = self.selection(tree, logits, order, copied, max_depth)
+        return tree
+
+    def selection(self, tree: Tree, logits: torch.Tensor, order: list[int], copied: set[int],
+                  max_depth: int) -> tuple[Tree, list[int]]:
+        """The oracle's tree from the trigram's (and the context's) and the draft's logits after its nodes (row i
+        after node order[i]): the `budget` candidates of highest cumulative draft weight among the tree's nodes
+        and the draft's own best children, the `copied` nodes first; and for each node, the candidate it came from
+        (n + i: the draft's leaf i). Greedy with one draft child, decode/greedy_step.cpp computes the same."""
         edges, best, best_weights = ranked_children(ranking_scores(logits, self.sampling), tree, self.draft_children or 1,
                                                     self.sampling.greedy, order, self.draft.shortlist)
         cumulative = tree.cumulative(edges)
@@ -496,8 +510,7 @@ class StagedDrafter(ModelDrafter):
             for node in copied | {0}:
                 candidates[node] += 1.0
         chosen = best_first(candidates, self.budget)  # candidate n + i is the draft's leaf i
-        tree, self.kept = Tree.chosen(tree.tokens + leaf_tokens, tree.parents + leaf_parents, chosen, candidates)
-        return tree
+        return Tree.chosen(tree.tokens + leaf_tokens, tree.parents + leaf_parents, chosen, candidates)
 
 
 class ModelFreeDrafter:

@@ -132,7 +132,12 @@ class Tree:
                     children.sort(key=scores.__getitem__, reverse=True)  # stable: ties keep their order, as in best_first
                 stack += reversed(children)
         new_index = {old: new for new, old in enumerate(keep)}
-        tree = Tree.rooted(tokens[0])
-        for old in keep[1:]:
-            tree.add(new_index[parents[old]], tokens[old])
-        return tree, keep
+        return Tree.of([tokens[old] for old in keep], [-1] + [new_index[parents[old]] for old in keep[1:]]), keep
+
+    @classmethod
+    def of(cls, tokens: list[int], parents: list[int]) -> "Tree":
+        """The tree whose node i holds tokens[i] below parents[i] (parents before their children)."""
+        tree = cls.rooted(tokens[0])
+        for parent, token in zip(parents[1:], tokens[1:]):
+            tree.add(parent, token)
+        return tree

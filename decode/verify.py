@@ -7,8 +7,12 @@ token with probability min(1, p(x) / q(x)), on rejection sample from normalise(m
 after the last drafted token sample a bonus token from p. With point masses (greedy decoding) both
 rules reduce to: follow the child that carries the oracle's argmax, then emit the argmax.
 """
+import functools
+from typing import Callable
+
 import torch
 
+from decode import native
 from decode.sampling import Sampling, argmax_of_rows, sample
 
 
@@ -18,8 +22,12 @@ class Target:
 
     def __init__(self, logits: torch.Tensor, sampling: Sampling):
         self.logits, self.sampling = logits, sampling
-        self.argmax = argmax_of_rows(logits) if sampling.greedy else None
         self._probs = {}
+
+    @functools.cached_property
+    def argmax(self) -> Callable[[int], int] | None:
+        """row -> its argmax when greedy (None when sampling): made when first asked for."""
+        return argmax_of_rows(self.logits) if self.sampling.greedy else None
 
     def probs(self, node: int) -> torch.Tensor:
         if node not in self._probs:
@@ -34,7 +42,10 @@ class Target:
 def sample_match(tree, target: Target, generator) -> tuple[list[int], int]:
     """Exact for any tree that does not depend on the oracle's randomness: at each node sample the
     oracle's token from p; descend into the child that carries it, else emit it and stop.
-    Returns the accepted nodes (the root first) and the token that follows them."""
+    Returns the accepted nodes (the root first) and the token that follows them. Greedy, on logits the C++ loops
+    read (decode/native.py), one call walks the tree."""
+    if target.sampling.greedy and native.takes(target.logits):
+        return native.greedy_walk(target.logits, tree.tokens, tree.parents)
     path = [0]
     while True:
         token = target.draw(path[-1], generator)

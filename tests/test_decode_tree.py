@@ -143,8 +143,11 @@ def test_staged_keeps_the_context_continuation_whatever_the_draft_thinks(models)
 @pytest.mark.parametrize("draft_children", [1, 2])
 def test_staged_ranks_large_trees_in_arrays_as_small_ones_in_lists(models, monkeypatch, context, draft_children):
     """Past ARRAY_NODES the staged selection runs as array code (a paper-sized trigram tree has 1,441 nodes):
-    the same trees, node for node, and the same map to the nodes the draft scored."""
-    from decode import drafters
+    the same trees, node for node, and the same map to the nodes the draft scored (the Python code's: greedy with
+    one draft child, decoding takes decode/greedy_step.cpp, which tests/test_native.py compares with it)."""
+    from decode import drafters, native
+
+    monkeypatch.setattr(native, "takes", lambda logits: False)
 
     draft = GPT2Engine.load(models["good"])
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
@@ -170,6 +173,7 @@ def test_best_first_in_arrays_keeps_the_earlier_of_tied_nodes(monkeypatch):
     for array_nodes in (0, 10**9):
         monkeypatch.setattr(drafters, "ARRAY_NODES", array_nodes)
         assert drafters.best_first(scores, 30) == expected
+        assert drafters.best_first(scores, 500) == list(range(400))  # a budget past the candidates keeps them all
 
 
 def test_trigram_trees_hold_each_levels_top_successors_and_are_remembered_unchanged(models):

@@ -121,7 +121,7 @@ class GreedyRoot:
     """The paper code's habit: the first token taken greedily even when sampling."""
 
     def __init__(self, target):
-        self.target = target
+        self.target, self.sampling = target, target.sampling
 
     def draw(self, node, generator):
         return int(self.target.probs(0).argmax()) if node == 0 else self.target.draw(node, generator)

@@ -1,0 +1,207 @@
+// A greedy decoding step's two loops over a tree, in C++ for decode/native.py: the staged drafter's ranking of
+// the draft's logits and its choice of the oracle's tree (StagedDrafter.selection in decode/drafters.py), and
+// sample-match verification (decode/verify.py). Each follows its Python code step for step, ties included, and
+// tests/test_native.py compares the two. After a forward, every torch, numpy or list operation of a step pays
+// caches that the forward evicted; one call here replaces some fifty of them.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+// The first column that holds the row's largest value, as numpy's argmax (rows hold no NaN): the largest value
+// of each block of 64 columns (vectorised), then the first block and the first column in it that hold it.
+VECTOR_CLONES int64_t row_argmax(const float *row, int64_t columns, float *largest) {
+    float best = -INFINITY;
+    int64_t at = 0;
+    for (int64_t start = 0; start < columns; start += 64) {
+        const int64_t end = std::min(start + 64, columns);
+        float block = row[start];
+#pragma omp simd reduction(max : block)
+        for (int64_t c = start; c < end; c++) block = row[c] > block ? row[c] : block;
+        if (block > best) {
+            best = block;
+            at = start;
+        }
+    }
+    while (row[at] != best && at + 1 < columns) at++;
+    *largest = best;
+    return at;
+}
+
+bool read_ints(PyObject *list, std::vector<int64_t> &out, const char *name) {
+    if (!PyList_Check(list)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list of ints", name);
+        return false;
+    }
+    const Py_ssize_t n = PyList_GET_SIZE(list);
+    out.resize(n);
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+    return !PyErr_Occurred();
+}
+
+PyObject *int_list(const std::vector<int64_t> &values) {
+    PyObject *list = PyList_New(values.size());
+    for (size_t i = 0; list && i < values.size(); i++) PyList_SET_ITEM(list, i, PyLong_FromLongLong(values[i]));
+    return list;
+}
+
+// An int64 array passed by the buffer protocol (a shortlist's numpy arrays), or none.
+struct Int64Array {
+    Py_buffer view{};
+    const int64_t *data = nullptr;
+    Py_ssize_t size = 0;
+    bool open(PyObject *object, const char *name) {
+        if (object == Py_None) return true;
+        if (PyObject_GetBuffer(object, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return false;
+        if (view.itemsize != 8 || view.format == nullptr || (view.format[0] != 'q' && view.format[0] != 'l')) {
+            PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 array", name);
+            return false;
+        }
+        data = static_cast<const int64_t *>(view.buf);
+        size = view.len / 8;
+        return true;
+    }
+    ~Int64Array() {
+        if (view.obj) PyBuffer_Release(&view);
+    }
+};
+
+// staged_selection(logits_address, rows, columns, order, parents, tokens, depths, copied, shortlist_tokens,
+//                  shortlist_columns, max_depth, budget) -> (tokens, parents, kept)
+// logits: float32 (rows, columns), row i the draft's logits after node order[i]; the shortlist's arrays (or None):
+// column -> token and token -> column (-1 off it). Returns the oracle's tree, numbered as Tree.chosen numbers it,
+// and for each of its nodes the candidate it came from (n + i: the draft's leaf i).
+PyObject *staged_selection(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "staged_selection takes 12 arguments");
+        return nullptr;
+    }
+    const auto *logits = static_cast<const float *>(PyLong_AsVoidPtr(args[0]));
+    const int64_t rows = PyLong_AsLongLong(args[1]), columns = PyLong_AsLongLong(args[2]);
+    std::vector<int64_t> order, parents, tokens, depths, copied;
+    Int64Array column_token, token_column;
+    if (!read_ints(args[3], order, "order") || !read_ints(args[4], parents, "parents") ||
+        !read_ints(args[5], tokens, "tokens") || !read_ints(args[6], depths, "depths") ||
+        !read_ints(args[7], copied, "copied") || !column_token.open(args[8], "shortlist tokens") ||
+        !token_column.open(args[9], "shortlist columns"))
+        return nullptr;
+    const int64_t max_depth = PyLong_AsLongLong(args[10]), budget = PyLong_AsLongLong(args[11]);
+    const int64_t n = static_cast<int64_t>(parents.size());
+    if (PyErr_Occurred()) return nullptr;
+    if (n == 0 || rows != n || static_cast<int64_t>(order.size()) != n || static_cast<int64_t>(tokens.size()) != n ||
+        static_cast<int64_t>(depths.size()) != n || (column_token.data && column_token.size != columns)) {
+        PyErr_SetString(PyExc_ValueError, "staged_selection: the tree's lists and the logits' rows disagree");
+        return nullptr;
+    }
+    std::vector<int64_t> row(n), best_token(n);
+    std::vector<float> best_value(n);
+    for (int64_t i = 0; i < n; i++) row[order[i]] = i;
+    for (int64_t node = 0; node < n; node++) {  // ranked_children: each node's best child and its logit
+        const int64_t column = row_argmax(logits + row[node] * columns, columns, &best_value[node]);
+        best_token[node] = column_token.data ? column_token.data[column] : column;
+    }
+    // Tree.cumulative over the edges' weights, exp(logit - the parent row's best), a logit off the shortlist -inf
+    std::vector<double> score(n, 1.0);
+    for (int64_t node = 1; node < n; node++) {
+        const int64_t parent = parents[node], token = tokens[node];
+        const int64_t column = !token_column.data ? token : (token < token_column.size ? token_column.data[token] : -1);
+        const double value = column >= 0 ? static_cast<double>(logits[row[parent] * columns + column]) : -INFINITY;
+        score[node] = score[parent] * std::exp(value - static_cast<double>(best_value[parent]));
+    }
+    // StagedDrafter.draft_leaves: the best child of each node above max_depth that the trigram did not propose,
+    // weighing as much as its parent (its weight relative to the best is 1)
+    std::vector<int64_t> candidate_parent(parents), candidate_token(tokens);
+    for (int64_t node = 0; node < n; node++) {
+        if (depths[node] >= max_depth) continue;
+        bool proposed = false;
+        for (int64_t child = node + 1; child < n && !proposed; child++)
+            proposed = parents[child] == node && tokens[child] == best_token[node];
+        if (!proposed) {
+            candidate_parent.push_back(node);
+            candidate_token.push_back(best_token[node]);
+            score.push_back(score[node]);
+        }
+    }
+    if (!copied.empty()) {  // the context's continuations, and the root above them, go first
+        score[0] += 1.0;
+        for (int64_t node : copied) score[node] += (node == 0 ? 0.0 : 1.0);
+    }
+    // best_first: the `budget` best candidates (ties: the earlier), in order; then Tree.chosen's depth-first
+    // numbering, each node's children by descending score (ties: the earlier)
+    const int64_t m = static_cast<int64_t>(score.size());
+    std::vector<int64_t> ranked(m);
+    for (int64_t i = 0; i < m; i++) ranked[i] = i;
+    const auto higher = [&score](int64_t a, int64_t b) { return score[a] > score[b]; };
+    std::stable_sort(ranked.begin(), ranked.end(), higher);
+    ranked.resize(std::min(budget, m));
+    std::sort(ranked.begin(), ranked.end());
+    std::vector<std::vector<int64_t>> below(m);
+    for (size_t i = 1; i < ranked.size(); i++) below[candidate_parent[ranked[i]]].push_back(ranked[i]);
+    std::vector<int64_t> new_index(m, -1), kept, out_tokens, out_parents, stack{0};
+    while (!stack.empty()) {
+        const int64_t node = stack.back();
+        stack.pop_back();
+        new_index[node] = static_cast<int64_t>(kept.size());
+        kept.push_back(node);
+        out_tokens.push_back(candidate_token[node]);
+        out_parents.push_back(node == 0 ? -1 : new_index[candidate_parent[node]]);
+        std::vector<int64_t> &children = below[node];
+        std::stable_sort(children.begin(), children.end(), higher);
+        stack.insert(stack.end(), children.rbegin(), children.rend());
+    }
+    return Py_BuildValue("(NNN)", int_list(out_tokens), int_list(out_parents), int_list(kept));
+}
+
+// greedy_walk(logits_address, rows, columns, tokens, parents) -> (path, following)
+// sample_match under greedy decoding: from the root, follow the child that carries the oracle's argmax (row i:
+// the oracle's logits after node i), else stop; the accepted nodes and the argmax that follows them.
+PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "greedy_walk takes 5 arguments");
+        return nullptr;
+    }
+    const auto *logits = static_cast<const float *>(PyLong_AsVoidPtr(args[0]));
+    const int64_t rows = PyLong_AsLongLong(args[1]), columns = PyLong_AsLongLong(args[2]);
+    std::vector<int64_t> tokens, parents;
+    if (PyErr_Occurred() || !read_ints(args[3], tokens, "tokens") || !read_ints(args[4], parents, "parents"))
+        return nullptr;
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    if (n == 0 || rows < n || static_cast<int64_t>(parents.size()) != n) {
+        PyErr_SetString(PyExc_ValueError, "greedy_walk: the tree's lists and the logits' rows disagree");
+        return nullptr;
+    }
+    std::vector<int64_t> path{0};
+    float unused;
+    while (true) {
+        const int64_t node = path.back(), token = row_argmax(logits + node * columns, columns, &unused);
+        int64_t next = -1;
+        for (int64_t child = node + 1; child < n && next < 0; child++)  // children come after their parent, in order
+            if (parents[child] == node && tokens[child] == token) next = child;
+        if (next < 0) return Py_BuildValue("(NL)", int_list(path), static_cast<long long>(token));
+        path.push_back(next);
+    }
+}
+
+PyMethodDef methods[] = {
+    {"staged_selection", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(staged_selection)), METH_FASTCALL,
+     "The staged drafter's greedy selection of the oracle's tree."},
+    {"greedy_walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(greedy_walk)), METH_FASTCALL,
+     "Sample-match verification under greedy decoding."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "greedy_step", "A greedy decoding step's loops over a tree.", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_greedy_step() { return PyModule_Create(&module); }

@@ -1,0 +1,130 @@
+"""decode/greedy_step.cpp against the Python it replaces: the staged drafter's greedy selection and sample-match
+verification give the same trees and paths on random trees, ties included; decoding takes them; and where they
+cannot be built, decoding says so once and goes on in Python."""
+import random
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from decode import native
+from decode.cached_lm import Shortlist
+from decode.drafters import StagedDrafter
+from decode.engine import GPT2Engine
+from decode.generate import baseline, tree_speculative
+from decode.sampling import Sampling
+from decode.tree import Tree
+from decode.verify import Target, sample_match
+from decode_models import tiny_gpt2, tiny_trigram
+from ngram.successors import SuccessorTable
+
+
+@pytest.fixture
+def built():
+    if native.module() is None:
+        pytest.fail("the C++ loops did not build (see the note above): the suite checks them wherever they can be built")
+    return native.module()
+
+
+@pytest.fixture
+def python_only(monkeypatch):
+    monkeypatch.setattr(native, "takes", lambda logits: False)
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
+    """n nodes below random earlier nodes, siblings holding different tokens."""
+    tree = Tree.rooted(rng.randrange(vocab))
+    while len(tree) < n:
+        parent = rng.randrange(len(tree))
+        token = rng.randrange(vocab)
+        if all(tree.tokens[c] != token for c in tree.children[parent]):
+            tree.add(parent, token)
+    return tree
+
+
+def test_the_cpp_loops_build_where_a_compiler_and_ninja_are_found():
+    if not (shutil.which("c++") and shutil.which("ninja")):
+        pytest.skip("no C++ compiler or ninja here: decoding uses the Python code")
+    assert native.module() is not None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_staged_selection_equals_the_python_one_node_for_node(built, python_only, seed):
+    rng = random.Random(seed)
+    vocab = 40
+    for case in range(40):
+        n = rng.choice([1, 2, 6, 20, 60, 200])  # 200: past ARRAY_NODES, the Python code's array path
+        tree = random_tree(rng, n, vocab)
+        shortlist = Shortlist(rng.sample(range(vocab), 24), vocab) if case % 2 else None
+        columns = len(shortlist) if shortlist else vocab
+        if n <= 128 and case % 3 == 0:  # small integers: ties everywhere, broken alike (the earlier column, node)
+            logits = torch.randint(-3, 3, (n, columns)).float()
+        else:
+            logits = torch.randn(n, columns) * 3
+        copied = set(tree.path(rng.randrange(n))) - {0} if case % 4 == 1 else set()  # a continuation, as grafted
+        order = [0] + sorted(copied) + [node for node in range(1, n) if node not in copied]
+        max_depth, budget = rng.randint(1, 5), rng.choice([2, 5, 12, 36, 400])
+        drafter = StagedDrafter(SimpleNamespace(shortlist=shortlist), None, Sampling(), budget=budget, widths=[1])
+        expected, expected_kept = drafter.selection(tree, logits, order, copied, max_depth)
+        tokens, parents, kept = native.staged_selection(logits, order, tree.parents, tree.tokens, tree.depths, copied,
+                                                        shortlist, max_depth, budget)
+        assert (tokens, parents, kept) == (expected.tokens, expected.parents, expected_kept), (seed, case)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_walk_equals_sample_match(built, monkeypatch, seed):
+    rng = random.Random(seed)
+    walked = []
+    for case in range(60):
+        tree = random_tree(rng, rng.choice([1, 3, 12, 40]), 10)
+        logits = torch.randint(0, 4, (len(tree), 10)).float()  # ties: the first column wins
+        for node, children in enumerate(tree.children):  # most rows point at a child, so walks go deep
+            if children and rng.random() < 0.8:
+                logits[node, tree.tokens[rng.choice(children)]] = 9
+        path, following = native.greedy_walk(logits, tree.tokens, tree.parents)
+        with monkeypatch.context() as python:
+            python.setattr(native, "takes", lambda logits: False)
+            assert (path, following) == sample_match(tree, Target(logits, Sampling()), None), (seed, case)
+        assert sample_match(tree, Target(logits, Sampling()), None) == (path, following)  # the C++ call, as decoding makes it
+        walked.append(len(path))
+    assert max(walked) >= 4
+
+
+def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monkeypatch, tmp_path):
+    oracle_dir = tiny_gpt2(tmp_path / "oracle", seed=0)
+    oracle = GPT2Engine.load(oracle_dir)
+    draft = GPT2Engine.load(tiny_gpt2(tmp_path / "draft", seed=1, noise_from=oracle_dir, noise=0.005))
+    table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle_dir) / "successors.npz")
+    calls = {"staged_selection": 0, "greedy_walk": 0}
+    for name in calls:
+        inner = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *args, inner=inner, name=name: calls.__setitem__(name, calls[name] + 1)
+                            or inner(*args))
+    staged = StagedDrafter(draft, table, Sampling(), budget=12, widths=[3, 2, 1])
+    for prompt in ([4, 9, 17], [11, 12, 13, 14, 11, 12]):
+        prompt = torch.tensor(prompt)
+        expected = baseline(oracle, prompt, 32, Sampling(), eos_id=0).tokens
+        out = tree_speculative(oracle, prompt, 32, Sampling(), eos_id=0, drafter=staged)
+        assert out.tokens == expected
+    assert calls["staged_selection"] > 0 and calls["greedy_walk"] > 0
+
+
+def test_without_a_compiler_decoding_says_so_once_and_goes_on_in_python(monkeypatch, capsys):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    native.module.cache_clear()
+    try:
+        assert native.module() is None and native.module() is None
+        note = capsys.readouterr().err
+        assert note.count("note: the greedy step's C++ loops could not be built (Ninja is required") == 1
+        assert not native.takes(torch.zeros(2, 3))
+        monkeypatch.setenv("STAGED_SPECULATIVE_NATIVE", "0")
+        native.module.cache_clear()
+        assert native.module() is None and not capsys.readouterr().err  # turned off: nothing to say
+    finally:
+        native.module.cache_clear()
