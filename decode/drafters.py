@@ -330,6 +330,7 @@ class TrigramTrees:
     def __init__(self, table, widths, size: int = 1 << 14):
         self.table, self.widths, self.size, self.shapes = table, list(widths), size, {}
         self.built, self.selected = {}, {}
+        self.native = native.trigram_source(table) if table is not None else None  # None: `build` in Python
 
     def forget(self) -> None:
         """Drop every remembered tree: drafting then costs what it does in a new decoder."""
@@ -385,7 +386,10 @@ class TrigramTrees:
 
     def build(self, before_root: int, root: int, depth: int) -> tuple[list[int], list[float]]:
         """The tokens and probabilities of the tree's nodes, in the shape's order: one search for the root's
-        row of the successor table, then a gather a level (each successor names the row after it)."""
+        row of the successor table, then a gather a level (each successor names the row after it); decode/native_step.cpp
+        reads the same rows where it can."""
+        if self.native is not None:
+            return native.trigram_tree(self.native, before_root, root, self.widths[:depth])
         tokens, probs = [root], [1.0]
         rows = self.table.rows_after(np.array([before_root]), np.array([root]))
         for width in self.widths[:depth]:
@@ -500,7 +504,7 @@ class StagedDrafter(ModelDrafter):
         """The oracle's tree from the trigram's (and the context's) and the draft's logits after its nodes (row i
         after node order[i]): the `budget` candidates of highest cumulative draft weight among the tree's nodes
         and the draft's own best children, the `copied` nodes first; and for each node, the candidate it came from
-        (n + i: the draft's leaf i). Greedy with one draft child, decode/greedy_step.cpp computes the same."""
+        (n + i: the draft's leaf i). Greedy with one draft child, decode/native_step.cpp computes the same."""
         edges, best, best_weights = ranked_children(ranking_scores(logits, self.sampling), tree, self.draft_children or 1,
                                                     self.sampling.greedy, order, self.draft.shortlist)
         cumulative = tree.cumulative(edges)

@@ -1,23 +1,24 @@
-"""A greedy step's loops over a tree in C++ (decode/greedy_step.cpp): the staged drafter's selection of the
-oracle's tree from the draft's logits, and sample-match verification. Right after a forward, each of the
-fifty-odd torch, numpy and list operations these take in Python pays for caches the forward evicted; one call
-pays once (on the cpu preset, a staged step's time around the forwards fell by a fifth: README section 5).
+"""A decoding step's loops over trees in C++ (decode/native_step.cpp): the trigram's tree below a new context, the
+staged drafter's greedy selection of the oracle's tree from the draft's logits, and sample-match verification
+under greedy decoding. Right after a forward, each of the tens of torch, numpy and list operations these take in
+Python pays for caches the forward evicted; one call pays once (README section 4, "A step's loops in C++").
 
-torch's extension builder compiles the file on first use (a second or two; cached per source under
-~/.cache/torch_extensions). Where it cannot (no C++ compiler or ninja), or the logits are not float32 rows in CPU
-memory, decoding takes the Python code, which gives the same trees and paths. STAGED_SPECULATIVE_NATIVE=0 turns
-the C++ off.
+torch's extension builder compiles the file on first use (a few seconds; cached per source under
+~/.cache/torch_extensions). Where it cannot (no C++ compiler or ninja), or the data are not laid out as the loops
+read them (logits not float32 rows in CPU memory), decoding takes the Python code, which gives the same trees and
+paths. STAGED_SPECULATIVE_NATIVE=0 turns the C++ off.
 """
 import functools
 import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from data.errors import first_line
 
-SOURCE = Path(__file__).with_name("greedy_step.cpp")
+SOURCE = Path(__file__).with_name("native_step.cpp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,9 +29,9 @@ def module():
     try:
         from torch.utils import cpp_extension
 
-        return cpp_extension.load("greedy_step", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd"])
+        return cpp_extension.load("native_step", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd"])
     except Exception as err:  # no compiler, no ninja, a failed build: decoding goes on in Python
-        print(f"note: the greedy step's C++ loops could not be built ({first_line(err)}); decoding uses their Python "
+        print(f"note: the decoding step's C++ loops could not be built ({first_line(err)}); decoding uses their Python "
               f"code, which gives the same output a little slower (STAGED_SPECULATIVE_NATIVE=0 silences this)",
               file=sys.stderr)
         return None
@@ -40,6 +41,22 @@ def takes(logits: torch.Tensor) -> bool:
     """Whether the C++ loops can read these logits: float32 rows, contiguous, in CPU memory."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
             and module() is not None)
+
+
+def trigram_source(table) -> tuple | None:
+    """What `trigram_tree` reads of a successor table (ngram/successors.py), or None where the C++ loops cannot
+    read it. The caller keeps the table: the loops read its arrays in place."""
+    histories, successors = table.histories, table.successors
+    if (module() is None or histories.dtype != np.int64 or successors.dtype.itemsize != 12
+            or not histories.flags.c_contiguous or not successors.flags.c_contiguous):
+        return None
+    return (histories.__array_interface__["data"][0], histories.size, successors.__array_interface__["data"][0],
+            successors.shape[1], table.vocab_size)
+
+
+def trigram_tree(source: tuple, before_root: int, root: int, widths: list[int]) -> tuple[list[int], list[float]]:
+    """TrigramTrees.build's tokens and probabilities, from a `trigram_source`."""
+    return module().trigram_tree(*source, before_root, root, widths)
 
 
 def staged_selection(logits: torch.Tensor, order: list[int], parents: list[int], tokens: list[int], depths: list[int],

@@ -144,7 +144,7 @@ def test_staged_keeps_the_context_continuation_whatever_the_draft_thinks(models)
 def test_staged_ranks_large_trees_in_arrays_as_small_ones_in_lists(models, monkeypatch, context, draft_children):
     """Past ARRAY_NODES the staged selection runs as array code (a paper-sized trigram tree has 1,441 nodes):
     the same trees, node for node, and the same map to the nodes the draft scored (the Python code's: greedy with
-    one draft child, decoding takes decode/greedy_step.cpp, which tests/test_native.py compares with it)."""
+    one draft child, decoding takes decode/native_step.cpp, which tests/test_native.py compares with it)."""
     from decode import drafters, native
 
     monkeypatch.setattr(native, "takes", lambda logits: False)

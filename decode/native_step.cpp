@@ -1,8 +1,9 @@
-// A greedy decoding step's two loops over a tree, in C++ for decode/native.py: the staged drafter's ranking of
-// the draft's logits and its choice of the oracle's tree (StagedDrafter.selection in decode/drafters.py), and
-// sample-match verification (decode/verify.py). Each follows its Python code step for step, ties included, and
-// tests/test_native.py compares the two. After a forward, every torch, numpy or list operation of a step pays
-// caches that the forward evicted; one call here replaces some fifty of them.
+// A decoding step's loops over trees, in C++ for decode/native.py: the trigram's tree below a new context
+// (TrigramTrees.build in decode/drafters.py), the staged drafter's greedy ranking of the draft's logits and its choice
+// of the oracle's tree (StagedDrafter.selection), and sample-match verification under greedy decoding
+// (decode/verify.py). Each follows its Python code step for step, ties included, and tests/test_native.py compares
+// the two. After a forward, every torch, numpy or list operation of a step pays for caches that the forward
+// evicted; one call here replaces tens of them.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -193,15 +194,64 @@ PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     }
 }
 
+// One successor of a trigram context, as ngram/successors.py's SUCCESSOR dtype lays it out.
+struct Successor {
+    int32_t token;
+    float prob;
+    int32_t next;
+};
+static_assert(sizeof(Successor) == 12, "SUCCESSOR is 12 bytes");
+
+// trigram_tree(histories_address, histories, successors_address, successors_width, vocab_size, before_root, root,
+//              widths) -> (tokens, probs)
+// The tokens and probabilities of the tree below the context (before_root, root), level by level: the row after
+// the context (its trigram history's when seen, else the root's own), then each level's rows by the `next` of the
+// level above, widths[d] successors of each.
+PyObject *trigram_tree(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "trigram_tree takes 8 arguments");
+        return nullptr;
+    }
+    const auto *histories = static_cast<const int64_t *>(PyLong_AsVoidPtr(args[0]));
+    const int64_t history_count = PyLong_AsLongLong(args[1]);
+    const auto *successors = static_cast<const Successor *>(PyLong_AsVoidPtr(args[2]));
+    const int64_t width = PyLong_AsLongLong(args[3]), vocab_size = PyLong_AsLongLong(args[4]);
+    const int64_t before_root = PyLong_AsLongLong(args[5]), root = PyLong_AsLongLong(args[6]);
+    std::vector<int64_t> widths;
+    if (PyErr_Occurred() || !read_ints(args[7], widths, "widths")) return nullptr;
+    const int64_t key = before_root * (vocab_size + 2) + root;  // SuccessorTable.rows_after
+    const int64_t found = std::min<int64_t>(std::lower_bound(histories, histories + history_count, key) - histories,
+                                            history_count - 1);
+    std::vector<int64_t> rows{histories[found] == key ? found : history_count + root}, below;
+    std::vector<int64_t> tokens{root};
+    std::vector<double> probs{1.0};
+    for (const int64_t level_width : widths) {
+        below.clear();
+        for (const int64_t row : rows)
+            for (int64_t rank = 0; rank < level_width; rank++) {
+                const Successor &next = successors[row * width + rank];
+                tokens.push_back(next.token);
+                probs.push_back(next.prob);
+                below.push_back(next.next);
+            }
+        rows.swap(below);
+    }
+    PyObject *prob_list = PyList_New(probs.size());
+    for (size_t i = 0; prob_list && i < probs.size(); i++) PyList_SET_ITEM(prob_list, i, PyFloat_FromDouble(probs[i]));
+    return Py_BuildValue("(NN)", int_list(tokens), prob_list);
+}
+
 PyMethodDef methods[] = {
+    {"trigram_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(trigram_tree)), METH_FASTCALL,
+     "The trigram's tree below a context."},
     {"staged_selection", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(staged_selection)), METH_FASTCALL,
      "The staged drafter's greedy selection of the oracle's tree."},
     {"greedy_walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(greedy_walk)), METH_FASTCALL,
      "Sample-match verification under greedy decoding."},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "greedy_step", "A greedy decoding step's loops over a tree.", -1, methods};
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "native_step", "A decoding step's loops over trees.", -1, methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit_greedy_step() { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_native_step() { return PyModule_Create(&module); }
