@@ -60,9 +60,11 @@ class DraftModel:
 
     def score(self, tree: Tree, nodes: list[int]) -> torch.Tensor:
         """Logits after each of `nodes`, in one forward pass. Their ancestors must be scored already or
-        among them; the step's first call scores the root (node 0) with the unseen accepted tokens."""
+        among them; the step's first call scores the root (node 0, first in `nodes`) with the unseen accepted tokens."""
         model, pending = self.model, self.model.pending
         run = self.unseen if not self.slots else []
+        if run and nodes[0] != 0:
+            raise ValueError("a step's first draft call scores the root first")
         rows = [(2 << i) - 1 for i in range(len(run))]  # the unseen tokens: a causal chain (nothing is pending yet)
         if run:
             self.slots[0], self.sees[0] = len(run) - 1, rows[-1]
@@ -79,12 +81,9 @@ class DraftModel:
         positions = list(range(model.length, root_position + 1)) if run else []
         positions += [root_position + tree.depths[n] for n in new]
         self.calls += 1
-        row_of = {n: len(run) + i for i, n in enumerate(new)} | ({0: len(run) - 1} if run else {})
         first = len(run) - 1 if run else 0  # the unseen tokens before the root (a prompt, at first) need no logits
-        logits = model.forward(long_tensor(ids, model.device), long_tensor(positions, model.device), mask,
-                               len(rows) - first if first else None)
-        wanted = [row_of[n] - first for n in nodes]
-        return logits if wanted == list(range(len(rows) - first)) else logits[wanted]
+        return model.forward(long_tensor(ids, model.device), long_tensor(positions, model.device), mask,
+                             len(rows) - first if first else None)  # row i: after nodes[i]
 
     def accept(self, tree_path: list[int]) -> None:
         """Commit the unseen tokens and the accepted nodes the draft has scored (a prefix of the path)."""
@@ -309,7 +308,9 @@ class ShapedTreeDrafter(ModelDrafter):
                 tree.child_dists.update(zip(nodes, q))
             else:  # child j is the draft's rank-ranks[j] token
                 widest = 1 + max(self.ranks[c] for n in nodes for c in self.below[shape_of[n]])
-                ranked = top_tokens(ranking_scores(logits, self.sampling), widest, self.draft.shortlist).tolist()
+                scores, shortlist = ranking_scores(logits, self.sampling), self.draft.shortlist
+                ranked = ([[token] for token in row_argmax(scores, shortlist)] if widest == 1  # a chain's level
+                          else top_tokens(scores, widest, shortlist).tolist())
                 drawn = [[row[self.ranks[c]] for c in self.below[shape_of[n]]] for n, row in zip(nodes, ranked)]
             parents, children = [], []
             for n, row in zip(nodes, drawn):

@@ -1,6 +1,6 @@
 """A decoding step's loops over trees in C++ (decode/native_step.cpp): the trigram's tree below a new context, the
-staged drafter's greedy selection of the oracle's tree from the draft's logits, and sample-match verification
-under greedy decoding. Right after a forward, each of the tens of torch, numpy and list operations these take in
+staged drafter's greedy selection of the oracle's tree from the draft's logits, sample-match verification under
+greedy decoding, and each row's argmax token. Right after a forward, each of the tens of torch, numpy and list operations these take in
 Python pays for caches the forward evicted; one call pays once (README section 4, "A step's loops in C++").
 
 torch's extension builder compiles the file on first use (a few seconds; cached per source under
@@ -70,3 +70,9 @@ def staged_selection(logits: torch.Tensor, order: list[int], parents: list[int],
 def greedy_walk(logits: torch.Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
     """sample_match's path and following token under greedy decoding."""
     return module().greedy_walk(logits.data_ptr(), logits.shape[0], logits.shape[1], tokens, parents)
+
+
+def best_tokens(logits: torch.Tensor, shortlist) -> list[int]:
+    """sampling.row_argmax: each row's argmax token."""
+    return module().best_tokens(logits.data_ptr(), logits.shape[0], logits.shape[1],
+                                None if shortlist is None else shortlist.tokens)

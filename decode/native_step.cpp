@@ -1,7 +1,7 @@
 // A decoding step's loops over trees, in C++ for decode/native.py: the trigram's tree below a new context
 // (TrigramTrees.build in decode/drafters.py), the staged drafter's greedy ranking of the draft's logits and its choice
-// of the oracle's tree (StagedDrafter.selection), and sample-match verification under greedy decoding
-// (decode/verify.py). Each follows its Python code step for step, ties included, and tests/test_native.py compares
+// of the oracle's tree (StagedDrafter.selection), sample-match verification under greedy decoding
+// (decode/verify.py), and each row's argmax token (decode/sampling.py's row_argmax). Each follows its Python code step for step, ties included, and tests/test_native.py compares
 // the two. After a forward, every torch, numpy or list operation of a step pays for caches that the forward
 // evicted; one call here replaces tens of them.
 #define PY_SSIZE_T_CLEAN
@@ -194,6 +194,30 @@ PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     }
 }
 
+// best_tokens(logits_address, rows, columns, shortlist_tokens) -> tokens
+// Each row's argmax, as a token (through the shortlist's column -> token array, when not None): sampling.row_argmax.
+PyObject *best_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "best_tokens takes 4 arguments");
+        return nullptr;
+    }
+    const auto *logits = static_cast<const float *>(PyLong_AsVoidPtr(args[0]));
+    const int64_t rows = PyLong_AsLongLong(args[1]), columns = PyLong_AsLongLong(args[2]);
+    Int64Array column_token;
+    if (PyErr_Occurred() || !column_token.open(args[3], "shortlist tokens")) return nullptr;
+    if (column_token.data && column_token.size != columns) {
+        PyErr_SetString(PyExc_ValueError, "best_tokens: the shortlist and the logits' columns disagree");
+        return nullptr;
+    }
+    std::vector<int64_t> tokens(rows);
+    float unused;
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t column = row_argmax(logits + row * columns, columns, &unused);
+        tokens[row] = column_token.data ? column_token.data[column] : column;
+    }
+    return int_list(tokens);
+}
+
 // One successor of a trigram context, as ngram/successors.py's SUCCESSOR dtype lays it out.
 struct Successor {
     int32_t token;
@@ -242,6 +266,8 @@ PyObject *trigram_tree(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 PyMethodDef methods[] = {
+    {"best_tokens", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(best_tokens)), METH_FASTCALL,
+     "Each row's argmax token."},
     {"trigram_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(trigram_tree)), METH_FASTCALL,
      "The trigram's tree below a context."},
     {"staged_selection", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(staged_selection)), METH_FASTCALL,

@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from decode import native
 from decode.cached_lm import Shortlist
 
 
@@ -91,7 +92,9 @@ def values_list(logits: torch.Tensor, rows: list[int], tokens: list[int], shortl
 
 
 def row_argmax(logits: torch.Tensor, shortlist: Shortlist | None = None) -> list[int]:
-    """The argmax token of each row (`top_tokens`)."""
+    """The argmax token of each row (`top_tokens`; one C++ call where decode/native.py takes the logits)."""
+    if native.takes(logits):
+        return native.best_tokens(logits, shortlist)
     return top_tokens(logits, 1, shortlist)[:, 0].tolist()
 
 

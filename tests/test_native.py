@@ -109,12 +109,24 @@ def test_greedy_walk_equals_sample_match(built, monkeypatch, seed):
     assert max(walked) >= 4
 
 
+def test_best_tokens_equal_the_argmax_of_each_row(built, python_only):
+    from decode.sampling import row_argmax
+
+    for columns in (1, 7, 64, 65, 4096, 8192):
+        logits = torch.randint(-2, 3, (5, columns)).float()  # ties: the first column wins
+        logits[1] = torch.randn(columns)
+        logits[2, -1] = 9  # the largest in the last column
+        shortlist = Shortlist(random.Random(columns).sample(range(2 * columns), columns), 2 * columns)
+        for tokens_of in (None, shortlist):
+            assert native.best_tokens(logits, tokens_of) == row_argmax(logits, tokens_of), columns
+
+
 def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monkeypatch, tmp_path):
     oracle_dir = tiny_gpt2(tmp_path / "oracle", seed=0)
     oracle = GPT2Engine.load(oracle_dir)
     draft = GPT2Engine.load(tiny_gpt2(tmp_path / "draft", seed=1, noise_from=oracle_dir, noise=0.005))
     table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle_dir) / "successors.npz")
-    calls = {"staged_selection": 0, "greedy_walk": 0}
+    calls = {"staged_selection": 0, "greedy_walk": 0, "best_tokens": 0}
     for name in calls:
         inner = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *args, inner=inner, name=name: calls.__setitem__(name, calls[name] + 1)
@@ -125,7 +137,7 @@ def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monk
         expected = baseline(oracle, prompt, 32, Sampling(), eos_id=0).tokens
         out = tree_speculative(oracle, prompt, 32, Sampling(), eos_id=0, drafter=staged)
         assert out.tokens == expected
-    assert calls["staged_selection"] > 0 and calls["greedy_walk"] > 0
+    assert calls["staged_selection"] > 0 and calls["greedy_walk"] > 0 and calls["best_tokens"] > 0  # the baseline's
 
 
 def test_without_a_compiler_decoding_says_so_once_and_goes_on_in_python(monkeypatch, capsys):
