@@ -57,6 +57,23 @@ PyObject *int_list(const std::vector<int64_t> &values) {
     return list;
 }
 
+bool takes_arguments(const char *function, Py_ssize_t nargs, Py_ssize_t expected) {
+    if (nargs == expected) return true;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", function, expected);
+    return false;
+}
+
+// Float32 logits passed as (address, rows, columns): a contiguous tensor's data_ptr() and shape.
+struct Logits {
+    const float *data;
+    int64_t rows, columns;
+    explicit Logits(PyObject *const *args)
+        : data(static_cast<const float *>(PyLong_AsVoidPtr(args[0]))),
+          rows(PyLong_AsLongLong(args[1])),
+          columns(PyLong_AsLongLong(args[2])) {}
+    const float *row(int64_t i) const { return data + i * columns; }
+};
+
 // An int64 array passed by the buffer protocol (a shortlist's numpy arrays), or none.
 struct Int64Array {
     Py_buffer view{};
@@ -84,12 +101,9 @@ struct Int64Array {
 // column -> token and token -> column (-1 off it). Returns the oracle's tree, numbered as Tree.chosen numbers it,
 // and for each of its nodes the candidate it came from (n + i: the draft's leaf i).
 PyObject *staged_selection(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "staged_selection takes 12 arguments");
-        return nullptr;
-    }
-    const auto *logits = static_cast<const float *>(PyLong_AsVoidPtr(args[0]));
-    const int64_t rows = PyLong_AsLongLong(args[1]), columns = PyLong_AsLongLong(args[2]);
+    if (!takes_arguments("staged_selection", nargs, 12)) return nullptr;
+    const Logits logits(args);
+    const int64_t rows = logits.rows, columns = logits.columns;
     std::vector<int64_t> order, parents, tokens, depths, copied;
     Int64Array column_token, token_column;
     if (!read_ints(args[3], order, "order") || !read_ints(args[4], parents, "parents") ||
@@ -109,7 +123,7 @@ PyObject *staged_selection(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
     std::vector<float> best_value(n);
     for (int64_t i = 0; i < n; i++) row[order[i]] = i;
     for (int64_t node = 0; node < n; node++) {  // ranked_children: each node's best child and its logit
-        const int64_t column = row_argmax(logits + row[node] * columns, columns, &best_value[node]);
+        const int64_t column = row_argmax(logits.row(row[node]), columns, &best_value[node]);
         best_token[node] = column_token.data ? column_token.data[column] : column;
     }
     // Tree.cumulative over the edges' weights, exp(logit - the parent row's best), a logit off the shortlist -inf
@@ -117,7 +131,7 @@ PyObject *staged_selection(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
     for (int64_t node = 1; node < n; node++) {
         const int64_t parent = parents[node], token = tokens[node];
         const int64_t column = !token_column.data ? token : (token < token_column.size ? token_column.data[token] : -1);
-        const double value = column >= 0 ? static_cast<double>(logits[row[parent] * columns + column]) : -INFINITY;
+        const double value = column >= 0 ? static_cast<double>(logits.row(row[parent])[column]) : -INFINITY;
         score[node] = score[parent] * std::exp(value - static_cast<double>(best_value[parent]));
     }
     // StagedDrafter.draft_leaves: the best child of each node above max_depth that the trigram did not propose,
@@ -168,12 +182,9 @@ PyObject *staged_selection(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
 // sample_match under greedy decoding: from the root, follow the child that carries the oracle's argmax (row i:
 // the oracle's logits after node i), else stop; the accepted nodes and the argmax that follows them.
 PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "greedy_walk takes 5 arguments");
-        return nullptr;
-    }
-    const auto *logits = static_cast<const float *>(PyLong_AsVoidPtr(args[0]));
-    const int64_t rows = PyLong_AsLongLong(args[1]), columns = PyLong_AsLongLong(args[2]);
+    if (!takes_arguments("greedy_walk", nargs, 5)) return nullptr;
+    const Logits logits(args);
+    const int64_t rows = logits.rows, columns = logits.columns;
     std::vector<int64_t> tokens, parents;
     if (PyErr_Occurred() || !read_ints(args[3], tokens, "tokens") || !read_ints(args[4], parents, "parents"))
         return nullptr;
@@ -185,7 +196,7 @@ PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     std::vector<int64_t> path{0};
     float unused;
     while (true) {
-        const int64_t node = path.back(), token = row_argmax(logits + node * columns, columns, &unused);
+        const int64_t node = path.back(), token = row_argmax(logits.row(node), columns, &unused);
         int64_t next = -1;
         for (int64_t child = node + 1; child < n && next < 0; child++)  // children come after their parent, in order
             if (parents[child] == node && tokens[child] == token) next = child;
@@ -197,12 +208,9 @@ PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 // best_tokens(logits_address, rows, columns, shortlist_tokens) -> tokens
 // Each row's argmax, as a token (through the shortlist's column -> token array, when not None): sampling.row_argmax.
 PyObject *best_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "best_tokens takes 4 arguments");
-        return nullptr;
-    }
-    const auto *logits = static_cast<const float *>(PyLong_AsVoidPtr(args[0]));
-    const int64_t rows = PyLong_AsLongLong(args[1]), columns = PyLong_AsLongLong(args[2]);
+    if (!takes_arguments("best_tokens", nargs, 4)) return nullptr;
+    const Logits logits(args);
+    const int64_t rows = logits.rows, columns = logits.columns;
     Int64Array column_token;
     if (PyErr_Occurred() || !column_token.open(args[3], "shortlist tokens")) return nullptr;
     if (column_token.data && column_token.size != columns) {
@@ -212,7 +220,7 @@ PyObject *best_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     std::vector<int64_t> tokens(rows);
     float unused;
     for (int64_t row = 0; row < rows; row++) {
-        const int64_t column = row_argmax(logits + row * columns, columns, &unused);
+        const int64_t column = row_argmax(logits.row(row), columns, &unused);
         tokens[row] = column_token.data ? column_token.data[column] : column;
     }
     return int_list(tokens);
@@ -232,10 +240,7 @@ static_assert(sizeof(Successor) == 12, "SUCCESSOR is 12 bytes");
 // the context (its trigram history's when seen, else the root's own), then each level's rows by the `next` of the
 // level above, widths[d] successors of each.
 PyObject *trigram_tree(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "trigram_tree takes 8 arguments");
-        return nullptr;
-    }
+    if (!takes_arguments("trigram_tree", nargs, 8)) return nullptr;
     const auto *histories = static_cast<const int64_t *>(PyLong_AsVoidPtr(args[0]));
     const int64_t history_count = PyLong_AsLongLong(args[1]);
     const auto *successors = static_cast<const Successor *>(PyLong_AsVoidPtr(args[2]));
