@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from data.atomic import FILE, atomic_output, check_output, write_json
 from data.errors import InputError, exits_on_input_error
-from decode import agreement, report, run
+from decode import agreement, native, report, run
 from decode.costs import device_name
 from decode.api import SpeculativeDecoder, check_same_vocabulary
 from decode.peers import HFGenerate
@@ -217,8 +217,9 @@ def main(argv=None) -> dict:
     greedy = sampling.greedy
     mode = "greedy" if greedy else f"T={sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
     healing = "on" if options.token_healing else "off"
+    loops = "C++" if native.module() is not None else "Python"
     print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
-          f"token healing {healing}; methods: {', '.join(names)}; "
+          f"token healing {healing}, step loops in {loops}; methods: {', '.join(names)}; "
           + (f"plan {options.plan}" if options.plan else "no plan (python -m decode.plan writes one)"))
     records = timed_runs(decoders, prompts, settings.max_new_tokens, settings.seed)
     checks = check_outputs(records, prompts, decoders, settings.max_new_tokens, settings.seed) if greedy else None
@@ -251,7 +252,7 @@ def main(argv=None) -> dict:
     result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device, "prompts": len(prompts),
                            "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing, "drafts": drafts,
                            "plan": options.plan and str(options.plan),
-                           "token_healing": options.token_healing},
+                           "token_healing": options.token_healing, "step_loops": loops},
               "summary": summary, "records": records}
     if known.out:
         write_json(known.out, result, known.overwrite, indent=1)

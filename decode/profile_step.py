@@ -18,7 +18,7 @@ import statistics
 import time
 
 from data.errors import exits_on_input_error
-from decode import costs, generate, planning, run
+from decode import costs, generate, native, planning, run
 from decode.api import SpeculativeDecoder
 
 BOUNDS = {"around the forwards": 0.10, "draft forwards": 0.30}  # of an oracle q=1 forward, the step's budget
@@ -60,9 +60,10 @@ def main(argv=None) -> dict[str, float]:
     parts["rest of the loop"] = total - sum(parts.values()) - sum(reading.values())
     ms = {label: 1e3 * seconds / steps for label, seconds in parts.items()}
     step_ms, one_token_ms = sum(ms.values()), statistics.median(one_token)
+    loops = "C++" if native.module() is not None else "Python (STAGED_SPECULATIVE_NATIVE=0 or no compiler)"
     print(f"{settings.options.method}: {len(prompts)} prompts, {tokens} tokens, {calls} oracle calls ({tokens / calls:.2f} "
           f"tokens per call), {steps} of them steps of {step_ms:.2f} ms; one q=1 oracle forward: {one_token_ms:.2f} ms "
-          f"(median over the prompts, {min(one_token):.2f}-{max(one_token):.2f})")
+          f"(median over the prompts, {min(one_token):.2f}-{max(one_token):.2f}); step loops in {loops}")
     draft = f", draft {1e3 * reading['draft'] / len(prompts):.2f} ms (with the first tree)" if decoder.draft is not None else ""
     built = "kernels built per new shape" + (", trigram trees" if hasattr(decoder.drafter, "trigram") else "")
     print(f"  the untimed first pass took {first - total:.2f} s more than this one ({built}; {first:.2f} s against "

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from decode import agreement, bench, bench_engine, costs, generate, peers, profile_step, report
+from decode import agreement, bench, bench_engine, costs, generate, native, peers, profile_step, report
 from decode.api import Decoder
 from decode.engine import GPT2Engine
 from decode_models import run_models
@@ -47,6 +47,8 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
     assert "refused" not in printed
     drafts = {name: {"dtype": "float32", "vocabulary": "every token"} for name in ("speculative", "tree", "staged", "staged-paper")}
     assert result["settings"]["drafts"] == drafts
+    loops = "C++" if native.module() is not None else "Python"
+    assert result["settings"]["step_loops"] == loops and f"step loops in {loops}" in printed
     assert "  the draft: speculative float32, every token; tree float32, every token; staged float32" in printed
     assert "a prompt and its staged completion" in printed and "t2 t7 t3" in printed  # the first prompt, shown
     assert "Same output: 6 of 6 speculative methods gave exactly the baseline's tokens on all 3 prompts." in printed
@@ -174,8 +176,10 @@ def test_profile_step_accounts_for_every_part_of_a_step_and_reads_the_prompts_ap
     parts = profile_step.main(bench_args(models, tmp_path, "--method", method))
     assert set(parts) == {"oracle forward", "draft forward", "verification", "rest of the loop"} | drafting
     assert all(ms > 0 for ms in parts.values())
-    calls, steps = map(int, re.search(r"(\d+) oracle calls .*?, (\d+) of them steps", capsys.readouterr().out).groups())
+    printed = capsys.readouterr().out
+    calls, steps = map(int, re.search(r"(\d+) oracle calls .*?, (\d+) of them steps", printed).groups())
     assert calls - steps == 3  # each of the three prompts read once, at an empty cache
+    assert f"step loops in {'C++' if native.module() is not None else 'Python'}" in printed
 
 
 def test_stopwatch_asks_a_callable_label_before_each_call():
