@@ -292,33 +292,31 @@ class ShapedTreeDrafter(ModelDrafter):
         self.below = [[] for _ in self.parents]  # shape node -> its children in the shape
         for node, parent in enumerate(self.parents[1:], 1):
             self.below[parent].append(node)
+        self.widest = [1 + max((self.ranks[c] for c in children), default=-1) for children in self.below]  # ranks to read
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
-        tree, shape_of = Tree.rooted(tokens[-1]), [0]  # tree node -> the shape node it fills
+        tree = Tree.rooted(tokens[-1])
         self.draft.start(tokens)
-        level = [0]
-        while True:
-            nodes = [n for n in level if self.below[shape_of[n]] and tree.depths[n] < max_depth]
-            if not nodes:
-                return tree
+        level = [(0, 0)]  # (tree node, the shape node it fills)
+        for _ in range(max_depth):
+            level = [(node, shaped) for node, shaped in level if self.below[shaped]]
+            if not level:
+                break
+            nodes = [node for node, _ in level]
             logits = self.draft.score(tree, nodes)
             if self.sampled_children:  # child j of a node is its j-th independent draw
-                drawn, q = draw_children(self.sampling, logits, max(len(self.below[shape_of[n]]) for n in nodes),
-                                         generator, self.draft.shortlist)
+                drawn, q = draw_children(self.sampling, logits, max(len(self.below[s]) for _, s in level), generator,
+                                         self.draft.shortlist)
                 tree.child_dists.update(zip(nodes, q))
             else:  # child j is the draft's rank-ranks[j] token
-                widest = 1 + max(self.ranks[c] for n in nodes for c in self.below[shape_of[n]])
+                widest = max(self.widest[s] for _, s in level)
                 scores, shortlist = ranking_scores(logits, self.sampling), self.draft.shortlist
                 ranked = ([[token] for token in row_argmax(scores, shortlist)] if widest == 1  # a chain's level
                           else top_tokens(scores, widest, shortlist).tolist())
-                drawn = [[row[self.ranks[c]] for c in self.below[shape_of[n]]] for n, row in zip(nodes, ranked)]
-            parents, children = [], []
-            for n, row in zip(nodes, drawn):
-                for child, token in zip(self.below[shape_of[n]], row):
-                    parents.append(n)
-                    children.append(token)
-                    shape_of.append(child)
-            level = list(tree.add_level(parents, children))
+                drawn = [[row[self.ranks[c]] for c in self.below[s]] for (_, s), row in zip(level, ranked)]
+            level = [(tree.add(node, token), child) for (node, shaped), row in zip(level, drawn)
+                     for child, token in zip(self.below[shaped], row)]
+        return tree
 
 
 class TrigramTrees:
