@@ -385,8 +385,8 @@ class TrigramTrees:
 
     def build(self, before_root: int, root: int, depth: int) -> tuple[list[int], list[float]]:
         """The tokens and probabilities of the tree's nodes, in the shape's order: one search for the root's
-        row of the successor table, then a gather a level (each successor names the row after it); decode/native_step.cpp
-        reads the same rows where it can."""
+        row of the successor table, then a gather a level (each successor names the row after it);
+        decode/native_step.cpp reads the same rows where it can."""
         if self.native is not None:
             return native.trigram_tree(self.native, before_root, root, self.widths[:depth])
         tokens, probs = [root], [1.0]
@@ -504,8 +504,9 @@ class StagedDrafter(ModelDrafter):
         after node order[i]): the `budget` candidates of highest cumulative draft weight among the tree's nodes
         and the draft's own best children, the `copied` nodes first; and for each node, the candidate it came from
         (n + i: the draft's leaf i). Greedy with one draft child, decode/native_step.cpp computes the same."""
-        edges, best, best_weights = ranked_children(ranking_scores(logits, self.sampling), tree, self.draft_children or 1,
-                                                    self.sampling.greedy, order, self.draft.shortlist)
+        edges, best, best_weights = ranked_children(ranking_scores(logits, self.sampling), tree,
+                                                    self.draft_children or 1, self.sampling.greedy, order,
+                                                    self.draft.shortlist)
         cumulative = tree.cumulative(edges)
         leaf_parents, leaf_tokens, leaf_weights = self.draft_leaves(tree, best, best_weights, max_depth)
         candidates = cumulative + [cumulative[parent] * w for parent, w in zip(leaf_parents, leaf_weights)]

@@ -1,14 +1,17 @@
 """A decoding step's loops over trees in C++ (decode/native_step.cpp): the trigram's tree below a new context, the
 staged drafter's greedy selection of the oracle's tree from the draft's logits, sample-match verification under
-greedy decoding, and each row's argmax token. Right after a forward, each of the tens of torch, numpy and list operations these take in
-Python pays for caches the forward evicted; one call pays once (README section 4, "A step's loops in C++").
+greedy decoding, and each row's argmax token. Right after a forward, each of the tens of torch, numpy and list
+operations these take in Python pays for caches the forward evicted; one call pays once (README section 4, "A step's
+loops in C++").
 
-torch's extension builder compiles the file on first use (a few seconds; cached per source under
-~/.cache/torch_extensions). Where it cannot (no C++ compiler or ninja), or the data are not laid out as the loops
-read them (logits not float32 rows in CPU memory), decoding takes the Python code, which gives the same trees and
-paths. STAGED_SPECULATIVE_NATIVE=0 turns the C++ off.
+torch's extension builder compiles the file on first use (a few seconds; cached under ~/.cache/torch_extensions in a
+directory named by the source's hash, so checkouts of different versions neither rebuild in turn nor replace a
+module another process has loaded). Where it cannot (no C++ compiler or ninja), or the data are not laid out as the
+loops read them (logits not float32 rows in CPU memory), decoding takes the Python code, which gives the same trees
+and paths. STAGED_SPECULATIVE_NATIVE=0 turns the C++ off.
 """
 import functools
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -29,7 +32,8 @@ def module():
     try:
         from torch.utils import cpp_extension
 
-        return cpp_extension.load("native_step", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd"])
+        name = f"native_step_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
+        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd"])
     except Exception as err:  # no compiler, no ninja, a failed build: decoding goes on in Python
         print(f"note: the decoding step's C++ loops could not be built ({first_line(err)}); decoding uses their Python "
               f"code, which gives the same output a little slower (STAGED_SPECULATIVE_NATIVE=0 silences this)",
@@ -62,9 +66,9 @@ def trigram_tree(source: tuple, before_root: int, root: int, widths: list[int]) 
 def staged_selection(logits: torch.Tensor, order: list[int], parents: list[int], tokens: list[int], depths: list[int],
                      copied, shortlist, max_depth: int, budget: int) -> tuple[list[int], list[int], list[int]]:
     """StagedDrafter.selection's tree as (tokens, parents) and its `kept` (greedy, one draft child per node)."""
-    return module().staged_selection(logits.data_ptr(), logits.shape[0], logits.shape[1], order, parents, tokens, depths,
-                                     list(copied), None if shortlist is None else shortlist.tokens,
-                                     None if shortlist is None else shortlist.column, max_depth, budget)
+    columns = (None, None) if shortlist is None else (shortlist.tokens, shortlist.column)
+    return module().staged_selection(logits.data_ptr(), logits.shape[0], logits.shape[1], order, parents, tokens,
+                                     depths, list(copied), *columns, max_depth, budget)
 
 
 def greedy_walk(logits: torch.Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:

@@ -1,9 +1,9 @@
 // A decoding step's loops over trees, in C++ for decode/native.py: the trigram's tree below a new context
 // (TrigramTrees.build in decode/drafters.py), the staged drafter's greedy ranking of the draft's logits and its choice
 // of the oracle's tree (StagedDrafter.selection), sample-match verification under greedy decoding
-// (decode/verify.py), and each row's argmax token (decode/sampling.py's row_argmax). Each follows its Python code step for step, ties included, and tests/test_native.py compares
-// the two. After a forward, every torch, numpy or list operation of a step pays for caches that the forward
-// evicted; one call here replaces tens of them.
+// (decode/verify.py), and each row's argmax token (decode/sampling.py's row_argmax). Each follows its Python code
+// step for step, ties included, and tests/test_native.py compares the two. After a forward, every torch, numpy or
+// list operation of a step pays for caches that the forward evicted; one call here replaces tens of them.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -281,8 +281,15 @@ PyMethodDef methods[] = {
      "Sample-match verification under greedy decoding."},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "native_step", "A decoding step's loops over trees.", -1, methods};
+// torch's extension builder names the module (TORCH_EXTENSION_NAME: decode/native.py adds the source's hash)
+#define STRINGIFY_(name) #name
+#define STRINGIFY(name) STRINGIFY_(name)
+#define CONCATENATE_(a, b) a##b
+#define CONCATENATE(a, b) CONCATENATE_(a, b)
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, STRINGIFY(TORCH_EXTENSION_NAME), "A decoding step's loops over trees.", -1,
+                      methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit_native_step() { return PyModule_Create(&module); }
+PyMODINIT_FUNC CONCATENATE(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&module); }

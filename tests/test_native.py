@@ -1,6 +1,6 @@
-"""decode/native_step.cpp against the Python it replaces: the trigram's trees, the staged drafter's greedy selection
-and sample-match verification are the same, node for node, on random contexts and trees, ties included; decoding
-takes them; and where they cannot be built, decoding says so once and goes on in Python."""
+"""decode/native_step.cpp against the Python it replaces: the trigram's trees, the staged drafter's greedy selection,
+sample-match verification and argmax tokens are the same, node for node, on random contexts, trees and logits, ties
+included; decoding takes them; and where they cannot be built, decoding says so once and goes on in Python."""
 import os
 import random
 import shutil
@@ -51,14 +51,16 @@ def random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
 
 
 def test_trigram_trees_equal_the_python_ones(built, tmp_path):
-    table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", tiny_gpt2(tmp_path / "oracle", seed=0)) / "successors.npz")
+    oracle = tiny_gpt2(tmp_path / "oracle", seed=0)
+    table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle) / "successors.npz")
     trees = TrigramTrees(table, [4, 3, 2, 1])
     assert trees.native is not None
     rng = random.Random(0)
     seen = table.histories[rng.sample(range(table.histories.size), 50)]
     contexts = [(int(h) // (table.vocab_size + 2), int(h) % (table.vocab_size + 2)) for h in seen]  # trigram rows
-    contexts += [(rng.randrange(table.vocab_size), rng.randrange(table.vocab_size)) for _ in range(50)]  # mostly backoff
-    contexts += [(table.bos, rng.randrange(table.vocab_size)) for _ in range(10)]  # the start of a text
+    vocab = table.vocab_size
+    contexts += [(rng.randrange(vocab), rng.randrange(vocab)) for _ in range(50)]  # mostly backoff rows
+    contexts += [(table.bos, rng.randrange(vocab)) for _ in range(10)]  # the start of a text
     for u, v in contexts:
         for depth in (0, 1, 4):
             native_tree = trees.build(u, v, depth)
@@ -104,7 +106,7 @@ def test_greedy_walk_equals_sample_match(built, monkeypatch, seed):
         with monkeypatch.context() as python:
             python.setattr(native, "takes", lambda logits: False)
             assert (path, following) == sample_match(tree, Target(logits, Sampling()), None), (seed, case)
-        assert sample_match(tree, Target(logits, Sampling()), None) == (path, following)  # the C++ call, as decoding makes it
+        assert sample_match(tree, Target(logits, Sampling()), None) == (path, following)  # the C++ call in decoding
         walked.append(len(path))
     assert max(walked) >= 4
 
