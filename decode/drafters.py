@@ -292,7 +292,8 @@ class ShapedTreeDrafter(ModelDrafter):
         self.below = [[] for _ in self.parents]  # shape node -> its children in the shape
         for node, parent in enumerate(self.parents[1:], 1):
             self.below[parent].append(node)
-        self.widest = [1 + max((self.ranks[c] for c in children), default=-1) for children in self.below]  # ranks to read
+        # shape node -> how many of the draft's ranked tokens its children read
+        self.widest = [1 + max((self.ranks[c] for c in children), default=-1) for children in self.below]
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
         tree = Tree.rooted(tokens[-1])
