@@ -356,10 +356,7 @@ def apply_plan(options: "DecoderOptions") -> tuple["DecoderOptions", planning.Sh
     policy = policy and planning.unless_given(policy, options.method, options.given)
     if not policy:
         return options, None, None
-    options = replace(options, draft_vocab=policy.get("draft_vocab", options.draft_vocab),
-                      draft_dtype=policy.get("draft_dtype", options.draft_dtype),
-                      k=policy.get("k", options.k), lookup_tokens=policy.get("tokens", options.lookup_tokens),
-                      widths=list(policy.get("widths", options.widths)), budget=policy.get("budget", options.budget))
+    options = replace(options, **planning.planned_options(policy, options.method))
     if "parents" not in policy:
         return options, None, policy
     shape = planning.Shape(policy["parents"], policy["ranks"], policy["expected"])

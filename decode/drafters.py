@@ -330,7 +330,7 @@ class TrigramTrees:
     def __init__(self, table, widths, size: int = 1 << 14):
         self.table, self.widths, self.size, self.shapes = table, list(widths), size, {}
         self.built, self.selected = {}, {}
-        self.native = native.trigram_source(table) if table is not None else None  # None: `build` in Python
+        self.native = native.trigram_source(table)  # None: `build` in Python
 
     def forget(self) -> None:
         """Drop every remembered tree: drafting then costs what it does in a new decoder."""

@@ -285,24 +285,25 @@ def run_plan(run: Path, options) -> Path | None:
     return path
 
 
-# The options each method's policy stands for: an option the caller set (DecoderOptions.given) keeps its value,
-# the plan fills in the rest. A planned tree (its shape) stands for the flags of a best-first tree all at once.
-POLICY_OPTIONS = {"speculative": {"k": "k"}, "lookup": {"tokens": "lookup_tokens"},
-                  "staged": {"widths": "widths", "budget": "budget"}, "ngram": {"widths": "widths", "budget": "budget"}}
+# A planned tree (its shape) stands for the flags of a best-first tree all at once; every other key of a policy
+# is the DecoderOptions field it fills ("tokens": lookup_tokens).
 TREE_SHAPE, TREE_FLAGS = ("parents", "ranks", "expected", "nodes", "depth"), ("budget", "depth", "branch")
-DRAFT_OPTIONS = {"draft_vocab": "draft_vocab", "draft_dtype": "draft_dtype"}
 
 
-def options_of(method: str, key: str) -> tuple[str, ...]:
-    """The options a policy's `key` gives values to."""
-    if method == "tree" and key in TREE_SHAPE:
-        return TREE_FLAGS
-    return (POLICY_OPTIONS.get(method, {}) | DRAFT_OPTIONS)[key],
+def option_of(key: str) -> str:
+    """The DecoderOptions field a policy's `key` fills (a planned tree's shape aside)."""
+    return "lookup_tokens" if key == "tokens" else key
 
 
-def unless_given(policy: dict, method: str, given) -> dict:
-    """The policy less what the caller set by hand: a flag they typed wins over the plan."""
-    return {key: value for key, value in policy.items() if not set(options_of(method, key)) & set(given)}
+def unless_given(policy: dict, method: str, given: frozenset[str]) -> dict:
+    """The policy less what the caller set by hand (DecoderOptions.given): a flag they typed wins over the plan."""
+    fills = lambda key: TREE_FLAGS if method == "tree" and key in TREE_SHAPE else (option_of(key),)
+    return {key: value for key, value in policy.items() if given.isdisjoint(fills(key))}
+
+
+def planned_options(policy: dict, method: str) -> dict:
+    """The DecoderOptions values a policy gives, a planned tree's shape aside (`Shape`)."""
+    return {option_of(key): value for key, value in policy.items() if not (method == "tree" and key in TREE_SHAPE)}
 
 
 def describe(policy: dict) -> str:
