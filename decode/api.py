@@ -59,7 +59,7 @@ class DecoderOptions:
     draft_dtype: str | None = None  # None: the oracle's dtype
     device: str = "cpu"
     backend: str = "auto"
-    cuda_graphs: bool = False  # the lean engine on a GPU: replay each forward's kernels as one graph (unmeasured)
+    cuda_graphs: bool = True  # the lean engine on a GPU: replay each forward's kernels as one graph (a CPU ignores it)
     draft_vocab: int = 0  # the draft's logits over its N most frequent training tokens only (0: every token)
     token_healing: bool = True
     given: frozenset[str] = frozenset()  # the options the caller set by hand: a plan fills in only the others

@@ -163,7 +163,7 @@ class GPT2Engine(CachedLM):
                  shortlist: Shortlist | None = None):
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
         stores every matrix in that layout; by default each matrix gets the fastest measured for its shape. On a
-        GPU with `cuda_graphs`, forwards replay CUDA graphs (decode.cuda_graphs; not yet run on a GPU). With a
+        GPU with `cuda_graphs`, forwards replay CUDA graphs (decode.cuda_graphs). With a
         `shortlist`, the output layer computes the logits of its tokens only."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")

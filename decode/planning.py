@@ -253,7 +253,7 @@ def recorded(identity: dict, key: str):
 
 
 def replan_command(run, options) -> str:
-    return f"python -m decode.plan --run {run} --dtype {options.dtype}" + (" --cuda-graphs" if options.cuda_graphs else "")
+    return f"python -m decode.plan --run {run} --dtype {options.dtype}" + ("" if options.cuda_graphs else " --no-cuda-graphs")
 
 
 def save_plan(plan: dict, path: Path, overwrite: bool) -> None:

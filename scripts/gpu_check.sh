@@ -3,12 +3,14 @@
 #   bash scripts/gpu_check.sh tests            # the whole suite, CUDA tests included
 #   bash scripts/gpu_check.sh train RUN        # GPT-2-small-sized oracle, draft, trigram (RUN/data prepared)
 #   bash scripts/gpu_check.sh decode RUN       # exactness on CUDA, sampling, engine costs, plan, bench
+#   bash scripts/gpu_check.sh brief RUN        # all three, shorter, in one command of under 9 minutes (a 15-minute
+#                                              # device budget): the suite beside a shorter training, then CUDA graphs
 # It runs with the machine's own python3 (a CUDA torch) and PYTHONPATH=. instead of scripts/setup.sh, which
 # needs a package registry. Wheels in .whl/ (nltk; kenlm has none, its tests skip) are installed first.
 # Logs and JSON go to $LOGS (default: $OUT, the device tool's folder, else gpu-logs/).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-stage="${1:?usage: bash scripts/gpu_check.sh tests|train|decode [RUN]}"
+stage="${1:?usage: bash scripts/gpu_check.sh tests|train|decode|brief [RUN]}"
 run="${2:-runs/gpu}"
 logs="${LOGS:-${OUT:-gpu-logs}}"
 mkdir -p "$logs"
@@ -57,16 +59,17 @@ decode)
         step "agreement-$dtype" python3 -m decode.agreement --run "$run" --device cuda --dtype "$dtype" --limit 10 \
             --max-new-tokens 128 --methods "$methods" --no-plan --report "$logs/agreement-$dtype.json" --overwrite
     done
-    # CUDA graphs (decode.cuda_graphs, opt-in until measured here): the same outputs, then their speed below
-    step agreement-graphs python3 -m decode.agreement --run "$run" --device cuda --dtype float32 --limit 10 \
-        --max-new-tokens 128 --methods "$methods" --no-plan --cuda-graphs --report "$logs/agreement-graphs.json" --overwrite
+    # without CUDA graphs (decode.cuda_graphs, the default on a GPU): the same outputs, then their speed below
+    step agreement-no-graphs python3 -m decode.agreement --run "$run" --device cuda --dtype float32 --limit 10 \
+        --max-new-tokens 128 --methods "$methods" --no-plan --no-cuda-graphs --report "$logs/agreement-no-graphs.json" \
+        --overwrite
     for method in baseline ${methods//,/ }; do
         step "sample-$method" python3 -m decode.run --run "$run" --device cuda --dtype bfloat16 --method "$method" \
             --limit 4 --max-new-tokens 64 --temperature 1 --top-k 50 --seed 1 --no-plan
     done
     step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" --device cuda \
         --dtype bfloat16 --output "$logs/engine.json" --overwrite
-    for variant in "" --cuda-graphs "--draft-vocab 4096"; do  # the shortlist: a half-size output layer for the draft
+    for variant in "" --no-cuda-graphs "--draft-vocab 4096"; do  # the shortlist: a half-size output layer for the draft
         step "profile${variant// /}" python3 -m decode.profile_step --run "$run" --device cuda --dtype bfloat16 \
             --method staged --limit 4 --max-new-tokens 128 --no-plan $variant
     done
@@ -78,10 +81,51 @@ decode)
     step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 8 --max-new-tokens 128 \
         --methods baseline,speculative,tree,staged,staged-paper,ngram,lookup,hf-generate,hf-assisted,hf-lookup \
         --out "$logs/bench.json" --plot "$logs/bench.png" --overwrite
-    step bench-graphs python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 8 --max-new-tokens 128 \
-        --methods baseline,speculative,tree,staged,staged-paper,ngram,lookup --cuda-graphs --out "$logs/bench-graphs.json" --overwrite
+    step bench-no-graphs python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 8 --max-new-tokens 128 \
+        --methods baseline,speculative,tree,staged,staged-paper,ngram,lookup --no-cuda-graphs --out "$logs/bench-no-graphs.json" \
+        --overwrite
+    ;;
+brief)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
+    # the suite on 12 cores beside the training (the GPU's work): the CUDA-only tests first, on their own
+    ( OMP_NUM_THREADS=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_coupled.py \
+        > "$logs/pytest-cuda.log" 2>&1
+      OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -n 12 -p no:cacheprovider --ignore tests/test_cuda_graphs.py \
+        --ignore tests/test_coupled.py > "$logs/pytest.log" 2>&1 ) &
+    tests=$!
+    STEP_TIMEOUT=150 step oracle "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle" \
+        --overwrite --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --grad_accum 1 --max_steps 1000 \
+        --learning_rate 6e-4 --eval_every 500 --save_every 500
+    STEP_TIMEOUT=120 step draft "${launch[@]}" train/distill_draft.py --preset cpu --teacher "$run/oracle" --data "$run/data" \
+        --out "$run/draft" --overwrite --n_layer 4 --n_head 4 --n_embd 256 --max_steps 400 --kd_loss tv \
+        --teacher_windows 0.5 --teacher_prefixes prompts
+    STEP_TIMEOUT=60 step trigram python3 ngram/build_katz.py --data "$run/data" --out "$run/ngram" --overwrite
+    wait $tests
+    for log in pytest-cuda pytest; do echo "== $log"; tail -n 3 "$logs/$log.log" | sed 's/^/   | /'; done
+    for log in pytest-cuda pytest; do tail -n 1 "$logs/$log.log" | grep -qE "failed|error|no tests" && failed=1; done
+    # exactness with and without CUDA graphs (the default), then speed; the twenty-fourth session's small staged tree
+    export STEP_TIMEOUT=90
+    methods=speculative,tree,staged,lookup
+    small=(--device cuda --no-plan --budget 16 --widths 4,2,1 --max-new-tokens 96)
+    step agreement python3 -m decode.agreement --run "$run" --dtype float32 --limit 4 "${small[@]}" \
+        --methods "$methods" --report "$logs/agreement.json" --overwrite
+    step agreement-no-graphs python3 -m decode.agreement --run "$run" --dtype float32 --limit 4 "${small[@]}" \
+        --methods "$methods" --no-cuda-graphs --report "$logs/agreement-no-graphs.json" --overwrite
+    for graphs in "" --no-cuda-graphs; do
+        step "bench$graphs" python3 -m decode.bench --run "$run" --dtype bfloat16 --limit 6 "${small[@]}" $graphs \
+            --methods "baseline,$methods,ngram" --out "$logs/bench$graphs.json" --overwrite
+    done
+    step bench-sampling python3 -m decode.bench --run "$run" --dtype bfloat16 --limit 3 "${small[@]}" \
+        --temperature 1 --top-k 50 --seed 1 --methods "baseline,$methods,ngram" --out "$logs/bench-sampling.json" --overwrite
+    for graphs in "" --no-cuda-graphs; do
+        step "profile$graphs" python3 -m decode.profile_step --run "$run" --dtype bfloat16 --method staged --limit 3 \
+            "${small[@]}" $graphs
+    done
+    STEP_TIMEOUT=120 step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" \
+        --device cuda --dtype bfloat16 --limit 2 --output "$logs/engine.json" --overwrite
     ;;
 *)
-    echo "error: unknown stage $stage; use tests, train or decode" >&2; exit 2 ;;
+    echo "error: unknown stage $stage; use tests, train, decode or brief" >&2; exit 2 ;;
 esac
 exit $failed

@@ -329,21 +329,25 @@ def test_a_run_plan_for_another_dtype_is_set_aside_with_a_note(planned, models, 
 
 def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models, tmp_path, capsys, monkeypatch):
     path, args = planned["path"], planned["args"]
-    on_cpu = run.parse(args + ["--plan", str(path), "--cuda-graphs"]).options  # graphs change nothing on a CPU
-    assert planning.identity(on_cpu) == planned["plan"]["identity"]
+    on_cpu = run.parse(args + ["--plan", str(path)]).options  # graphs by default, which change nothing on a CPU
+    assert on_cpu.cuda_graphs and planning.identity(on_cpu) == planned["plan"]["identity"]
     assert planning.load_plan(path, on_cpu) == planned["plan"]["policies"]
     monkeypatch.setattr(planning, "device_name", lambda device: planned["plan"]["identity"]["device"])
     on_gpu = dataclasses.replace(on_cpu, device="cuda")  # as a GPU would see it
     assert planning.identity(on_gpu) == planned["plan"]["identity"] | {"cuda_graphs": True}
-    with pytest.raises(InputError, match=r"cuda_graphs False \(now True\).*decode\.plan .*--cuda-graphs"):
+    with pytest.raises(InputError, match=r"cuda_graphs False \(now True\)") as refused:
         planning.load_plan(path, on_gpu)
+    assert "python -m decode.plan --run" in str(refused.value) and "--no-cuda-graphs" not in str(refused.value)
+    without = run.parse(args + ["--plan", str(path), "--no-cuda-graphs"]).options
+    assert planning.load_plan(path, dataclasses.replace(without, device="cuda")) == planned["plan"]["policies"]
+    assert "--no-cuda-graphs" in planning.replan_command(path.parent, without)
     older = json.loads(path.read_text())
     del older["identity"]["cuda_graphs"]  # a plan written before the setting
     older["identity"]["draft_vocab"] = 0  # nor does a shortlist recorded there by an older decode.plan count
     path.write_text(json.dumps(older))
     assert planning.load_plan(path, on_cpu) == planned["plan"]["policies"]
     graphed = json.loads(path.read_text())
-    graphed["identity"]["cuda_graphs"] = True  # the plan a GPU run with --cuda-graphs writes
+    graphed["identity"]["cuda_graphs"] = True  # the plan a GPU run writes (with graphs, the default)
     path.write_text(json.dumps(graphed))
     with pytest.raises(InputError, match=r"cuda_graphs True \(now False\)"):
         planning.load_plan(path, run.parse(args + ["--plan", str(path)]).options)
