@@ -3,6 +3,7 @@ sequence's current suffix (prompt-lookup decoding; llama.cpp's lookup modes). Co
 identifiers, its signature and the words of its docstring, so what the context already holds is
 the cheapest good draft.
 """
+from decode import native
 
 
 class ContextIndex:
@@ -27,7 +28,11 @@ class ContextIndex:
     def continuations(self, tokens: list[int], length: int, branches: int = 1) -> list[list[int]]:
         """Up to `branches` different continuations of `length` tokens that followed the longest suffix
         of `tokens` seen before, the latest occurrence first. A continuation that runs into the end of
-        the sequence goes on with its own tokens: the text repeats with the period it just showed."""
+        the sequence goes on with its own tokens: the text repeats with the period it just showed. With the step's
+        C++ loops, a scan of the sequence finds the same (decode/native_step.cpp; updating the index in Python cost
+        more than the scan)."""
+        if native.module() is not None:
+            return native.continuations(tokens, self.max_ngram, length, branches)
         self.update(tokens)
         for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
             chains = []

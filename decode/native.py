@@ -1,6 +1,6 @@
 """A decoding step's loops over trees in C++ (decode/native_step.cpp): the trigram's tree below a new context, the
 staged drafter's greedy selection of the oracle's tree from the draft's logits, sample-match verification under
-greedy decoding, and each row's argmax token. Right after a forward, each of the tens of torch, numpy and list
+greedy decoding, each row's argmax token, and the continuations a context repeats (prompt lookup). Right after a forward, each of the tens of torch, numpy and list
 operations these take in Python pays for caches the forward evicted; one call pays once (README section 4, "A step's
 loops in C++").
 
@@ -80,3 +80,8 @@ def best_tokens(logits: torch.Tensor, shortlist) -> list[int]:
     """sampling.row_argmax: each row's argmax token."""
     return module().best_tokens(logits.data_ptr(), logits.shape[0], logits.shape[1],
                                 None if shortlist is None else shortlist.tokens)
+
+
+def continuations(tokens: list[int], max_ngram: int, length: int, branches: int) -> list[list[int]]:
+    """ContextIndex.continuations, from a scan of the sequence instead of an index."""
+    return module().continuations(tokens, max_ngram, length, branches)

@@ -1,7 +1,8 @@
 // A decoding step's loops over trees, in C++ for decode/native.py: the trigram's tree below a new context
 // (TrigramTrees.build in decode/drafters.py), the staged drafter's greedy ranking of the draft's logits and its choice
 // of the oracle's tree (StagedDrafter.selection), sample-match verification under greedy decoding
-// (decode/verify.py), and each row's argmax token (decode/sampling.py's row_argmax). Each follows its Python code
+// (decode/verify.py), each row's argmax token (decode/sampling.py's row_argmax), and the continuations a context
+// repeats (decode/lookup.py's ContextIndex). Each follows its Python code
 // step for step, ties included, and tests/test_native.py compares the two. After a forward, every torch, numpy or
 // list operation of a step pays for caches that the forward evicted; one call here replaces tens of them.
 #define PY_SSIZE_T_CLEAN
@@ -270,6 +271,35 @@ PyObject *trigram_tree(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return Py_BuildValue("(NN)", int_list(tokens), prob_list);
 }
 
+// continuations(tokens, max_ngram, length, branches) -> chains
+// ContextIndex.continuations without its index: for the longest suffix of at most max_ngram tokens that occurred
+// before, the `length` tokens after its occurrences, latest first, up to `branches` different ones; a chain that
+// runs into the end of the sequence repeats its period. A scan of the sequence costs less than updating the index.
+PyObject *continuations(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!takes_arguments("continuations", nargs, 4)) return nullptr;
+    std::vector<int64_t> tokens;
+    if (!read_ints(args[0], tokens, "tokens")) return nullptr;
+    const int64_t max_ngram = PyLong_AsLongLong(args[1]), length = PyLong_AsLongLong(args[2]);
+    const int64_t branches = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) return nullptr;
+    const int64_t size = static_cast<int64_t>(tokens.size());
+    std::vector<std::vector<int64_t>> chains;
+    for (int64_t n = std::min(max_ngram, size - 1); n > 0 && chains.empty(); n--) {
+        const int64_t *suffix = tokens.data() + size - n;
+        for (int64_t end = size - 1; end >= n; end--) {  // an occurrence ending before the last token
+            if (!std::equal(suffix, suffix + n, tokens.data() + end - n)) continue;
+            std::vector<int64_t> chain(tokens.begin() + end, tokens.begin() + std::min(end + length, size));
+            while (static_cast<int64_t>(chain.size()) < length) chain.push_back(chain[chain.size() - (size - end)]);
+            if (std::find(chains.begin(), chains.end(), chain) != chains.end()) continue;
+            chains.push_back(std::move(chain));
+            if (static_cast<int64_t>(chains.size()) == branches) break;
+        }
+    }
+    PyObject *out = PyList_New(chains.size());
+    for (size_t i = 0; out && i < chains.size(); i++) PyList_SET_ITEM(out, i, int_list(chains[i]));
+    return out;
+}
+
 PyMethodDef methods[] = {
     {"best_tokens", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(best_tokens)), METH_FASTCALL,
      "Each row's argmax token."},
@@ -279,6 +309,8 @@ PyMethodDef methods[] = {
      "The staged drafter's greedy selection of the oracle's tree."},
     {"greedy_walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(greedy_walk)), METH_FASTCALL,
      "Sample-match verification under greedy decoding."},
+    {"continuations", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(continuations)), METH_FASTCALL,
+     "The continuations of the context's longest repeated suffix."},
     {nullptr, nullptr, 0, nullptr}};
 
 // torch's extension builder names the module (TORCH_EXTENSION_NAME: decode/native.py adds the source's hash)

@@ -1,6 +1,6 @@
 """decode/native_step.cpp against the Python it replaces: the trigram's trees, the staged drafter's greedy selection,
-sample-match verification and argmax tokens are the same, node for node, on random contexts, trees and logits, ties
-included; decoding takes them; and where they cannot be built, decoding says so once and goes on in Python."""
+sample-match verification, argmax tokens and the context's continuations are the same, node for node, on random
+contexts, trees, logits and sequences, ties included; decoding takes them; and where they cannot be built, decoding says so once and goes on in Python."""
 import os
 import random
 import shutil
@@ -11,9 +11,10 @@ import torch
 
 from decode import native
 from decode.cached_lm import Shortlist
-from decode.drafters import StagedDrafter, TrigramTrees
+from decode.drafters import LookupDrafter, StagedDrafter, TrigramTrees
 from decode.engine import GPT2Engine
 from decode.generate import baseline, tree_speculative
+from decode.lookup import ContextIndex
 from decode.sampling import Sampling
 from decode.tree import Tree
 from decode.verify import Target, sample_match
@@ -124,23 +125,40 @@ def test_best_tokens_equal_the_argmax_of_each_row(built, python_only):
             assert native.best_tokens(logits, tokens_of) == row_argmax(logits, tokens_of), columns
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_continuations_equal_the_python_indexs_as_the_sequence_grows(built, monkeypatch, seed):
+    monkeypatch.setattr(native, "module", lambda: None)  # ContextIndex in Python: its index, updated token by token
+    rng = random.Random(seed)
+    found = set()
+    for case in range(12):
+        period, max_ngram = rng.randrange(1, 9), rng.choice([1, 2, 3, 4])
+        tokens, index = [rng.randrange(6) for _ in range(period)], ContextIndex(max_ngram)
+        while len(tokens) < 100:  # a few tokens: repeats of every order, and periods running into the end
+            tokens.append(tokens[-period] if rng.random() < 0.7 else rng.randrange(6))
+            length, branches = rng.choice([1, 3, 10]), rng.choice([1, 2, 4])
+            expected = index.continuations(tokens, length, branches)
+            assert built.continuations(tokens, max_ngram, length, branches) == expected, (seed, case, len(tokens))
+            found.add(len(expected))
+    assert found == {0, 1, 2, 3, 4}  # none, and up to four different continuations
+
+
 def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monkeypatch, tmp_path):
     oracle_dir = tiny_gpt2(tmp_path / "oracle", seed=0)
     oracle = GPT2Engine.load(oracle_dir)
     draft = GPT2Engine.load(tiny_gpt2(tmp_path / "draft", seed=1, noise_from=oracle_dir, noise=0.005))
     table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle_dir) / "successors.npz")
-    calls = {"staged_selection": 0, "greedy_walk": 0, "best_tokens": 0}
+    calls = {"staged_selection": 0, "greedy_walk": 0, "best_tokens": 0, "continuations": 0}
     for name in calls:
         inner = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *args, inner=inner, name=name: calls.__setitem__(name, calls[name] + 1)
                             or inner(*args))
-    staged = StagedDrafter(draft, table, Sampling(), budget=12, widths=[3, 2, 1])
+    staged = StagedDrafter(draft, table, Sampling(), budget=12, widths=[3, 2, 1], context=LookupDrafter())
     for prompt in ([4, 9, 17], [11, 12, 13, 14, 11, 12]):
         prompt = torch.tensor(prompt)
         expected = baseline(oracle, prompt, 32, Sampling(), eos_id=0).tokens
         out = tree_speculative(oracle, prompt, 32, Sampling(), eos_id=0, drafter=staged)
         assert out.tokens == expected
-    assert calls["staged_selection"] > 0 and calls["greedy_walk"] > 0 and calls["best_tokens"] > 0  # the baseline's
+    assert all(calls.values()), calls  # best_tokens: the baseline's
 
 
 def test_without_a_compiler_decoding_says_so_once_and_goes_on_in_python(monkeypatch, capsys):
