@@ -217,7 +217,7 @@ def main(argv=None) -> dict:
     greedy = sampling.greedy
     mode = "greedy" if greedy else f"T={sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
     healing = "on" if options.token_healing else "off"
-    loops = "C++" if native.module() is not None else "Python"
+    loops = native.loops(options.device)
     print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
           f"token healing {healing}, step loops in {loops}; methods: {', '.join(names)}; "
           + (f"plan {options.plan}" if options.plan else "no plan (python -m decode.plan writes one)"))

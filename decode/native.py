@@ -41,6 +41,13 @@ def module():
         return None
 
 
+def loops(device: str) -> str:
+    """Where a step's loops run, as the benchmark and the step profile say it."""
+    if module() is None:
+        return "Python"
+    return "C++" if torch.device(device).type == "cpu" else "C++ for the trees, Python for the GPU's logits"
+
+
 def takes(logits: torch.Tensor) -> bool:
     """Whether the C++ loops can read these logits: float32 rows, contiguous, in CPU memory."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()

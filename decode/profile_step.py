@@ -60,7 +60,8 @@ def main(argv=None) -> dict[str, float]:
     parts["rest of the loop"] = total - sum(parts.values()) - sum(reading.values())
     ms = {label: 1e3 * seconds / steps for label, seconds in parts.items()}
     step_ms, one_token_ms = sum(ms.values()), statistics.median(one_token)
-    loops = "C++" if native.module() is not None else "Python (STAGED_SPECULATIVE_NATIVE=0 or no compiler)"
+    loops = native.loops(settings.options.device)
+    loops += " (STAGED_SPECULATIVE_NATIVE=0 or no compiler)" if loops == "Python" else ""
     print(f"{settings.options.method}: {len(prompts)} prompts, {tokens} tokens, {calls} oracle calls ({tokens / calls:.2f} "
           f"tokens per call), {steps} of them steps of {step_ms:.2f} ms; one q=1 oracle forward: {one_token_ms:.2f} ms "
           f"(median over the prompts, {min(one_token):.2f}-{max(one_token):.2f}); step loops in {loops}")
@@ -76,7 +77,9 @@ def main(argv=None) -> dict[str, float]:
     groups = {"around the forwards": sum(v for k, v in ms.items() if not k.endswith("forward")),
               "draft forwards": ms.get("draft forward", 0.0)}
     for label, value in groups.items():
-        print(f"  {label:<20} {value:8.3f} {'':8} {value / one_token_ms:7.2f}  (budget {BOUNDS[label]:.2f})")
+        ratio = value / one_token_ms  # three places: near a budget, two would round across it
+        print(f"  {label:<20} {value:8.3f} {'':8} {ratio:7.3f}  (budget {BOUNDS[label]:.2f}: "
+              f"{'within' if ratio <= BOUNDS[label] else 'over'})")
     return ms
 
 

@@ -3,8 +3,10 @@
 #   bash scripts/gpu_check.sh tests            # the whole suite, CUDA tests included
 #   bash scripts/gpu_check.sh train RUN        # GPT-2-small-sized oracle, draft, trigram (RUN/data prepared)
 #   bash scripts/gpu_check.sh decode RUN       # exactness on CUDA, sampling, engine costs, plan, bench
-#   bash scripts/gpu_check.sh brief RUN        # all three, shorter, in one command of under 9 minutes (a 15-minute
-#                                              # device budget): the suite beside a shorter training, then CUDA graphs
+#   bash scripts/gpu_check.sh brief RUN        # all three, shorter, in one command of about 9 minutes (a 15-minute
+#                                              # device budget; run it under `timeout 560` and keep $LOGS outside $OUT,
+#                                              # then tar it there: $OUT takes 8 files): the suite beside a shorter
+#                                              # training, exactness, then CUDA graphs' speed
 # It runs with the machine's own python3 (a CUDA torch) and PYTHONPATH=. instead of scripts/setup.sh, which
 # needs a package registry. Wheels in .whl/ (nltk; kenlm has none, its tests skip) are installed first.
 # Logs and JSON go to $LOGS (default: $OUT, the device tool's folder, else gpu-logs/).
@@ -91,7 +93,7 @@ brief)
     # the suite on 12 cores beside the training (the GPU's work): the CUDA-only tests first, on their own
     ( OMP_NUM_THREADS=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_coupled.py \
         > "$logs/pytest-cuda.log" 2>&1
-      OMP_NUM_THREADS=1 timeout 420 python3 -m pytest -q -n 12 -p no:cacheprovider --ignore tests/test_cuda_graphs.py \
+      OMP_NUM_THREADS=1 timeout 360 python3 -m pytest -q -n 12 -p no:cacheprovider --ignore tests/test_cuda_graphs.py \
         --ignore tests/test_coupled.py > "$logs/pytest.log" 2>&1 ) &
     tests=$!
     STEP_TIMEOUT=150 step oracle "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle" \
@@ -101,10 +103,8 @@ brief)
         --out "$run/draft" --overwrite --n_layer 4 --n_head 4 --n_embd 256 --max_steps 400 --kd_loss tv \
         --teacher_windows 0.5 --teacher_prefixes prompts
     STEP_TIMEOUT=60 step trigram python3 ngram/build_katz.py --data "$run/data" --out "$run/ngram" --overwrite
-    wait $tests
-    for log in pytest-cuda pytest; do echo "== $log"; tail -n 3 "$logs/$log.log" | sed 's/^/   | /'; done
-    for log in pytest-cuda pytest; do tail -n 1 "$logs/$log.log" | grep -qE "failed|error|no tests" && failed=1; done
-    # exactness with and without CUDA graphs (the default), then speed; the twenty-fourth session's small staged tree
+    # exactness with and without CUDA graphs (the default) beside the suite, then speed once it is done; the
+    # twenty-fourth session's small staged tree
     export STEP_TIMEOUT=90
     methods=speculative,tree,staged,lookup
     small=(--device cuda --no-plan --budget 16 --widths 4,2,1 --max-new-tokens 96)
@@ -112,6 +112,9 @@ brief)
         --methods "$methods" --report "$logs/agreement.json" --overwrite
     step agreement-no-graphs python3 -m decode.agreement --run "$run" --dtype float32 --limit 4 "${small[@]}" \
         --methods "$methods" --no-cuda-graphs --report "$logs/agreement-no-graphs.json" --overwrite
+    wait $tests
+    for log in pytest-cuda pytest; do echo "== $log"; tail -n 3 "$logs/$log.log" | sed 's/^/   | /'; done
+    for log in pytest-cuda pytest; do tail -n 1 "$logs/$log.log" | grep -qE "failed|error|no tests" && failed=1; done
     for graphs in "" --no-cuda-graphs; do
         step "bench$graphs" python3 -m decode.bench --run "$run" --dtype bfloat16 --limit 6 "${small[@]}" $graphs \
             --methods "baseline,$methods,ngram" --out "$logs/bench$graphs.json" --overwrite

@@ -48,6 +48,7 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
     drafts = {name: {"dtype": "float32", "vocabulary": "every token"} for name in ("speculative", "tree", "staged", "staged-paper")}
     assert result["settings"]["drafts"] == drafts
     loops = "C++" if native.module() is not None else "Python"
+    assert native.loops("cuda") == ("C++ for the trees, Python for the GPU's logits" if loops == "C++" else "Python")
     assert result["settings"]["step_loops"] == loops and f"step loops in {loops}" in printed
     assert "  the draft: speculative float32, every token; tree float32, every token; staged float32" in printed
     assert "a prompt and its staged completion" in printed and "t2 t7 t3" in printed  # the first prompt, shown
