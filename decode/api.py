@@ -266,10 +266,12 @@ def load_trigram(options, vocab_size: int, eos_id: int):
 
 
 def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_graphs: bool = False,
-               shortlist: Shortlist | None = None) -> CachedLM:
+               shortlist: Shortlist | None = None, draft: bool = False) -> CachedLM:
+    """A model for decoding; a `draft`'s blocks run in C++ where they can (GPT2Engine's native_blocks)."""
     config = read_config(directory)
     if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
-        return GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist)
+        return GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
+                               native_blocks=draft)
     return HFEngine.load(directory, dtype, device, shortlist=shortlist)
 
 
@@ -294,7 +296,7 @@ def draft_shortlist(draft_dir: Path, size: int, vocab_size: int) -> Shortlist | 
 def load_draft(options: "DecoderOptions", vocab_size: int) -> CachedLM:
     """The draft model as the options load it, its output layer over `options.draft_vocab` tokens when set."""
     return load_model(options.draft, options.backend, options.draft_dtype or options.dtype, options.device, options.cuda_graphs,
-                      draft_shortlist(options.draft, options.draft_vocab, vocab_size))
+                      draft_shortlist(options.draft, options.draft_vocab, vocab_size), draft=True)
 
 
 def check_same_vocabulary(oracle_dir: Path, other_dir: Path, other: str) -> None:

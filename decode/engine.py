@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from data.errors import InputError
 from data.pretrained import FUSED_GELU, RETRAIN, load_safetensors
+from decode import native
 from decode.cached_lm import CachedLM, Shortlist
 from decode.cuda_graphs import CUDAGraphs
 
@@ -160,11 +161,13 @@ def fastest_layout(dtype: torch.dtype, device_type: str, in_features: int, out_f
 class GPT2Engine(CachedLM):
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
                  max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False,
-                 shortlist: Shortlist | None = None):
+                 shortlist: Shortlist | None = None, native_blocks: bool = False):
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
         stores every matrix in that layout; by default each matrix gets the fastest measured for its shape. On a
         GPU with `cuda_graphs`, forwards replay CUDA graphs (decode.cuda_graphs). With a
-        `shortlist`, the output layer computes the logits of its tokens only."""
+        `shortlist`, the output layer computes the logits of its tokens only. With `native_blocks` (for a draft), a
+        bfloat16 engine on a CPU with AVX-512 BF16 runs the blocks of a forward of a few rows (a step's tree, up to
+        native.Blocks.ROWS) as one C++ call (decode/native.py's Blocks), which rounds differently from torch's."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         self.shape = s = GPT2Shape.from_config(config)
@@ -201,10 +204,13 @@ class GPT2Engine(CachedLM):
         self.pending = 0  # speculative positions after them
         self.mask_values = [torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf"))]
         self.graphs = CUDAGraphs(self) if cuda_graphs and self.on_gpu else None
+        fits = native_blocks and native.Blocks.fit(s.n_embd, self.dtype, self.device)
+        self.blocks = native.Blocks(s, weights, self.kv_cache) if fits else None
 
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
-             layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None) -> "GPT2Engine":
+             layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
+             native_blocks: bool = False) -> "GPT2Engine":
         """From a save_pretrained directory (safetensors)."""
         config = read_config(model_dir)
         if not is_lean_compatible(config):
@@ -212,7 +218,8 @@ class GPT2Engine(CachedLM):
                 f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
                 f"use the transformers backend (--backend hf)"
             )
-        return cls(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs, shortlist)
+        return cls(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs, shortlist,
+                   native_blocks)
 
     @property
     def vocab_size(self) -> int:
@@ -245,6 +252,9 @@ class GPT2Engine(CachedLM):
         """Float32 logits of new nodes (of the `last` of them, with `last`) that write their keys/values into cache
         `slots` and attend to slots 0..end: all of them, or with a (q, k) boolean `mask`, the last k where it is
         true and every one before them."""
+        if self.blocks is not None and isinstance(slots, slice) and token_ids.numel() <= native.Blocks.ROWS:
+            x = self.blocks(token_ids, position_ids, mask, slots.start, end)  # through the final layer norm
+            return self.head(x if last is None else x[x.shape[0] - last :]).float()
         # F.embedding (an index_select) took 7 us for 16 rows where indexing the matrices took 17 (AMX CPU, bfloat16)
         x = F.embedding(token_ids, self.wte) + F.embedding(position_ids, self.wpe)
         if mask is not None:  # SDPA makes a boolean mask additive in every layer (5-7 us each on a CPU): once here,

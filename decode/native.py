@@ -22,6 +22,15 @@ import torch
 from data.errors import first_line
 
 SOURCE = Path(__file__).with_name("native_step.cpp")
+DRAFT_SOURCE = Path(__file__).with_name("native_draft.cpp")
+
+
+def build(source: Path):
+    """A C++ source compiled as a Python module (cached, named by the source's hash)."""
+    from torch.utils import cpp_extension
+
+    name = f"{source.stem}_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
+    return cpp_extension.load(name, [str(source)], extra_cflags=["-O3", "-fopenmp-simd"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,15 +39,27 @@ def module():
     if os.environ.get("STAGED_SPECULATIVE_NATIVE", "1") == "0":
         return None
     try:
-        from torch.utils import cpp_extension
-
-        name = f"native_step_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
-        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp-simd"])
+        return build(SOURCE)
     except Exception as err:  # no compiler, no ninja, a failed build: decoding goes on in Python
         print(f"note: the decoding step's C++ loops could not be built ({first_line(err)}); decoding uses their Python "
               f"code, which gives the same output a little slower (STAGED_SPECULATIVE_NATIVE=0 silences this)",
               file=sys.stderr)
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def draft_module():
+    """The compiled transformer blocks of decode/native_draft.cpp, or None where they cannot run here: no C++ loops
+    (module() said why), a failed build (said once), or a CPU without AVX-512 BF16."""
+    if module() is None:
+        return None
+    try:
+        compiled = build(DRAFT_SOURCE)
+    except Exception as err:
+        print(f"note: the draft's C++ forward could not be built ({first_line(err)}); the draft runs in torch",
+              file=sys.stderr)
+        return None
+    return compiled if compiled.supported() else None
 
 
 def loops(device: str) -> str:
@@ -92,3 +113,63 @@ def best_tokens(logits: torch.Tensor, shortlist) -> list[int]:
 def continuations(tokens: list[int], max_ngram: int, length: int, branches: int) -> list[list[int]]:
     """ContextIndex.continuations, from a scan of the sequence instead of an index."""
     return module().continuations(tokens, max_ngram, length, branches)
+
+
+def pack_for_dot_products(in_out: torch.Tensor) -> torch.Tensor:
+    """An (in, out) bfloat16 weight as native_draft.cpp's products read it: blocks of 16 output columns, in each the
+    two weights of every pair of input rows side by side (the operand layout of AVX-512 BF16's dot product)."""
+    rows, columns = in_out.shape
+    return in_out.view(rows // 2, 2, columns // 16, 16).permute(2, 0, 3, 1).contiguous()
+
+
+class Blocks:
+    """A bfloat16 GPT-2's transformer blocks and final layer norm over a forward's new rows as one C++ call
+    (decode/native_draft.cpp), for a draft: its keys and values go to the engine's cache as torch's would."""
+
+    LINEAR = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    # Up to this many new rows a forward (a step's tree): past it torch's attention and 2-thread products are faster
+    # (the cpu preset's draft after 400 cached slots, cold: 16 rows 0.91 ms against 1.06, 32 even, 64 2.4 against 1.8)
+    ROWS = 32
+
+    @staticmethod
+    def fit(n_embd: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether these blocks can run a model of this width, dtype and device here."""
+        return (device.type == "cpu" and dtype == torch.bfloat16 and n_embd % 16 == 0
+                and draft_module() is not None)
+
+    def __init__(self, shape, weights: dict[str, torch.Tensor], kv_cache: torch.Tensor):
+        """`shape`: the engine's GPT2Shape; `weights`: its bfloat16 tensors by checkpoint name (no "transformer.");
+        `kv_cache`: its (2, layers, heads, capacity, head_dim) cache."""
+        self.kept = []  # every tensor whose address the C++ reads
+
+        def address(tensor: torch.Tensor) -> int:
+            self.kept.append(tensor)
+            return tensor.data_ptr()
+
+        def float32(name: str) -> int:
+            return address(weights[name].float().contiguous())
+
+        self.parameters = []
+        for i in range(shape.n_layer):
+            self.parameters += [float32(f"h.{i}.ln_1.weight"), float32(f"h.{i}.ln_1.bias")]
+            for name in self.LINEAR:
+                self.parameters += [address(pack_for_dot_products(weights[f"h.{i}.{name}.weight"])),
+                                    float32(f"h.{i}.{name}.bias")]
+            self.parameters += [float32(f"h.{i}.ln_2.weight"), float32(f"h.{i}.ln_2.bias")]
+        self.parameters += [float32("ln_f.weight"), float32("ln_f.bias")]
+        self.embeddings = [address(weights["wte.weight"].contiguous()), address(weights["wpe.weight"].contiguous())]
+        self.n_embd, self.epsilon = shape.n_embd, shape.layer_norm_epsilon
+        self.shape = [shape.n_embd, shape.n_head, shape.n_embd // shape.n_head, shape.n_layer, kv_cache.shape[3]]
+        self.cache = address(kv_cache)
+
+    def __call__(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, start: int,
+                 end: int) -> torch.Tensor:
+        """The final layer norm's output (rows x n_embd, bfloat16) for new nodes in cache slots start..end; `mask` as
+        GPT2Engine.logits takes it, None for a chain."""
+        ids, positions = token_ids.long().contiguous(), position_ids.long().contiguous()
+        out = torch.empty(ids.numel(), self.n_embd, dtype=torch.bfloat16)
+        mask = None if mask is None else mask.contiguous()
+        draft_module().blocks(ids.data_ptr(), positions.data_ptr(), ids.numel(), self.embeddings, self.parameters,
+                              self.shape, self.epsilon, self.cache, start, end, 0 if mask is None else mask.data_ptr(),
+                              0 if mask is None else mask.shape[1], out.data_ptr())
+        return out

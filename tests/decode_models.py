@@ -14,11 +14,11 @@ PROMPTS = ['def scale_1(values, factor=1):\n    """Multiply every value by 1 and
 
 
 def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positions=128, tokenizer=None,
-              activation_function="gelu_new"):
+              activation_function="gelu_new", n_embd=32, n_head=4):
     """`tokenizer` None: a word-level one over the ids ("t0 t5 t17"; t0 is end-of-text)."""
     torch.manual_seed(seed)
     eos = 0 if tokenizer is None else tokenizer.eos_token_id
-    config = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_layer=2, n_embd=32, n_head=4,
+    config = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_layer=2, n_embd=n_embd, n_head=n_head,
                         initializer_range=0.3, bos_token_id=eos, eos_token_id=eos, activation_function=activation_function)
     model = GPT2LMHeadModel(config).eval()
     if noise_from is not None:

@@ -161,6 +161,66 @@ def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monk
     assert all(calls.values()), calls  # best_tokens: the baseline's
 
 
+@pytest.fixture
+def blocks_here(built):
+    if native.draft_module() is None:
+        pytest.skip("this CPU has no AVX-512 BF16: a draft's blocks run in torch")
+    return native.draft_module()
+
+
+@pytest.mark.parametrize("n_embd, n_head", [(32, 4), (64, 2)])  # heads of 8 (float32 attention) and of 32 (BF16)
+def test_a_drafts_blocks_in_cpp_equal_torchs_up_to_rounding(blocks_here, monkeypatch, tmp_path, n_embd, n_head):
+    directory = tiny_gpt2(tmp_path / "draft", seed=2, n_embd=n_embd, n_head=n_head)
+    in_torch, in_cpp = (GPT2Engine.load(directory, "bfloat16", native_blocks=cpp) for cpp in (False, True))
+    assert in_torch.blocks is None and in_cpp.blocks is not None
+    rows = []
+    inner = in_cpp.blocks.__call__
+    monkeypatch.setattr(in_cpp, "blocks", lambda *args: rows.append(len(args[0])) or inner(*args))
+    rng = random.Random(0)
+    tree = random_tree(rng, 15, 97)
+    forwards = [  # a prompt past the C++ call's rows (torch's), one within them, a tree under a mask, a chain after
+        # the commit, one node
+        lambda m: m.extend(torch.tensor([rng.randrange(97) for _ in range(native.Blocks.ROWS + 8)]), last=5),
+        lambda m: m.extend(torch.tensor([rng.randrange(97) for _ in range(20)]), last=5),
+        lambda m: m.forward(tree.token_ids(), tree.position_ids(m.length), tree.mask()),
+        lambda m: (m.commit(tree.path(len(tree) - 1)), m.forward(torch.tensor([3, 4, 5]), torch.arange(3) + m.length, None))[1],
+        lambda m: m.forward(torch.tensor([6]), torch.tensor([m.length + m.pending]), None),
+    ]
+    agree = []
+    for forward in forwards:
+        state = rng.getstate()
+        expected = forward(in_torch)
+        rng.setstate(state)  # the same random prompt for both
+        got = forward(in_cpp)
+        assert got.shape == expected.shape and got.dtype == torch.float32
+        assert (got - expected).abs().max() <= 0.03 * expected.abs().max()  # bfloat16 rounds at 2^-8 relative
+        agree += (got.argmax(-1) == expected.argmax(-1)).tolist()
+        slots = in_torch.length + in_torch.pending
+        assert in_cpp.length + in_cpp.pending == slots
+        cached = in_torch.kv_cache[..., :slots, :].float()
+        assert (in_cpp.kv_cache[..., :slots, :].float() - cached).abs().max() <= 0.03 * cached.abs().max()
+    assert sum(agree) >= 0.9 * len(agree)
+    assert rows == [20, 15, 3, 1]  # every forward but the long prompt's took the C++ call
+
+
+def test_decoding_with_a_drafts_blocks_in_cpp_equals_the_baseline(blocks_here, monkeypatch, tmp_path):
+    oracle_dir = tiny_gpt2(tmp_path / "oracle", seed=0)
+    oracle = GPT2Engine.load(oracle_dir)
+    draft = GPT2Engine.load(tiny_gpt2(tmp_path / "draft", seed=1, noise_from=oracle_dir, noise=0.005), "bfloat16",
+                            native_blocks=True)
+    table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle_dir) / "successors.npz")
+    calls = []
+    inner = draft.blocks.__call__
+    monkeypatch.setattr(draft, "blocks", lambda *args: calls.append(len(args[0])) or inner(*args))
+    staged = StagedDrafter(draft, table, Sampling(), budget=12, widths=[3, 2, 1], context=LookupDrafter())
+    for prompt in ([4, 9, 17], [11, 12, 13, 14, 11, 12]):
+        prompt = torch.tensor(prompt)
+        out = tree_speculative(oracle, prompt, 32, Sampling(), eos_id=0, drafter=staged)
+        assert out.tokens == baseline(oracle, prompt, 32, Sampling(), eos_id=0).tokens
+        assert out.oracle_calls < len(out.tokens)  # the draft's proposals were accepted
+    assert len(calls) > 4 and max(calls) > 1
+
+
 def test_without_a_compiler_decoding_says_so_once_and_goes_on_in_python(monkeypatch, capsys):
     from torch.utils import cpp_extension
 

@@ -1,0 +1,341 @@
+// A small GPT-2's transformer blocks in one C++ call, for a draft model's forwards on a CPU with AVX-512 BF16
+// (decode/native.py loads it; decode/engine.py calls it through GPT2Engine.logits). A draft's forward is a few rows
+// (a step's tree) through matrices of a few hundred columns: torch spends it starting some thirty operations, each
+// cold after the oracle's forward (oneDNN took 73-140 us for a 20 x 128 x 384 product that is 10 us of arithmetic).
+// Here the products are AVX-512 BF16 dot products over weights packed once at load, and layer norm, attention
+// with the tree's mask, GELU and the residuals run over the rows in place, in float32. Its logits differ from
+// torch's in rounding only; a draft's logits decide what is proposed, never what is accepted.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+
+namespace {
+
+using bf16 = uint16_t;
+
+BF16_TARGET inline float to_float(bf16 value) {
+    const uint32_t bits = static_cast<uint32_t>(value) << 16;
+    float out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+// Round to nearest even, as torch's float32 -> bfloat16 conversion (the rows hold no NaN).
+BF16_TARGET inline bf16 to_bf16(float value) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    return static_cast<bf16>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// exp(x) to float32 precision: 2^(x log2 e), its fraction by a degree-5 polynomial; vectorises where expf does not.
+BF16_TARGET inline float fast_exp(float x) {
+    x = std::min(std::max(x, -87.0f), 88.0f);
+    const float t = x * 1.44269504f, whole = std::floor(t), f = t - whole;
+    const float p = 1.0f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f
+                    + f * 0.00133335581f))));
+    const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+// One linear layer, packed for _mm512_dpbf16_ps: blocks of 16 output columns; in each, for every pair of input
+// rows (2k, 2k+1), the 16 columns' two weights side by side (decode/native.py's pack_for_dot_products).
+struct Linear {
+    const bf16 *packed;
+    const float *bias;
+    int64_t in, out;
+};
+
+// y (rows x out, float32) = x (rows x in, bfloat16) @ W + bias: 4 rows by 64 columns in registers at a time.
+BF16_TARGET void product(const bf16 *x, const Linear &w, float *y, int64_t rows) {
+    const int64_t pairs = w.in / 2, blocks = w.out / 16;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t rn = std::min<int64_t>(4, rows - r0);
+        const uint32_t *xr[4];
+        for (int64_t r = 0; r < 4; r++) xr[r] = reinterpret_cast<const uint32_t *>(x + (r0 + std::min(r, rn - 1)) * w.in);
+        for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
+            const int64_t bn = std::min<int64_t>(4, blocks - b0);
+            __m512 acc[4][4];
+            for (int64_t j = 0; j < 4; j++) {
+                const __m512 bias = j < bn ? _mm512_loadu_ps(w.bias + (b0 + j) * 16) : _mm512_setzero_ps();
+                for (int64_t r = 0; r < 4; r++) acc[r][j] = bias;
+            }
+            for (int64_t k = 0; k < pairs; k++) {
+                __m512i weights[4];
+                for (int64_t j = 0; j < 4; j++)
+                    weights[j] = j < bn ? _mm512_loadu_si512(w.packed + ((b0 + j) * pairs + k) * 32) : _mm512_setzero_si512();
+                for (int64_t r = 0; r < 4; r++) {
+                    const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[r][k]));
+                    for (int64_t j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, (__m512bh)weights[j]);
+                }
+            }
+            for (int64_t r = 0; r < rn; r++)
+                for (int64_t j = 0; j < bn; j++) _mm512_storeu_ps(y + (r0 + r) * w.out + (b0 + j) * 16, acc[r][j]);
+        }
+    }
+}
+
+// Layer norm of each row of x (rows x n) into out as bfloat16, the next product's input.
+BF16_TARGET void layer_norm(const float *x, const float *weight, const float *bias, bf16 *out, int64_t rows, int64_t n,
+                            float epsilon) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        float mean = 0.0f, square = 0.0f;
+        for (int64_t i = 0; i < n; i++) mean += row[i];
+        mean /= n;
+        for (int64_t i = 0; i < n; i++) square += (row[i] - mean) * (row[i] - mean);
+        const float scale = 1.0f / std::sqrt(square / n + epsilon);
+        for (int64_t i = 0; i < n; i++) out[r * n + i] = to_bf16((row[i] - mean) * scale * weight[i] + bias[i]);
+    }
+}
+
+struct Layer {
+    const float *ln_1_weight, *ln_1_bias, *ln_2_weight, *ln_2_bias;
+    Linear attention, projection, up, down;
+};
+
+struct Cache {  // GPT2Engine.kv_cache: (2, layers, heads, capacity, head_dim), keys at [0], values at [1]
+    bf16 *data;
+    int64_t layers, heads, capacity, head_dim;
+    bf16 *at(int64_t kind, int64_t layer, int64_t head, int64_t slot) const {
+        return data + (((kind * layers + layer) * heads + head) * capacity + slot) * head_dim;
+    }
+};
+
+// Which slots row r sees: every slot before `end - columns`, then the mask's row over the last `columns` (a
+// chain without a mask: every slot up to its own, start + r).
+struct Visibility {
+    const uint8_t *mask;
+    int64_t columns, start, end;
+    int64_t open(int64_t r) const { return mask ? end - columns : start + r + 1; }  // slots 0..open(r) all seen
+    bool sees(int64_t r, int64_t slot) const { return slot < open(r) || (mask && mask[r * columns + slot - (end - columns)]); }
+};
+
+// Scores (rows x end) of each row's query against every cached key of one head, times `scale`. With head_dim a
+// multiple of 32: AVX-512 BF16 dot products over the query rounded to bfloat16, 16 slots at a time, their keys'
+// pairs gathered across the slots; else in float32, one by one.
+BF16_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *keys, int64_t rows, int64_t end, int64_t dim,
+                           float scale, float *scores) {
+    if (dim % 32 || dim > 128) {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t slot = 0; slot < end; slot++) {
+                float dot = 0.0f;
+                for (int64_t d = 0; d < dim; d++) dot += queries[r * stride + d] * to_float(keys[slot * dim + d]);
+                scores[r * end + slot] = dot * scale;
+            }
+        return;
+    }
+    const int64_t pairs = dim / 2;
+    std::vector<bf16> rounded(rows * dim);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = 0; d < dim; d++) rounded[r * dim + d] = to_bf16(queries[r * stride + d] * scale);
+    const auto *query_pairs = reinterpret_cast<const int32_t *>(rounded.data());
+    const __m512i across = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(static_cast<int32_t>(pairs)));
+    __m512i key_pairs[64];
+    for (int64_t first = 0; first < end; first += 16) {
+        const __mmask16 present = static_cast<__mmask16>((1u << std::min<int64_t>(16, end - first)) - 1);
+        const auto *base = reinterpret_cast<const int32_t *>(keys + first * dim);
+        for (int64_t t = 0; t < pairs; t++)
+            key_pairs[t] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, across, base + t, 4);
+        for (int64_t r = 0; r < rows; r++) {
+            __m512 dots = _mm512_setzero_ps();
+            for (int64_t t = 0; t < pairs; t++)
+                dots = _mm512_dpbf16_ps(dots, (__m512bh)_mm512_set1_epi32(query_pairs[r * pairs + t]), (__m512bh)key_pairs[t]);
+            _mm512_mask_storeu_ps(scores + r * end + first, present, dots);
+        }
+    }
+}
+
+// sums (rows x dim) = weights (rows x end) @ values (end x dim) of one head. With dim a multiple of 16: AVX-512 BF16
+// dot products over pairs of slots, the weights rounded to bfloat16; else in float32.
+BF16_TARGET void weighted_values(const float *weights, const bf16 *values, int64_t rows, int64_t end, int64_t dim,
+                                 float *sums) {
+    if (dim % 16 || dim > 128) {
+        std::fill(sums, sums + rows * dim, 0.0f);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t slot = 0; slot < end; slot++)
+                for (int64_t d = 0; d < dim; d++) sums[r * dim + d] += weights[r * end + slot] * to_float(values[slot * dim + d]);
+        return;
+    }
+    const int64_t slot_pairs = (end + 1) / 2, chunks = dim / 16;
+    std::vector<bf16> rounded(rows * 2 * slot_pairs, 0);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t slot = 0; slot < end; slot++) rounded[r * 2 * slot_pairs + slot] = to_bf16(weights[r * end + slot]);
+    const auto *weight_pairs = reinterpret_cast<const int32_t *>(rounded.data());
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t rn = std::min<int64_t>(4, rows - r0);
+        __m512 acc[4][8];
+        for (int64_t r = 0; r < 4; r++)
+            for (int64_t c = 0; c < chunks; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int64_t u = 0; u < slot_pairs; u++) {
+            const bf16 *even = values + 2 * u * dim, *odd = 2 * u + 1 < end ? even + dim : nullptr;
+            for (int64_t c = 0; c < chunks; c++) {
+                const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(even + 16 * c)));
+                const __m512i high = odd ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                               _mm256_loadu_si256(reinterpret_cast<const __m256i *>(odd + 16 * c))), 16)
+                                         : _mm512_setzero_si512();
+                const __m512bh pair = (__m512bh)_mm512_or_si512(low, high);
+                for (int64_t r = 0; r < rn; r++)
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c],
+                                                 (__m512bh)_mm512_set1_epi32(weight_pairs[(r0 + r) * slot_pairs + u]), pair);
+            }
+        }
+        for (int64_t r = 0; r < rn; r++)
+            for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(sums + (r0 + r) * dim + 16 * c, acc[r][c]);
+    }
+}
+
+// Attention of each row's query over the slots it sees, head by head, into out (rows x n_embd) as bfloat16.
+BF16_TARGET void attention(const float *qkv, const Cache &cache, int64_t layer, const Visibility &visible,
+                           bf16 *out, int64_t rows, int64_t n_embd) {
+    const int64_t dim = cache.head_dim, end = visible.end;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+    std::vector<float> scores(rows * end), sums(rows * dim);
+    for (int64_t h = 0; h < cache.heads; h++) {
+        scores_of(qkv + h * dim, 3 * n_embd, cache.at(0, layer, h, 0), rows, end, dim, scale, scores.data());
+        for (int64_t r = 0; r < rows; r++) {  // the softmax over the slots each row sees
+            float *row = scores.data() + r * end;
+            for (int64_t slot = visible.open(r); slot < end; slot++)
+                if (!visible.sees(r, slot)) row[slot] = -INFINITY;
+            float best = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : best)
+            for (int64_t slot = 0; slot < end; slot++) best = std::max(best, row[slot]);
+#pragma omp simd reduction(+ : total)
+            for (int64_t slot = 0; slot < end; slot++) {
+                row[slot] = row[slot] == -INFINITY ? 0.0f : fast_exp(row[slot] - best);
+                total += row[slot];
+            }
+            const float inverse = 1.0f / total;
+#pragma omp simd
+            for (int64_t slot = 0; slot < end; slot++) row[slot] *= inverse;
+        }
+        weighted_values(scores.data(), cache.at(1, layer, h, 0), rows, end, dim, sums.data());
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t d = 0; d < dim; d++) out[r * n_embd + h * dim + d] = to_bf16(sums[r * dim + d]);
+    }
+}
+
+// GPT-2's tanh GELU: x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)), as bfloat16 for the next product.
+BF16_TARGET void gelu(const float *x, bf16 *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i], inner = 1.5957691216f * (v + 0.044715f * v * v * v);
+        out[i] = to_bf16(v / (1.0f + fast_exp(-inner)));
+    }
+}
+
+bool read_addresses(PyObject *list, std::vector<uintptr_t> &out) {
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "expected a list of addresses");
+        return false;
+    }
+    out.resize(PyList_GET_SIZE(list));
+    for (size_t i = 0; i < out.size(); i++)
+        out[i] = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(PyList_GET_ITEM(list, static_cast<Py_ssize_t>(i))));
+    return !PyErr_Occurred();
+}
+
+// blocks(ids, positions, rows, embeddings, parameters, shape, epsilon, cache, start, end, mask, columns, out)
+//   ids, positions: int64 addresses of `rows` values; embeddings: [wte, wpe] (bfloat16, n_embd columns);
+//   parameters: 12 addresses a layer (ln_1's float32 weight and bias; attn.c_attn, attn.c_proj, mlp.c_fc and
+//   mlp.c_proj, each its packed weight and float32 bias; ln_2's weight and bias), then ln_f's weight and bias;
+//   shape: [n_embd, heads, head_dim, layers, capacity]; cache: GPT2Engine.kv_cache's address; mask: a bool (rows x
+//   columns) address, or 0 for a chain; out: rows x n_embd bfloat16, the final layer norm's output.
+// The new nodes' keys and values go to cache slots start..end.
+BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "blocks takes 13 arguments");
+        return nullptr;
+    }
+    const auto *ids = static_cast<const int64_t *>(PyLong_AsVoidPtr(args[0]));
+    const auto *positions = static_cast<const int64_t *>(PyLong_AsVoidPtr(args[1]));
+    const int64_t rows = PyLong_AsLongLong(args[2]);
+    std::vector<uintptr_t> embeddings, parameters, shape;
+    if (PyErr_Occurred() || !read_addresses(args[3], embeddings) || !read_addresses(args[4], parameters)
+        || !read_addresses(args[5], shape))
+        return nullptr;
+    if (shape.size() != 5) {
+        PyErr_SetString(PyExc_ValueError, "blocks: shape is [n_embd, heads, head_dim, layers, capacity]");
+        return nullptr;
+    }
+    const int64_t n_embd = shape[0], heads = shape[1], head_dim = shape[2], n_layer = shape[3];
+    const auto epsilon = static_cast<float>(PyFloat_AsDouble(args[6]));
+    const Cache cache{static_cast<bf16 *>(PyLong_AsVoidPtr(args[7])), n_layer, heads,
+                      static_cast<int64_t>(shape[4]), head_dim};
+    const int64_t start = PyLong_AsLongLong(args[8]), end = PyLong_AsLongLong(args[9]);
+    const Visibility visible{static_cast<const uint8_t *>(PyLong_AsVoidPtr(args[10])), PyLong_AsLongLong(args[11]),
+                             start, end};
+    auto *out = static_cast<bf16 *>(PyLong_AsVoidPtr(args[12]));
+    if (PyErr_Occurred()) return nullptr;
+    if (parameters.size() != static_cast<size_t>(12 * n_layer + 2) || embeddings.size() != 2 || end != start + rows) {
+        PyErr_SetString(PyExc_ValueError, "blocks: the parameters do not match the shape");
+        return nullptr;
+    }
+    const auto *wte = reinterpret_cast<const bf16 *>(embeddings[0]), *wpe = reinterpret_cast<const bf16 *>(embeddings[1]);
+    std::vector<float> x(rows * n_embd), wide(rows * 4 * n_embd);
+    std::vector<bf16> normed(rows * n_embd), activated(rows * 4 * n_embd);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n_embd; i++)
+            x[r * n_embd + i] = to_float(wte[ids[r] * n_embd + i]) + to_float(wpe[positions[r] * n_embd + i]);
+    auto linear = [&](const uintptr_t *at, int64_t in, int64_t out_features) {
+        return Linear{reinterpret_cast<const bf16 *>(at[0]), reinterpret_cast<const float *>(at[1]), in, out_features};
+    };
+    for (int64_t l = 0; l < n_layer; l++) {
+        const uintptr_t *p = parameters.data() + 12 * l;
+        const auto *f = reinterpret_cast<const float *const *>(p);
+        const Layer layer{f[0], f[1], f[10], f[11], linear(p + 2, n_embd, 3 * n_embd), linear(p + 4, n_embd, n_embd),
+                          linear(p + 6, n_embd, 4 * n_embd), linear(p + 8, 4 * n_embd, n_embd)};
+        layer_norm(x.data(), layer.ln_1_weight, layer.ln_1_bias, normed.data(), rows, n_embd, epsilon);
+        product(normed.data(), layer.attention, wide.data(), rows);  // q, k, v: 3 x n_embd a row
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t h = 0; h < heads; h++)
+                for (int64_t d = 0; d < head_dim; d++) {
+                    const float *row = wide.data() + r * 3 * n_embd + h * head_dim + d;
+                    cache.at(0, l, h, start + r)[d] = to_bf16(row[n_embd]);
+                    cache.at(1, l, h, start + r)[d] = to_bf16(row[2 * n_embd]);
+                }
+        attention(wide.data(), cache, l, visible, normed.data(), rows, n_embd);
+        std::vector<float> &projected = wide;  // the attention read its queries already
+        product(normed.data(), layer.projection, projected.data(), rows);
+        for (int64_t i = 0; i < rows * n_embd; i++) x[i] += projected[i];
+        layer_norm(x.data(), layer.ln_2_weight, layer.ln_2_bias, normed.data(), rows, n_embd, epsilon);
+        product(normed.data(), layer.up, wide.data(), rows);
+        gelu(wide.data(), activated.data(), rows * 4 * n_embd);
+        product(activated.data(), layer.down, wide.data(), rows);
+        for (int64_t i = 0; i < rows * n_embd; i++) x[i] += wide[i];
+    }
+    const auto *final_norm = reinterpret_cast<const float *const *>(parameters.data() + 12 * n_layer);
+    layer_norm(x.data(), final_norm[0], final_norm[1], out, rows, n_embd, epsilon);
+    Py_RETURN_NONE;
+}
+
+PyObject *supported(PyObject *, PyObject *) {
+    __builtin_cpu_init();
+    return PyBool_FromLong(__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"));
+}
+
+PyMethodDef methods[] = {
+    {"blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(blocks)), METH_FASTCALL,
+     "A small GPT-2's transformer blocks over a few new rows."},
+    {"supported", supported, METH_NOARGS, "Whether this CPU has the AVX-512 BF16 dot products the blocks use."},
+    {nullptr, nullptr, 0, nullptr}};
+
+#define STRINGIFY_(name) #name
+#define STRINGIFY(name) STRINGIFY_(name)
+#define CONCATENATE_(a, b) a##b
+#define CONCATENATE(a, b) CONCATENATE_(a, b)
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, STRINGIFY(TORCH_EXTENSION_NAME), "A small GPT-2's blocks.", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC CONCATENATE(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&module); }
