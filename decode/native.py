@@ -160,7 +160,8 @@ class Blocks:
         self.parameters += [float32("ln_f.weight"), float32("ln_f.bias")]
         self.embeddings = [address(weights["wte.weight"].contiguous()), address(weights["wpe.weight"].contiguous())]
         self.n_embd, self.epsilon = shape.n_embd, shape.layer_norm_epsilon
-        self.shape = [shape.n_embd, shape.n_head, shape.n_embd // shape.n_head, shape.n_layer, kv_cache.shape[3]]
+        self.shape = [shape.n_embd, shape.n_head, shape.n_embd // shape.n_head, shape.n_layer, kv_cache.shape[3],
+                      weights["wte.weight"].shape[0], weights["wpe.weight"].shape[0]]
         self.cache = address(kv_cache)
 
     def __call__(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, start: int,

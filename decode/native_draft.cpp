@@ -248,7 +248,7 @@ bool read_addresses(PyObject *list, std::vector<uintptr_t> &out) {
 //   ids, positions: int64 addresses of `rows` values; embeddings: [wte, wpe] (bfloat16, n_embd columns);
 //   parameters: 12 addresses a layer (ln_1's float32 weight and bias; attn.c_attn, attn.c_proj, mlp.c_fc and
 //   mlp.c_proj, each its packed weight and float32 bias; ln_2's weight and bias), then ln_f's weight and bias;
-//   shape: [n_embd, heads, head_dim, layers, capacity]; cache: GPT2Engine.kv_cache's address; mask: a bool (rows x
+//   shape: [n_embd, heads, head_dim, layers, capacity, vocabulary, positions]; cache: GPT2Engine.kv_cache's address; mask: a bool (rows x
 //   columns) address, or 0 for a chain; out: rows x n_embd bfloat16, the final layer norm's output.
 // The new nodes' keys and values go to cache slots start..end.
 BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
@@ -263,8 +263,9 @@ BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs
     if (PyErr_Occurred() || !read_addresses(args[3], embeddings) || !read_addresses(args[4], parameters)
         || !read_addresses(args[5], shape))
         return nullptr;
-    if (shape.size() != 5) {
-        PyErr_SetString(PyExc_ValueError, "blocks: shape is [n_embd, heads, head_dim, layers, capacity]");
+    if (shape.size() != 7) {
+        PyErr_SetString(PyExc_ValueError, "blocks: shape is [n_embd, heads, head_dim, layers, capacity, vocabulary, "
+                                          "positions]");
         return nullptr;
     }
     const int64_t n_embd = shape[0], heads = shape[1], head_dim = shape[2], n_layer = shape[3];
@@ -276,10 +277,18 @@ BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs
                              start, end};
     auto *out = static_cast<bf16 *>(PyLong_AsVoidPtr(args[12]));
     if (PyErr_Occurred()) return nullptr;
-    if (parameters.size() != static_cast<size_t>(12 * n_layer + 2) || embeddings.size() != 2 || end != start + rows) {
+    if (parameters.size() != static_cast<size_t>(12 * n_layer + 2) || embeddings.size() != 2 || end != start + rows
+        || start < 0 || end > cache.capacity) {
         PyErr_SetString(PyExc_ValueError, "blocks: the parameters do not match the shape");
         return nullptr;
     }
+    for (int64_t r = 0; r < rows; r++)  // as torch's embedding lookups would refuse them
+        if (ids[r] < 0 || ids[r] >= static_cast<int64_t>(shape[5]) || positions[r] < 0
+            || positions[r] >= static_cast<int64_t>(shape[6])) {
+            PyErr_Format(PyExc_IndexError, "blocks: token %lld or position %lld out of range",
+                         static_cast<long long>(ids[r]), static_cast<long long>(positions[r]));
+            return nullptr;
+        }
     const auto *wte = reinterpret_cast<const bf16 *>(embeddings[0]), *wpe = reinterpret_cast<const bf16 *>(embeddings[1]);
     std::vector<float> x(rows * n_embd), wide(rows * 4 * n_embd);
     std::vector<bf16> normed(rows * n_embd), activated(rows * 4 * n_embd);

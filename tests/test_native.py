@@ -201,6 +201,8 @@ def test_a_drafts_blocks_in_cpp_equal_torchs_up_to_rounding(blocks_here, monkeyp
         assert (in_cpp.kv_cache[..., :slots, :].float() - cached).abs().max() <= 0.03 * cached.abs().max()
     assert sum(agree) >= 0.9 * len(agree)
     assert rows == [20, 15, 3, 1]  # every forward but the long prompt's took the C++ call
+    with pytest.raises(IndexError, match="out of range"):  # as torch's embedding refuses them, not a read past wte
+        in_cpp.forward(torch.tensor([97]), torch.tensor([in_cpp.length]), None)
 
 
 def test_decoding_with_a_drafts_blocks_in_cpp_equals_the_baseline(blocks_here, monkeypatch, tmp_path):
