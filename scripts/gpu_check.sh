@@ -35,24 +35,30 @@ step() {  # step NAME COMMAND...: run it, log it, keep going on failure
     echo "   rc $rc, $((SECONDS - t0)) s; last lines:"; tail -n 4 "$logs/$name.log" | sed 's/^/   | /'
     [ $rc -eq 0 ] || failed=1
 }
+machine() {  # what the checks ran on
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
+}
+train_models() {  # train_models ORACLE_STEPS DRAFT_STEPS: the paper's regime at a size that trains in minutes, a
+    # GPT-2-small-sized oracle (12 x 768) and a 4 x 256 draft, then the trigram
+    step oracle "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle" --overwrite \
+        --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --grad_accum 1 --max_steps "$1" --learning_rate 6e-4 \
+        --eval_every 500 --save_every 500
+    step draft "${launch[@]}" train/distill_draft.py --preset cpu --teacher "$run/oracle" --data "$run/data" --out "$run/draft" \
+        --overwrite --n_layer 4 --n_head 4 --n_embd 256 --max_steps "$2" --kd_loss tv --teacher_windows 0.5 \
+        --teacher_prefixes prompts
+    step trigram python3 ngram/build_katz.py --data "$run/data" --out "$run/ngram" --overwrite
+}
 
 case "$stage" in
 tests)
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
+    machine
     # one thread per worker: tiny models, and it leaves cores to a training beside it
     OMP_NUM_THREADS=1 step pytest python3 -m pytest -q -n 8 -p no:cacheprovider
     grep -E "passed|failed|error" "$logs/pytest.log" | tail -n 3
     ;;
 train)
-    # the paper's regime at a size that trains in minutes: a GPT-2-small-sized oracle (12 x 768), a 4 x 256 draft
-    step oracle "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle" --overwrite \
-        --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --grad_accum 1 --max_steps 1500 --learning_rate 6e-4 \
-        --eval_every 500 --save_every 500
-    step draft "${launch[@]}" train/distill_draft.py --preset cpu --teacher "$run/oracle" --data "$run/data" --out "$run/draft" \
-        --overwrite --n_layer 4 --n_head 4 --n_embd 256 --max_steps 600 --kd_loss tv --teacher_windows 0.5 \
-        --teacher_prefixes prompts
-    step trigram python3 ngram/build_katz.py --data "$run/data" --out "$run/ngram" --overwrite
+    train_models 1500 600
     cat "$run/oracle/metrics.json" "$run/draft/metrics.json" > "$logs/metrics.json" 2>/dev/null
     ;;
 decode)
@@ -88,21 +94,14 @@ decode)
         --overwrite
     ;;
 brief)
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
+    machine
     # the suite on 12 cores beside the training (the GPU's work): the CUDA-only tests first, on their own
     ( OMP_NUM_THREADS=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_coupled.py \
         > "$logs/pytest-cuda.log" 2>&1
       OMP_NUM_THREADS=1 timeout 360 python3 -m pytest -q -n 12 -p no:cacheprovider --ignore tests/test_cuda_graphs.py \
         --ignore tests/test_coupled.py > "$logs/pytest.log" 2>&1 ) &
     tests=$!
-    STEP_TIMEOUT=150 step oracle "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle" \
-        --overwrite --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --grad_accum 1 --max_steps 1000 \
-        --learning_rate 6e-4 --eval_every 500 --save_every 500
-    STEP_TIMEOUT=120 step draft "${launch[@]}" train/distill_draft.py --preset cpu --teacher "$run/oracle" --data "$run/data" \
-        --out "$run/draft" --overwrite --n_layer 4 --n_head 4 --n_embd 256 --max_steps 400 --kd_loss tv \
-        --teacher_windows 0.5 --teacher_prefixes prompts
-    STEP_TIMEOUT=60 step trigram python3 ngram/build_katz.py --data "$run/data" --out "$run/ngram" --overwrite
+    STEP_TIMEOUT=150 train_models 1000 400  # shorter: 1,000 oracle steps took 95 s on an H200, the draft's 400 80 s
     # exactness with and without CUDA graphs (the default) beside the suite, then speed once it is done; the
     # twenty-fourth session's small staged tree
     export STEP_TIMEOUT=90
