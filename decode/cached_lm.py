@@ -20,6 +20,18 @@ def long_tensor(values: list[int], device=None) -> torch.Tensor:
     return on(torch.from_numpy(np.array(values, np.int64)), device)
 
 
+Ids = list[int] | torch.Tensor  # a forward's tokens or positions: a 1-d int64 tensor, or a list (cheaper to make)
+
+
+def as_tensor(values: Ids, device=None) -> torch.Tensor:
+    """A forward's tokens or positions as a tensor on `device`."""
+    return long_tensor(values, device) if isinstance(values, list) else values
+
+
+def as_list(values: Ids) -> list[int]:
+    return values if isinstance(values, list) else values.tolist()
+
+
 class Shortlist:
     """The tokens a model's logits stand for, column by column, when they are a part of the vocabulary: a
     draft's most frequent training tokens (FR-Spec, Zhao et al. 2025), whose output layer then costs that part
@@ -70,9 +82,10 @@ class CachedLM:
     dtype: torch.dtype  # the weights' (logits are float32 either way)
     shortlist: Shortlist | None = None  # forward's logits cover these tokens only (None: the whole vocabulary)
 
-    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                 last: int | None = None) -> torch.Tensor:
-        """Float32 logits (q, vocab) of q new nodes (with a shortlist, (q, len(shortlist))). Every committed
+        """Float32 logits (q, vocab) of q new nodes, their tokens and positions given as tensors or lists (with a
+        shortlist, (q, len(shortlist))). Every committed
         position is visible to them; `mask` (q, pending + q) marks which pending slots and new nodes each one
         sees (None: all of them, the new nodes as a causal chain). With `last`, the logits of the last `last`
         nodes only (0: none): reading a prompt needs its last row at most, and the output layer over every row

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from decode import native
-from decode.cached_lm import CachedLM, Shortlist, long_tensor
+from decode.cached_lm import CachedLM, Shortlist
 from decode.lookup import ContextIndex
-from decode.sampling import Sampling, row_argmax, tokens_at, top_tokens, values_at, values_list
+from decode.sampling import Sampling, ranked_tokens, row_argmax, tokens_at, top_tokens, values_at, values_list
 from decode.tree import Tree, rows_mask
 
 
@@ -82,8 +82,7 @@ class DraftModel:
         positions += [root_position + tree.depths[n] for n in new]
         self.calls += 1
         first = len(run) - 1 if run else 0  # the unseen tokens before the root (a prompt, at first) need no logits
-        return model.forward(long_tensor(ids, model.device), long_tensor(positions, model.device), mask,
-                             len(rows) - first if first else None)  # row i: after nodes[i]
+        return model.forward(ids, positions, mask, len(rows) - first if first else None)  # row i: after nodes[i]
 
     def accept(self, tree_path: list[int]) -> None:
         """Commit the unseen tokens and the accepted nodes the draft has scored (a prefix of the path)."""
@@ -122,7 +121,7 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool, orde
     n = len(tree)
     if n > ARRAY_NODES:
         return ranked_children_arrays(scores, tree, k, greedy, order, shortlist)
-    best = top_tokens(scores, k, shortlist).tolist()
+    best = ranked_tokens(scores, k, shortlist)
     row = list(range(n))  # node -> its row
     if order is not None:
         for i, node in enumerate(order):
@@ -312,8 +311,7 @@ class ShapedTreeDrafter(ModelDrafter):
             else:  # child j is the draft's rank-ranks[j] token
                 widest = max(self.widest[s] for _, s in level)
                 scores, shortlist = ranking_scores(logits, self.sampling), self.draft.shortlist
-                ranked = ([[token] for token in row_argmax(scores, shortlist)] if widest == 1  # a chain's level
-                          else top_tokens(scores, widest, shortlist).tolist())
+                ranked = ranked_tokens(scores, widest, shortlist)
                 drawn = [[row[self.ranks[c]] for c in self.below[s]] for (_, s), row in zip(level, ranked)]
             level = [(tree.add(node, token), child) for (node, shaped), row in zip(level, drawn)
                      for child, token in zip(self.below[shaped], row)]

@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from data.errors import InputError
 from data.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode import native
-from decode.cached_lm import CachedLM, Shortlist
+from decode.cached_lm import CachedLM, Ids, Shortlist, as_tensor
 from decode.cuda_graphs import CUDAGraphs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -206,6 +206,9 @@ class GPT2Engine(CachedLM):
         self.graphs = CUDAGraphs(self) if cuda_graphs and self.on_gpu else None
         fits = native_blocks and native.Blocks.fit(s.n_embd, self.dtype, self.device)
         self.blocks = native.Blocks(s, weights, self.kv_cache) if fits else None
+        # a commit's moves in C++ on a CPU: right after a forward, the cpu preset's oracle's torch copies (move_slots)
+        # took 60-90 us a commit of 4 moved slots, the C++ 20-40 (its 96 planes' lines are out of the caches by then)
+        self.move_in_cpp = native.slot_mover(self.kv_cache)
 
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
@@ -226,9 +229,9 @@ class GPT2Engine(CachedLM):
         return self.shape.vocab_size
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                 last: int | None = None) -> torch.Tensor:
-        q = token_ids.numel()
+        q = len(token_ids)
         start = self.length + self.pending
         end = start + q
         if end > self.capacity:
@@ -240,21 +243,22 @@ class GPT2Engine(CachedLM):
             mask = torch.ones(q, self.pending + q, dtype=torch.bool, device=self.device).tril(self.pending)
         graph = self.graphs.get(q, start, end) if self.graphs is not None else None
         if graph is not None:
-            logits = graph(token_ids, position_ids, mask, start, end)
+            logits = graph(as_tensor(token_ids, self.device), as_tensor(position_ids, self.device), mask, start, end)
             logits = logits if last is None else logits[q - last :]
         else:
             logits = self.logits(token_ids, position_ids, mask, slice(start, end), end, last)
         self.pending += q
         return logits
 
-    def logits(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+    def logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
         """Float32 logits of new nodes (of the `last` of them, with `last`) that write their keys/values into cache
         `slots` and attend to slots 0..end: all of them, or with a (q, k) boolean `mask`, the last k where it is
         true and every one before them."""
-        if self.blocks is not None and isinstance(slots, slice) and token_ids.numel() <= native.Blocks.ROWS:
+        if self.blocks is not None and isinstance(slots, slice) and len(token_ids) <= native.Blocks.ROWS:
             x = self.blocks(token_ids, position_ids, mask, slots.start, end)  # through the final layer norm
             return self.head(x if last is None else x[x.shape[0] - last :]).float()
+        token_ids, position_ids = as_tensor(token_ids, self.device), as_tensor(position_ids, self.device)
         # F.embedding (an index_select) took 7 us for 16 rows where indexing the matrices took 17 (AMX CPU, bfloat16)
         x = F.embedding(token_ids, self.wte) + F.embedding(position_ids, self.wpe)
         if mask is not None:  # SDPA makes a boolean mask additive in every layer (5-7 us each on a CPU): once here,
@@ -289,12 +293,21 @@ class GPT2Engine(CachedLM):
 
     @torch.inference_mode()
     def commit(self, keep: list[int]) -> None:
+        if self.move_in_cpp is not None:
+            self.move_in_cpp(self.length, keep)
+        else:
+            self.move_slots(keep)
+        self.length += len(keep)
+        self.pending = 0
+
+    def move_slots(self, keep: list[int]) -> None:
+        """Pending slot keep[i] to slot length + i, by torch copies. Slots already in place stay: drafters put a
+        tree's likeliest path first (Tree.subtree), so an accepted path is often all in place, and the rest of it,
+        numbered depth first, holds runs of consecutive slots. Each run is copied as one block, split where it would
+        overlap its destination. Right after a forward, copying slot by slot took 95-105 us per commit against
+        145-185 us for one index_select of the slots, and blocks cut the copies further (the oracle's: 155 to 85 over
+        221 commits; cpu preset, AVX2 EPYC)."""
         n = len(keep)
-        # Slots already in place stay: drafters put a tree's likeliest path first (Tree.subtree), so an accepted
-        # path is often all in place, and the rest of it, numbered depth first, holds runs of consecutive slots.
-        # Each run is copied as one block, split where it would overlap its destination. Right after a forward,
-        # copying slot by slot took 95-105 us per commit against 145-185 us for one index_select of the slots, and
-        # blocks cut the copies further (the oracle's: 155 to 85 over 221 commits; cpu preset, AVX2 EPYC).
         start = next((i for i, slot in enumerate(keep) if slot != i), n)
         while start < n:
             end = start + 1
@@ -303,5 +316,3 @@ class GPT2Engine(CachedLM):
             self.kv_cache.narrow(3, self.length + start, end - start).copy_(
                 self.kv_cache.narrow(3, self.length + keep[start], end - start))
             start = end
-        self.length += n
-        self.pending = 0

@@ -6,7 +6,7 @@ import inspect
 import torch
 
 from data.pretrained import load_causal_lm
-from decode.cached_lm import CachedLM, Shortlist
+from decode.cached_lm import CachedLM, Ids, Shortlist, as_tensor
 from decode.engine import DTYPES
 
 
@@ -50,8 +50,9 @@ class HFEngine(CachedLM):
         self.cache = self._new_cache()
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                 last: int | None = None) -> torch.Tensor:
+        token_ids, position_ids = as_tensor(token_ids, self.device), as_tensor(position_ids, self.device)
         q = token_ids.numel()
         start = self.length + self.pending
         if mask is None:

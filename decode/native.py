@@ -1,9 +1,9 @@
 """A decoding step's loops over trees in C++ (decode/native_step.cpp): the trigram's tree below a new context, the
 staged drafter's greedy selection of the oracle's tree from the draft's logits, sample-match verification under
-greedy decoding, each row's argmax token, and the continuations a context repeats (prompt lookup); and a bfloat16
-draft's transformer blocks (decode/native_draft.cpp, `Blocks`) on CPUs with AVX-512 BF16. Right after a forward,
-each of the tens of torch, numpy and list operations these take in Python pays for caches the forward evicted; one
-call pays once (README section 4, "A step's loops in C++" and "A draft's blocks in C++").
+greedy decoding, each row's best tokens, the continuations a context repeats (prompt lookup) and a commit's moves in
+a CPU cache; and a bfloat16 draft's transformer blocks (decode/native_draft.cpp, `Blocks`) on CPUs with AVX-512 BF16.
+Right after a forward, each of the tens of torch, numpy and list operations these take in Python pays for caches the
+forward evicted; one call pays once (README section 4, "A step's loops in C++" and "A draft's blocks in C++").
 
 torch's extension builder compiles the file on first use (a few seconds; cached under ~/.cache/torch_extensions in a
 directory named by the source's hash, so checkouts of different versions neither rebuild in turn nor replace a
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from data.errors import first_line
+from decode.cached_lm import Ids, as_list
 
 SOURCE = Path(__file__).with_name("native_step.cpp")
 DRAFT_SOURCE = Path(__file__).with_name("native_draft.cpp")
@@ -105,10 +106,21 @@ def greedy_walk(logits: torch.Tensor, tokens: list[int], parents: list[int]) -> 
     return module().greedy_walk(logits.data_ptr(), logits.shape[0], logits.shape[1], tokens, parents)
 
 
-def best_tokens(logits: torch.Tensor, shortlist) -> list[int]:
-    """sampling.row_argmax: each row's argmax token."""
-    return module().best_tokens(logits.data_ptr(), logits.shape[0], logits.shape[1],
-                                None if shortlist is None else shortlist.tokens)
+def top_tokens(logits: torch.Tensor, k: int, shortlist) -> list[list[int]]:
+    """sampling.ranked_tokens: each row's k best tokens, best first."""
+    return module().top_tokens(logits.data_ptr(), logits.shape[0], logits.shape[1], k,
+                               None if shortlist is None else shortlist.tokens)
+
+
+def slot_mover(kv_cache: torch.Tensor):
+    """GPT2Engine.commit's moves for a contiguous (..., capacity, head_dim) CPU cache: a function of (length, keep)
+    under which, in each plane, slot length + i takes slot length + keep[i]; None without the C++ loops. The cache's
+    address and shape are read once here: right after a forward, reading them per commit took 10-15 us."""
+    if module() is None or kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        return None
+    capacity, head_dim = kv_cache.shape[-2:]
+    return functools.partial(module().commit_slots, kv_cache.data_ptr(), kv_cache.numel() // (capacity * head_dim),
+                             capacity, head_dim * kv_cache.element_size())
 
 
 def continuations(tokens: list[int], max_ngram: int, length: int, branches: int) -> list[list[int]]:
@@ -164,14 +176,14 @@ class Blocks:
                       weights["wte.weight"].shape[0], weights["wpe.weight"].shape[0]]
         self.cache = address(kv_cache)
 
-    def __call__(self, token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, start: int,
-                 end: int) -> torch.Tensor:
+    def __call__(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int, end: int
+                 ) -> torch.Tensor:
         """The final layer norm's output (rows x n_embd, bfloat16) for new nodes in cache slots start..end; `mask` as
         GPT2Engine.logits takes it, None for a chain."""
-        ids, positions = token_ids.long().contiguous(), position_ids.long().contiguous()
-        out = torch.empty(ids.numel(), self.n_embd, dtype=torch.bfloat16)
+        ids, positions = as_list(token_ids), as_list(position_ids)
+        out = torch.empty(len(ids), self.n_embd, dtype=torch.bfloat16)
         mask = None if mask is None else mask.contiguous()
-        draft_module().blocks(ids.data_ptr(), positions.data_ptr(), ids.numel(), self.embeddings, self.parameters,
-                              self.shape, self.epsilon, self.cache, start, end, 0 if mask is None else mask.data_ptr(),
-                              0 if mask is None else mask.shape[1], out.data_ptr())
+        draft_module().blocks(ids, positions, self.embeddings, self.parameters, self.shape, self.epsilon, self.cache,
+                              start, end, 0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],
+                              out.data_ptr())
         return out

@@ -244,40 +244,51 @@ bool read_addresses(PyObject *list, std::vector<uintptr_t> &out) {
     return !PyErr_Occurred();
 }
 
-// blocks(ids, positions, rows, embeddings, parameters, shape, epsilon, cache, start, end, mask, columns, out)
-//   ids, positions: int64 addresses of `rows` values; embeddings: [wte, wpe] (bfloat16, n_embd columns);
+bool read_ints(PyObject *list, std::vector<int64_t> &out, const char *name) {
+    if (!PyList_Check(list)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list of ints", name);
+        return false;
+    }
+    out.resize(PyList_GET_SIZE(list));
+    for (size_t i = 0; i < out.size(); i++) out[i] = PyLong_AsLongLong(PyList_GET_ITEM(list, static_cast<Py_ssize_t>(i)));
+    return !PyErr_Occurred();
+}
+
+// blocks(ids, positions, embeddings, parameters, shape, epsilon, cache, start, end, mask, columns, out)
+//   ids, positions: lists of the new rows' tokens and positions (a list costs less to make than a tensor); embeddings: [wte, wpe] (bfloat16, n_embd columns);
 //   parameters: 12 addresses a layer (ln_1's float32 weight and bias; attn.c_attn, attn.c_proj, mlp.c_fc and
 //   mlp.c_proj, each its packed weight and float32 bias; ln_2's weight and bias), then ln_f's weight and bias;
 //   shape: [n_embd, heads, head_dim, layers, capacity, vocabulary, positions]; cache: GPT2Engine.kv_cache's address; mask: a bool (rows x
 //   columns) address, or 0 for a chain; out: rows x n_embd bfloat16, the final layer norm's output.
 // The new nodes' keys and values go to cache slots start..end.
 BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) {
-        PyErr_SetString(PyExc_TypeError, "blocks takes 13 arguments");
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "blocks takes 12 arguments");
         return nullptr;
     }
-    const auto *ids = static_cast<const int64_t *>(PyLong_AsVoidPtr(args[0]));
-    const auto *positions = static_cast<const int64_t *>(PyLong_AsVoidPtr(args[1]));
-    const int64_t rows = PyLong_AsLongLong(args[2]);
+    std::vector<int64_t> ids, positions;
     std::vector<uintptr_t> embeddings, parameters, shape;
-    if (PyErr_Occurred() || !read_addresses(args[3], embeddings) || !read_addresses(args[4], parameters)
-        || !read_addresses(args[5], shape))
+    if (!read_ints(args[0], ids, "ids") || !read_ints(args[1], positions, "positions")
+        || !read_addresses(args[2], embeddings) || !read_addresses(args[3], parameters)
+        || !read_addresses(args[4], shape))
         return nullptr;
+    const auto rows = static_cast<int64_t>(ids.size());
     if (shape.size() != 7) {
         PyErr_SetString(PyExc_ValueError, "blocks: shape is [n_embd, heads, head_dim, layers, capacity, vocabulary, "
                                           "positions]");
         return nullptr;
     }
     const int64_t n_embd = shape[0], heads = shape[1], head_dim = shape[2], n_layer = shape[3];
-    const auto epsilon = static_cast<float>(PyFloat_AsDouble(args[6]));
-    const Cache cache{static_cast<bf16 *>(PyLong_AsVoidPtr(args[7])), n_layer, heads,
+    const auto epsilon = static_cast<float>(PyFloat_AsDouble(args[5]));
+    const Cache cache{static_cast<bf16 *>(PyLong_AsVoidPtr(args[6])), n_layer, heads,
                       static_cast<int64_t>(shape[4]), head_dim};
-    const int64_t start = PyLong_AsLongLong(args[8]), end = PyLong_AsLongLong(args[9]);
-    const Visibility visible{static_cast<const uint8_t *>(PyLong_AsVoidPtr(args[10])), PyLong_AsLongLong(args[11]),
+    const int64_t start = PyLong_AsLongLong(args[7]), end = PyLong_AsLongLong(args[8]);
+    const Visibility visible{static_cast<const uint8_t *>(PyLong_AsVoidPtr(args[9])), PyLong_AsLongLong(args[10]),
                              start, end};
-    auto *out = static_cast<bf16 *>(PyLong_AsVoidPtr(args[12]));
+    auto *out = static_cast<bf16 *>(PyLong_AsVoidPtr(args[11]));
     if (PyErr_Occurred()) return nullptr;
     if (parameters.size() != static_cast<size_t>(12 * n_layer + 2) || embeddings.size() != 2 || end != start + rows
+        || positions.size() != ids.size()
         || start < 0 || end > cache.capacity) {
         PyErr_SetString(PyExc_ValueError, "blocks: the parameters do not match the shape");
         return nullptr;

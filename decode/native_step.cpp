@@ -1,16 +1,19 @@
 // A decoding step's loops over trees, in C++ for decode/native.py: the trigram's tree below a new context
 // (TrigramTrees.build in decode/drafters.py), the staged drafter's greedy ranking of the draft's logits and its choice
 // of the oracle's tree (StagedDrafter.selection), sample-match verification under greedy decoding
-// (decode/verify.py), each row's argmax token (decode/sampling.py's row_argmax), and the continuations a context
-// repeats (decode/lookup.py's ContextIndex). Each follows its Python code
-// step for step, ties included, and tests/test_native.py compares the two. After a forward, every torch, numpy or
-// list operation of a step pays for caches that the forward evicted; one call here replaces tens of them.
+// (decode/verify.py), each row's best tokens (decode/sampling.py's ranked_tokens and row_argmax), the
+// continuations a context repeats (decode/lookup.py's ContextIndex), and a commit's moves in a CPU cache
+// (GPT2Engine.commit). Each follows its Python code step for step, ties included (torch's top-k, which a row's k > 1
+// best tokens take in Python, orders ties as it likes; here the lower column comes first), and tests/test_native.py
+// compares the two. After a forward, every torch, numpy or list operation of a step pays for caches that the forward
+// evicted; one call here replaces tens of them.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -206,25 +209,58 @@ PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     }
 }
 
-// best_tokens(logits_address, rows, columns, shortlist_tokens) -> tokens
-// Each row's argmax, as a token (through the shortlist's column -> token array, when not None): sampling.row_argmax.
-PyObject *best_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("best_tokens", nargs, 4)) return nullptr;
+// The k columns of the row's largest values, largest first (ties: the lower column), into `best`: a block of 64
+// columns is read value by value only when its largest value (vectorised) beats the k-th best so far.
+VECTOR_CLONES void row_top(const float *row, int64_t columns, int64_t k, int64_t *best, float *values) {
+    int64_t count = 0;
+    for (int64_t start = 0; start < columns; start += 64) {
+        const int64_t end = std::min(start + 64, columns);
+        float block = row[start];
+#pragma omp simd reduction(max : block)
+        for (int64_t c = start; c < end; c++) block = row[c] > block ? row[c] : block;
+        if (count == k && !(block > values[k - 1])) continue;
+        for (int64_t c = start; c < end; c++) {
+            const float value = row[c];
+            if (count == k && !(value > values[k - 1])) continue;
+            int64_t at = count < k ? count++ : k - 1;  // the last place, then up past every smaller value
+            for (; at > 0 && values[at - 1] < value; at--) {
+                values[at] = values[at - 1];
+                best[at] = best[at - 1];
+            }
+            values[at] = value;
+            best[at] = c;
+        }
+    }
+}
+
+// top_tokens(logits_address, rows, columns, k, shortlist_tokens) -> [tokens of each row]
+// Each row's k best tokens, best first (through the shortlist's column -> token array, when not None):
+// sampling.ranked_tokens, and row_argmax's argmax with k = 1.
+PyObject *top_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!takes_arguments("top_tokens", nargs, 5)) return nullptr;
     const Logits logits(args);
-    const int64_t rows = logits.rows, columns = logits.columns;
+    const int64_t rows = logits.rows, columns = logits.columns, k = PyLong_AsLongLong(args[3]);
     Int64Array column_token;
-    if (PyErr_Occurred() || !column_token.open(args[3], "shortlist tokens")) return nullptr;
+    if (PyErr_Occurred() || !column_token.open(args[4], "shortlist tokens")) return nullptr;
     if (column_token.data && column_token.size != columns) {
-        PyErr_SetString(PyExc_ValueError, "best_tokens: the shortlist and the logits' columns disagree");
+        PyErr_SetString(PyExc_ValueError, "top_tokens: the shortlist and the logits' columns disagree");
         return nullptr;
     }
-    std::vector<int64_t> tokens(rows);
-    float unused;
-    for (int64_t row = 0; row < rows; row++) {
-        const int64_t column = row_argmax(logits.row(row), columns, &unused);
-        tokens[row] = column_token.data ? column_token.data[column] : column;
+    if (k < 1 || k > columns) {
+        PyErr_Format(PyExc_ValueError, "top_tokens: k must be 1..%lld (the logits' columns), not %lld",
+                     static_cast<long long>(columns), static_cast<long long>(k));
+        return nullptr;
     }
-    return int_list(tokens);
+    std::vector<int64_t> tokens(k);
+    std::vector<float> values(k);
+    PyObject *out = PyList_New(rows);
+    for (int64_t row = 0; out && row < rows; row++) {
+        row_top(logits.row(row), columns, k, tokens.data(), values.data());
+        if (column_token.data)
+            for (int64_t &token : tokens) token = column_token.data[token];
+        PyList_SET_ITEM(out, row, int_list(tokens));
+    }
+    return out;
 }
 
 // One successor of a trigram context, as ngram/successors.py's SUCCESSOR dtype lays it out.
@@ -300,9 +336,34 @@ PyObject *continuations(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return out;
 }
 
+// commit_slots(cache_address, planes, capacity, slot_bytes, length, keep)
+// GPT2Engine.commit's moves over its cache of `planes` planes (keys and values of each layer's heads) of `capacity`
+// slots of `slot_bytes` bytes: slot length + i takes slot length + keep[i]. `keep` increases, so a slot is read
+// before any move writes it, and a move never overlaps its source.
+PyObject *commit_slots(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!takes_arguments("commit_slots", nargs, 6)) return nullptr;
+    auto *cache = static_cast<char *>(PyLong_AsVoidPtr(args[0]));
+    const int64_t planes = PyLong_AsLongLong(args[1]), capacity = PyLong_AsLongLong(args[2]);
+    const int64_t slot_bytes = PyLong_AsLongLong(args[3]), length = PyLong_AsLongLong(args[4]);
+    std::vector<int64_t> keep;
+    if (PyErr_Occurred() || !read_ints(args[5], keep, "keep")) return nullptr;
+    for (size_t i = 0; i < keep.size(); i++)
+        if (keep[i] < static_cast<int64_t>(i) || (i > 0 && keep[i] <= keep[i - 1]) || length + keep[i] >= capacity) {
+            PyErr_SetString(PyExc_ValueError, "commit_slots: keep must increase and stay inside the cache");
+            return nullptr;
+        }
+    for (int64_t plane = 0; plane < planes; plane++) {
+        char *slots = cache + plane * capacity * slot_bytes;
+        for (size_t i = 0; i < keep.size(); i++)
+            if (keep[i] != static_cast<int64_t>(i))
+                std::memcpy(slots + (length + i) * slot_bytes, slots + (length + keep[i]) * slot_bytes, slot_bytes);
+    }
+    Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
-    {"best_tokens", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(best_tokens)), METH_FASTCALL,
-     "Each row's argmax token."},
+    {"top_tokens", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(top_tokens)), METH_FASTCALL,
+     "Each row's k best tokens."},
     {"trigram_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(trigram_tree)), METH_FASTCALL,
      "The trigram's tree below a context."},
     {"staged_selection", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(staged_selection)), METH_FASTCALL,
@@ -311,6 +372,8 @@ PyMethodDef methods[] = {
      "Sample-match verification under greedy decoding."},
     {"continuations", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(continuations)), METH_FASTCALL,
      "The continuations of the context's longest repeated suffix."},
+    {"commit_slots", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(commit_slots)), METH_FASTCALL,
+     "A cache's kept slots moved into place."},
     {nullptr, nullptr, 0, nullptr}};
 
 // torch's extension builder names the module (TORCH_EXTENSION_NAME: decode/native.py adds the source's hash)

@@ -105,7 +105,7 @@ class ForwardLog:
             return self.inner(token_ids, position_ids, mask, last)
         finally:
             costs.synchronize(self.model.device)
-            self.calls.append((token_ids.numel(), self.model.length + self.model.pending, time.perf_counter() - start))
+            self.calls.append((len(token_ids), self.model.length + self.model.pending, time.perf_counter() - start))
 
     def remove(self) -> None:
         del self.model.forward

@@ -7,12 +7,15 @@
 #                                              # device budget; run it under `timeout 560` and keep $LOGS outside $OUT,
 #                                              # then tar it there: $OUT takes 8 files): the suite beside a shorter
 #                                              # training, exactness, then CUDA graphs' speed
+#   bash scripts/gpu_check.sh plan RUN         # what brief leaves, in one command of about 9 minutes: a shorter
+#                                              # training (and `--compile`'s beside the draft's), the planner on the
+#                                              # GPU, then the bench with the plan's policies and the transformers peers
 # It runs with the machine's own python3 (a CUDA torch) and PYTHONPATH=. instead of scripts/setup.sh, which
 # needs a package registry. Wheels in .whl/ (nltk; kenlm has none, its tests skip) are installed first.
 # Logs and JSON go to $LOGS (default: $OUT, the device tool's folder, else gpu-logs/).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-stage="${1:?usage: bash scripts/gpu_check.sh tests|train|decode|brief [RUN]}"
+stage="${1:?usage: bash scripts/gpu_check.sh tests|train|decode|brief|plan [RUN]}"
 run="${2:-runs/gpu}"
 logs="${LOGS:-${OUT:-gpu-logs}}"
 mkdir -p "$logs"
@@ -127,7 +130,27 @@ brief)
     STEP_TIMEOUT=120 step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" \
         --device cuda --dtype bfloat16 --limit 2 --output "$logs/engine.json" --overwrite
     ;;
+plan)
+    machine
+    ( OMP_NUM_THREADS=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_coupled.py \
+        > "$logs/pytest-cuda.log" 2>&1 ) &
+    # accelerate launch with --compile (inductor): a short oracle training beside the draft's, before the planner
+    # measures anything
+    ( timeout 240 "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle-compiled" \
+        --overwrite --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --grad_accum 1 --max_steps 300 \
+        --eval_every 300 --save_every 300 --compile > "$logs/compile.log" 2>&1; echo "rc $?" >> "$logs/compile.log" ) &
+    STEP_TIMEOUT=150 train_models 800 300
+    wait
+    for log in pytest-cuda compile; do echo "== $log"; tail -n 3 "$logs/$log.log" | sed 's/^/   | /'; done
+    # a smaller search than decode's: 129 policies at ~4 s each outlast a command
+    STEP_TIMEOUT=200 step plan python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 6 \
+        --screen 2 --max-budget 32 --project-oracle gpt2-large --overwrite
+    cp "$run/plan.json" "$logs/plan.json" 2>/dev/null
+    STEP_TIMEOUT=150 step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 3 \
+        --max-new-tokens 96 --methods baseline,speculative,tree,staged,lookup,hf-generate,hf-assisted,hf-lookup \
+        --out "$logs/bench.json" --overwrite
+    ;;
 *)
-    echo "error: unknown stage $stage; use tests, train, decode or brief" >&2; exit 2 ;;
+    echo "error: unknown stage $stage; use tests, train, decode, brief or plan" >&2; exit 2 ;;
 esac
 exit $failed

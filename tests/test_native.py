@@ -113,16 +113,22 @@ def test_greedy_walk_equals_sample_match(built, monkeypatch, seed):
     assert max(walked) >= 4
 
 
-def test_best_tokens_equal_the_argmax_of_each_row(built, python_only):
-    from decode.sampling import row_argmax
+def test_top_tokens_equal_the_python_ranking(built, python_only):
+    from decode.sampling import ranked_tokens
 
+    torch.manual_seed(0)
     for columns in (1, 7, 64, 65, 4096, 8192):
-        logits = torch.randint(-2, 3, (5, columns)).float()  # ties: the first column wins
-        logits[1] = torch.randn(columns)
-        logits[2, -1] = 9  # the largest in the last column
         shortlist = Shortlist(random.Random(columns).sample(range(2 * columns), columns), 2 * columns)
+        ties = torch.randint(-2, 3, (5, columns)).float()  # ties: the first column wins
+        ties[2, -1] = 9  # the largest in the last column
+        distinct = torch.randn(6, columns)  # k > 1: torch's top-k orders ties as it likes
+        distinct[1, -3:] = torch.tensor([7.0, 8.0, 9.0])[-columns:]  # the best in the last block, the order reversed
         for tokens_of in (None, shortlist):
-            assert native.best_tokens(logits, tokens_of) == row_argmax(logits, tokens_of), columns
+            assert native.top_tokens(ties, 1, tokens_of) == ranked_tokens(ties, 1, tokens_of), columns
+            for k in sorted({k for k in (1, 2, 4, 9, columns if columns < 100 else 1) if k <= columns}):
+                assert native.top_tokens(distinct, k, tokens_of) == ranked_tokens(distinct, k, tokens_of), (columns, k)
+    with pytest.raises(ValueError, match="k must be"):
+        native.top_tokens(torch.zeros(2, 7), 8, None)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -147,7 +153,7 @@ def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monk
     oracle = GPT2Engine.load(oracle_dir)
     draft = GPT2Engine.load(tiny_gpt2(tmp_path / "draft", seed=1, noise_from=oracle_dir, noise=0.005))
     table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle_dir) / "successors.npz")
-    calls = {"staged_selection": 0, "greedy_walk": 0, "best_tokens": 0, "continuations": 0}
+    calls = {"staged_selection": 0, "greedy_walk": 0, "top_tokens": 0, "continuations": 0}
     for name in calls:
         inner = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *args, inner=inner, name=name: calls.__setitem__(name, calls[name] + 1)
@@ -158,7 +164,7 @@ def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monk
         expected = baseline(oracle, prompt, 32, Sampling(), eos_id=0).tokens
         out = tree_speculative(oracle, prompt, 32, Sampling(), eos_id=0, drafter=staged)
         assert out.tokens == expected
-    assert all(calls.values()), calls  # best_tokens: the baseline's
+    assert all(calls.values()), calls  # top_tokens: the baseline's argmax
 
 
 @pytest.fixture
