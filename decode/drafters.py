@@ -293,28 +293,44 @@ class ShapedTreeDrafter(ModelDrafter):
             self.below[parent].append(node)
         # shape node -> how many of the draft's ranked tokens its children read
         self.widest = [1 + max((self.ranks[c] for c in children), default=-1) for children in self.below]
+        self.layouts = {}
+
+    def layout(self, max_depth: int) -> tuple[Tree, list[tuple[list[int], int, int, list[tuple[int, int, int, int]]]]]:
+        """The tree a step grows at most `max_depth` levels deep (its tokens to be filled in) and, per level, the
+        nodes the draft scores, the most ranked tokens and the most draws a row's children take, and each child as
+        (node, its parent's row, its place among its siblings, its rank). Every step grows the same tree, so it is
+        laid out once: growing it node by node took 5-6 us a level right after a draft forward on a CPU."""
+        depth = min(max_depth, len(self.parents))
+        if depth not in self.layouts:
+            tree, level, levels = Tree.rooted(0), [(0, 0)], []  # level: (tree node, the shape node it fills)
+            for _ in range(depth):
+                level = [(node, shaped) for node, shaped in level if self.below[shaped]]
+                if not level:
+                    break
+                children = [(tree.add(node, 0), row, place, child) for row, (node, shaped) in enumerate(level)
+                            for place, child in enumerate(self.below[shaped])]
+                levels.append(([node for node, _ in level], max(self.widest[s] for _, s in level),
+                               max(len(self.below[s]) for _, s in level),
+                               [(node, row, place, self.ranks[child]) for node, row, place, child in children]))
+                level = [(node, child) for node, _, _, child in children]
+            self.layouts[depth] = tree, levels
+        return self.layouts[depth]
 
     def propose(self, tokens: list[int], max_depth: int, generator) -> Tree:
-        tree = Tree.rooted(tokens[-1])
+        shape, levels = self.layout(max_depth)
+        tree = shape.copy([tokens[-1]] + shape.tokens[1:])
         self.draft.start(tokens)
-        level = [(0, 0)]  # (tree node, the shape node it fills)
-        for _ in range(max_depth):
-            level = [(node, shaped) for node, shaped in level if self.below[shaped]]
-            if not level:
-                break
-            nodes = [node for node, _ in level]
+        for nodes, widest, draws, children in levels:
             logits = self.draft.score(tree, nodes)
             if self.sampled_children:  # child j of a node is its j-th independent draw
-                drawn, q = draw_children(self.sampling, logits, max(len(self.below[s]) for _, s in level), generator,
-                                         self.draft.shortlist)
+                drawn, q = draw_children(self.sampling, logits, draws, generator, self.draft.shortlist)
                 tree.child_dists.update(zip(nodes, q))
+                for node, row, place, _ in children:
+                    tree.tokens[node] = drawn[row][place]
             else:  # child j is the draft's rank-ranks[j] token
-                widest = max(self.widest[s] for _, s in level)
-                scores, shortlist = ranking_scores(logits, self.sampling), self.draft.shortlist
-                ranked = ranked_tokens(scores, widest, shortlist)
-                drawn = [[row[self.ranks[c]] for c in self.below[s]] for (_, s), row in zip(level, ranked)]
-            level = [(tree.add(node, token), child) for (node, shaped), row in zip(level, drawn)
-                     for child, token in zip(self.below[shaped], row)]
+                ranked = ranked_tokens(ranking_scores(logits, self.sampling), widest, self.draft.shortlist)
+                for node, row, _, rank in children:
+                    tree.tokens[node] = ranked[row][rank]
         return tree
 
 
