@@ -205,7 +205,7 @@ class GPT2Engine(CachedLM):
         self.mask_values = [torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf"))]
         self.graphs = CUDAGraphs(self) if cuda_graphs and self.on_gpu else None
         fits = native_blocks and native.Blocks.fit(s.n_embd, self.dtype, self.device)
-        self.blocks = native.Blocks(s, weights, self.kv_cache) if fits else None
+        self.blocks = native.Blocks(s, weights, self.kv_cache, output) if fits else None
         # a commit's moves in C++ on a CPU: right after a forward, the cpu preset's oracle's torch copies (move_slots)
         # took 60-90 us a commit of 4 moved slots, the C++ 20-40 (its 96 planes' lines are out of the caches by then)
         self.move_in_cpp = native.slot_mover(self.kv_cache)
@@ -256,8 +256,7 @@ class GPT2Engine(CachedLM):
         `slots` and attend to slots 0..end: all of them, or with a (q, k) boolean `mask`, the last k where it is
         true and every one before them."""
         if self.blocks is not None and isinstance(slots, slice) and len(token_ids) <= native.Blocks.ROWS:
-            x = self.blocks(token_ids, position_ids, mask, slots.start, end)  # through the final layer norm
-            return self.head(x if last is None else x[x.shape[0] - last :]).float()
+            return self.blocks(token_ids, position_ids, mask, slots.start, end, last)
         token_ids, position_ids = as_tensor(token_ids, self.device), as_tensor(position_ids, self.device)
         # F.embedding (an index_select) took 7 us for 16 rows where indexing the matrices took 17 (AMX CPU, bfloat16)
         x = F.embedding(token_ids, self.wte) + F.embedding(position_ids, self.wpe)

@@ -129,15 +129,17 @@ def continuations(tokens: list[int], max_ngram: int, length: int, branches: int)
 
 
 def pack_for_dot_products(in_out: torch.Tensor) -> torch.Tensor:
-    """An (in, out) bfloat16 weight as native_draft.cpp's products read it: blocks of 16 output columns, in each the
-    two weights of every pair of input rows side by side (the operand layout of AVX-512 BF16's dot product)."""
+    """An (in, out) bfloat16 weight as native_draft.cpp's products read it: blocks of 16 output columns (the last
+    padded with zeros), in each the two weights of every pair of input rows side by side (the operand layout of
+    AVX-512 BF16's dot product)."""
+    in_out = torch.nn.functional.pad(in_out, (0, -in_out.shape[1] % 16)).contiguous()
     rows, columns = in_out.shape
     return in_out.view(rows // 2, 2, columns // 16, 16).permute(2, 0, 3, 1).contiguous()
 
 
 class Blocks:
-    """A bfloat16 GPT-2's transformer blocks and final layer norm over a forward's new rows as one C++ call
-    (decode/native_draft.cpp), for a draft: its keys and values go to the engine's cache as torch's would."""
+    """A bfloat16 GPT-2's forward over a few new rows as one C++ call (decode/native_draft.cpp): embeddings, blocks,
+    final layer norm and output layer, for a draft. Its keys and values go to the engine's cache as torch's would."""
 
     LINEAR = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
     # Up to this many new rows a forward (a step's tree): past it torch's attention and 2-thread products are faster
@@ -150,9 +152,10 @@ class Blocks:
         return (device.type == "cpu" and dtype == torch.bfloat16 and n_embd % 16 == 0
                 and draft_module() is not None)
 
-    def __init__(self, shape, weights: dict[str, torch.Tensor], kv_cache: torch.Tensor):
+    def __init__(self, shape, weights: dict[str, torch.Tensor], kv_cache: torch.Tensor, output: torch.Tensor):
         """`shape`: the engine's GPT2Shape; `weights`: its bfloat16 tensors by checkpoint name (no "transformer.");
-        `kv_cache`: its (2, layers, heads, capacity, head_dim) cache."""
+        `kv_cache`: its (2, layers, heads, capacity, head_dim) cache; `output`: the output layer's (columns, n_embd)
+        weight (wte, or a shortlist's rows of it)."""
         self.kept = []  # every tensor whose address the C++ reads
 
         def address(tensor: torch.Tensor) -> int:
@@ -169,21 +172,23 @@ class Blocks:
                 self.parameters += [address(pack_for_dot_products(weights[f"h.{i}.{name}.weight"])),
                                     float32(f"h.{i}.{name}.bias")]
             self.parameters += [float32(f"h.{i}.ln_2.weight"), float32(f"h.{i}.ln_2.bias")]
-        self.parameters += [float32("ln_f.weight"), float32("ln_f.bias")]
+        self.parameters += [float32("ln_f.weight"), float32("ln_f.bias"), address(pack_for_dot_products(output.T)),
+                            address(torch.zeros(-(-output.shape[0] // 16) * 16))]
         self.embeddings = [address(weights["wte.weight"].contiguous()), address(weights["wpe.weight"].contiguous())]
         self.n_embd, self.epsilon = shape.n_embd, shape.layer_norm_epsilon
         self.shape = [shape.n_embd, shape.n_head, shape.n_embd // shape.n_head, shape.n_layer, kv_cache.shape[3],
-                      weights["wte.weight"].shape[0], weights["wpe.weight"].shape[0]]
+                      weights["wte.weight"].shape[0], weights["wpe.weight"].shape[0], output.shape[0]]
         self.cache = address(kv_cache)
 
-    def __call__(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int, end: int
-                 ) -> torch.Tensor:
-        """The final layer norm's output (rows x n_embd, bfloat16) for new nodes in cache slots start..end; `mask` as
-        GPT2Engine.logits takes it, None for a chain."""
+    def __call__(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int, end: int,
+                 last: int | None = None) -> torch.Tensor:
+        """Float32 logits of new nodes in cache slots start..end (of the `last` of them, with `last`), as
+        GPT2Engine.logits gives them; `mask` as it takes it, None for a chain."""
         ids, positions = as_list(token_ids), as_list(position_ids)
-        out = torch.empty(len(ids), self.n_embd, dtype=torch.bfloat16)
+        last = len(ids) if last is None else last
+        out = torch.empty(last, self.shape[-1])
         mask = None if mask is None else mask.contiguous()
         draft_module().blocks(ids, positions, self.embeddings, self.parameters, self.shape, self.epsilon, self.cache,
                               start, end, 0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],
-                              out.data_ptr())
+                              last, out.data_ptr())
         return out

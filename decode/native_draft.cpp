@@ -1,9 +1,9 @@
-// A small GPT-2's transformer blocks in one C++ call, for a draft model's forwards on a CPU with AVX-512 BF16
+// A small GPT-2's transformer blocks and output layer in one C++ call, for a draft model's forwards on a CPU with AVX-512 BF16
 // (decode/native.py loads it; decode/engine.py calls it through GPT2Engine.logits). A draft's forward is a few rows
 // (a step's tree) through matrices of a few hundred columns: torch spends it starting some thirty operations, each
 // cold after the oracle's forward (oneDNN took 73-140 us for a 20 x 128 x 384 product that is 10 us of arithmetic).
-// Here the products are AVX-512 BF16 dot products over weights packed once at load, and layer norm, attention
-// with the tree's mask, GELU and the residuals run over the rows in place, in float32. Its logits differ from
+// Here the products, the output layer's too, are AVX-512 BF16 dot products over weights packed once at load, and
+// layer norm, attention with the tree's mask, GELU and the residuals run over the rows in place, in float32. Its logits differ from
 // torch's in rounding only; a draft's logits decide what is proposed, never what is accepted.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -48,7 +48,8 @@ BF16_TARGET inline float fast_exp(float x) {
 }
 
 // One linear layer, packed for _mm512_dpbf16_ps: blocks of 16 output columns; in each, for every pair of input
-// rows (2k, 2k+1), the 16 columns' two weights side by side (decode/native.py's pack_for_dot_products).
+// rows (2k, 2k+1), the 16 columns' two weights side by side (decode/native.py's pack_for_dot_products). The last
+// block and the bias are padded with zeros to 16 columns where `out` is not a multiple of 16 (an output layer).
 struct Linear {
     const bf16 *packed;
     const float *bias;
@@ -57,7 +58,7 @@ struct Linear {
 
 // y (rows x out, float32) = x (rows x in, bfloat16) @ W + bias: 4 rows by 64 columns in registers at a time.
 BF16_TARGET void product(const bf16 *x, const Linear &w, float *y, int64_t rows) {
-    const int64_t pairs = w.in / 2, blocks = w.out / 16;
+    const int64_t pairs = w.in / 2, blocks = (w.out + 15) / 16;
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int64_t rn = std::min<int64_t>(4, rows - r0);
         const uint32_t *xr[4];
@@ -79,7 +80,11 @@ BF16_TARGET void product(const bf16 *x, const Linear &w, float *y, int64_t rows)
                 }
             }
             for (int64_t r = 0; r < rn; r++)
-                for (int64_t j = 0; j < bn; j++) _mm512_storeu_ps(y + (r0 + r) * w.out + (b0 + j) * 16, acc[r][j]);
+                for (int64_t j = 0; j < bn; j++) {
+                    const int64_t column = (b0 + j) * 16, left = w.out - column;
+                    _mm512_mask_storeu_ps(y + (r0 + r) * w.out + column,
+                                          left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1), acc[r][j]);
+                }
         }
     }
 }
@@ -254,16 +259,18 @@ bool read_ints(PyObject *list, std::vector<int64_t> &out, const char *name) {
     return !PyErr_Occurred();
 }
 
-// blocks(ids, positions, embeddings, parameters, shape, epsilon, cache, start, end, mask, columns, out)
-//   ids, positions: lists of the new rows' tokens and positions (a list costs less to make than a tensor); embeddings: [wte, wpe] (bfloat16, n_embd columns);
-//   parameters: 12 addresses a layer (ln_1's float32 weight and bias; attn.c_attn, attn.c_proj, mlp.c_fc and
-//   mlp.c_proj, each its packed weight and float32 bias; ln_2's weight and bias), then ln_f's weight and bias;
-//   shape: [n_embd, heads, head_dim, layers, capacity, vocabulary, positions]; cache: GPT2Engine.kv_cache's address; mask: a bool (rows x
-//   columns) address, or 0 for a chain; out: rows x n_embd bfloat16, the final layer norm's output.
+// blocks(ids, positions, embeddings, parameters, shape, epsilon, cache, start, end, mask, columns, last, out)
+//   ids, positions: lists of the new rows' tokens and positions (a list costs less to make than a tensor);
+//   embeddings: [wte, wpe] (bfloat16, n_embd columns); parameters: 12 addresses a layer (ln_1's float32 weight and
+//   bias; attn.c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj, each its packed weight and float32 bias; ln_2's weight
+//   and bias), then ln_f's weight and bias, then the output layer's packed weight and (zero) bias; shape: [n_embd,
+//   heads, head_dim, layers, capacity, vocabulary, positions, logit columns]; cache: GPT2Engine.kv_cache's address;
+//   mask: a bool (rows x columns) address, or 0 for a chain; out: float32 logits (last x logit columns) of the last
+//   `last` rows.
 // The new nodes' keys and values go to cache slots start..end.
 BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "blocks takes 12 arguments");
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "blocks takes 13 arguments");
         return nullptr;
     }
     std::vector<int64_t> ids, positions;
@@ -273,9 +280,9 @@ BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs
         || !read_addresses(args[4], shape))
         return nullptr;
     const auto rows = static_cast<int64_t>(ids.size());
-    if (shape.size() != 7) {
+    if (shape.size() != 8) {
         PyErr_SetString(PyExc_ValueError, "blocks: shape is [n_embd, heads, head_dim, layers, capacity, vocabulary, "
-                                          "positions]");
+                                          "positions, logit columns]");
         return nullptr;
     }
     const int64_t n_embd = shape[0], heads = shape[1], head_dim = shape[2], n_layer = shape[3];
@@ -285,9 +292,11 @@ BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs
     const int64_t start = PyLong_AsLongLong(args[7]), end = PyLong_AsLongLong(args[8]);
     const Visibility visible{static_cast<const uint8_t *>(PyLong_AsVoidPtr(args[9])), PyLong_AsLongLong(args[10]),
                              start, end};
-    auto *out = static_cast<bf16 *>(PyLong_AsVoidPtr(args[11]));
+    const int64_t last = PyLong_AsLongLong(args[11]);
+    auto *out = static_cast<float *>(PyLong_AsVoidPtr(args[12]));
     if (PyErr_Occurred()) return nullptr;
-    if (parameters.size() != static_cast<size_t>(12 * n_layer + 2) || embeddings.size() != 2 || end != start + rows
+    if (parameters.size() != static_cast<size_t>(12 * n_layer + 4) || embeddings.size() != 2 || end != start + rows
+        || last < 0 || last > rows
         || positions.size() != ids.size()
         || start < 0 || end > cache.capacity) {
         PyErr_SetString(PyExc_ValueError, "blocks: the parameters do not match the shape");
@@ -334,7 +343,10 @@ BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += wide[i];
     }
     const auto *final_norm = reinterpret_cast<const float *const *>(parameters.data() + 12 * n_layer);
-    layer_norm(x.data(), final_norm[0], final_norm[1], out, rows, n_embd, epsilon);
+    const int64_t first = rows - last;  // the rows whose logits are asked for
+    layer_norm(x.data() + first * n_embd, final_norm[0], final_norm[1], normed.data(), last, n_embd, epsilon);
+    product(normed.data(), linear(parameters.data() + 12 * n_layer + 2, n_embd, static_cast<int64_t>(shape[7])), out,
+            last);
     Py_RETURN_NONE;
 }
 

@@ -174,10 +174,13 @@ def blocks_here(built):
     return native.draft_module()
 
 
-@pytest.mark.parametrize("n_embd, n_head", [(32, 4), (64, 2)])  # heads of 8 (float32 attention) and of 32 (BF16)
-def test_a_drafts_blocks_in_cpp_equal_torchs_up_to_rounding(blocks_here, monkeypatch, tmp_path, n_embd, n_head):
+@pytest.mark.parametrize("n_embd, n_head, shortlist", [  # heads of 8 (float32 attention) and of 32 (BF16); output
+    (32, 4, None), (64, 2, None), (32, 4, 40)])  # layers of 97 columns and of a shortlist's 40: neither a multiple of 16
+def test_a_drafts_blocks_in_cpp_equal_torchs_up_to_rounding(blocks_here, monkeypatch, tmp_path, n_embd, n_head, shortlist):
     directory = tiny_gpt2(tmp_path / "draft", seed=2, n_embd=n_embd, n_head=n_head)
-    in_torch, in_cpp = (GPT2Engine.load(directory, "bfloat16", native_blocks=cpp) for cpp in (False, True))
+    shortlist = shortlist and Shortlist(random.Random(1).sample(range(97), shortlist), 97)
+    in_torch, in_cpp = (GPT2Engine.load(directory, "bfloat16", native_blocks=cpp, shortlist=shortlist)
+                        for cpp in (False, True))
     assert in_torch.blocks is None and in_cpp.blocks is not None
     rows = []
     inner = in_cpp.blocks.__call__
