@@ -7,7 +7,7 @@ import torch
 
 from data.pretrained import load_causal_lm
 from decode.cached_lm import CachedLM, Ids, Shortlist, as_tensor
-from decode.engine import DTYPES
+from decode.engine import DTYPES, attention_kernels
 
 
 def load_hf_model(model_dir, dtype: str, device: str):
@@ -61,10 +61,11 @@ class HFEngine(CachedLM):
             mask = torch.cat([torch.ones(q, self.length, dtype=torch.bool, device=self.device), mask], 1)
         dtype = self.model.dtype
         additive = torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill(~mask, torch.finfo(dtype).min)
-        out = self.model(
-            input_ids=token_ids[None], position_ids=position_ids[None], attention_mask=additive[None, None],
-            use_cache=True, **{self.cache_keyword: self.cache},
-        )
+        with attention_kernels(self.device):
+            out = self.model(
+                input_ids=token_ids[None], position_ids=position_ids[None], attention_mask=additive[None, None],
+                use_cache=True, **{self.cache_keyword: self.cache},
+            )
         self.cache = out[self.cache_keyword]
         self.pending += q
         logits = (out.logits[0] if last is None else out.logits[0, q - last :]).float()

@@ -9,6 +9,7 @@ import logging
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from decode.engine import attention_kernels
 from decode.generate import Generation
 from decode.healing import Prompt, constrain_first
 from decode.hf_backend import load_hf_model
@@ -66,6 +67,7 @@ class HFGenerate:
         extra = {} if self.assistant is None else {"assistant_model": self.assistant}
         if prompt.allowed is not None:
             extra["logits_processor"] = LogitsProcessorList([FirstTokenConstraint(prompt.allowed, prompt.ids.numel())])
-        out = self.oracle.generate(prompt.ids[None], generation_config=self.generation_config(max_new_tokens), **extra)
+        with attention_kernels(self.oracle.device):  # the attention kernels our engine runs on a GPU
+            out = self.oracle.generate(prompt.ids[None], generation_config=self.generation_config(max_new_tokens), **extra)
         tokens = out[0, prompt.ids.numel():].tolist()
         return Generation(tokens, oracle_calls=self.calls["oracle"], draft_calls=self.calls["draft"])
