@@ -24,23 +24,34 @@ namespace {
 #define VECTOR_CLONES
 #endif
 
-// The first column that holds the row's largest value, as numpy's argmax (rows hold no NaN): the largest value
-// of each block of 64 columns (vectorised), then the first block and the first column in it that hold it.
-VECTOR_CLONES int64_t row_argmax(const float *row, int64_t columns, float *largest) {
-    float best = -INFINITY;
-    int64_t at = 0;
+// The k columns of the row's largest values, largest first (ties: the lower column), into `best`: a block of 64
+// columns is read value by value only when its largest value (vectorised) beats the k-th best so far.
+VECTOR_CLONES void row_top(const float *row, int64_t columns, int64_t k, int64_t *best, float *values) {
+    int64_t count = 0;
     for (int64_t start = 0; start < columns; start += 64) {
         const int64_t end = std::min(start + 64, columns);
         float block = row[start];
 #pragma omp simd reduction(max : block)
         for (int64_t c = start; c < end; c++) block = row[c] > block ? row[c] : block;
-        if (block > best) {
-            best = block;
-            at = start;
+        if (count == k && !(block > values[k - 1])) continue;
+        for (int64_t c = start; c < end; c++) {
+            const float value = row[c];
+            if (count == k && !(value > values[k - 1])) continue;
+            int64_t at = count < k ? count++ : k - 1;  // the last place, then up past every smaller value
+            for (; at > 0 && values[at - 1] < value; at--) {
+                values[at] = values[at - 1];
+                best[at] = best[at - 1];
+            }
+            values[at] = value;
+            best[at] = c;
         }
     }
-    while (row[at] != best && at + 1 < columns) at++;
-    *largest = best;
+}
+
+// The first column that holds the row's largest value, as numpy's argmax (rows hold no NaN).
+int64_t row_argmax(const float *row, int64_t columns, float *largest) {
+    int64_t at;
+    row_top(row, columns, 1, &at, largest);
     return at;
 }
 
@@ -206,30 +217,6 @@ PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
             if (parents[child] == node && tokens[child] == token) next = child;
         if (next < 0) return Py_BuildValue("(NL)", int_list(path), static_cast<long long>(token));
         path.push_back(next);
-    }
-}
-
-// The k columns of the row's largest values, largest first (ties: the lower column), into `best`: a block of 64
-// columns is read value by value only when its largest value (vectorised) beats the k-th best so far.
-VECTOR_CLONES void row_top(const float *row, int64_t columns, int64_t k, int64_t *best, float *values) {
-    int64_t count = 0;
-    for (int64_t start = 0; start < columns; start += 64) {
-        const int64_t end = std::min(start + 64, columns);
-        float block = row[start];
-#pragma omp simd reduction(max : block)
-        for (int64_t c = start; c < end; c++) block = row[c] > block ? row[c] : block;
-        if (count == k && !(block > values[k - 1])) continue;
-        for (int64_t c = start; c < end; c++) {
-            const float value = row[c];
-            if (count == k && !(value > values[k - 1])) continue;
-            int64_t at = count < k ? count++ : k - 1;  // the last place, then up past every smaller value
-            for (; at > 0 && values[at - 1] < value; at--) {
-                values[at] = values[at - 1];
-                best[at] = best[at - 1];
-            }
-            values[at] = value;
-            best[at] = c;
-        }
     }
 }
 
