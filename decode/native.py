@@ -175,7 +175,7 @@ class Blocks:
         self.parameters += [float32("ln_f.weight"), float32("ln_f.bias"), address(pack_for_dot_products(output.T)),
                             address(torch.zeros(-(-output.shape[0] // 16) * 16))]
         self.embeddings = [address(weights["wte.weight"].contiguous()), address(weights["wpe.weight"].contiguous())]
-        self.n_embd, self.epsilon = shape.n_embd, shape.layer_norm_epsilon
+        self.epsilon = shape.layer_norm_epsilon
         self.shape = [shape.n_embd, shape.n_head, shape.n_embd // shape.n_head, shape.n_layer, kv_cache.shape[3],
                       weights["wte.weight"].shape[0], weights["wpe.weight"].shape[0], output.shape[0]]
         self.cache = address(kv_cache)

@@ -1,10 +1,11 @@
-// A small GPT-2's transformer blocks and output layer in one C++ call, for a draft model's forwards on a CPU with AVX-512 BF16
-// (decode/native.py loads it; decode/engine.py calls it through GPT2Engine.logits). A draft's forward is a few rows
-// (a step's tree) through matrices of a few hundred columns: torch spends it starting some thirty operations, each
-// cold after the oracle's forward (oneDNN took 73-140 us for a 20 x 128 x 384 product that is 10 us of arithmetic).
-// Here the products, the output layer's too, are AVX-512 BF16 dot products over weights packed once at load, and
-// layer norm, attention with the tree's mask, GELU and the residuals run over the rows in place, in float32. Its logits differ from
-// torch's in rounding only; a draft's logits decide what is proposed, never what is accepted.
+// A small GPT-2's transformer blocks and output layer in one C++ call, for a draft model's forwards on a CPU with
+// AVX-512 BF16 (decode/native.py loads it; decode/engine.py calls it through GPT2Engine.logits). A draft's forward is
+// a few rows (a step's tree) through matrices of a few hundred columns: torch spends it starting some thirty
+// operations, each cold after the oracle's forward (oneDNN took 73-140 us for a 20 x 128 x 384 product that is 10 us
+// of arithmetic). Here the products, the output layer's too, are AVX-512 BF16 dot products over weights packed once
+// at load, and layer norm, attention with the tree's mask, GELU and the residuals run over the rows in place, in
+// float32. Its logits differ from torch's in rounding only; a draft's logits decide what is proposed, never what is
+// accepted.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
@@ -296,9 +297,7 @@ BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs
     auto *out = static_cast<float *>(PyLong_AsVoidPtr(args[12]));
     if (PyErr_Occurred()) return nullptr;
     if (parameters.size() != static_cast<size_t>(12 * n_layer + 4) || embeddings.size() != 2 || end != start + rows
-        || last < 0 || last > rows
-        || positions.size() != ids.size()
-        || start < 0 || end > cache.capacity) {
+        || positions.size() != ids.size() || last < 0 || last > rows || start < 0 || end > cache.capacity) {
         PyErr_SetString(PyExc_ValueError, "blocks: the parameters do not match the shape");
         return nullptr;
     }
