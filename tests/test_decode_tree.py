@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from decode.drafters import LookupDrafter, NgramDrafter, StagedDrafter, TreeDrafter, TrigramTrees
+from decode.drafters import (ChainDrafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter,
+                             TrigramTrees)
 from decode.engine import GPT2Engine
 from decode.generate import baseline, tree_speculative
 from decode.lookup import ContextIndex
@@ -294,3 +295,35 @@ def test_staged_sampled_children_leave_the_drafts_cache_on_the_accepted_tokens(m
         fresh = GPT2Engine.load(models["good"])
         expected = fresh.extend(torch.tensor(tokens))[-1]
         assert torch.allclose(draft.extend(torch.tensor(tokens[draft.length:]))[-1], expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_remembered_draft_calls_feed_the_draft_what_fresh_ones_do(models, monkeypatch, shape):
+    """Steps of one shape remember each draft call's slots, mask and positions (DraftModel.score's `repeats`): the
+    draft must be fed exactly what working them out afresh feeds it, whatever the unseen tokens, and its cache must
+    end on the accepted tokens."""
+    oracle = GPT2Engine.load(models["oracle"])
+    fed = {}
+    for remembered in (True, False):
+        draft = GPT2Engine.load(models["good"])
+        drafter = (ChainDrafter(draft, Sampling(), k=3) if shape == "chain" else
+                   ShapedTreeDrafter(draft, Sampling(), parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0]))
+        calls, forward, score = fed.setdefault(remembered, []), draft.forward, drafter.draft.score
+
+        def recording(ids, positions, mask, last=None, calls=calls, forward=forward):
+            calls.append((list(ids), list(positions), None if mask is None else mask.tolist(), last))
+            return forward(ids, positions, mask, last)
+
+        monkeypatch.setattr(draft, "forward", recording)
+        if not remembered:
+            monkeypatch.setattr(drafter.draft, "score", lambda tree, nodes, repeats=None, score=score: score(tree, nodes))
+        for prompt in ([4, 9, 17], [1, 2, 3, 4, 5, 6, 7], [30]):
+            out = tree_speculative(oracle, torch.tensor(prompt), 30, Sampling(), None, drafter=drafter)
+            fresh = GPT2Engine.load(models["good"])
+            tokens = prompt + out.tokens
+            expected = fresh.extend(torch.tensor(tokens))[-1]
+            assert torch.allclose(draft.extend(torch.tensor(tokens[draft.length :]))[-1], expected, atol=1e-4)
+        known = drafter.draft.known
+        assert (0 < len(known) < len(calls) / 2) if remembered else not known
+    assert fed[True] == fed[False]
+    assert len({len(ids) for ids, *_ in fed[True]}) > 2  # steps began with different numbers of unseen tokens
