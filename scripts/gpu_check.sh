@@ -88,7 +88,7 @@ decode)
     step plan python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 8 --screen 2 \
         --max-budget 32 --project-oracle gpt2-large --overwrite
     cp "$run/plan.json" "$logs/plan.json" 2>/dev/null
-    # 8 prompts: with the transformers peers, 20 took over 4 minutes on an H100 (eighteenth session)
+    # 8 prompts: with the transformers peers, 20 outlast the step's 300 s on an H100
     step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 8 --max-new-tokens 128 \
         --methods baseline,speculative,tree,staged,staged-paper,ngram,lookup,hf-generate,hf-assisted,hf-lookup \
         --out "$logs/bench.json" --plot "$logs/bench.png" --overwrite
@@ -105,8 +105,8 @@ brief)
         --ignore tests/test_coupled.py > "$logs/pytest.log" 2>&1 ) &
     tests=$!
     STEP_TIMEOUT=150 train_models 1000 400  # shorter: 1,000 oracle steps took 95 s on an H200, the draft's 400 80 s
-    # exactness with and without CUDA graphs (the default) beside the suite, then speed once it is done; the
-    # twenty-fourth session's small staged tree
+    # exactness with and without CUDA graphs (the default) beside the suite, then speed once it is done, with a
+    # small staged tree
     export STEP_TIMEOUT=90
     methods=speculative,tree,staged,lookup
     small=(--device cuda --no-plan --budget 16 --widths 4,2,1 --max-new-tokens 96)
@@ -146,9 +146,12 @@ plan)
     STEP_TIMEOUT=200 step plan python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 6 \
         --screen 2 --max-budget 32 --project-oracle gpt2-large --overwrite
     cp "$run/plan.json" "$logs/plan.json" 2>/dev/null
-    STEP_TIMEOUT=150 step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 3 \
-        --max-new-tokens 96 --methods baseline,speculative,tree,staged,lookup,hf-generate,hf-assisted,hf-lookup \
+    STEP_TIMEOUT=150 step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 10 \
+        --max-new-tokens 128 --methods baseline,speculative,tree,staged,lookup,hf-generate,hf-assisted,hf-lookup \
         --out "$logs/bench.json" --overwrite
+    STEP_TIMEOUT=100 step bench-topk python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 6 \
+        --max-new-tokens 128 --temperature 1 --top-k 50 --seed 1 --methods baseline,speculative,tree,staged,lookup \
+        --out "$logs/bench-topk.json" --overwrite
     ;;
 *)
     echo "error: unknown stage $stage; use tests, train, decode, brief or plan" >&2; exit 2 ;;
