@@ -15,7 +15,10 @@ table puts the plan's predicted tokens per call and speedup beside the measured 
 is staged with the flags' fixed tree (the paper's by default) and no plan.
 """
 import argparse
+import datetime
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from tqdm import tqdm
 from data.atomic import FILE, atomic_output, check_output, write_json
 from data.errors import InputError, exits_on_input_error
 from decode import agreement, native, report, run
-from decode.costs import device_name
+from decode.costs import device_name, machine_name
 from decode.api import SpeculativeDecoder, check_same_vocabulary
 from decode.peers import HFGenerate
 
@@ -249,7 +252,10 @@ def main(argv=None) -> dict:
     warning = report.looping([r["tokens"] for r in records["baseline"]]) if greedy else None
     if warning:
         print(warning)
-    result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device, "prompts": len(prompts),
+    command = shlex.join([PROG] + (sys.argv[1:] if argv is None else list(argv)))
+    result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device,
+                           "machine": machine_name(decoders["baseline"].oracle.device),
+                           "date": datetime.date.today().isoformat(), "command": command, "prompts": len(prompts),
                            "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing, "drafts": drafts,
                            "plan": options.plan and str(options.plan),
                            "token_healing": options.token_healing, "step_loops": loops},

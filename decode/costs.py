@@ -154,6 +154,25 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_features() -> str:
+    """The instructions that decide a CPU's bfloat16 speed, as a reader of a benchmark names them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    named = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16")) if flag in flags]
+    return ", ".join(named) or ("AVX2" if "avx2" in flags else "")
+
+
+def machine_name(device: torch.device) -> str:
+    """`device_name` with, on a CPU, the instructions that decide its bfloat16 speed: what a benchmark ran on."""
+    if device.type == "cuda":
+        return device_name(device)
+    features = cpu_features()
+    return f"{cpu_name()}" + (f" ({features})" if features else "") + f", {torch.get_num_threads()} threads"
+
+
 def device_name(device: torch.device) -> str:
     """What a measured time depends on besides the model: the GPU's name, or the CPU's and its threads."""
     if device.type == "cuda":

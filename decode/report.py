@@ -1,7 +1,20 @@
 """What a benchmark run means, in sentences a newcomer can read: one prompt with its completion, and
 after the table how many outputs matched, how many tokens an oracle call yielded, the measured
 speedup of staged decoding, the plan's forecast for a GPT-2-L-sized oracle, when staged lost why in
-numbers, and when the oracle's completions loop a warning that they flatter every drafter."""
+numbers, and when the oracle's completions loop a warning that they flatter every drafter.
+
+    python -m decode.report greedy.json                      # decode.bench's table again, from its JSON
+    python -m decode.report greedy.json topk.json --markdown # one Markdown table, a column group per run
+
+The benchmark guide's tables are made by the second form, so no figure there is typed by hand.
+"""
+import argparse
+import json
+from pathlib import Path
+
+from data.errors import InputError, exits_on_input_error
+
+PROG = "python -m decode.report"
 
 
 def show_sample(prompt_text: str, completion: str, method: str) -> None:
@@ -85,3 +98,92 @@ def looping(completions: list[list[int]], most: int = 4, share: float = 0.2) -> 
     return (f"Note: {loops} of {len(completions)} of the oracle's completions repeat at most {most} distinct tokens "
             f"(an oracle this small loops); drafters that copy a loop accept long runs on it, so an oracle that writes "
             f"code (--preset cpu) gives fewer tokens per call than this table.")
+
+
+def load_result(path: Path) -> dict:
+    """decode.bench's JSON (--out), checked for what a table needs."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file; pass the JSON that python -m decode.bench --out wrote") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path}: not a benchmark result ({e}); pass the JSON that python -m decode.bench --out wrote") from None
+    if not isinstance(result, dict) or not {"settings", "summary", "records"} <= result.keys():
+        raise InputError(f"{path}: not a benchmark result (no settings, summary and records); "
+                         f"pass the JSON that python -m decode.bench --out wrote")
+    return result
+
+
+def loop_share(result: dict) -> tuple[int, int]:
+    """How many of the baseline's completions cycle through a handful of tokens (`looping`'s rule), of how many."""
+    completions = [r["tokens"] for r in result["records"]["baseline"]]
+    return sum(len(set(tokens)) <= 4 for tokens in completions), len(completions)
+
+
+def describe_run(result: dict) -> str:
+    """One line: what ran, where, when, and the command that makes it again."""
+    s = result["settings"]
+    loops, n = loop_share(result)
+    where = s.get("machine", s["device"])
+    when = f", {s['date']}" if "date" in s else ""
+    plan = "planned" if s.get("plan") else "no plan"
+    line = (f"{s['mode']}: {s['prompts']} prompts x {s['max_new_tokens']} tokens, {s['dtype']}, {plan}, on {where}{when}; "
+            f"{loops} of {n} baseline completions loop")
+    return line + (f". `{s['command']}`" if "command" in s else "")
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The runs' methods as rows, each run's tokens/s, median speedup (mean, min-max), tokens per oracle call and,
+    when greedy, outputs equal to the baseline's, as column groups."""
+    methods = list(dict.fromkeys(name for result in results for name in result["summary"]))
+    header, rule = ["method"], ["---"]
+    for result in results:
+        greedy = result["settings"]["mode"] == "greedy"
+        columns = ["tok/s", "speedup median (mean, min-max)", "tokens/call"] + (["same output"] if greedy else [])
+        header += [f"{'greedy' if greedy else 'sampled'}: {columns[0]}"] + columns[1:]
+        rule += ["---:"] * len(columns)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    for name in methods:
+        row = [name]
+        for result in results:
+            greedy = result["settings"]["mode"] == "greedy"
+            s = result["summary"].get(name)
+            if s is None:
+                row += ["-"] * (4 if greedy else 3)
+                continue
+            sp = s.get("speedup")
+            speed = (f"{sp['median']:.2f}x ({sp['mean']:.2f}, {sp['min']:.2f}-{sp['max']:.2f})" if sp
+                     else "refused: output differs")
+            row += [f"{s['tokens_per_second']:.1f}", speed, f"{s['tokens_per_oracle_call']:.2f}"]
+            if greedy:
+                same = s["same_output"]
+                n = same["identical"] + len(same["near_ties"]) + len(same["differences"])
+                row.append(f"{same['identical']}/{n}" + (f" + {len(same['near_ties'])} ties" if same["near_ties"] else ""))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def markdown(results: list[dict]) -> str:
+    """The runs described one per line, then their table."""
+    return "\n".join(f"- {describe_run(result)}" for result in results) + "\n\n" + markdown_table(results)
+
+
+@exits_on_input_error
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog=PROG, description="Print a decode.bench result (its --out JSON) as a table.")
+    p.add_argument("results", nargs="+", type=Path, metavar="RESULT.json", help="decode.bench --out files, one table")
+    p.add_argument("--markdown", action="store_true", help="a Markdown table, the runs' settings listed above it")
+    args = p.parse_args(argv)
+    results = [load_result(path) for path in args.results]
+    if args.markdown:
+        print(markdown(results))
+        return
+    from decode.bench import print_table
+
+    for path, result in zip(args.results, results):
+        print(f"{path}: {describe_run(result)}")
+        print_table(result["summary"], result["settings"]["mode"] == "greedy")
+
+
+if __name__ == "__main__":
+    main()
