@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from data import corpus, prompts, shards, tokenizer as tok
 from data.atomic import FILE, Kind, atomic_outputs, check_output
+from data.cli import HelpFormatter
 from data.errors import InputError, exits_on_input_error
 
 ENCODE_BATCH = 256
@@ -26,7 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m data.prepare",
         description="Build a run directory's tokenizer, token shards and held-out prompts from Python sources.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--out", required=True, type=Path, help="run directory to write (RUN)")
     p.add_argument("--source", choices=["local", "stack"], default="local",

@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from data.cli import HelpFormatter
 from data.atomic import FILE, check_output, write_json
 from data.errors import exits_on_input_error
 from decode import run
@@ -180,13 +181,13 @@ PROG = "python -m decode.agreement"
 
 @exits_on_input_error
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--methods", default="speculative,tree,staged,ngram", help="comma-separated methods to compare with baseline")
-    p.add_argument("--report", type=Path, help="write the per-prompt divergences and totals as JSON here")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --report file")
+    p.add_argument("--out", type=Path, help="write the per-prompt divergences and totals as JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     known, rest = p.parse_known_args(argv)
-    if known.report:
-        check_output(known.report, FILE, known.overwrite, "--report")
+    if known.out:
+        check_output(known.out, FILE, known.overwrite, "--out")
     methods = known.methods.split(",")
     unknown = [m for m in methods if m not in run.METHODS or m == "baseline"]
     if unknown:
@@ -226,8 +227,8 @@ def main(argv=None) -> dict:
         for bug in r["bugs"]:
             print(f"  {method} differs from baseline on {bug['task_id']} at token {bug['position']} "
                   f"({describe(bug)})")
-    if known.report:
-        write_json(known.report, report, known.overwrite)
+    if known.out:
+        write_json(known.out, report, known.overwrite)
     return report
 
 

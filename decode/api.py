@@ -27,6 +27,7 @@ from decode.drafters import ChainDrafter, LookupDrafter, NgramDrafter, ShapedTre
 from decode.engine import SPECULATIVE_SLOTS, GPT2Engine, is_lean_compatible, read_config
 from decode.healing import Prompt, TokenHealer
 from decode.hf_backend import HFEngine
+from decode.precision import auto_dtype
 from decode.sampling import Sampling
 
 METHODS = ("baseline", "speculative", "tree", "staged", "ngram", "lookup")
@@ -45,9 +46,9 @@ class DecoderOptions:
     ngram: Path | None = None
     method: str = "staged"
     k: int = 4
-    budget: int = planning.PAPER_BUDGET
+    budget: int | None = None  # None: sized for the device (planning.default_tree)
     depth: int = 8
-    widths: list[int] = field(default_factory=lambda: list(planning.PAPER_WIDTHS))
+    widths: list[int] | None = None  # None: sized for the device
     branch: int | None = None  # None: 4 for tree; staged: 1 top child (the draft's argmax), or 2 draws when sampled
     tree_children: str | None = None  # None: sampled (top when greedy, either way)
     plan: Path | None = None  # a plan.json (decode.plan): its policy for the method fills in k, budget, widths, ...
@@ -55,7 +56,7 @@ class DecoderOptions:
     lookup_tokens: int = 10
     lookup_branches: int = 1
     lookup_ngram: int = 3
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 where the device multiplies in it natively (decode.precision)
     draft_dtype: str | None = None  # None: the oracle's dtype
     device: str = "cpu"
     backend: str = "auto"
@@ -74,8 +75,10 @@ class DecoderOptions:
         depends on the sampling settings of each call) and `tree_children` resolved."""
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if self.dtype not in ("float32", "bfloat16") or self.draft_dtype not in (None, "float32", "bfloat16"):
-            raise InputError(f"dtype and draft_dtype must be float32 or bfloat16 (got {self.dtype!r}, {self.draft_dtype!r})")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise InputError(f"dtype must be auto, float32 or bfloat16 (got {self.dtype!r})")
+        if self.draft_dtype not in (None, "float32", "bfloat16"):
+            raise InputError(f"draft_dtype must be float32 or bfloat16 (got {self.draft_dtype!r})")
         if self.backend not in ("auto", "lean", "hf"):
             raise InputError(f"backend must be auto, lean or hf (got {self.backend!r})")
         if self.tree_children not in (None, "top", "sampled"):
@@ -89,7 +92,11 @@ class DecoderOptions:
         check_device(self.device)
         branch = self.branch if self.branch is not None or self.method == "staged" else 4
         children = self.tree_children or "sampled"
-        return replace(self, widths=list(self.widths), branch=branch, tree_children=children, given=frozenset(self.given))
+        budget, widths = planning.default_tree(self.device)
+        dtype = self.dtype if self.dtype != "auto" else auto_dtype(self.device)[0]
+        return replace(self, budget=budget if self.budget is None else self.budget,
+                       widths=list(widths if self.widths is None else self.widths), dtype=dtype, branch=branch,
+                       tree_children=children, given=frozenset(self.given))
 
 
 def sampling_of(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
@@ -144,6 +151,9 @@ class SpeculativeDecoder:
         unknown = sorted(set(options) - names)
         if unknown:
             raise InputError(f"unknown options {unknown}; choose from {', '.join(sorted(names - {'oracle', 'draft', 'ngram'}))}")
+        plan = options.get("plan", run and run / "plan.json")
+        if options.get("dtype", "auto") == "auto" and plan is not None:
+            options["dtype"] = auto_dtype(options.get("device", "cpu"), plan)[0]  # the plan's, where it has one
         chosen = DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram),
                                 **{"given": frozenset(options), **options}).check()
         if run is not None and "plan" not in options:
@@ -240,7 +250,7 @@ def check_tree_shape(options, table) -> None:
             raise InputError(f"--widths {options.widths} need a positive width per level and at most --depth {options.depth} levels")
         if max(options.widths) > table.k:
             raise InputError(f"--widths {options.widths} ask for {max(options.widths)} trigram children but {options.ngram} keeps "
-                             f"only the top {table.k}; rebuild it with --top-k {max(options.widths)} or narrow the widths")
+                             f"only the top {table.k}; rebuild it with --successors {max(options.widths)} or narrow the widths")
         if options.widths[0] + 1 > options.budget:
             raise InputError(f"--widths {options.widths} do not fit --budget {options.budget}: the first level alone has "
                              f"{options.widths[0]} nodes; raise the budget or narrow the first width")

@@ -12,7 +12,7 @@ generate on the oracle), `hf-assisted` (generate with the draft as assistant mod
 (generate with prompt lookup, `--lookup-tokens` per draft). `lookup` is ours: the same idea as a drafter.
 With RUN/plan.json (python -m decode.plan) every method of ours runs its planned policy and the
 table puts the plan's predicted tokens per call and speedup beside the measured ones; `staged-paper`
-is staged with the flags' fixed tree (the paper's by default) and no plan.
+is staged with the paper's tree (decode.run --paper-tree) and no plan.
 """
 import argparse
 import datetime
@@ -25,12 +25,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from data.cli import HelpFormatter
 from data.atomic import FILE, atomic_output, check_output, write_json
 from data.errors import InputError, exits_on_input_error
 from decode import agreement, native, report, run
 from decode.costs import device_name, machine_name
 from decode.api import SpeculativeDecoder, check_same_vocabulary
 from decode.peers import HFGenerate
+from decode.planning import PAPER_BUDGET, PAPER_WIDTHS
 
 OURS = ("baseline", "speculative", "tree", "staged", "staged-paper", "ngram", "lookup")
 PEERS = ("hf-generate", "hf-assisted", "hf-lookup")
@@ -46,7 +48,8 @@ def build_methods(names: list[str], rest: list[str]) -> tuple[dict, list, run.Se
     for name in names:
         if name in PEERS:
             continue
-        extra = ["--method", "staged", "--no-plan"] if name == "staged-paper" else ["--method", name]
+        paper = ["--widths", ",".join(map(str, PAPER_WIDTHS)), "--budget", str(PAPER_BUDGET)]  # the last of a flag wins
+        extra = ["--method", "staged", "--no-plan", *paper] if name == "staged-paper" else ["--method", name]
         dec = SpeculativeDecoder(run.parse(rest + extra, PROG).options)
         dec.use(base.sampling)
         decoders[name] = dec.decoder
@@ -197,7 +200,7 @@ def plot(summary: dict[str, dict], path: Path, title: str, overwrite: bool) -> N
 
 @exits_on_input_error
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
                                 epilog="Every other flag is decode.run's (--run, --prompts, --limit, --max-new-tokens, "
                                        "--temperature, --top-k, --budget, --widths, --dtype, ...).")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {', '.join(OURS + PEERS)}")

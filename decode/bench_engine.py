@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from data.atomic import FILE, check_output, write_json
+from data.cli import HelpFormatter
 from data.errors import exits_on_input_error
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
@@ -27,6 +28,7 @@ from decode.api import check_device
 from decode.costs import NODE_COUNTS, PROJECTIONS, device_name, forward_costs, host_work_after_forward, random_gpt2
 from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
 from decode.generate import baseline
+from decode.precision import auto_dtype
 from decode.sampling import Sampling
 
 
@@ -78,7 +80,7 @@ def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[i
     """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph, against launching
     every kernel on its own (the first two tables)."""
     engine = GPT2Engine.load(args.model, args.dtype, args.device, cuda_graphs=True)
-    runs = [greedy(engine, ids, args.new_tokens) for ids in encoded(load_tokenizer(args.model), texts, engine.device)]
+    runs = [greedy(engine, ids, args.max_new_tokens) for ids in encoded(load_tokenizer(args.model), texts, engine.device)]
     ms_per_token = 1e3 * sum(seconds for _, seconds in runs) / sum(len(tokens) for tokens, _ in runs)
     same = sum(tokens == before for (tokens, _), before in zip(runs, outputs))
     print(f"\nwith CUDA graphs: ours {ms_per_token:.2f} ms/token (without {latency['ours_ms_per_token']:.2f}: "
@@ -97,28 +99,33 @@ def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[i
 
 @exits_on_input_error
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m decode.bench_engine", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m decode.bench_engine", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="a GPT-2 checkpoint directory (e.g. RUN/oracle)")
     p.add_argument("--prompts", required=True, help="a .jsonl[.gz] prompt file or 'humaneval'")
-    p.add_argument("--limit", type=int, default=5)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=int, default=5, help="the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     p.add_argument("--prefix", type=int, default=128, help="cached positions before the timed forward")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--repeats", type=int, default=20, help="timed forwards per node count")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: bfloat16 where the device multiplies in it natively, else float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N for the N-th GPU)")
     p.add_argument("--skip-large", action="store_true", help="skip the GPT-2-Large-sized forward costs")
-    p.add_argument("--output", type=Path, help="write the figures as JSON here")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    p.add_argument("--out", type=Path, help="write the figures as JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
-    if args.limit < 1 or args.new_tokens < 1 or args.repeats < 1 or args.prefix < 0:
-        p.error("--limit, --new-tokens and --repeats must be at least 1, --prefix 0 or more")
-    if args.output:
-        check_output(args.output, FILE, args.overwrite, "--output")
+    if args.limit < 1 or args.max_new_tokens < 1 or args.repeats < 1 or args.prefix < 0:
+        p.error("--limit, --max-new-tokens and --repeats must be at least 1, --prefix 0 or more")
+    if args.out:
+        check_output(args.out, FILE, args.overwrite, "--out")
     check_device(args.device)
+    if args.dtype == "auto":
+        args.dtype, why = auto_dtype(args.device)
+        print(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)")
 
     texts = [r["prompt"] for r in load_prompts(args.prompts, args.limit)]
-    latency, outputs = generation_latency(args.model, texts, args.new_tokens, args.dtype, args.device)
-    print(f"greedy decoding, {len(texts)} prompts x {args.new_tokens} tokens ({args.dtype}, {device_name(torch.device(args.device))})")
+    latency, outputs = generation_latency(args.model, texts, args.max_new_tokens, args.dtype, args.device)
+    print(f"greedy decoding, {len(texts)} prompts x {args.max_new_tokens} tokens ({args.dtype}, {device_name(torch.device(args.device))})")
     print(f"  ours (lean engine)        {latency['ours_ms_per_token']:8.2f} ms/token")
     print(f"  transformers generate     {latency['hf_generate_ms_per_token']:8.2f} ms/token")
     print(f"  speedup {latency['speedup']:.2f}x, identical outputs {latency['identical_outputs']}")
@@ -150,8 +157,8 @@ def main(argv=None) -> dict:
               "device": device_name(torch.device(args.device))}
     if models[args.model].on_gpu:
         result |= with_cuda_graphs(args, texts, latency, outputs, costs)
-    if args.output:
-        write_json(args.output, result, args.overwrite)
+    if args.out:
+        write_json(args.out, result, args.overwrite)
     return result
 
 

@@ -42,8 +42,8 @@ PAD_ABOVE, ROW_BLOCK = 64, 32
 
 def attention_kernels(device: torch.device):
     """A context for transformers' models (the backend, the peers): on a GPU, SDPA without cuDNN's attention, as the
-    lean engine runs (its forward checks the device itself: a context per call costs on a CPU). Transformers' generate
-    ran at 26-49 ms a token in a fresh process on an H200 with cuDNN's, 4.2-6.9 without."""
+    lean engine runs (its forward checks the device itself: a context per call costs on a CPU). cuDNN's builds a plan
+    per new cached length, which made generate several times slower in a fresh process (docs/gpu.md)."""
     return sdpa_kernel(ATTENTION_WITHOUT_CUDNN) if device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -139,13 +139,11 @@ class Projection:
 def fastest_layout(dtype: torch.dtype, device_type: str, in_features: int, out_features: int, gelu: bool = False) -> str:
     """The layout whose product of 1 and of 16 rows by a matrix of this shape (and its GELU, with `gelu`) takes
     least time here. On a GPU: F.linear in bfloat16, addmm in float32 (not measured). On CPUs it differs by kind
-    and shape: on an AVX2-only EPYC in float32, 512 x 8192 took 0.50 / 4.48 ms (1 / 16 rows) with addmm and
-    0.28 / 1.22 prepacked, while 128 x 384 took 0.013 / 0.040 with addmm and 0.069 / 0.075 prepacked (oneDNN's
-    fixed cost per call); bfloat16 cannot be prepacked there. Every candidate is called once before the timing
-    (its first call builds kernels), then the candidates take turns, so a drift of the machine's speed during the
-    measurement weighs on all of them alike. Timed one after another with no first call apart, a fresh process
-    once chose a layout 3.5x slower at 1 row for the cpu preset oracle's 512 x 1536 matrix (1 of 40 processes,
-    AVX-512 BF16 EPYC, bfloat16; none of 44 since)."""
+    and shape: oneDNN's prepacked product wins for wide matrices and loses for small ones, where its fixed cost per
+    call dominates (docs/profiling.md); bfloat16 cannot be prepacked on a CPU with AVX2 alone. Every candidate is
+    called once before the timing (its first call builds kernels), then the candidates take turns, so a drift of
+    the machine's speed during the measurement weighs on all of them alike, and a candidate's first call cannot
+    make it look slow."""
     if device_type != "cpu":
         return "out_in" if dtype == torch.bfloat16 else "in_out"
     weight = torch.randn(in_features, out_features, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -311,9 +309,8 @@ class GPT2Engine(CachedLM):
         """Pending slot keep[i] to slot length + i, by torch copies. Slots already in place stay: drafters put a
         tree's likeliest path first (Tree.subtree), so an accepted path is often all in place, and the rest of it,
         numbered depth first, holds runs of consecutive slots. Each run is copied as one block, split where it would
-        overlap its destination. Right after a forward, copying slot by slot took 95-105 us per commit against
-        145-185 us for one index_select of the slots, and blocks cut the copies further (the oracle's: 155 to 85 over
-        221 commits; cpu preset, AVX2 EPYC)."""
+        overlap its destination. Right after a forward, copying slot by slot is faster than one index_select of the
+        slots (95-105 against 145-185 us a commit of the cpu preset's oracle), and blocks cut the copies further."""
         n = len(keep)
         start = next((i for i, slot in enumerate(keep) if slot != i), n)
         while start < n:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from data.cli import HelpFormatter
 from data.atomic import FILE, check_output
 from data.errors import exits_on_input_error
 from data.prompts import load_prompts
@@ -57,7 +58,7 @@ def shortlists(text: str) -> list[int]:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m decode.plan", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+    p = argparse.ArgumentParser(prog="python -m decode.plan", description=__doc__.split("\n\n")[0], allow_abbrev=False, formatter_class=HelpFormatter,
                                 epilog="Every other flag is decode.run's (--run, --oracle, --draft, --ngram, --prompts, "
                                        "--max-new-tokens, --dtype, --device, --backend, --lookup-ngram, ...).")
     p.add_argument("--calibration", type=int, default=100,

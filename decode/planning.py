@@ -32,7 +32,17 @@ from decode.costs import device_name, fingerprint
 
 PLAN_VERSION = 1
 PLANNED = ("speculative", "tree", "staged", "ngram", "lookup")
-PAPER_WIDTHS, PAPER_BUDGET = (12, 7, 4, 1, 1, 1), 36  # staged's tree without a plan: the paper's, sized for a GPU
+PAPER_WIDTHS, PAPER_BUDGET = (12, 7, 4, 1, 1, 1), 36  # the paper's staged tree, sized for a GPU
+# Without a plan on a CPU: the trigram widths and budget that plans choose for the cpu preset there. The paper's tree
+# has the draft score up to 1,441 nodes a step, which on a CPU is slower than plain decoding (docs/decoding.md).
+CPU_WIDTHS, CPU_BUDGET = (3, 2, 1), 12
+
+
+def default_tree(device: str) -> tuple[int, list[int]]:
+    """The oracle's tree budget and the trigram's widths without a plan: sized for a CPU there, the paper's on a GPU."""
+    if torch.device(device).type == "cpu":
+        return CPU_BUDGET, list(CPU_WIDTHS)
+    return PAPER_BUDGET, list(PAPER_WIDTHS)
 
 
 def ranks(model: CachedLM, prompt: list[int], continuation: list[int]) -> list[int]:
@@ -266,11 +276,10 @@ def run_plan(run: Path, options) -> Path | None:
     refused instead, by load_plan)."""
     path = Path(run) / "plan.json"
     if not path.is_file():
-        if (options.method == "staged" and torch.device(options.device).type == "cpu"
-                and not {"widths", "budget"} & options.given):
-            print(f"note: no plan in {run}, so staged drafts the paper's tree (--widths {','.join(map(str, PAPER_WIDTHS))} "
-                  f"--budget {PAPER_BUDGET}, sized for a GPU: on a CPU it is slower than plain decoding); plan once with "
-                  f"`python -m decode.plan --run {run}`, or pass a smaller tree (--widths 4,2,1 --budget 16)", file=sys.stderr)
+        if options.method in ("tree", "staged", "ngram") and not {"widths", "budget"} & options.given:
+            print(f"note: no plan in {run}, so {options.method} uses a tree sized for this device (--budget "
+                  f"{options.budget}, --widths {','.join(map(str, options.widths))}); `python -m decode.plan --run {run}` "
+                  f"plans each method's tree for these models", file=sys.stderr)
         return None
     try:
         measured = json.loads(path.read_text())["identity"]

@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from data.cli import HelpFormatter
 from data.errors import InputError, exits_on_input_error
 
 PROG = "python -m decode.report"
@@ -170,7 +171,7 @@ def markdown(results: list[dict]) -> str:
 
 @exits_on_input_error
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog=PROG, description="Print a decode.bench result (its --out JSON) as a table.")
+    p = argparse.ArgumentParser(prog=PROG, description="Print a decode.bench result (its --out JSON) as a table.", formatter_class=HelpFormatter)
     p.add_argument("results", nargs="+", type=Path, metavar="RESULT.json", help="decode.bench --out files, one table")
     p.add_argument("--markdown", action="store_true", help="a Markdown table, the runs' settings listed above it")
     args = p.parse_args(argv)

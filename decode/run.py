@@ -2,7 +2,7 @@
 
     python -m decode.run --run RUN --method speculative --limit 10
     python -m decode.run --oracle RUN/oracle --draft RUN/draft --method baseline --prompt "def add(a, b):"
-    python -m decode.run --run RUN --method speculative --temperature 1 --top-k 50 --output out.jsonl
+    python -m decode.run --run RUN --method speculative --temperature 1 --top-k 50 --out out.jsonl
 """
 import argparse
 import json
@@ -11,11 +11,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from data.atomic import FILE, atomic_output, check_output
+from data.cli import HelpFormatter
 from data.errors import InputError, exits_on_input_error
 from data.prompts import load_prompts
 from decode.api import METHODS, DecoderOptions, SpeculativeDecoder, drain, sampling_of
 from decode.healing import Prompt
-from decode.planning import PAPER_BUDGET, PAPER_WIDTHS, describe, run_plan
+from decode.planning import CPU_BUDGET, CPU_WIDTHS, PAPER_BUDGET, PAPER_WIDTHS, describe, run_plan
+from decode.precision import PINNED, auto_dtype
 from decode.sampling import Sampling
 
 
@@ -30,7 +32,7 @@ class Settings:
     limit: int | None
     max_new_tokens: int
     seed: int
-    output: Path | None
+    out: Path | None
     overwrite: bool
     stream: bool
     run: Path | None = None
@@ -46,7 +48,7 @@ class Typed(argparse.Action):
 
 def parse(argv=None, prog: str = "python -m decode.run", description: str = __doc__.split("\n\n")[0]) -> Settings:
     """decode.run's flags as Settings; the tools built on them (profile_step) pass their own name and summary."""
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
     p.add_argument("--run", type=Path, help="run directory: defaults --oracle, --draft, --ngram and --prompts to its parts")
     p.add_argument("--oracle", type=Path, help="the oracle's directory (save_pretrained)")
     p.add_argument("--draft", type=Path, help="the draft's directory (for speculative methods)")
@@ -59,21 +61,24 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--prompts", help="'humaneval' or a .jsonl[.gz] file of {task_id, prompt} (default: RUN/prompts.jsonl)")
     p.add_argument("--limit", type=int, help="the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this much probability")
     p.add_argument("--k", type=int, default=4, action=Typed, help="speculative: tokens the draft proposes per oracle call")
-    p.add_argument("--budget", type=int, default=PAPER_BUDGET, action=Typed,
-                   help="tree methods: nodes in the oracle's tree (a plan on this device replaces the paper's default)")
+    p.add_argument("--budget", type=int, default=None, action=Typed,
+                   help=f"tree methods: nodes in the oracle's tree (default: the plan's; without one {CPU_BUDGET} on a CPU, "
+                        f"{PAPER_BUDGET} on a GPU)")
     p.add_argument("--depth", type=int, default=8, action=Typed, help="tree methods: deepest drafted level")
-    p.add_argument("--widths", default=",".join(map(str, PAPER_WIDTHS)), action=Typed,
-                   help="staged/ngram: trigram children per node at each level (a plan on this device replaces the "
-                        "paper's default, which is sized for a GPU)")
+    p.add_argument("--widths", default=None, action=Typed,
+                   help=f"staged/ngram: trigram children per node at each level (default: the plan's; without one "
+                        f"{','.join(map(str, CPU_WIDTHS))} on a CPU, the paper's {','.join(map(str, PAPER_WIDTHS))} on a GPU)")
+    p.add_argument("--paper-tree", action="store_true",
+                   help=f"staged/ngram: the paper's tree, --widths {','.join(map(str, PAPER_WIDTHS))} --budget {PAPER_BUDGET} "
+                        "(sized for a GPU: the draft scores up to 1,441 nodes a step)")
     p.add_argument("--branch", type=int, default=None, action=Typed,
                    help="tree: children per expanded node (default 4); staged: the draft's own top children per node "
-                        "(default 1: an argmax costs a tenth of a top-k over the vocabulary and measured faster per token), "
-                        "or with sampled --tree-children its draws per node (default 2)")
+                        "(default 1, its argmax), or with sampled --tree-children its draws per node (default 2)")
     p.add_argument("--tree-children", choices=["top", "sampled"], default=None,
                    help="tree, staged, when sampling (greedy decoding always takes the draft's top tokens): the draft's "
                         "top tokens, verified by sample-match (the same seed gives the baseline's very tokens), or draws "
@@ -94,25 +99,25 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
                    help="back off the prompt's last token and let the first new token be only one that extends its text "
                         "(a prompt ending in a bare newline otherwise starts where training never went); every method alike")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--seed", type=int, default=0, help="the first prompt's sampling seed; prompt i takes seed + i")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: the dtype RUN/plan.json was planned in on this device, else bfloat16 where the device "
+                        "multiplies in it natively (a GPU, a CPU with AVX-512 BF16 or AMX) and float32 elsewhere")
     p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None, action=Typed,
-                   help="the draft's dtype (default: --dtype's). A draft's forwards of a few rows are per-call overhead: "
-                        "on an AMX CPU beside a bfloat16 oracle, a float32 draft's products (MKL, 4-12 us each) beat "
-                        "bfloat16's (oneDNN, 19-25 us); a plan's choice when not typed")
+                   help="the draft's dtype (default: the plan's choice, else --dtype's): a draft's forward of a few rows "
+                        "is per-call overhead, which differs by dtype on a CPU")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--backend", choices=["auto", "lean", "hf"], default="auto",
                    help="lean: our GPT-2 engine; hf: any transformers causal LM; auto: lean where it applies")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="the lean engine on a GPU: replay each forward as a CUDA graph, one launch instead of a dozen "
-                        "kernels per layer (on an H200: plain decoding 3.8x, staged 2.2x the tokens/s without; a CPU "
-                        "ignores it)")
+                        "kernels per layer (a CPU ignores it)")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N", action=Typed,
                    help="the draft's output layer over its N most frequent training tokens only (RUN/draft/"
                         "token_counts.npy): a fraction of its cost; it then proposes only those, and the output stays "
                         "the oracle's (0: every token; a plan's choice when not typed)")
-    p.add_argument("--output", type=Path, help="write one JSON object per prompt here")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    p.add_argument("--out", type=Path, help="write one JSON object per prompt here (.jsonl)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--stream", action="store_true", help="print each completion as its tokens are accepted")
     p.set_defaults(given=frozenset())
     args = p.parse_args(argv)
@@ -130,18 +135,30 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
         p.error("pass --prompt TEXT or --prompts humaneval|FILE (or --run RUN)")
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be at least 1 (got {args.limit}); leave it out for every prompt")
+    if args.paper_tree:
+        if {"widths", "budget"} & args.given:
+            p.error("--paper-tree sets --widths and --budget; pass either, not both")
+        args.widths, args.budget = ",".join(map(str, PAPER_WIDTHS)), PAPER_BUDGET
+        args.given = args.given | {"widths", "budget"}
+    if args.widths is not None:
+        try:
+            args.widths = [int(w) for w in args.widths.split(",")]
+        except ValueError:
+            p.error(f"--widths takes comma-separated integers, e.g. 3,2,1 (got {args.widths!r})")
+    if args.dtype == "auto":
+        plan = args.plan or (args.run / "plan.json" if args.run is not None and not args.no_plan else None)
+        args.dtype, why = auto_dtype(args.device, plan)
+        if PINNED not in why:  # pinned by the environment: the user chose it
+            print(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)", file=sys.stderr)
     try:
-        args.widths = [int(w) for w in args.widths.split(",")]
-    except ValueError:
-        p.error(f"--widths takes comma-separated integers, e.g. 12,7,4,1,1,1 (got {args.widths!r})")
-    try:
-        options, sampling = DecoderOptions.of(args).check(), sampling_of(args.temperature, args.top_k, args.top_p)
+        options = DecoderOptions.of(args).check()
+        sampling = sampling_of(args.temperature, args.top_k, args.top_p)
     except InputError as err:
         p.error(str(err))
     if args.run is not None and args.plan is None and not args.no_plan:
         options = replace(options, plan=run_plan(args.run, options))
     return Settings(options, sampling, args.prompt, args.prompts, args.limit, args.max_new_tokens, args.seed,
-                    args.output, args.overwrite, args.stream, args.run)
+                    args.out, args.overwrite, args.stream, args.run)
 
 
 def encode_prompts(settings: Settings, decoders: list[SpeculativeDecoder], records: list[dict] | None = None
@@ -168,8 +185,8 @@ def summary_row(method: str, records: list[dict]) -> str:
 @exits_on_input_error
 def main(argv=None) -> list[dict]:
     settings = parse(argv)
-    if settings.output:
-        check_output(settings.output, FILE, settings.overwrite, "--output")
+    if settings.out:
+        check_output(settings.out, FILE, settings.overwrite, "--out")
     dec = SpeculativeDecoder(settings.options)
     dec.use(settings.sampling)
     if dec.decoder.policy is not None:
@@ -189,8 +206,8 @@ def main(argv=None) -> list[dict]:
             "seconds": result.seconds, "oracle_calls": result.oracle_calls, "draft_calls": result.draft_calls,
             "tokens_per_oracle_call": result.tokens_per_oracle_call,
         })
-    if settings.output:
-        with atomic_output(settings.output, FILE, settings.overwrite) as tmp:
+    if settings.out:
+        with atomic_output(settings.out, FILE, settings.overwrite) as tmp:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     if settings.prompt is not None and not settings.stream:
         print(settings.prompt + records[0]["completion"])

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from data.cli import HelpFormatter
 from data.errors import exits_on_input_error
 from ngram.successors import SuccessorTable
 
@@ -25,7 +26,7 @@ def lookup_cost_us(table: SuccessorTable, batch: int = 64, seconds: float = 0.2)
 
 @exits_on_input_error
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ngram.bench_lookup", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ngram.bench_lookup", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("ngram_dir", help="directory written by ngram/build_katz.py")
     args = p.parse_args(argv)
     table = SuccessorTable.load(f"{args.ngram_dir}/successors.npz")

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from data.atomic import Kind, atomic_output, check_output
+from data.cli import HelpFormatter
 from data.errors import InputError, exits_on_input_error
 from data.shards import open_split, read_meta, split_documents
 from ngram import counts as ngram_counts, katz, successors
@@ -29,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python ngram/build_katz.py",
         description="Build a Katz backoff trigram over token ids: ARPA file, successor tables, perplexity report.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--out", required=True, type=Path, help="output directory (RUN/ngram)")
     p.add_argument("--data", type=Path, help="prepared data directory: training text (unless --from-draft), validation "
@@ -42,8 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-tokens", type=float, default=1e6, help="with --from-draft: tokens to sample")
     p.add_argument("--temperature", type=float, default=1.5, help="with --from-draft: sampling temperature")
     p.add_argument("--max-tokens", type=float, default=None, help="use at most this many training tokens")
-    p.add_argument("--k", type=int, default=5, help="Good-Turing discounts for counts 1..k")
-    p.add_argument("--top-k", type=int, default=16, help="successors kept per context")
+    p.add_argument("--discount-up-to", type=int, default=5, metavar="K", help="Good-Turing discounts for counts 1..K")
+    p.add_argument("--successors", type=int, default=16, help="the most probable next tokens kept per context for drafting")
     p.add_argument("--overwrite", action="store_true", help="replace a trigram directory already at --out")
     args = p.parse_args(argv)
     if args.tokens is not None and (args.data is not None or args.from_draft is not None):
@@ -52,8 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--vocab-size goes with --tokens (otherwise the tokenizer's vocabulary is used)")
     if args.tokens is not None and args.vocab_size is None:
         p.error("--tokens needs --vocab-size")
-    if args.k < 1 or args.top_k < 1:
-        p.error("--k and --top-k must be positive")
+    if args.discount_up_to < 1 or args.successors < 1:
+        p.error("--discount-up-to and --successors must be positive")
     if (args.max_tokens is not None and args.max_tokens < 1) or args.num_tokens < 1 or not 0 < args.temperature < math.inf:
         p.error("--max-tokens and --num-tokens must be at least 1, and --temperature positive and finite")
     if args.vocab_size is not None and args.vocab_size < 1:
@@ -149,11 +150,11 @@ def main(argv=None) -> dict:
     train, val, vocab_size, eos_id, source = load_documents(args)
     vocab = ngram_counts.Vocabulary(vocab_size)
     counts = ngram_counts.count(train, vocab, total_tokens=sum(d.size for d in train))
-    model = katz.estimate(counts, args.k)
-    table = successors.build(model, args.top_k, eos_id)
+    model = katz.estimate(counts, args.discount_up_to)
+    table = successors.build(model, args.successors, eos_id)
     perplexity = {f"order_{n}": model.perplexity(val, n) for n in (1, 2, 3)} if val else {}
     meta = {
-        "vocab_size": vocab_size, "eos_id": eos_id, "order": 3, "k": args.k, "top_k": args.top_k, "source": source,
+        "vocab_size": vocab_size, "eos_id": eos_id, "order": 3, "k": args.discount_up_to, "top_k": args.successors, "source": source,
         "training_tokens": int(sum(d.size for d in train)), "documents": len(train),
         "ngram_types": [int(k.size) for k in counts.keys],
         "discounts": [d[1:].round(6).tolist() for d in model.discounts], "notes": model.notes,
@@ -172,7 +173,7 @@ def main(argv=None) -> dict:
     print(f"  trained on {meta['training_tokens']:,} tokens in {len(train)} documents ({source})")
     for n in (1, 2, 3):
         d = ", ".join(f"{x:.3f}" for x in meta["discounts"][n - 1])
-        print(f"  order {n}: {meta['ngram_types'][n - 1]:,} n-grams; Good-Turing d_1..d_{args.k} = {d}")
+        print(f"  order {n}: {meta['ngram_types'][n - 1]:,} n-grams; Good-Turing d_1..d_{args.discount_up_to} = {d}")
     for note in model.notes:
         print(f"  note: {note}")
     if perplexity:

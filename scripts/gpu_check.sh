@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checklist (../shared/GPU.md) on a CUDA machine, in stages that each fit a 10-minute command:
+# Checks a CUDA machine, in stages that each fit a 10-minute command:
 #   bash scripts/gpu_check.sh tests            # the whole suite, CUDA tests included
 #   bash scripts/gpu_check.sh train RUN        # GPT-2-small-sized oracle, draft, trigram (RUN/data prepared)
 #   bash scripts/gpu_check.sh decode RUN       # exactness on CUDA, sampling, engine costs, plan, bench
@@ -68,18 +68,18 @@ decode)
     methods=speculative,tree,staged,ngram,lookup
     for dtype in float32 bfloat16; do
         step "agreement-$dtype" python3 -m decode.agreement --run "$run" --device cuda --dtype "$dtype" --limit 10 \
-            --max-new-tokens 128 --methods "$methods" --no-plan --report "$logs/agreement-$dtype.json" --overwrite
+            --max-new-tokens 128 --methods "$methods" --no-plan --out "$logs/agreement-$dtype.json" --overwrite
     done
     # without CUDA graphs (decode.cuda_graphs, the default on a GPU): the same outputs, then their speed below
     step agreement-no-graphs python3 -m decode.agreement --run "$run" --device cuda --dtype float32 --limit 10 \
-        --max-new-tokens 128 --methods "$methods" --no-plan --no-cuda-graphs --report "$logs/agreement-no-graphs.json" \
+        --max-new-tokens 128 --methods "$methods" --no-plan --no-cuda-graphs --out "$logs/agreement-no-graphs.json" \
         --overwrite
     for method in baseline ${methods//,/ }; do
         step "sample-$method" python3 -m decode.run --run "$run" --device cuda --dtype bfloat16 --method "$method" \
             --limit 4 --max-new-tokens 64 --temperature 1 --top-k 50 --seed 1 --no-plan
     done
     step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" --device cuda \
-        --dtype bfloat16 --output "$logs/engine.json" --overwrite
+        --dtype bfloat16 --out "$logs/engine.json" --overwrite
     for variant in "" --no-cuda-graphs "--draft-vocab 4096"; do  # the shortlist: a half-size output layer for the draft
         step "profile${variant// /}" python3 -m decode.profile_step --run "$run" --device cuda --dtype bfloat16 \
             --method staged --limit 4 --max-new-tokens 128 --no-plan $variant
@@ -111,9 +111,9 @@ brief)
     methods=speculative,tree,staged,lookup
     small=(--device cuda --no-plan --budget 16 --widths 4,2,1 --max-new-tokens 96)
     step agreement python3 -m decode.agreement --run "$run" --dtype float32 --limit 4 "${small[@]}" \
-        --methods "$methods" --report "$logs/agreement.json" --overwrite
+        --methods "$methods" --out "$logs/agreement.json" --overwrite
     step agreement-no-graphs python3 -m decode.agreement --run "$run" --dtype float32 --limit 4 "${small[@]}" \
-        --methods "$methods" --no-cuda-graphs --report "$logs/agreement-no-graphs.json" --overwrite
+        --methods "$methods" --no-cuda-graphs --out "$logs/agreement-no-graphs.json" --overwrite
     wait $tests
     for log in pytest-cuda pytest; do echo "== $log"; tail -n 3 "$logs/$log.log" | sed 's/^/   | /'; done
     for log in pytest-cuda pytest; do tail -n 1 "$logs/$log.log" | grep -qE "failed|error|no tests" && failed=1; done
@@ -128,7 +128,7 @@ brief)
             "${small[@]}" $graphs
     done
     STEP_TIMEOUT=120 step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" \
-        --device cuda --dtype bfloat16 --limit 2 --output "$logs/engine.json" --overwrite
+        --device cuda --dtype bfloat16 --limit 2 --out "$logs/engine.json" --overwrite
     ;;
 plan)
     machine

@@ -74,11 +74,11 @@ else
     "$py" ngram/build_katz.py --out "$run/ngram"
 fi
 
-# decode in bfloat16 where this machine multiplies in it faster than in float32 (AMX, AVX-512 BF16, GPUs); a CPU
-# with AVX2 alone emulates it, and there a 16-node tree costs 10x one node in bfloat16 against 2x in float32
-dtype=$("$py" -c "from train.loop import bf16_is_faster; print('bfloat16' if bf16_is_faster() else 'float32')")
+# plan and decode in what --dtype auto chooses: bfloat16 where this CPU multiplies in it natively (AVX-512 BF16, AMX),
+# float32 where it would be emulated (docs/decoding.md, "Precision")
+dtype=$("$py" -c "from decode.precision import auto_dtype; print(auto_dtype('cpu')[0])")
 
-stage "== 5/6 plan each method's tree for these models on this CPU ($dtype, measured faster here) -> $run/plan.json"
+stage "== 5/6 plan each method's tree for these models on this CPU ($dtype) -> $run/plan.json"
 if grep -q "\"dtype\": \"$dtype\"" "$run/plan.json" 2>/dev/null && [ "$run/plan.json" -nt "$run/oracle/model.safetensors" ] \
         && [ "$run/plan.json" -nt "$run/draft/model.safetensors" ] && [ "$run/plan.json" -nt "$run/ngram/successors.npz" ]; then
     echo "   already planned for these models in $dtype (remove $run/plan.json to re-plan)"

@@ -220,7 +220,7 @@ def test_bench_engine_times_both_loops_on_the_same_outputs_and_its_graph_section
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i + 2} t{i + 7}"}) + "\n" for i in range(2)))
     oracle = str(models["oracle"])
-    argv = ["--model", oracle, "--prompts", str(prompts), "--new-tokens", "6", "--repeats", "1",
+    argv = ["--model", oracle, "--prompts", str(prompts), "--max-new-tokens", "6", "--repeats", "1",
             "--prefix", "8", "--skip-large"]
     out = bench_engine.main(argv)
     assert out["generation"]["identical_outputs"] == "2/2" and out["dtype"] == "float32"
@@ -229,7 +229,7 @@ def test_bench_engine_times_both_loops_on_the_same_outputs_and_its_graph_section
     latency, outputs = bench_engine.generation_latency(oracle, ["t2 t7", "t3 t8"], 6, "float32", "cpu")
     assert [len(tokens) for tokens in outputs] == [6, 6] and latency["identical_outputs"] == "2/2"
     # the GPU's section 5, run where graphs fall back to the eager forward: the outputs it compares are the same
-    args = bench_engine.argparse.Namespace(model=oracle, new_tokens=6, dtype="float32", device="cpu",
+    args = bench_engine.argparse.Namespace(model=oracle, max_new_tokens=6, dtype="float32", device="cpu",
                                            skip_large=True, prefix=8, repeats=1)
     graphed = bench_engine.with_cuda_graphs(args, ["t2 t7", "t3 t8"], latency, outputs,
                                             {oracle: out["forward_ms"][oracle]})

@@ -39,8 +39,8 @@ def test_run_writes_records_and_every_method_matches_baseline(models, tmp_path, 
     prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i} t{i + 3} t7"}) + "\n" for i in range(5)))
     common = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
               "--prompts", str(prompts), "--max-new-tokens", "20"]
-    base = run.main(common + ["--method", "baseline", "--output", str(tmp_path / "base.jsonl")])
-    spec = run.main(common + ["--method", method, *extra, "--output", str(tmp_path / "spec.jsonl")])
+    base = run.main(common + ["--method", "baseline", "--out", str(tmp_path / "base.jsonl")])
+    spec = run.main(common + ["--method", method, *extra, "--out", str(tmp_path / "spec.jsonl")])
     records = [json.loads(line) for line in (tmp_path / "spec.jsonl").read_text().splitlines()]
     assert [r["token_ids"] for r in base] == [r["token_ids"] for r in spec] == [r["token_ids"] for r in records]
     keys = {"task_id", "method", "completion", "token_ids", "new_tokens", "seconds", "oracle_calls", "draft_calls", "tokens_per_oracle_call", "healed"}

@@ -76,18 +76,18 @@ def commands(trained, models):
         "finetune_oracle --work_dir": (finetune_oracle.main, lambda p: [*train, "--out", str(p.parent / "o"), "--work_dir", str(p)]),
         "distill_draft --out": (distill_draft.main, lambda p: [*distill, "--out", str(p)]),
         "distill_draft --work_dir": (distill_draft.main, lambda p: [*distill, "--out", str(p.parent / "d"), "--work_dir", str(p)]),
-        "decode.run --output": (run.main, lambda p: [*decode, "--output", str(p)]),
+        "decode.run --out": (run.main, lambda p: [*decode, "--out", str(p)]),
         "decode.bench --out": (bench.main, lambda p: [*decode, "--methods", "baseline", "--out", str(p)]),
         "decode.bench --plot": (bench.main, lambda p: [*decode, "--methods", "baseline", "--plot", str(p)]),
-        "decode.agreement --report": (agreement.main, lambda p: [*decode, "--methods", "speculative", "--report", str(p)]),
-        "decode.bench_engine --output": (bench_engine.main, lambda p: ["--model", str(r / "oracle"), "--prompts", str(prompts),
-                                                                       "--skip-large", "--output", str(p)]),
+        "decode.agreement --out": (agreement.main, lambda p: [*decode, "--methods", "speculative", "--out", str(p)]),
+        "decode.bench_engine --out": (bench_engine.main, lambda p: ["--model", str(r / "oracle"), "--prompts", str(prompts),
+                                                                       "--skip-large", "--out", str(p)]),
     }
 
 
 COMMANDS = ["data.prepare --out", "build_katz --out", "finetune_oracle --out", "finetune_oracle --work_dir",
-            "distill_draft --out", "distill_draft --work_dir", "decode.run --output", "decode.bench --out",
-            "decode.bench --plot", "decode.agreement --report", "decode.bench_engine --output"]
+            "distill_draft --out", "distill_draft --work_dir", "decode.run --out", "decode.bench --out",
+            "decode.bench --plot", "decode.agreement --out", "decode.bench_engine --out"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -113,7 +113,7 @@ def test_build_katz_into_a_run_or_a_package_leaves_it_whole(trained, tmp_path, c
     out = tmp_path / "ngram"
     build_katz.main(["--data", str(r / "data"), "--out", str(out)])
     assert "pass --overwrite" in one_line_error(capsys, build_katz.main, ["--data", str(r / "data"), "--out", str(out)])
-    build_katz.main(["--data", str(r / "data"), "--out", str(out), "--overwrite", "--top-k", "4"])
+    build_katz.main(["--data", str(r / "data"), "--out", str(out), "--overwrite", "--successors", "4"])
     assert json.loads((out / "meta.json").read_text())["top_k"] == 4 and not leftovers(tmp_path)
 
 
@@ -199,12 +199,12 @@ def test_output_files_are_replaced_only_with_overwrite_and_plots_need_a_known_fo
     decode = ["--oracle", str(models["oracle"]), "--prompt", "t1 t2", "--max-new-tokens", "4", "--method", "baseline"]
     out = tmp_path / "out.jsonl"
     out.write_text("earlier results\n")
-    assert "pass --overwrite" in one_line_error(capsys, run.main, [*decode, "--output", str(out)])
+    assert "pass --overwrite" in one_line_error(capsys, run.main, [*decode, "--out", str(out)])
     assert out.read_text() == "earlier results\n"
-    run.main([*decode, "--output", str(out), "--overwrite"])
+    run.main([*decode, "--out", str(out), "--overwrite"])
     assert json.loads(out.read_text().splitlines()[0])["method"] == "baseline"
     assert "cannot write .xyz" in one_line_error(capsys, bench.main, [*decode, "--methods", "baseline", "--plot", str(tmp_path / "p.xyz")])
-    assert "is a file" in one_line_error(capsys, run.main, [*decode, "--output", str(out / "below")])
+    assert "is a file" in one_line_error(capsys, run.main, [*decode, "--out", str(out / "below")])
     assert not leftovers(tmp_path)
 
 

@@ -361,20 +361,23 @@ def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models
     assert "cuda_graphs True" in capsys.readouterr().err
 
 
-def test_staged_without_a_plan_on_a_cpu_says_its_tree_is_the_papers(planned, models, tmp_path, capsys):
+def test_tree_methods_without_a_plan_say_their_tree_is_sized_for_the_device(planned, models, tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for part in ("oracle", "draft", "ngram"):
         (run_dir / part).symlink_to(models[part])
     prompts = ["--prompts", planned["args"][planned["args"].index("--prompts") + 1]]
-    assert run.parse(["--run", str(run_dir), *prompts]).options.plan is None
+    options = run.parse(["--run", str(run_dir), *prompts]).options
+    assert options.plan is None and (options.budget, options.widths) == (12, [3, 2, 1])  # a CPU's, not the paper's
     note = capsys.readouterr().err
-    assert "no plan in" in note and "the paper's tree" in note and f"python -m decode.plan --run {run_dir}" in note
-    for quiet in (["--widths", "4,2,1", "--budget", "16"], ["--budget", "36"], ["--method", "lookup"], ["--no-plan"]):
+    assert "no plan in" in note and "sized for this device (--budget 12, --widths 3,2,1)" in note
+    assert f"python -m decode.plan --run {run_dir}" in note
+    for quiet in (["--widths", "4,2,1", "--budget", "16"], ["--budget", "36"], ["--paper-tree"], ["--method", "lookup"],
+                  ["--no-plan"]):
         run.parse(["--run", str(run_dir), *prompts, *quiet])
-        assert not capsys.readouterr().err
+        assert "note:" not in capsys.readouterr().err
     SpeculativeDecoder.from_run(run_dir, method="staged")
-    assert "the paper's tree" in capsys.readouterr().err
+    assert "sized for this device" in capsys.readouterr().err
 
 
 def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(planned, tmp_path, capsys):
@@ -407,3 +410,35 @@ def test_plan_reports_the_sampled_chain_acceptance_for_a_sampling_setting(planne
     assert sampled == written["acceptance"]["sampled"] and sampled["setting"] == "T=1.0 top-k 20 top-p 1.0"
     chain = sampled["draft_chain"]
     assert len(chain) == 2 and 0 < chain[1] <= chain[0] < 1
+
+
+def test_paper_tree_is_one_flag_away_and_refused_beside_a_typed_tree(models):
+    args = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
+            "--prompt", "t1"]
+    assert (run.parse(args).options.budget, run.parse(args).options.widths) == (12, [3, 2, 1])
+    paper = run.parse(args + ["--paper-tree"]).options
+    assert (paper.budget, paper.widths) == (36, [12, 7, 4, 1, 1, 1]) and {"budget", "widths"} <= paper.given
+    with pytest.raises(SystemExit):
+        run.parse(args + ["--paper-tree", "--budget", "16"])
+
+
+def test_auto_dtype_is_the_plans_on_this_device_else_the_devices_native_one(planned, monkeypatch, tmp_path):
+    from decode import precision
+
+    monkeypatch.delenv(precision.PINNED)
+    monkeypatch.setattr(precision, "cpu_features", lambda: "AVX-512 BF16")
+    assert precision.auto_dtype("cpu")[0] == "bfloat16"
+    monkeypatch.setattr(precision, "cpu_features", lambda: "AMX, AVX-512 BF16")
+    assert precision.auto_dtype("cpu")[0] == "bfloat16"
+    monkeypatch.setattr(precision, "cpu_features", lambda: "AVX2")
+    dtype, why = precision.auto_dtype("cpu")
+    assert dtype == "float32" and "emulated" in why
+    plan = json.loads(planned["path"].read_text())  # planned here, in float32
+    assert precision.auto_dtype("cpu", planned["path"])[0] == plan["identity"]["dtype"] == "float32"
+    monkeypatch.setattr(precision, "cpu_features", lambda: "AVX-512 BF16")
+    assert precision.auto_dtype("cpu", planned["path"]) == ("float32", f"{planned['path']} was planned in it on this device")
+    elsewhere = tmp_path / "other-plan.json"
+    elsewhere.write_text(json.dumps({**plan, "identity": {**plan["identity"], "device": "another machine"}}))
+    assert precision.auto_dtype("cpu", elsewhere)[0] == "bfloat16"  # a plan measured on another device says nothing here
+    monkeypatch.setenv(precision.PINNED, "bfloat16")
+    assert precision.auto_dtype("cpu", planned["path"])[0] == "bfloat16"
