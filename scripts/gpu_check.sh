@@ -45,11 +45,11 @@ machine() {  # what the checks ran on
 train_models() {  # train_models ORACLE_STEPS DRAFT_STEPS: the paper's regime at a size that trains in minutes, a
     # GPT-2-small-sized oracle (12 x 768) and a 4 x 256 draft, then the trigram
     step oracle "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle" --overwrite \
-        --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --grad_accum 1 --max_steps "$1" --learning_rate 6e-4 \
-        --eval_every 500 --save_every 500
+        --n-layer 12 --n-head 12 --n-embd 768 --batch-size 16 --grad-accum 1 --max-steps "$1" --learning-rate 6e-4 \
+        --eval-every 500 --save-every 500
     step draft "${launch[@]}" train/distill_draft.py --preset cpu --teacher "$run/oracle" --data "$run/data" --out "$run/draft" \
-        --overwrite --n_layer 4 --n_head 4 --n_embd 256 --max_steps "$2" --kd_loss tv --teacher_windows 0.5 \
-        --teacher_prefixes prompts
+        --overwrite --n-layer 4 --n-head 4 --n-embd 256 --max-steps "$2" --kd-loss tv --teacher-windows 0.5 \
+        --teacher-prefixes prompts
     step trigram python3 ngram/build_katz.py --data "$run/data" --out "$run/ngram" --overwrite
 }
 
@@ -137,8 +137,8 @@ plan)
     # accelerate launch with --compile (inductor): a short oracle training beside the draft's, before the planner
     # measures anything
     ( timeout 240 "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle-compiled" \
-        --overwrite --n_layer 12 --n_head 12 --n_embd 768 --batch_size 16 --grad_accum 1 --max_steps 300 \
-        --eval_every 300 --save_every 300 --compile > "$logs/compile.log" 2>&1; echo "rc $?" >> "$logs/compile.log" ) &
+        --overwrite --n-layer 12 --n-head 12 --n-embd 768 --batch-size 16 --grad-accum 1 --max-steps 300 \
+        --eval-every 300 --save-every 300 --compile > "$logs/compile.log" 2>&1; echo "rc $?" >> "$logs/compile.log" ) &
     STEP_TIMEOUT=150 train_models 800 300
     wait
     for log in pytest-cuda compile; do echo "== $log"; tail -n 3 "$logs/$log.log" | sed 's/^/   | /'; done

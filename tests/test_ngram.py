@@ -190,7 +190,7 @@ def test_builds_from_the_run_data_and_from_draft_samples(tmp_path, corpus_dir):
     prepare.main(["--path", str(corpus_dir), "--out", str(run), "--vocab-size", "300", "--val-fraction", "0.3"])
     from_data = build_katz.main(["--out", str(run / "ngram")])
     assert from_data["validation_perplexity"]["order_3"] < from_data["validation_perplexity"]["order_1"]
-    finetune_oracle.main(["--data", str(run / "data"), "--out", str(run / "draft"), "--max_steps", "20"])
+    finetune_oracle.main(["--data", str(run / "data"), "--out", str(run / "draft"), "--max-steps", "20"])
     sampled = build_katz.main(["--from-draft", str(run / "draft"), "--num-tokens", "3000", "--out", str(run / "ngram-draft")])
     assert sampled["training_tokens"] >= 3000 and "sampled from" in sampled["source"]
     pytest.importorskip("kenlm").Model(str(run / "ngram-draft" / "model.arpa"))

@@ -16,7 +16,7 @@ from decode_models import run_models
 from ngram import build_katz
 from train import distill_draft, finetune_oracle
 
-TRAIN_FAST = ["--max_steps", "12", "--warmup_steps", "2"]
+TRAIN_FAST = ["--max-steps", "12", "--warmup-steps", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +73,9 @@ def commands(trained, models):
         "data.prepare --out": (prepare.main, lambda p: ["--path", str(r.parent / "src"), "--out", str(p)]),
         "build_katz --out": (build_katz.main, lambda p: ["--data", str(r / "data"), "--out", str(p)]),
         "finetune_oracle --out": (finetune_oracle.main, lambda p: [*train, "--out", str(p)]),
-        "finetune_oracle --work_dir": (finetune_oracle.main, lambda p: [*train, "--out", str(p.parent / "o"), "--work_dir", str(p)]),
+        "finetune_oracle --work-dir": (finetune_oracle.main, lambda p: [*train, "--out", str(p.parent / "o"), "--work-dir", str(p)]),
         "distill_draft --out": (distill_draft.main, lambda p: [*distill, "--out", str(p)]),
-        "distill_draft --work_dir": (distill_draft.main, lambda p: [*distill, "--out", str(p.parent / "d"), "--work_dir", str(p)]),
+        "distill_draft --work-dir": (distill_draft.main, lambda p: [*distill, "--out", str(p.parent / "d"), "--work-dir", str(p)]),
         "decode.run --out": (run.main, lambda p: [*decode, "--out", str(p)]),
         "decode.bench --out": (bench.main, lambda p: [*decode, "--methods", "baseline", "--out", str(p)]),
         "decode.bench --plot": (bench.main, lambda p: [*decode, "--methods", "baseline", "--plot", str(p)]),
@@ -85,8 +85,8 @@ def commands(trained, models):
     }
 
 
-COMMANDS = ["data.prepare --out", "build_katz --out", "finetune_oracle --out", "finetune_oracle --work_dir",
-            "distill_draft --out", "distill_draft --work_dir", "decode.run --out", "decode.bench --out",
+COMMANDS = ["data.prepare --out", "build_katz --out", "finetune_oracle --out", "finetune_oracle --work-dir",
+            "distill_draft --out", "distill_draft --work-dir", "decode.run --out", "decode.bench --out",
             "decode.bench --plot", "decode.agreement --out", "decode.bench_engine --out"]
 
 
@@ -210,7 +210,7 @@ def test_output_files_are_replaced_only_with_overwrite_and_plots_need_a_known_fo
 
 def test_a_run_killed_after_its_last_checkpoint_finishes_with_resume(trained, tmp_path):
     data = str(trained["run"] / "data")
-    args = ["--data", data, "--out", str(tmp_path / "oracle"), "--max_steps", "16", "--warmup_steps", "2", "--save_every", "8"]
+    args = ["--data", data, "--out", str(tmp_path / "oracle"), "--max-steps", "16", "--warmup-steps", "2", "--save-every", "8"]
     finetune_oracle.main(args)
     expected = load_file(tmp_path / "oracle" / "model.safetensors")
     for f in (tmp_path / "oracle").iterdir():  # killed between the last checkpoint and the final save
@@ -230,9 +230,9 @@ def test_a_run_killed_after_its_last_checkpoint_finishes_with_resume(trained, tm
     (lambda ckpt, work: (ckpt / "model.safetensors").write_bytes(b"\0" * 100), "damaged"),
 ])
 def test_resume_refuses_a_damaged_checkpoint(trained, tmp_path, capsys, damage, message):
-    args = ["--data", str(trained["run"] / "data"), "--out", str(tmp_path / "oracle"), "--max_steps", "16",
-            "--warmup_steps", "2", "--save_every", "8"]
-    finetune_oracle.main(args + ["--stop_after_steps", "8"])
+    args = ["--data", str(trained["run"] / "data"), "--out", str(tmp_path / "oracle"), "--max-steps", "16",
+            "--warmup-steps", "2", "--save-every", "8"]
+    finetune_oracle.main(args + ["--stop-after-steps", "8"])
     work = tmp_path / "oracle-train"
     damage(work / "checkpoints" / "step-0000008", work)
     assert message in one_line_error(capsys, finetune_oracle.main, args + ["--resume"])
@@ -243,7 +243,7 @@ def test_work_dir_of_someone_else_is_never_deleted(trained, tmp_path, capsys):
     work = tmp_path / "work"
     work.mkdir()
     (work / "results.csv").write_text("precious")
-    argv = ["--data", str(trained["run"] / "data"), "--out", str(tmp_path / "o"), "--work_dir", str(work), *TRAIN_FAST]
+    argv = ["--data", str(trained["run"] / "data"), "--out", str(tmp_path / "o"), "--work-dir", str(work), *TRAIN_FAST]
     assert "not a training work directory" in one_line_error(capsys, finetune_oracle.main, argv)
     assert (work / "results.csv").read_text() == "precious"
 

@@ -48,22 +48,22 @@ def test_oracle_loss_decreases_on_a_repetitive_corpus(run):
 
 def test_resumed_run_ends_with_the_same_weights(run, tmp_path):
     data = str(run[0] / "data")
-    finetune_oracle.main(["--data", data, "--out", str(tmp_path / "whole"), "--max_steps", "20"])
-    part = ["--data", data, "--out", str(tmp_path / "parts"), "--max_steps", "20"]
-    stopped = finetune_oracle.main(part + ["--stop_after_steps", "8"])
+    finetune_oracle.main(["--data", data, "--out", str(tmp_path / "whole"), "--max-steps", "20"])
+    part = ["--data", data, "--out", str(tmp_path / "parts"), "--max-steps", "20"]
+    stopped = finetune_oracle.main(part + ["--stop-after-steps", "8"])
     assert stopped["step"] == 8 and not (tmp_path / "parts").exists()
     finetune_oracle.main(part + ["--resume"])
-    assert finetune_oracle.main(part + ["--overwrite", "--max_steps", "12"])["step"] == 12
-    finetune_oracle.main(part + ["--overwrite", "--stop_after_steps", "8"])
+    assert finetune_oracle.main(part + ["--overwrite", "--max-steps", "12"])["step"] == 12
+    finetune_oracle.main(part + ["--overwrite", "--stop-after-steps", "8"])
     finetune_oracle.main(part + ["--resume"])
     assert_same_weights(tmp_path / "whole", tmp_path / "parts")
 
 
 def test_distillation_raises_agreement_with_the_teacher(run, tmp_path):
     data, teacher = str(run[0] / "data"), str(run[0] / "oracle")
-    common = ["--data", data, "--teacher", teacher, "--n_embd", "32", "--max_steps", "150"]
-    distilled = distill_draft.main(common + ["--out", str(tmp_path / "distilled"), "--kd_weight", "1.0"])
-    plain = distill_draft.main(common + ["--out", str(tmp_path / "plain"), "--kd_weight", "0.0"])
+    common = ["--data", data, "--teacher", teacher, "--n-embd", "32", "--max-steps", "150"]
+    distilled = distill_draft.main(common + ["--out", str(tmp_path / "distilled"), "--kd-weight", "1.0"])
+    plain = distill_draft.main(common + ["--out", str(tmp_path / "plain"), "--kd-weight", "0.0"])
     assert distilled["top1_agreement"] > plain["top1_agreement"] + 0.02
     assert distilled["expected_acceptance"] > plain["expected_acceptance"]
 
@@ -108,7 +108,7 @@ def test_bad_inputs_are_one_line_errors(run, tmp_path, capsys):
     assert "no trained model" in error_of(capsys, distill_draft.main, ["--data", data, "--teacher", str(tmp_path), "--out", str(tmp_path / "d")])
     # a teacher or --init model trained with another tokenizer
     other = prepared_run(tmp_path / "other", vocab_size=300)
-    finetune_oracle.main(["--data", str(other / "data"), "--out", str(other / "oracle"), "--max_steps", "12"])
+    finetune_oracle.main(["--data", str(other / "data"), "--out", str(other / "oracle"), "--max-steps", "12"])
     err = error_of(capsys, distill_draft.main, ["--data", data, "--teacher", str(other / "oracle"), "--out", str(tmp_path / "d")])
     assert "vocabulary mismatch" in err
     err = error_of(capsys, finetune_oracle.main, ["--data", str(other / "data"), "--init", str(root / "oracle"), "--out", str(tmp_path / "i")])
@@ -117,22 +117,22 @@ def test_bad_inputs_are_one_line_errors(run, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--batch_size", "0", "--batch_size must be at least 1"),
-    ("--grad_accum", "0", "--grad_accum must be at least 1"),
-    ("--eval_every", "0", "--eval_every must be at least 1"),
-    ("--learning_rate", "nan", "must be positive and finite"),
-    ("--learning_rate", "-1e-3", "must be positive and finite"),
+    ("--batch-size", "0", "--batch-size must be at least 1"),
+    ("--grad-accum", "0", "--grad-accum must be at least 1"),
+    ("--eval-every", "0", "--eval-every must be at least 1"),
+    ("--learning-rate", "nan", "must be positive and finite"),
+    ("--learning-rate", "-1e-3", "must be positive and finite"),
     ("--dropout", "1", "--dropout in [0, 1)"),
-    ("--max_steps", "0", "must be positive and above --warmup_steps"),
-    ("--save_every", "-1", "--save_every must be 0"),
-    ("--stop_after_steps", "0", "--stop_after_steps must be at least 1"),
-    ("--log_with", "wandb", "choose jsonl or tensorboard"),
-    ("--kd_temperature", "inf", "--kd_temperature be positive"),
-    ("--agreement_batches", "0", "--agreement_batches must be at least 1"),
+    ("--max-steps", "0", "must be positive and above --warmup-steps"),
+    ("--save-every", "-1", "--save-every must be 0"),
+    ("--stop-after-steps", "0", "--stop-after-steps must be at least 1"),
+    ("--log-with", "wandb", "choose jsonl or tensorboard"),
+    ("--kd-temperature", "inf", "--kd-temperature be positive"),
+    ("--agreement-batches", "0", "--agreement-batches must be at least 1"),
 ])
 def test_training_numbers_out_of_range_are_refused_before_anything_is_written(run, tmp_path, capsys, flag, value, message):
     argv = ["--data", str(run[0] / "data"), "--out", str(tmp_path / "m"), f"{flag}={value}"]
-    main = distill_draft.main if flag in ("--kd_temperature", "--agreement_batches") else finetune_oracle.main
+    main = distill_draft.main if flag in ("--kd-temperature", "--agreement-batches") else finetune_oracle.main
     assert message in error_of(capsys, main, argv + (["--teacher", str(run[0] / "oracle")] if main is distill_draft.main else []))
     assert not (tmp_path / "m").exists() and not (tmp_path / "m-train").exists()
 
@@ -142,7 +142,7 @@ def test_teacher_windows_end_with_the_teachers_greedy_continuation(run, tmp_path
     from train.continuations import POOL_FILE
 
     root, _ = run
-    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--max_steps", "20", "--teacher_windows", "0.5"]
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--max-steps", "20", "--teacher-windows", "0.5"]
     distill_draft.main(argv + ["--out", str(tmp_path / "draft")])
     pool = np.load(tmp_path / "draft-train" / POOL_FILE)["windows"]
     assert pool.shape == (80, 64)  # half of 20 steps x 8 windows, 32 corpus tokens + 32 of the teacher's
@@ -178,7 +178,7 @@ def test_prompt_prefixes_end_with_a_training_file_prompt_after_an_end_of_text(ru
 def assert_resumed_distillation_matches(argv, tmp_path):
     """A run stopped after 8 steps and resumed ends with the weights of one that ran through."""
     distill_draft.main(argv + ["--out", str(tmp_path / "whole")])
-    distill_draft.main(argv + ["--out", str(tmp_path / "parts"), "--stop_after_steps", "8"])
+    distill_draft.main(argv + ["--out", str(tmp_path / "parts"), "--stop-after-steps", "8"])
     distill_draft.main(argv + ["--out", str(tmp_path / "parts"), "--resume"])
     assert_same_weights(tmp_path / "whole", tmp_path / "parts")
 
@@ -192,8 +192,8 @@ def assert_same_weights(one, other):
 
 def test_resumed_distillation_reuses_its_teacher_windows(run, tmp_path):
     root, _ = run
-    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--max_steps", "16", "--teacher_windows", "0.5",
-            "--continuation_temperature", "1.0", "--teacher_prefixes", "prompts", "--continuation_tokens", "16"]
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--max-steps", "16", "--teacher-windows", "0.5",
+            "--continuation-temperature", "1.0", "--teacher-prefixes", "prompts", "--continuation-tokens", "16"]
     assert_resumed_distillation_matches(argv, tmp_path)
 
 
@@ -201,19 +201,19 @@ def test_teacher_windows_raise_agreement_on_the_teachers_output(run, tmp_path):
     """A teacher trained for 10 steps loops when it writes, which its corpus never does: a student that
     saw only the corpus cannot follow it, one that saw the teacher's own continuations can."""
     data, weak = str(run[0] / "data"), str(tmp_path / "weak")
-    finetune_oracle.main(["--data", data, "--out", weak, "--max_steps", "10", "--warmup_steps", "2"])
-    common = ["--data", data, "--teacher", weak, "--n_embd", "32", "--max_steps", "100"]
+    finetune_oracle.main(["--data", data, "--out", weak, "--max-steps", "10", "--warmup-steps", "2"])
+    common = ["--data", data, "--teacher", weak, "--n-embd", "32", "--max-steps", "100"]
     corpus = distill_draft.main(common + ["--out", str(tmp_path / "corpus")])
-    mixed = distill_draft.main(common + ["--out", str(tmp_path / "mixed"), "--teacher_windows", "0.5"])
+    mixed = distill_draft.main(common + ["--out", str(tmp_path / "mixed"), "--teacher-windows", "0.5"])
     assert mixed["top1_agreement_on_teacher_output"] > corpus["top1_agreement_on_teacher_output"] + 0.2
 
 
 def test_bad_teacher_window_settings_are_one_line_errors(run, tmp_path, capsys):
     argv = ["--data", str(run[0] / "data"), "--teacher", str(run[0] / "oracle"), "--out", str(tmp_path / "d")]
-    assert "--teacher_windows must lie in [0, 1]" in error_of(capsys, distill_draft.main, argv + ["--teacher_windows", "1.5"])
-    assert "--continuation_tokens must lie" in error_of(capsys, distill_draft.main, argv + ["--continuation_tokens", "64"])
-    assert "choose corpus or prompts" in error_of(capsys, distill_draft.main, argv + ["--teacher_prefixes", "files"])
-    assert "choose one of forward, reverse, tv" in error_of(capsys, distill_draft.main, argv + ["--kd_loss", "js"])
+    assert "--teacher-windows must lie in [0, 1]" in error_of(capsys, distill_draft.main, argv + ["--teacher-windows", "1.5"])
+    assert "--continuation-tokens must lie" in error_of(capsys, distill_draft.main, argv + ["--continuation-tokens", "64"])
+    assert "choose corpus or prompts" in error_of(capsys, distill_draft.main, argv + ["--teacher-prefixes", "files"])
+    assert "choose one of forward, reverse, tv" in error_of(capsys, distill_draft.main, argv + ["--kd-loss", "js"])
     assert not (tmp_path / "d").exists()
 
 
@@ -346,7 +346,7 @@ def test_sparse_loss_is_autograd_through_the_dense_log_softmax(kind, temperature
 
 @pytest.mark.parametrize("kind, sparse", [("tv", False), ("forward", True)])
 def test_compiled_loss_is_the_eager_loss(run, monkeypatch, kind, sparse):
-    """--compile_loss changes how a step's loss is computed, not what: through torch.compile (the teacher's
+    """--compile-loss changes how a step's loss is computed, not what: through torch.compile (the teacher's
     forward and the loss terms) the loss and the student's gradient are the eager ones, to float32 rounding."""
     from train.teacher_targets import top_k_targets
 
@@ -387,7 +387,7 @@ def test_compiling_without_a_cpp_compiler_is_a_one_line_error(run, tmp_path, mon
     root, _ = run
     monkeypatch.setattr(config.cpp, "cxx", (None, str(tmp_path / "no-such-g++")))
     argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--out", str(tmp_path / "d")]
-    assert "--compile_loss needs a C++ compiler" in error_of(capsys, distill_draft.main, argv + ["--compile_loss", "True"])
+    assert "--compile-loss needs a C++ compiler" in error_of(capsys, distill_draft.main, argv + ["--compile-loss", "True"])
     message = error_of(capsys, finetune_oracle.main, argv[:2] + ["--out", str(tmp_path / "o"), "--compile", "True"])
     assert "--compile needs a C++ compiler" in message and "pass --compile False" in message
     assert not list(tmp_path.glob("[do]*"))
@@ -399,24 +399,24 @@ def test_distillation_on_sparse_targets_trains_and_resumes(run, tmp_path, capsys
     from train.teacher_targets import TARGETS_FILE
 
     root, _ = run
-    common = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--n_embd", "32"]
-    sparse = common + ["--sparse_targets", "32", "--target_epochs", "4", "--max_steps", "150", "--kd_weight", "1.0"]
+    common = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--n-embd", "32"]
+    sparse = common + ["--sparse-targets", "32", "--target-epochs", "4", "--max-steps", "150", "--kd-weight", "1.0"]
     distilled = distill_draft.main(sparse + ["--out", str(tmp_path / "sparse")])
     distinct = min(150 * 8 // 4, len(PackedWindows(open_split(root / "data", "train"), 64)))  # a tiny corpus has fewer
     with np.load(tmp_path / "sparse-train" / TARGETS_FILE) as targets:
         assert targets["ids"].shape == targets["logp"].shape == (distinct, 64, 32)
-    plain = distill_draft.main(common + ["--max_steps", "150", "--kd_weight", "0.0", "--out", str(tmp_path / "plain")])
+    plain = distill_draft.main(common + ["--max-steps", "150", "--kd-weight", "0.0", "--out", str(tmp_path / "plain")])
     assert distilled["top1_agreement"] > plain["top1_agreement"] + 0.02
 
-    short = common + ["--target_epochs", "4", "--max_steps", "16", "--teacher_windows", "0.5"]
-    assert_resumed_distillation_matches(short + ["--sparse_targets", "32"], tmp_path)
-    resumed_otherwise = short + ["--sparse_targets", "8", "--out", str(tmp_path / "parts"), "--resume"]
+    short = common + ["--target-epochs", "4", "--max-steps", "16", "--teacher-windows", "0.5"]
+    assert_resumed_distillation_matches(short + ["--sparse-targets", "32"], tmp_path)
+    resumed_otherwise = short + ["--sparse-targets", "8", "--out", str(tmp_path / "parts"), "--resume"]
     assert "different sparse_targets" in error_of(capsys, distill_draft.main, resumed_otherwise)
 
     argv = common + ["--out", str(tmp_path / "bad")]
-    assert "--sparse_targets must be 0" in error_of(capsys, distill_draft.main, argv + ["--sparse_targets", "-1"])
-    assert "--target_epochs at least 1" in error_of(capsys, distill_draft.main, argv + ["--target_epochs", "0"])
-    assert "exceeds the vocabulary (400 tokens)" in error_of(capsys, distill_draft.main, argv + ["--sparse_targets", "500"])
+    assert "--sparse-targets must be 0" in error_of(capsys, distill_draft.main, argv + ["--sparse-targets", "-1"])
+    assert "--target-epochs at least 1" in error_of(capsys, distill_draft.main, argv + ["--target-epochs", "0"])
+    assert "exceeds the vocabulary (400 tokens)" in error_of(capsys, distill_draft.main, argv + ["--sparse-targets", "500"])
     assert not (tmp_path / "bad").exists()
 
 
@@ -429,8 +429,8 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_on_its_targets_and_ov
     from train.teacher_targets import TARGETS_FILE
 
     root, _ = run
-    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--n_embd", "32", "--max_steps", "12",
-            "--sparse_targets", "16", "--target_epochs", "2"]
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--n-embd", "32", "--max-steps", "12",
+            "--sparse-targets", "16", "--target-epochs", "2"]
     distill_draft.main(argv + ["--out", str(tmp_path / "whole")])
     parts, work = argv + ["--out", str(tmp_path / "parts")], tmp_path / "parts-train"
 
@@ -443,7 +443,7 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_on_its_targets_and_ov
             distill_draft.main(parts)
     assert (work / TARGETS_FILE).is_file() and not (work / "checkpoints").exists()
     assert "pass --resume to start it again" in error_of(capsys, distill_draft.main, parts)
-    started_otherwise = parts + ["--resume", "--teacher_embeddings", "True", "--teacher_layers", "True"]
+    started_otherwise = parts + ["--resume", "--teacher-embeddings", "True", "--teacher-layers", "True"]
     assert "different teacher_embeddings, teacher_layers" in error_of(capsys, distill_draft.main, started_otherwise)
 
     built = []
@@ -471,16 +471,16 @@ def test_targets_from_another_run_are_copied_not_computed_and_refused_when_its_s
     from train.teacher_targets import TARGETS_FILE
 
     root, _ = run
-    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--n_embd", "32", "--max_steps", "12",
-            "--sparse_targets", "16", "--target_epochs", "2", "--teacher_windows", "0.5", "--continuation_tokens", "16"]
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--n-embd", "32", "--max-steps", "12",
+            "--sparse-targets", "16", "--target-epochs", "2", "--teacher-windows", "0.5", "--continuation-tokens", "16"]
     distill_draft.main(argv + ["--out", str(tmp_path / "first")])
-    deeper = argv + ["--n_layer", "3"]
+    deeper = argv + ["--n-layer", "3"]
     distill_draft.main(deeper + ["--out", str(tmp_path / "own")])
 
     built = []
     monkeypatch.setattr(distill_draft, "top_k_targets", lambda *a: built.append("targets"))
     monkeypatch.setattr(distill_draft, "build_pool", lambda *a: built.append("windows"))
-    reuse = ["--targets_from", str(tmp_path / "first-train")]
+    reuse = ["--targets-from", str(tmp_path / "first-train")]
     distill_draft.main(deeper + reuse + ["--out", str(tmp_path / "copied")])
     assert not built
     for name in (POOL_FILE, TARGETS_FILE):
@@ -488,12 +488,12 @@ def test_targets_from_another_run_are_copied_not_computed_and_refused_when_its_s
     assert_same_weights(tmp_path / "own", tmp_path / "copied")
 
     bad = ["--out", str(tmp_path / "bad")]
-    message = error_of(capsys, distill_draft.main, deeper + reuse + bad + ["--seed", "1", "--max_steps", "13"])
-    assert "different --seed, --max_steps" in message and "drop --targets_from" in message
-    message = error_of(capsys, distill_draft.main, deeper + ["--targets_from", str(tmp_path / "own")] + bad)
+    message = error_of(capsys, distill_draft.main, deeper + reuse + bad + ["--seed", "1", "--max-steps", "13"])
+    assert "different --seed, --max-steps" in message and "drop --targets-from" in message
+    message = error_of(capsys, distill_draft.main, deeper + ["--targets-from", str(tmp_path / "own")] + bad)
     assert "no teacher_targets.npz there" in message
-    message = error_of(capsys, distill_draft.main, deeper + reuse + bad + ["--sparse_targets", "0"])
-    assert "--targets_from needs --sparse_targets" in message
+    message = error_of(capsys, distill_draft.main, deeper + reuse + bad + ["--sparse-targets", "0"])
+    assert "--targets-from needs --sparse-targets" in message
     assert not list(tmp_path.glob("bad*"))
 
 
@@ -505,8 +505,8 @@ def test_unset_bf16_is_measured_once_and_kept_on_resume(run, tmp_path, monkeypat
     assert isinstance(loop.bf16_is_faster(), bool)
     monkeypatch.setitem(presets.ORACLE_PRESETS, "tiny", dataclasses.replace(presets.ORACLE_PRESETS["tiny"], bf16=None))
     monkeypatch.setattr(loop, "bf16_is_faster", lambda: False)
-    argv = ["--data", str(run[0] / "data"), "--out", str(tmp_path / "oracle"), "--max_steps", "12"]
-    finetune_oracle.main(argv + ["--stop_after_steps", "6"])
+    argv = ["--data", str(run[0] / "data"), "--out", str(tmp_path / "oracle"), "--max-steps", "12"]
+    finetune_oracle.main(argv + ["--stop-after-steps", "6"])
     assert "bf16 autocast off" in capsys.readouterr().out
     monkeypatch.setattr(loop, "bf16_is_faster", lambda: True)  # another measurement: the resumed run keeps its own
     finetune_oracle.main(argv + ["--resume"])
@@ -516,7 +516,7 @@ def test_unset_bf16_is_measured_once_and_kept_on_resume(run, tmp_path, monkeypat
 def test_teacher_layers_at_the_teachers_shape_copy_the_teacher_exactly(run, tmp_path, capsys):
     """With the identity as the basis and the teacher's shape, the student built from the teacher's embeddings and
     blocks is the teacher (layer norms folded, heads, q/k/v and MLP units in place); narrower, it is a start
-    whose logits are closer to the teacher's than the embeddings alone give. --teacher_layers needs the embeddings."""
+    whose logits are closer to the teacher's than the embeddings alone give. --teacher-layers needs the embeddings."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     root, _ = run
@@ -545,9 +545,9 @@ def test_teacher_layers_at_the_teachers_shape_copy_the_teacher_exactly(run, tmp_
                                               log_target=True, reduction="batchmean").item()
 
     assert divergence_from_teacher(layers=True) < divergence_from_teacher(layers=False)
-    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--out", str(tmp_path / "d"), "--teacher_layers", "True"]
-    assert "needs --teacher_embeddings True" in error_of(capsys, distill_draft.main, argv)
-    wide = argv + ["--teacher_embeddings", "True", "--n_layer", str(config.n_layer + 1)]
+    argv = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--out", str(tmp_path / "d"), "--teacher-layers", "True"]
+    assert "needs --teacher-embeddings True" in error_of(capsys, distill_draft.main, argv)
+    wide = argv + ["--teacher-embeddings", "True", "--n-layer", str(config.n_layer + 1)]
     assert "must be no larger than the teacher" in error_of(capsys, distill_draft.main, wide)
     assert not (tmp_path / "d").exists() and not (tmp_path / "d-train").exists()
 
@@ -572,10 +572,21 @@ def test_teacher_embeddings_start_the_student_as_the_teachers_best_low_rank_copy
         if width == t_wte.shape[1]:
             assert torch.allclose(s_wpe @ s_wpe.T, t_wpe @ t_wpe.T, atol=1e-4)
             assert torch.allclose(s_wte @ s_wpe.T, t_wte @ t_wpe.T, atol=1e-4)
-    common = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--n_embd", "32", "--max_steps", "40"]
+    common = ["--data", str(root / "data"), "--teacher", str(root / "oracle"), "--n-embd", "32", "--max-steps", "40"]
     plain = distill_draft.main(common + ["--out", str(tmp_path / "plain")])
-    copied = distill_draft.main(common + ["--out", str(tmp_path / "copied"), "--teacher_embeddings", "True"])
+    copied = distill_draft.main(common + ["--out", str(tmp_path / "copied"), "--teacher-embeddings", "True"])
     assert copied["top1_agreement"] > plain["top1_agreement"] + 0.2  # measured: 0.36 -> 0.83 (seeds 0 and 1 alike)
-    wide = common + ["--out", str(tmp_path / "wide"), "--n_embd", "128", "--teacher_embeddings", "True"]
+    wide = common + ["--out", str(tmp_path / "wide"), "--n-embd", "128", "--teacher-embeddings", "True"]
     assert "exceeds the teacher's 64" in error_of(capsys, distill_draft.main, wide)
     assert not (tmp_path / "wide").exists() and not (tmp_path / "wide-train").exists()
+
+
+def test_training_flags_take_dashes_and_still_accept_underscores(capsys):
+    from train.presets import ORACLE_PRESETS, TrainArgs, parse_args
+
+    args = parse_args(TrainArgs, ORACLE_PRESETS, "", ["--max_steps", "70", "--batch-size", "3", "--learning-rate", "1e-3"])
+    assert (args.max_steps, args.batch_size, args.learning_rate) == (70, 3, 1e-3)
+    with pytest.raises(SystemExit):
+        parse_args(TrainArgs, ORACLE_PRESETS, "", ["--help"], prog="python train/finetune_oracle.py")
+    shown = capsys.readouterr().out
+    assert "usage: python train/finetune_oracle.py" in shown and "--max-steps MAX_STEPS, --max_steps MAX_STEPS" in shown

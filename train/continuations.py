@@ -55,7 +55,7 @@ def prompt_prefixes(tokens: np.ndarray, tokenizer, count: int, length: int, rng:
             break
     if not prefixes:
         raise InputError("no function with a docstring found in the training split to harvest prompts from; "
-                         "use --teacher_prefixes corpus")
+                         "use --teacher-prefixes corpus")
     return torch.from_numpy(np.stack([prefixes[i % len(prefixes)] for i in range(count)]).astype(np.int64))
 
 

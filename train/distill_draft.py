@@ -4,8 +4,8 @@
 
 The student is a GPT-2 built from the preset's config with the teacher's tokenizer. Its loss is
 kd_weight * T^2 * D(teacher, student) on temperature-softened logits plus (1 - kd_weight) *
-cross-entropy on the data, D the forward KL(teacher || student) (--kd_loss forward), the reverse KL
-or the total variation distance. With --teacher_windows F a share F of the training windows end with the
+cross-entropy on the data, D the forward KL(teacher || student) (--kd-loss forward), the reverse KL
+or the total variation distance. With --teacher-windows F a share F of the training windows end with the
 teacher's own continuation of a corpus window or of a harvested prompt (train/continuations.py), what
 the draft reads when decoding. At the end it reports, on the validation split, how often the student's top-1 token equals
 the teacher's (greedy acceptance), the student's mean probability of the teacher's greedy token, and
@@ -140,8 +140,8 @@ def agreement(student, teacher, val_tokens, args: DistillArgs, accelerator) -> d
 
 
 def training_windows(run, args: DistillArgs, teacher, vocab_size: int) -> torch.utils.data.Dataset | None:
-    """Corpus windows, with --teacher_windows of them replaced by teacher windows; with --sparse_targets a
-    fixed set of them, 1 / --target_epochs of what the run draws, with the teacher's top-k targets.
+    """Corpus windows, with --teacher-windows of them replaced by teacher windows; with --sparse-targets a
+    fixed set of them, 1 / --target-epochs of what the run draws, with the teacher's top-k targets.
     None: the whole corpus, dense."""
     if not args.teacher_windows and not args.sparse_targets:
         return None
@@ -181,20 +181,20 @@ def training_windows(run, args: DistillArgs, teacher, vocab_size: int) -> torch.
 
 @exits_on_input_error
 def main(argv=None) -> dict:
-    args = parse_args(DistillArgs, DRAFT_PRESETS, __doc__.split("\n\n")[0], argv)
+    args = parse_args(DistillArgs, DRAFT_PRESETS, __doc__.split("\n\n")[0], argv, prog="python train/distill_draft.py")
     if args.targets_from:
         check_targets_from(args)
     run = start_run(args)
     teacher = load_teacher(args, run.tokenizer).to(run.accelerator.device)
     student = build_model(args, run.tokenizer)
     vocab_size = student.config.vocab_size
-    if args.teacher_embeddings:  # --teacher_layers needs it (DistillArgs.check): both read the stream through one basis
+    if args.teacher_embeddings:  # --teacher-layers needs it (DistillArgs.check): both read the stream through one basis
         basis, share = principal_directions(teacher, student)
         copy_teacher_embeddings(teacher, student, basis)
         if args.teacher_layers:
             copy_teacher_layers(teacher, student, basis, share)
     if args.sparse_targets > vocab_size:
-        raise InputError(f"--sparse_targets {args.sparse_targets} exceeds the vocabulary ({vocab_size} tokens)")
+        raise InputError(f"--sparse-targets {args.sparse_targets} exceeds the vocabulary ({vocab_size} tokens)")
     metrics = train(
         run,
         student,

@@ -14,7 +14,7 @@ from data.errors import exits_on_input_error
 
 @exits_on_input_error
 def main(argv=None) -> dict:
-    args = parse_args(TrainArgs, ORACLE_PRESETS, __doc__.split("\n\n")[0], argv)
+    args = parse_args(TrainArgs, ORACLE_PRESETS, __doc__.split("\n\n")[0], argv, prog="python train/finetune_oracle.py")
     run = start_run(args)
     metrics = train(run, build_model(args, run.tokenizer), language_model_loss)
     report(args, metrics)

@@ -80,7 +80,7 @@ def check_output(args: TrainArgs) -> Path:
     if args.resume and args.overwrite:
         raise InputError("--resume and --overwrite contradict each other; pass one")
     check_output_path(out, MODEL, args.overwrite or args.resume, "--out")
-    check_output_path(work_dir, WORK_DIR, True, "--work_dir")  # a run there: decided below
+    check_output_path(work_dir, WORK_DIR, True, "--work-dir")  # a run there: decided below
     if args.resume:
         if not (work_dir / WORK_DIR.marker).is_file():
             raise InputError(f"nothing to resume: no run in {work_dir}; run without --resume")
@@ -162,7 +162,7 @@ def load_data(args: TrainArgs) -> tuple[dict, np.ndarray, np.ndarray]:
     train, val = open_split(data_dir, "train"), open_split(data_dir, "val")
     for name, tokens in (("train", train), ("val", val)):
         if len(tokens) < args.seq_len:
-            raise InputError(f"the {name} split has {len(tokens)} tokens, fewer than one --seq_len {args.seq_len} window; lower --seq_len or prepare more data")
+            raise InputError(f"the {name} split has {len(tokens)} tokens, fewer than one --seq-len {args.seq_len} window; lower --seq-len or prepare more data")
     return meta, train, val
 
 
@@ -197,10 +197,10 @@ def build_model(args: TrainArgs, tokenizer):
         check_same_tokenizer(tokenizer, args.init, init_tokenizer, model.config.vocab_size)
         context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
         if context is not None and args.seq_len > context:
-            raise InputError(f"--seq_len {args.seq_len} exceeds {args.init}'s context of {context} tokens; lower it")
+            raise InputError(f"--seq-len {args.seq_len} exceeds {args.init}'s context of {context} tokens; lower it")
         return causal_loss(model)
     if args.n_embd % args.n_head:
-        raise InputError(f"--n_embd {args.n_embd} is not divisible by --n_head {args.n_head}")
+        raise InputError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     config = GPT2Config(
         vocab_size=len(tokenizer), n_positions=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
         resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
@@ -326,7 +326,7 @@ def keep_freed_memory() -> None:
 def check_compiler(args: TrainArgs) -> None:
     """torch.compile on a CPU writes and builds C++ at the first step: where no compiler works, say so before
     anything is written, naming the flags that turn it off."""
-    flags = [f"--{name}" for name in ("compile", "compile_loss") if getattr(args, name, False)]
+    flags = [f"--{name.replace('_', '-')}" for name in ("compile", "compile_loss") if getattr(args, name, False)]
     if not flags or torch.cuda.is_available():
         return
     try:
@@ -380,7 +380,7 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
         windows = PackedWindows(run.train_tokens, args.seq_len)
     loader = torch.utils.data.DataLoader(windows, batch_size=args.batch_size, shuffle=True, drop_last=True)
     if len(loader) == 0:
-        raise InputError(f"the train split holds fewer than --batch_size {args.batch_size} windows; lower it or prepare more data")
+        raise InputError(f"the train split holds fewer than --batch-size {args.batch_size} windows; lower it or prepare more data")
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     accelerator.register_for_checkpointing(scheduler)  # stepped by us, once per optimizer step
     val_windows = eval_windows(run.val_tokens, args.seq_len, args.eval_batches * args.batch_size)
@@ -454,4 +454,4 @@ def report(args: TrainArgs, metrics: dict) -> None:
     summary = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
     print(f"{where}\n  {summary}")
     if not math.isfinite(metrics.get("val_loss") or 0.0):
-        print("  warning: the validation loss is not finite; lower --learning_rate")
+        print("  warning: the validation loss is not finite; lower --learning-rate")

@@ -1,6 +1,6 @@
 """Training arguments and presets. Every field can be overridden on the command line:
 
-    accelerate launch train/finetune_oracle.py --preset cpu --max_steps 500 --data RUN/data
+    accelerate launch train/finetune_oracle.py --preset cpu --max-steps 500 --data RUN/data
 
 The preset fills in the defaults, HfArgumentParser reads the command line over them.
 """
@@ -13,7 +13,7 @@ from typing import Optional
 
 from data.errors import InputError
 
-DIVERGENCES = ("forward", "reverse", "tv")  # --kd_loss: train/distill_draft.py's divergence()
+DIVERGENCES = ("forward", "reverse", "tv")  # --kd-loss: train/distill_draft.py's divergence()
 
 
 @dataclass
@@ -56,22 +56,22 @@ class TrainArgs:
         for name in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
                      "keep_checkpoints"):
             if getattr(self, name) < 1:
-                raise InputError(f"--{name} must be at least 1 (got {getattr(self, name)})")
+                raise InputError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
         if not 0 <= self.warmup_steps < self.max_steps:
-            raise InputError(f"--max_steps {self.max_steps} must be positive and above --warmup_steps {self.warmup_steps}")
+            raise InputError(f"--max-steps {self.max_steps} must be positive and above --warmup-steps {self.warmup_steps}")
         if self.save_every < 0:
-            raise InputError(f"--save_every must be 0 (at the end only) or more (got {self.save_every})")
+            raise InputError(f"--save-every must be 0 (at the end only) or more (got {self.save_every})")
         if self.stop_after_steps is not None and self.stop_after_steps < 1:
-            raise InputError(f"--stop_after_steps must be at least 1 (got {self.stop_after_steps})")
+            raise InputError(f"--stop-after-steps must be at least 1 (got {self.stop_after_steps})")
         if not 0 < self.learning_rate < math.inf or not 0 < self.grad_clip < math.inf:
-            raise InputError(f"--learning_rate and --grad_clip must be positive and finite "
+            raise InputError(f"--learning-rate and --grad-clip must be positive and finite "
                              f"(got {self.learning_rate}, {self.grad_clip})")
         if not (0 <= self.min_lr_ratio <= 1 and 0 <= self.adam_beta2 < 1 and 0 <= self.dropout < 1
                 and 0 <= self.weight_decay < math.inf):
-            raise InputError("--min_lr_ratio must lie in [0, 1], --adam_beta2 and --dropout in [0, 1), "
-                             "--weight_decay be 0 or positive")
+            raise InputError("--min-lr-ratio must lie in [0, 1], --adam-beta2 and --dropout in [0, 1), "
+                             "--weight-decay be 0 or positive")
         if self.log_with not in ("jsonl", "tensorboard"):
-            raise InputError(f"--log_with {self.log_with!r}: choose jsonl or tensorboard")
+            raise InputError(f"--log-with {self.log_with!r}: choose jsonl or tensorboard")
 
 
 @dataclass
@@ -82,8 +82,8 @@ class DistillArgs(TrainArgs):
                          "(KL(student || teacher)) or tv (total variation, one minus the acceptance rate of speculative sampling)"})
     kd_temperature: float = field(default=1.0, metadata={"help": "softening temperature of both distributions in the divergence"})
     agreement_batches: int = field(default=16, metadata={"help": "validation micro-batches for the final agreement report"})
-    teacher_windows: float = field(default=0.0, metadata={"help": "share of training windows whose last --continuation_tokens "
-                                   "the teacher wrote (its continuation of a --teacher_prefixes prefix, generated once before training): the "
+    teacher_windows: float = field(default=0.0, metadata={"help": "share of training windows whose last --continuation-tokens "
+                                   "the teacher wrote (its continuation of a --teacher-prefixes prefix, generated once before training): the "
                                    "draft then sees the oracle's own output, as when decoding; 0: corpus windows only"})
     teacher_prefixes: str = field(default="corpus", metadata={"help": "what the teacher continues: corpus (random windows "
                                   "of the training split) or prompts (a function's signature and docstring, harvested from "
@@ -94,16 +94,16 @@ class DistillArgs(TrainArgs):
     sparse_targets: int = field(default=0, metadata={"help": "K > 0: compute the teacher's K most probable next tokens and their "
                                 "log-probabilities once, over a fixed set of windows, and train on those (train/teacher_targets.py); "
                                 "0: run the teacher at every step (dense)"})
-    target_epochs: int = field(default=1, metadata={"help": "with --sparse_targets: passes over the windows whose targets were "
-                               "computed (the run draws --max_steps x --batch_size x --grad_accum windows; 1 / this of them are distinct)"})
-    targets_from: str = field(default="", metadata={"help": "with --sparse_targets: copy the teacher targets (and teacher "
+    target_epochs: int = field(default=1, metadata={"help": "with --sparse-targets: passes over the windows whose targets were "
+                               "computed (the run draws --max-steps x --batch-size x --grad-accum windows; 1 / this of them are distinct)"})
+    targets_from: str = field(default="", metadata={"help": "with --sparse-targets: copy the teacher targets (and teacher "
                               "windows) another distillation run generated, from its work directory (OUT-train), instead of "
                               "computing them again; refused unless that run had the same teacher, data, seed and every "
                               "setting they depend on (to compare student shapes against one teacher at the cost of one)"})
     teacher_embeddings: bool = field(default=False, metadata={"help": "start the student's token and position embeddings "
-                                     "from the teacher's, projected onto their --n_embd principal directions (SVD): the "
-                                     "student's tied output layer then begins as the best rank --n_embd copy of the teacher's"})
-    teacher_layers: bool = field(default=False, metadata={"help": "with --teacher_embeddings: start each of the student's "
+                                     "from the teacher's, projected onto their --n-embd principal directions (SVD): the "
+                                     "student's tied output layer then begins as the best rank --n-embd copy of the teacher's"})
+    teacher_layers: bool = field(default=False, metadata={"help": "with --teacher-embeddings: start each of the student's "
                                  "blocks from the teacher's block of the same number, read and written through those principal "
                                  "directions, its heads, head dimensions and MLP units the teacher's first ones (weight selection)"})
     compile_loss: bool = field(default=False, metadata={"help": "torch.compile the teacher's forward and the loss (the "
@@ -113,23 +113,23 @@ class DistillArgs(TrainArgs):
     def check(self) -> None:
         super().check()
         if not 0 <= self.kd_weight <= 1 or not 0 < self.kd_temperature < math.inf:
-            raise InputError("--kd_weight must lie in [0, 1] and --kd_temperature be positive")
+            raise InputError("--kd-weight must lie in [0, 1] and --kd-temperature be positive")
         if self.kd_loss not in DIVERGENCES:
-            raise InputError(f"--kd_loss {self.kd_loss!r}: choose one of {', '.join(DIVERGENCES)}")
+            raise InputError(f"--kd-loss {self.kd_loss!r}: choose one of {', '.join(DIVERGENCES)}")
         if self.teacher_prefixes not in ("corpus", "prompts"):
-            raise InputError(f"--teacher_prefixes {self.teacher_prefixes!r}: choose corpus or prompts")
+            raise InputError(f"--teacher-prefixes {self.teacher_prefixes!r}: choose corpus or prompts")
         if not 0 <= self.teacher_windows <= 1 or not 0 <= self.continuation_temperature < math.inf:
-            raise InputError("--teacher_windows must lie in [0, 1] and --continuation_temperature be 0 (greedy) or positive")
+            raise InputError("--teacher-windows must lie in [0, 1] and --continuation-temperature be 0 (greedy) or positive")
         if not 0 < self.continuation_tokens < self.seq_len:
-            raise InputError(f"--continuation_tokens must lie between 1 and --seq_len - 1 ({self.seq_len - 1})")
+            raise InputError(f"--continuation-tokens must lie between 1 and --seq-len - 1 ({self.seq_len - 1})")
         if self.sparse_targets < 0 or self.target_epochs < 1:
-            raise InputError("--sparse_targets must be 0 (dense) or a positive number of tokens, --target_epochs at least 1")
+            raise InputError("--sparse-targets must be 0 (dense) or a positive number of tokens, --target-epochs at least 1")
         if self.targets_from and not self.sparse_targets:
-            raise InputError("--targets_from needs --sparse_targets (dense distillation keeps no targets to copy)")
+            raise InputError("--targets-from needs --sparse-targets (dense distillation keeps no targets to copy)")
         if self.teacher_layers and not self.teacher_embeddings:
-            raise InputError("--teacher_layers True needs --teacher_embeddings True (the blocks read the stream in their basis)")
+            raise InputError("--teacher-layers True needs --teacher-embeddings True (the blocks read the stream in their basis)")
         if self.agreement_batches < 1:
-            raise InputError(f"--agreement_batches must be at least 1 (got {self.agreement_batches})")
+            raise InputError(f"--agreement-batches must be at least 1 (got {self.agreement_batches})")
 
 
 _SHARED = {
@@ -156,7 +156,7 @@ DRAFT_PRESETS = {
     # continuation of a prompt (about a minute to generate), trained on the total variation distance: speculative
     # decoding 0.99 -> 3.53 tokens per oracle call (README section 2.1); embeddings from the teacher's: top-1
     # agreement 0.52 -> 0.71 (README section 2); the teacher and the loss compiled, not the student: 1.85 -> 1.05 s a
-    # step; its block from the teacher's first (--teacher_layers): top-1 0.71 -> 0.82, expected acceptance 0.82 -> 0.90
+    # step; its block from the teacher's first (--teacher-layers): top-1 0.71 -> 0.82, expected acceptance 0.82 -> 0.90
     "quick": DistillArgs(**{**_SHARED["quick"], "compile": False}, out="runs/default/draft", n_layer=1, n_head=2, n_embd=64,
                          batch_size=8, max_steps=150, learning_rate=3e-3, continuation_tokens=128, teacher_windows=0.5,
                          teacher_prefixes="prompts", kd_loss="tv", teacher_embeddings=True, teacher_layers=True,
@@ -166,7 +166,7 @@ DRAFT_PRESETS = {
     # tokens (8 passes over them) with the loss compiled (the student is not): 42 minutes on 2 AVX2 cores, top-1
     # agreement 0.68, expected acceptance 0.73 (16 passes over 1,200 windows: 0.65, 0.70, the student learned the
     # windows; 720 steps before the loss was compiled: 0.61; random embeddings: 0.41; dense targets: 0.34; README section 2);
-    # its blocks from the teacher's first two (--teacher_layers): top-1 0.68 -> 0.71, expected acceptance 0.73 -> 0.75
+    # its blocks from the teacher's first two (--teacher-layers): top-1 0.68 -> 0.71, expected acceptance 0.73 -> 0.75
     # (28 minutes on a slower AVX2 VM with GELU in one kernel, freed memory kept and the sparse loss in one pass,
     # the teacher's targets 8 of them; README section 2)
     "cpu": DistillArgs(**{**_SHARED["cpu"], "warmup_steps": 20, "compile": False}, out="runs/default/draft", n_layer=2, n_head=4, n_embd=128,
@@ -178,7 +178,7 @@ DRAFT_PRESETS = {
 }
 
 
-def parse_args(args_class, presets: dict, description: str, argv=None):
+def parse_args(args_class, presets: dict, description: str, argv=None, prog: str | None = None):
     """Pick the preset named by --preset, then let HfArgumentParser override any of its fields."""
     from transformers import HfArgumentParser
 
@@ -188,7 +188,9 @@ def parse_args(args_class, presets: dict, description: str, argv=None):
     name = pre.parse_known_args(argv)[0].preset
     if name not in presets:
         raise InputError(f"no preset named {name!r}; choose one of: {', '.join(presets)}")
-    parser = HfArgumentParser(args_class, description=description)
+    parser = HfArgumentParser(args_class, description=description, prog=prog)
+    for action in parser._actions:  # dashes first, as every other command spells its flags; underscores still parse
+        action.option_strings.sort(key=lambda option: "_" in option)
     parser.set_defaults(**dataclasses.asdict(presets[name]))
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     args.check()

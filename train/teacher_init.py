@@ -23,7 +23,7 @@ def principal_directions(teacher, student) -> tuple[torch.Tensor, float]:
     vocab, width = student.get_input_embeddings().weight.shape
     t_wte = teacher.get_input_embeddings().weight.detach().float().cpu()[:vocab]
     if width > t_wte.shape[1]:
-        raise InputError(f"--teacher_embeddings: the student's --n_embd {width} exceeds the teacher's {t_wte.shape[1]}")
+        raise InputError(f"--teacher-embeddings: the student's --n-embd {width} exceeds the teacher's {t_wte.shape[1]}")
     _, s, vt = torch.linalg.svd(t_wte, full_matrices=False)
     return vt[:width].T, float(s[:width].square().sum() / s.square().sum())
 
@@ -38,7 +38,7 @@ def copy_teacher_embeddings(teacher, student, basis: torch.Tensor | None = None)
     """The student's embeddings as the teacher's seen through `basis` (default: their top n_embd principal
     directions V): a token's row of wte V (= U S), a position's row of wpe V. The tied output layer's logits
     h . wte then start as those of the teacher's best rank-n_embd approximation, for a hidden state h in V."""
-    check_gpt2(teacher, student, "--teacher_embeddings")
+    check_gpt2(teacher, student, "--teacher-embeddings")
     s_wte, s_wpe = student.get_input_embeddings().weight, student.transformer.wpe.weight
     basis = principal_directions(teacher, student)[0] if basis is None else basis
     t_wte, t_wpe = teacher.get_input_embeddings().weight.float().cpu(), teacher.transformer.wpe.weight.float().cpu()
@@ -61,12 +61,12 @@ def copy_teacher_layers(teacher, student, basis: torch.Tensor | None = None, sha
     normalised state of the teacher's width projected on V_d (`share`: of the embeddings' squared norm that V_d
     holds), where the student's normalised state has 1. Queries are scaled by sqrt(teacher head dim / student
     head dim) so that attention scores over fewer dimensions keep their scale."""
-    check_gpt2(teacher, student, "--teacher_layers")
+    check_gpt2(teacher, student, "--teacher-layers")
     t, s = teacher.config, student.config
     t_dim, s_dim = t.n_embd // t.n_head, s.n_embd // s.n_head
     t_units, s_units = t.n_inner or 4 * t.n_embd, s.n_inner or 4 * s.n_embd
     if s.n_layer > t.n_layer or s.n_head > t.n_head or s_dim > t_dim or s_units > t_units:
-        raise InputError(f"--teacher_layers: the student ({s.n_layer} layers, {s.n_head} heads of {s_dim}, {s_units} MLP "
+        raise InputError(f"--teacher-layers: the student ({s.n_layer} layers, {s.n_head} heads of {s_dim}, {s_units} MLP "
                          f"units) must be no larger than the teacher ({t.n_layer}, {t.n_head} of {t_dim}, {t_units}) in each")
     if basis is None:
         basis, share = principal_directions(teacher, student)

@@ -1,9 +1,9 @@
 """The teacher's top-k next-token distribution over a fixed set of training windows, computed once.
 
 Dense distillation runs the teacher on every step's windows, its forward most of a step's cost when
-the student is small. With --sparse_targets K the teacher runs once over the windows the run trains
+the student is small. With --sparse-targets K the teacher runs once over the windows the run trains
 on, keeping at each position its K most probable tokens and their log-probabilities (softened by
---kd_temperature), and the student makes --target_epochs passes over them: the teacher is paid once
+--kd-temperature), and the student makes --target-epochs passes over them: the teacher is paid once
 per window instead of once per pass.
 
 The divergence then sees K + 1 outcomes: the K tokens and the rest of the vocabulary as one, with
@@ -33,16 +33,16 @@ TARGETS_DEPEND_ON = ("teacher", "data", "seed", "seq_len", "max_steps", "batch_s
 
 
 def check_targets_from(args) -> None:
-    """Refuse a --targets_from run whose targets this run would not have computed itself."""
+    """Refuse a --targets-from run whose targets this run would not have computed itself."""
     source = Path(args.targets_from)
     if not (source / TARGETS_FILE).is_file():
-        raise InputError(f"--targets_from {source}: no {TARGETS_FILE} there; pass the work directory (OUT-train) of a "
-                         f"distillation run with --sparse_targets that got past its teacher targets")
-    saved = read_saved_args(source, f"--targets_from {source}", "pass another run's work directory")
+        raise InputError(f"--targets-from {source}: no {TARGETS_FILE} there; pass the work directory (OUT-train) of a "
+                         f"distillation run with --sparse-targets that got past its teacher targets")
+    saved = read_saved_args(source, f"--targets-from {source}", "pass another run's work directory")
     changed = changed_args(saved, args, TARGETS_DEPEND_ON)
     if changed:
-        raise InputError(f"--targets_from {source}: that run had different {', '.join('--' + name for name in changed)}, "
-                         f"so its targets are not this run's; use the same settings, or drop --targets_from")
+        raise InputError(f"--targets-from {source}: that run had different {', '.join('--' + name.replace('_', '-') for name in changed)}, "
+                         f"so its targets are not this run's; use the same settings, or drop --targets-from")
 
 
 def copy_targets(source: Path, work_dir: Path) -> None:
