@@ -95,8 +95,8 @@ def rounding_noise(rows: torch.Tensor, gaps: list[float], a: int, b: int) -> flo
     """How far rounding moves the oracle's logits at a prefix, from its `replayed_logits`: the spread of tokens a
     and b's `gaps` across them, or the largest spread of the best tokens' logits (`best_moved`), and never less
     than one unit of a and b's last place, whichever is largest. A pair's gap can hold steady where its
-    neighbours move (a CPU with AMX in bfloat16, README section 5: one unit, 0.0625, steady across every replay,
-    while the methods' own forwards, with caches written in other shapes, saw 0). The floor is the last
+    neighbours move (bfloat16 on a CPU with AMX: one unit, 0.0625, steady across every replay, while the methods'
+    own forwards, with caches written in other shapes, saw 0; docs/exactness.md). The floor is the last
     rounding's own: two logits a hair apart before it can land a unit apart or together, so a one-unit gap is a
     tie under any other order of the same arithmetic, even where every replay rounds it alike (in float32 a unit
     at such logits is about 1e-6)."""
@@ -143,7 +143,7 @@ def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer
     chunks, count among the forwards. `got` from one of our methods (`own`: its `own_rows`, decoded again only when the replays do not
     settle it): the method's own forward is a near-tie too when it computed every one of the best logits
     within that rounding of the baseline's, so that only the pair's order moved (`own_moved`): a tree forward
-    over a cache that trees wrote can round a gap by a unit more than any replay (README section 5), while a
+    over a cache that trees wrote can round a gap by a unit more than any replay (docs/exactness.md), while a
     wrong mask or position moves the whole row. An output that stops early or runs on is never a near-tie."""
     at = first_divergence(expected, got)
     if at is None:

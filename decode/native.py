@@ -3,7 +3,7 @@ staged drafter's greedy selection of the oracle's tree from the draft's logits, 
 greedy decoding, each row's best tokens, the continuations a context repeats (prompt lookup) and a commit's moves in
 a CPU cache; and a bfloat16 draft's transformer blocks (decode/native_draft.cpp, `Blocks`) on CPUs with AVX-512 BF16.
 Right after a forward, each of the tens of torch, numpy and list operations these take in Python pays for caches the
-forward evicted; one call pays once (README section 4, "A step's loops in C++" and "A draft's blocks in C++").
+forward evicted; one call pays once (docs/decoding.md and docs/profiling.md).
 
 torch's extension builder compiles the file on first use (a few seconds; cached under ~/.cache/torch_extensions in a
 directory named by the source's hash, so checkouts of different versions neither rebuild in turn nor replace a

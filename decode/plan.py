@@ -238,7 +238,7 @@ def drafter_for(method: str, policy: dict, draft, table, options):
 def shortlist_sizes(requested: list[int] | None, options, vocab_size: int) -> list[int]:
     """The draft shortlists to weigh against the whole vocabulary: those requested, or by default the
     largest power of two up to half of the vocabulary when the draft has its token counts (smaller
-    ones lost acceptance on other prompts than the calibration's: README section 4.1)."""
+    ones lost acceptance on other prompts than the calibration's: docs/planning.md)."""
     if requested is None:
         if not (Path(options.draft) / TOKEN_COUNTS).is_file():
             print(f"note: {options.draft} has no {TOKEN_COUNTS} (training writes it), so the plan keeps the draft's "

@@ -1,4 +1,4 @@
-"""Katz backoff n-gram model with Good-Turing discounts (DESIGN.md section 6).
+"""Katz backoff n-gram model with Good-Turing discounts (docs/trigram.md).
 
     P(w | h) = d_c c(h w) / c(h .)          if c(h w) > 0
              = alpha(h) P(w | h')            otherwise (h' drops the oldest symbol of h)

@@ -292,8 +292,8 @@ class Run:
 
 def bf16_is_faster() -> bool:
     """Whether bf16 matrix products run faster than float32 ones on the device training will use: a GPU
-    that supports bf16, or a CPU measured (one with AVX2 alone ran them 7x slower, and autocast training
-    over 100x slower, on an AMD EPYC in the sixth session)."""
+    that supports bf16, or a CPU measured (one with AVX2 alone emulates bf16: its products ran 7x slower than
+    float32's, and autocast training over 100x slower; docs/training.md)."""
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
 

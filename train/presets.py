@@ -153,22 +153,16 @@ ORACLE_PRESETS = {
 DRAFT_PRESETS = {
     "tiny": DistillArgs(out="runs/default/draft"),
     # about 0.6M parameters, 9x smaller than the quick oracle; half its windows end with the oracle's own greedy
-    # continuation of a prompt (about a minute to generate), trained on the total variation distance: speculative
-    # decoding 0.99 -> 3.53 tokens per oracle call (README section 2.1); embeddings from the teacher's: top-1
-    # agreement 0.52 -> 0.71 (README section 2); the teacher and the loss compiled, not the student: 1.85 -> 1.05 s a
-    # step; its block from the teacher's first (--teacher-layers): top-1 0.71 -> 0.82, expected acceptance 0.82 -> 0.90
+    # continuation of a prompt, trained on the total variation distance, its embeddings and block from the teacher's
+    # (docs/training.md: each of these raised agreement with the looping quick oracle)
     "quick": DistillArgs(**{**_SHARED["quick"], "compile": False}, out="runs/default/draft", n_layer=1, n_head=2, n_embd=64,
                          batch_size=8, max_steps=150, learning_rate=3e-3, continuation_tokens=128, teacher_windows=0.5,
                          teacher_prefixes="prompts", kd_loss="tv", teacher_embeddings=True, teacher_layers=True,
                          compile_loss=True),
-    # about 1.5M parameters, 15x smaller than the cpu oracle (the paper's ratio is 19x); embeddings from the teacher's
-    # principal directions; the teacher's top-32 targets over 2,400 windows, computed once, then 1,200 steps of 8192
-    # tokens (8 passes over them) with the loss compiled (the student is not): 42 minutes on 2 AVX2 cores, top-1
-    # agreement 0.68, expected acceptance 0.73 (16 passes over 1,200 windows: 0.65, 0.70, the student learned the
-    # windows; 720 steps before the loss was compiled: 0.61; random embeddings: 0.41; dense targets: 0.34; README section 2);
-    # its blocks from the teacher's first two (--teacher-layers): top-1 0.68 -> 0.71, expected acceptance 0.73 -> 0.75
-    # (28 minutes on a slower AVX2 VM with GELU in one kernel, freed memory kept and the sparse loss in one pass,
-    # the teacher's targets 8 of them; README section 2)
+    # about 1.5M parameters, 15x smaller than the cpu oracle (the paper's ratio is 19x); embeddings and blocks from the
+    # teacher's; the teacher's top-32 targets over 2,400 windows, computed once, then 1,200 steps of 8192 tokens (8
+    # passes over them) with the loss compiled: top-1 agreement 0.71, expected acceptance 0.75 (docs/training.md,
+    # "How the cpu recipe was chosen")
     "cpu": DistillArgs(**{**_SHARED["cpu"], "warmup_steps": 20, "compile": False}, out="runs/default/draft", n_layer=2, n_head=4, n_embd=128,
                        batch_size=16, max_steps=1200, learning_rate=2e-3, continuation_tokens=128, sparse_targets=32,
                        target_epochs=8, teacher_embeddings=True, teacher_layers=True, compile_loss=True),

@@ -1,0 +1,97 @@
+"""The documentation stays true: the README's code runs, the generated pages match what the commands print, links
+resolve, and the repository speaks of the software, never of its making."""
+import contextlib
+import io
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from decode import run
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+ORDINALS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|[a-z]+teenth|[a-z]+tieth"
+            "|[a-z]+ty-(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth)")
+# How a development diary shows: ordinal work sessions or loans, the words of one, issue numbers, files elsewhere
+DIARY = re.compile("|".join([
+    rf"\b(?:{ORDINALS}) (?:gpu )?(?:session|loan)s?\b",
+    r"\bsessions?\b(?!\")",  # pytest's scope="session" aside
+    r"\bthis morning\b", r"\bVMs?\b", r"\bscratch\b",
+    r"(?:^|[^&\w])#\d{1,4}\b", r"\bissue (?:#|no\.? ?)?\d+",
+    r"(?-i:\bDESIGN\.md\b)", r"\bhistory\.md\b", r"\.\./shared\b", r"(?-i:\bGPU\.md\b)",
+]), re.I)
+
+
+def tracked_text_files() -> list[Path]:
+    names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    paths = [ROOT / name for name in names if not name.startswith("docs/results/")]  # a benchmark's records, not prose
+    return [p for p in paths if p.is_file() and p != Path(__file__) and p.suffix not in {".png", ".json"}]
+
+
+def test_no_development_narrative_in_any_tracked_file():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    hits = []
+    for path in tracked_text_files():
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if 'scope="session"' in line:
+                continue
+            if match := DIARY.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r} in {line.strip()[:100]}")
+    assert not hits, "the repository speaks of the software, not of its making:\n" + "\n".join(hits)
+
+
+def test_the_diary_markers_catch_what_they_must():
+    caught = ["the thirty-eighth session measured", "on the sixth GPU session", "in an earlier session", "this morning",
+              "on a slow VM", "a scratch script", "the lever of #13", "see issue 12", "DESIGN.md section 6",
+              "docs/history.md", "../shared/GPU.md"]
+    assert all(DIARY.search(text) for text in caught), [t for t in caught if not DIARY.search(t)]
+    kept = ["a second run of setup", '@pytest.fixture(scope="session")', "the first prompt's seed", "#include <vector>",
+            "HTML's &#39;"]
+    assert not [text for text in kept if DIARY.search(text)]
+
+
+def test_the_readme_is_short_and_its_links_resolve():
+    assert len(README.splitlines()) <= 250
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://")):
+                assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_generated_pages_match_what_the_commands_print():
+    done = subprocess.run([sys.executable, "scripts/make_docs.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def readme_block(after: str, language: str) -> str:
+    """The first fenced block of `language` after the line that contains `after`."""
+    rest = README[README.index(after):]
+    return re.search(rf"```{language}\n(.*?)```", rest, re.S)[1]
+
+
+def test_the_readmes_python_example_runs_on_a_run(bpe_run):
+    code = readme_block("From Python, on the run the quickstart builds", "python")
+    assert '"runs/quick"' in code
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code.replace('"runs/quick"', repr(str(bpe_run["run"]))), "README.md", "exec"), {})
+    lines = printed.getvalue().splitlines()
+    assert any(re.fullmatch(r"\d+ tokens in \d+ oracle calls", line) for line in lines), lines
+
+
+def test_the_readmes_decoding_commands_run_on_a_run(bpe_run, tmp_path, monkeypatch):
+    commands = [line.split("  #")[0] for line in readme_block("## Decoding", "bash").splitlines() if line.strip()]
+    assert len(commands) >= 5 and all(c.startswith("python -m decode.run --run runs/quick") for c in commands)
+    monkeypatch.chdir(tmp_path)  # --out out.jsonl lands here
+    for command in commands:
+        argv = shlex.split(command)[3:]
+        argv[argv.index("--run") + 1] = str(bpe_run["run"])
+        records = run.main(argv + ["--max-new-tokens", "8"])  # the last --max-new-tokens wins: short for a test
+        assert records and all(r["new_tokens"] >= 1 for r in records), command
+        if "--out" in argv:
+            assert (tmp_path / argv[argv.index("--out") + 1]).read_text().count("\n") == len(records)
