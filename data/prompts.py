@@ -9,6 +9,7 @@ import ast
 import gzip
 import hashlib
 import json
+import zlib
 from pathlib import Path
 from typing import Iterable
 
@@ -38,8 +39,9 @@ def read_jsonl(path) -> list[dict]:
                 if not isinstance(record.get("prompt"), str) or not record["prompt"]:
                     raise InputError(f"{path}:{lineno}: 'prompt' must be a non-empty string")
                 records.append(record)
-    except (OSError, EOFError, UnicodeDecodeError) as err:
-        raise InputError(f"cannot read prompts file {path} ({err}); expected UTF-8 JSON lines, optionally gzipped") from None
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as err:  # zlib: a damaged gzip stream after its header
+        raise InputError(f"cannot read prompts file {path} ({first_line(err)}); expected UTF-8 JSON lines, optionally "
+                         f"gzipped") from None
     if not records:
         raise InputError(f"prompts file {path} holds no prompts")
     return records

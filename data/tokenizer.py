@@ -10,6 +10,7 @@ from data.errors import InputError, first_line
 
 END_OF_TEXT = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # the 256 byte symbols plus the end-of-text token
+PROBE = "def f(x):\n    return x\n"  # text every usable code tokenizer turns into tokens
 
 
 def check_vocab_size(vocab_size: int) -> None:
@@ -61,6 +62,10 @@ def load_tokenizer(name_or_path):
         ) from None
     if tokenizer.eos_token_id is None:
         raise InputError(f"tokenizer '{name_or_path}' has no end-of-text token; documents could not be separated")
+    if not tokenizer(PROBE, add_special_tokens=False).input_ids:  # a directory without its tokenizer files can load
+        raise InputError(f"the tokenizer in '{name_or_path}' turns text into no tokens: its tokenizer files "
+                         f"(tokenizer.json or vocab.json and merges.txt) are missing or empty; copy them from the run's "
+                         f"tokenizer/ directory")
     tokenizer.clean_up_tokenization_spaces = False
     return tokenizer
 

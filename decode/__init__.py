@@ -2,6 +2,6 @@
 
     from decode import SpeculativeDecoder
 """
-from decode.api import DecoderOptions, Result, SpeculativeDecoder
+from decode.api import DecoderBusy, DecoderOptions, Result, SpeculativeDecoder
 
-__all__ = ["DecoderOptions", "Result", "SpeculativeDecoder"]
+__all__ = ["DecoderBusy", "DecoderOptions", "Result", "SpeculativeDecoder"]

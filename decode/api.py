@@ -9,7 +9,10 @@
 Every command-line tool builds its decoders here (`DecoderOptions` mirrors decode.run's flags), and
 bad settings raise the same one-line InputError the tools print.
 """
+import json
 import math
+import numbers
+import threading
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -93,14 +96,24 @@ class DecoderOptions:
         branch = self.branch if self.branch is not None or self.method == "staged" else 4
         children = self.tree_children or "sampled"
         budget, widths = planning.default_tree(self.device)
-        dtype = self.dtype if self.dtype != "auto" else auto_dtype(self.device)[0]
+        dtype = self.dtype if self.dtype != "auto" else auto_dtype(self.device, None, self.oracle)[0]
         return replace(self, budget=budget if self.budget is None else self.budget,
                        widths=list(widths if self.widths is None else self.widths), dtype=dtype, branch=branch,
                        tree_children=children, given=frozenset(self.given))
 
 
+def check_number(name: str, value, integer: bool = False) -> None:
+    """`value` is a number (an integer with `integer`), as InputError: a string or None would fail deep inside."""
+    kind = numbers.Integral if integer else numbers.Real
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise InputError(f"{name} must be {'an integer' if integer else 'a number'} (got {value!r})")
+
+
 def sampling_of(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
     """The processed distribution's settings, checked (temperature 0: greedy)."""
+    check_number("temperature", temperature)
+    check_number("top_k", top_k, integer=True)
+    check_number("top_p", top_p)
     if not 0 <= temperature < math.inf or not 0 < top_p <= 1 or top_k < 0:
         raise InputError(f"need a finite temperature >= 0, 0 < top-p <= 1 and top-k >= 0 (got {temperature}, {top_p}, {top_k})")
     return Sampling(temperature, top_k, top_p)
@@ -129,13 +142,22 @@ class Result:
         return len(self.token_ids) / self.oracle_calls
 
 
+class DecoderBusy(RuntimeError):
+    """A second generate or stream on a decoder that is still decoding: its models hold one sequence's caches."""
+
+
 class SpeculativeDecoder:
-    """One method over one set of models; `generate` and `stream` decode a prompt (text or token ids)."""
+    """One method over one set of models; `generate` and `stream` decode a prompt (text or token ids).
+
+    One sequence at a time: the models' caches hold the sequence being decoded. A generate or stream that starts
+    while another is decoding (another thread's, or an unfinished stream in this one) raises DecoderBusy at once,
+    and the decoding in progress goes on unharmed. Use one decoder per thread, or take turns."""
 
     def __init__(self, options: DecoderOptions):
         self.options = options.check()
         self.decoder, self.healer = build_decoder(self.options)
         self.tokenizer = self.healer.tokenizer
+        self.busy = threading.Lock()
 
     @classmethod
     def from_run(cls, run: str | Path | None = None, *, oracle=None, draft=None, ngram=None, **options) -> "SpeculativeDecoder":
@@ -153,7 +175,7 @@ class SpeculativeDecoder:
             raise InputError(f"unknown options {unknown}; choose from {', '.join(sorted(names - {'oracle', 'draft', 'ngram'}))}")
         plan = options.get("plan", run and run / "plan.json")
         if options.get("dtype", "auto") == "auto" and plan is not None:
-            options["dtype"] = auto_dtype(options.get("device", "cpu"), plan)[0]  # the plan's, where it has one
+            options["dtype"] = auto_dtype(options.get("device", "cpu"), plan, oracle)[0]  # the plan's, where it has one
         chosen = DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram),
                                 **{"given": frozenset(options), **options}).check()
         if run is not None and "plan" not in options:
@@ -173,6 +195,7 @@ class SpeculativeDecoder:
         return self.encode(ids, "prompt", max_new_tokens)
 
     def encode(self, ids: list[int], name: str, max_new_tokens: int, lookahead: int | None = None) -> Prompt:
+        check_number("max_new_tokens", max_new_tokens, integer=True)
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
         if not ids:
@@ -189,16 +212,27 @@ class SpeculativeDecoder:
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0) -> Result:
         """Decode one prompt; greedy (temperature 0) output is the oracle's, token for token."""
-        encoded = self.prompt(prompt, max_new_tokens)
-        self.use(sampling_of(temperature, top_k, top_p))
-        return drain(self.decode(encoded, max_new_tokens, seed, pieces=False))
+        return drain(self.decoding(prompt, max_new_tokens, temperature, top_k, top_p, seed, pieces=False))
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0) -> Iterator[str]:
         """The completion's text in pieces, as the oracle accepts tokens; they join to `generate`'s text."""
-        encoded = self.prompt(prompt, max_new_tokens)
-        self.use(sampling_of(temperature, top_k, top_p))
-        yield from self.decode(encoded, max_new_tokens, seed, pieces=True)
+        yield from self.decoding(prompt, max_new_tokens, temperature, top_k, top_p, seed, pieces=True)
+
+    def decoding(self, prompt, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
+                 pieces: bool) -> Generator[str, None, "Result"]:
+        """`decode` with the settings checked, holding the decoder from its first step to its last (or until the
+        generator is closed): a second decoding meanwhile raises DecoderBusy."""
+        if not self.busy.acquire(blocking=False):
+            raise DecoderBusy("this decoder is already decoding another prompt (another thread's call, or a stream "
+                              "not yet finished or closed); decode one prompt at a time on it, or use one decoder per thread")
+        try:
+            check_number("seed", seed, integer=True)
+            encoded = self.prompt(prompt, max_new_tokens)
+            self.use(sampling_of(temperature, top_k, top_p))
+            return (yield from self.decode(encoded, max_new_tokens, seed, pieces))
+        finally:
+            self.busy.release()
 
     def use(self, sampling: Sampling) -> None:
         self.decoder.use(sampling)
@@ -268,7 +302,21 @@ def load_trigram(options, vocab_size: int, eos_id: int):
 
     if options.ngram is None:
         raise InputError(f"--method {options.method} needs the Katz trigram; pass --ngram DIR (python ngram/build_katz.py)")
+    meta_path = Path(options.ngram) / "meta.json"
+    if not meta_path.is_file():  # written last: without it the directory is not a finished trigram
+        raise InputError(f"{options.ngram} has no meta.json, so python ngram/build_katz.py did not finish writing it (or it "
+                         f"is not a trigram directory); build one with `python ngram/build_katz.py --out NEW_DIR`")
+    try:
+        meta = json.loads(meta_path.read_text())
+        built_for = (int(meta["vocab_size"]), int(meta["eos_id"]))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"{meta_path} is damaged ({type(err).__name__}: {err}); rebuild the trigram with "
+                         f"`python ngram/build_katz.py --out {options.ngram} --overwrite`") from None
     table = SuccessorTable.load(Path(options.ngram) / "successors.npz")
+    if built_for != (table.vocab_size, table.eos_id):
+        raise InputError(f"{meta_path} says a vocabulary of {built_for[0]} tokens (end-of-text {built_for[1]}) but its "
+                         f"successors.npz holds {table.vocab_size} ({table.eos_id}); rebuild the trigram with "
+                         f"`python ngram/build_katz.py --out {options.ngram} --overwrite`")
     if table.vocab_size != vocab_size or table.eos_id != eos_id:
         raise InputError(f"the trigram in {options.ngram} was built for a vocabulary of {table.vocab_size} tokens "
                          f"(end-of-text {table.eos_id}), the oracle has {vocab_size} (end-of-text {eos_id}); rebuild it from this run")

@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prefix", type=int, default=128, help="cached positions before the timed forward")
     p.add_argument("--repeats", type=int, default=20, help="timed forwards per node count")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="auto: bfloat16 where the device multiplies in it natively, else float32")
+                   help="auto: the one the model's forward measures faster in here (a GPU: bfloat16)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N for the N-th GPU)")
     p.add_argument("--skip-large", action="store_true", help="skip the GPT-2-Large-sized forward costs")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
         check_output(args.out, FILE, args.overwrite, "--out")
     check_device(args.device)
     if args.dtype == "auto":
-        args.dtype, why = auto_dtype(args.device)
+        args.dtype, why = auto_dtype(args.device, None, args.model)
         print(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)")
 
     texts = [r["prompt"] for r in load_prompts(args.prompts, args.limit)]

@@ -1,9 +1,10 @@
-"""Which dtype a decoder runs in when asked for "auto": bfloat16 where the device multiplies in it natively, float32
-elsewhere.
+"""Which dtype a decoder runs in when asked for "auto": the one the oracle's own forward measures faster in here.
 
 A batch-one forward streams every weight, so bfloat16 halves the bytes; but on a CPU without bfloat16 instructions
 the products are emulated, and a tree of 16 nodes then costs ten times one token (docs/decoding.md, "Precision").
-A GPU with bfloat16 support and a CPU with AVX-512 BF16 or AMX multiply in it natively.
+Which one wins depends on the CPU and the model's shape, so on a CPU the oracle is timed in both, over one token and
+over a tree of 16, and the choice is kept per model and device with the forward costs. A GPU with bfloat16 support
+decodes in it.
 """
 import json
 import os
@@ -11,16 +12,19 @@ from pathlib import Path
 
 import torch
 
-from decode.costs import cpu_features, device_name
+from data.atomic import write_json
+from decode.costs import CACHE_DIR, device_name, fingerprint, forward_costs
 
 DTYPES = ("float32", "bfloat16")
 PINNED = "STAGED_SPECULATIVE_DTYPE"  # what "auto" resolves to when set (float32 or bfloat16): reproducible runs
+TIMED = (1, 16)  # a plain decoding step and a speculative tree's, in new nodes
+REPEATS = 20
 
 
-def auto_dtype(device: str, plan: Path | None = None) -> tuple[str, str]:
-    """The dtype "auto" stands for on `device`, and why, in a few words: the dtype the `plan` file (RUN/plan.json)
-    was planned in on this device (the planner measured these models there), else the device's native support for
-    bfloat16."""
+def auto_dtype(device: str, plan: Path | None = None, oracle: Path | None = None) -> tuple[str, str]:
+    """The dtype "auto" stands for on `device`, and why, in one line: the dtype the `plan` file (RUN/plan.json) was
+    planned in on this device (the planner measured these models there); else, on a CPU, the one the `oracle`'s
+    forward measures faster in (measured once, then cached); else bfloat16 where the device has it natively."""
     pinned = os.environ.get(PINNED)
     if pinned in DTYPES:
         return pinned, f"{PINNED}={pinned}"
@@ -31,6 +35,10 @@ def auto_dtype(device: str, plan: Path | None = None) -> tuple[str, str]:
         if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
             return "bfloat16", "this GPU supports it"
         return "float32", "this GPU lacks bfloat16"
+    if oracle is not None and (Path(oracle) / "config.json").is_file():
+        return measured_dtype(Path(oracle), device)
+    from decode.costs import cpu_features
+
     features = cpu_features()
     if "BF16" in features or "AMX" in features:
         return "bfloat16", f"this CPU multiplies in it natively ({features})"
@@ -46,3 +54,28 @@ def plan_dtype(plan: Path, device: str) -> str | None:
     if identity.get("device") != device_name(torch.device(device)) or identity.get("dtype") not in DTYPES:
         return None
     return identity["dtype"]
+
+
+def measured_dtype(oracle: Path, device: str, cache_dir: Path | None = None) -> tuple[str, str]:
+    """The dtype whose forwards of the oracle over 1 and 16 new nodes take less time in all, here; with the two
+    timings. Measured once per model and device (a few seconds for the cpu preset's oracle), then read back."""
+    name = device_name(torch.device(device))
+    path = Path(cache_dir or CACHE_DIR) / f"dtype-{fingerprint(oracle)}-{''.join(c if c.isalnum() else '_' for c in name)}.json"
+    try:
+        ms = {dtype: {int(q): t for q, t in row.items()} for dtype, row in json.loads(path.read_text()).items()}
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        ms = {dtype: time_forwards(oracle, dtype, device) for dtype in DTYPES}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, ms, indent=1)
+    total = {dtype: sum(ms[dtype].values()) for dtype in DTYPES}
+    chosen = min(DTYPES, key=total.get)  # float32 on a tie
+    timings = ", ".join(f"{dtype} {' + '.join(f'{ms[dtype][q]:.2f}' for q in TIMED)} ms" for dtype in DTYPES)
+    return chosen, f"measured faster here: the oracle's forward of {' and '.join(map(str, TIMED))} nodes took {timings}"
+
+
+def time_forwards(oracle: Path, dtype: str, device: str) -> dict[int, float]:
+    """Milliseconds per forward of the oracle over each of TIMED new nodes, in `dtype` (the decoder's own engine)."""
+    from decode.api import load_model  # the engine a decoder would load, lean or transformers'
+
+    model = load_model(oracle, "auto", dtype, device)
+    return forward_costs(model, repeats=REPEATS, counts=TIMED)

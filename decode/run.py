@@ -101,8 +101,8 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
                         "(a prompt ending in a bare newline otherwise starts where training never went); every method alike")
     p.add_argument("--seed", type=int, default=0, help="the first prompt's sampling seed; prompt i takes seed + i")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="auto: the dtype RUN/plan.json was planned in on this device, else bfloat16 where the device "
-                        "multiplies in it natively (a GPU, a CPU with AVX-512 BF16 or AMX) and float32 elsewhere")
+                   help="auto: the dtype RUN/plan.json was planned in on this device; else on a CPU the one the oracle's "
+                        "forward measures faster in (timed once, then cached), on a GPU bfloat16")
     p.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None, action=Typed,
                    help="the draft's dtype (default: the plan's choice, else --dtype's): a draft's forward of a few rows "
                         "is per-call overhead, which differs by dtype on a CPU")
@@ -147,7 +147,7 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
             p.error(f"--widths takes comma-separated integers, e.g. 3,2,1 (got {args.widths!r})")
     if args.dtype == "auto":
         plan = args.plan or (args.run / "plan.json" if args.run is not None and not args.no_plan else None)
-        args.dtype, why = auto_dtype(args.device, plan)
+        args.dtype, why = auto_dtype(args.device, plan, args.oracle)
         if PINNED not in why:  # pinned by the environment: the user chose it
             print(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)", file=sys.stderr)
     try:

@@ -228,7 +228,7 @@ def test_bench_engine_times_both_loops_on_the_same_outputs_and_its_graph_section
     assert set(out["forward_ms"][oracle]) == set(costs.NODE_COUNTS) and "generation_with_cuda_graphs" not in out
     latency, outputs = bench_engine.generation_latency(oracle, ["t2 t7", "t3 t8"], 6, "float32", "cpu")
     assert [len(tokens) for tokens in outputs] == [6, 6] and latency["identical_outputs"] == "2/2"
-    # the GPU's section 5, run where graphs fall back to the eager forward: the outputs it compares are the same
+    # the GPU's part of the engine benchmark, run where graphs fall back to the eager forward: the same outputs
     args = bench_engine.argparse.Namespace(model=oracle, max_new_tokens=6, dtype="float32", device="cpu",
                                            skip_large=True, prefix=8, repeats=1)
     graphed = bench_engine.with_cuda_graphs(args, ["t2 t7", "t3 t8"], latency, outputs,

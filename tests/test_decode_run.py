@@ -128,7 +128,7 @@ def test_agreement_reports_identical_outputs_and_explains_divergences(models, tm
 
 def test_rounding_noise_is_the_largest_of_the_gaps_spread_the_best_tokens_spread_and_a_unit_in_the_last_place():
     """A gap that holds steady across the replays while the oracle's other best tokens move by a bfloat16 unit
-    is within rounding (what a CPU with AMX showed: README section 5); a unit is counted at each logit's own
+    is within rounding (what bfloat16 on a CPU with AMX showed: docs/exactness.md); a unit is counted at each logit's own
     magnitude; tokens outside the best do not count; and a single unit at the pair's magnitude is always within
     rounding (the last rounding of the logits alone makes it), in the precision the logits were computed in."""
     from decode.agreement import TOP, last_place, rounding_noise

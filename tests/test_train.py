@@ -502,13 +502,14 @@ def test_unset_bf16_is_measured_once_and_kept_on_resume(run, tmp_path, monkeypat
 
     from train import loop, presets
 
-    assert isinstance(loop.bf16_is_faster(), bool)
+    faster, timings = loop.bf16_is_faster(width=64, rows=128, repeats=2)
+    assert isinstance(faster, bool) and "ms with bf16 autocast" in timings and "ms in float32" in timings
     monkeypatch.setitem(presets.ORACLE_PRESETS, "tiny", dataclasses.replace(presets.ORACLE_PRESETS["tiny"], bf16=None))
-    monkeypatch.setattr(loop, "bf16_is_faster", lambda: False)
+    monkeypatch.setattr(loop, "bf16_is_faster", lambda *size: (False, "timed"))
     argv = ["--data", str(run[0] / "data"), "--out", str(tmp_path / "oracle"), "--max-steps", "12"]
     finetune_oracle.main(argv + ["--stop-after-steps", "6"])
     assert "bf16 autocast off" in capsys.readouterr().out
-    monkeypatch.setattr(loop, "bf16_is_faster", lambda: True)  # another measurement: the resumed run keeps its own
+    monkeypatch.setattr(loop, "bf16_is_faster", lambda *size: (True, "timed"))  # the resumed run keeps its own
     finetune_oracle.main(argv + ["--resume"])
     assert json.loads((tmp_path / "oracle" / "training_args.json").read_text())["bf16"] is False
 

@@ -120,7 +120,8 @@ def agreement(student, teacher, val_tokens, args: DistillArgs, accelerator) -> d
     """Agreement with the teacher on validation windows of the corpus, and on the teacher's greedy
     continuations of validation prefixes (what the draft reads when decoding greedily)."""
     student.eval()
-    windows = eval_windows(val_tokens, args.seq_len, args.agreement_batches * args.batch_size)
+    # the same windows however the batch is split over processes
+    windows = eval_windows(val_tokens, args.seq_len, args.agreement_batches * args.batch_size * accelerator.num_processes)
     top1, probability, acceptance = agreement_on(student, teacher, windows, 0, args.batch_size, accelerator)
     prefix = args.seq_len - args.continuation_tokens
     prefixes = random_prefixes(val_tokens, OUTPUT_WINDOWS, prefix, np.random.default_rng(args.seed))

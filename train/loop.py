@@ -216,12 +216,21 @@ def causal_loss(model):
     return model
 
 
+def processes():
+    """The run's processes (accelerate's PartialState): one, or those `accelerate launch` or torchrun started. On a
+    machine without a GPU they talk over gloo; without cpu=True there, each would train alone as process 0."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
 def make_accelerator(args: TrainArgs, work_dir: Path):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 
     tracker = JSONLinesTracker(work_dir / "log.jsonl") if args.log_with == "jsonl" else args.log_with
     return Accelerator(
+        cpu=not torch.cuda.is_available(),
         mixed_precision="bf16" if args.bf16 else "no",
         # epochs end mid-accumulation; we step only on whole accumulations so resume lines up exactly
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=args.grad_accum, sync_with_dataloader=False),
@@ -290,22 +299,34 @@ class Run:
     val_tokens: np.ndarray
 
 
-def bf16_is_faster() -> bool:
-    """Whether bf16 matrix products run faster than float32 ones on the device training will use: a GPU
-    that supports bf16, or a CPU measured (one with AVX2 alone emulates bf16: its products ran 7x slower than
-    float32's, and autocast training over 100x slower; docs/training.md)."""
+def bf16_is_faster(width: int = 512, rows: int = 2048, repeats: int = 5) -> tuple[bool, str]:
+    """Whether bf16 autocast makes a training step faster on the device training will use, and the timings: a GPU
+    that supports bf16, or on a CPU one MLP block of the model's `width` over `rows` tokens, forward and backward,
+    timed with and without autocast in turns (median of `repeats`). A CPU with AVX2 alone emulates bf16: its
+    autocast training ran over 100x slower there (docs/training.md)."""
     if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
+        supported = torch.cuda.is_bf16_supported()
+        return supported, "this GPU supports bf16" if supported else "this GPU lacks bf16"
+    block = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(approximate="tanh"),
+                                torch.nn.Linear(4 * width, width))
+    x = torch.randn(rows, width)
 
-    def seconds(dtype) -> float:
-        a = torch.randn(512, 512).to(dtype)
-        a @ a  # warm-up
+    def step(bf16: bool) -> float:
         start = time.perf_counter()
-        for _ in range(4):
-            a @ a
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = block(x).float().square().mean()
+        loss.backward()
         return time.perf_counter() - start
 
-    return seconds(torch.bfloat16) < seconds(torch.float32)
+    times = {True: [], False: []}
+    for i in range(repeats + 1):  # the first round warms up
+        for bf16 in (True, False):
+            seconds = step(bf16)
+            if i:
+                times[bf16].append(seconds)
+    bf16_ms, fp32_ms = (1e3 * float(np.median(times[b])) for b in (True, False))
+    return bf16_ms < fp32_ms, (f"a step of one MLP block ({width} wide, {rows} tokens) took {bf16_ms:.1f} ms with bf16 "
+                               f"autocast, {fp32_ms:.1f} ms in float32")
 
 
 def keep_freed_memory() -> None:
@@ -351,10 +372,16 @@ def start_run(args: TrainArgs) -> Run:
     work_dir = check_output(args)
     meta, train_tokens, val_tokens = load_data(args)
     tokenizer = data_tokenizer(args, meta)
-    if args.bf16 is None:  # measured once per run; a resumed run keeps its run's choice
-        args.bf16 = read_saved_args(work_dir)["bf16"] if args.resume else bf16_is_faster()
-        print(f"bf16 autocast {'on' if args.bf16 else 'off'}: "
-              f"{'measured faster than float32' if args.bf16 else 'not faster than float32'} on this device")
+    state = processes()
+    if args.bf16 is None and args.resume:  # a resumed run keeps its run's choice
+        args.bf16 = read_saved_args(work_dir)["bf16"]
+    elif args.bf16 is None:  # measured once per run, on the model's width, by the first process for all
+        from accelerate.utils import broadcast_object_list
+
+        measured = [bf16_is_faster(args.n_embd) if state.is_main_process else None]
+        args.bf16, timings = broadcast_object_list(measured)[0]
+        if state.is_main_process:
+            print(f"bf16 autocast {'on' if args.bf16 else 'off'} ({timings}; --bf16 True or False to choose)")
     set_seed(args.seed)
     keep_freed_memory()
     return Run(args, work_dir, make_accelerator(args, work_dir), tokenizer, train_tokens, val_tokens)
@@ -383,7 +410,8 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
         raise InputError(f"the train split holds fewer than --batch-size {args.batch_size} windows; lower it or prepare more data")
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     accelerator.register_for_checkpointing(scheduler)  # stepped by us, once per optimizer step
-    val_windows = eval_windows(run.val_tokens, args.seq_len, args.eval_batches * args.batch_size)
+    # the same windows however the batch is split over processes
+    val_windows = eval_windows(run.val_tokens, args.seq_len, args.eval_batches * args.batch_size * accelerator.num_processes)
 
     step = 0
     found = checkpoints(work_dir) if args.resume else []  # none: stopped before its first, starts at step 0
@@ -449,6 +477,8 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
 
 
 def report(args: TrainArgs, metrics: dict) -> None:
+    if not processes().is_main_process:
+        return
     done = metrics["step"] == args.max_steps
     where = f"saved to {args.out}" if done else f"stopped at step {metrics['step']} of {args.max_steps}; continue with --resume"
     summary = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
