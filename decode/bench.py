@@ -255,7 +255,7 @@ def main(argv=None) -> dict:
     warning = report.looping([r["tokens"] for r in records["baseline"]]) if greedy else None
     if warning:
         print(warning)
-    command = shlex.join([PROG] + (sys.argv[1:] if argv is None else list(argv)))
+    command = f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"
     result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device,
                            "machine": machine_name(decoders["baseline"].oracle.device),
                            "date": datetime.date.today().isoformat(), "command": command, "prompts": len(prompts),

@@ -76,7 +76,7 @@ def parse(argv):
     p.add_argument("--out", type=Path, help="where the plan goes (default RUN/plan.json)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing plan")
     known, rest = p.parse_known_args(argv)
-    settings = run.parse(rest + ["--method", "staged", "--no-plan"], "python -m decode.plan")
+    settings = run.parse(rest + ["--method", "staged", "--no-plan"], "python -m decode.plan", dtype_from_plan=False)
     if known.calibration < 1 or known.screen < 2 or not 2 <= known.max_budget <= 512 or not 1 <= known.max_depth <= 16:
         p.error("need --calibration >= 1, --screen >= 2, --max-budget 2..512 and --max-depth 1..16")
     if known.out is None and settings.run is None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from data.atomic import write_json
-from decode.costs import CACHE_DIR, device_name, fingerprint, forward_costs
+from decode.costs import CACHE_DIR, cpu_features, device_name, fingerprint, forward_costs
 
 DTYPES = ("float32", "bfloat16")
 PINNED = "STAGED_SPECULATIVE_DTYPE"  # what "auto" resolves to when set (float32 or bfloat16): reproducible runs
@@ -37,8 +37,6 @@ def auto_dtype(device: str, plan: Path | None = None, oracle: Path | None = None
         return "float32", "this GPU lacks bfloat16"
     if oracle is not None and (Path(oracle) / "config.json").is_file():
         return measured_dtype(Path(oracle), device)
-    from decode.costs import cpu_features
-
     features = cpu_features()
     if "BF16" in features or "AMX" in features:
         return "bfloat16", f"this CPU multiplies in it natively ({features})"

@@ -5,6 +5,7 @@
     python -m decode.run --run RUN --method speculative --temperature 1 --top-k 50 --out out.jsonl
 """
 import argparse
+import functools
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -46,8 +47,17 @@ class Typed(argparse.Action):
         namespace.given = namespace.given | {self.dest}
 
 
-def parse(argv=None, prog: str = "python -m decode.run", description: str = __doc__.split("\n\n")[0]) -> Settings:
-    """decode.run's flags as Settings; the tools built on them (profile_step) pass their own name and summary."""
+@functools.cache
+def announce(line: str) -> None:
+    """`line` on stderr, once per process however many decoders the tool builds."""
+    print(line, file=sys.stderr)
+
+
+def parse(argv=None, prog: str = "python -m decode.run", description: str = __doc__.split("\n\n")[0],
+          dtype_from_plan: bool = True) -> Settings:
+    """decode.run's flags as Settings; the tools built on them (profile_step) pass their own name and summary.
+    `--dtype auto` takes the run's plan's dtype (even with --no-plan, so that a benchmark's methods share one) unless
+    `dtype_from_plan` is off (the planner, which measures afresh)."""
     p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
     p.add_argument("--run", type=Path, help="run directory: defaults --oracle, --draft, --ngram and --prompts to its parts")
     p.add_argument("--oracle", type=Path, help="the oracle's directory (save_pretrained)")
@@ -146,10 +156,10 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
         except ValueError:
             p.error(f"--widths takes comma-separated integers, e.g. 3,2,1 (got {args.widths!r})")
     if args.dtype == "auto":
-        plan = args.plan or (args.run / "plan.json" if args.run is not None and not args.no_plan else None)
-        args.dtype, why = auto_dtype(args.device, plan, args.oracle)
+        plan = args.plan or (args.run / "plan.json" if args.run is not None else None)
+        args.dtype, why = auto_dtype(args.device, plan if dtype_from_plan else None, args.oracle)
         if PINNED not in why:  # pinned by the environment: the user chose it
-            print(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)", file=sys.stderr)
+            announce(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)")
     try:
         options = DecoderOptions.of(args).check()
         sampling = sampling_of(args.temperature, args.top_k, args.top_p)
