@@ -53,12 +53,9 @@ def announce(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def parse(argv=None, prog: str = "python -m decode.run", description: str = __doc__.split("\n\n")[0],
-          dtype_from_plan: bool = True) -> Settings:
-    """decode.run's flags as Settings; the tools built on them (profile_step) pass their own name and summary.
-    `--dtype auto` takes the run's plan's dtype (even with --no-plan, so that a benchmark's methods share one) unless
-    `dtype_from_plan` is off (the planner, which measures afresh)."""
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+def add_decoder_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that choose the models, the method, its tree and the precision: what every tool that builds a
+    decoder shares (decode.run, decode.serve, the benchmarks)."""
     p.add_argument("--run", type=Path, help="run directory: defaults --oracle, --draft, --ngram and --prompts to its parts")
     p.add_argument("--oracle", type=Path, help="the oracle's directory (save_pretrained)")
     p.add_argument("--draft", type=Path, help="the draft's directory (for speculative methods)")
@@ -67,14 +64,6 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
                    help="baseline: the oracle alone; speculative: chain drafts of --k tokens; tree: draft-model trees; "
                         "staged: trigram (and context) -> draft -> oracle trees; ngram: trigram trees; "
                         "lookup: continuations found in the context (prompt lookup), no model")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="one prompt text")
-    src.add_argument("--prompts", help="'humaneval' or a .jsonl[.gz] file of {task_id, prompt} (default: RUN/prompts.jsonl)")
-    p.add_argument("--limit", type=int, help="the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this much probability")
     p.add_argument("--k", type=int, default=4, action=Typed, help="speculative: tokens the draft proposes per oracle call")
     p.add_argument("--budget", type=int, default=None, action=Typed,
                    help=f"tree methods: nodes in the oracle's tree (default: the plan's; without one {CPU_BUDGET} on a CPU, "
@@ -109,7 +98,6 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
     p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
                    help="back off the prompt's last token and let the first new token be only one that extends its text "
                         "(a prompt ending in a bare newline otherwise starts where training never went); every method alike")
-    p.add_argument("--seed", type=int, default=0, help="the first prompt's sampling seed; prompt i takes seed + i")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: the dtype RUN/plan.json was planned in on this device; else on a CPU the one the oracle's "
                         "forward measures faster in (timed once, then cached), on a GPU bfloat16")
@@ -126,25 +114,21 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
                    help="the draft's output layer over its N most frequent training tokens only (RUN/draft/"
                         "token_counts.npy): a fraction of its cost; it then proposes only those, and the output stays "
                         "the oracle's (0: every token; a plan's choice when not typed)")
-    p.add_argument("--out", type=Path, help="write one JSON object per prompt here (.jsonl)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    p.add_argument("--stream", action="store_true", help="print each completion as its tokens are accepted")
     p.set_defaults(given=frozenset())
-    args = p.parse_args(argv)
+
+
+def decoder_options(p: argparse.ArgumentParser, args: argparse.Namespace, dtype_from_plan: bool = True) -> DecoderOptions:
+    """The options `add_decoder_flags` parsed, resolved: the run's parts, the tree, the dtype and the run's plan.
+    `--dtype auto` takes the run's plan's dtype (even with --no-plan, so that a benchmark's methods share one) unless
+    `dtype_from_plan` is off (the planner, which measures afresh)."""
     if args.run is not None:
         args.oracle = args.oracle or args.run / "oracle"
         args.draft = args.draft or args.run / "draft"
         args.ngram = args.ngram or args.run / "ngram"
-        if args.prompt is None and args.prompts is None:
-            args.prompts = str(args.run / "prompts.jsonl")
     if args.no_plan:
         args.plan = None
     if args.oracle is None:
         p.error("pass --oracle DIR (or --run RUN)")
-    if args.prompt is None and args.prompts is None:
-        p.error("pass --prompt TEXT or --prompts humaneval|FILE (or --run RUN)")
-    if args.limit is not None and args.limit < 1:
-        p.error(f"--limit must be at least 1 (got {args.limit}); leave it out for every prompt")
     if args.paper_tree:
         if {"widths", "budget"} & args.given:
             p.error("--paper-tree sets --widths and --budget; pass either, not both")
@@ -162,11 +146,43 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
             announce(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)")
     try:
         options = DecoderOptions.of(args).check()
-        sampling = sampling_of(args.temperature, args.top_k, args.top_p)
     except InputError as err:
         p.error(str(err))
     if args.run is not None and args.plan is None and not args.no_plan:
         options = replace(options, plan=run_plan(args.run, options))
+    return options
+
+
+def parse(argv=None, prog: str = "python -m decode.run", description: str = __doc__.split("\n\n")[0],
+          dtype_from_plan: bool = True) -> Settings:
+    """decode.run's flags as Settings; the tools built on them (profile_step) pass their own name and summary, and the
+    planner `dtype_from_plan=False` (decoder_options)."""
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+    add_decoder_flags(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="one prompt text")
+    src.add_argument("--prompts", help="'humaneval' or a .jsonl[.gz] file of {task_id, prompt} (default: RUN/prompts.jsonl)")
+    p.add_argument("--limit", type=int, help="the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this much probability")
+    p.add_argument("--seed", type=int, default=0, help="the first prompt's sampling seed; prompt i takes seed + i")
+    p.add_argument("--out", type=Path, help="write one JSON object per prompt here (.jsonl)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--stream", action="store_true", help="print each completion as its tokens are accepted")
+    args = p.parse_args(argv)
+    if args.run is not None and args.prompt is None and args.prompts is None:
+        args.prompts = str(args.run / "prompts.jsonl")
+    if args.prompt is None and args.prompts is None:
+        p.error("pass --prompt TEXT or --prompts humaneval|FILE (or --run RUN)")
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit must be at least 1 (got {args.limit}); leave it out for every prompt")
+    options = decoder_options(p, args, dtype_from_plan)
+    try:
+        sampling = sampling_of(args.temperature, args.top_k, args.top_p)
+    except InputError as err:
+        p.error(str(err))
     return Settings(options, sampling, args.prompt, args.prompts, args.limit, args.max_new_tokens, args.seed,
                     args.out, args.overwrite, args.stream, args.run)
 
