@@ -24,7 +24,7 @@ import torch
 from data.errors import InputError
 from data.shards import TOKEN_COUNTS
 from data.tokenizer import load_tokenizer
-from decode import generate, native, planning
+from decode import generate, generation, native, planning
 from decode.cached_lm import CachedLM, Shortlist
 from decode.drafters import ChainDrafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
 from decode.engine import SPECULATIVE_SLOTS, GPT2Engine, is_lean_compatible, read_config
@@ -136,6 +136,7 @@ class Result:
     draft_calls: int
     seconds: float
     healed: str  # the prompt's text that token healing backed off ("" when none)
+    finish_reason: str = "length"  # "stop": an end-of-text token or a stop string ended it; "length": max_new_tokens
 
     @property
     def tokens_per_oracle_call(self) -> float:
@@ -209,50 +210,66 @@ class SpeculativeDecoder:
                              f"prompt {name!r} ({len(ids)} tokens); use at most {room}")
         return self.healer(ids, self.options.device)
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0) -> Result:
-        """Decode one prompt; greedy (temperature 0) output is the oracle's, token for token."""
-        return drain(self.decoding(prompt, max_new_tokens, temperature, top_k, top_p, seed, pieces=False))
+    def generate(self, prompt: str | list[int], generation_config=None, *, streamer=None, **settings) -> Result:
+        """Decode one prompt (text or token ids); greedy output is the oracle's, token for token. The settings are
+        transformers' (decode.generation): a GenerationConfig and/or max_new_tokens, do_sample, temperature, top_k,
+        top_p, eos_token_id, stop_strings, seed. A transformers streamer (TextStreamer, TextIteratorStreamer) gets
+        the prompt's ids, then the new tokens as the oracle accepts them, then its end."""
+        request = generation.resolve(generation_config, settings, sampling_of)
+        return drain(self.decoding(prompt, request, pieces=False, streamer=streamer))
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0) -> Iterator[str]:
-        """The completion's text in pieces, as the oracle accepts tokens; they join to `generate`'s text."""
-        yield from self.decoding(prompt, max_new_tokens, temperature, top_k, top_p, seed, pieces=True)
+    def stream(self, prompt: str | list[int], generation_config=None, **settings) -> generation.Stream:
+        """The completion's text in pieces, as the oracle accepts tokens; they join to `generate`'s text, and the
+        stream's `result` is generate's Result once the last piece is out. The settings are generate's."""
+        return generation.Stream(self.decoding(prompt, generation.resolve(generation_config, settings, sampling_of),
+                                               pieces=True))
 
-    def decoding(self, prompt, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int,
-                 pieces: bool) -> Generator[str, None, "Result"]:
-        """`decode` with the settings checked, holding the decoder from its first step to its last (or until the
+    def decoding(self, prompt, request: generation.Request, pieces: bool, streamer=None) -> Generator[str, None, Result]:
+        """`decode` with the prompt checked, holding the decoder from its first step to its last (or until the
         generator is closed): a second decoding meanwhile raises DecoderBusy."""
         if not self.busy.acquire(blocking=False):
             raise DecoderBusy("this decoder is already decoding another prompt (another thread's call, or a stream "
                               "not yet finished or closed); decode one prompt at a time on it, or use one decoder per thread")
         try:
-            check_number("seed", seed, integer=True)
-            encoded = self.prompt(prompt, max_new_tokens)
-            self.use(sampling_of(temperature, top_k, top_p))
-            return (yield from self.decode(encoded, max_new_tokens, seed, pieces))
+            check_number("seed", request.seed, integer=True)
+            encoded = self.prompt(prompt, request.max_new_tokens)
+            self.use(request.sampling)
+            return (yield from self.decode(encoded, request, pieces, streamer))
         finally:
             self.busy.release()
 
     def use(self, sampling: Sampling) -> None:
         self.decoder.use(sampling)
 
-    def decode(self, prompt: Prompt, max_new_tokens: int, seed: int, pieces: bool) -> Generator[str, None, Result]:
-        """Decode an encoded prompt with the current sampling settings; with `pieces`, yield the new text
-        after each oracle call. A piece never ends inside a character: an incomplete UTF-8 sequence
-        (decoded as U+FFFD) waits for its rest. Returns the Result."""
-        start, sent = time.perf_counter(), 0
-        for out in self.decoder.steps(prompt, max_new_tokens, seed):
+    def decode(self, prompt: Prompt, request: generation.Request, pieces: bool, streamer=None
+               ) -> Generator[str, None, Result]:
+        """Decode an encoded prompt with the current sampling settings (`use`); with `pieces`, yield the new text
+        after each oracle call. A piece never ends inside a character: an incomplete UTF-8 sequence (decoded as
+        U+FFFD) waits for its rest. The output ends at the request's stop conditions. Returns the Result."""
+        text_of = lambda tokens: prompt.completion(self.tokenizer, tokens, self.decoder.eos_id)
+        start, sent, tokens, stopped = time.perf_counter(), 0, [], None
+        if streamer is not None:
+            streamer.put(prompt.ids.detach().cpu())
+        for out in self.decoder.steps(prompt, request.max_new_tokens, request.seed):
+            stopped = request.stop_at(out.tokens, len(tokens), text_of)
+            new, tokens = tokens, out.tokens[:stopped]
+            if streamer is not None and len(tokens) > len(new):
+                streamer.put(torch.tensor(tokens[len(new):]))
             if pieces:
-                text = prompt.completion(self.tokenizer, out.tokens, self.decoder.eos_id)
+                text = text_of(tokens)
                 end = len(text.rstrip("\ufffd"))
                 if end > sent:
                     yield text[sent:end]
                     sent = end
-        result = Result(prompt.completion(self.tokenizer, out.tokens, self.decoder.eos_id), out.tokens,
-                        out.oracle_calls, out.draft_calls, time.perf_counter() - start, prompt.tail)
+            if stopped is not None:
+                break
+        done = stopped is not None or (tokens and tokens[-1] == self.decoder.eos_id)
+        result = Result(text_of(tokens), tokens, out.oracle_calls, out.draft_calls, time.perf_counter() - start,
+                        prompt.tail, "stop" if done else "length")
         if pieces and len(result.text) > sent:  # the output ended inside a character, as generate's text does
             yield result.text[sent:]
+        if streamer is not None:
+            streamer.end()
         return result
 
 

@@ -16,6 +16,7 @@ from data.cli import HelpFormatter
 from data.errors import InputError, exits_on_input_error
 from data.prompts import load_prompts
 from decode.api import METHODS, DecoderOptions, SpeculativeDecoder, drain, sampling_of
+from decode.generation import Request
 from decode.healing import Prompt
 from decode.planning import CPU_BUDGET, CPU_WIDTHS, PAPER_BUDGET, PAPER_WIDTHS, describe, run_plan
 from decode.precision import PINNED, auto_dtype
@@ -220,7 +221,8 @@ def main(argv=None) -> list[dict]:
               "wins; --no-plan for the flags' defaults)", file=sys.stderr)
     records = []
     for i, (record, prompt) in enumerate(encode_prompts(settings, [dec])):
-        pieces = dec.decode(prompt, settings.max_new_tokens, settings.seed + i, pieces=settings.stream)
+        request = Request(settings.max_new_tokens, settings.sampling, settings.seed + i)
+        pieces = dec.decode(prompt, request, pieces=settings.stream)
         if settings.stream:
             print(record["prompt"], end="", flush=True)
         result = drain(pieces, lambda piece: print(piece, end="", flush=True))

@@ -67,12 +67,12 @@ def test_bad_arguments_are_input_errors(bpe_run, decoders):
     cases = [
         (lambda: dec.generate("x", max_new_tokens=0), "--max-new-tokens must be at least 1"),
         (lambda: dec.generate("", max_new_tokens=4), "is empty"),
-        (lambda: dec.generate("x", 4, temperature=-1), "temperature >= 0"),
-        (lambda: dec.generate("x", 4, temperature=float("nan")), "a finite temperature"),
-        (lambda: dec.generate("x", 4, temperature=float("inf")), "a finite temperature"),
-        (lambda: dec.generate("x", 4, top_p=0), "0 < top-p <= 1"),
-        (lambda: dec.generate([1, 10**6], 4), "token ids must lie in"),
-        (lambda: dec.generate(3.5, 4), "a string or a list of token ids"),
+        (lambda: dec.generate("x", max_new_tokens=4, temperature=-1), "temperature >= 0"),
+        (lambda: dec.generate("x", max_new_tokens=4, temperature=float("nan")), "a finite temperature"),
+        (lambda: dec.generate("x", max_new_tokens=4, temperature=float("inf")), "a finite temperature"),
+        (lambda: dec.generate("x", max_new_tokens=4, top_p=0), "0 < top-p <= 1"),
+        (lambda: dec.generate([1, 10**6], max_new_tokens=4), "token ids must lie in"),
+        (lambda: dec.generate(3.5, max_new_tokens=4), "a string or a list of token ids"),
         (lambda: dec.generate("x", max_new_tokens=10**5), "does not fit the context"),
         (lambda: SpeculativeDecoder.from_run(bpe_run["run"], method="medusa"), "unknown method 'medusa'"),
         (lambda: SpeculativeDecoder.from_run(bpe_run["run"], beams=4), "unknown options ['beams']"),
@@ -95,4 +95,4 @@ def test_run_stream_prints_the_completion_as_generated(bpe_run, decoders, capsys
                         "--stream", "--temperature", "1.5", "--seed", "3"])
     printed = capsys.readouterr().out
     assert printed.startswith(text + records[0]["completion"] + "\n")
-    assert records[0]["completion"] == decoders["lookup"].generate(text, 24, temperature=1.5, seed=3).text
+    assert records[0]["completion"] == decoders["lookup"].generate(text, max_new_tokens=24, temperature=1.5, seed=3).text

@@ -34,8 +34,8 @@ def decoders(bpe_run):
 def test_same_seed_same_tokens_as_the_baseline(decoders, name, sampling):
     for prompt in PROMPTS:
         for seed in range(5):
-            expected = decoders["baseline"].generate(prompt, 24, seed=seed, **sampling).token_ids
-            assert decoders[name].generate(prompt, 24, seed=seed, **sampling).token_ids == expected, (prompt, seed)
+            expected = decoders["baseline"].generate(prompt, max_new_tokens=24, seed=seed, **sampling).token_ids
+            assert decoders[name].generate(prompt, max_new_tokens=24, seed=seed, **sampling).token_ids == expected, (prompt, seed)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -48,8 +48,8 @@ def test_cuda_sampling_is_reproducible_and_coupled(bpe_run):
     assert graphed.decoder.oracle.graphs is not None and staged.decoder.oracle.graphs is None
     for seed in range(3):
         sampling = {"temperature": 1.0, "top_k": 50, "seed": seed}
-        expected = base.generate(PROMPTS[0], 24, **sampling).token_ids
-        assert base.generate(PROMPTS[0], 24, **sampling).token_ids == expected
-        assert staged.generate(PROMPTS[0], 24, **sampling).token_ids == expected
-        assert graphed.generate(PROMPTS[0], 24, **sampling).token_ids == expected
-        assert chain.generate(PROMPTS[0], 24, **sampling).token_ids == chain.generate(PROMPTS[0], 24, **sampling).token_ids
+        expected = base.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids
+        assert base.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids == expected
+        assert staged.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids == expected
+        assert graphed.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids == expected
+        assert chain.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids == chain.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids

@@ -166,7 +166,7 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
         assert predicted["tokens_per_call"] >= 1 and predicted["speedup"] > 0
         dec = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", method]).options)
         base = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options)
-        assert dec.generate("t3 t9", 16).token_ids == base.generate("t3 t9", 16).token_ids, method
+        assert dec.generate("t3 t9", max_new_tokens=16).token_ids == base.generate("t3 t9", max_new_tokens=16).token_ids, method
         drafter, shortlist = dec.decoder.drafter, dec.decoder.draft and dec.decoder.draft.shortlist
         assert (len(shortlist) if shortlist else 0) == policy.get("draft_vocab", 0), method
         if method == "speculative":
@@ -207,8 +207,8 @@ def test_a_flag_typed_wins_over_the_plan_which_fills_in_the_rest(planned, models
     typed_all = decoder("--method", "lookup", "--lookup-tokens", "3")
     assert typed_all.policy is None and typed_all.drafter.length == 3
     base = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options)
-    assert SpeculativeDecoder(run.parse(args + ["--method", "staged", "--budget", "7"]).options).generate("t3 t9", 16).token_ids \
-        == base.generate("t3 t9", 16).token_ids
+    assert SpeculativeDecoder(run.parse(args + ["--method", "staged", "--budget", "7"]).options).generate("t3 t9", max_new_tokens=16).token_ids \
+        == base.generate("t3 t9", max_new_tokens=16).token_ids
     capsys.readouterr()
     run.main(args + ["--method", "staged", "--budget", "7", "--limit", "1"])
     said = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("plan "))
@@ -237,11 +237,11 @@ def test_plan_weighs_each_draft_methods_best_policy_with_the_draft_shortlist_and
     for method in ("speculative", "tree", "staged"):
         shortlisted["policies"][method] |= {"draft_vocab": 64, "draft_dtype": "bfloat16"}
     path.write_text(json.dumps(shortlisted))
-    expected = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options).generate("t3 t9", 16).token_ids
+    expected = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options).generate("t3 t9", max_new_tokens=16).token_ids
     for method in ("speculative", "tree", "staged"):
         dec = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", method]).options)
         assert len(dec.decoder.draft.shortlist) == 64 and dec.decoder.draft.dtype == torch.bfloat16, method
-        assert dec.decoder.oracle.dtype == torch.float32 and dec.generate("t3 t9", 16).token_ids == expected, method
+        assert dec.decoder.oracle.dtype == torch.float32 and dec.generate("t3 t9", max_new_tokens=16).token_ids == expected, method
     whole = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", "staged", "--no-plan", "--draft-vocab", "0"]).options)
     assert whole.decoder.draft.shortlist is None and whole.decoder.draft.dtype == torch.float32
 

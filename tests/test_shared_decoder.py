@@ -95,7 +95,7 @@ def attempt(decoder):
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_new_tokens": "4"}, "max_new_tokens must be an integer (got '4')"),
     ({"max_new_tokens": 4.0}, "max_new_tokens must be an integer"),
-    ({"max_new_tokens": None}, "max_new_tokens must be an integer"),
+    ({"max_new_tokens": [4]}, "max_new_tokens must be an integer"),
     ({"max_new_tokens": 4, "temperature": "1"}, "temperature must be a number"),
     ({"max_new_tokens": 4, "top_k": 2.5}, "top_k must be an integer"),
     ({"max_new_tokens": 4, "seed": "0"}, "seed must be an integer"),
