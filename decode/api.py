@@ -21,7 +21,7 @@ from typing import Callable, Generator, Iterator
 import numpy as np
 import torch
 
-from data.errors import InputError
+from data.errors import InputError, first_line
 from data.shards import TOKEN_COUNTS
 from data.tokenizer import load_tokenizer
 from decode import generate, generation, native, planning
@@ -159,6 +159,7 @@ class SpeculativeDecoder:
         self.decoder, self.healer = build_decoder(self.options)
         self.tokenizer = self.healer.tokenizer
         self.busy = threading.Lock()
+        self.materialized = []  # temporary directories from_pretrained saved loaded models into
 
     @classmethod
     def from_run(cls, run: str | Path | None = None, *, oracle=None, draft=None, ngram=None, **options) -> "SpeculativeDecoder":
@@ -182,6 +183,22 @@ class SpeculativeDecoder:
         if run is not None and "plan" not in options:
             chosen = replace(chosen, plan=planning.run_plan(run, chosen))
         return cls(chosen)
+
+    @classmethod
+    def from_pretrained(cls, oracle, draft=None, ngram=None, *, tokenizer=None, method: str | None = None,
+                        **options) -> "SpeculativeDecoder":
+        """A decoder as transformers' from_pretrained makes a model: `oracle` and `draft` each a directory, a hub
+        name, or a model already loaded (with its `tokenizer`, which both models share); `ngram` a trigram
+        directory (python ngram/build_katz.py). The method defaults to staged with all three, speculative with a
+        draft, else baseline; every other DecoderOptions field is a keyword (dtype="auto" by default)."""
+        keep = []  # temporary directories of models handed over loaded, kept as long as the decoder
+        oracle_dir = pretrained_dir(oracle, tokenizer, keep, "oracle")
+        draft_dir = draft if draft is None else pretrained_dir(draft, tokenizer, keep, "draft")
+        method = method or ("staged" if draft is not None and ngram is not None else
+                            "speculative" if draft is not None else "baseline")
+        decoder = cls.from_run(oracle=oracle_dir, draft=draft_dir, ngram=ngram, method=method, **options)
+        decoder.materialized = keep
+        return decoder
 
     def prompt(self, prompt: str | list[int], max_new_tokens: int) -> Prompt:
         """The prompt as the models will see it (healed), checked against the context."""
@@ -271,6 +288,32 @@ class SpeculativeDecoder:
         if streamer is not None:
             streamer.end()
         return result
+
+
+def pretrained_dir(model, tokenizer, keep: list, name: str) -> Path:
+    """A directory that holds `model`: a local directory as it is, a hub name downloaded (huggingface_hub's cache),
+    or a loaded transformers model saved with `tokenizer` into a temporary directory added to `keep`."""
+    import tempfile
+
+    if hasattr(model, "save_pretrained"):
+        if tokenizer is None:
+            raise InputError(f"a loaded {name} model needs its tokenizer: pass tokenizer=...")
+        directory = tempfile.TemporaryDirectory(prefix=f"staged-speculative-{name}-")
+        keep.append(directory)
+        model.save_pretrained(directory.name)
+        tokenizer.save_pretrained(directory.name)
+        return Path(directory.name)
+    if not isinstance(model, (str, Path)):
+        raise InputError(f"{name} must be a directory, a hub name or a loaded transformers model (got {type(model).__name__})")
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as err:  # not found, offline, no access: many kinds
+        raise InputError(f"{name} {model!r} is not a directory, and the hub did not give it ({first_line(err)}); "
+                         f"pass a local directory, or a hub name when online") from None
 
 
 def check_device(device: str) -> None:
