@@ -212,14 +212,18 @@ class SpeculativeDecoder:
             raise InputError(f"a prompt is a string or a list of token ids (got {type(prompt).__name__})")
         return self.encode(ids, "prompt", max_new_tokens)
 
+    def room(self, prompt_tokens: int, lookahead: int | None = None) -> int:
+        """How many tokens a prompt of `prompt_tokens` tokens leaves to generate in the models' context: the drafts'
+        lookahead and the token healing's back-off take their share."""
+        return self.decoder.context() - prompt_tokens - (self.decoder.lookahead() if lookahead is None else lookahead) - 1
+
     def encode(self, ids: list[int], name: str, max_new_tokens: int, lookahead: int | None = None) -> Prompt:
         check_number("max_new_tokens", max_new_tokens, integer=True)
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
         if not ids:
             raise InputError(f"prompt {name!r} is empty; give some text to continue")
-        context = self.decoder.context()
-        room = context - len(ids) - (self.decoder.lookahead() if lookahead is None else lookahead) - 1
+        context, room = self.decoder.context(), self.room(len(ids), lookahead)
         if room < 1:
             raise InputError(f"prompt {name!r} has {len(ids)} tokens; the models' context of {context} leaves no room to generate")
         if max_new_tokens > room:
