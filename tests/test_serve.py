@@ -1,0 +1,220 @@
+"""The OpenAI-compatible server, started as a user starts it (python -m decode.serve) on a free localhost port, and
+spoken to with the real `openai` client and with raw HTTP."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from decode import run
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["def scale(values):\n", "import math\n", "class Box3:\n    def __init__(self):\n", "x = (1, 2",
+           "for i in range(10):\n"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m decode.serve` in a subprocess, ready once /health answers."""
+
+    def __init__(self, run_dir: Path, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+        self.process = subprocess.Popen([sys.executable, "-m", "decode.serve", "--run", str(run_dir), "--port",
+                                         str(self.port), *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.process.poll() is None, self.process.stdout.read()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise AssertionError("the server did not start")
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def post(self, body, **kwargs) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(f"{self.url}/v1/completions", content=content, headers={"Content-Type": "application/json"},
+                          timeout=60, **kwargs)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(bpe_run):
+    s = Server(bpe_run["run"], "--method", "staged")
+    yield s
+    assert s.stop() == 0
+
+
+def test_greedy_completions_over_http_are_decode_runs(server, bpe_run):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["oracle"]
+    for prompt in PROMPTS[:3]:
+        expected = run.main(["--run", str(bpe_run["run"]), "--prompt", prompt, "--max-new-tokens", "24"])[0]
+        answer = client.completions.create(model="oracle", prompt=prompt, max_tokens=24, temperature=0)
+        assert answer.choices[0].text == expected["completion"]
+        assert answer.usage.completion_tokens == expected["new_tokens"] and answer.usage.prompt_tokens > 0
+        decoding = answer.model_extra["decoding"]
+        assert decoding["method"] == "staged" and decoding["oracle_calls"] == expected["oracle_calls"]
+        streamed = client.completions.create(model="oracle", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                             stream_options={"include_usage": True})
+        chunks = list(streamed)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["completion"]
+        assert chunks[-2].choices[0].finish_reason in ("stop", "length") and chunks[-1].usage.completion_tokens == \
+            expected["new_tokens"]
+
+
+def test_stop_sequences_end_the_text_before_them(server):
+    client = server.client()
+    whole = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=24, temperature=0).choices[0].text
+    stop = whole[5:7]
+    assert stop and stop in whole
+    answer = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop])
+    assert answer.choices[0].text == whole[: whole.index(stop)] and answer.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == whole[: whole.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_unseeded_is_fresh(server):
+    client = server.client()
+    ask = lambda **extra: client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=24, temperature=1.5,
+                                                   **extra).choices[0].text
+    assert ask(seed=3) == ask(seed=3)
+    assert len({ask() for _ in range(4)}) > 1
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"{not json", 400, "not valid JSON"),
+    (b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+    ({"max_tokens": 4}, 400, "prompt is required"),
+    ({"prompt": ""}, 400, "prompt is empty"),
+    ({"prompt": "x", "n": 2}, 400, "n must be 1"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of must be 1"),
+    ({"prompt": "x", "frobnicate": 1}, 400, "unsupported fields: frobnicate"),
+    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+    ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens must be at least 1"),
+    ({"prompt": "x", "max_tokens": 10**9}, 400, "use at most"),
+    ({"prompt": "x " * 400}, 400, "leaves no room to generate"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be a number"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop must be a string or a list of at most 4"),
+    ({"prompt": "x" * (2 << 20)}, 413, "over 1048576 bytes"),
+])
+def test_bad_requests_are_4xx_openai_errors(server, body, status, message):
+    answer = server.post(body)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert message in error["message"] and error["type"] and "Traceback" not in answer.text
+    assert server.post({"prompt": "x", "max_tokens": 2}).status_code == 200  # the server serves on
+
+
+def test_a_client_that_disconnects_stops_its_decoding_and_the_next_request_starts(server):
+    before = httpx.get(f"{server.url}/health").json()["cancelled"]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 80,
+                                                                     "temperature": 1.5, "stream": True}) as answer:
+        next(answer.iter_lines())  # the first chunk, then hang up
+    deadline = time.time() + 30
+    while httpx.get(f"{server.url}/health").json()["cancelled"] == before and time.time() < deadline:
+        time.sleep(0.02)
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["cancelled"] == before + 1 and not health["decoding"] and health["queued"] == 0
+    assert server.client().completions.create(model="m", prompt="x", max_tokens=4, temperature=0).choices[0].text is not None
+
+
+def test_eight_clients_at_once_are_served_in_turn_with_the_same_outputs(server):
+    client = server.client()
+    requests = [(prompt, temperature, seed) for seed, prompt in enumerate(PROMPTS) for temperature in (0.0, 1.0)]
+    alone = {r: client.completions.create(model="m", prompt=r[0], max_tokens=24, temperature=r[1], seed=r[2])
+             .choices[0].text for r in requests}
+    answers, failures = {}, []
+
+    def user(index: int):
+        mine = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        for j in range(5):
+            r = requests[(index + j) % len(requests)]
+            try:
+                answers[(index, j)] = (r, mine.completions.create(model="m", prompt=r[0], max_tokens=24,
+                                                                  temperature=r[1], seed=r[2]).choices[0].text)
+            except Exception as err:  # counted, then asserted: every request must complete
+                failures.append(repr(err))
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not failures and len(answers) == 40
+    assert all(text == alone[r] for r, text in answers.values())  # greedy and seeded sampling alike
+
+
+def test_a_full_queue_answers_429(bpe_run):
+    s = Server(bpe_run["run"], "--method", "baseline", "--queue-size", "1")
+    try:
+        barrier, codes = threading.Barrier(10), []
+
+        def hit():
+            barrier.wait()
+            codes.append(s.post({"prompt": PROMPTS[0], "max_tokens": 90, "temperature": 0}).status_code)
+
+        threads = [threading.Thread(target=hit) for _ in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+        assert s.post({"prompt": "x", "max_tokens": 2}).status_code == 200  # and it serves on
+    finally:
+        assert s.stop() == 0
+
+
+def test_an_api_key_guards_every_endpoint_but_health(bpe_run):
+    s = Server(bpe_run["run"], "--method", "lookup", "--api-key", "sesame")
+    try:
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        for key in (None, "wrong"):
+            headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+            assert httpx.get(f"{s.url}/v1/models", headers=headers).status_code == 401
+            refused = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}, headers=headers)
+            assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]
+        with pytest.raises(openai.AuthenticationError):
+            s.client("wrong").completions.create(model="m", prompt="x", max_tokens=2)
+        assert s.client("sesame").completions.create(model="m", prompt="x", max_tokens=2, temperature=0).choices
+    finally:
+        assert s.stop() == 0
+
+
+def test_sigterm_finishes_the_request_in_progress_refuses_new_ones_and_exits_0(bpe_run):
+    s = Server(bpe_run["run"], "--method", "baseline")
+    with httpx.stream("POST", f"{s.url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 90, "temperature": 0,
+                                                                "stream": True, "stream_options": {"include_usage": True}},
+                      timeout=60) as answer:
+        lines = answer.iter_lines()
+        first = next(line for line in lines if line)
+        s.process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    chunks = [json.loads(line[len("data: "):]) for line in [first, *rest[:-1]]]
+    assert rest[-1] == "data: [DONE]" and chunks[-1]["usage"]["completion_tokens"] == 90
+    assert s.process.wait(timeout=60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{s.url}/health", timeout=2)
