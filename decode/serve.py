@@ -9,10 +9,13 @@ GET /v1/models, GET /health.
 """
 import argparse
 import signal
+import socket
 import sys
+import threading
+import time
 
 from data.cli import HelpFormatter
-from data.errors import exits_on_input_error
+from data.errors import InputError, exits_on_input_error
 from decode.api import SpeculativeDecoder
 from decode.run import add_decoder_flags, decoder_options
 from decode.server import create_app
@@ -36,25 +39,43 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def check_address(host: str, port: int) -> None:
+    """Refuse, before the models load, an address this process cannot listen on."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise InputError(f"cannot listen on {host}:{port} ({err.strerror or err}); pass another --port or --host") from None
+
+
 @exits_on_input_error
 def main(argv=None) -> None:
     import uvicorn
 
     args = parse(argv)
+    check_address(args.host, args.port)
     decoder = SpeculativeDecoder(args.options)
     name = args.model_name or args.options.oracle.resolve().name
     app = create_app(decoder, name, args.api_key, args.queue_size, args.max_body_bytes)
+    worker = app.state.worker
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    http = threading.Thread(target=server.run, name="http", daemon=True)  # the decoder keeps the main thread
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # SIGTERM, Ctrl-C: refuse what waits, finish what decodes, then exit
-            app.state.worker.draining = True
-            super().handle_exit(sig, frame)
+    def drain(signum, frame):  # SIGTERM, Ctrl-C: refuse what waits, finish what decodes, then exit 0
+        worker.draining = True
+        server.should_exit = True
 
-    # uvicorn handles SIGTERM while it serves and raises it again once drained: a drained server exits 0
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    signal.signal(signal.SIGTERM, drain)
+    signal.signal(signal.SIGINT, drain)
+    http.start()
+    while not server.started:
+        if not http.is_alive():
+            raise InputError(f"the HTTP server on {args.host}:{args.port} did not start; see the lines above")
+        time.sleep(0.05)
     print(f"serving {name} ({args.options.method}, {args.options.dtype}) at http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info")).run()
+    worker.run()  # until the app shuts down
+    http.join()
 
 
 if __name__ == "__main__":

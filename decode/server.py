@@ -5,7 +5,8 @@
     GET  /health           status, queue length, requests completed and cancelled (no API key needed)
 
 One decoder decodes one request at a time, as batch one is the design: requests wait in a bounded queue (a full
-queue answers 429) and a worker thread takes them in turn. A streaming client that disconnects stops its own
+queue answers 429) and the worker takes them in turn, on the process's main thread (torch's OpenMP products ran at
+half speed on another thread here) while the HTTP server runs on its own. A streaming client that disconnects stops its own
 decoding at the next step. Responses carry `usage` and, under `decoding`, the method, oracle calls, tokens per
 oracle call and seconds. Bad requests are 4xx answers with an OpenAI-style error object.
 """
@@ -177,13 +178,12 @@ def number(request: dict, name: str, default, kind: type, minimum):
 
 
 class Worker:
-    """The one thread that decodes: takes jobs from a bounded queue in turn."""
+    """What decodes: takes jobs from a bounded queue in turn, in `run`, until `stop`."""
 
     def __init__(self, decoder: SpeculativeDecoder, queue_size: int):
         self.decoder, self.jobs = decoder, queue.Queue(maxsize=queue_size)
         self.decoding, self.draining = False, False
         self.completed = self.cancelled = 0
-        self.thread = threading.Thread(target=self.run, name="decoder", daemon=True)
 
     def submit(self, job: Job) -> None:
         if self.draining:
@@ -231,11 +231,11 @@ class Worker:
 
 def create_app(decoder: SpeculativeDecoder, model: str, api_key: str | None = None, queue_size: int = 16,
                max_body_bytes: int = 1 << 20) -> FastAPI:
-    """The server's ASGI app over `decoder`, named `model` in its answers."""
+    """The server's ASGI app over `decoder`, named `model` in its answers; `app.state.worker.run()` must decode its
+    jobs (decode.serve runs it on the main thread), and returns once the app has shut down."""
     worker = Worker(decoder, queue_size)
 
     async def lifespan(app: FastAPI):
-        worker.thread.start()
         yield
         worker.stop()
 

@@ -218,3 +218,15 @@ def test_sigterm_finishes_the_request_in_progress_refuses_new_ones_and_exits_0(b
     assert s.process.wait(timeout=60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{s.url}/health", timeout=2)
+
+
+def test_an_address_in_use_is_a_one_line_error_before_the_models_load(bpe_run):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "decode.serve", "--run", str(bpe_run["run"]), "--port", str(port)],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                              timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [
+        next(line for line in done.stderr.splitlines() if line.startswith("error:"))]
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
