@@ -14,7 +14,7 @@ import math
 import numbers
 import threading
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Generator, Iterator
 

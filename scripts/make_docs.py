@@ -34,7 +34,8 @@ BLOCK = re.compile(r"(<!-- generated: (.+?) -->\n)(.*?)(<!-- end generated -->)"
 
 def output_of(args: list[str]) -> str:
     """What `python ARGS` prints, at a fixed width so that the text does not depend on the terminal."""
-    env = {**os.environ, "COLUMNS": "100", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "COLUMNS": "100", "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"error: python {shlex.join(args)} exited {done.returncode}: {done.stderr.strip()[-500:]}")

@@ -1,8 +1,18 @@
 import json
 import os
 import textwrap
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child_env(**extra) -> dict:
+    """This process's environment for a child Python process, with the repository first on its path."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", **extra}
+
 
 # --dtype auto resolves by the machine's instructions; the suite pins it so that a test decodes alike on every CPU
 # (the tests of auto itself unset it)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from conftest import child_env
 from test_train import prepared_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +23,7 @@ FAST = ["--warmup-steps", "2", "--eval-every", "4", "--seq-len", "32"]
 
 
 def launch(script: str, args: list[str], processes: int = 2, **popen) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = child_env(OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     command = LAUNCH + ["--main_process_port", str(free_port()), script, *args] if processes == 2 else [sys.executable, script, *args]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

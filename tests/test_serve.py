@@ -1,7 +1,6 @@
 """The OpenAI-compatible server, started as a user starts it (python -m decode.serve) on a free localhost port, and
 spoken to with the real `openai` client and with raw HTTP."""
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -14,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import child_env
 from decode import run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ class Server:
     def __init__(self, run_dir: Path, *flags: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+        env = child_env()
         self.process = subprocess.Popen([sys.executable, "-m", "decode.serve", "--run", str(run_dir), "--port",
                                          str(self.port), *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True)
@@ -224,7 +224,7 @@ def test_an_address_in_use_is_a_one_line_error_before_the_models_load(bpe_run):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         done = subprocess.run([sys.executable, "-m", "decode.serve", "--run", str(bpe_run["run"]), "--port", str(port)],
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                              cwd=ROOT, env=child_env(), capture_output=True, text=True,
                               timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [
