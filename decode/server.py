@@ -195,7 +195,7 @@ class Worker:
                                     f"later", kind="rate_limit_error", code="rate_limit_exceeded") from None
 
     def run(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while (job := self.next_job()) is not None:
             if self.draining or job.cancelled.is_set():
                 self.cancelled += job.cancelled.is_set()
                 job.emit("error", RequestError(503, "the server is shutting down", kind="server_error"))
@@ -207,6 +207,15 @@ class Worker:
                 job.emit("error", err)
             finally:
                 self.decoding = False
+
+    def next_job(self) -> Job | None:
+        """The next job, waking twice a second meanwhile: signal handlers run on this thread only between waits (a
+        wait that never wakes kept SIGTERM's handler from running under one kernel)."""
+        while True:
+            try:
+                return self.jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
 
     def decode(self, job: Job) -> None:
         c = job.completion
