@@ -8,7 +8,6 @@ import hashlib
 import inspect
 import json
 import os
-import platform
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ import torch
 
 from data.atomic import write_json
 from data.errors import InputError
+from data.machine import cpu_features, cpu_name
 from decode.cached_lm import CachedLM
 from decode.tree import Tree
 
@@ -141,28 +141,6 @@ class Stopwatch:
         seconds, calls = dict(self.seconds), dict(self.calls)
         yield
         self.seconds, self.calls = defaultdict(float, seconds), defaultdict(int, calls)
-
-
-def cpu_name() -> str:
-    """The processor's model name (the kind of CPU changes between machines of the same name)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_features() -> str:
-    """The instructions that decide a CPU's bfloat16 speed, as a reader of a benchmark names them."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    named = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16")) if flag in flags]
-    return ", ".join(named) or ("AVX2" if "avx2" in flags else "")
 
 
 def machine_name(device: torch.device) -> str:

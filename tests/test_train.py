@@ -502,8 +502,11 @@ def test_unset_bf16_is_measured_once_and_kept_on_resume(run, tmp_path, monkeypat
 
     from train import loop, presets
 
-    faster, timings = loop.bf16_is_faster(width=64, rows=128, repeats=2)
+    faster, timings = loop.bf16_is_faster(width=64, rows=128, repeats=2, cache_dir=tmp_path / "bf16")
     assert isinstance(faster, bool) and "ms with bf16 autocast" in timings and "ms in float32" in timings
+    assert timings.endswith("measured now")
+    again = loop.bf16_is_faster(width=64, rows=128, repeats=2, cache_dir=tmp_path / "bf16")  # per CPU, read back
+    assert again == (faster, timings.replace("measured now", "measured earlier on this CPU"))
     monkeypatch.setitem(presets.ORACLE_PRESETS, "tiny", dataclasses.replace(presets.ORACLE_PRESETS["tiny"], bf16=None))
     monkeypatch.setattr(loop, "bf16_is_faster", lambda *size: (False, "timed"))
     argv = ["--data", str(run[0] / "data"), "--out", str(tmp_path / "oracle"), "--max-steps", "12"]
