@@ -268,14 +268,16 @@ class SpeculativeDecoder:
         after each oracle call. A piece never ends inside a character: an incomplete UTF-8 sequence (decoded as
         U+FFFD) waits for its rest. The output ends at the request's stop conditions. Returns the Result."""
         text_of = lambda tokens: prompt.completion(self.tokenizer, tokens, self.decoder.eos_id)
-        start, sent, tokens, stopped = time.perf_counter(), 0, [], None
+        start, sent, seen, stopped = time.perf_counter(), 0, 0, None
+        checks = bool(request.eos_ids or request.stop_strings)
         if streamer is not None:
             streamer.put(prompt.ids.detach().cpu())
         for out in self.decoder.steps(prompt, request.max_new_tokens, request.seed):
-            stopped = request.stop_at(out.tokens, len(tokens), text_of)
-            new, tokens = tokens, out.tokens[:stopped]
-            if streamer is not None and len(tokens) > len(new):
-                streamer.put(torch.tensor(tokens[len(new):]))
+            stopped = request.stop_at(out.tokens, seen, text_of) if checks else None
+            tokens = out.tokens if stopped is None else out.tokens[:stopped]  # the loop's own list, grown each step
+            if streamer is not None and len(tokens) > seen:
+                streamer.put(torch.tensor(tokens[seen:]))
+            seen = len(tokens)
             if pieces:
                 text = text_of(tokens)
                 end = len(text.rstrip("\ufffd"))
