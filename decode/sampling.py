@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from decode import native
-from decode.cached_lm import Shortlist
+from decode.models.cached_lm import Shortlist
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def values_list(logits: torch.Tensor, rows: list[int], tokens: list[int], shortl
 
 
 def ranked_tokens(logits: torch.Tensor, k: int, shortlist: Shortlist | None = None) -> list[list[int]]:
-    """`top_tokens` as lists; one C++ call where decode/native.py takes the logits (torch's top-k over a row of 4096
+    """`top_tokens` as lists; one C++ call where decode/native takes the logits (torch's top-k over a row of 4096
     columns took 30-50 us right after the draft's forward on a CPU)."""
     if native.takes(logits):
         return native.top_tokens(logits, k, shortlist)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decode.cached_lm import long_tensor, on
+from decode.models.cached_lm import long_tensor, on
 
 
 def unpack_rows(rows: list[int], width: int) -> np.ndarray:

@@ -43,7 +43,7 @@ def sample_match(tree, target: Target, generator) -> tuple[list[int], int]:
     """Exact for any tree that does not depend on the oracle's randomness: at each node sample the
     oracle's token from p; descend into the child that carries it, else emit it and stop.
     Returns the accepted nodes (the root first) and the token that follows them. Greedy, on logits the C++ loops
-    read (decode/native.py), one call walks the tree."""
+    read (decode/native), one call walks the tree."""
     if target.sampling.greedy and native.takes(target.logits):
         return native.greedy_walk(target.logits, tree.tokens, tree.parents)
     path = [0]

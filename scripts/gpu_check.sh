@@ -70,7 +70,7 @@ decode)
         step "agreement-$dtype" python3 -m decode.agreement --run "$run" --device cuda --dtype "$dtype" --limit 10 \
             --max-new-tokens 128 --methods "$methods" --no-plan --out "$logs/agreement-$dtype.json" --overwrite
     done
-    # without CUDA graphs (decode.cuda_graphs, the default on a GPU): the same outputs, then their speed below
+    # without CUDA graphs (decode.models.cuda_graphs, the default on a GPU): the same outputs, then their speed below
     step agreement-no-graphs python3 -m decode.agreement --run "$run" --device cuda --dtype float32 --limit 10 \
         --max-new-tokens 128 --methods "$methods" --no-plan --no-cuda-graphs --out "$logs/agreement-no-graphs.json" \
         --overwrite

@@ -76,7 +76,7 @@ fi
 
 # plan and decode in what --dtype auto chooses: bfloat16 where this CPU multiplies in it natively (AVX-512 BF16, AMX),
 # float32 where it would be emulated (docs/decoding.md, "Precision")
-dtype=$("$py" -c "import sys; from decode.precision import auto_dtype; print(auto_dtype('cpu', None, sys.argv[1])[0])" "$run/oracle")
+dtype=$("$py" -c "import sys; from decode.models.precision import auto_dtype; print(auto_dtype('cpu', None, sys.argv[1])[0])" "$run/oracle")
 
 stage "== 5/6 plan each method's tree for these models on this CPU ($dtype) -> $run/plan.json"
 if grep -q "\"dtype\": \"$dtype\"" "$run/plan.json" 2>/dev/null && [ "$run/plan.json" -nt "$run/oracle/model.safetensors" ] \

@@ -39,8 +39,8 @@ def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positio
 
 def tiny_trigram(path, oracle_dir, documents=150, length=40, seed=0):
     """A Katz trigram over text sampled from the oracle, so it predicts the oracle somewhat."""
-    from decode.engine import GPT2Engine
-    from decode.generate import baseline
+    from decode.models.engine import GPT2Engine
+    from decode.loop import baseline
     from decode.sampling import Sampling
     from ngram import build_katz
 
@@ -49,7 +49,7 @@ def tiny_trigram(path, oracle_dir, documents=150, length=40, seed=0):
     lines = []
     for _ in range(documents):
         prompt = torch.randint(1, oracle.vocab_size, (3,), generator=generator)
-        lines.append(" ".join(map(str, prompt.tolist() + baseline(oracle, prompt, length, Sampling(1.0), None, generator).tokens)))
+        lines.append(" ".join(map(str, prompt.tolist() + baseline(oracle, prompt, length, Sampling(1.0), None, generator=generator).tokens)))
     tokens = path.parent / f"{path.name}.txt"
     tokens.write_text("\n".join(lines) + "\n")
     build_katz.main(["--tokens", str(tokens), "--vocab-size", str(oracle.vocab_size), "--eos-id", "0", "--out", str(path)])

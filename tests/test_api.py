@@ -4,7 +4,8 @@ import json
 import pytest
 
 from data.errors import InputError
-from decode import SpeculativeDecoder, run
+from decode import SpeculativeDecoder
+from decode.cli import run
 
 METHODS = {"baseline": {}, "speculative": {}, "tree": {"budget": 12}, "staged": {"budget": 16, "widths": [4, 2, 1]},
            "ngram": {"budget": 16, "widths": [4, 2, 1]}, "lookup": {}}

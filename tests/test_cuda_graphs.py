@@ -1,13 +1,13 @@
-"""The lean engine's bucketed forwards (decode.cuda_graphs): padded to fixed shapes, the same logits and cache as
+"""The lean engine's bucketed forwards (decode.models.cuda_graphs): padded to fixed shapes, the same logits and cache as
 the engine's own forward. On a CPU they run without graphs (the padding, the masks and the slots are what is
 tested); with CUDA they are also captured and replayed."""
 import pytest
 import torch
 
-from decode.cuda_graphs import NODE_BUCKETS, CUDAGraphs
-from decode.drafters import TreeDrafter
-from decode.engine import GPT2Engine
-from decode.generate import baseline, speculative, tree_speculative
+from decode.models.cuda_graphs import NODE_BUCKETS, CUDAGraphs
+from decode.drafting import TreeDrafter
+from decode.models.engine import GPT2Engine
+from decode.loop import baseline, speculative, tree_speculative
 from decode.sampling import Sampling
 from decode_models import tiny_gpt2
 
@@ -81,7 +81,7 @@ def test_greedy_decoding_through_buckets_equals_the_engines_baseline(models, dev
         assert baseline(oracle, prompt, 40, Sampling(), eos_id=0).tokens == expected, trial
         for k in (1, 4):
             assert speculative(oracle, prompt, 40, Sampling(), eos_id=0, draft=draft, k=k).tokens == expected, (trial, k)
-        drafter = TreeDrafter(draft, Sampling(), budget=12, depth=4, branch=3)
+        drafter = TreeDrafter(draft, budget=12, depth=4, branch=3)
         assert tree_speculative(oracle, prompt, 40, Sampling(), eos_id=0, drafter=drafter).tokens == expected, trial
 
 

@@ -6,11 +6,11 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from data.pretrained import FUSED_GELU, load_causal_lm
-from decode.cached_lm import Shortlist
-from decode.drafters import draw_children, ranked_children
-from decode.engine import LAYOUTS, GPT2Engine, onednn_packs
-from decode.generate import baseline, speculative
-from decode.hf_backend import HFEngine
+from decode.models.cached_lm import Shortlist
+from decode.drafting.ranking import draw_children, ranked_children
+from decode.models.engine import LAYOUTS, GPT2Engine, onednn_packs
+from decode.loop import baseline, speculative
+from decode.models.hf_backend import HFEngine
 from decode.sampling import Sampling, argmax_of_rows, sample, top_tokens, values_at, values_list
 from decode.tree import Tree
 from decode_models import tiny_gpt2
@@ -81,7 +81,7 @@ def test_gpt2_gelu_loads_as_the_fused_kernel_with_the_same_logits_and_runs_on_th
 def test_bfloat16_products_of_many_rows_are_padded_to_shared_row_counts_on_a_cpu(models):
     """oneDNN builds a kernel per row count in bfloat16: a prompt's product is padded to a multiple of ROW_BLOCK
     (past PAD_ABOVE rows, above any tree's), its extra rows dropped; float32 is left as it is."""
-    from decode.engine import LINEAR_LAYERS, PAD_ABOVE, ROW_BLOCK, Projection
+    from decode.models.engine import LINEAR_LAYERS, PAD_ABOVE, ROW_BLOCK, Projection
 
     assert PAD_ABOVE % ROW_BLOCK == 0
     weight, bias = torch.randn(32, 48), torch.randn(48)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from decode import run
+from decode.cli import run
 from decode_models import run_models
 
 
@@ -90,8 +90,8 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
 
 
 def test_agreement_reports_identical_outputs_and_explains_divergences(models, tmp_path):
-    from decode import agreement
-    from decode.engine import GPT2Engine
+    from decode.cli import agreement
+    from decode.models.engine import GPT2Engine
     from decode.healing import Prompt
 
     prompts = tmp_path / "p.jsonl"
@@ -131,7 +131,7 @@ def test_rounding_noise_is_the_largest_of_the_gaps_spread_the_best_tokens_spread
     is within rounding (what bfloat16 on a CPU with AMX showed: docs/exactness.md); a unit is counted at each logit's own
     magnitude; tokens outside the best do not count; and a single unit at the pair's magnitude is always within
     rounding (the last rounding of the logits alone makes it), in the precision the logits were computed in."""
-    from decode.agreement import TOP, last_place, rounding_noise
+    from decode.cli.agreement import TOP, last_place, rounding_noise
 
     first = torch.tensor([10.6875, 10.5625, 9.0, 6.0] + [2.0] * (TOP - 4) + [-5.0, -6.0])  # TOP + 2 tokens, bfloat16-exact
     assert last_place(first)[:4].tolist() == [0.0625, 0.0625, 0.0625, 0.03125]
@@ -158,7 +158,7 @@ def test_rounding_noise_is_the_largest_of_the_gaps_spread_the_best_tokens_spread
 def test_own_rows_are_the_rows_that_chose_each_token(models, method, extra):
     """Decoded again with a recording verifier, a method gives the same tokens, and the row recorded for each
     is the one that chose it (its argmax) and the baseline's row at that prefix (float32: to rounding)."""
-    from decode import agreement
+    from decode.cli import agreement
     from decode.api import SpeculativeDecoder
 
     dec = SpeculativeDecoder.from_run(oracle=models["oracle"], draft=models["draft"], ngram=models["ngram"],
@@ -176,8 +176,8 @@ def test_in_bfloat16_a_wrong_position_is_still_a_bug_with_the_methods_own_forwar
     """The own-forward rule admits only rows that match the baseline's to rounding: an oracle tree whose nodes below
     the root sit one position too far (a bug) differs from the baseline, and every difference is reported as a bug
     whose own row moved the best logits beyond the replays' rounding, in bfloat16 as in float32."""
-    from decode import agreement
-    from decode.cached_lm import long_tensor
+    from decode.cli import agreement
+    from decode.models.cached_lm import long_tensor
     from decode.tree import Tree
 
     monkeypatch.setattr(Tree, "position_ids", lambda self, prefix, device=None:
@@ -199,7 +199,7 @@ def test_a_methods_own_forward_makes_a_near_tie_only_when_it_moved_no_best_logit
     by the replays alone. The method's own row that chose the other token settles it: the pair moved a unit
     each and nothing else moved, a near-tie; a third best token moved by three units (a row computed over
     something else), or the pair four units apart, or a re-decode that does not give the same output, not."""
-    from decode import agreement
+    from decode.cli import agreement
     from decode.healing import Prompt
 
     base = torch.tensor([10.6875, 10.5625, 9.0, 6.0] + [2.0] * 8 + [-5.0, -6.0])  # bfloat16-exact
@@ -235,8 +235,8 @@ def test_a_peers_difference_is_judged_with_its_own_models_logits_too(models):
     perturbed copy, standing in for kernels that round otherwise) made a near-tie, not a bug."""
     from transformers import AutoModelForCausalLM
 
-    from decode import agreement
-    from decode.engine import GPT2Engine
+    from decode.cli import agreement
+    from decode.models.engine import GPT2Engine
     from decode.healing import Prompt
 
     oracle = GPT2Engine.load(models["oracle"])

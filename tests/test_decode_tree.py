@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 import torch
 
-from decode.drafters import (ChainDrafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter,
+from decode.drafting import (ChainDrafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter,
                              TrigramTrees)
-from decode.engine import GPT2Engine
-from decode.generate import baseline, tree_speculative
-from decode.lookup import ContextIndex
+from decode.models.engine import GPT2Engine
+from decode.loop import baseline, tree_speculative
+from decode.drafting import ContextIndex
 from decode.sampling import Sampling, sample
 from decode.tree import Tree
 from decode.verify import Target, sample_match
@@ -74,12 +74,12 @@ def drafters(models, sampling):
     draft = GPT2Engine.load(models["good"])
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
     return {
-        "tree": TreeDrafter(draft, sampling, budget=12, depth=4, branch=3),
-        "tree-sampled": TreeDrafter(draft, sampling, budget=12, depth=4, branch=2, sampled=True),
-        "staged": StagedDrafter(draft, table, sampling, budget=12, widths=[3, 2, 1], draft_children=2),
+        "tree": TreeDrafter(draft, budget=12, depth=4, branch=3),
+        "tree-sampled": TreeDrafter(draft, budget=12, depth=4, branch=2, sampled=True),
+        "staged": StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], draft_children=2),
         "ngram": NgramDrafter(table, budget=12, widths=[3, 2, 1]),
         "lookup": LookupDrafter(length=4, branches=2),
-        "staged-context": StagedDrafter(draft, table, sampling, budget=12, widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4),
+        "staged-context": StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4),
     }
 
 
@@ -90,9 +90,9 @@ def test_greedy_tree_methods_equal_baseline(models, draft):
     if draft == "bad":
         bad = GPT2Engine.load(models["bad"])
         table = SuccessorTable.load(models["ngram"] / "successors.npz")
-        methods = {"tree": TreeDrafter(bad, Sampling(), budget=12, depth=4, branch=3),
-                   "staged": StagedDrafter(bad, table, Sampling(), budget=12, widths=[3, 2, 1]),
-                   "staged-context": StagedDrafter(bad, table, Sampling(), budget=12, widths=[3, 2, 1],
+        methods = {"tree": TreeDrafter(bad, budget=12, depth=4, branch=3),
+                   "staged": StagedDrafter(bad, table, budget=12, widths=[3, 2, 1]),
+                   "staged-context": StagedDrafter(bad, table, budget=12, widths=[3, 2, 1],
                                                    context=LookupDrafter(6, 2), depth=6)}
     rng = torch.Generator().manual_seed(5)
     per_call = {name: [] for name in methods}
@@ -125,17 +125,17 @@ def test_context_index_proposes_the_continuation_of_a_repeated_pattern():
     assert ContextIndex(3).continuations([1, 2, 3, 1, 2, 3], 7) == [[1, 2, 3, 1, 2, 3, 1]]  # the period goes on
     assert ContextIndex(3).continuations([4, 5, 6], 3) == []  # nothing repeats yet
     drafter = LookupDrafter(length=3, branches=2)
-    tree = drafter.propose(tokens, 2, None)  # capped at the depth left
+    tree = drafter.propose(tokens, 2, Sampling(), None)  # capped at the depth left
     assert tree.tokens == [7, 2, 6, 8, 9] and tree.parents == [-1, 0, 1, 0, 3]
 
 
 def test_staged_keeps_the_context_continuation_whatever_the_draft_thinks(models):
     bad = GPT2Engine.load(models["bad"])
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
-    staged = StagedDrafter(bad, table, Sampling(), budget=8, widths=[3, 2, 1], context=LookupDrafter(4), depth=4)
+    staged = StagedDrafter(bad, table, budget=8, widths=[3, 2, 1], context=LookupDrafter(4), depth=4)
     staged.reset()
     tokens = [11, 12, 13, 14, 15, 16, 11, 12]
-    tree = staged.propose(tokens, 10, None)
+    tree = staged.propose(tokens, 10, Sampling(), None)
     chain = tree.path(next(n for n in range(len(tree)) if tree.depths[n] == 4 and tree.tokens[n] == 16))
     assert [tree.tokens[n] for n in chain] == [12, 13, 14, 15, 16] and len(tree) <= 8
 
@@ -145,36 +145,37 @@ def test_staged_keeps_the_context_continuation_whatever_the_draft_thinks(models)
 def test_staged_ranks_large_trees_in_arrays_as_small_ones_in_lists(models, monkeypatch, context, draft_children):
     """Past ARRAY_NODES the staged selection runs as array code (a paper-sized trigram tree has 1,441 nodes):
     the same trees, node for node, and the same map to the nodes the draft scored (the Python code's: greedy with
-    one draft child, decoding takes decode/native_step.cpp, which tests/test_native.py compares with it)."""
-    from decode import drafters, native
+    one draft child, decoding takes decode/native/step.cpp, which tests/test_native.py compares with it)."""
+    from decode import native
+    from decode.drafting import ranking
 
-    monkeypatch.setattr(native, "takes", lambda logits: False)
+    monkeypatch.setattr(native, "module", lambda: None)  # the Python code, the staged selection's included
 
     draft = GPT2Engine.load(models["good"])
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
     proposals = {}
     for array_nodes in (0, 10**9):
-        monkeypatch.setattr(drafters, "ARRAY_NODES", array_nodes)
-        staged = StagedDrafter(draft, table, Sampling(), budget=12, widths=[4, 3, 2], draft_children=draft_children,
+        monkeypatch.setattr(ranking, "ARRAY_NODES", array_nodes)
+        staged = StagedDrafter(draft, table, budget=12, widths=[4, 3, 2], draft_children=draft_children,
                                context=LookupDrafter(4) if context else None, depth=4)
         proposals[array_nodes] = []
         for tokens in ([4, 9, 17], [11, 12, 13, 14, 15, 16, 11, 12], [30, 31, 30, 31, 30]):
             staged.reset()
-            tree = staged.propose(tokens, 10, None)
+            tree = staged.propose(tokens, 10, Sampling(), None)
             proposals[array_nodes].append((tree.tokens, tree.parents, staged.kept))
     assert proposals[0] == proposals[10**9]
     assert all(len(tokens) == 12 for tokens, _, _ in proposals[0])
 
 
 def test_best_first_in_arrays_keeps_the_earlier_of_tied_nodes(monkeypatch):
-    from decode import drafters
+    from decode.drafting import ranking
 
     scores = np.round(np.random.default_rng(0).random(400), 1).tolist()  # ties at every value
     expected = sorted(sorted(range(400), key=lambda n: (-scores[n], n))[:30])
     for array_nodes in (0, 10**9):
-        monkeypatch.setattr(drafters, "ARRAY_NODES", array_nodes)
-        assert drafters.best_first(scores, 30) == expected
-        assert drafters.best_first(scores, 500) == list(range(400))  # a budget past the candidates keeps them all
+        monkeypatch.setattr(ranking, "ARRAY_NODES", array_nodes)
+        assert ranking.best_first(scores, 30) == expected
+        assert ranking.best_first(scores, 500) == list(range(400))  # a budget past the candidates keeps them all
 
 
 def test_trigram_trees_hold_each_levels_top_successors_and_are_remembered_unchanged(models):
@@ -195,11 +196,11 @@ def test_trigram_trees_hold_each_levels_top_successors_and_are_remembered_unchan
 
 
 def test_path_products_of_a_large_trigram_tree_are_a_level_at_a_time_and_the_same(models, monkeypatch):
-    from decode import drafters
+    from decode.drafting import ranking
 
     trees = TrigramTrees(SuccessorTable.load(models["ngram"] / "successors.npz"), [3, 2, 2])
     tree, probs = trees([4, 9, 17], 10)
-    monkeypatch.setattr(drafters, "ARRAY_NODES", 0)  # numpy for every tree
+    monkeypatch.setattr(ranking, "ARRAY_NODES", 0)  # numpy for every tree
     assert isinstance(trees.cumulative(probs, 3), np.ndarray) and list(trees.cumulative(probs, 3)) == tree.cumulative(probs)
     assert list(trees.cumulative(probs[:4], 1)) == tree.cumulative(probs)[:4]  # a shallower tree's
 
@@ -227,14 +228,14 @@ def test_staged_sampled_children_are_draws_that_grow_only_where_the_draft_scored
     draft = GPT2Engine.load(models["good"])
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
     sampling = Sampling(1.0, top_k=8)
-    staged = StagedDrafter(draft, table, sampling, widths=[3, 2, 1], sampled=True)
+    staged = StagedDrafter(draft, table, widths=[3, 2, 1], sampled=True)
     generator = torch.Generator().manual_seed(3)
     grown = 0
     for tokens in ([4, 9, 17], [1, 2, 3, 4], [30, 31]):
         staged.reset()
-        tree = staged.propose(tokens, 10, generator)
+        tree = staged.propose(tokens, 10, sampling, generator)
         scored, _ = staged.trigram(tokens, 10)  # the draft scored exactly this tree (no context drafter)
-        assert staged.sampled_children and tree.tokens[0] == tokens[-1] and staged.kept[0] == 0
+        assert staged.draws(sampling) and tree.tokens[0] == tokens[-1] and staged.kept[0] == 0
         for node in range(len(tree)):
             kept = staged.kept[node]
             if kept is None:  # a draw off the scored tree: a leaf
@@ -261,13 +262,13 @@ def test_staged_sampled_trees_stop_at_the_budget_at_the_first_nodes_of_a_level(m
                 for start in ([4, 9, 17], [1, 2, 3], [30, 31, 32])]
 
     def trees(budget):
-        staged = StagedDrafter(draft, table, sampling, budget=budget, widths=[3, 2, 1], draft_children=3,
+        staged = StagedDrafter(draft, table, budget=budget, widths=[3, 2, 1], draft_children=3,
                                context=LookupDrafter(8, 1), depth=6, sampled=True)
         generator = torch.Generator().manual_seed(5)
         out = []
         for tokens in contexts:
             staged.reset()
-            out.append((staged.propose(tokens, 10, generator), staged.kept))
+            out.append((staged.propose(tokens, 10, sampling, generator), staged.kept))
         return out
 
     assert max(len(tree) for tree, _ in trees(10_000)) > 100  # the multiplication the budget is for
@@ -285,10 +286,10 @@ def test_staged_sampled_children_leave_the_drafts_cache_on_the_accepted_tokens(m
     oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["good"])
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
     sampling = Sampling(1.0)
-    staged = StagedDrafter(draft, table, sampling, widths=[3, 2, 1], sampled=True)
+    staged = StagedDrafter(draft, table, widths=[3, 2, 1], sampled=True)
     generator = torch.Generator().manual_seed(4)
     for prompt in ([4, 9, 17], [1, 2, 3, 4, 5]):
-        out = tree_speculative(oracle, torch.tensor(prompt), 30, sampling, None, generator, drafter=staged)
+        out = tree_speculative(oracle, torch.tensor(prompt), 30, sampling, None, generator=generator, drafter=staged)
         tokens = prompt + out.tokens
         assert out.draft_calls == out.oracle_calls - 1 and len(out.tokens) / out.oracle_calls > 1.5
         assert 0 < draft.length < len(tokens)
@@ -306,8 +307,8 @@ def test_remembered_draft_calls_feed_the_draft_what_fresh_ones_do(models, monkey
     fed = {}
     for remembered in (True, False):
         draft = GPT2Engine.load(models["good"])
-        drafter = (ChainDrafter(draft, Sampling(), k=3) if shape == "chain" else
-                   ShapedTreeDrafter(draft, Sampling(), parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0]))
+        drafter = (ChainDrafter(draft, k=3) if shape == "chain" else
+                   ShapedTreeDrafter(draft, parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0]))
         calls, forward, score = fed.setdefault(remembered, []), draft.forward, drafter.draft.score
 
         def recording(ids, positions, mask, last=None, calls=calls, forward=forward):

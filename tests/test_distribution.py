@@ -17,10 +17,10 @@ Power: at 20,000 draws the first-token test alone detects with 99% probability a
 import pytest
 import torch
 
-from decode.cached_lm import Shortlist
-from decode.drafters import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
-from decode.engine import GPT2Engine
-from decode.generate import tree_speculative
+from decode.models.cached_lm import Shortlist
+from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
+from decode.models.engine import GPT2Engine
+from decode.loop import tree_speculative
 from decode.sampling import Sampling, sample
 from decode.verify import Target, sample_match
 from decode_models import tiny_gpt2, tiny_trigram
@@ -58,33 +58,33 @@ def z_scores(models, drafter, sampling: Sampling, runs: int, seed: int = 0, veri
     for outcome, p in joint.items():
         first[outcome[:1]] = first.get(outcome[:1], 0.0) + p
     generator = torch.Generator().manual_seed(seed)
-    draws = [tuple(tree_speculative(oracle, torch.tensor(PROMPT), 3, sampling, None, generator, drafter=drafter,
+    draws = [tuple(tree_speculative(oracle, torch.tensor(PROMPT), 3, sampling, None, generator=generator, drafter=drafter,
                                     verify=verify).tokens) for _ in range(runs)]
     return chi_square_z(draws, joint), chi_square_z([d[:1] for d in draws], first)
 
 
 def sampled_tree(models, sampling):
-    return TreeDrafter(models["good"], sampling, budget=12, depth=3, branch=2, sampled=True)
+    return TreeDrafter(models["good"], budget=12, depth=3, branch=2, sampled=True)
 
 
 CORRECT = {  # one case per verification rule, and the chain (Chen et al.'s rule)
-    "chain, rejection sampling": (lambda m, s: ChainDrafter(m["bad"], s, k=2), Sampling(1.0)),
+    "chain, rejection sampling": (lambda m, s: ChainDrafter(m["bad"], k=2), Sampling(1.0)),
     "tree of sampled children, multi-draft rejection": (sampled_tree, Sampling(1.0)),
     "staged, sampled children and the context drafter, multi-draft rejection": (
-        lambda m, s: StagedDrafter(m["bad"], m["ngram"], s, widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4,
+        lambda m, s: StagedDrafter(m["bad"], m["ngram"], widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4,
                                    sampled=True), Sampling(0.9, top_k=4)),
     "a planned tree shape of sampled children, multi-draft rejection": (  # two, one and no draws below nodes
-        lambda m, s: ShapedTreeDrafter(m["bad"], s, parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0],
+        lambda m, s: ShapedTreeDrafter(m["bad"], parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0],
                                        sampled=True), Sampling(1.0, top_k=5)),
-    "chain from a draft with a shortlist, rejection sampling": (lambda m, s: ChainDrafter(m["shortlisted"], s, k=2),
+    "chain from a draft with a shortlist, rejection sampling": (lambda m, s: ChainDrafter(m["shortlisted"], k=2),
                                                                 Sampling(1.0)),
     "staged, sampled children from a draft with a shortlist, multi-draft rejection": (
-        lambda m, s: StagedDrafter(m["shortlisted"], m["ngram"], s, widths=[3, 2, 1], depth=4, sampled=True), Sampling(1.0)),
+        lambda m, s: StagedDrafter(m["shortlisted"], m["ngram"], widths=[3, 2, 1], depth=4, sampled=True), Sampling(1.0)),
     "staged, sampled children stopped by a budget of 5 nodes, multi-draft rejection": (  # draws below the first nodes only
-        lambda m, s: StagedDrafter(m["bad"], m["ngram"], s, budget=5, widths=[3, 2, 1], context=LookupDrafter(4, 2),
+        lambda m, s: StagedDrafter(m["bad"], m["ngram"], budget=5, widths=[3, 2, 1], context=LookupDrafter(4, 2),
                                    depth=4, sampled=True), Sampling(1.0)),
     "staged with the context drafter, sample-match": (
-        lambda m, s: StagedDrafter(m["good"], m["ngram"], s, budget=12, widths=[3, 2, 1], draft_children=2,
+        lambda m, s: StagedDrafter(m["good"], m["ngram"], budget=12, widths=[3, 2, 1], draft_children=2,
                                    context=LookupDrafter(4, 2), depth=4), Sampling(0.9, top_k=4)),
 }
 

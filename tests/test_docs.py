@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from decode import run
+from decode.cli import run
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

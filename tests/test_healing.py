@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from decode import run
+from decode.cli import run
 from decode.healing import TokenHealer
 from decode_models import PROMPTS
 

@@ -1,4 +1,4 @@
-"""decode/native_step.cpp against the Python it replaces: the trigram's trees, the staged drafter's greedy selection,
+"""decode/native/step.cpp against the Python it replaces: the trigram's trees, the staged drafter's greedy selection,
 sample-match verification, argmax tokens and the context's continuations are the same, node for node, on random
 contexts, trees, logits and sequences, ties included; decoding takes them; and where they cannot be built, decoding says so once and goes on in Python."""
 import os
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from decode import native
-from decode.cached_lm import Shortlist
-from decode.drafters import LookupDrafter, StagedDrafter, TrigramTrees
-from decode.engine import GPT2Engine
-from decode.generate import baseline, tree_speculative
-from decode.lookup import ContextIndex
+from decode.models.cached_lm import Shortlist
+from decode.drafting import LookupDrafter, StagedDrafter, TrigramTrees
+from decode.models.engine import GPT2Engine
+from decode.loop import baseline, tree_speculative
+from decode.drafting import ContextIndex
 from decode.sampling import Sampling
 from decode.tree import Tree
 from decode.verify import Target, sample_match
@@ -158,7 +158,7 @@ def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monk
         inner = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *args, inner=inner, name=name: calls.__setitem__(name, calls[name] + 1)
                             or inner(*args))
-    staged = StagedDrafter(draft, table, Sampling(), budget=12, widths=[3, 2, 1], context=LookupDrafter())
+    staged = StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], context=LookupDrafter())
     for prompt in ([4, 9, 17], [11, 12, 13, 14, 11, 12]):
         prompt = torch.tensor(prompt)
         expected = baseline(oracle, prompt, 32, Sampling(), eos_id=0).tokens
@@ -223,7 +223,7 @@ def test_decoding_with_a_drafts_blocks_in_cpp_equals_the_baseline(blocks_here, m
     calls = []
     inner = draft.blocks.__call__
     monkeypatch.setattr(draft, "blocks", lambda *args: calls.append(len(args[0])) or inner(*args))
-    staged = StagedDrafter(draft, table, Sampling(), budget=12, widths=[3, 2, 1], context=LookupDrafter())
+    staged = StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], context=LookupDrafter())
     for prompt in ([4, 9, 17], [11, 12, 13, 14, 11, 12]):
         prompt = torch.tensor(prompt)
         out = tree_speculative(oracle, prompt, 32, Sampling(), eos_id=0, drafter=staged)

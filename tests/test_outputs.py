@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import write_corpus
 from data import prepare
-from decode import agreement, bench, bench_engine, run
+from decode.cli import agreement, bench, bench_engine, run
 from decode_models import run_models
 from ngram import build_katz
 from train import distill_draft, finetune_oracle

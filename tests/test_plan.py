@@ -13,11 +13,14 @@ import torch
 from data.errors import InputError
 from data.shards import TOKEN_COUNTS
 
-from decode import SpeculativeDecoder, costs, plan, planning, run
-from decode.cached_lm import Shortlist
-from decode.drafters import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
-from decode.engine import GPT2Engine
-from decode.generate import baseline, tree_speculative
+from decode import SpeculativeDecoder
+from decode.methods import METHODS
+from decode.planning import costs, plan_file, replay, shapes
+from decode.cli import plan, run
+from decode.models.cached_lm import Shortlist
+from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
+from decode.models.engine import GPT2Engine
+from decode.loop import baseline, tree_speculative
 from decode.sampling import Sampling
 from decode_models import run_models
 from ngram.successors import SuccessorTable
@@ -46,7 +49,7 @@ def value(tree_paths, p) -> float:
     return sum(torch.tensor([p[d][k] for d, k in enumerate(path)]).prod().item() for path in tree_paths)
 
 
-def shape_paths(shape: planning.Shape) -> set[tuple]:
+def shape_paths(shape: shapes.Shape) -> set[tuple]:
     paths = {0: ()}
     for node, (parent, rank) in enumerate(zip(shape.parents[1:], shape.ranks[1:]), 1):
         paths[node] = paths[parent] + (rank,)
@@ -61,26 +64,26 @@ def test_best_shapes_are_the_optimum_found_by_brute_force(seed):
     for _ in range(depth):  # rates per depth that need not fall with rank
         row = [rng.random() for _ in range(width)]
         p.append([x / sum(row) * rng.uniform(0.3, 1.0) for x in row])
-    shapes = planning.best_shapes(p, 7, depth)
+    found = shapes.best_shapes(p, 7, depth)
     for n in range(1, 8):
         best = max(value(t, p) for t in rank_trees(n - 1, depth, width))
-        assert shapes[n].expected == pytest.approx(best)
-        assert len(shapes[n].parents) == n and len(shape_paths(shapes[n])) == n - 1
-        assert value(shape_paths(shapes[n]), p) == pytest.approx(best)  # the tree returned is worth its value
-        assert max((len(path) for path in shape_paths(shapes[n])), default=0) <= depth
+        assert found[n].expected == pytest.approx(best)
+        assert len(found[n].parents) == n and len(shape_paths(found[n])) == n - 1
+        assert value(shape_paths(found[n]), p) == pytest.approx(best)  # the tree returned is worth its value
+        assert max((len(path) for path in shape_paths(found[n])), default=0) <= depth
 
 
 def test_best_shapes_know_when_no_tree_fits_and_prefer_a_chain_when_the_top_rank_is_sure():
-    shapes = planning.best_shapes([[0.5, 0.3]], 4, 1)
-    assert shapes[3].ranks == [0, 0, 1] and shapes[4] is None  # one level of two ranks holds 2 nodes
-    chain = planning.best_shapes([[0.9, 0.05]] * 4, 5, 4)[5]
+    best = shapes.best_shapes([[0.5, 0.3]], 4, 1)
+    assert best[3].ranks == [0, 0, 1] and best[4] is None  # one level of two ranks holds 2 nodes
+    chain = shapes.best_shapes([[0.9, 0.05]] * 4, 5, 4)[5]
     assert chain.parents == [-1, 0, 1, 2, 3] and chain.ranks == [0] * 5
     assert chain.expected == pytest.approx(0.9 + 0.81 + 0.729 + 0.6561)
 
 
 def test_acceptance_counts_ranks_where_a_tree_can_reach():
     # ranks of five tokens; width 2: rank 2 is out of every tree, so nothing below it is reachable
-    p = planning.acceptance([[0, 1, 2, 0, 0]], width=2, depth=2)
+    p = shapes.acceptance([[0, 1, 2, 0, 0]], width=2, depth=2)
     assert p[0] == pytest.approx([3 / 5, 1 / 5])
     # depth 2 is reached from starts 0, 1, 3 (the token above it within rank 2): ranks 1, 2, 0
     assert p[1] == pytest.approx([1 / 3, 1 / 3])
@@ -96,16 +99,16 @@ def test_replay_counts_the_oracle_calls_real_greedy_decoding_makes(models, short
     shortlist = Shortlist.most_frequent(np.load(models["draft"] / TOKEN_COUNTS), 64) if shortlisted else None
     oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["draft"], shortlist=shortlist)
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
-    shape = planning.best_shapes([[0.6, 0.2, 0.1]] * 3, 8, 3)[8]
+    shape = shapes.best_shapes([[0.6, 0.2, 0.1]] * 3, 8, 3)[8]
     greedy = Sampling()
-    drafters = {"chain": ChainDrafter(draft, greedy, 3), "shape": ShapedTreeDrafter(draft, greedy, shape.parents, shape.ranks),
-                "staged": StagedDrafter(draft, table, greedy, 10, [3, 2, 1], context=LookupDrafter(4), depth=4),
+    drafters = {"chain": ChainDrafter(draft, 3), "shape": ShapedTreeDrafter(draft, shape.parents, shape.ranks),
+                "staged": StagedDrafter(draft, table, 10, [3, 2, 1], context=LookupDrafter(4), depth=4),
                 "lookup": LookupDrafter(5)}
     rng = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 97, (int(torch.randint(2, 9, (), generator=rng)),), generator=rng) for _ in range(6)]
     sequences = [(p.tolist(), baseline(oracle, p, 30, greedy, eos_id=0).tokens) for p in prompts]
     for name, drafter in drafters.items():
-        replayed = planning.replay(drafter, sequences)
+        replayed = replay.replay(drafter, sequences)
         calls = nodes = 0
         for p, (_, expected) in zip(prompts, sequences):
             out = tree_speculative(oracle, p, 30, greedy, eos_id=0, drafter=drafter)
@@ -119,14 +122,14 @@ def test_replay_counts_the_oracle_calls_real_greedy_decoding_makes(models, short
         logits = whole.extend(torch.tensor(prompt + continuation[:-1]))[len(prompt) - 1 :][:, torch.from_numpy(shortlist.tokens)]
         target = torch.tensor([float(row[shortlist.column[t]]) if shortlist.column[t] >= 0 else math.inf
                                for row, t in zip(logits, continuation)])
-        assert planning.ranks(draft, prompt, continuation) == (logits > target[:, None]).sum(1).where(
+        assert shapes.ranks(draft, prompt, continuation) == (logits > target[:, None]).sum(1).where(
             target < math.inf, torch.tensor(64)).tolist()
 
 
 def test_predict_adds_the_prefill_and_per_step_the_oracle_the_drafting_and_the_loop():
-    replayed = planning.Replay(prompts=1, steps=2, tokens=6, drafting_seconds=0.003, nodes=[4, 8], accepted=[2, 2])
+    replayed = replay.Replay(prompts=1, steps=2, tokens=6, drafting_seconds=0.003, nodes=[4, 8], accepted=[2, 2])
     oracle_ms = torch.arange(0, 10, dtype=torch.float64)  # q nodes cost q ms
-    got = planning.predict(replayed, oracle_ms, loop_ms=0.5, prefill_ms=2.0)
+    got = replay.predict(replayed, oracle_ms, loop_ms=0.5, prefill_ms=2.0)
     assert got["tokens_per_call"] == 2  # the prefill is an oracle call, as decode.bench counts it
     assert got["ms_per_token"] == pytest.approx((2 + 12 + 3 + 1) / 6)
     assert replayed.accepted_by_depth(3) == [1.0, 1.0, 0.0]
@@ -158,9 +161,9 @@ def without(args: list[str], flag: str) -> list[str]:
 def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
     path, args = planned["path"], without(planned["args"], "--widths")  # a typed flag would win over the plan
     on_disk = json.loads(path.read_text())
-    assert on_disk["policies"] == planned["plan"]["policies"] and set(on_disk["policies"]) == set(planning.PLANNED)
+    assert on_disk["policies"] == planned["plan"]["policies"] and set(on_disk["policies"]) == set([m for m, method in METHODS.items() if method.planned])
     options = run.parse(args + ["--plan", str(path)]).options
-    assert planning.load_plan(path, options) == on_disk["policies"]
+    assert plan_file.load_plan(path, options) == on_disk["policies"]
     for method, policy in on_disk["policies"].items():
         predicted = on_disk["predicted"][method]
         assert predicted["tokens_per_call"] >= 1 and predicted["speedup"] > 0
@@ -170,12 +173,11 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
         drafter, shortlist = dec.decoder.drafter, dec.decoder.draft and dec.decoder.draft.shortlist
         assert (len(shortlist) if shortlist else 0) == policy.get("draft_vocab", 0), method
         if method == "speculative":
-            assert dec.decoder.k == policy["k"]
+            assert dec.options.k == policy["k"]
         elif method == "tree":
             assert isinstance(drafter, ShapedTreeDrafter) and drafter.parents == policy["parents"]
-            dec.decoder.use(Sampling(1.0))  # sampling: the shape's children are draws, each node's q recorded
-            drafter.reset()
-            drawn = drafter.propose([3, 9], 8, torch.Generator().manual_seed(1))
+            drafter.reset()  # sampling: the shape's children are draws, each node's q recorded
+            drawn = drafter.propose([3, 9], 8, Sampling(1.0), torch.Generator().manual_seed(1))
             counts = lambda children: sorted(map(len, children))
             assert counts(drawn.children) == counts([[c for c, p in enumerate(policy["parents"]) if p == n]
                                                      for n in range(len(policy["parents"]))])
@@ -330,27 +332,27 @@ def test_a_run_plan_for_another_dtype_is_set_aside_with_a_note(planned, models, 
 def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models, tmp_path, capsys, monkeypatch):
     path, args = planned["path"], planned["args"]
     on_cpu = run.parse(args + ["--plan", str(path)]).options  # graphs by default, which change nothing on a CPU
-    assert on_cpu.cuda_graphs and planning.identity(on_cpu) == planned["plan"]["identity"]
-    assert planning.load_plan(path, on_cpu) == planned["plan"]["policies"]
+    assert on_cpu.cuda_graphs and plan_file.identity(on_cpu) == planned["plan"]["identity"]
+    assert plan_file.load_plan(path, on_cpu) == planned["plan"]["policies"]
     monkeypatch.setattr(planning, "device_name", lambda device: planned["plan"]["identity"]["device"])
     on_gpu = dataclasses.replace(on_cpu, device="cuda")  # as a GPU would see it
-    assert planning.identity(on_gpu) == planned["plan"]["identity"] | {"cuda_graphs": True}
+    assert plan_file.identity(on_gpu) == planned["plan"]["identity"] | {"cuda_graphs": True}
     with pytest.raises(InputError, match=r"cuda_graphs False \(now True\)") as refused:
-        planning.load_plan(path, on_gpu)
+        plan_file.load_plan(path, on_gpu)
     assert "python -m decode.plan --run" in str(refused.value) and "--no-cuda-graphs" not in str(refused.value)
     without = run.parse(args + ["--plan", str(path), "--no-cuda-graphs"]).options
-    assert planning.load_plan(path, dataclasses.replace(without, device="cuda")) == planned["plan"]["policies"]
-    assert "--no-cuda-graphs" in planning.replan_command(path.parent, without)
+    assert plan_file.load_plan(path, dataclasses.replace(without, device="cuda")) == planned["plan"]["policies"]
+    assert "--no-cuda-graphs" in plan_file.replan_command(path.parent, without)
     older = json.loads(path.read_text())
     del older["identity"]["cuda_graphs"]  # a plan written before the setting
     older["identity"]["draft_vocab"] = 0  # nor does a shortlist recorded there by an older decode.plan count
     path.write_text(json.dumps(older))
-    assert planning.load_plan(path, on_cpu) == planned["plan"]["policies"]
+    assert plan_file.load_plan(path, on_cpu) == planned["plan"]["policies"]
     graphed = json.loads(path.read_text())
     graphed["identity"]["cuda_graphs"] = True  # the plan a GPU run writes (with graphs, the default)
     path.write_text(json.dumps(graphed))
     with pytest.raises(InputError, match=r"cuda_graphs True \(now False\)"):
-        planning.load_plan(path, run.parse(args + ["--plan", str(path)]).options)
+        plan_file.load_plan(path, run.parse(args + ["--plan", str(path)]).options)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for part in ("oracle", "draft", "ngram"):
@@ -393,12 +395,12 @@ def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(pl
 def test_sampled_acceptance_is_certain_for_the_oracle_itself_and_falls_with_depth(models):
     oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["draft"])
     sampling, prompt = Sampling(1.0, top_k=20), [3, 9, 4]
-    continuation = baseline(oracle, torch.tensor(prompt), 20, sampling, None, torch.Generator().manual_seed(0)).tokens
-    same = planning.overlaps(oracle, GPT2Engine.load(models["oracle"]), sampling, prompt, continuation)
+    continuation = baseline(oracle, torch.tensor(prompt), 20, sampling, None, generator=torch.Generator().manual_seed(0)).tokens
+    same = shapes.overlaps(oracle, GPT2Engine.load(models["oracle"]), sampling, prompt, continuation)
     assert same == pytest.approx([1.0] * len(continuation))
-    other = planning.overlaps(oracle, draft, sampling, prompt, continuation)
+    other = shapes.overlaps(oracle, draft, sampling, prompt, continuation)
     assert all(0 < a < 1 for a in other)
-    chain = planning.chain_acceptance([other], 4)
+    chain = shapes.chain_acceptance([other], 4)
     assert chain[0] == pytest.approx(sum(other) / len(other)) and chain == sorted(chain, reverse=True)
 
 
@@ -423,7 +425,7 @@ def test_paper_tree_is_one_flag_away_and_refused_beside_a_typed_tree(models):
 
 
 def test_auto_dtype_is_the_plans_on_this_device_else_the_devices_native_one(planned, monkeypatch, tmp_path):
-    from decode import precision
+    from decode.models import precision
 
     monkeypatch.delenv(precision.PINNED)
     monkeypatch.setattr(precision, "cpu_features", lambda: "AVX-512 BF16")

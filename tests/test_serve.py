@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from conftest import child_env
-from decode import run
+from decode.cli import run
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def scale(values):\n", "import math\n", "class Box3:\n    def __init__(self):\n", "x = (1, 2",

@@ -8,7 +8,9 @@ import pytest
 from data.errors import InputError
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
-from decode import DecoderBusy, SpeculativeDecoder, precision, run
+from decode import DecoderBusy, SpeculativeDecoder
+from decode.models import precision
+from decode.cli import flags, run
 from test_outputs import one_line_error
 
 PROMPT = "def scale(values):\n"
@@ -162,14 +164,14 @@ def test_auto_dtype_times_the_oracle_once_and_picks_the_faster(bpe_run, tmp_path
 
 
 def test_auto_dtype_measures_a_real_oracle_and_the_command_line_says_so(bpe_run, tmp_path, monkeypatch, capsys):
-    from decode import costs
+    from decode.planning import costs
 
     monkeypatch.delenv(precision.PINNED)
     monkeypatch.setattr(costs, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(precision, "CACHE_DIR", tmp_path)
     ms = precision.time_forwards(bpe_run["run"] / "oracle", "float32", "cpu")
     assert set(ms) == {1, 16} and all(t > 0 for t in ms.values())
-    run.announce.cache_clear()  # said once per process: this test reads it
+    flags.announce.cache_clear()  # said once per process: this test reads it
     settings = run.parse(["--run", str(bpe_run["run"]), "--method", "baseline", "--prompt", "x", "--no-plan"])
     line = [l for l in capsys.readouterr().err.splitlines() if l.startswith("dtype:")]
     assert len(line) == 1 and line[0].startswith(f"dtype: {settings.options.dtype} (measured faster here")

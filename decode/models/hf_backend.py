@@ -6,8 +6,8 @@ import inspect
 import torch
 
 from data.pretrained import load_causal_lm
-from decode.cached_lm import CachedLM, Ids, Shortlist, as_tensor
-from decode.engine import DTYPES, attention_kernels
+from decode.models.cached_lm import CachedLM, Ids, Shortlist, as_tensor
+from decode.models.engine import DTYPES, attention_kernels
 
 
 def load_hf_model(model_dir, dtype: str, device: str):

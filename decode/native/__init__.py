@@ -1,7 +1,7 @@
-"""A decoding step's loops over trees in C++ (decode/native_step.cpp): the trigram's tree below a new context, the
+"""A decoding step's loops over trees in C++ (decode/native/step.cpp): the trigram's tree below a new context, the
 staged drafter's greedy selection of the oracle's tree from the draft's logits, sample-match verification under
 greedy decoding, each row's best tokens, the continuations a context repeats (prompt lookup) and a commit's moves in
-a CPU cache; and a bfloat16 draft's transformer blocks (decode/native_draft.cpp, `Blocks`) on CPUs with AVX-512 BF16.
+a CPU cache; and a bfloat16 draft's transformer blocks (decode/native/draft.cpp, `Blocks`) on CPUs with AVX-512 BF16.
 Right after a forward, each of the tens of torch, numpy and list operations these take in Python pays for caches the
 forward evicted; one call pays once (docs/decoding.md and docs/profiling.md).
 
@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from data.errors import first_line
-from decode.cached_lm import Ids, as_list
+from decode.models.cached_lm import Ids, as_list
 
-SOURCE = Path(__file__).with_name("native_step.cpp")
-DRAFT_SOURCE = Path(__file__).with_name("native_draft.cpp")
+SOURCE = Path(__file__).with_name("step.cpp")
+DRAFT_SOURCE = Path(__file__).with_name("draft.cpp")
 
 
 def build(source: Path):
@@ -51,7 +51,7 @@ def module():
 
 @functools.lru_cache(maxsize=None)
 def draft_module():
-    """The compiled transformer blocks of decode/native_draft.cpp, or None where they cannot run here: no C++ loops
+    """The compiled transformer blocks of decode/native/draft.cpp, or None where they cannot run here: no C++ loops
     (module() said why), a failed build (said once), or a CPU without AVX-512 BF16."""
     if module() is None:
         return None
@@ -129,7 +129,7 @@ def continuations(tokens: list[int], max_ngram: int, length: int, branches: int)
 
 
 def pack_for_dot_products(in_out: torch.Tensor) -> torch.Tensor:
-    """An (in, out) bfloat16 weight as native_draft.cpp's products read it: blocks of 16 output columns (the last
+    """An (in, out) bfloat16 weight as native/draft.cpp's products read it: blocks of 16 output columns (the last
     padded with zeros), in each the two weights of every pair of input rows side by side (the operand layout of
     AVX-512 BF16's dot product)."""
     in_out = torch.nn.functional.pad(in_out, (0, -in_out.shape[1] % 16)).contiguous()
@@ -138,7 +138,7 @@ def pack_for_dot_products(in_out: torch.Tensor) -> torch.Tensor:
 
 
 class Blocks:
-    """A bfloat16 GPT-2's forward over a few new rows as one C++ call (decode/native_draft.cpp): embeddings, blocks,
+    """A bfloat16 GPT-2's forward over a few new rows as one C++ call (decode/native/draft.cpp): embeddings, blocks,
     final layer norm and output layer, for a draft. Its keys and values go to the engine's cache as torch's would."""
 
     LINEAR = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")

@@ -14,6 +14,12 @@ def on(tensor: torch.Tensor, device) -> torch.Tensor:
     return tensor if device is None or getattr(device, "type", device) == "cpu" else tensor.to(device)
 
 
+def synchronize(device: torch.device | None) -> None:
+    """Wait for queued GPU work, so a timer sees it."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def long_tensor(values: list[int], device=None) -> torch.Tensor:
     """A 1-d int64 tensor from a list of ints: through numpy it costs a quarter of torch.tensor's
     4-5 us, and a decoding step makes several."""

@@ -9,10 +9,10 @@ import logging
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from decode.engine import attention_kernels
-from decode.generate import Generation
+from decode.models.engine import attention_kernels
+from decode.loop import Generation
 from decode.healing import Prompt, constrain_first
-from decode.hf_backend import load_hf_model
+from decode.models.hf_backend import load_hf_model
 from decode.sampling import Sampling
 
 

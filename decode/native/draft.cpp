@@ -1,5 +1,5 @@
 // A small GPT-2's transformer blocks and output layer in one C++ call, for a draft model's forwards on a CPU with
-// AVX-512 BF16 (decode/native.py loads it; decode/engine.py calls it through GPT2Engine.logits). A draft's forward is
+// AVX-512 BF16 (decode/native loads it; decode/models/engine.py calls it through GPT2Engine.logits). A draft's forward is
 // a few rows (a step's tree) through matrices of a few hundred columns: torch spends it starting some thirty
 // operations, each cold after the oracle's forward (oneDNN took 73-140 us for a 20 x 128 x 384 product that is 10 us
 // of arithmetic). Here the products, the output layer's too, are AVX-512 BF16 dot products over weights packed once
@@ -49,7 +49,7 @@ BF16_TARGET inline float fast_exp(float x) {
 }
 
 // One linear layer, packed for _mm512_dpbf16_ps: blocks of 16 output columns; in each, for every pair of input
-// rows (2k, 2k+1), the 16 columns' two weights side by side (decode/native.py's pack_for_dot_products). The last
+// rows (2k, 2k+1), the 16 columns' two weights side by side (decode/native's pack_for_dot_products). The last
 // block and the bias are padded with zeros to 16 columns where `out` is not a multiple of 16 (an output layer).
 struct Linear {
     const bf16 *packed;

@@ -4,6 +4,9 @@ identifiers, its signature and the words of its docstring, so what the context a
 the cheapest good draft.
 """
 from decode import native
+from decode.drafting.base import ModelFreeDrafter
+from decode.sampling import Sampling
+from decode.tree import Tree
 
 
 class ContextIndex:
@@ -12,6 +15,7 @@ class ContextIndex:
 
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
+        self.scan = native.module() is not None  # the step's C++ loops scan the sequence instead of an index
         self.reset()
 
     def reset(self) -> None:
@@ -29,9 +33,9 @@ class ContextIndex:
         """Up to `branches` different continuations of `length` tokens that followed the longest suffix
         of `tokens` seen before, the latest occurrence first. A continuation that runs into the end of
         the sequence goes on with its own tokens: the text repeats with the period it just showed. With the step's
-        C++ loops, a scan of the sequence finds the same (decode/native_step.cpp; updating the index in Python cost
+        C++ loops, a scan of the sequence finds the same (decode/native/step.cpp; updating the index in Python cost
         more than the scan)."""
-        if native.module() is not None:
+        if self.scan:
             return native.continuations(tokens, self.max_ngram, length, branches)
         self.update(tokens)
         for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
@@ -47,3 +51,29 @@ class ContextIndex:
             if chains:
                 return chains
         return []
+
+
+class LookupDrafter(ModelFreeDrafter):
+    """The context alone: up to `branches` continuations of `length` tokens that followed the latest
+    earlier occurrences of the longest suffix (of at most `max_ngram` tokens) seen before."""
+
+    def __init__(self, length: int = 10, branches: int = 1, max_ngram: int = 3):
+        self.length, self.branches, self.index = length, branches, ContextIndex(max_ngram)
+
+    def describe(self) -> dict:
+        return {"tokens": self.length, "branches": self.branches, "ngram": self.index.max_ngram}
+
+    def reset(self) -> None:
+        self.index.reset()
+
+    def graft(self, tree: Tree, tokens: list[int], max_depth: int) -> set[int]:
+        """Add the continuations below the root of `tree` (which stands for tokens[-1]); returns their nodes."""
+        nodes = set()
+        for chain in self.index.continuations(tokens, min(self.length, max_depth), self.branches):
+            nodes.update(tree.add_path(chain))
+        return nodes
+
+    def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
+        tree = Tree.rooted(tokens[-1])
+        self.graft(tree, tokens, max_depth)
+        return tree

@@ -9,10 +9,7 @@ import inspect
 import json
 import os
 import time
-from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -20,17 +17,11 @@ import torch
 from data.atomic import write_json
 from data.errors import InputError
 from data.machine import cpu_features, cpu_name
-from decode.cached_lm import CachedLM
+from decode.models.cached_lm import CachedLM, synchronize
 from decode.tree import Tree
 
 NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "staged-speculative" / "forward-costs"
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so a timer sees it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def bushy_tree(q: int) -> Tree:
@@ -103,44 +94,6 @@ def host_work_after_forward(model: CachedLM, prefix: int = 128, repeats: int = 5
         model.commit([])
     model.reset()
     return {"after a forward": 1e6 * float(np.median(after[1:])), "again": 1e6 * float(np.median(again[1:]))}
-
-
-class Stopwatch:
-    """Seconds spent in wrapped functions, summed per label. On a CUDA `device` each timed call first waits
-    for the kernels queued before it and then for its own: else a forward's time lands in whatever next
-    reads its result."""
-
-    def __init__(self, device: torch.device = torch.device("cpu")):
-        self.seconds, self.calls, self.device = defaultdict(float), defaultdict(int), device
-
-    def wrap(self, owner, name: str, label: str | Callable[[], str]) -> None:
-        """Replace owner.name (a method or a module function) with a timed version; a callable `label` is
-        asked before each call which label the call's time goes to."""
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            counted = label if isinstance(label, str) else label()
-            synchronize(self.device)
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                synchronize(self.device)
-                self.seconds[counted] += time.perf_counter() - start
-                self.calls[counted] += 1
-
-        setattr(owner, name, timed)
-
-    def clear(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
-
-    @contextmanager
-    def paused(self):
-        """What runs inside is not counted."""
-        seconds, calls = dict(self.seconds), dict(self.calls)
-        yield
-        self.seconds, self.calls = defaultdict(float, seconds), defaultdict(int, calls)
 
 
 def machine_name(device: torch.device) -> str:
@@ -225,7 +178,7 @@ def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: 
                 cuda_graphs: bool = False):
     """A GPT-2 of this shape with random weights (64-wide heads): its forward costs what a trained
     one's does."""
-    from decode.engine import GPT2Engine
+    from decode.models.engine import GPT2Engine
 
     e = n_embd
     config = {"vocab_size": vocab_size, "n_positions": n_positions, "n_layer": n_layer, "n_head": e // 64,

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from data.atomic import write_json
-from decode.costs import CACHE_DIR, cpu_features, device_name, fingerprint, forward_costs
+from decode.planning.costs import CACHE_DIR, cpu_features, device_name, fingerprint, forward_costs
 
 DTYPES = ("float32", "bfloat16")
 PINNED = "STAGED_SPECULATIVE_DTYPE"  # what "auto" resolves to when set (float32 or bfloat16): reproducible runs
@@ -73,7 +73,7 @@ def measured_dtype(oracle: Path, device: str, cache_dir: Path | None = None) -> 
 
 def time_forwards(oracle: Path, dtype: str, device: str) -> dict[int, float]:
     """Milliseconds per forward of the oracle over each of TIMED new nodes, in `dtype` (the decoder's own engine)."""
-    from decode.api import load_model  # the engine a decoder would load, lean or transformers'
+    from decode.models.loading import load_model  # the engine a decoder would load, lean or transformers'
 
     model = load_model(oracle, "auto", dtype, device)
     return forward_costs(model, repeats=REPEATS, counts=TIMED)

@@ -24,8 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from data.errors import InputError
 from data.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode import native
-from decode.cached_lm import CachedLM, Ids, Shortlist, as_tensor
-from decode.cuda_graphs import CUDAGraphs
+from decode.models.cached_lm import CachedLM, Ids, Shortlist, as_tensor
+from decode.models.cuda_graphs import CUDAGraphs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SPECULATIVE_SLOTS = 2048  # cache slots beyond the context for the nodes of a speculative tree
@@ -170,10 +170,10 @@ class GPT2Engine(CachedLM):
                  shortlist: Shortlist | None = None, native_blocks: bool = False):
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
         stores every matrix in that layout; by default each matrix gets the fastest measured for its shape. On a
-        GPU with `cuda_graphs`, forwards replay CUDA graphs (decode.cuda_graphs). With a
+        GPU with `cuda_graphs`, forwards replay CUDA graphs (decode.models.cuda_graphs). With a
         `shortlist`, the output layer computes the logits of its tokens only. With `native_blocks` (for a draft), a
         bfloat16 engine on a CPU with AVX-512 BF16 runs the blocks of a forward of a few rows (a step's tree, up to
-        native.Blocks.ROWS) as one C++ call (decode/native.py's Blocks), which rounds differently from torch's."""
+        native.Blocks.ROWS) as one C++ call (decode/native's Blocks), which rounds differently from torch's."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         self.shape = s = GPT2Shape.from_config(config)

@@ -1,8 +1,8 @@
-// A decoding step's loops over trees, in C++ for decode/native.py: the trigram's tree below a new context
-// (TrigramTrees.build in decode/drafters.py), the staged drafter's greedy ranking of the draft's logits and its choice
+// A decoding step's loops over trees, in C++ for decode/native: the trigram's tree below a new context
+// (TrigramTrees.build in decode/drafting), the staged drafter's greedy ranking of the draft's logits and its choice
 // of the oracle's tree (StagedDrafter.selection), sample-match verification under greedy decoding
 // (decode/verify.py), each row's best tokens (decode/sampling.py's ranked_tokens and row_argmax), the
-// continuations a context repeats (decode/lookup.py's ContextIndex), and a commit's moves in a CPU cache
+// continuations a context repeats (decode/drafting/context.py's ContextIndex), and a commit's moves in a CPU cache
 // (GPT2Engine.commit). Each follows its Python code step for step, ties included (torch's top-k, which a row's k > 1
 // best tokens take in Python, orders ties as it likes; here the lower column comes first), and tests/test_native.py
 // compares the two. After a forward, every torch, numpy or list operation of a step pays for caches that the forward
@@ -363,7 +363,7 @@ PyMethodDef methods[] = {
      "A cache's kept slots moved into place."},
     {nullptr, nullptr, 0, nullptr}};
 
-// torch's extension builder names the module (TORCH_EXTENSION_NAME: decode/native.py adds the source's hash)
+// torch's extension builder names the module (TORCH_EXTENSION_NAME: decode/native adds the source's hash)
 #define STRINGIFY_(name) #name
 #define STRINGIFY(name) STRINGIFY_(name)
 #define CONCATENATE_(a, b) a##b

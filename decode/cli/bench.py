@@ -1,0 +1,271 @@
+"""How much faster than plain decoding, with the same output? Every method in one process, same prompts.
+
+    python -m decode.bench --run RUN --limit 50 --max-new-tokens 128 --out results.json --plot speedup.png
+    python -m decode.bench --run RUN --temperature 1 --top-k 50 --methods baseline,speculative,staged
+
+Methods run interleaved per prompt (the order rotates), so machine noise hits all alike, after a
+warm-up on the first prompt. Per method: tokens/s, per-prompt speedup over the baseline (time per
+token), tokens per oracle call, oracle calls per token (the paper's memory-traffic ratio) and mean
+oracle batch. Greedy outputs must equal the baseline's: a method that differs beyond numerical
+near-ties gets no speedup, and the prompts are named. The peers: `hf-generate` (transformers
+generate on the oracle), `hf-assisted` (generate with the draft as assistant model) and `hf-lookup`
+(generate with prompt lookup, `--lookup-tokens` per draft). `lookup` is ours: the same idea as a drafter.
+With RUN/plan.json (python -m decode.plan) every method of ours runs its planned policy and the
+table puts the plan's predicted tokens per call and speedup beside the measured ones; `staged-paper`
+is staged with the paper's tree (decode.run --paper-tree) and no plan.
+"""
+import argparse
+import datetime
+import json
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from data.cli import HelpFormatter
+from data.atomic import FILE, atomic_output, check_output, write_json
+from data.errors import InputError, exits_on_input_error
+from decode import native
+from decode.api import SpeculativeDecoder
+from decode.cli import agreement, report, run
+from decode.cli.harness import compare_with_baseline, decode_in_turns
+from decode.cli.peers import HFGenerate
+from decode.models.loading import check_same_vocabulary
+from decode.options import PAPER_BUDGET, PAPER_WIDTHS
+from decode.planning.costs import device_name, machine_name
+
+OURS = ("baseline", "speculative", "tree", "staged", "staged-paper", "ngram", "lookup")
+PEERS = ("hf-generate", "hf-assisted", "hf-lookup")
+DEFAULT_METHODS = "baseline,speculative,tree,staged,staged-paper,ngram,lookup,hf-generate,hf-assisted,hf-lookup"
+WARMUP_TOKENS = 16
+PROG = "python -m decode.bench"
+
+
+def build_methods(names: list[str], rest: list[str]) -> tuple[dict, list, run.Settings]:
+    """A decoder per method (each with its own models and caches), our SpeculativeDecoders, and the settings."""
+    settings = run.parse(rest, PROG)
+    base = settings.flags.base
+    decoders, ours = {}, []
+    for name in (n for n in names if n not in PEERS):
+        options = (replace(base, method="staged", widths=list(PAPER_WIDTHS), budget=PAPER_BUDGET) if name == "staged-paper"
+                   else settings.flags.options(name))
+        ours.append(SpeculativeDecoder(options))
+        decoders[name] = ours[-1].decoder
+    for name in (n for n in names if n in PEERS):
+        if name == "hf-assisted":
+            if base.draft is None or not Path(base.draft).is_dir():
+                raise InputError(f"hf-assisted needs a draft model; pass --draft DIR (or --run RUN) (got {base.draft})")
+            check_same_vocabulary(base.oracle, base.draft, "draft")
+        decoders[name] = HFGenerate(base.oracle, base.draft if name == "hf-assisted" else None, settings.sampling,
+                                    decoders["baseline"].eos_id, base.dtype, base.device,
+                                    base.lookup_tokens if name == "hf-lookup" else None)
+    return decoders, ours, settings
+
+
+def timed_runs(decoders: dict, prompts: list, settings: run.Settings) -> dict[str, list[dict]]:
+    """Every method on every prompt in turns, after a warm-up on the first prompt (first calls allocate, build
+    kernels and fill caches); one record per method and prompt."""
+    n, seed, sampling = settings.max_new_tokens, settings.seed, settings.sampling
+    runs = {name: (lambda prompt, i, d=decoder: d(prompt, n, seed + i) if isinstance(d, HFGenerate)
+                   else d(prompt, n, seed + i, sampling)) for name, decoder in decoders.items()}
+    for name, decoder in decoders.items():
+        warmup = min(WARMUP_TOKENS, n)
+        decoder(prompts[0][1], warmup, seed) if isinstance(decoder, HFGenerate) else decoder(prompts[0][1], warmup, seed, sampling)
+    records = decode_in_turns(runs, [prompt for _, prompt in prompts], progress="prompts")
+    for rows in records.values():
+        for row, (record, _) in zip(rows, prompts):
+            row["task_id"] = record["task_id"]
+    return records
+
+
+def check_outputs(records: dict[str, list[dict]], prompts: list, decoders: dict, settings: run.Settings) -> dict[str, dict]:
+    """Greedy: per method, prompts whose output equals the baseline's, near-ties, and differences that are not.
+    A peer's difference is judged with its own model's logits too (transformers' kernels round otherwise), one
+    of ours with the rows its own forwards computed (`agreement.own_rows`, decoded again with the run's seed)."""
+    n, seed = settings.max_new_tokens, settings.seed
+
+    def judge(name, i, prompt, expected, got):
+        peer = decoders[name].oracle if name in PEERS else None
+        own = None if name in PEERS else lambda: agreement.own_rows(decoders[name], prompt, n, seed + i)
+        return agreement.divergence(decoders["baseline"].oracle, prompt, expected, got, peer, own)
+
+    outputs = {name: [row["tokens"] for row in rows] for name, rows in records.items()}
+    return compare_with_baseline(outputs, [prompt for _, prompt in prompts], [r["task_id"] for r, _ in prompts], judge)
+
+
+def draft_of(model) -> dict:
+    """How a method's draft was loaded: its dtype (the plan may choose one other than the oracle's) and output layer."""
+    return {"dtype": str(model.dtype).removeprefix("torch."),
+            "vocabulary": f"its {len(model.shortlist)} most frequent tokens" if model.shortlist else "every token"}
+
+
+RIVALS = ("speculative", "hf-assisted", "hf-lookup")  # what staged must also beat
+
+
+def summarise(records: dict[str, list[dict]], checks: dict | None) -> dict[str, dict]:
+    ms_per_token = {name: np.array([1e3 * r["seconds"] / len(r["tokens"]) for r in rows]) for name, rows in records.items()}
+    base_ms = ms_per_token["baseline"]
+    summary = {}
+    for name, rows in records.items():
+        tokens = sum(len(r["tokens"]) for r in rows)
+        calls = sum(r["oracle_calls"] for r in rows)
+        s = {"tokens": tokens, "seconds": sum(r["seconds"] for r in rows),
+             "tokens_per_oracle_call": tokens / calls, "oracle_calls_per_token": calls / tokens}
+        s["tokens_per_second"] = tokens / s["seconds"]
+        nodes = sum(r["oracle_nodes"] for r in rows)
+        s["mean_oracle_batch"] = nodes / calls if nodes else None  # peers: not observed
+        if checks is not None:
+            s["same_output"] = checks[name]
+        if checks is None or not checks[name]["differences"]:
+            speedup = base_ms / ms_per_token[name]
+            s["speedup"] = {"median": float(np.median(speedup)), "mean": float(speedup.mean()),
+                            "min": float(speedup.min()), "max": float(speedup.max()), "per_prompt": speedup.tolist()}
+            s["median_speedup_over"] = {rival: float(np.median(ms_per_token[rival] / ms_per_token[name]))
+                                        for rival in RIVALS if rival in records and rival != name}
+        summary[name] = s
+    return summary
+
+
+def print_table(summary: dict[str, dict], greedy: bool) -> None:
+    print(f"{'method':<14} {'tokens/s':>9} {'speedup median (mean, min-max)':>31} {'tokens/call':>11} "
+          f"{'calls/token':>11} {'batch':>6}" + (f" {'same output':>12}" if greedy else ""))
+    for name, s in summary.items():
+        if "speedup" in s:
+            sp = s["speedup"]
+            speed = f"{sp['median']:.2f}x ({sp['mean']:.2f}, {sp['min']:.2f}-{sp['max']:.2f})"
+        else:
+            speed = "refused: output differs"
+        batch = f"{s['mean_oracle_batch']:6.1f}" if s["mean_oracle_batch"] else f"{'-':>6}"
+        line = (f"{name:<14} {s['tokens_per_second']:9.1f} {speed:>31} {s['tokens_per_oracle_call']:11.2f} "
+                f"{s['oracle_calls_per_token']:11.3f} {batch}")
+        if greedy:
+            same = s["same_output"]
+            n = same["identical"] + len(same["near_ties"]) + len(same["differences"])
+            line += f" {same['identical']:>5}/{n}" + (f" +{len(same['near_ties'])} ties" if same["near_ties"] else "")
+        print(line)
+    planned = {name: s for name, s in summary.items() if "predicted" in s}
+    if planned:
+        base = summary["baseline"]["tokens_per_second"]
+        if not greedy:  # the planner replays greedy decoding; sampled acceptance is lower (sum of min(p, q))
+            print("planned (RUN/plan.json) for greedy decoding, so not a forecast for this sampled run:")
+        print(f"planned (RUN/plan.json) against measured: {'method':<12} {'tokens/call':>19} {'speedup (tokens/s)':>19}")
+        for name, s in planned.items():
+            p = s["predicted"]
+            print(f"{'':<42} {name:<12} {p['tokens_per_call']:8.2f} vs {s['tokens_per_oracle_call']:5.2f}"
+                  f"    {p['speedup']:6.2f}x vs {s['tokens_per_second'] / base:5.2f}x")
+    for name, s in summary.items():
+        for d in s.get("same_output", {}).get("differences", []):
+            print(f"  {name} differs from baseline on {d['task_id']} at token {d['position']} "
+                  f"({agreement.describe(d)})")
+
+
+def check_plot_path(path: Path, overwrite: bool) -> None:
+    """A plot path matplotlib can write, checked before any decoding."""
+    from matplotlib.figure import Figure
+
+    check_output(path, FILE, overwrite, "--plot")
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise InputError(f"--plot {path}: matplotlib cannot write {path.suffix or 'a file without extension'}; "
+                         f"end the name in one of {', '.join('.' + f for f in sorted(formats))}")
+
+
+def plot(summary: dict[str, dict], path: Path, title: str, overwrite: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, s in summary.items() if "speedup" in s and n != "baseline"]
+    fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2, 4))
+    ax.boxplot([summary[n]["speedup"]["per_prompt"] for n in names], showmeans=True)
+    ax.set_xticks(range(1, len(names) + 1), names, rotation=20)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_ylabel("speedup over baseline (per prompt)")
+    ax.set_title(title)
+    fig.tight_layout()
+    with atomic_output(path, FILE, overwrite) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".").lower(), dpi=120)
+    plt.close(fig)
+
+
+@exits_on_input_error
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
+                                epilog="Every other flag is decode.run's (--run, --prompts, --limit, --max-new-tokens, "
+                                       "--temperature, --top-k, --budget, --widths, --dtype, ...).")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {', '.join(OURS + PEERS)}")
+    p.add_argument("--out", type=Path, help="write the figures and per-prompt records as JSON here")
+    p.add_argument("--plot", type=Path, help="write the per-prompt speedup distribution per method here (.png, .svg)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing --out and --plot files")
+    known, rest = p.parse_known_args(argv)
+    names = known.methods.split(",")
+    unknown = [n for n in names if n not in OURS + PEERS]
+    if unknown:
+        p.error(f"unknown methods {unknown}; choose from {', '.join(OURS + PEERS)}")
+    names = ["baseline"] + [n for n in names if n != "baseline"]
+    if known.out:
+        check_output(known.out, FILE, known.overwrite, "--out")
+    if known.plot:
+        check_plot_path(known.plot, known.overwrite)
+    decoders, ours, settings = build_methods(names, rest)
+    options, sampling = settings.flags.base, settings.sampling
+    prompts = run.encode_prompts(settings, ours)
+    greedy = sampling.greedy
+    mode = "greedy" if greedy else f"T={sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
+    healing = "on" if options.token_healing else "off"
+    loops = native.loops(options.device)
+    print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
+          f"token healing {healing}, step loops in {loops}; methods: {', '.join(names)}; "
+          + (f"plan {settings.flags.plan}" if settings.flags.plan else "no plan (python -m decode.plan writes one)"))
+    records = timed_runs(decoders, prompts, settings)
+    checks = check_outputs(records, prompts, decoders, settings) if greedy else None
+    summary = summarise(records, checks)
+    plan = json.loads(Path(settings.flags.plan).read_text()) if settings.flags.plan is not None else None
+    if plan is not None:
+        for name in (n for n in names if n in plan["predicted"] and n != "baseline"):
+            summary[name]["predicted"] = plan["predicted"][name]
+    shown = next((n for n in ("staged", *names) if n in records and n != "baseline"), "baseline")
+    record, prompt = prompts[0]
+    report.show_sample(record["prompt"], prompt.completion(ours[0].tokenizer, records[shown][0]["tokens"],
+                                                           decoders["baseline"].eos_id), shown)
+    print_table(summary, greedy)
+    sizing = {n: d.drafter.describe() | {"children": "sampled" if d.drafter.draws(sampling) else "top"}
+              for n, d in decoders.items() if n.startswith("staged")}
+    for name, size in sizing.items():
+        over = ", ".join(f"{x:.2f}x over {rival}" for rival, x in summary[name].get("median_speedup_over", {}).items())
+        tree = ("the oracle's tree drawn from the draft below the nodes it scored" if size["children"] == "sampled"
+                else f"oracle tree of {size['budget']} nodes")
+        print(f"  {name}: trigram widths {size['widths']}, {tree}" + (f"; median {over}" if over else ""))
+    drafts = {n: draft_of(d.draft) for n, d in decoders.items() if n in OURS and d.draft is not None}
+    if drafts:
+        print("  the draft: " + "; ".join(f"{name} {draft['dtype']}, {draft['vocabulary']}" for name, draft in drafts.items()))
+    print()
+    print("\n".join(report.explain(summary, plan, greedy)))
+    warning = report.looping([r["tokens"] for r in records["baseline"]]) if greedy else None
+    if warning:
+        print(warning)
+    command = f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"
+    result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device,
+                           "machine": machine_name(decoders["baseline"].oracle.device),
+                           "date": datetime.date.today().isoformat(), "command": command, "prompts": len(prompts),
+                           "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing, "drafts": drafts,
+                           "plan": settings.flags.plan and str(settings.flags.plan),
+                           "token_healing": options.token_healing, "step_loops": loops},
+              "summary": summary, "records": records}
+    if known.out:
+        write_json(known.out, result, known.overwrite, indent=1)
+        print(f"figures: {known.out}")
+    if known.plot:
+        models = f"oracle {options.oracle}, draft {options.draft}"
+        plot(summary, known.plot, f"{models} on {device_name(decoders['baseline'].oracle.device)}\n{len(prompts)} prompts "
+                                  f"x {settings.max_new_tokens} tokens, {mode}, {options.dtype}, token healing {healing}",
+             known.overwrite)
+        print(f"plot: {known.plot}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""How fast is the lean engine? Two measurements, printed as tables:
+
+1. per-token latency of greedy decoding: our baseline loop vs transformers `generate`, same checkpoint;
+2. the cost of one forward over q = 1, 2, 4, ..., 64 new nodes after a cached prefix, for a model
+   directory and for a GPT-2-Large-sized config with random weights (cost does not depend on them);
+3. for the model directory, the same forwards with the nodes as a tree and its explicit attention
+   mask, against the chain: what a tree's mask costs;
+4. for the model directory, the chain's forwards with all its matrices in each layout this device runs
+   (decode.models.engine.LAYOUTS), against the engine's own choice (per matrix shape, timed at start-up);
+5. on a GPU, our decoding and the forwards of 2 again with CUDA graphs (decode.models.cuda_graphs);
+6. what a forward costs the host work after it: a fixed piece of Python and numpy, of the kind a decoding
+   step runs between forwards, right after a q=1 forward of the model directory and again right after itself.
+
+    python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl
+"""
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from data.atomic import FILE, check_output, write_json
+from data.cli import HelpFormatter
+from data.errors import exits_on_input_error
+from data.prompts import load_prompts
+from data.tokenizer import load_tokenizer
+from decode.options import check_device
+from decode.planning.costs import NODE_COUNTS, PROJECTIONS, device_name, forward_costs, host_work_after_forward, random_gpt2
+from decode.models.engine import LAYOUTS, GPT2Engine, onednn_packs
+from decode.loop import baseline
+from decode.models.precision import auto_dtype
+from decode.sampling import Sampling
+
+
+def encoded(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:
+    return [torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, device=device) for text in prompts]
+
+
+def greedy(engine: GPT2Engine, ids: torch.Tensor, new_tokens: int) -> tuple[list[int], float]:
+    """Our greedy decoding of one prompt and its seconds (the loop reads every token on the host: nothing is
+    left queued)."""
+    start = time.perf_counter()
+    tokens = baseline(engine, ids, new_tokens, Sampling(), eos_id=None).tokens
+    return tokens, time.perf_counter() - start
+
+
+def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: str, device: str
+                       ) -> tuple[dict, list[list[int]]]:
+    """Milliseconds per generated token, ours vs transformers generate (greedy, prompt by prompt), whether
+    they agree, and our outputs."""
+    from transformers import AutoModelForCausalLM
+
+    engine = GPT2Engine.load(model_dir, dtype, device)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype).to(engine.device).eval()
+    tokenizer = load_tokenizer(model_dir)
+    ours_s = hf_s = 0.0
+    ours_n = hf_n = agree = 0
+    outputs = []
+    for ids in encoded(tokenizer, prompts, engine.device):
+        tokens, seconds = greedy(engine, ids, new_tokens)
+        outputs.append(tokens)
+        ours_s, ours_n = ours_s + seconds, ours_n + len(tokens)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=tokenizer.eos_token_id)[0, ids.numel():].tolist()
+        hf_s += time.perf_counter() - start
+        hf_n += len(out)
+        agree += out == tokens
+    return {"ours_ms_per_token": 1e3 * ours_s / ours_n, "hf_generate_ms_per_token": 1e3 * hf_s / hf_n,
+            "speedup": (hf_s / hf_n) / (ours_s / ours_n), "identical_outputs": f"{agree}/{len(prompts)}"}, outputs
+
+
+def table_row(label: str, values: dict[int, float]) -> str:
+    """A label (its last 40 characters) and a value per node count, '-' where there is none."""
+    return f"{label[-40:]:<40}" + "".join(f"{values[q]:8.2f}" if q in values else f"{'-':>8}" for q in NODE_COUNTS)
+
+
+def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[int]], costs: dict) -> dict:
+    """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph, against launching
+    every kernel on its own (the first two tables)."""
+    engine = GPT2Engine.load(args.model, args.dtype, args.device, cuda_graphs=True)
+    runs = [greedy(engine, ids, args.max_new_tokens) for ids in encoded(load_tokenizer(args.model), texts, engine.device)]
+    ms_per_token = 1e3 * sum(seconds for _, seconds in runs) / sum(len(tokens) for tokens, _ in runs)
+    same = sum(tokens == before for (tokens, _), before in zip(runs, outputs))
+    print(f"\nwith CUDA graphs: ours {ms_per_token:.2f} ms/token (without {latency['ours_ms_per_token']:.2f}: "
+          f"{latency['ours_ms_per_token'] / ms_per_token:.2f}x), outputs identical to those without: {same}/{len(texts)}")
+    models = {args.model: engine}
+    if not args.skip_large:
+        models["gpt2-large-sized (random)"] = random_gpt2(*PROJECTIONS["gpt2-large"], args.dtype, args.device,
+                                                          cuda_graphs=True)
+    graphed = {name: forward_costs(model, args.prefix, args.repeats) for name, model in models.items()}
+    for name, row in graphed.items():
+        print(table_row(name, row))
+        print(table_row("  with graphs / without", {q: ms / costs[name][q] for q, ms in row.items()}))
+    return {"generation_with_cuda_graphs": {"ours_ms_per_token": ms_per_token, "identical_to_without": f"{same}/{len(texts)}"},
+            "forward_ms_with_cuda_graphs": graphed}
+
+
+@exits_on_input_error
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m decode.bench_engine", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", required=True, help="a GPT-2 checkpoint directory (e.g. RUN/oracle)")
+    p.add_argument("--prompts", required=True, help="a .jsonl[.gz] prompt file or 'humaneval'")
+    p.add_argument("--limit", type=int, default=5, help="the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
+    p.add_argument("--prefix", type=int, default=128, help="cached positions before the timed forward")
+    p.add_argument("--repeats", type=int, default=20, help="timed forwards per node count")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: the one the model's forward measures faster in here (a GPU: bfloat16)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N for the N-th GPU)")
+    p.add_argument("--skip-large", action="store_true", help="skip the GPT-2-Large-sized forward costs")
+    p.add_argument("--out", type=Path, help="write the figures as JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    args = p.parse_args(argv)
+    if args.limit < 1 or args.max_new_tokens < 1 or args.repeats < 1 or args.prefix < 0:
+        p.error("--limit, --max-new-tokens and --repeats must be at least 1, --prefix 0 or more")
+    if args.out:
+        check_output(args.out, FILE, args.overwrite, "--out")
+    check_device(args.device)
+    if args.dtype == "auto":
+        args.dtype, why = auto_dtype(args.device, None, args.model)
+        print(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)")
+
+    texts = [r["prompt"] for r in load_prompts(args.prompts, args.limit)]
+    latency, outputs = generation_latency(args.model, texts, args.max_new_tokens, args.dtype, args.device)
+    print(f"greedy decoding, {len(texts)} prompts x {args.max_new_tokens} tokens ({args.dtype}, {device_name(torch.device(args.device))})")
+    print(f"  ours (lean engine)        {latency['ours_ms_per_token']:8.2f} ms/token")
+    print(f"  transformers generate     {latency['hf_generate_ms_per_token']:8.2f} ms/token")
+    print(f"  speedup {latency['speedup']:.2f}x, identical outputs {latency['identical_outputs']}")
+
+    models = {args.model: GPT2Engine.load(args.model, args.dtype, args.device)}
+    if not args.skip_large:
+        models["gpt2-large-sized (random)"] = random_gpt2(*PROJECTIONS["gpt2-large"], args.dtype, args.device)
+    costs = {name: forward_costs(engine, args.prefix, args.repeats) for name, engine in models.items()}
+    print(f"\nforward cost in ms after {args.prefix} cached positions, by new nodes q")
+    print(f"{'model':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
+    for name, row in costs.items():
+        layers = models[name].shape.n_layer
+        print(table_row(name, row) + f"   ({layers} layers)")
+    tree_costs = forward_costs(models[args.model], args.prefix, args.repeats, tree=True)
+    print(table_row("the same nodes as a tree, explicit mask", tree_costs))
+    print(table_row("  tree / chain", {q: ms / costs[args.model][q] for q, ms in tree_costs.items()}))
+    layouts = [name for name in LAYOUTS if name != "packed" or (args.device == "cpu" and onednn_packs(models[args.model].dtype))]
+    layout_costs = {name: forward_costs(GPT2Engine.load(args.model, args.dtype, args.device, layout=name), args.prefix,
+                                        args.repeats) for name in layouts}
+    chosen = models[args.model].layouts
+    print(f"\nthe chain's forward by weight layout (chosen per matrix: {', '.join(f'{k} {v}' for k, v in chosen.items())})")
+    for name, row in (layout_costs | {"chosen per matrix (first table)": costs[args.model]}).items():
+        print(table_row(name, row))
+    host = host_work_after_forward(models[args.model], args.prefix, args.repeats)
+    print(f"\nhost work between forwards (a 200-item Python loop, a 64-value numpy gather): {host['after a forward']:.1f} us "
+          f"right after a q=1 forward, {host['again']:.1f} us again ({host['after a forward'] / host['again']:.1f}x)")
+    result = {"generation": latency, "forward_ms": costs, "tree_forward_ms": tree_costs, "dtype": args.dtype,
+              "layouts": chosen, "forward_ms_by_layout": layout_costs, "host_work_us": host,
+              "device": device_name(torch.device(args.device))}
+    if models[args.model].on_gpu:
+        result |= with_cuda_graphs(args, texts, latency, outputs, costs)
+    if args.out:
+        write_json(args.out, result, args.overwrite)
+    return result
+
+
+if __name__ == "__main__":
+    main()

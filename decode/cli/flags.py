@@ -1,0 +1,149 @@
+"""The flags every tool that builds a decoder shares (decode.run, decode.serve, the benchmarks), and how they become
+DecoderOptions: the flags parsed, the run's parts and plan found, and the plan's policy for a method under the flags
+that were typed (`DecoderFlags.options`)."""
+import argparse
+import functools
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from data.errors import InputError
+from decode.methods import METHODS
+from decode.models.precision import PINNED, auto_dtype
+from decode.options import CPU_BUDGET, CPU_WIDTHS, PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
+from decode.planning.plan_file import describe, replan_command, run_plan, with_plan
+
+# Flags a plan fills in unless typed: their parser default is None, DecoderOptions holds the value used otherwise
+PLANNED_FLAGS = ("k", "budget", "depth", "widths", "branch", "lookup_tokens", "draft_dtype", "draft_vocab")
+OTHER_FLAGS = ("oracle", "draft", "ngram", "method", "tree_children", "context_drafter", "lookup_branches",
+               "lookup_ngram", "dtype", "device", "backend", "cuda_graphs", "token_healing")
+
+
+@functools.cache
+def announce(line: str) -> None:
+    """`line` on stderr, once per process however many decoders the tool builds."""
+    print(line, file=sys.stderr)
+
+
+def add_decoder_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that choose the models, the method, its tree and the precision."""
+    p.add_argument("--run", type=Path, help="run directory: defaults --oracle, --draft, --ngram and --prompts to its parts")
+    p.add_argument("--oracle", type=Path, help="the oracle's directory (save_pretrained)")
+    p.add_argument("--draft", type=Path, help="the draft's directory (for speculative methods)")
+    p.add_argument("--ngram", type=Path, help="the Katz trigram's directory (for n-gram drafting)")
+    p.add_argument("--method", choices=list(METHODS), default="staged",
+                   help="; ".join(f"{name}: {m.summary}" for name, m in METHODS.items()))
+    p.add_argument("--k", type=int, help="speculative: tokens the draft proposes per oracle call (default: the plan's, else 4)")
+    p.add_argument("--budget", type=int,
+                   help=f"tree methods: nodes in the oracle's tree (default: the plan's; without one {CPU_BUDGET} on a CPU, "
+                        f"{PAPER_BUDGET} on a GPU)")
+    p.add_argument("--depth", type=int, help="tree methods: deepest drafted level (default: the plan's, else 8)")
+    p.add_argument("--widths",
+                   help=f"staged/ngram: trigram children per node at each level (default: the plan's; without one "
+                        f"{','.join(map(str, CPU_WIDTHS))} on a CPU, the paper's {','.join(map(str, PAPER_WIDTHS))} on a GPU)")
+    p.add_argument("--paper-tree", action="store_true",
+                   help=f"staged/ngram: the paper's tree, --widths {','.join(map(str, PAPER_WIDTHS))} --budget {PAPER_BUDGET} "
+                        "(sized for a GPU: the draft scores up to 1,441 nodes a step)")
+    p.add_argument("--branch", type=int,
+                   help="tree: children per expanded node (default 4); staged: the draft's own top children per node "
+                        "(default 1, its argmax), or with sampled --tree-children its draws per node (default 2)")
+    p.add_argument("--tree-children", choices=["top", "sampled"], default="sampled",
+                   help="tree, staged, when sampling (greedy decoding always takes the draft's top tokens): the draft's "
+                        "top tokens, verified by sample-match (the same seed gives the baseline's very tokens), or draws "
+                        "from it, verified by multi-draft rejection (more tokens per call); a planned tree then draws as "
+                        "many children per node as its shape gives it")
+    p.add_argument("--context-drafter", action=argparse.BooleanOptionalAction, default=True,
+                   help="staged: graft onto the trigram's tree the tokens that followed earlier occurrences of the "
+                        "sequence's current suffix (what the lookup method drafts); the draft ranks them with the rest")
+    p.add_argument("--lookup-tokens", type=int,
+                   help="lookup: tokens per continuation (staged: at most --depth) (default: the plan's, else 10)")
+    p.add_argument("--lookup-branches", type=int, default=1, help="lookup, staged: continuations from different earlier occurrences")
+    p.add_argument("--lookup-ngram", type=int, default=3, help="lookup, staged: longest suffix matched in the context")
+    p.add_argument("--plan", type=Path,
+                   help="a plan written by decode.plan: its policy for the method (k, tree shape, budget, widths, lookup "
+                        "tokens, draft vocabulary and dtype) fills in those flags that you do not type (default: RUN/plan.json when it "
+                        "exists and was planned for this device, dtype and backend; a plan for other models is refused)")
+    p.add_argument("--no-plan", action="store_true", help="use the flags' defaults even when RUN/plan.json exists")
+    p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
+                   help="back off the prompt's last token and let the first new token be only one that extends its text "
+                        "(a prompt ending in a bare newline otherwise starts where training never went); every method alike")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: the dtype RUN/plan.json was planned in on this device; else on a CPU the one the oracle's "
+                        "forward measures faster in (timed once, then cached), on a GPU bfloat16")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"],
+                   help="the draft's dtype (default: the plan's choice, else --dtype's): a draft's forward of a few rows "
+                        "is per-call overhead, which differs by dtype on a CPU")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--backend", choices=["auto", "lean", "hf"], default="auto",
+                   help="lean: our GPT-2 engine; hf: any transformers causal LM; auto: lean where it applies")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="the lean engine on a GPU: replay each forward as a CUDA graph, one launch instead of a dozen "
+                        "kernels per layer (a CPU ignores it)")
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="the draft's output layer over its N most frequent training tokens only (RUN/draft/"
+                        "token_counts.npy): a fraction of its cost; it then proposes only those, and the output stays "
+                        "the oracle's (default: the plan's choice, else 0: every token)")
+
+
+@dataclass
+class DecoderFlags:
+    """The decoder flags, resolved: the options they set (every method's), the plan to fill in the rest, and which
+    flags were typed (a typed flag wins over the plan)."""
+
+    base: DecoderOptions
+    plan: Path | None
+    typed: frozenset[str]
+
+    def options(self, method: str | None = None) -> DecoderOptions:
+        """The options for `method` (default: --method's), its plan's policy filling in what was not typed."""
+        return with_plan(replace(self.base, method=method or self.base.method), self.plan, self.typed)
+
+
+def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, dtype_from_plan: bool = True) -> DecoderFlags:
+    """The flags `add_decoder_flags` parsed, resolved: the run's parts, the tree, the dtype and the run's plan.
+    `--dtype auto` takes the run's plan's dtype (even with --no-plan, so that a benchmark's methods share one) unless
+    `dtype_from_plan` is off (the planner, which measures afresh)."""
+    run = args.run
+    if run is not None:
+        args.oracle = args.oracle or run / "oracle"
+        args.draft = args.draft or run / "draft"
+        args.ngram = args.ngram or run / "ngram"
+    if args.oracle is None:
+        p.error("pass --oracle DIR (or --run RUN)")
+    if args.paper_tree:
+        if args.widths is not None or args.budget is not None:
+            p.error("--paper-tree sets --widths and --budget; pass either, not both")
+        args.widths, args.budget = ",".join(map(str, PAPER_WIDTHS)), PAPER_BUDGET
+    if args.widths is not None:
+        try:
+            args.widths = [int(w) for w in args.widths.split(",")]
+        except ValueError:
+            p.error(f"--widths takes comma-separated integers, e.g. 3,2,1 (got {args.widths!r})")
+    plan = None if args.no_plan else args.plan or (run / "plan.json" if run is not None else None)
+    if args.dtype == "auto":
+        args.dtype, why = auto_dtype(args.device, (args.plan or run and run / "plan.json") if dtype_from_plan else None,
+                                     args.oracle)
+        if PINNED not in why:  # pinned by the environment: the user chose it
+            announce(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)")
+    typed = frozenset(name for name in PLANNED_FLAGS if getattr(args, name) is not None)
+    try:
+        base = DecoderOptions(**{name: getattr(args, name) for name in OTHER_FLAGS + tuple(typed)}).check()
+    except InputError as err:
+        p.error(str(err))
+    if run is not None and args.plan is None and plan is not None:
+        plan, other = run_plan(run, base)
+        if other:
+            announce(f"note: {run / 'plan.json'} was planned for {', '.join(other)}; using the flags' trees (re-plan with "
+                     f"`{replan_command(run, base)}`)")
+        elif plan is None and METHODS[base.method].tree and not {"widths", "budget"} & typed:
+            announce(f"note: no plan in {run}, so {base.method} uses a tree sized for this device (--budget "
+                     f"{base.budget}, --widths {','.join(map(str, base.widths))}); `python -m decode.plan --run {run}` "
+                     f"plans each method's tree for these models")
+    return DecoderFlags(base, plan, typed)
+
+
+def announce_plan(options: DecoderOptions) -> None:
+    """Which plan's policy a decoder uses, and how to decode without it."""
+    if options.policy is not None:
+        announce(f"plan {options.plan}: {options.method} with {describe(options.policy)} (a flag you type wins; "
+                 "--no-plan for the flags' defaults)")

@@ -1,0 +1,375 @@
+"""Plan every method's tree for these models on this device, and forecast the speedup.
+
+    python -m decode.plan --run RUN --dtype bfloat16
+    python -m decode.plan --run RUN --dtype bfloat16 --project-oracle gpt2-large --overwrite
+
+Calibrates on the last --calibration prompts of --prompts (benchmarks take the first ones): the
+oracle's greedy outputs, how often each drafter's rank-k candidate at depth d is the oracle's token,
+the oracle's forward cost per node count (the cost cache), and the time a step spends around the
+forwards. Each candidate policy (chain k; Sequoia tree shapes from the rates; staged widths and
+budget; ngram budget; lookup length) is replayed along the oracle's outputs (every one on --screen
+prompts, the best few per method on all, and a draft method's best few again with other drafts: the
+draft's output layer over its most frequent tokens only, --draft-vocab, and on a CPU beside a bfloat16
+oracle the draft in float32), each method's best policy also decodes a few prompts for real to measure its
+costs inside a decoding loop, and the policy with the least predicted ms per token is written to
+RUN/plan.json, which decode.run and decode.bench then use.
+--project-oracle repeats the choice with the forward costs of a larger oracle shape measured
+here on random weights: a projection, not a measurement.
+"""
+import argparse
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from data.cli import HelpFormatter
+from data.atomic import FILE, check_output
+from data.errors import exits_on_input_error
+from data.prompts import load_prompts
+from data.shards import TOKEN_COUNTS
+from decode import loop
+from decode.api import SpeculativeDecoder
+from decode.cli import run
+from decode.cli.harness import Timer, decode_in_turns
+from decode.drafting import LookupDrafter
+from decode.methods import METHODS
+from decode.models.cached_lm import CachedLM
+from decode.models.loading import load_draft, load_trigram
+from decode.options import MIN_DRAFT_VOCAB
+from decode.planning import costs, replay, shapes
+from decode.planning.plan_file import PLAN_VERSION, describe, identity, save_plan, with_policy
+from decode.sampling import Sampling
+
+GREEDY = Sampling()
+
+BUDGETS = (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# Six trigram levels, and three (the draft's best children add a fourth): shallow and wide was the cpu preset's best
+STAGED_WIDTHS = ((1, 1, 1, 1, 1, 1), (2, 1, 1, 1, 1, 1), (2, 2, 1, 1, 1, 1), (3, 2, 2, 1, 1, 1), (4, 3, 2, 1, 1, 1),
+                 (6, 4, 2, 1, 1, 1), (3, 2, 1), (4, 2, 1), (6, 3, 1))
+CHAIN_K = range(1, 9)
+LOOKUP_TOKENS = (1, 2, 3, 4, 6, 8, 10, 12, 16)
+RANKS = 8  # candidates per node the acceptance rates cover
+FINALISTS = 3  # policies per method (and per oracle cost) replayed on every calibration prompt
+
+
+def shortlists(text: str) -> list[int]:
+    try:
+        sizes = [int(n) for n in text.split(",")]
+    except ValueError:
+        sizes = [-1]
+    if any(n != 0 and n < MIN_DRAFT_VOCAB for n in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: give sizes of at least {MIN_DRAFT_VOCAB} tokens, comma-separated, or 0")
+    return sizes
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m decode.plan", description=__doc__.split("\n\n")[0], allow_abbrev=False, formatter_class=HelpFormatter,
+                                epilog="Every other flag is decode.run's (--run, --oracle, --draft, --ngram, --prompts, "
+                                       "--max-new-tokens, --dtype, --device, --backend, --lookup-ngram, ...).")
+    p.add_argument("--calibration", type=int, default=100,
+                   help="calibrate on the last N prompts of --prompts (decode.bench --limit 50 takes the first 50 of 164)")
+    p.add_argument("--screen", type=int, default=16,
+                   help="replay every candidate policy on the first N calibration prompts, the best few on all of them")
+    p.add_argument("--max-budget", type=int, default=64, help="the largest oracle tree considered (nodes)")
+    p.add_argument("--max-depth", type=int, default=8, help="the deepest tree level considered")
+    p.add_argument("--project-oracle", help="also forecast for an oracle of this shape: gpt2, gpt2-medium, gpt2-large, "
+                                            "gpt2-xl or n_layer,n_embd,vocab (costs measured here on random weights)")
+    p.add_argument("--draft-vocab", type=shortlists, metavar="N[,N...]",
+                   help="the draft shortlists (decode.run --draft-vocab) each method's best policy is replayed with, "
+                        "besides the whole vocabulary; the plan keeps the fastest (default: the largest power of two up to "
+                        f"half the vocabulary, when the draft has {TOKEN_COUNTS}; 0: none)")
+    p.add_argument("--out", type=Path, help="where the plan goes (default RUN/plan.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing plan")
+    known, rest = p.parse_known_args(argv)
+    settings = run.parse(rest + ["--method", "staged", "--no-plan"], "python -m decode.plan", dtype_from_plan=False)
+    if known.calibration < 1 or known.screen < 2 or not 2 <= known.max_budget <= 512 or not 1 <= known.max_depth <= 16:
+        p.error("need --calibration >= 1, --screen >= 2, --max-budget 2..512 and --max-depth 1..16")
+    if known.out is None and settings.run is None:
+        p.error("pass --out PATH (or --run RUN for RUN/plan.json)")
+    known.out = known.out or settings.run / "plan.json"
+    if known.project_oracle:
+        costs.projection_shape(known.project_oracle)  # a bad shape fails now, not after the calibration
+    return known, settings
+
+
+def calibration_prompts(settings, known, dec):
+    records = load_prompts(settings.prompts)[-known.calibration :]
+    return [prompt for _, prompt in run.encode_prompts(settings, [dec], records)]
+
+
+def steps_of(calls: list) -> list[tuple[int, float]]:
+    """(nodes, seconds) of the calls that are decoding steps: a prompt's prefill starts on an empty cache."""
+    return [(q, seconds) for q, cached, seconds in calls if cached > 0]
+
+
+def baseline_costs(calls: list, seconds: float, tokens: int) -> dict:
+    """A baseline loop's ms: a prompt's prefill (which yields the first token), a q=1 forward, and the
+    rest of a step."""
+    prefills = [s for q, cached, s in calls if cached == 0]
+    steps = steps_of(calls)
+    return {"prefill": 1e3 * sum(prefills) / len(prefills), "one_token": 1e3 * sum(s for _, s in steps) / len(steps),
+            "loop": 1e3 * (seconds - sum(s for _, _, s in calls)) / tokens}
+
+
+def oracle_outputs(decoder, prompts, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """The oracle's greedy continuation of each prompt."""
+    return [(p.ids.tolist(), loop.baseline(decoder.oracle, p.ids, max_new_tokens, GREEDY, decoder.eos_id,
+                                           allowed=p.allowed).tokens) for p in prompts]
+
+
+def loop_costs(decoder, drafters: dict, prompts, max_new_tokens: int, oracle_ms: torch.Tensor) -> dict:
+    """Greedy decoding for real with the baseline and each of `drafters`, in turns per prompt, as decode.bench runs
+    them (each slows the others' next forwards by evicting their weights from the caches). Per drafter: the oracle's
+    forward as a multiple of its isolated cost for the same node counts (`oracle_ms`), the drafting's ms per step
+    and the rest of a step's ms (masks, verification, commits); for "baseline", its baseline_costs."""
+    timers = {name: Timer(decoder.oracle.device) for name in ["baseline", *drafters]}
+    oracle, eos_id = decoder.oracle, decoder.eos_id
+    runs = {"baseline": lambda prompt, i, hooks=timers["baseline"].hooks(): loop.baseline(
+        oracle, prompt.ids, max_new_tokens, GREEDY, eos_id, allowed=prompt.allowed, hooks=hooks)}
+    for name, drafter in drafters.items():
+        drafter.forget()
+        runs[name] = lambda prompt, i, drafter=drafter, hooks=timers[name].hooks(): loop.tree_speculative(
+            oracle, prompt.ids, max_new_tokens, GREEDY, eos_id, drafter=drafter, allowed=prompt.allowed, hooks=hooks)
+    records = decode_in_turns(runs, prompts)
+    seconds = {name: sum(r["seconds"] for r in rows) for name, rows in records.items()}
+    tokens = {name: sum(len(r["tokens"]) for r in rows) for name, rows in records.items()}
+    measured = {"baseline": baseline_costs(timers["baseline"].forwards, seconds["baseline"], tokens["baseline"])}
+    for name in drafters:
+        calls, proposing = timers[name].forwards, timers[name].seconds["propose"]
+        steps, forwards = steps_of(calls), sum(s for _, _, s in calls)
+        measured[name] = {"oracle": sum(s for _, s in steps) / float(sum(oracle_ms[q] for q, _ in steps) / 1e3),
+                          "drafting_ms": 1e3 * proposing / len(steps),
+                          "loop_ms": 1e3 * (seconds[name] - forwards - proposing) / len(steps)}
+    return measured
+
+
+def leaders(replays: dict, keep: int, oracle_curves: list[tuple]) -> list[tuple[str, dict, object]]:
+    """(method, policy, drafter) for each method's `keep` best policies of `replays` under each of
+    `oracle_curves` (the oracle's ms per node count, and the baseline's costs), with drafting and
+    the loop as measured outside a decoding loop."""
+    plain = {method: {"oracle": 1.0, "drafting": 1.0, "loop_ms": 0.0} for method in replays}
+    return [(method, c["policy"], c["drafter"]) for method, group in replays.items()
+            for c in unique_best(group, [forecast({method: group}, ms, baseline, plain, keep) for ms, baseline in oracle_curves],
+                                 method)]
+
+
+def unique_best(group: list[dict], forecasts: list[dict], method: str) -> list[dict]:
+    """The candidates of `group` among the ranked policies of any forecast, once each."""
+    wanted = [p["policy"] for f in forecasts for p in f[method]]
+    return [c for c in group if c["policy"] in wanted]
+
+
+def sampled_acceptance(decoder, prompts, settings, depth: int) -> dict:
+    """Under the sampling setting, along the oracle's sampled outputs: how often a chain of draft
+    samples is accepted to each depth (teacher forced, Chen et al.'s acceptance rule)."""
+    overlap_lists = []
+    for i, prompt in enumerate(prompts):
+        generator = torch.Generator(decoder.oracle.device).manual_seed(settings.seed + i)
+        out = loop.baseline(decoder.oracle, prompt.ids, settings.max_new_tokens, settings.sampling, decoder.eos_id,
+                            generator=generator, allowed=prompt.allowed)
+        overlap_lists.append(shapes.overlaps(decoder.oracle, decoder.draft, settings.sampling, prompt.ids.tolist(),
+                                               out.tokens))
+    s = settings.sampling
+    return {"setting": f"T={s.temperature} top-k {s.top_k} top-p {s.top_p}",
+            "draft_chain": shapes.chain_acceptance(overlap_lists, depth)}
+
+
+def candidates(options, draft, table, p_draft, max_budget: int, max_depth: int) -> list[tuple[str, dict, object]]:
+    """(method, policy, drafter) for every policy to replay: trees of at most `max_budget` nodes and `max_depth`
+    levels."""
+    drafted = {"draft_vocab": 0, "draft_dtype": base_dtype(options)}  # the draft the plan loaded; other drafts later
+    policies = [("speculative", {"k": k} | drafted) for k in CHAIN_K]
+    budgets = [b for b in BUDGETS if b <= max_budget]
+    seen = set()
+    for depth in range(1, max_depth + 1):
+        best = shapes.best_shapes(p_draft, max_budget, depth)
+        for n in budgets:
+            shape = best[n]
+            key = shape and (tuple(shape.parents), tuple(shape.ranks))
+            if shape and key not in seen:
+                seen.add(key)
+                policies.append(("tree", {"parents": shape.parents, "ranks": shape.ranks, "expected": shape.expected,
+                                          "nodes": len(shape.parents), "depth": shape.depth} | drafted))
+    for widths in STAGED_WIDTHS:
+        policies += [("staged", {"widths": list(widths), "budget": budget} | drafted)
+                     for budget in budgets if budget > widths[0]]
+    policies += [("ngram", {"widths": options.widths, "budget": budget}) for budget in budgets if budget > options.widths[0]]
+    policies += [("lookup", {"tokens": length}) for length in LOOKUP_TOKENS]
+    return [(method, policy, drafter_for(method, policy, draft, table, options)) for method, policy in policies]
+
+
+def drafter_for(method: str, policy: dict, draft, table, options):
+    """The drafter that drafts `method`'s `policy` with this draft model."""
+    return METHODS[method].drafter(with_policy(replace(options, method=method), policy), draft, table)
+
+
+def shortlist_sizes(requested: list[int] | None, options, vocab_size: int) -> list[int]:
+    """The draft shortlists to weigh against the whole vocabulary: those requested, or by default the
+    largest power of two up to half of the vocabulary when the draft has its token counts (smaller
+    ones lost acceptance on other prompts than the calibration's: docs/planning.md)."""
+    if requested is None:
+        if not (Path(options.draft) / TOKEN_COUNTS).is_file():
+            print(f"note: {options.draft} has no {TOKEN_COUNTS} (training writes it), so the plan keeps the draft's "
+                  f"whole vocabulary", file=sys.stderr)
+            return []
+        requested = [2 ** int(math.log2(vocab_size / 2))]
+    return [n for n in requested if MIN_DRAFT_VOCAB <= n < vocab_size]
+
+
+def base_dtype(options) -> str:
+    return options.draft_dtype or options.dtype
+
+
+def draft_variants(sizes: list[int], options, vocab_size: int) -> dict[tuple[int, str], CachedLM]:
+    """The drafts besides the plan's own (whole vocabulary, `base_dtype`) that each draft method's finalists are
+    replayed with, by (shortlist size or 0, dtype): each of `sizes` and the whole vocabulary, in the base dtype and,
+    when that is bfloat16 on a CPU, in float32. A draft's forwards of a few rows are mostly per-call overhead, which
+    on a CPU differs by dtype (on an AMX CPU, MKL's float32 products of one row took 4-12 us against oneDNN's
+    bfloat16 19-25): measured. A GPU launches the same kernels either way (not weighed there)."""
+    on_cpu = torch.device(options.device).type == "cpu"
+    dtypes = [base_dtype(options)] + ["float32"] * (base_dtype(options) != "float32" and on_cpu)
+    return {(n, dtype): load_draft(replace(options, draft_vocab=n, draft_dtype=dtype), vocab_size)
+            for n in [0, *sizes] for dtype in dtypes if (n, dtype) != (0, base_dtype(options))}
+
+
+def variant_name(size: int, dtype: str) -> str:
+    return f"{f'{size} tokens' if size else 'every token'} in {dtype}"
+
+
+def forecast(replays: dict, oracle_ms: torch.Tensor, baseline: dict, in_loop: dict, keep: int = 1) -> dict:
+    """Per method, its `keep` best policies with their predictions under these oracle costs, best
+    first: a tree step of q nodes costs oracle_ms[q] times the method's in-loop factor, plus its
+    drafting (times its factor) and loop (`in_loop[method]`); the baseline's prefill, one-token
+    forward and loop are `baseline`'s (its first call per prompt is the prefill, which yields the
+    first token)."""
+    any_replay = next(iter(replays.values()))[0]["replay"]
+    prompts, tokens = any_replay.prompts, any_replay.tokens
+    baseline_ms = (prompts * baseline["prefill"] + (tokens - prompts) * baseline["one_token"]
+                   + tokens * baseline["loop"]) / tokens
+    predicted = {"baseline": [{"tokens_per_call": 1.0, "ms_per_token": baseline_ms, "speedup": 1.0}]}
+    for method, group in replays.items():
+        f = in_loop[method]
+        predicted[method] = replay.ranked(group, f["oracle"] * oracle_ms, f["loop_ms"], baseline["prefill"],
+                                            baseline_ms, f["drafting"])[:keep]
+    return predicted
+
+
+def best(predicted: dict) -> dict:
+    return {method: ranked[0] for method, ranked in predicted.items()}
+
+
+def calibrate_in_loop(decoder, replays: dict, prompts, max_new_tokens: int, isolated_ms: torch.Tensor
+                      ) -> tuple[dict, dict]:
+    """Each method's costs in a real decoding loop, beside the baseline's: first with the context
+    drafter (no draft model) standing for every method, then with each method's best policy under
+    those, which gives the method its own factors (the draft's and the oracle's forwards evict each
+    other from the caches). The factors, and the baseline measured beside them."""
+    generic = loop_costs(decoder, {"lookup": LookupDrafter()}, prompts, max_new_tokens, isolated_ms)
+    in_loop = {method: {"oracle": generic["lookup"]["oracle"], "drafting": 1.0, "loop_ms": generic["lookup"]["loop_ms"]}
+               for method in replays}
+    first = best(forecast(replays, isolated_ms, generic["baseline"], in_loop))
+    chosen = {method: next(c for c in group if c["policy"] == first[method]["policy"]) for method, group in replays.items()}
+    measured = loop_costs(decoder, {m: c["drafter"] for m, c in chosen.items()}, prompts, max_new_tokens, isolated_ms)
+    for method, c in chosen.items():
+        replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps
+        m = measured[method]
+        in_loop[method] = {"oracle": m["oracle"], "loop_ms": m["loop_ms"],
+                           "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}
+    return in_loop, measured["baseline"]
+
+
+def replay_all(candidates: list, sequences, desc: str) -> dict:
+    """Per method, each candidate policy with its drafter and its replay along `sequences`."""
+    replays = {}
+    for method, policy, drafter in tqdm(candidates, desc=desc, unit="policy"):
+        replays.setdefault(method, []).append({"policy": policy, "drafter": drafter,
+                                               "replay": replay.replay(drafter, sequences)})
+    return replays
+
+
+def print_forecast(title: str, predicted: dict) -> None:
+    print(title)
+    print(f"  {'method':<12} {'tokens/call':>11} {'ms/token':>9} {'speedup':>8}  policy")
+    for method, p in predicted.items():
+        print(f"  {method:<12} {p['tokens_per_call']:11.2f} {p['ms_per_token']:9.3f} {p['speedup']:7.2f}x  "
+              + describe(p.get("policy", {})))
+
+
+@exits_on_input_error
+def main(argv=None) -> dict:
+    known, settings = parse(argv)
+    check_output(known.out, FILE, known.overwrite, "--out")
+    options = settings.options
+    dec = SpeculativeDecoder(options)
+    decoder = dec.decoder
+    oracle, draft = decoder.oracle, decoder.draft
+    table = load_trigram(options, oracle.vocab_size, decoder.eos_id)
+    drafts = draft_variants(shortlist_sizes(known.draft_vocab, options, oracle.vocab_size), options, oracle.vocab_size)
+    prompts = calibration_prompts(settings, known, dec)
+    print(f"calibrating on {len(prompts)} prompts x {settings.max_new_tokens} tokens, {options.dtype} on "
+          f"{costs.device_name(oracle.device)}")
+    oracle_costs, _ = costs.measured_costs(options.oracle, oracle, options.dtype)
+    isolated_ms = costs.cost_curve(oracle_costs, 2 * known.max_budget)
+    sequences = oracle_outputs(decoder, prompts, settings.max_new_tokens)
+    draft_ranks = [shapes.ranks(draft, p, c) for p, c in sequences]
+    p_draft = shapes.acceptance(draft_ranks, RANKS, known.max_depth)
+    p_trigram = shapes.acceptance([shapes.trigram_ranks(table, p, c) for p, c in sequences], min(RANKS, table.k),
+                                    known.max_depth)
+    sampled = None
+    if not settings.sampling.greedy:
+        sampled = sampled_acceptance(decoder, prompts, settings, known.max_depth)
+    projection = None
+    if known.project_oracle:  # measured first: the finalists include the best policies for it
+        n_layer, n_embd, vocab = costs.projection_shape(known.project_oracle)
+        big_costs = costs.forward_costs(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device), repeats=5)
+        prompt_length = round(sum(len(p) for p, _ in sequences) / len(sequences))
+        big_ms = costs.cost_curve(big_costs, max(2 * known.max_budget, prompt_length))
+        projection = (big_ms, {"prefill": float(big_ms[prompt_length]), "one_token": big_costs[1], "loop": 0.0})
+    oracle_curves = [(isolated_ms, {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0})] + [projection] * bool(projection)
+    screened = replay_all(candidates(options, draft, table, p_draft, known.max_budget, known.max_depth), sequences[: known.screen],
+                          f"screening policies on {min(known.screen, len(sequences))} prompts")
+    replays = replay_all(leaders(screened, FINALISTS, oracle_curves), sequences,
+                         f"replaying the finalists on {len(sequences)} prompts")
+    if drafts:  # each draft method's finalists again, with the other drafts (a cheaper draft may favour a larger tree)
+        drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
+        variants = [(method, policy | {"draft_vocab": n, "draft_dtype": dtype}, drafter_for(method, policy, variant, table, options))
+                    for method, policy, _ in leaders(drafted, FINALISTS, oracle_curves[:1])  # this device's finalists
+                    for (n, dtype), variant in drafts.items()]
+        for method, group in replay_all(variants, sequences, "replaying them with the draft over "
+                                        + "; ".join(variant_name(*key) for key in drafts)).items():
+            replays[method] += group
+    in_loop, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings.max_new_tokens,
+                                          isolated_ms)
+    predicted = best(forecast(replays, isolated_ms, baseline, in_loop))
+    print_forecast(f"predicted on this device (oracle q=1 forward {oracle_costs[1]:.2f} ms in isolation, "
+                   f"{baseline['one_token']:.2f} ms in the baseline's loop; tokens per call count each prompt's "
+                   f"prefill, as decode.bench does):", predicted)
+    plan = {"version": PLAN_VERSION, "identity": identity(options),
+            "calibration": {"prompts": str(settings.prompts), "count": len(prompts), "tokens": sum(len(c) for _, c in sequences),
+                            "max_new_tokens": settings.max_new_tokens, "token_healing": options.token_healing},
+            "policies": {m: p["policy"] for m, p in predicted.items() if m != "baseline"},
+            "predicted": predicted,
+            "acceptance": {"draft": p_draft, "trigram": p_trigram, "sampled": sampled},
+            "costs": {"oracle_ms": oracle_costs, "baseline_in_loop_ms": baseline, "in_loop": in_loop}}
+    if sampled is not None:
+        print(f"sampling ({sampled['setting']}): a sampled draft chain's first d tokens are accepted with probability "
+              + ", ".join(f"{a:.2f}" for a in sampled["draft_chain"]) + " (d = 1, 2, ...); the policies above are "
+              "planned for greedy decoding")
+    if projection is not None:
+        own_costs = {method: {**f, "oracle": 1.0} for method, f in in_loop.items()}  # measured on this oracle only
+        projected = best(forecast(replays, projection[0], {**projection[1], "loop": baseline["loop"]}, own_costs))
+        print_forecast(f"PROJECTION (not a measurement) for a {known.project_oracle} oracle ({n_layer} layers x {n_embd}, "
+                       f"vocabulary {vocab}; q=1 forward {big_costs[1]:.1f} ms here) with these drafters' acceptance:",
+                       projected)
+        plan["projection"] = {"oracle": known.project_oracle, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs,
+                              "predicted": projected}
+    save_plan(plan, known.out, known.overwrite)
+    print(f"plan: {known.out} (decode.run and decode.bench use it; --no-plan turns it off)")
+    return plan
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Where a decoding step's time goes: the oracle's forward, the draft's forwards, building the
+trigram's trees, the rest of tree building, verification and the rest of the loop. Each part is
+given in milliseconds per step, as a share of the step, and as a fraction of one q=1 oracle
+forward measured in the same run (before each prompt; the median): the cost a speculative step has to beat.
+Reading the prompt (each model's forward at an empty cache: the oracle's prompt, the draft's prompt with
+the first tree) happens once per prompt and is reported apart, per prompt. The prompts are decoded once untimed
+first: in bfloat16 on a CPU, oneDNN builds a kernel the first time a matrix is multiplied with a new number of
+rows (2-4 ms each), a cost paid once per process and tree size, not per step; the first pass's extra time is
+reported apart. The trigram's remembered trees are forgotten after it, so new contexts cost what they do.
+
+    python -m decode.profile_step --run RUN --method staged --limit 10 --dtype bfloat16
+
+Every other flag is decode.run's. The parts are timed by wrapping the models' forward, the
+trigram's tree builder (it runs once per new context; trees are remembered), the drafter's propose
+and the verifier; tree building is propose minus the forwards and trigram trees inside it.
+"""
+import statistics
+import time
+
+from data.errors import exits_on_input_error
+from decode import native
+from decode.api import SpeculativeDecoder
+from decode.cli import run
+from decode.cli.harness import Timer
+from decode.planning import costs
+
+BOUNDS = {"around the forwards": 0.10, "draft forwards": 0.30}  # of an oracle q=1 forward, the step's budget
+
+
+@exits_on_input_error
+def main(argv=None) -> dict[str, float]:
+    settings = run.parse(argv, "python -m decode.profile_step", __doc__.split("\n\n")[0])
+    dec = SpeculativeDecoder(settings.options)
+    decoder, prompts = dec.decoder, [prompt for _, prompt in run.encode_prompts(settings, [dec])]
+    timer = Timer(decoder.oracle.device)
+    if decoder.draft is not None:
+        timer.wrap(decoder.draft, "forward", lambda: f"draft {'prompt' if decoder.draft.length == 0 else 'forward'}")
+    for label, (owner, name) in (decoder.drafter.parts() if decoder.drafter is not None else {}).items():
+        timer.wrap(owner, name, label)
+    with timer.paused():
+        first = timed_pass(decoder, prompts, settings, timer)[0]
+    decoder.drafter is not None and decoder.drafter.forget()
+    timer.clear()
+    one_token = []  # measured before each prompt: on a shared machine the speed drifts within a run
+
+    def measure_one_token() -> None:
+        with timer.paused():
+            one_token.append(costs.forward_costs(decoder.oracle, repeats=10, counts=(1,))[1])
+
+    total, calls, tokens = timed_pass(decoder, prompts, settings, timer, measure_one_token)
+    steps = calls - timer.calls["oracle prompt"]
+    ms = step_parts(timer, total, steps)
+    report(settings, decoder, prompts, ms, one_token, first, total, calls, tokens, steps, timer)
+    return ms
+
+
+def step_parts(timer: Timer, total: float, steps: int) -> dict[str, float]:
+    """Milliseconds per step of each part: tree building is the proposals less the draft's forwards and the trigram's
+    trees inside them; reading the prompts is apart."""
+    parts = dict(timer.seconds)
+    reading = [parts.pop(f"{name} prompt", 0.0) for name in ("oracle", "draft")]
+    if "propose" in parts:
+        parts["tree building"] = parts.pop("propose") - parts.get("draft forward", 0.0) - reading[1] - parts.get("trigram trees", 0.0)
+    parts["rest of the loop"] = total - sum(parts.values()) - sum(reading)
+    return {label: 1e3 * seconds / steps for label, seconds in parts.items()}
+
+
+def report(settings, decoder, prompts, ms, one_token, first, total, calls, tokens, steps, timer) -> None:
+    step_ms, one_token_ms = sum(ms.values()), statistics.median(one_token)
+    reading = {name: timer.seconds.get(f"{name} prompt", 0.0) for name in ("oracle", "draft")}
+    loops = native.loops(settings.options.device)
+    loops += " (STAGED_SPECULATIVE_NATIVE=0 or no compiler)" if loops == "Python" else ""
+    print(f"{decoder.options.method}: {len(prompts)} prompts, {tokens} tokens, {calls} oracle calls ({tokens / calls:.2f} "
+          f"tokens per call), {steps} of them steps of {step_ms:.2f} ms; one q=1 oracle forward: {one_token_ms:.2f} ms "
+          f"(median over the prompts, {min(one_token):.2f}-{max(one_token):.2f}); step loops in {loops}")
+    draft = f", draft {1e3 * reading['draft'] / len(prompts):.2f} ms (with the first tree)" if decoder.draft is not None else ""
+    built = "kernels built per new shape" + (", trigram trees" if "trigram trees" in ms else "")
+    print(f"  the untimed first pass took {first - total:.2f} s more than this one ({built}; {first:.2f} s against "
+          f"{total:.2f})")
+    print(f"  reading a prompt, apart from the steps: oracle {1e3 * reading['oracle'] / len(prompts):.2f} ms{draft}; "
+          f"{100 * sum(reading.values()) / total:.1f}% of the time")
+    print(f"  {'part':<20} {'ms/step':>8} {'of step':>8} {'x q=1':>7}")
+    for label, value in ms.items():
+        print(f"  {label:<20} {value:8.3f} {100 * value / step_ms:7.1f}% {value / one_token_ms:7.2f}")
+    groups = {"around the forwards": sum(v for k, v in ms.items() if not k.endswith("forward")),
+              "draft forwards": ms.get("draft forward", 0.0)}
+    for label, value in groups.items():
+        ratio = value / one_token_ms  # three places: near a budget, two would round across it
+        print(f"  {label:<20} {value:8.3f} {'':8} {ratio:7.3f}  (budget {BOUNDS[label]:.2f}: "
+              f"{'within' if ratio <= BOUNDS[label] else 'over'})")
+
+
+def timed_pass(decoder, prompts, settings, timer: Timer, before_each=None) -> tuple[float, int, int]:
+    """Every prompt decoded once, its parts timed: seconds spent decoding, oracle calls, tokens. `before_each` runs,
+    untimed, before each prompt."""
+    total = calls = tokens = 0
+    hooks = timer.hooks()
+    for i, prompt in enumerate(prompts):
+        if before_each is not None:
+            before_each()
+        start = time.perf_counter()
+        out = decoder(prompt, settings.max_new_tokens, settings.seed + i, settings.sampling, hooks)
+        total += time.perf_counter() - start
+        calls += out.oracle_calls
+        tokens += len(out.tokens)
+    return total, calls, tokens
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""What a benchmark run means, in sentences a newcomer can read: one prompt with its completion, and
+after the table how many outputs matched, how many tokens an oracle call yielded, the measured
+speedup of staged decoding, the plan's forecast for a GPT-2-L-sized oracle, when staged lost why in
+numbers, and when the oracle's completions loop a warning that they flatter every drafter.
+
+    python -m decode.report greedy.json                      # decode.bench's table again, from its JSON
+    python -m decode.report greedy.json topk.json --markdown # one Markdown table, a column group per run
+
+The benchmark guide's tables are made by the second form, so no figure there is typed by hand.
+"""
+import argparse
+import json
+from pathlib import Path
+
+from data.cli import HelpFormatter
+from data.errors import InputError, exits_on_input_error
+
+PROG = "python -m decode.report"
+
+
+def show_sample(prompt_text: str, completion: str, method: str) -> None:
+    print(f"--- a prompt and its {method} completion (greedy output is the oracle's own) ---")
+    print(prompt_text + abridged(completion))
+    print("---")
+
+
+def abridged(text: str, shown: int = 3, longest: int = 80) -> str:
+    """`text` cut `shown` periods into the longest tail that repeats one stretch of at most `longest`
+    characters, with a line saying how much was cut: a looping completion in three lines, not sixty."""
+    start, period = len(text), 0
+    for p in range(1, min(longest, len(text) // 2) + 1):
+        s = len(text) - p
+        while s > 0 and text[s - 1] == text[s - 1 + p]:
+            s -= 1
+        if s < start and len(text) - s - shown * p >= max(2 * p, longest):  # worth cutting: a few periods, a line or more
+            start, period = s, p
+    if not period:
+        return text
+    cut = start + shown * period
+    return (text[:cut] + ("" if text[cut - 1] == "\n" else "\n")
+            + f"... ({len(text) - cut} more characters repeating the last {period}: this oracle loops)")
+
+
+def explain(summary: dict, plan: dict | None, greedy: bool, staged: str = "staged") -> list[str]:
+    """Plain sentences built from the run's own figures (`summary`: decode.bench's) and the plan."""
+    lines = []
+    ours = [name for name in summary if name != "baseline" and not name.startswith("hf-")]
+    if greedy and ours:
+        n = summary["baseline"]["same_output"]["identical"]
+        same = {name: summary[name]["same_output"] for name in ours}
+        exact = [name for name, s in same.items() if not s["differences"] and not s["near_ties"]]
+        ties = sum(len(s["near_ties"]) for s in same.values())
+        lines.append(f"Same output: {len(exact)} of {len(ours)} speculative methods gave exactly the baseline's tokens on "
+                     f"all {n} prompts" + (f"; the others differ only where the oracle's two best tokens tie within "
+                                           f"bfloat16 rounding ({ties} prompt-method pairs)" if ties else "") + ".")
+    calls = ", ".join(f"{name} {summary[name]['tokens_per_oracle_call']:.2f}" for name in ours)
+    if calls:
+        lines.append(f"Tokens per oracle call (the baseline: 1): {calls}.")
+    if staged in summary:
+        s, base = summary[staged], summary["baseline"]
+        ratio = s["tokens_per_second"] / base["tokens_per_second"]
+        planned = "planned " if plan is not None else ""
+        lines.append(f"Measured here: {planned}staged decoding ran at {s['tokens_per_second']:.0f} tokens/s, "
+                     f"{ratio:.2f}x the baseline's {base['tokens_per_second']:.0f} tokens/s.")
+        if ratio < 1:
+            lines.append(why_slower(s, base, plan))
+    if plan is not None and "projection" in plan:
+        projection = plan["projection"]
+        best = max((m for m in projection["predicted"] if m != "baseline"),
+                   key=lambda m: projection["predicted"][m]["speedup"])
+        p = projection["predicted"]
+        lines.append(f"Forecast, not a measurement: with a {projection['oracle']}-sized oracle on this machine "
+                     f"({p['baseline']['ms_per_token']:.0f} ms per token alone) and these drafters, the plan predicts "
+                     f"staged {p['staged']['speedup']:.2f}x" + (f" and {best} {p[best]['speedup']:.2f}x" if best != "staged" else "")
+                     + " (python -m decode.plan --project-oracle)" + ("." if greedy else "; for greedy decoding."))
+    return lines
+
+
+def why_slower(staged: dict, base: dict, plan: dict | None) -> str:
+    """One line: what an oracle call costs against what a staged step adds."""
+    one_token_ms = 1e3 / base["tokens_per_second"]
+    step_ms = 1e3 * staged["tokens_per_oracle_call"] / staged["tokens_per_second"]
+    line = (f"Why slower: an oracle call costs only {one_token_ms:.2f} ms here, and a staged step took {step_ms:.2f} ms "
+            f"for {staged['tokens_per_oracle_call']:.2f} tokens")
+    if plan is not None:
+        p = plan["predicted"]["staged"]
+        line += (f" (planned: the oracle's forward over the tree {p['oracle_ms_per_call']:.2f} ms, the draft and the "
+                 f"trees {p['drafting_ms_per_call']:.2f} ms)")
+    return line + "; speculation pays when an oracle call costs far more than drafting, as it does for large oracles."
+
+
+def looping(completions: list[list[int]], most: int = 4, share: float = 0.2) -> str | None:
+    """A warning when at least `share` of the oracle's greedy completions cycle through a handful of tokens:
+    drafters that copy the loop then accept runs that an oracle writing code would not give. One loop among 50
+    prompts (the cpu preset's oracle) moves the table little; nine of ten (the quick preset's) make it."""
+    loops = sum(len(set(tokens)) <= most for tokens in completions)
+    if not loops or loops < share * len(completions):
+        return None
+    return (f"Note: {loops} of {len(completions)} of the oracle's completions repeat at most {most} distinct tokens "
+            f"(an oracle this small loops); drafters that copy a loop accept long runs on it, so an oracle that writes "
+            f"code (--preset cpu) gives fewer tokens per call than this table.")
+
+
+def load_result(path: Path) -> dict:
+    """decode.bench's JSON (--out), checked for what a table needs."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file; pass the JSON that python -m decode.bench --out wrote") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path}: not a benchmark result ({e}); pass the JSON that python -m decode.bench --out wrote") from None
+    if not isinstance(result, dict) or not {"settings", "summary", "records"} <= result.keys():
+        raise InputError(f"{path}: not a benchmark result (no settings, summary and records); "
+                         f"pass the JSON that python -m decode.bench --out wrote")
+    return result
+
+
+def loop_share(result: dict) -> tuple[int, int]:
+    """How many of the baseline's completions cycle through a handful of tokens (`looping`'s rule), of how many."""
+    completions = [r["tokens"] for r in result["records"]["baseline"]]
+    return sum(len(set(tokens)) <= 4 for tokens in completions), len(completions)
+
+
+def describe_run(result: dict) -> str:
+    """One line: what ran, where, when, and the command that makes it again."""
+    s = result["settings"]
+    loops, n = loop_share(result)
+    where = s.get("machine", s["device"])
+    when = f", {s['date']}" if "date" in s else ""
+    plan = "planned" if s.get("plan") else "no plan"
+    line = (f"{s['mode']}: {s['prompts']} prompts x {s['max_new_tokens']} tokens, {s['dtype']}, {plan}, on {where}{when}; "
+            f"{loops} of {n} baseline completions loop")
+    return line + (f". `{s['command']}`" if "command" in s else "")
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The runs' methods as rows, each run's tokens/s, median speedup (mean, min-max), tokens per oracle call and,
+    when greedy, outputs equal to the baseline's, as column groups."""
+    methods = list(dict.fromkeys(name for result in results for name in result["summary"]))
+    header, rule = ["method"], ["---"]
+    for result in results:
+        greedy = result["settings"]["mode"] == "greedy"
+        columns = ["tok/s", "speedup median (mean, min-max)", "tokens/call"] + (["same output"] if greedy else [])
+        header += [f"{'greedy' if greedy else 'sampled'}: {columns[0]}"] + columns[1:]
+        rule += ["---:"] * len(columns)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    for name in methods:
+        row = [name]
+        for result in results:
+            greedy = result["settings"]["mode"] == "greedy"
+            s = result["summary"].get(name)
+            if s is None:
+                row += ["-"] * (4 if greedy else 3)
+                continue
+            sp = s.get("speedup")
+            speed = (f"{sp['median']:.2f}x ({sp['mean']:.2f}, {sp['min']:.2f}-{sp['max']:.2f})" if sp
+                     else "refused: output differs")
+            row += [f"{s['tokens_per_second']:.1f}", speed, f"{s['tokens_per_oracle_call']:.2f}"]
+            if greedy:
+                same = s["same_output"]
+                n = same["identical"] + len(same["near_ties"]) + len(same["differences"])
+                row.append(f"{same['identical']}/{n}" + (f" + {len(same['near_ties'])} ties" if same["near_ties"] else ""))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def markdown(results: list[dict]) -> str:
+    """The runs described one per line, then their table."""
+    return "\n".join(f"- {describe_run(result)}" for result in results) + "\n\n" + markdown_table(results)
+
+
+@exits_on_input_error
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog=PROG, description="Print a decode.bench result (its --out JSON) as a table.", formatter_class=HelpFormatter)
+    p.add_argument("results", nargs="+", type=Path, metavar="RESULT.json", help="decode.bench --out files, one table")
+    p.add_argument("--markdown", action="store_true", help="a Markdown table, the runs' settings listed above it")
+    args = p.parse_args(argv)
+    results = [load_result(path) for path in args.results]
+    if args.markdown:
+        print(markdown(results))
+        return
+    from decode.cli.bench import print_table
+
+    for path, result in zip(args.results, results):
+        print(f"{path}: {describe_run(result)}")
+        print_table(result["summary"], result["settings"]["mode"] == "greedy")
+
+
+if __name__ == "__main__":
+    main()

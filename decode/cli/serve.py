@@ -1,0 +1,82 @@
+"""Serve a decoder over HTTP as OpenAI's completions API, for editors, notebooks and agents.
+
+    python -m decode.serve --run RUN                                   # http://127.0.0.1:8000/v1
+    python -m decode.serve --oracle DIR --draft DIR --ngram DIR --method staged --port 8080 --api-key KEY
+
+One decoder serves the requests in turn (batch one is the design); the rest wait in a bounded queue. SIGTERM or
+Ctrl-C finishes the request being decoded, refuses the others and exits. Endpoints: POST /v1/completions,
+GET /v1/models, GET /health.
+"""
+import argparse
+import signal
+import socket
+import sys
+import threading
+import time
+
+from data.cli import HelpFormatter
+from data.errors import InputError, exits_on_input_error
+from decode.api import SpeculativeDecoder
+from decode.cli.flags import add_decoder_flags, decoder_flags
+from decode.server import create_app
+
+PROG = "python -m decode.serve"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    add_decoder_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY on every endpoint but /health")
+    p.add_argument("--model-name", help="the model's name in answers and /v1/models (default: the oracle directory's)")
+    p.add_argument("--queue-size", type=int, default=16, help="requests that may wait for the decoder; more get 429")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    args = p.parse_args(argv)
+    if not 0 <= args.port < 65536 or args.queue_size < 1 or args.max_body_bytes < 1:
+        p.error("need a --port in 0..65535, and a --queue-size and --max-body-bytes of at least 1")
+    args.options = decoder_flags(p, args).options()
+    return args
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse, before the models load, an address this process cannot listen on."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise InputError(f"cannot listen on {host}:{port} ({err.strerror or err}); pass another --port or --host") from None
+
+
+@exits_on_input_error
+def main(argv=None) -> None:
+    import uvicorn
+
+    args = parse(argv)
+    check_address(args.host, args.port)
+    decoder = SpeculativeDecoder(args.options)
+    name = args.model_name or args.options.oracle.resolve().name
+    app = create_app(decoder, name, args.api_key, args.queue_size, args.max_body_bytes)
+    worker = app.state.worker
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    http = threading.Thread(target=server.run, name="http", daemon=True)  # the decoder keeps the main thread
+
+    def drain(signum, frame):  # SIGTERM, Ctrl-C: refuse what waits, finish what decodes, then exit 0
+        worker.draining = True
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, drain)
+    signal.signal(signal.SIGINT, drain)
+    http.start()
+    while not server.started:
+        if not http.is_alive():
+            raise InputError(f"the HTTP server on {args.host}:{args.port} did not start; see the lines above")
+        time.sleep(0.05)
+    print(f"serving {name} ({args.options.method}, {args.options.dtype}) at http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    worker.run()  # until the app shuts down
+    http.join()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Drafters: each proposes a tree rooted at the last accepted token for the oracle to verify (decode.drafting.base
+says what a drafter does).
+
+    chain    ChainDrafter        the draft model proposes k tokens one after another (standard speculative decoding)
+    tree     TreeDrafter         the draft model expands the nodes of highest cumulative probability, a few children each
+    shaped   ShapedTreeDrafter   the draft model fills a fixed tree of ranks, a level per call (Sequoia; decode.plan's)
+    staged   StagedDrafter       the Katz trigram proposes a tree, the draft model scores all of it in one forward, and
+                                 the best `budget` nodes by cumulative draft probability are kept
+    ngram    NgramDrafter        the trigram alone, ranked by cumulative trigram probability
+    lookup   LookupDrafter       the continuations of the current suffix's earlier occurrences in the context, no model
+"""
+from decode.drafting.base import Drafter
+from decode.drafting.chain import ChainDrafter
+from decode.drafting.context import ContextIndex, LookupDrafter
+from decode.drafting.staged import StagedDrafter
+from decode.drafting.trees import ShapedTreeDrafter, TreeDrafter
+from decode.drafting.trigram import NgramDrafter, TrigramTrees
+
+__all__ = ["ChainDrafter", "ContextIndex", "Drafter", "LookupDrafter", "NgramDrafter", "ShapedTreeDrafter",
+           "StagedDrafter", "TreeDrafter", "TrigramTrees"]

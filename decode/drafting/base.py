@@ -1,0 +1,88 @@
+"""What a drafter is: the interface the speculative loop drafts through, and the two kinds of drafter.
+
+    reset()                                     a new sequence follows
+    propose(tokens, max_depth, sampling, rng)   a tree rooted at tokens[-1] for the oracle to verify
+    accept(path)                                the nodes of the last tree the oracle accepted, root first
+    draws(sampling)                             whether its trees hold draws from the draft (multi-draft rejection
+                                                verifies them) or its ranked tokens (sample-match)
+    calls                                       the draft model's forwards since the last reset
+    forget()                                    drop what it remembers across sequences (the trigram's trees)
+    describe()                                  what it drafts with, for reports
+    parts()                                     the work inside a proposal a profile may time: label -> (object,
+                                                the name of its method that does it)
+"""
+from typing import Protocol
+
+from decode.drafting.draft_cache import DraftCache
+from decode.models.cached_lm import CachedLM
+from decode.sampling import Sampling
+from decode.tree import Tree
+
+
+class Drafter(Protocol):
+    calls: int
+
+    def reset(self) -> None: ...
+
+    def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree: ...
+
+    def accept(self, path: list[int]) -> None: ...
+
+    def draws(self, sampling: Sampling) -> bool: ...
+
+    def forget(self) -> None: ...
+
+    def describe(self) -> dict: ...
+
+    def parts(self) -> dict[str, tuple[object, str]]: ...
+
+
+class ModelDrafter:
+    """A drafter that uses the draft model. `propose` builds the tree; when it prunes a larger tree,
+    `kept` maps each proposed node to the node the draft model scored (None: a node it did not score)."""
+
+    def __init__(self, model: CachedLM, sampled: bool = False):
+        self.draft, self.sampled = DraftCache(model), sampled
+        self.kept = None
+
+    def draws(self, sampling: Sampling) -> bool:
+        """Children drawn from the draft, verified by multi-draft rejection, rather than its top tokens,
+        verified by sample-match. Only when sampling: a greedy draft's point mass has nothing to draw."""
+        return self.sampled and not sampling.greedy
+
+    def reset(self) -> None:
+        self.draft.reset()
+
+    def forget(self) -> None:
+        pass
+
+    def parts(self) -> dict[str, tuple[object, str]]:
+        return {}
+
+    @property
+    def calls(self) -> int:
+        return self.draft.calls
+
+    def accept(self, path: list[int]) -> None:
+        self.draft.accept([self.kept[n] for n in path] if self.kept is not None else path)
+
+
+class ModelFreeDrafter:
+    """A drafter without a draft model: no draft calls, nothing to commit."""
+
+    calls = 0
+
+    def draws(self, sampling: Sampling) -> bool:
+        return False
+
+    def reset(self) -> None:
+        pass
+
+    def forget(self) -> None:
+        pass
+
+    def parts(self) -> dict[str, tuple[object, str]]:
+        return {}
+
+    def accept(self, path: list[int]) -> None:
+        pass

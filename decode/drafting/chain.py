@@ -1,0 +1,32 @@
+"""Standard speculative decoding's drafter: a chain of the draft model's tokens."""
+from decode.drafting.base import ModelDrafter
+from decode.drafting.ranking import draw_children
+from decode.models.cached_lm import CachedLM
+from decode.sampling import Sampling, row_argmax
+from decode.tree import Tree
+
+
+class ChainDrafter(ModelDrafter):
+    """k tokens from the draft model one after another: its argmax when greedy (verified by
+    sample-match), else samples from q (verified by rejection sampling)."""
+
+    def __init__(self, model: CachedLM, k: int):
+        super().__init__(model, sampled=True)
+        self.k = k
+
+    def describe(self) -> dict:
+        return {"k": self.k}
+
+    def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
+        tree = Tree.rooted(tokens[-1])
+        self.draft.start(tokens)
+        node = 0
+        for _ in range(min(self.k, max_depth)):
+            logits = self.draft.score(tree, [node], repeats=node)  # every step's tree is a chain
+            if self.draws(sampling):
+                (token,), q = draw_children(sampling, logits[0], 1, generator, self.draft.shortlist)
+                tree.child_dists[node] = q
+            else:
+                token = row_argmax(logits, self.draft.shortlist)[0]
+            node = tree.add(node, token)
+        return tree

@@ -1,0 +1,144 @@
+"""Staged speculative decoding's drafter: the trigram (and the context) draft for the draft model, which drafts the
+oracle's tree."""
+import numpy as np
+import torch
+
+from decode import native
+from decode.drafting.base import ModelDrafter
+from decode.drafting.context import LookupDrafter
+from decode.drafting import ranking
+from decode.drafting.ranking import best_first, draw_children, ranked_children, ranking_scores
+from decode.drafting.trigram import TrigramTrees
+from decode.models.cached_lm import CachedLM
+from decode.sampling import Sampling
+from decode.tree import Tree
+
+
+class StagedDrafter(ModelDrafter):
+    """Staged speculative decoding: the trigram drafts for the draft model, which drafts for the oracle.
+    One draft forward per step scores the unseen accepted tokens and the trigram's whole tree; the
+    draft's own top children of every scored node join as candidate leaves. With a `context` drafter,
+    the continuations it copies from the context join the tree and are always kept: a copy of what
+    the sequence already did is accepted far more often than the draft's probabilities suggest.
+    With `sampled` children (when sampling), the oracle's tree is drawn from the draft instead
+    (`sampled_tree`): the trigram's tree only decides where the draft's q is known."""
+
+    def __init__(self, model: CachedLM, table, budget: int = 36, widths=(12, 7, 4, 1, 1, 1),
+                 draft_children: int | None = None, context: "LookupDrafter | None" = None, depth: int = 8,
+                 sampled: bool = False):
+        """`context` grafts its continuations from the context onto the trigram's tree (down to `depth`).
+        `draft_children`: the draft's best children per node (None: 1), or its draws per node when the
+        children are sampled (None: 2; measured best on the cpu preset at top-k 50)."""
+        super().__init__(model, sampled)
+        self.trigram, self.budget, self.draft_children = TrigramTrees(table, widths), budget, draft_children
+        self.context, self.depth = context, depth
+        # greedy with one draft child, the selection runs in C++ where the draft's logits are in CPU memory
+        self.native_selection = ((draft_children or 1) == 1 and model.device.type == "cpu" and native.module() is not None)
+
+    def reset(self) -> None:
+        super().reset()
+        if self.context is not None:
+            self.context.reset()
+
+    def forget(self) -> None:
+        self.trigram.forget()
+
+    def parts(self) -> dict[str, tuple[object, str]]:
+        return {"trigram trees": (self.trigram, "build")}
+
+    def describe(self) -> dict:
+        return {"widths": self.trigram.widths, "budget": self.budget, "sampled": self.sampled,
+                "context": self.context is not None}
+
+    @staticmethod
+    def draft_leaves(tree: Tree, tokens: list[list[int]], weights: list[list[float]],
+                     max_depth: int) -> tuple[list[int], list[int], list[float]]:
+        """The draft's best children (`ranked_children`) of every node above `max_depth` that the trigram
+        did not propose: (parents, tokens, weights). Past ARRAY_NODES nodes, in numpy."""
+        if len(tree) > ranking.ARRAY_NODES:
+            return StagedDrafter.draft_leaves_arrays(tree, np.asarray(tokens), np.asarray(weights), max_depth)
+        proposed = set(zip(tree.parents, tree.tokens))
+        parents, leaf_tokens, leaf_weights = [], [], []
+        for node, depth in enumerate(tree.depths):
+            if depth < max_depth:
+                for token, w in zip(tokens[node], weights[node]):
+                    if (node, token) not in proposed:
+                        parents.append(node)
+                        leaf_tokens.append(token)
+                        leaf_weights.append(w)
+        return parents, leaf_tokens, leaf_weights
+
+    @staticmethod
+    def draft_leaves_arrays(tree: Tree, tokens: np.ndarray, weights: np.ndarray,
+                            max_depth: int) -> tuple[list[int], list[int], list[float]]:
+        above = np.flatnonzero(np.array(tree.depths) < max_depth)
+        parents, tokens, weights = np.repeat(above, tokens.shape[1]), tokens[above].ravel(), weights[above].ravel()
+        vocab = 1 + max(int(tokens.max(initial=0)), max(tree.tokens))
+        keys = parents * vocab + tokens  # (parent, token) as one number; the trigram's own children likewise:
+        proposed = np.sort(np.array(tree.parents, np.int64) * vocab + np.array(tree.tokens, np.int64))
+        fresh = proposed[np.searchsorted(proposed, keys, side="right") - 1] != keys  # the root's key is below all
+        return parents[fresh].tolist(), tokens[fresh].tolist(), weights[fresh].tolist()
+
+    def sampled_tree(self, tree: Tree, logits: torch.Tensor, max_depth: int, sampling: Sampling, generator) -> Tree:
+        """When sampling: `draft_children` independent draws from the draft's q below the root and below
+        every draw that lands on a node the draft scored (`tree`, whose q its one call computed), level by
+        level, up to `budget` nodes; a draw elsewhere is a leaf. Verified by multi-draft rejection. Only the
+        rows drawn below get a proposal: its top-k costs microseconds a row, and most of the scored nodes are
+        never drawn. Draws that repeat a token each get draws below, so a confident path would multiply
+        (3 draws a node: trees of thousands of nodes); the budget stops it at the first nodes of a level, in
+        their order, which the earlier levels' draws decide before this level's are made: which nodes get
+        draws never depends on the draws themselves, so multi-draft rejection stays exact."""
+        count = self.draft_children or 2
+        out, self.kept = Tree.rooted(tree.tokens[0]), [0]
+        level = [(0, 0)]  # (node of `out`, the scored node it stands for): their children are drawn next
+        while level := [(node, scored) for node, scored in level if out.depths[node] < max_depth][
+                : (self.budget - len(out)) // count]:
+            drawn, q = draw_children(sampling, logits[[scored for _, scored in level]], count,
+                                     generator, self.draft.shortlist)
+            below_level = []
+            for (node, scored), tokens, dist in zip(level, drawn, q):
+                out.child_dists[node] = dist
+                below = {tree.tokens[c]: c for c in tree.children[scored]}
+                for token in tokens:
+                    child = out.add(node, token)
+                    self.kept.append(below.get(token))
+                    if token in below:
+                        below_level.append((child, below[token]))
+            level = below_level
+        return out
+
+    def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
+        self.draft.start(tokens)
+        tree, _ = self.trigram(tokens, max_depth)
+        max_depth = min(max_depth, self.depth)
+        copied = self.context.graft(tree, tokens, max_depth) if self.context is not None else set()
+        n = len(tree)
+        if self.draws(sampling):
+            return self.sampled_tree(tree, self.draft.score(tree, list(range(n))), max_depth, sampling, generator)
+        # The copied continuation, likeliest to be accepted, takes the draft's first slots: accepted, it is in place.
+        order = [0] + sorted(copied) + [node for node in range(1, n) if node not in copied]
+        logits = self.draft.score(tree, order)
+        if sampling.greedy and self.native_selection:
+            tokens, parents, self.kept = native.staged_selection(logits, order, tree.parents, tree.tokens, tree.depths,
+                                                                 copied, self.draft.shortlist, max_depth, self.budget)
+            return Tree.of(tokens, parents)
+        tree, self.kept = self.selection(tree, logits, order, copied, max_depth, sampling)
+        return tree
+
+    def selection(self, tree: Tree, logits: torch.Tensor, order: list[int], copied: set[int], max_depth: int,
+                  sampling: Sampling) -> tuple[Tree, list[int]]:
+        """The oracle's tree from the trigram's (and the context's) and the draft's logits after its nodes (row i
+        after node order[i]): the `budget` candidates of highest cumulative draft weight among the tree's nodes
+        and the draft's own best children, the `copied` nodes first; and for each node, the candidate it came from
+        (n + i: the draft's leaf i). Greedy with one draft child, decode/native/step.cpp computes the same."""
+        edges, best, best_weights = ranked_children(ranking_scores(logits, sampling), tree,
+                                                    self.draft_children or 1, sampling.greedy, order,
+                                                    self.draft.shortlist)
+        cumulative = tree.cumulative(edges)
+        leaf_parents, leaf_tokens, leaf_weights = self.draft_leaves(tree, best, best_weights, max_depth)
+        candidates = cumulative + [cumulative[parent] * w for parent, w in zip(leaf_parents, leaf_weights)]
+        if copied:  # the context's continuations go first, with the root above them
+            for node in copied | {0}:
+                candidates[node] += 1.0
+        chosen = best_first(candidates, self.budget)  # candidate n + i is the draft's leaf i
+        return Tree.chosen(tree.tokens + leaf_tokens, tree.parents + leaf_parents, chosen, candidates)

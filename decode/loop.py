@@ -1,0 +1,158 @@
+"""The decoding loops: plain autoregressive decoding (the baseline) and speculative decoding over a tree of
+drafted tokens (a chain is the one-branch tree of standard speculative decoding). Both keep the same invariant:
+a model's cache holds every token of the sequence but the last, which it has not seen yet.
+
+Each loop is a generator (`*_steps`) that yields its Generation after every oracle call, so a caller can stream
+the tokens as they are accepted; `baseline`, `tree_speculative` and `speculative` run one to the end. `hooks`
+hear how long each part of a step took (the tools that time decoding pass them; decoding itself passes none).
+"""
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from decode.drafting import ChainDrafter, Drafter
+from decode.healing import constrain_first
+from decode.models.cached_lm import CachedLM, long_tensor, synchronize
+from decode.sampling import Sampling
+from decode.verify import Target, multi_draft_rejection, sample_match
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)  # the new tokens (an end-of-text token included)
+    oracle_calls: int = 0
+    oracle_nodes: int = 0  # positions the oracle scored, the prompt's last one on: its batch sizes, summed
+    draft_calls: int = 0
+
+    def add(self, new: list[int], max_new_tokens: int, eos_id: int | None) -> bool:
+        """Append new tokens up to the limit or the end-of-text token; True when generation is done."""
+        for token in new:
+            self.tokens.append(token)
+            if len(self.tokens) >= max_new_tokens or token == eos_id:
+                return True
+        return False
+
+
+@dataclass
+class Hooks:
+    """Told the seconds each part of a step took: the oracle's forwards (with the nodes they scored and the slots
+    cached before them: none for a prompt's), the drafter's proposals and the verifications. On a GPU (`device`),
+    each timing waits for the kernels queued before it and for its own."""
+
+    on_forward: Callable[[int, int, float], None] | None = None
+    on_propose: Callable[[float], None] | None = None
+    on_verify: Callable[[float], None] | None = None
+    device: torch.device = torch.device("cpu")
+
+    def clock(self) -> float:
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def timed(self, call: Callable, report: Callable[[float], None] | None) -> Callable:
+        """`call`, reporting its seconds to `report` (none: `call` itself)."""
+        if report is None:
+            return call
+
+        def timed_call(*args, **kwargs):
+            start = self.clock()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                report(self.clock() - start)
+
+        return timed_call
+
+    def forward(self, model: CachedLM, call: Callable) -> Callable:
+        """`call` (a forward of `model`'s over new tokens, their ids first), reported to on_forward."""
+        if self.on_forward is None:
+            return call
+
+        def timed_forward(token_ids, *args, **kwargs):
+            cached, start = model.length + model.pending, self.clock()
+            try:
+                return call(token_ids, *args, **kwargs)
+            finally:
+                self.on_forward(len(token_ids), cached, self.clock() - start)
+
+        return timed_forward
+
+
+UNTIMED = Hooks()
+
+
+def run_to_end(steps: Iterator[Generation]) -> Generation:
+    """A generation loop's last Generation."""
+    for out in steps:
+        pass
+    return out
+
+
+def baseline_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                   eos_id: int | None, *, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
+                   hooks: Hooks = UNTIMED) -> Iterator[Generation]:
+    """One oracle call per token. `allowed` (a healed prompt's): the tokens the first one may be."""
+    extend = hooks.forward(oracle, oracle.extend)
+    oracle.reset()
+    logits = constrain_first(extend(prompt, last=1), allowed)[0]
+    out = Generation(oracle_calls=1, oracle_nodes=1)
+    while True:
+        done = out.add([sampling.choose(logits, generator)], max_new_tokens, eos_id)
+        yield out
+        if done:
+            return
+        logits = extend(long_tensor(out.tokens[-1:], oracle.device))[-1]
+        out.oracle_calls += 1
+        out.oracle_nodes += 1
+
+
+def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                           eos_id: int | None, *, drafter: Drafter, generator: torch.Generator | None = None,
+                           allowed: torch.Tensor | None = None, verify: Callable | None = None,
+                           hooks: Hooks = UNTIMED) -> Iterator[Generation]:
+    """The drafter proposes a tree, the oracle scores every node in one call, and the verifier walks it:
+    sample-match for trees of ranked tokens, multi-draft rejection for drawn children. `verify`: another rule
+    with their signature (decode.cli.agreement records what the oracle's forwards computed with one)."""
+    verify = hooks.timed(verify or (multi_draft_rejection if drafter.draws(sampling) else sample_match), hooks.on_verify)
+    propose = hooks.timed(drafter.propose, hooks.on_propose)
+    forward, extend = hooks.forward(oracle, oracle.forward), hooks.forward(oracle, oracle.extend)
+    oracle.reset()
+    drafter.reset()
+    tokens = prompt.tolist()
+    out = Generation()
+    if len(tokens) > 1:
+        extend(prompt[:-1], last=0)
+        out.oracle_calls += 1
+    while True:
+        tree = propose(tokens, max_new_tokens - len(out.tokens) - 1, sampling, generator)
+        cached = oracle.length
+        logits = forward(tree.token_ids(oracle.device), tree.position_ids(cached, oracle.device), tree.mask(oracle.device))
+        logits, allowed = constrain_first(logits, allowed), None  # the root's row of the first step only
+        out.oracle_calls += 1
+        out.oracle_nodes += len(tree)
+        path, following = verify(tree, Target(logits, sampling), generator)
+        oracle.commit(path)
+        drafter.accept(path)
+        new = [tree.tokens[n] for n in path[1:]] + [following]
+        tokens += new
+        done = out.add(new, max_new_tokens, eos_id)
+        out.draft_calls = drafter.calls
+        yield out
+        if done:
+            return
+
+
+def baseline(*args, **kwargs) -> Generation:
+    return run_to_end(baseline_steps(*args, **kwargs))
+
+
+def tree_speculative(*args, **kwargs) -> Generation:
+    return run_to_end(tree_speculative_steps(*args, **kwargs))
+
+
+def speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling, eos_id: int | None,
+                *, draft: CachedLM, k: int = 4, **options) -> Generation:
+    """Standard (chain) speculative decoding: the draft samples k tokens, the oracle scores k + 1 positions in one
+    call, Chen et al.'s rejection sampling (multi-draft rejection on a chain) verifies."""
+    return tree_speculative(oracle, prompt, max_new_tokens, sampling, eos_id, drafter=ChainDrafter(draft, k), **options)

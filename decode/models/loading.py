@@ -1,0 +1,106 @@
+"""Loading the models a decoder uses: the oracle and the draft (the lean engine or transformers'), the draft's
+shortlist, the Katz trigram, and models given by hub name or already loaded."""
+import json
+from pathlib import Path
+
+import numpy as np
+
+from data.errors import InputError, first_line
+from data.shards import TOKEN_COUNTS
+from data.tokenizer import load_tokenizer
+from decode.models.cached_lm import CachedLM, Shortlist
+from decode.models.engine import GPT2Engine, is_lean_compatible, read_config
+from decode.models.hf_backend import HFEngine
+
+
+def pretrained_dir(model, tokenizer, keep: list, name: str) -> Path:
+    """A directory that holds `model`: a local directory as it is, a hub name downloaded (huggingface_hub's cache),
+    or a loaded transformers model saved with `tokenizer` into a temporary directory added to `keep`."""
+    import tempfile
+
+    if hasattr(model, "save_pretrained"):
+        if tokenizer is None:
+            raise InputError(f"a loaded {name} model needs its tokenizer: pass tokenizer=...")
+        directory = tempfile.TemporaryDirectory(prefix=f"staged-speculative-{name}-")
+        keep.append(directory)
+        model.save_pretrained(directory.name)
+        tokenizer.save_pretrained(directory.name)
+        return Path(directory.name)
+    if not isinstance(model, (str, Path)):
+        raise InputError(f"{name} must be a directory, a hub name or a loaded transformers model (got {type(model).__name__})")
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as err:  # not found, offline, no access: many kinds
+        raise InputError(f"{name} {model!r} is not a directory, and the hub did not give it ({first_line(err)}); "
+                         f"pass a local directory, or a hub name when online") from None
+
+
+def load_trigram(options, vocab_size: int, eos_id: int):
+    from ngram.successors import SuccessorTable
+
+    if options.ngram is None:
+        raise InputError(f"--method {options.method} needs the Katz trigram; pass --ngram DIR (python ngram/build_katz.py)")
+    meta_path = Path(options.ngram) / "meta.json"
+    if not meta_path.is_file():  # written last: without it the directory is not a finished trigram
+        raise InputError(f"{options.ngram} has no meta.json, so python ngram/build_katz.py did not finish writing it (or it "
+                         f"is not a trigram directory); build one with `python ngram/build_katz.py --out NEW_DIR`")
+    try:
+        meta = json.loads(meta_path.read_text())
+        built_for = (int(meta["vocab_size"]), int(meta["eos_id"]))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"{meta_path} is damaged ({type(err).__name__}: {err}); rebuild the trigram with "
+                         f"`python ngram/build_katz.py --out {options.ngram} --overwrite`") from None
+    table = SuccessorTable.load(Path(options.ngram) / "successors.npz")
+    if built_for != (table.vocab_size, table.eos_id):
+        raise InputError(f"{meta_path} says a vocabulary of {built_for[0]} tokens (end-of-text {built_for[1]}) but its "
+                         f"successors.npz holds {table.vocab_size} ({table.eos_id}); rebuild the trigram with "
+                         f"`python ngram/build_katz.py --out {options.ngram} --overwrite`")
+    if table.vocab_size != vocab_size or table.eos_id != eos_id:
+        raise InputError(f"the trigram in {options.ngram} was built for a vocabulary of {table.vocab_size} tokens "
+                         f"(end-of-text {table.eos_id}), the oracle has {vocab_size} (end-of-text {eos_id}); rebuild it from this run")
+    return table
+
+
+def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_graphs: bool = False,
+               shortlist: Shortlist | None = None, draft: bool = False) -> CachedLM:
+    """A model for decoding; a `draft`'s blocks run in C++ where they can (GPT2Engine's native_blocks)."""
+    config = read_config(directory)
+    if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
+        return GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
+                               native_blocks=draft)
+    return HFEngine.load(directory, dtype, device, shortlist=shortlist)
+
+
+def draft_shortlist(draft_dir: Path, size: int, vocab_size: int) -> Shortlist | None:
+    """The draft's `size` most frequent training tokens (None: the whole vocabulary, for 0 or at least its size)."""
+    if size == 0 or size >= vocab_size:
+        return None
+    path = Path(draft_dir) / TOKEN_COUNTS
+    if not path.is_file():
+        raise InputError(f"--draft-vocab needs {path}, the draft's training token counts (training writes them beside "
+                         f"the model; older models lack them): re-train the draft, or numpy.save there "
+                         f"data.shards.token_counts(RUN/data)")
+    try:
+        counts = np.load(path)
+    except (OSError, ValueError) as err:
+        raise InputError(f"{path} is not a numpy array of token counts ({err}); re-train the draft") from None
+    if counts.shape != (vocab_size,):
+        raise InputError(f"{path} counts {counts.size} tokens, the draft has {vocab_size}; re-train the draft")
+    return Shortlist.most_frequent(counts, size)
+
+
+def load_draft(options: "DecoderOptions", vocab_size: int) -> CachedLM:
+    """The draft model as the options load it, its output layer over `options.draft_vocab` tokens when set."""
+    return load_model(options.draft, options.backend, options.draft_dtype or options.dtype, options.device, options.cuda_graphs,
+                      draft_shortlist(options.draft, options.draft_vocab, vocab_size), draft=True)
+
+
+def check_same_vocabulary(oracle_dir: Path, other_dir: Path, other: str) -> None:
+    a, b = load_tokenizer(oracle_dir), load_tokenizer(other_dir)
+    if a.get_vocab() != b.get_vocab():
+        raise InputError(f"the oracle ({oracle_dir}) and the {other} ({other_dir}) use different tokenizers; "
+                         f"train the {other} with the oracle's tokenizer")

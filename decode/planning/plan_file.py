@@ -1,0 +1,122 @@
+"""The plan (RUN/plan.json): the policy with the best predicted ms per token for each method, and what it was
+measured with (the models, the device, the dtype), which it must match to be used."""
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from data.atomic import write_json
+from data.errors import InputError
+from decode.methods import METHODS
+from decode.planning.costs import device_name, fingerprint
+from decode.planning.shapes import Shape
+
+PLAN_VERSION = 1
+
+
+# A plan's identity besides the models, with the value a plan written before the setting existed was made with
+SETTINGS = {"device": None, "dtype": None, "backend": None, "cuda_graphs": False}
+
+
+def identity(options) -> dict:
+    """What a plan's measurements depend on: the models, the device, the dtype, the backend and whether
+    the forwards replay CUDA graphs (only on a GPU with the lean engine). The draft's shortlist and dtype are
+    the plan's choice, in each policy."""
+    graphs = options.cuda_graphs and torch.device(options.device).type == "cuda" and options.backend != "hf"
+    return {"oracle": fingerprint(options.oracle), "draft": options.draft and fingerprint(options.draft),
+            "ngram": options.ngram and fingerprint(options.ngram, "*.npz"),
+            "device": device_name(torch.device(options.device)), "dtype": options.dtype, "backend": options.backend,
+            "cuda_graphs": graphs}
+
+
+def recorded(identity: dict, key: str):
+    """A plan identity's `key`, or the default of a setting added after the plan was written."""
+    return identity.get(key, SETTINGS.get(key))
+
+
+def replan_command(run, options) -> str:
+    return f"python -m decode.plan --run {run} --dtype {options.dtype}" + ("" if options.cuda_graphs else " --no-cuda-graphs")
+
+
+def save_plan(plan: dict, path: Path, overwrite: bool) -> None:
+    write_json(path, plan, overwrite, indent=1)
+
+
+def run_plan(run: Path, options) -> tuple[Path | None, list[str]]:
+    """RUN/plan.json when it exists and was measured for these settings (device, dtype, backend, CUDA graphs), else
+    None and the settings it was planned for (none: there is no plan). A plan named explicitly is checked by
+    load_plan instead, which refuses one measured for other settings."""
+    path = Path(run) / "plan.json"
+    if not path.is_file():
+        return None, []
+    try:
+        measured = json.loads(path.read_text())["identity"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return path, []  # load_plan says what is wrong with it
+    current = identity(options)
+    other = [f"{k} {recorded(measured, k)!r}" for k in SETTINGS if recorded(measured, k) != current[k]]
+    return (None, other) if other else (path, [])
+
+
+# A planned tree (its shape) stands for the flags of a best-first tree all at once; every other key of a policy
+# is the DecoderOptions field it fills ("tokens": lookup_tokens).
+TREE_SHAPE, TREE_FLAGS = ("parents", "ranks", "expected", "nodes", "depth"), ("budget", "depth", "branch")
+
+
+def option_of(key: str) -> str:
+    """The DecoderOptions field a policy's `key` fills (a planned tree's shape aside)."""
+    return "lookup_tokens" if key == "tokens" else key
+
+
+def unless_given(policy: dict, method: str, given) -> dict:
+    """The policy less what the caller set (`given`, field names): a flag typed or a keyword passed wins over the plan."""
+    fills = lambda key: TREE_FLAGS if method == "tree" and key in TREE_SHAPE else (option_of(key),)
+    return {key: value for key, value in policy.items() if set(fills(key)).isdisjoint(given)}
+
+
+def with_policy(options, policy: dict):
+    """The DecoderOptions with a policy of their method's in place (a planned tree's shape as `tree_shape`)."""
+    tree = options.method == "tree"
+    fields = {option_of(key): value for key, value in policy.items() if not (tree and key in TREE_SHAPE)}
+    if tree and "parents" in policy:
+        shape = Shape(policy["parents"], policy["ranks"], policy["expected"])
+        fields |= {"tree_shape": shape, "budget": max(2, len(shape.parents)), "depth": max(1, shape.depth)}
+    return replace(options, **fields, policy=policy)
+
+
+def with_plan(options, path: Path | None, given=frozenset()):
+    """The DecoderOptions with the plan's policy for their method in place of every field the caller did not set
+    (`given`): the plan fills in the tree, and what the caller set wins. The plan must have been measured for these
+    models and settings (load_plan)."""
+    if path is None or not METHODS[options.method].planned:
+        return options
+    policy = load_plan(path, options).get(options.method)
+    policy = policy and unless_given(policy, options.method, given)
+    return with_policy(replace(options, plan=Path(path)), policy) if policy else options
+
+
+def describe(policy: dict) -> str:
+    """A policy in words, its tree by its size (a planned tree's parents and ranks left out)."""
+    return ", ".join(f"{k} {v}" for k, v in policy.items() if k not in ("parents", "ranks", "expected"))
+
+
+def load_plan(path: Path, options) -> dict:
+    """The plan's policies, checked to have been measured for these models on this device."""
+    redo = f"re-plan with `{replan_command('RUN', options)}`, or pass --no-plan"
+    if not Path(path).is_file():
+        raise InputError(f"plan {path} does not exist; write one with `python -m decode.plan --run RUN`, or pass --no-plan")
+    try:
+        plan = json.loads(Path(path).read_text())
+        policies, measured = plan["policies"], plan["identity"]
+        if plan["version"] != PLAN_VERSION:
+            raise ValueError
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise InputError(f"{path} is not a plan this version of decode.plan wrote; {redo}") from None
+    current = identity(options)
+    changed = [k for k in current if recorded(measured, k) != current[k]]
+    if changed:
+        what = ", ".join(f"{k} {recorded(measured, k)!r} (now {current[k]!r})" if k in SETTINGS else k
+                         for k in changed)
+        raise InputError(f"{path} was measured for another setting: {what} changed; {redo}")
+    return policies

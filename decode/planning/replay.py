@@ -1,0 +1,94 @@
+"""Greedy decoding makes planning exact: on a calibration prompt, the oracle's continuation after any accepted
+prefix is the rest of its own greedy output, so a drafter can be replayed along it with no oracle call, and the
+tokens it would have accepted are counted, step by step, as decoding would.
+
+    replay       a drafter with a given policy, along the oracle's greedy outputs: tokens per call,
+                 drafting time per step (measured here) and the oracle's batch per step
+    predict      tokens per call, ms per token and speedup, from a replay and the oracle's forward
+                 costs (its own, or a larger shape's for a projection)
+"""
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from decode.drafting import Drafter
+from decode.sampling import Sampling
+
+GREEDY = Sampling()
+
+
+@dataclass
+class Replay:
+    """What a drafter did along the oracle's greedy outputs."""
+
+    prompts: int = 0
+    steps: int = 0
+    tokens: int = 0
+    drafting_seconds: float = 0.0  # proposing and committing, measured
+    nodes: list[int] = field(default_factory=list)  # the oracle's batch per step
+    accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per step
+
+    def accepted_by_depth(self, depth: int) -> list[float]:
+        """Share of steps that accept at least d drafted tokens, d = 1 .. depth."""
+        a = np.array(self.accepted)
+        return [float((a >= d).mean()) for d in range(1, depth + 1)]
+
+
+def replay(drafter: Drafter, sequences: list[tuple[list[int], list[int]]]) -> Replay:
+    """Decode each (prompt, continuation) as greedy speculative decoding would, with the oracle's
+    answer taken from the continuation: the accepted path is the longest branch that spells it. The
+    drafter starts as a new decoder's does, with no trigram trees remembered."""
+    drafter.forget()
+    out = Replay()
+    for prompt, continuation in sequences:
+        drafter.reset()
+        tokens, done = list(prompt), 0
+        while done < len(continuation):
+            start = time.perf_counter()
+            tree = drafter.propose(tokens, len(continuation) - done - 1, GREEDY, None)
+            path = [0]
+            while done + len(path) < len(continuation):
+                want = continuation[done + len(path) - 1]
+                child = next((c for c in tree.children[path[-1]] if tree.tokens[c] == want), None)
+                if child is None:
+                    break
+                path.append(child)
+            drafter.accept(path)
+            out.drafting_seconds += time.perf_counter() - start
+            tokens += continuation[done : done + len(path)]  # the accepted nodes and the oracle's next token
+            done += len(path)
+            out.steps += 1
+            out.nodes.append(len(tree))
+            out.accepted.append(len(path) - 1)
+        out.tokens += len(continuation)
+        out.prompts += 1
+    return out
+
+
+def predict(replayed: Replay, oracle_ms: torch.Tensor, loop_ms: float, prefill_ms: float,
+            drafting_factor: float = 1.0) -> dict:
+    """Tokens per oracle call and ms per token: per prompt, the prefill (`prefill_ms`: one oracle call
+    over the prompt, which yields no token when a tree follows); per step, the oracle's forward over
+    the tree (`oracle_ms[q]`, measured for q nodes), the drafting measured in the replay (times
+    `drafting_factor`: in a decoding loop the oracle's forwards evict the draft from the caches) and
+    the rest of the loop (`loop_ms`, measured)."""
+    oracle = float(oracle_ms[torch.tensor(replayed.nodes)].sum())
+    drafting = 1e3 * replayed.drafting_seconds * drafting_factor
+    total = prefill_ms * replayed.prompts + oracle + drafting + loop_ms * replayed.steps
+    return {"tokens_per_call": replayed.tokens / (replayed.steps + replayed.prompts), "ms_per_token": total / replayed.tokens,
+            "oracle_ms_per_call": oracle / replayed.steps,
+            "drafting_ms_per_call": drafting / replayed.steps,
+            "mean_nodes": float(np.mean(replayed.nodes))}
+
+
+def ranked(candidates: list[dict], oracle_ms: torch.Tensor, loop_ms: float, prefill_ms: float, baseline_ms: float,
+           drafting_factor: float = 1.0) -> list[dict]:
+    """The candidate policies with their predictions, least predicted ms per token first."""
+    out = []
+    for c in candidates:
+        p = predict(c["replay"], oracle_ms, loop_ms, prefill_ms, drafting_factor)
+        out.append({"policy": c["policy"], **p, "speedup": baseline_ms / p["ms_per_token"],
+                    "accepted_by_depth": c["replay"].accepted_by_depth(8)})
+    return sorted(out, key=lambda c: c["ms_per_token"])
