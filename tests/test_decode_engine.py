@@ -8,7 +8,8 @@ from transformers import GPT2LMHeadModel
 from data.pretrained import FUSED_GELU, load_causal_lm
 from decode.models.cached_lm import Shortlist
 from decode.drafting.ranking import draw_children, ranked_children
-from decode.models.engine import LAYOUTS, GPT2Engine, onednn_packs
+from decode.models.engine import GPT2Engine
+from decode.models.projection import LAYOUTS, onednn_packs
 from decode.loop import baseline, speculative
 from decode.models.hf_backend import HFEngine
 from decode.sampling import Sampling, argmax_of_rows, sample, top_tokens, values_at, values_list
@@ -81,7 +82,7 @@ def test_gpt2_gelu_loads_as_the_fused_kernel_with_the_same_logits_and_runs_on_th
 def test_bfloat16_products_of_many_rows_are_padded_to_shared_row_counts_on_a_cpu(models):
     """oneDNN builds a kernel per row count in bfloat16: a prompt's product is padded to a multiple of ROW_BLOCK
     (past PAD_ABOVE rows, above any tree's), its extra rows dropped; float32 is left as it is."""
-    from decode.models.engine import LINEAR_LAYERS, PAD_ABOVE, ROW_BLOCK, Projection
+    from decode.models.projection import PAD_ABOVE, ROW_BLOCK, Projection
 
     assert PAD_ABOVE % ROW_BLOCK == 0
     weight, bias = torch.randn(32, 48), torch.randn(48)
@@ -94,7 +95,7 @@ def test_bfloat16_products_of_many_rows_are_padded_to_shared_row_counts_on_a_cpu
         out = padded(x)
         assert out.shape == (rows, 48) and torch.allclose(out.float(), plain(x).float(), atol=0.1, rtol=0.02)
     assert rows_seen == [1, 16, PAD_ABOVE, PAD_ABOVE + ROW_BLOCK, PAD_ABOVE + ROW_BLOCK, PAD_ABOVE + 2 * ROW_BLOCK]
-    pads = lambda engine: {layer[name].pad_rows for layer in engine.layers for name in LINEAR_LAYERS} | {engine.head.pad_rows}
+    pads = lambda engine: {p.pad_rows for layer in engine.layers for p in layer.projections()} | {engine.head.pad_rows}
     assert pads(GPT2Engine.load(models["oracle"], dtype="bfloat16")) == {True}
     assert pads(GPT2Engine.load(models["oracle"])) == {False}
 
@@ -129,10 +130,10 @@ def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, back
     for parent in parents[1:]:
         depths.append(depths[parent] + 1)
     tree = backend.load(models["oracle"])
-    if moves == "C++" and getattr(tree, "move_in_cpp", None) is None:
+    if moves == "C++" and getattr(getattr(tree, "kv", None), "mover", None) is None:
         pytest.skip("the moves of a commit in C++: the lean engine on a CPU with the C++ loops built")
     if moves == "torch" and backend is GPT2Engine:
-        tree.move_in_cpp = None
+        tree.kv.mover = None
     tree.extend(prefix)
     tree.forward(nodes, 5 + torch.tensor(depths), tree_mask(parents))
     tree.commit(path)

@@ -26,7 +26,8 @@ from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
 from decode.options import check_device
 from decode.planning.costs import NODE_COUNTS, PROJECTIONS, device_name, forward_costs, host_work_after_forward, random_gpt2
-from decode.models.engine import LAYOUTS, GPT2Engine, onednn_packs
+from decode.models.engine import GPT2Engine
+from decode.models.projection import LAYOUTS, onednn_packs
 from decode.loop import baseline
 from decode.models.precision import auto_dtype
 from decode.sampling import Sampling

@@ -11,11 +11,10 @@ region, and returns their logits. `commit` keeps an ordered subset of the specul
 accepted path) and drops the rest.
 """
 import contextlib
-import functools
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,18 +25,14 @@ from data.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode import native
 from decode.models.cached_lm import CachedLM, Ids, Shortlist, as_tensor
 from decode.models.cuda_graphs import CUDAGraphs
+from decode.models.kv_slots import KVSlots
+from decode.models.projection import LAYOUTS, Projection, fastest_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SPECULATIVE_SLOTS = 2048  # cache slots beyond the context for the nodes of a speculative tree
 # cuDNN's attention builds a plan for every new shape, and each decoding call has a new cached length: measured
 # on an H100 (cpu-preset oracle, bfloat16), greedy decoding ran at 17 tokens/s with it and 260 without
 ATTENTION_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-LINEAR_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-# On a CPU in bfloat16, oneDNN builds a kernel for every new number of rows a matrix is multiplied with: 1-4 ms a
-# matrix, a first prompt of a new length cost 8 ms more than a second on the cpu preset's oracle (5 on its draft;
-# AMX CPU). Products of more than PAD_ABOVE rows (prompts; the trees a step scores are smaller) are padded to a
-# multiple of ROW_BLOCK, so prompts of any length share a few kernels.
-PAD_ABOVE, ROW_BLOCK = 64, 32
 
 
 def attention_kernels(device: torch.device):
@@ -85,136 +80,80 @@ def is_lean_compatible(config: dict) -> bool:
     )
 
 
-# How a linear layer multiplies its input by a weight matrix: addmm over Hugging Face's Conv1D (in, out)
-# layout, F.linear over (out, in), or oneDNN's matmul over (out, in) prepacked in its blocked layout (private
-# ops, inductor's). Which is fastest depends on the device and the matrix's shape: on CPUs it is measured.
-LAYOUTS = ("in_out", "out_in", "packed")
+@dataclass
+class LayerWeights:
+    """One transformer block's weights: its layer norms (weight, bias) and its four projections."""
 
+    ln_1: tuple[torch.Tensor, torch.Tensor]
+    qkv: Projection  # attn.c_attn
+    attn_out: Projection  # attn.c_proj
+    ln_2: tuple[torch.Tensor, torch.Tensor]
+    mlp_in: Projection  # mlp.c_fc, with GPT-2's GELU
+    mlp_out: Projection  # mlp.c_proj
 
-@functools.cache
-def onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN's prepacked linear runs here in this dtype (bfloat16 needs AVX-512 or AVX-NE-CONVERT:
-    an AVX2-only CPU refuses it)."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return False
-    try:
-        weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), weight, None, "none", [], "")
-    except RuntimeError:
-        return False
-    return True
+    @classmethod
+    def from_checkpoint(cls, weights: dict[str, torch.Tensor], i: int, projection: Callable) -> "LayerWeights":
+        """Block i of a Hugging Face GPT-2 checkpoint's weights; `projection(in_out, bias, gelu)` makes each product."""
+        w = lambda name: weights[f"h.{i}.{name}"]
+        linear = lambda name, gelu=False: projection(w(f"{name}.weight"), w(f"{name}.bias"), gelu)
+        return cls((w("ln_1.weight"), w("ln_1.bias")), linear("attn.c_attn"), linear("attn.c_proj"),
+                   (w("ln_2.weight"), w("ln_2.bias")), linear("mlp.c_fc", gelu=True), linear("mlp.c_proj"))
 
-
-class Projection:
-    """x @ weight + bias, the (in, out) weight stored in one of LAYOUTS, then GPT-2's tanh GELU when `gelu`; the
-    product is picked once, not per call. Prepacked, oneDNN applies the GELU to the product's float32 accumulator
-    as it writes it out: one pass fewer over the MLP's widest activations (on an AMX CPU in bfloat16, 16 rows by
-    512 x 2048 took 47 us against 73 for the product and F.gelu; in float32 about 10% less). The separate GELU
-    rounds the product to the dtype first, so the two can differ in the last place."""
-
-    def __init__(self, in_out: torch.Tensor, bias: torch.Tensor | None, layout: str, gelu: bool = False,
-                 pad_rows: bool = False):
-        self.layout, self.pad_rows = layout, pad_rows  # pad_rows: past PAD_ABOVE rows, to a multiple of ROW_BLOCK
-        if layout == "packed":
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(in_out.T.contiguous())
-            attr, algorithm = ("gelu", "tanh") if gelu else ("none", "")
-            self.multiply = lambda x: torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, attr, [], algorithm)
-            return
-        if layout == "in_out":
-            self.weight = in_out
-            product = (lambda x: x @ in_out) if bias is None else functools.partial(torch.addmm, bias, mat2=in_out)
-        else:
-            self.weight = in_out.T.contiguous()
-            product = functools.partial(F.linear, weight=self.weight, bias=bias)
-        self.multiply = (lambda x: F.gelu(product(x), approximate="tanh")) if gelu else product
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.pad_rows and rows > PAD_ABOVE and rows % ROW_BLOCK:
-            return self.multiply(F.pad(x, (0, 0, 0, ROW_BLOCK - rows % ROW_BLOCK)))[:rows]
-        return self.multiply(x)
-
-
-@functools.cache
-def fastest_layout(dtype: torch.dtype, device_type: str, in_features: int, out_features: int, gelu: bool = False) -> str:
-    """The layout whose product of 1 and of 16 rows by a matrix of this shape (and its GELU, with `gelu`) takes
-    least time here. On a GPU: F.linear in bfloat16, addmm in float32 (not measured). On CPUs it differs by kind
-    and shape: oneDNN's prepacked product wins for wide matrices and loses for small ones, where its fixed cost per
-    call dominates (docs/profiling.md); bfloat16 cannot be prepacked on a CPU with AVX2 alone. Every candidate is
-    called once before the timing (its first call builds kernels), then the candidates take turns, so a drift of
-    the machine's speed during the measurement weighs on all of them alike, and a candidate's first call cannot
-    make it look slow."""
-    if device_type != "cpu":
-        return "out_in" if dtype == torch.bfloat16 else "in_out"
-    weight = torch.randn(in_features, out_features, generator=torch.Generator().manual_seed(0)).to(dtype)
-    bias = torch.zeros(out_features, dtype=dtype)
-    cases = [(layout, Projection(weight, bias, layout, gelu), torch.ones(rows, in_features, dtype=dtype))
-             for layout in LAYOUTS if layout != "packed" or onednn_packs(dtype) for rows in (1, 16)]
-    samples = [[] for _ in cases]
-    for _, projection, x in cases:
-        projection(x)
-    for _ in range(12):
-        for (_, projection, x), timings in zip(cases, samples):
-            start = time.perf_counter()
-            projection(x)
-            timings.append(time.perf_counter() - start)
-    times = {}
-    for (layout, _, _), timings in zip(cases, samples):
-        times[layout] = times.get(layout, 0.0) + sorted(timings)[len(timings) // 2]
-    return min(times, key=times.get)
+    def projections(self) -> tuple[Projection, ...]:
+        return self.qkv, self.attn_out, self.mlp_in, self.mlp_out
 
 
 class GPT2Engine(CachedLM):
-    def __init__(self, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
-                 max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False,
-                 shortlist: Shortlist | None = None, native_blocks: bool = False):
+    def __init__(self, shape: GPT2Shape, wte: torch.Tensor, wpe: torch.Tensor, layers: list[LayerWeights],
+                 ln_f: tuple[torch.Tensor, torch.Tensor], head: Projection, kv: KVSlots, max_length: int,
+                 shortlist: Shortlist | None = None, blocks: "native.Blocks | None" = None,
+                 graphs: Callable[["GPT2Engine"], CUDAGraphs] | None = None):
+        """GPT-2 over its weights (`build` makes them from a checkpoint's) and a cache of `kv` slots. `head`: the
+        output projection (tied to wte; over the `shortlist`'s tokens only when there is one). The runners that
+        replace torch's forward where they apply: `blocks` runs the blocks of a forward of a few rows in C++
+        (native.Blocks), and `graphs` makes the engine's CUDA graphs (decode.models.cuda_graphs)."""
+        self.shape, self.wte, self.wpe, self.layers, self.ln_f, self.head = shape, wte, wpe, layers, ln_f, head
+        self.kv, self.max_length, self.shortlist, self.blocks = kv, max_length, shortlist, blocks
+        self.device, self.dtype = wte.device, wte.dtype
+        self.on_gpu = self.device.type == "cuda"
+        self.head_dim = shape.n_embd // shape.n_head
+        self.layouts = dict(zip(("qkv", "attn_out", "mlp_in", "mlp_out"), (p.layout for p in layers[0].projections())))
+        self.layouts["head"] = head.layout
+        self.mask_values = [torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf"))]
+        self.graphs = graphs(self) if graphs is not None else None
+
+    @classmethod
+    def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
+              max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False,
+              shortlist: Shortlist | None = None, native_blocks: bool = False) -> "GPT2Engine":
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
         stores every matrix in that layout; by default each matrix gets the fastest measured for its shape. On a
-        GPU with `cuda_graphs`, forwards replay CUDA graphs (decode.models.cuda_graphs). With a
-        `shortlist`, the output layer computes the logits of its tokens only. With `native_blocks` (for a draft), a
-        bfloat16 engine on a CPU with AVX-512 BF16 runs the blocks of a forward of a few rows (a step's tree, up to
-        native.Blocks.ROWS) as one C++ call (decode/native's Blocks), which rounds differently from torch's."""
+        GPU with `cuda_graphs`, forwards replay CUDA graphs. With a `shortlist`, the output layer computes the
+        logits of its tokens only. With `native_blocks` (for a draft), a bfloat16 engine on a CPU with AVX-512 BF16
+        runs the blocks of a forward of a few rows (a step's tree, up to native.Blocks.ROWS) as one C++ call, which
+        rounds differently from torch's."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
-        self.shape = s = GPT2Shape.from_config(config)
-        self.device, self.dtype = torch.device(device), DTYPES[dtype]
-        weights = {k.removeprefix("transformer."): v.to(self.device, self.dtype) for k, v in weights.items()}
-        self.on_gpu = self.device.type == "cuda"
-
-        pad_rows = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
+        weights = {k.removeprefix("transformer."): v.to(device, torch_dtype) for k, v in weights.items()}
+        pad_rows = device.type == "cpu" and torch_dtype == torch.bfloat16
 
         def projection(in_out: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False) -> Projection:
-            return Projection(in_out, bias, layout or fastest_layout(self.dtype, self.device.type, *in_out.shape, gelu),
+            return Projection(in_out, bias, layout or fastest_layout(torch_dtype, device.type, *in_out.shape, gelu),
                               gelu, pad_rows)
 
-        self.wte, self.wpe = weights["wte.weight"], weights["wpe.weight"]
-        self.layers = []
-        for i in range(s.n_layer):
-            layer = {k[len(f"h.{i}.") :]: v for k, v in weights.items() if k.startswith(f"h.{i}.")}
-            for name in LINEAR_LAYERS:
-                layer[name] = projection(layer.pop(f"{name}.weight"), layer.pop(f"{name}.bias"), name == "mlp.c_fc")
-            self.layers.append(layer)
-        self.ln_f = (weights["ln_f.weight"], weights["ln_f.bias"])
-        self.shortlist = shortlist
-        output = self.wte if shortlist is None else self.wte[shortlist.tokens_on(self.device)]
-        self.head = projection(output.T, None)  # the output projection, tied to wte
-        self.layouts = {name: self.layers[0][name].layout for name in LINEAR_LAYERS} | {"head": self.head.layout}
-        self.head_dim = s.n_embd // s.n_head
-        self.max_length = max_length or s.n_positions  # positions: the context
-        self.capacity = self.max_length + SPECULATIVE_SLOTS  # slots: a tree's nodes share positions
-        # keys and values in one tensor (keys at [0], values at [1]): one copy writes or moves both
-        self.kv_cache = torch.zeros((2, s.n_layer, s.n_head, self.capacity, self.head_dim), device=self.device,
-                                    dtype=self.dtype)
-        self.layer_caches = self.kv_cache.unbind(1)  # views, one per layer: indexing them parses one index fewer
-        self.length = 0  # committed positions
-        self.pending = 0  # speculative positions after them
-        self.mask_values = [torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf"))]
-        self.graphs = CUDAGraphs(self) if cuda_graphs and self.on_gpu else None
-        fits = native_blocks and native.Blocks.fit(s.n_embd, self.dtype, self.device)
-        self.blocks = native.Blocks(s, weights, self.kv_cache, output) if fits else None
-        # a commit's moves in C++ on a CPU: right after a forward, the cpu preset's oracle's torch copies (move_slots)
-        # took 60-90 us a commit of 4 moved slots, the C++ 20-40 (its 96 planes' lines are out of the caches by then)
-        self.move_in_cpp = native.slot_mover(self.kv_cache)
+        wte = weights["wte.weight"]
+        output = wte if shortlist is None else wte[shortlist.tokens_on(device)]
+        max_length = max_length or shape.n_positions  # positions: the context
+        # slots: a tree's nodes share positions
+        kv = KVSlots(shape.n_layer, shape.n_head, shape.n_embd // shape.n_head, max_length + SPECULATIVE_SLOTS,
+                     torch_dtype, device)
+        fits = native_blocks and native.Blocks.fit(shape.n_embd, torch_dtype, device)
+        return cls(shape, wte, weights["wpe.weight"],
+                   [LayerWeights.from_checkpoint(weights, i, projection) for i in range(shape.n_layer)],
+                   (weights["ln_f.weight"], weights["ln_f.bias"]), projection(output.T, None), kv, max_length, shortlist,
+                   native.Blocks(shape, weights, kv.cache, output) if fits else None,
+                   CUDAGraphs if cuda_graphs and device.type == "cuda" else None)
 
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
@@ -227,8 +166,14 @@ class GPT2Engine(CachedLM):
                 f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
                 f"use the transformers backend (--backend hf)"
             )
-        return cls(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs, shortlist,
-                   native_blocks)
+        return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs, shortlist,
+                         native_blocks)
+
+    # the cache's state, as CachedLM's callers read and write it
+    length = property(lambda self: self.kv.length, lambda self, n: setattr(self.kv, "length", n))
+    pending = property(lambda self: self.kv.pending, lambda self, n: setattr(self.kv, "pending", n))
+    capacity = property(lambda self: self.kv.capacity)
+    kv_cache = property(lambda self: self.kv.cache)
 
     @property
     def vocab_size(self) -> int:
@@ -238,11 +183,7 @@ class GPT2Engine(CachedLM):
     def forward(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                 last: int | None = None) -> torch.Tensor:
         q = len(token_ids)
-        start = self.length + self.pending
-        end = start + q
-        if end > self.capacity:
-            raise InputError(f"{q} new nodes after {start} cached slots overflow the cache of {self.capacity} slots; "
-                             f"draft smaller trees (--budget, --widths)")
+        start, end = self.kv.reserve(q)
         if mask is not None and q == 1 and self.pending == 0:  # a lone node sees everything: no mask is faster
             mask = None
         elif mask is None and q > 1:  # a chain: the new nodes see the pending slots and their predecessors
@@ -253,7 +194,7 @@ class GPT2Engine(CachedLM):
             logits = logits if last is None else logits[q - last :]
         else:
             logits = self.logits(token_ids, position_ids, mask, slice(start, end), end, last)
-        self.pending += q
+        self.kv.pending += q
         return logits
 
     def logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
@@ -283,40 +224,19 @@ class GPT2Engine(CachedLM):
                        ) -> torch.Tensor:
         """The transformer blocks over q new nodes, writing their keys/values into cache `slots`."""
         s, q = self.shape, x.shape[0]
-        for layer, cache in zip(self.layers, self.layer_caches):
-            h = F.layer_norm(x, (s.n_embd,), layer["ln_1.weight"], layer["ln_1.bias"], s.layer_norm_epsilon)
-            qkv = layer["attn.c_attn"](h)
+        for layer, cache in zip(self.layers, self.kv.layers):
+            h = F.layer_norm(x, (s.n_embd,), *layer.ln_1, s.layer_norm_epsilon)
+            qkv = layer.qkv(h)
             qkv = qkv.view(q, 3, s.n_head, self.head_dim).permute(1, 2, 0, 3)
             cache[:, :, slots] = qkv[1:]
             keys, values = cache[:, None, :, :end]
             # a batch dimension and a contiguous query let torch pick its fused attention kernel
             att = F.scaled_dot_product_attention(qkv[0].contiguous()[None], keys, values, attn_mask=mask)[0]
-            x = x + layer["attn.c_proj"](att.transpose(0, 1).reshape(q, s.n_embd))
-            h = F.layer_norm(x, (s.n_embd,), layer["ln_2.weight"], layer["ln_2.bias"], s.layer_norm_epsilon)
-            x = x + layer["mlp.c_proj"](layer["mlp.c_fc"](h))  # c_fc applies the GELU
+            x = x + layer.attn_out(att.transpose(0, 1).reshape(q, s.n_embd))
+            h = F.layer_norm(x, (s.n_embd,), *layer.ln_2, s.layer_norm_epsilon)
+            x = x + layer.mlp_out(layer.mlp_in(h))  # mlp_in applies the GELU
         return x
 
     @torch.inference_mode()
     def commit(self, keep: list[int]) -> None:
-        if self.move_in_cpp is not None:
-            self.move_in_cpp(self.length, keep)
-        else:
-            self.move_slots(keep)
-        self.length += len(keep)
-        self.pending = 0
-
-    def move_slots(self, keep: list[int]) -> None:
-        """Pending slot keep[i] to slot length + i, by torch copies. Slots already in place stay: drafters put a
-        tree's likeliest path first (Tree.subtree), so an accepted path is often all in place, and the rest of it,
-        numbered depth first, holds runs of consecutive slots. Each run is copied as one block, split where it would
-        overlap its destination. Right after a forward, copying slot by slot is faster than one index_select of the
-        slots (95-105 against 145-185 us a commit of the cpu preset's oracle), and blocks cut the copies further."""
-        n = len(keep)
-        start = next((i for i, slot in enumerate(keep) if slot != i), n)
-        while start < n:
-            end = start + 1
-            while end < n and keep[end] == keep[end - 1] + 1 and end < keep[start]:
-                end += 1
-            self.kv_cache.narrow(3, self.length + start, end - start).copy_(
-                self.kv_cache.narrow(3, self.length + keep[start], end - start))
-            start = end
+        self.kv.commit(keep)

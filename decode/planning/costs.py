@@ -191,4 +191,4 @@ def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: 
             "attn.c_proj.bias": (e,), "mlp.c_fc.weight": (e, 4 * e), "mlp.c_fc.bias": (4 * e,),
             "mlp.c_proj.weight": (4 * e, e), "mlp.c_proj.bias": (e,)}.items()}
     weights = {name: 0.02 * torch.randn(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
-    return GPT2Engine(config, weights, dtype, device, cuda_graphs=cuda_graphs)
+    return GPT2Engine.build(config, weights, dtype, device, cuda_graphs=cuda_graphs)
