@@ -95,9 +95,10 @@ class SpeculativeDecoder:
         chosen = DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram), **options).check()
         if run is not None and plan == run / "plan.json":  # the run's own plan, where it was made for these settings
             plan, other = run_plan(run, chosen)
-            if other:
-                log.info("%s was planned for %s; the method uses a tree sized for this device", run / "plan.json",
-                         ", ".join(other))
+            if plan is None and METHODS[chosen.method].tree:
+                log.info("%s, so %s uses a tree sized for this device (budget %d, widths %s); decode.plan plans each "
+                         "method's tree for these models", f"{run} has a plan for {', '.join(other)}" if other else
+                         f"no plan in {run}", chosen.method, chosen.budget, chosen.widths)
         return cls(with_plan(chosen, plan, frozenset(options)))
 
     @classmethod

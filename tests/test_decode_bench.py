@@ -8,7 +8,7 @@ import pytest
 from decode.cli import agreement, bench, bench_engine, peers, profile_step, report
 from decode.cli.harness import Timer
 from decode.planning import costs
-from decode import loop, native
+from decode import native
 from decode.api import Decoder
 from decode.models.engine import GPT2Engine
 from decode_models import run_models

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from decode.cli import run
+from decode.sampling import Sampling
 from decode_models import run_models
 
 
@@ -99,7 +100,7 @@ def test_agreement_reports_identical_outputs_and_explains_divergences(models, tm
     report = agreement.main(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
                              "--prompts", str(prompts), "--max-new-tokens", "16", "--budget", "12", "--widths", "3,2,1"])
     for method in ("speculative", "tree", "staged", "ngram"):
-        assert report[method]["identical"] == 4 and not report[method]["bugs"] and not report[method]["near_ties"]
+        assert report[method]["identical"] == 4 and not report[method]["differences"] and not report[method]["near_ties"]
     oracle = GPT2Engine.load(models["oracle"])
     wrong = agreement.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6, 7], [5, 8, 7])
     oracle.reset()
@@ -165,7 +166,7 @@ def test_own_rows_are_the_rows_that_chose_each_token(models, method, extra):
                                       method=method, **extra)
     prompt = dec.prompt([3, 4, 5, 9], 20)
     tokens, rows = agreement.own_rows(dec.decoder, prompt, 20, 0)
-    assert tokens == dec.decoder(prompt, 20, 0).tokens and rows.shape == (20, dec.decoder.oracle.vocab_size)
+    assert tokens == dec.decoder(prompt, 20, 0, Sampling()).tokens and rows.shape == (20, dec.decoder.oracle.vocab_size)
     assert rows.argmax(-1).tolist() == tokens
     for at in (0, 7, 19):
         replayed = agreement.replayed_logits(dec.decoder.oracle, prompt.ids.tolist() + tokens[:at], len(prompt.ids))
@@ -189,7 +190,7 @@ def test_in_bfloat16_a_wrong_position_is_still_a_bug_with_the_methods_own_forwar
                                  "--prompts", str(prompts), "--max-new-tokens", "16", "--budget", "12", "--widths", "3,2,1",
                                  "--methods", "staged,ngram", "--dtype", dtype])
         for method in ("staged", "ngram"):
-            bugs = report[method]["bugs"]
+            bugs = report[method]["differences"]
             assert len(bugs) >= 3 and not report[method]["near_ties"]
             assert all(bug["own_moved"] > bug["noise"] for bug in bugs)
 

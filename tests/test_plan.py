@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import math
 import json
+import logging
 import os
 import random
 
@@ -200,14 +201,14 @@ def test_a_flag_typed_wins_over_the_plan_which_fills_in_the_rest(planned, models
     staged = decoder("--method", "staged", "--budget", "7")
     assert staged.drafter.budget == 7 and staged.drafter.trigram.widths == policies["staged"]["widths"]
     assert (len(staged.draft.shortlist) if staged.draft.shortlist else 0) == policies["staged"].get("draft_vocab", 0)
-    assert "budget" not in staged.policy and staged.policy["widths"] == policies["staged"]["widths"]
+    assert "budget" not in staged.options.policy and staged.options.policy["widths"] == policies["staged"]["widths"]
     whole = decoder("--method", "staged", "--draft-vocab", "0")
     assert whole.draft.shortlist is None and whole.drafter.budget == policies["staged"]["budget"]
-    assert decoder("--method", "speculative", "--k", "2").k == 2
+    assert decoder("--method", "speculative", "--k", "2").options.k == 2
     tree = decoder("--method", "tree", "--budget", "5")  # a planned tree stands for every tree flag: the flags' tree
-    assert isinstance(tree.drafter, TreeDrafter) and tree.drafter.budget == 5 and "parents" not in tree.policy
+    assert isinstance(tree.drafter, TreeDrafter) and tree.drafter.budget == 5 and "parents" not in tree.options.policy
     typed_all = decoder("--method", "lookup", "--lookup-tokens", "3")
-    assert typed_all.policy is None and typed_all.drafter.length == 3
+    assert typed_all.options.policy is None and typed_all.drafter.length == 3
     base = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options)
     assert SpeculativeDecoder(run.parse(args + ["--method", "staged", "--budget", "7"]).options).generate("t3 t9", max_new_tokens=16).token_ids \
         == base.generate("t3 t9", max_new_tokens=16).token_ids
@@ -334,7 +335,7 @@ def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models
     on_cpu = run.parse(args + ["--plan", str(path)]).options  # graphs by default, which change nothing on a CPU
     assert on_cpu.cuda_graphs and plan_file.identity(on_cpu) == planned["plan"]["identity"]
     assert plan_file.load_plan(path, on_cpu) == planned["plan"]["policies"]
-    monkeypatch.setattr(planning, "device_name", lambda device: planned["plan"]["identity"]["device"])
+    monkeypatch.setattr(plan_file, "device_name", lambda device: planned["plan"]["identity"]["device"])
     on_gpu = dataclasses.replace(on_cpu, device="cuda")  # as a GPU would see it
     assert plan_file.identity(on_gpu) == planned["plan"]["identity"] | {"cuda_graphs": True}
     with pytest.raises(InputError, match=r"cuda_graphs False \(now True\)") as refused:
@@ -363,7 +364,7 @@ def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models
     assert "cuda_graphs True" in capsys.readouterr().err
 
 
-def test_tree_methods_without_a_plan_say_their_tree_is_sized_for_the_device(planned, models, tmp_path, capsys):
+def test_tree_methods_without_a_plan_say_their_tree_is_sized_for_the_device(planned, models, tmp_path, capsys, caplog):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for part in ("oracle", "draft", "ngram"):
@@ -378,8 +379,9 @@ def test_tree_methods_without_a_plan_say_their_tree_is_sized_for_the_device(plan
                   ["--no-plan"]):
         run.parse(["--run", str(run_dir), *prompts, *quiet])
         assert "note:" not in capsys.readouterr().err
-    SpeculativeDecoder.from_run(run_dir, method="staged")
-    assert "sized for this device" in capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="decode"):  # the library logs it; the commands print it
+        SpeculativeDecoder.from_run(run_dir, method="staged")
+    assert "sized for this device" in caplog.text
 
 
 def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(planned, tmp_path, capsys):
@@ -418,8 +420,8 @@ def test_paper_tree_is_one_flag_away_and_refused_beside_a_typed_tree(models):
     args = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
             "--prompt", "t1"]
     assert (run.parse(args).options.budget, run.parse(args).options.widths) == (12, [3, 2, 1])
-    paper = run.parse(args + ["--paper-tree"]).options
-    assert (paper.budget, paper.widths) == (36, [12, 7, 4, 1, 1, 1]) and {"budget", "widths"} <= paper.given
+    paper = run.parse(args + ["--paper-tree"])
+    assert (paper.options.budget, paper.options.widths) == (36, [12, 7, 4, 1, 1, 1]) and {"budget", "widths"} <= paper.flags.typed
     with pytest.raises(SystemExit):
         run.parse(args + ["--paper-tree", "--budget", "16"])
 

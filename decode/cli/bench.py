@@ -191,8 +191,8 @@ def plot(summary: dict[str, dict], path: Path, title: str, overwrite: bool) -> N
     plt.close(fig)
 
 
-@exits_on_input_error
-def main(argv=None) -> dict:
+def parse(argv) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """bench's own flags, checked; the methods, the baseline first; and the rest (decode.run's flags)."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
                                 epilog="Every other flag is decode.run's (--run, --prompts, --limit, --max-new-tokens, "
                                        "--temperature, --top-k, --budget, --widths, --dtype, ...).")
@@ -205,33 +205,15 @@ def main(argv=None) -> dict:
     unknown = [n for n in names if n not in OURS + PEERS]
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(OURS + PEERS)}")
-    names = ["baseline"] + [n for n in names if n != "baseline"]
     if known.out:
         check_output(known.out, FILE, known.overwrite, "--out")
     if known.plot:
         check_plot_path(known.plot, known.overwrite)
-    decoders, ours, settings = build_methods(names, rest)
-    options, sampling = settings.flags.base, settings.sampling
-    prompts = run.encode_prompts(settings, ours)
-    greedy = sampling.greedy
-    mode = "greedy" if greedy else f"T={sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
-    healing = "on" if options.token_healing else "off"
-    loops = native.loops(options.device)
-    print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
-          f"token healing {healing}, step loops in {loops}; methods: {', '.join(names)}; "
-          + (f"plan {settings.flags.plan}" if settings.flags.plan else "no plan (python -m decode.plan writes one)"))
-    records = timed_runs(decoders, prompts, settings)
-    checks = check_outputs(records, prompts, decoders, settings) if greedy else None
-    summary = summarise(records, checks)
-    plan = json.loads(Path(settings.flags.plan).read_text()) if settings.flags.plan is not None else None
-    if plan is not None:
-        for name in (n for n in names if n in plan["predicted"] and n != "baseline"):
-            summary[name]["predicted"] = plan["predicted"][name]
-    shown = next((n for n in ("staged", *names) if n in records and n != "baseline"), "baseline")
-    record, prompt = prompts[0]
-    report.show_sample(record["prompt"], prompt.completion(ours[0].tokenizer, records[shown][0]["tokens"],
-                                                           decoders["baseline"].eos_id), shown)
-    print_table(summary, greedy)
+    return known, ["baseline"] + [n for n in names if n != "baseline"], rest
+
+
+def describe_methods(decoders: dict, summary: dict, sampling) -> tuple[dict, dict]:
+    """Print how big the staged trees were and how the draft was loaded; both, for the result."""
     sizing = {n: d.drafter.describe() | {"children": "sampled" if d.drafter.draws(sampling) else "top"}
               for n, d in decoders.items() if n.startswith("staged")}
     for name, size in sizing.items():
@@ -243,25 +225,52 @@ def main(argv=None) -> dict:
     if drafts:
         print("  the draft: " + "; ".join(f"{name} {draft['dtype']}, {draft['vocabulary']}" for name, draft in drafts.items()))
     print()
-    print("\n".join(report.explain(summary, plan, greedy)))
-    warning = report.looping([r["tokens"] for r in records["baseline"]]) if greedy else None
+    return sizing, drafts
+
+
+def mode_of(sampling) -> str:
+    return "greedy" if sampling.greedy else f"T={sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
+
+
+@exits_on_input_error
+def main(argv=None) -> dict:
+    known, names, rest = parse(argv)
+    decoders, ours, settings = build_methods(names, rest)
+    options, sampling, plan_path = settings.flags.base, settings.sampling, settings.flags.plan
+    prompts = run.encode_prompts(settings, ours)
+    mode, loops, healing = mode_of(sampling), native.loops(options.device), "on" if options.token_healing else "off"
+    print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
+          f"token healing {healing}, step loops in {loops}; methods: {', '.join(names)}; "
+          + (f"plan {plan_path}" if plan_path else "no plan (python -m decode.plan writes one)"))
+    records = timed_runs(decoders, prompts, settings)
+    summary = summarise(records, check_outputs(records, prompts, decoders, settings) if sampling.greedy else None)
+    plan = json.loads(Path(plan_path).read_text()) if plan_path is not None else None
+    for name in (n for n in names if plan is not None and n in plan["predicted"] and n != "baseline"):
+        summary[name]["predicted"] = plan["predicted"][name]
+    shown = next((n for n in ("staged", *names) if n in records and n != "baseline"), "baseline")
+    record, prompt = prompts[0]
+    report.show_sample(record["prompt"], prompt.completion(ours[0].tokenizer, records[shown][0]["tokens"],
+                                                           decoders["baseline"].eos_id), shown)
+    print_table(summary, sampling.greedy)
+    sizing, drafts = describe_methods(decoders, summary, sampling)
+    print("\n".join(report.explain(summary, plan, sampling.greedy)))
+    warning = report.looping([r["tokens"] for r in records["baseline"]]) if sampling.greedy else None
     if warning:
         print(warning)
-    command = f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"
-    result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device,
-                           "machine": machine_name(decoders["baseline"].oracle.device),
-                           "date": datetime.date.today().isoformat(), "command": command, "prompts": len(prompts),
-                           "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing, "drafts": drafts,
-                           "plan": settings.flags.plan and str(settings.flags.plan),
+    device = decoders["baseline"].oracle.device
+    result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device, "machine": machine_name(device),
+                           "date": datetime.date.today().isoformat(),
+                           "command": f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}",
+                           "prompts": len(prompts), "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing,
+                           "drafts": drafts, "plan": plan_path and str(plan_path),
                            "token_healing": options.token_healing, "step_loops": loops},
               "summary": summary, "records": records}
     if known.out:
         write_json(known.out, result, known.overwrite, indent=1)
         print(f"figures: {known.out}")
     if known.plot:
-        models = f"oracle {options.oracle}, draft {options.draft}"
-        plot(summary, known.plot, f"{models} on {device_name(decoders['baseline'].oracle.device)}\n{len(prompts)} prompts "
-                                  f"x {settings.max_new_tokens} tokens, {mode}, {options.dtype}, token healing {healing}",
+        plot(summary, known.plot, f"oracle {options.oracle}, draft {options.draft} on {device_name(device)}\n{len(prompts)} "
+                                  f"prompts x {settings.max_new_tokens} tokens, {mode}, {options.dtype}, token healing {healing}",
              known.overwrite)
         print(f"plot: {known.plot}")
     return result

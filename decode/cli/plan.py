@@ -298,14 +298,43 @@ def print_forecast(title: str, predicted: dict) -> None:
               + describe(p.get("policy", {})))
 
 
+def projected_costs(spec: str, options, sequences, max_budget: int) -> dict:
+    """The forward costs of an oracle of shape `spec` measured here on random weights: its ms per node count, the
+    baseline's costs under them, and the shape."""
+    n_layer, n_embd, vocab = costs.projection_shape(spec)
+    big_costs = costs.forward_costs(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device), repeats=5)
+    prompt_length = round(sum(len(p) for p, _ in sequences) / len(sequences))
+    big_ms = costs.cost_curve(big_costs, max(2 * max_budget, prompt_length))
+    return {"ms": big_ms, "baseline": {"prefill": float(big_ms[prompt_length]), "one_token": big_costs[1], "loop": 0.0},
+            "oracle": spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs}
+
+
+def replay_policies(known, options, draft, table, p_draft, sequences, oracle_curves: list, drafts: dict) -> dict:
+    """Every candidate policy replayed on the first --screen prompts, each method's best few under each oracle curve on
+    all of them, and a draft method's best few again with each of the other `drafts` (a cheaper draft may favour a
+    larger tree): per method, each policy with its drafter and replay."""
+    screened = replay_all(candidates(options, draft, table, p_draft, known.max_budget, known.max_depth),
+                          sequences[: known.screen], f"screening policies on {min(known.screen, len(sequences))} prompts")
+    replays = replay_all(leaders(screened, FINALISTS, oracle_curves), sequences,
+                         f"replaying the finalists on {len(sequences)} prompts")
+    if drafts:
+        drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
+        variants = [(method, policy | {"draft_vocab": n, "draft_dtype": dtype}, drafter_for(method, policy, variant, table, options))
+                    for method, policy, _ in leaders(drafted, FINALISTS, oracle_curves[:1])  # this device's finalists
+                    for (n, dtype), variant in drafts.items()]
+        for method, group in replay_all(variants, sequences, "replaying them with the draft over "
+                                        + "; ".join(variant_name(*key) for key in drafts)).items():
+            replays[method] += group
+    return replays
+
+
 @exits_on_input_error
 def main(argv=None) -> dict:
     known, settings = parse(argv)
     check_output(known.out, FILE, known.overwrite, "--out")
     options = settings.options
     dec = SpeculativeDecoder(options)
-    decoder = dec.decoder
-    oracle, draft = decoder.oracle, decoder.draft
+    decoder, oracle, draft = dec.decoder, dec.decoder.oracle, dec.decoder.draft
     table = load_trigram(options, oracle.vocab_size, decoder.eos_id)
     drafts = draft_variants(shortlist_sizes(known.draft_vocab, options, oracle.vocab_size), options, oracle.vocab_size)
     prompts = calibration_prompts(settings, known, dec)
@@ -314,35 +343,16 @@ def main(argv=None) -> dict:
     oracle_costs, _ = costs.measured_costs(options.oracle, oracle, options.dtype)
     isolated_ms = costs.cost_curve(oracle_costs, 2 * known.max_budget)
     sequences = oracle_outputs(decoder, prompts, settings.max_new_tokens)
-    draft_ranks = [shapes.ranks(draft, p, c) for p, c in sequences]
-    p_draft = shapes.acceptance(draft_ranks, RANKS, known.max_depth)
+    p_draft = shapes.acceptance([shapes.ranks(draft, p, c) for p, c in sequences], RANKS, known.max_depth)
     p_trigram = shapes.acceptance([shapes.trigram_ranks(table, p, c) for p, c in sequences], min(RANKS, table.k),
-                                    known.max_depth)
-    sampled = None
-    if not settings.sampling.greedy:
-        sampled = sampled_acceptance(decoder, prompts, settings, known.max_depth)
-    projection = None
-    if known.project_oracle:  # measured first: the finalists include the best policies for it
-        n_layer, n_embd, vocab = costs.projection_shape(known.project_oracle)
-        big_costs = costs.forward_costs(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device), repeats=5)
-        prompt_length = round(sum(len(p) for p, _ in sequences) / len(sequences))
-        big_ms = costs.cost_curve(big_costs, max(2 * known.max_budget, prompt_length))
-        projection = (big_ms, {"prefill": float(big_ms[prompt_length]), "one_token": big_costs[1], "loop": 0.0})
-    oracle_curves = [(isolated_ms, {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0})] + [projection] * bool(projection)
-    screened = replay_all(candidates(options, draft, table, p_draft, known.max_budget, known.max_depth), sequences[: known.screen],
-                          f"screening policies on {min(known.screen, len(sequences))} prompts")
-    replays = replay_all(leaders(screened, FINALISTS, oracle_curves), sequences,
-                         f"replaying the finalists on {len(sequences)} prompts")
-    if drafts:  # each draft method's finalists again, with the other drafts (a cheaper draft may favour a larger tree)
-        drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
-        variants = [(method, policy | {"draft_vocab": n, "draft_dtype": dtype}, drafter_for(method, policy, variant, table, options))
-                    for method, policy, _ in leaders(drafted, FINALISTS, oracle_curves[:1])  # this device's finalists
-                    for (n, dtype), variant in drafts.items()]
-        for method, group in replay_all(variants, sequences, "replaying them with the draft over "
-                                        + "; ".join(variant_name(*key) for key in drafts)).items():
-            replays[method] += group
-    in_loop, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings.max_new_tokens,
-                                          isolated_ms)
+                                  known.max_depth)
+    sampled = None if settings.sampling.greedy else sampled_acceptance(decoder, prompts, settings, known.max_depth)
+    # the projection is measured first: the finalists include the best policies for it
+    projection = known.project_oracle and projected_costs(known.project_oracle, options, sequences, known.max_budget)
+    oracle_curves = [(isolated_ms, {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0})]
+    oracle_curves += [(projection["ms"], projection["baseline"])] if projection else []
+    replays = replay_policies(known, options, draft, table, p_draft, sequences, oracle_curves, drafts)
+    in_loop, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings.max_new_tokens, isolated_ms)
     predicted = best(forecast(replays, isolated_ms, baseline, in_loop))
     print_forecast(f"predicted on this device (oracle q=1 forward {oracle_costs[1]:.2f} ms in isolation, "
                    f"{baseline['one_token']:.2f} ms in the baseline's loop; tokens per call count each prompt's "
@@ -350,25 +360,29 @@ def main(argv=None) -> dict:
     plan = {"version": PLAN_VERSION, "identity": identity(options),
             "calibration": {"prompts": str(settings.prompts), "count": len(prompts), "tokens": sum(len(c) for _, c in sequences),
                             "max_new_tokens": settings.max_new_tokens, "token_healing": options.token_healing},
-            "policies": {m: p["policy"] for m, p in predicted.items() if m != "baseline"},
-            "predicted": predicted,
+            "policies": {m: p["policy"] for m, p in predicted.items() if m != "baseline"}, "predicted": predicted,
             "acceptance": {"draft": p_draft, "trigram": p_trigram, "sampled": sampled},
             "costs": {"oracle_ms": oracle_costs, "baseline_in_loop_ms": baseline, "in_loop": in_loop}}
     if sampled is not None:
         print(f"sampling ({sampled['setting']}): a sampled draft chain's first d tokens are accepted with probability "
               + ", ".join(f"{a:.2f}" for a in sampled["draft_chain"]) + " (d = 1, 2, ...); the policies above are "
               "planned for greedy decoding")
-    if projection is not None:
-        own_costs = {method: {**f, "oracle": 1.0} for method, f in in_loop.items()}  # measured on this oracle only
-        projected = best(forecast(replays, projection[0], {**projection[1], "loop": baseline["loop"]}, own_costs))
-        print_forecast(f"PROJECTION (not a measurement) for a {known.project_oracle} oracle ({n_layer} layers x {n_embd}, "
-                       f"vocabulary {vocab}; q=1 forward {big_costs[1]:.1f} ms here) with these drafters' acceptance:",
-                       projected)
-        plan["projection"] = {"oracle": known.project_oracle, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs,
-                              "predicted": projected}
+    if projection:
+        plan["projection"] = project(projection, replays, in_loop, baseline)
     save_plan(plan, known.out, known.overwrite)
     print(f"plan: {known.out} (decode.run and decode.bench use it; --no-plan turns it off)")
     return plan
+
+
+def project(projection: dict, replays: dict, in_loop: dict, baseline: dict) -> dict:
+    """The best policies under a projected oracle's costs, printed; the plan's record of them."""
+    own_costs = {method: {**f, "oracle": 1.0} for method, f in in_loop.items()}  # measured on this oracle only
+    projected = best(forecast(replays, projection["ms"], {**projection["baseline"], "loop": baseline["loop"]}, own_costs))
+    n_layer, n_embd, vocab = projection["shape"]
+    print_forecast(f"PROJECTION (not a measurement) for a {projection['oracle']} oracle ({n_layer} layers x {n_embd}, "
+                   f"vocabulary {vocab}; q=1 forward {projection['oracle_ms'][1]:.1f} ms here) with these drafters' "
+                   f"acceptance:", projected)
+    return {key: projection[key] for key in ("oracle", "shape", "oracle_ms")} | {"predicted": projected}
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ reported apart. The trigram's remembered trees are forgotten after it, so new co
 
     python -m decode.profile_step --run RUN --method staged --limit 10 --dtype bfloat16
 
-Every other flag is decode.run's. The parts are timed by wrapping the models' forward, the
-trigram's tree builder (it runs once per new context; trees are remembered), the drafter's propose
-and the verifier; tree building is propose minus the forwards and trigram trees inside it.
+Every other flag is decode.run's. The decoding loop's hooks time the oracle's forwards, the drafter's proposals and
+the verifications; the draft's forward and the work a drafter names as its parts (the trigram's tree builder, which
+runs once per new context: trees are remembered) are timed by wrapping them; tree building is the proposals less the
+forwards and trigram trees inside them.
 """
 import statistics
 import time
@@ -39,7 +40,8 @@ def main(argv=None) -> dict[str, float]:
         timer.wrap(owner, name, label)
     with timer.paused():
         first = timed_pass(decoder, prompts, settings, timer)[0]
-    decoder.drafter is not None and decoder.drafter.forget()
+    if decoder.drafter is not None:  # its remembered trigram trees: new contexts then cost what they do
+        decoder.drafter.forget()
     timer.clear()
     one_token = []  # measured before each prompt: on a shared machine the speed drifts within a run
 
@@ -68,7 +70,7 @@ def step_parts(timer: Timer, total: float, steps: int) -> dict[str, float]:
 def report(settings, decoder, prompts, ms, one_token, first, total, calls, tokens, steps, timer) -> None:
     step_ms, one_token_ms = sum(ms.values()), statistics.median(one_token)
     reading = {name: timer.seconds.get(f"{name} prompt", 0.0) for name in ("oracle", "draft")}
-    loops = native.loops(settings.options.device)
+    loops = native.loops(decoder.options.device)
     loops += " (STAGED_SPECULATIVE_NATIVE=0 or no compiler)" if loops == "Python" else ""
     print(f"{decoder.options.method}: {len(prompts)} prompts, {tokens} tokens, {calls} oracle calls ({tokens / calls:.2f} "
           f"tokens per call), {steps} of them steps of {step_ms:.2f} ms; one q=1 oracle forward: {one_token_ms:.2f} ms "

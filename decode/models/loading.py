@@ -93,7 +93,7 @@ def draft_shortlist(draft_dir: Path, size: int, vocab_size: int) -> Shortlist | 
     return Shortlist.most_frequent(counts, size)
 
 
-def load_draft(options: "DecoderOptions", vocab_size: int) -> CachedLM:
+def load_draft(options, vocab_size: int) -> CachedLM:
     """The draft model as the options load it, its output layer over `options.draft_vocab` tokens when set."""
     return load_model(options.draft, options.backend, options.draft_dtype or options.dtype, options.device, options.cuda_graphs,
                       draft_shortlist(options.draft, options.draft_vocab, vocab_size), draft=True)
