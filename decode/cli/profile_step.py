@@ -17,6 +17,7 @@ forwards and trigram trees inside them.
 """
 import statistics
 import time
+from dataclasses import dataclass
 
 from data.errors import exits_on_input_error
 from decode import native
@@ -26,6 +27,15 @@ from decode.cli.harness import Timer
 from decode.planning import costs
 
 BOUNDS = {"around the forwards": 0.10, "draft forwards": 0.30}  # of an oracle q=1 forward, the step's budget
+
+
+@dataclass
+class Pass:
+    """Every prompt decoded once: the seconds spent decoding, the oracle's calls and the tokens."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    tokens: int = 0
 
 
 @exits_on_input_error
@@ -39,7 +49,7 @@ def main(argv=None) -> dict[str, float]:
     for label, (owner, name) in (decoder.drafter.parts() if decoder.drafter is not None else {}).items():
         timer.wrap(owner, name, label)
     with timer.paused():
-        first = timed_pass(decoder, prompts, settings, timer)[0]
+        first = timed_pass(decoder, prompts, settings, timer)
     if decoder.drafter is not None:  # its remembered trigram trees: new contexts then cost what they do
         decoder.drafter.forget()
     timer.clear()
@@ -49,38 +59,44 @@ def main(argv=None) -> dict[str, float]:
         with timer.paused():
             one_token.append(costs.forward_costs(decoder.oracle, repeats=10, counts=(1,))[1])
 
-    total, calls, tokens = timed_pass(decoder, prompts, settings, timer, measure_one_token)
-    steps = calls - timer.calls["oracle prompt"]
-    ms = step_parts(timer, total, steps)
-    report(settings, decoder, prompts, ms, one_token, first, total, calls, tokens, steps, timer)
+    timed = timed_pass(decoder, prompts, settings, timer, measure_one_token)
+    ms = step_parts(timer, timed)
+    print_profile(decoder, len(prompts), timer, timed, first, ms, one_token)
     return ms
 
 
-def step_parts(timer: Timer, total: float, steps: int) -> dict[str, float]:
+def steps_of(timer: Timer, timed: Pass) -> int:
+    """The oracle's calls that were steps: each prompt's first reads it."""
+    return timed.calls - timer.calls["oracle prompt"]
+
+
+def step_parts(timer: Timer, timed: Pass) -> dict[str, float]:
     """Milliseconds per step of each part: tree building is the proposals less the draft's forwards and the trigram's
     trees inside them; reading the prompts is apart."""
     parts = dict(timer.seconds)
     reading = [parts.pop(f"{name} prompt", 0.0) for name in ("oracle", "draft")]
     if "propose" in parts:
         parts["tree building"] = parts.pop("propose") - parts.get("draft forward", 0.0) - reading[1] - parts.get("trigram trees", 0.0)
-    parts["rest of the loop"] = total - sum(parts.values()) - sum(reading)
-    return {label: 1e3 * seconds / steps for label, seconds in parts.items()}
+    parts["rest of the loop"] = timed.seconds - sum(parts.values()) - sum(reading)
+    return {label: 1e3 * seconds / steps_of(timer, timed) for label, seconds in parts.items()}
 
 
-def report(settings, decoder, prompts, ms, one_token, first, total, calls, tokens, steps, timer) -> None:
+def print_profile(decoder, prompts: int, timer: Timer, timed: Pass, first: Pass, ms: dict[str, float],
+                  one_token: list[float]) -> None:
     step_ms, one_token_ms = sum(ms.values()), statistics.median(one_token)
     reading = {name: timer.seconds.get(f"{name} prompt", 0.0) for name in ("oracle", "draft")}
     loops = native.loops(decoder.options.device)
     loops += " (STAGED_SPECULATIVE_NATIVE=0 or no compiler)" if loops == "Python" else ""
-    print(f"{decoder.options.method}: {len(prompts)} prompts, {tokens} tokens, {calls} oracle calls ({tokens / calls:.2f} "
-          f"tokens per call), {steps} of them steps of {step_ms:.2f} ms; one q=1 oracle forward: {one_token_ms:.2f} ms "
-          f"(median over the prompts, {min(one_token):.2f}-{max(one_token):.2f}); step loops in {loops}")
-    draft = f", draft {1e3 * reading['draft'] / len(prompts):.2f} ms (with the first tree)" if decoder.draft is not None else ""
+    print(f"{decoder.options.method}: {prompts} prompts, {timed.tokens} tokens, {timed.calls} oracle calls "
+          f"({timed.tokens / timed.calls:.2f} tokens per call), {steps_of(timer, timed)} of them steps of {step_ms:.2f} "
+          f"ms; one q=1 oracle forward: {one_token_ms:.2f} ms (median over the prompts, {min(one_token):.2f}-"
+          f"{max(one_token):.2f}); step loops in {loops}")
+    draft = f", draft {1e3 * reading['draft'] / prompts:.2f} ms (with the first tree)" if decoder.draft is not None else ""
     built = "kernels built per new shape" + (", trigram trees" if "trigram trees" in ms else "")
-    print(f"  the untimed first pass took {first - total:.2f} s more than this one ({built}; {first:.2f} s against "
-          f"{total:.2f})")
-    print(f"  reading a prompt, apart from the steps: oracle {1e3 * reading['oracle'] / len(prompts):.2f} ms{draft}; "
-          f"{100 * sum(reading.values()) / total:.1f}% of the time")
+    print(f"  the untimed first pass took {first.seconds - timed.seconds:.2f} s more than this one ({built}; "
+          f"{first.seconds:.2f} s against {timed.seconds:.2f})")
+    print(f"  reading a prompt, apart from the steps: oracle {1e3 * reading['oracle'] / prompts:.2f} ms{draft}; "
+          f"{100 * sum(reading.values()) / timed.seconds:.1f}% of the time")
     print(f"  {'part':<20} {'ms/step':>8} {'of step':>8} {'x q=1':>7}")
     for label, value in ms.items():
         print(f"  {label:<20} {value:8.3f} {100 * value / step_ms:7.1f}% {value / one_token_ms:7.2f}")
@@ -92,20 +108,19 @@ def report(settings, decoder, prompts, ms, one_token, first, total, calls, token
               f"{'within' if ratio <= BOUNDS[label] else 'over'})")
 
 
-def timed_pass(decoder, prompts, settings, timer: Timer, before_each=None) -> tuple[float, int, int]:
-    """Every prompt decoded once, its parts timed: seconds spent decoding, oracle calls, tokens. `before_each` runs,
-    untimed, before each prompt."""
-    total = calls = tokens = 0
+def timed_pass(decoder, prompts, settings, timer: Timer, before_each=None) -> Pass:
+    """Every prompt decoded once, its parts timed. `before_each` runs, untimed, before each prompt."""
+    timed = Pass()
     hooks = timer.hooks()
     for i, prompt in enumerate(prompts):
         if before_each is not None:
             before_each()
         start = time.perf_counter()
         out = decoder(prompt, settings.max_new_tokens, settings.seed + i, settings.sampling, hooks)
-        total += time.perf_counter() - start
-        calls += out.oracle_calls
-        tokens += len(out.tokens)
-    return total, calls, tokens
+        timed.seconds += time.perf_counter() - start
+        timed.calls += out.oracle_calls
+        timed.tokens += len(out.tokens)
+    return timed
 
 
 if __name__ == "__main__":
