@@ -11,7 +11,7 @@ import torch
 
 from decode import native
 from decode.models.cached_lm import Shortlist
-from decode.drafting import LookupDrafter, StagedDrafter, TrigramTrees
+from decode.drafting import LookupDrafter, StagedDrafter, TrigramTrees, ranking
 from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative
 from decode.drafting import ContextIndex
@@ -86,8 +86,9 @@ def test_staged_selection_equals_the_python_one_node_for_node(built, python_only
         copied = set(tree.path(rng.randrange(n))) - {0} if case % 4 == 1 else set()  # a continuation, as grafted
         order = [0] + sorted(copied) + [node for node in range(1, n) if node not in copied]
         max_depth, budget = rng.randint(1, 5), rng.choice([2, 5, 12, 36, 400])
-        drafter = SimpleNamespace(draft_children=None, budget=budget,  # what selection reads
-                                  draft=SimpleNamespace(shortlist=shortlist), draft_leaves=StagedDrafter.draft_leaves)
+        drafter = SimpleNamespace(draft_children=None, budget=budget, arrays=n > ranking.ARRAY_NODES,  # what selection reads
+                                  draft=SimpleNamespace(shortlist=shortlist), draft_leaves=StagedDrafter.draft_leaves,
+                                  draft_leaves_arrays=StagedDrafter.draft_leaves_arrays)
         expected, expected_kept = StagedDrafter.selection(drafter, tree, logits, order, copied, max_depth, Sampling())
         tokens, parents, kept = native.staged_selection(logits, order, tree.parents, tree.tokens, tree.depths, copied,
                                                         shortlist, max_depth, budget)

@@ -30,11 +30,9 @@ def ranked_children(scores: torch.Tensor, tree: Tree, k: int, greedy: bool, orde
     after node `order[i]`, by default node i; its columns the `shortlist`'s tokens when there is one): each
     node's weight given its parent (the root's: 1; 0 for a token off the shortlist), and each node's `k` best
     children and their weights. One argmax (or top-k) and one gather: right after the draft's forward, each
-    torch or numpy call costs microseconds on a CPU, a step of Python over a node a fraction of one. Trees of
-    more than ARRAY_NODES nodes take `ranked_children_arrays`."""
+    torch or numpy call costs microseconds on a CPU, a step of Python over a node a fraction of one. Past
+    ARRAY_NODES nodes, `ranked_children_arrays` computes the same faster."""
     n = len(tree)
-    if n > ARRAY_NODES:
-        return ranked_children_arrays(scores, tree, k, greedy, order, shortlist)
     best = ranked_tokens(scores, k, shortlist)
     row = list(range(n))  # node -> its row
     if order is not None:

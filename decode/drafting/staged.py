@@ -7,7 +7,7 @@ from decode import native
 from decode.drafting.base import ModelDrafter
 from decode.drafting.context import LookupDrafter
 from decode.drafting import ranking
-from decode.drafting.ranking import best_first, draw_children, ranked_children, ranking_scores
+from decode.drafting.ranking import best_first, draw_children, ranked_children, ranked_children_arrays, ranking_scores
 from decode.drafting.trigram import TrigramTrees
 from decode.models.cached_lm import CachedLM
 from decode.sampling import Sampling
@@ -32,8 +32,11 @@ class StagedDrafter(ModelDrafter):
         super().__init__(model, sampled)
         self.trigram, self.budget, self.draft_children = TrigramTrees(table, widths), budget, draft_children
         self.context, self.depth = context, depth
-        # greedy with one draft child, the selection runs in C++ where the draft's logits are in CPU memory
+        # greedy with one draft child, the selection runs in C++ where the draft's logits are in CPU memory; else it
+        # ranks by array code when its largest tree (the trigram's and the context's continuations) is past ARRAY_NODES
         self.native_selection = ((draft_children or 1) == 1 and model.device.type == "cpu" and native.module() is not None)
+        largest = len(self.trigram.shape(len(self.trigram.widths))) + (context.length * context.branches if context else 0)
+        self.arrays = largest > ranking.ARRAY_NODES
 
     def reset(self) -> None:
         super().reset()
@@ -54,9 +57,7 @@ class StagedDrafter(ModelDrafter):
     def draft_leaves(tree: Tree, tokens: list[list[int]], weights: list[list[float]],
                      max_depth: int) -> tuple[list[int], list[int], list[float]]:
         """The draft's best children (`ranked_children`) of every node above `max_depth` that the trigram
-        did not propose: (parents, tokens, weights). Past ARRAY_NODES nodes, in numpy."""
-        if len(tree) > ranking.ARRAY_NODES:
-            return StagedDrafter.draft_leaves_arrays(tree, np.asarray(tokens), np.asarray(weights), max_depth)
+        did not propose: (parents, tokens, weights). `draft_leaves_arrays` computes the same in numpy."""
         proposed = set(zip(tree.parents, tree.tokens))
         parents, leaf_tokens, leaf_weights = [], [], []
         for node, depth in enumerate(tree.depths):
@@ -131,11 +132,12 @@ class StagedDrafter(ModelDrafter):
         after node order[i]): the `budget` candidates of highest cumulative draft weight among the tree's nodes
         and the draft's own best children, the `copied` nodes first; and for each node, the candidate it came from
         (n + i: the draft's leaf i). Greedy with one draft child, decode/native/step.cpp computes the same."""
-        edges, best, best_weights = ranked_children(ranking_scores(logits, sampling), tree,
-                                                    self.draft_children or 1, sampling.greedy, order,
-                                                    self.draft.shortlist)
+        rank, leaves = ((ranked_children_arrays, self.draft_leaves_arrays) if self.arrays
+                        else (ranked_children, self.draft_leaves))
+        edges, best, best_weights = rank(ranking_scores(logits, sampling), tree, self.draft_children or 1,
+                                         sampling.greedy, order, self.draft.shortlist)
         cumulative = tree.cumulative(edges)
-        leaf_parents, leaf_tokens, leaf_weights = self.draft_leaves(tree, best, best_weights, max_depth)
+        leaf_parents, leaf_tokens, leaf_weights = leaves(tree, best, best_weights, max_depth)
         candidates = cumulative + [cumulative[parent] * w for parent, w in zip(leaf_parents, leaf_weights)]
         if copied:  # the context's continuations go first, with the root above them
             for node in copied | {0}:
