@@ -20,10 +20,10 @@ class ChainDrafter(ModelDrafter):
     def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
         tree = Tree.rooted(tokens[-1])
         self.draft.start(tokens)
-        node = 0
+        node, draws = 0, self.draws(sampling)
         for _ in range(min(self.k, max_depth)):
             logits = self.draft.score(tree, [node], repeats=node)  # every step's tree is a chain
-            if self.draws(sampling):
+            if draws:
                 (token,), q = draw_children(sampling, logits[0], 1, generator, self.draft.shortlist)
                 tree.child_dists[node] = q
             else:

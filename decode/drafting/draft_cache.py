@@ -73,7 +73,8 @@ class DraftCache:
         self.sees.update(call.sees)
         self.calls += 1
         ids = run + [tree.tokens[n] for n in call.new]
-        positions = [model.length + offset for offset in call.offsets]
+        length = model.length
+        positions = [length + offset for offset in call.offsets]
         return model.forward(ids, positions, call.mask, call.rows)  # row i: after nodes[i]
 
     def layout(self, tree: Tree, nodes: list[int], unseen: int, pending: int) -> Call:

@@ -182,19 +182,19 @@ class GPT2Engine(CachedLM):
     @torch.inference_mode()
     def forward(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                 last: int | None = None) -> torch.Tensor:
-        q = len(token_ids)
-        start, end = self.kv.reserve(q)
-        if mask is not None and q == 1 and self.pending == 0:  # a lone node sees everything: no mask is faster
+        q, kv = len(token_ids), self.kv
+        start, end = kv.reserve(q)
+        if mask is not None and q == 1 and kv.pending == 0:  # a lone node sees everything: no mask is faster
             mask = None
         elif mask is None and q > 1:  # a chain: the new nodes see the pending slots and their predecessors
-            mask = torch.ones(q, self.pending + q, dtype=torch.bool, device=self.device).tril(self.pending)
+            mask = torch.ones(q, kv.pending + q, dtype=torch.bool, device=self.device).tril(kv.pending)
         graph = self.graphs.get(q, start, end) if self.graphs is not None else None
         if graph is not None:
             logits = graph(as_tensor(token_ids, self.device), as_tensor(position_ids, self.device), mask, start, end)
             logits = logits if last is None else logits[q - last :]
         else:
             logits = self.logits(token_ids, position_ids, mask, slice(start, end), end, last)
-        self.kv.pending += q
+        kv.pending += q
         return logits
 
     def logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
