@@ -28,6 +28,7 @@ COMMANDS = [  # (what a user types, how to run it here)
     ("python -m decode.agreement", ["-m", "decode.agreement"]),
     ("python -m decode.profile_step", ["-m", "decode.profile_step"]),
     ("python -m decode.bench_engine", ["-m", "decode.bench_engine"]),
+    ("python -m decode.export", ["-m", "decode.export"]),
 ]
 BLOCK = re.compile(r"(<!-- generated: (.+?) -->\n)(.*?)(<!-- end generated -->)", re.S)
 

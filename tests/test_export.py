@@ -1,0 +1,48 @@
+"""The GGUF export: both models written under llama.cpp's names, nothing lost on a refusal, and llama.cpp decoding the
+exported oracle to our own greedy tokens."""
+import pytest
+
+from decode import SpeculativeDecoder
+from decode.cli import export
+from decode_models import PROMPTS
+
+
+def test_export_writes_the_oracle_and_the_draft_and_refuses_to_replace_them(bpe_run, tmp_path, capsys):
+    gguf = pytest.importorskip("gguf")
+    out = tmp_path / "gguf"
+    oracle, draft = export.main(["--run", str(bpe_run["run"]), "--out", str(out)])
+    assert (oracle.name, draft.name) == ("oracle.gguf", "draft.gguf")
+    reader = gguf.GGUFReader(oracle)
+    field = lambda key: reader.fields[key].contents()
+    assert field("general.architecture") == "gpt2" and field("tokenizer.ggml.model") == "gpt2"
+    vocab_size = len(bpe_run["tokenizer"])
+    assert len(field("tokenizer.ggml.tokens")) == vocab_size and field("tokenizer.ggml.eos_token_id") == bpe_run["tokenizer"].eos_token_id
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}  # ggml's order: columns first
+    assert shapes["token_embd.weight"] == shapes["output.weight"] == (32, vocab_size)
+    assert shapes["blk.0.attn_qkv.weight"] == (32, 96) and shapes["blk.0.ffn_down.weight"] == (128, 32)
+    before = oracle.read_bytes()
+    with pytest.raises(SystemExit) as refused:
+        export.main(["--run", str(bpe_run["run"]), "--out", str(out), "--dtype", "bfloat16"])
+    assert refused.value.code == 2 and "--overwrite" in capsys.readouterr().err and oracle.read_bytes() == before
+    bf16, _ = export.main(["--run", str(bpe_run["run"]), "--out", str(out), "--dtype", "bfloat16", "--overwrite"])
+    assert bf16.stat().st_size < len(before)
+
+
+def test_llama_cpp_decodes_the_exported_oracle_to_our_greedy_tokens(bpe_run, tmp_path):
+    pytest.importorskip("gguf")
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    oracle, _ = export.main(["--run", str(bpe_run["run"]), "--out", str(tmp_path)])
+    ours = SpeculativeDecoder.from_run(bpe_run["run"], method="baseline", dtype="float32", token_healing=False)
+    llm = llama_cpp.Llama(model_path=str(oracle), n_ctx=128, n_threads=2, verbose=False)
+    for prompt in PROMPTS[:4]:
+        ids = ours.tokenizer(prompt, add_special_tokens=False).input_ids
+        expected = ours.generate(ids, max_new_tokens=24).token_ids
+        llm.reset()
+        llm.eval(ids)
+        got = []
+        while len(got) < len(expected):
+            got.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(got[-1:])
+        assert got == expected, prompt
