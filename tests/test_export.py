@@ -35,7 +35,7 @@ def test_llama_cpp_decodes_the_exported_oracle_to_our_greedy_tokens(bpe_run, tmp
 
     oracle, _ = export.main(["--run", str(bpe_run["run"]), "--out", str(tmp_path)])
     ours = SpeculativeDecoder.from_run(bpe_run["run"], method="baseline", dtype="float32", token_healing=False)
-    llm = llama_cpp.Llama(model_path=str(oracle), n_ctx=128, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(oracle), n_ctx=128, n_threads=2, logits_all=True, verbose=False)
     for prompt in PROMPTS[:4]:
         ids = ours.tokenizer(prompt, add_special_tokens=False).input_ids
         expected = ours.generate(ids, max_new_tokens=24).token_ids
