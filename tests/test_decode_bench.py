@@ -36,7 +36,7 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
     out, plot = tmp_path / "results.json", tmp_path / "speedup.png"
     result = bench.main(bench_args(models, tmp_path, "--out", str(out), "--plot", str(plot)))
     summary = result["summary"]
-    assert list(summary) == bench.DEFAULT_METHODS.split(",")
+    assert list(summary) == [m for m in bench.DEFAULT_METHODS.split(",") if m not in peers.LLAMACPP_PEERS]
     for name, s in summary.items():
         assert s["same_output"]["identical"] == 3, name
         assert s["speedup"]["min"] <= s["speedup"]["median"] <= s["speedup"]["max"]
@@ -48,6 +48,7 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
     assert plot.read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "refused" not in printed
+    assert "skipping llamacpp" in printed  # not installed, or these models' word-level tokenizer has no GGUF form
     drafts = {name: {"dtype": "float32", "vocabulary": "every token"} for name in ("speculative", "tree", "staged", "staged-paper")}
     assert result["settings"]["drafts"] == drafts
     loops = "C++" if native.module() is not None else "Python"

@@ -3,7 +3,7 @@ exported oracle to our own greedy tokens."""
 import pytest
 
 from decode import SpeculativeDecoder
-from decode.cli import export
+from decode.cli import bench, export, peers
 from decode_models import PROMPTS
 
 
@@ -46,3 +46,32 @@ def test_llama_cpp_decodes_the_exported_oracle_to_our_greedy_tokens(bpe_run, tmp
             got.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
             llm.eval(got[-1:])
         assert got == expected, prompt
+
+
+def bench_llamacpp(bpe_run, *extra) -> dict:
+    return bench.main(["--run", str(bpe_run["run"]), "--prompts", str(bpe_run["prompts"]), "--dtype", "float32",
+                       "--max-new-tokens", "16", "--methods", "baseline,llamacpp,llamacpp-lookup", *extra])["summary"]
+
+
+def test_bench_runs_llama_cpp_as_a_peer_to_our_own_greedy_tokens_and_samples_with_it(bpe_run):
+    pytest.importorskip("gguf")
+    pytest.importorskip("llama_cpp")
+    summary = bench_llamacpp(bpe_run)
+    prompts = summary["baseline"]["same_output"]["identical"]
+    for name in ("llamacpp", "llamacpp-lookup"):
+        same = summary[name]["same_output"]
+        assert same["identical"] + len(same["near_ties"]) == prompts and not same["differences"], name
+    assert summary["llamacpp"]["tokens_per_oracle_call"] == 1
+    assert summary["llamacpp-lookup"]["tokens_per_oracle_call"] >= 1
+    sampled = bench_llamacpp(bpe_run, "--temperature", "1", "--top-k", "50")
+    assert sampled["llamacpp"]["tokens_per_oracle_call"] == 1 and sampled["llamacpp-lookup"]["tokens"] > 0
+
+
+def test_bench_without_llama_cpp_skips_its_peers_with_a_line_or_refuses_them_when_named(bpe_run, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "llamacpp_installed", lambda: False)
+    with pytest.raises(SystemExit) as refused:
+        bench_llamacpp(bpe_run)
+    assert refused.value.code == 2 and peers.LLAMACPP_MISSING in capsys.readouterr().err
+    known, names, _ = bench.parse(["--run", str(bpe_run["run"])])
+    assert not set(names) & set(peers.LLAMACPP_PEERS)
+    assert capsys.readouterr().out.strip() == f"skipping llamacpp, llamacpp-lookup: {peers.LLAMACPP_MISSING}"

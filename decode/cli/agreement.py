@@ -142,8 +142,8 @@ def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer
     """Where a greedy output first differs from the baseline's, and whether that is a numerical near-tie:
     the oracle's logit gap between the two tokens lies within how far rounding moves it, or the best tokens'
     logits, across forward sizes (`rounding_noise`: measured at that prefix, not assumed). `got` from a peer
-    (a transformers model, `peer`, with its own kernels): that model's own gaps at the prefix, token by token and in
-    chunks, count among the forwards. `got` from one of our methods (`own`: its `own_rows`, decoded again only when the replays do not
+    (`peer`, with its own kernels): its own gaps at the prefix (`peer.gaps`), token by token and in chunks, count
+    among the forwards. `got` from one of our methods (`own`: its `own_rows`, decoded again only when the replays do not
     settle it): the method's own forward is a near-tie too when it computed every one of the best logits
     within that rounding of the baseline's, so that only the pair's order moved (`own_moved`): a tree forward
     over a cache that trees wrote can round a gap by a unit more than any replay (docs/exactness.md), while a
@@ -158,7 +158,7 @@ def divergence(oracle, prompt: Prompt, expected: list[int], got: list[int], peer
     rows = replayed_logits(oracle, context, len(prompt.ids))
     gaps = (rows[:, a] - rows[:, b]).tolist()
     if peer is not None:
-        gaps += peer_gaps(peer, context, a, b, len(prompt.ids))
+        gaps += peer.gaps(context, a, b, len(prompt.ids))
     noise = rounding_noise(rows, gaps, a, b)
     diff = {"position": at, "expected": a, "got": b, "gap": gaps[0], "noise": noise, "near_tie": abs(gaps[0]) <= noise}
     if not diff["near_tie"] and own is not None:

@@ -8,8 +8,11 @@ warm-up on the first prompt. Per method: tokens/s, per-prompt speedup over the b
 token), tokens per oracle call, oracle calls per token (the paper's memory-traffic ratio) and mean
 oracle batch. Greedy outputs must equal the baseline's: a method that differs beyond numerical
 near-ties gets no speedup, and the prompts are named. The peers: `hf-generate` (transformers
-generate on the oracle), `hf-assisted` (generate with the draft as assistant model) and `hf-lookup`
-(generate with prompt lookup, `--lookup-tokens` per draft). `lookup` is ours: the same idea as a drafter.
+generate on the oracle), `hf-assisted` (generate with the draft as assistant model), `hf-lookup`
+(generate with prompt lookup, `--lookup-tokens` per draft), and llama.cpp on the oracle exported to
+GGUF in the run's dtype, on as many threads as ours: `llamacpp` (plain) and `llamacpp-lookup` (its
+prompt-lookup draft), skipped with a note without llama-cpp-python (pip install -e ".[llamacpp]").
+`lookup` is ours: the same idea as a drafter.
 With RUN/plan.json (python -m decode.plan) every method of ours runs its planned policy and the
 table puts the plan's predicted tokens per call and speedup beside the measured ones; `staged-paper`
 is staged with the paper's tree (decode.run --paper-tree) and no plan.
@@ -20,9 +23,11 @@ import json
 import shlex
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from data.cli import HelpFormatter
 from data.atomic import FILE, atomic_output, check_output, write_json
@@ -31,20 +36,20 @@ from decode import native
 from decode.api import SpeculativeDecoder
 from decode.cli import agreement, report, run
 from decode.cli.harness import compare_with_baseline, decode_in_turns
-from decode.cli.peers import HFGenerate
+from decode.cli.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
 from decode.models.loading import check_same_vocabulary
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS
 from decode.planning.costs import device_name, machine_name
 
 OURS = ("baseline", "speculative", "tree", "staged", "staged-paper", "ngram", "lookup")
-PEERS = ("hf-generate", "hf-assisted", "hf-lookup")
-DEFAULT_METHODS = "baseline,speculative,tree,staged,staged-paper,ngram,lookup,hf-generate,hf-assisted,hf-lookup"
+DEFAULT_METHODS = ",".join(OURS + PEERS)
 WARMUP_TOKENS = 16
 PROG = "python -m decode.bench"
 
 
-def build_methods(names: list[str], rest: list[str]) -> tuple[dict, list, run.Settings]:
-    """A decoder per method (each with its own models and caches), our SpeculativeDecoders, and the settings."""
+def build_methods(names: list[str], rest: list[str], chosen: bool) -> tuple[dict, list, run.Settings]:
+    """A decoder per method (each with its own models and caches), our SpeculativeDecoders, and the settings. A
+    llama.cpp peer that cannot run here is an error when `chosen` (named in --methods), else skipped with a line."""
     settings = run.parse(rest, PROG)
     base = settings.flags.base
     decoders, ours = {}, []
@@ -53,7 +58,19 @@ def build_methods(names: list[str], rest: list[str]) -> tuple[dict, list, run.Se
                    else settings.flags.options(name))
         ours.append(SpeculativeDecoder(options))
         decoders[name] = ours[-1].decoder
-    for name in (n for n in names if n in PEERS):
+    oracle = decoders["baseline"].oracle
+    for name in (n for n in names if n in LLAMACPP_PEERS):
+        try:
+            if oracle.device.type != "cpu":
+                raise InputError(f"{name} runs llama.cpp on the CPU, not on {oracle.device.type}")
+            decoders[name] = LlamaCpp(base.oracle, settings.sampling, decoders["baseline"].eos_id,
+                                      str(oracle.dtype).removeprefix("torch."), torch.get_num_threads(),
+                                      base.lookup_tokens if name == "llamacpp-lookup" else None)
+        except InputError as e:
+            if chosen:
+                raise
+            print(f"skipping {name}: {e}")
+    for name in (n for n in names if n in HF_PEERS):
         if name == "hf-assisted":
             if base.draft is None or not Path(base.draft).is_dir():
                 raise InputError(f"hf-assisted needs a draft model; pass --draft DIR (or --run RUN) (got {base.draft})")
@@ -68,11 +85,10 @@ def timed_runs(decoders: dict, prompts: list, settings: run.Settings) -> dict[st
     """Every method on every prompt in turns, after a warm-up on the first prompt (first calls allocate, build
     kernels and fill caches); one record per method and prompt."""
     n, seed, sampling = settings.max_new_tokens, settings.seed, settings.sampling
-    runs = {name: (lambda prompt, i, d=decoder: d(prompt, n, seed + i) if isinstance(d, HFGenerate)
-                   else d(prompt, n, seed + i, sampling)) for name, decoder in decoders.items()}
-    for name, decoder in decoders.items():
-        warmup = min(WARMUP_TOKENS, n)
-        decoder(prompts[0][1], warmup, seed) if isinstance(decoder, HFGenerate) else decoder(prompts[0][1], warmup, seed, sampling)
+    runs = {name: decoder if name in PEERS else partial(decoder, sampling=sampling) for name, decoder in decoders.items()}
+    for decode in runs.values():
+        decode(prompts[0][1], min(WARMUP_TOKENS, n), seed)
+    runs = {name: (lambda prompt, i, decode=decode: decode(prompt, n, seed + i)) for name, decode in runs.items()}
     records = decode_in_turns(runs, [prompt for _, prompt in prompts], progress="prompts")
     for rows in records.values():
         for row, (record, _) in zip(rows, prompts):
@@ -87,7 +103,7 @@ def check_outputs(records: dict[str, list[dict]], prompts: list, decoders: dict,
     n, seed = settings.max_new_tokens, settings.seed
 
     def judge(name, i, prompt, expected, got):
-        peer = decoders[name].oracle if name in PEERS else None
+        peer = decoders[name] if name in PEERS else None
         own = None if name in PEERS else lambda: agreement.own_rows(decoders[name], prompt, n, seed + i)
         return agreement.divergence(decoders["baseline"].oracle, prompt, expected, got, peer, own)
 
@@ -196,15 +212,21 @@ def parse(argv) -> tuple[argparse.Namespace, list[str], list[str]]:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
                                 epilog="Every other flag is decode.run's (--run, --prompts, --limit, --max-new-tokens, "
                                        "--temperature, --top-k, --budget, --widths, --dtype, ...).")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {', '.join(OURS + PEERS)}")
+    p.add_argument("--methods", help=f"comma-separated, from {', '.join(OURS + PEERS)} (default: all; the llama.cpp peers "
+                                     f"where llama-cpp-python is installed)")
     p.add_argument("--out", type=Path, help="write the figures and per-prompt records as JSON here")
     p.add_argument("--plot", type=Path, help="write the per-prompt speedup distribution per method here (.png, .svg)")
     p.add_argument("--overwrite", action="store_true", help="replace existing --out and --plot files")
     known, rest = p.parse_known_args(argv)
-    names = known.methods.split(",")
+    names = (known.methods or DEFAULT_METHODS).split(",")
     unknown = [n for n in names if n not in OURS + PEERS]
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(OURS + PEERS)}")
+    if not llamacpp_installed() and set(names) & set(LLAMACPP_PEERS):
+        if known.methods:
+            p.error(f"{', '.join(n for n in names if n in LLAMACPP_PEERS)}: {LLAMACPP_MISSING}")
+        print(f"skipping {', '.join(LLAMACPP_PEERS)}: {LLAMACPP_MISSING}")
+        names = [n for n in names if n not in LLAMACPP_PEERS]
     if known.out:
         check_output(known.out, FILE, known.overwrite, "--out")
     if known.plot:
@@ -235,12 +257,12 @@ def mode_of(sampling) -> str:
 @exits_on_input_error
 def main(argv=None) -> dict:
     known, names, rest = parse(argv)
-    decoders, ours, settings = build_methods(names, rest)
+    decoders, ours, settings = build_methods(names, rest, chosen=known.methods is not None)
     options, sampling, plan_path = settings.flags.base, settings.sampling, settings.flags.plan
     prompts = run.encode_prompts(settings, ours)
     mode, loops, healing = mode_of(sampling), native.loops(options.device), "on" if options.token_healing else "off"
     print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
-          f"token healing {healing}, step loops in {loops}; methods: {', '.join(names)}; "
+          f"token healing {healing}, step loops in {loops}; methods: {', '.join(decoders)}; "
           + (f"plan {plan_path}" if plan_path else "no plan (python -m decode.plan writes one)"))
     records = timed_runs(decoders, prompts, settings)
     summary = summarise(records, check_outputs(records, prompts, decoders, settings) if sampling.greedy else None)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from data.cli import HelpFormatter
 from data.errors import InputError, exits_on_input_error
+from decode.cli.peers import PEERS
 
 PROG = "python -m decode.report"
 
@@ -44,7 +45,7 @@ def abridged(text: str, shown: int = 3, longest: int = 80) -> str:
 def explain(summary: dict, plan: dict | None, greedy: bool, staged: str = "staged") -> list[str]:
     """Plain sentences built from the run's own figures (`summary`: decode.bench's) and the plan."""
     lines = []
-    ours = [name for name in summary if name != "baseline" and not name.startswith("hf-")]
+    ours = [name for name in summary if name != "baseline" and name not in PEERS]
     if greedy and ours:
         n = summary["baseline"]["same_output"]["identical"]
         same = {name: summary[name]["same_output"] for name in ours}

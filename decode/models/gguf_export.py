@@ -18,10 +18,13 @@ BLOCK_TENSORS = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": 
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
-def merges_of(tokenizer) -> list[str]:
+def merges_of(tokenizer, model_dir: Path) -> list[str]:
     """The BPE merges as "left right" lines, from the tokenizer's own serialization."""
-    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
-    return [m if isinstance(m, str) else " ".join(m) for m in merges]
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    if model.get("type") != "BPE":
+        raise InputError(f"{model_dir}'s tokenizer is a {model.get('type')} model; the GGUF export writes byte-level BPE "
+                         f"tokenizers (GPT-2's, and the one data.prepare trains)")
+    return [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
 
 
 def vocabulary(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
@@ -65,6 +68,7 @@ def write_gguf(model_dir: Path, path: Path, dtype: str = "float32") -> None:
         raise InputError(f"{model_dir} holds a {config.get('model_type')!r} model; the GGUF export writes GPT-2 checkpoints")
     n_embd, n_layer = config["n_embd"], config["n_layer"]
     tokenizer = load_tokenizer(model_dir)
+    merges = merges_of(tokenizer, model_dir)
     writer = gguf.GGUFWriter(path, "gpt2")
     writer.add_name(Path(model_dir).resolve().name)
     writer.add_context_length(config["n_positions"])
@@ -79,7 +83,7 @@ def write_gguf(model_dir: Path, path: Path, dtype: str = "float32") -> None:
     writer.add_tokenizer_pre("gpt-2")  # GPT-2's pre-tokenizing regex, as a byte-level BPE trained here uses
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges(merges_of(tokenizer))
+    writer.add_token_merges(merges)
     writer.add_bos_token_id(tokenizer.eos_token_id)  # GPT-2 has one special token: it starts and ends a text
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_add_bos_token(False)
