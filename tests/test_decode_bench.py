@@ -3,6 +3,7 @@ import logging
 import re
 import types
 
+import numpy as np
 import pytest
 
 from decode.cli import agreement, bench, bench_engine, peers, profile_step, report
@@ -37,9 +38,12 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
     result = bench.main(bench_args(models, tmp_path, "--out", str(out), "--plot", str(plot)))
     summary = result["summary"]
     assert list(summary) == [m for m in bench.DEFAULT_METHODS.split(",") if m not in peers.LLAMACPP_PEERS]
+    plain = report.least_repetitive_half([r["tokens"] for r in result["records"]["baseline"]])
     for name, s in summary.items():
         assert s["same_output"]["identical"] == 3, name
         assert s["speedup"]["min"] <= s["speedup"]["median"] <= s["speedup"]["max"]
+        assert s["speedup"]["least_repetitive_half"] == pytest.approx(
+            float(np.median([s["speedup"]["per_prompt"][i] for i in plain])))
         assert s["tokens"] == 36 and s["oracle_calls_per_token"] == pytest.approx(1 / s["tokens_per_oracle_call"])
     assert summary["baseline"]["tokens_per_oracle_call"] == 1 and summary["hf-generate"]["tokens_per_oracle_call"] == 1
     assert summary["staged"]["tokens_per_oracle_call"] > 1.5  # the draft is the oracle plus a little noise
@@ -88,8 +92,23 @@ def test_looping_completions_are_called_out():
     assert report.looping([code, code]) is None
     assert report.looping([loop] + [code] * 9) is None  # one prompt in ten: the table stands
     assert report.looping([loop, loop] + [code] * 8).startswith("Note: 2 of 10")
-    assert report.looping([loop, code, [3] * 128]).startswith("Note: 2 of 3 of the oracle's completions repeat at most 4 "
-                                                              "distinct tokens")
+    assert report.looping([loop, code, [3] * 128]).startswith("Note: 2 of 3 of the oracle's completions end in a loop "
+                                                              "of at most 32 tokens")
+
+
+def test_a_loop_is_a_repeating_tail_of_half_the_completion_and_the_least_repetitive_half_leaves_loops_out():
+    code = list(range(100, 228))
+    line = list(range(20))  # a loop of a 20-token line after 60 tokens of code: 68 of 128 tokens repeat it
+    assert report.loop_period(code[:60] + (line * 4)[:68]) == 20
+    assert report.loop_period(code[:80] + line * 2 + [5] * 8) is None  # two lines, then something else
+    assert report.loop_period(code) is None and report.loop_period([3] * 128) == 1
+    assert report.repetition(code) == 0 and report.repetition([3] * 128) == pytest.approx(124 / 125)
+    completions = [[3] * 128, code, [7, 9] * 64, code[:64] * 2]  # the last repeats a stretch too long for a loop
+    assert report.least_repetitive_half(completions) == [1, 3]
+    summary = {"staged": {"speedup": {"median": 3.0, "least_repetitive_half": 2.0}}}
+    assert report.loops_line(completions, summary) == ("Loops: 2 of 4 of the baseline's completions end in a loop of at "
+                                                       "most 32 tokens; staged's median speedup on the least repetitive "
+                                                       "half of the prompts 2.00x (3.00x on all).")
 
 
 def test_a_looping_completion_is_shown_abridged():

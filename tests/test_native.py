@@ -176,12 +176,14 @@ def blocks_here(built):
 
 
 @pytest.mark.parametrize("n_embd, n_head, shortlist", [  # heads of 8 (float32 attention) and of 32 (BF16); output
-    (32, 4, None), (64, 2, None), (32, 4, 40)])  # layers of 97 columns and of a shortlist's 40: neither a multiple of 16
+    (32, 4, None), (64, 2, None), (32, 4, 40),  # layers of 97 columns and of a shortlist's 40: neither a multiple of 16
+    (256, 4, None)])  # products large enough to be split among threads
 def test_a_drafts_blocks_in_cpp_equal_torchs_up_to_rounding(blocks_here, monkeypatch, tmp_path, n_embd, n_head, shortlist):
     directory = tiny_gpt2(tmp_path / "draft", seed=2, n_embd=n_embd, n_head=n_head)
     shortlist = shortlist and Shortlist(random.Random(1).sample(range(97), shortlist), 97)
     in_torch, in_cpp = (GPT2Engine.load(directory, "bfloat16", native_blocks=cpp, shortlist=shortlist)
                         for cpp in (False, True))
+    exact = GPT2Engine.load(directory, "float32", shortlist=shortlist)
     assert in_torch.blocks is None and in_cpp.blocks is not None
     rows = []
     inner = in_cpp.blocks.__call__
@@ -200,15 +202,19 @@ def test_a_drafts_blocks_in_cpp_equal_torchs_up_to_rounding(blocks_here, monkeyp
     for forward in forwards:
         state = rng.getstate()
         expected = forward(in_torch)
-        rng.setstate(state)  # the same random prompt for both
+        rng.setstate(state)  # the same random prompt for each
+        reference = forward(exact)
+        rng.setstate(state)
         got = forward(in_cpp)
         assert got.shape == expected.shape and got.dtype == torch.float32
-        assert (got - expected).abs().max() <= 0.03 * expected.abs().max()  # bfloat16 rounds at 2^-8 relative
+        # bfloat16 rounds at 2^-8 relative: the C++ strays from float32 about as far as torch's bfloat16 does
+        assert (got - reference).abs().max() <= 2 * (expected - reference).abs().max() + 0.01 * reference.abs().max()
         agree += (got.argmax(-1) == expected.argmax(-1)).tolist()
         slots = in_torch.length + in_torch.pending
         assert in_cpp.length + in_cpp.pending == slots
-        cached = in_torch.kv_cache[..., :slots, :].float()
-        assert (in_cpp.kv_cache[..., :slots, :].float() - cached).abs().max() <= 0.03 * cached.abs().max()
+        cached, exact_cache = (m.kv_cache[..., :slots, :].float() for m in (in_torch, exact))
+        assert ((in_cpp.kv_cache[..., :slots, :].float() - exact_cache).abs().max()
+                <= 2 * (cached - exact_cache).abs().max() + 0.01 * exact_cache.abs().max())
     assert sum(agree) >= 0.9 * len(agree)
     assert rows == [20, 15, 3, 1]  # every forward but the long prompt's took the C++ call
     with pytest.raises(IndexError, match="out of range"):  # as torch's embedding refuses them, not a read past wte
@@ -251,3 +257,33 @@ def test_without_a_compiler_decoding_says_so_once_and_goes_on_in_python(monkeypa
         assert native.module() is None and not capsys.readouterr().err  # turned off: nothing to say
     finally:
         native.module.cache_clear()
+
+
+def test_a_forward_runs_in_cpp_up_to_the_rows_measured_faster_there_and_the_choice_is_kept(blocks_here, monkeypatch,
+                                                                                          tmp_path):
+    from decode.models import native_rows
+
+    directory = tiny_gpt2(tmp_path / "model", seed=2)
+    engine = GPT2Engine.load(directory, "bfloat16", native_blocks=True)
+    timed = []
+
+    def forward_costs(model, repeats, counts):  # C++ faster up to 8 rows, and again at 32: the first crossing counts
+        timed.append(model.native_rows)
+        if model.native_rows:
+            return {q: (1.0 if q <= 8 or q == 32 else 3.0) for q in counts}
+        return {q: 2.0 for q in counts}
+
+    monkeypatch.setattr(native_rows, "forward_costs", forward_costs)
+    assert native_rows.native_rows(directory, engine, "bfloat16", tmp_path / "cache") == 8
+    assert native_rows.native_rows(directory, engine, "bfloat16", tmp_path / "cache") == 8
+    assert timed == [max(native_rows.ROW_COUNTS), 0]  # timed once both ways, then read back
+    assert native_rows.native_rows(directory, GPT2Engine.load(directory, "float32", native_blocks=True), "float32") == 0
+
+    engine.native_rows, rows = 8, []
+    inner = engine.blocks.__call__
+    monkeypatch.setattr(engine, "blocks", lambda *args: rows.append(len(args[0])) or inner(*args))
+    engine.extend(torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13]))
+    for q in (8, 1):
+        engine.forward(torch.arange(q), torch.arange(q) + engine.length, None)
+        engine.commit([])
+    assert rows == [8, 1]  # the nine-row prompt ran in torch

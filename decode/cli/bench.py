@@ -123,6 +123,7 @@ RIVALS = ("speculative", "hf-assisted", "hf-lookup")  # what staged must also be
 def summarise(records: dict[str, list[dict]], checks: dict | None) -> dict[str, dict]:
     ms_per_token = {name: np.array([1e3 * r["seconds"] / len(r["tokens"]) for r in rows]) for name, rows in records.items()}
     base_ms = ms_per_token["baseline"]
+    plain = report.least_repetitive_half([r["tokens"] for r in records["baseline"]])
     summary = {}
     for name, rows in records.items():
         tokens = sum(len(r["tokens"]) for r in rows)
@@ -137,7 +138,8 @@ def summarise(records: dict[str, list[dict]], checks: dict | None) -> dict[str, 
         if checks is None or not checks[name]["differences"]:
             speedup = base_ms / ms_per_token[name]
             s["speedup"] = {"median": float(np.median(speedup)), "mean": float(speedup.mean()),
-                            "min": float(speedup.min()), "max": float(speedup.max()), "per_prompt": speedup.tolist()}
+                            "min": float(speedup.min()), "max": float(speedup.max()),
+                            "least_repetitive_half": float(np.median(speedup[plain])), "per_prompt": speedup.tolist()}
             s["median_speedup_over"] = {rival: float(np.median(ms_per_token[rival] / ms_per_token[name]))
                                         for rival in RIVALS if rival in records and rival != name}
         summary[name] = s
@@ -145,16 +147,16 @@ def summarise(records: dict[str, list[dict]], checks: dict | None) -> dict[str, 
 
 
 def print_table(summary: dict[str, dict], greedy: bool) -> None:
-    print(f"{'method':<14} {'tokens/s':>9} {'speedup median (mean, min-max)':>31} {'tokens/call':>11} "
-          f"{'calls/token':>11} {'batch':>6}" + (f" {'same output':>12}" if greedy else ""))
+    print(f"{'method':<15} {'tokens/s':>9} {'speedup median (mean, min-max)':>31} {'least rep. half':>15} "
+          f"{'tokens/call':>11} {'calls/token':>11} {'batch':>6}" + (f" {'same output':>12}" if greedy else ""))
     for name, s in summary.items():
         if "speedup" in s:
             sp = s["speedup"]
-            speed = f"{sp['median']:.2f}x ({sp['mean']:.2f}, {sp['min']:.2f}-{sp['max']:.2f})"
+            speed, plain = f"{sp['median']:.2f}x ({sp['mean']:.2f}, {sp['min']:.2f}-{sp['max']:.2f})", f"{sp['least_repetitive_half']:.2f}x"
         else:
-            speed = "refused: output differs"
+            speed, plain = "refused: output differs", "-"
         batch = f"{s['mean_oracle_batch']:6.1f}" if s["mean_oracle_batch"] else f"{'-':>6}"
-        line = (f"{name:<14} {s['tokens_per_second']:9.1f} {speed:>31} {s['tokens_per_oracle_call']:11.2f} "
+        line = (f"{name:<15} {s['tokens_per_second']:9.1f} {speed:>31} {plain:>15} {s['tokens_per_oracle_call']:11.2f} "
                 f"{s['oracle_calls_per_token']:11.3f} {batch}")
         if greedy:
             same = s["same_output"]
@@ -276,6 +278,7 @@ def main(argv=None) -> dict:
     print_table(summary, sampling.greedy)
     sizing, drafts = describe_methods(decoders, summary, sampling)
     print("\n".join(report.explain(summary, plan, sampling.greedy)))
+    print(report.loops_line([r["tokens"] for r in records["baseline"]], summary))
     warning = report.looping([r["tokens"] for r in records["baseline"]]) if sampling.greedy else None
     if warning:
         print(warning)

@@ -90,16 +90,67 @@ def why_slower(staged: dict, base: dict, plan: dict | None) -> str:
     return line + "; speculation pays when an oracle call costs far more than drafting, as it does for large oracles."
 
 
-def looping(completions: list[list[int]], most: int = 4, share: float = 0.2) -> str | None:
-    """A warning when at least `share` of the oracle's greedy completions cycle through a handful of tokens:
-    drafters that copy the loop then accept runs that an oracle writing code would not give. One loop among 50
-    prompts (the cpu preset's oracle) moves the table little; nine of ten (the quick preset's) make it."""
-    loops = sum(len(set(tokens)) <= most for tokens in completions)
-    if not loops or loops < share * len(completions):
+LONGEST_LOOP = 32  # tokens: the longest period a loop is looked for with
+
+
+def loop_period(tokens: list[int], longest: int = LONGEST_LOOP) -> int | None:
+    """The period of the loop a completion ends in: the shortest p <= `longest` tokens whose repetition covers at
+    least half of it, twice or more; None where it does not end in one."""
+    n = len(tokens)
+    for p in range(1, min(longest, n // 2) + 1):
+        start = n - p
+        while start > 0 and tokens[start - 1] == tokens[start - 1 + p]:
+            start -= 1
+        if n - start >= max(n / 2, 2 * p):
+            return p
+    return None
+
+
+def repetition(tokens: list[int], n: int = 4) -> float:
+    """The share of a completion's n-grams that it wrote before: 0 for text that never repeats itself, near 1 for a
+    loop."""
+    seen, repeated = set(), 0
+    for i in range(n, len(tokens) + 1):
+        gram = tuple(tokens[i - n : i])
+        repeated += gram in seen
+        seen.add(gram)
+    return repeated / max(1, len(tokens) - n + 1)
+
+
+def least_repetitive_half(completions: list[list[int]]) -> list[int]:
+    """The indices of the half of the completions (at least one) that repeat themselves least."""
+    order = sorted(range(len(completions)), key=lambda i: repetition(completions[i]))
+    return sorted(order[: max(1, len(order) // 2)])
+
+
+def loop_share(completions: list[list[int]]) -> tuple[int, int]:
+    """How many completions end in a loop (`loop_period`), of how many."""
+    return sum(loop_period(tokens) is not None for tokens in completions), len(completions)
+
+
+def loops_line(completions: list[list[int]], summary: dict, method: str = "staged") -> str:
+    """One line for beside a headline: how many of the baseline's completions end in a loop, and `method`'s median
+    speedup on the least repetitive half of the prompts against all of them."""
+    loops, n = loop_share(completions)
+    line = f"Loops: {loops} of {n} of the baseline's completions end in a loop of at most {LONGEST_LOOP} tokens"
+    speedup = summary.get(method, {}).get("speedup")
+    if speedup is None:
+        return line + "."
+    return (line + f"; {method}'s median speedup on the least repetitive half of the prompts "
+            f"{speedup['least_repetitive_half']:.2f}x ({speedup['median']:.2f}x on all).")
+
+
+def looping(completions: list[list[int]], share: float = 0.2) -> str | None:
+    """A warning when at least `share` of the oracle's greedy completions end in a loop: drafters that copy the
+    loop then accept runs that an oracle writing code would not give. One loop among 50 prompts moves the table
+    little; nine of ten (the quick preset's oracle) make it."""
+    loops, n = loop_share(completions)
+    if not loops or loops < share * n:
         return None
-    return (f"Note: {loops} of {len(completions)} of the oracle's completions repeat at most {most} distinct tokens "
-            f"(an oracle this small loops); drafters that copy a loop accept long runs on it, so an oracle that writes "
-            f"code (--preset cpu) gives fewer tokens per call than this table.")
+    return (f"Note: {loops} of {n} of the oracle's completions end in a loop of at most {LONGEST_LOOP} tokens (an "
+            f"oracle this small loops); drafters that copy a loop accept long runs on it, so an oracle that writes "
+            f"code (--preset cpu) gives fewer tokens per call than this table; the column 'least repetitive half' "
+            f"leaves the loops out.")
 
 
 def load_result(path: Path) -> dict:
@@ -116,21 +167,15 @@ def load_result(path: Path) -> dict:
     return result
 
 
-def loop_share(result: dict) -> tuple[int, int]:
-    """How many of the baseline's completions cycle through a handful of tokens (`looping`'s rule), of how many."""
-    completions = [r["tokens"] for r in result["records"]["baseline"]]
-    return sum(len(set(tokens)) <= 4 for tokens in completions), len(completions)
-
-
 def describe_run(result: dict) -> str:
     """One line: what ran, where, when, and the command that makes it again."""
     s = result["settings"]
-    loops, n = loop_share(result)
+    loops, n = loop_share([r["tokens"] for r in result["records"]["baseline"]])
     where = s.get("machine", s["device"])
     when = f", {s['date']}" if "date" in s else ""
     plan = "planned" if s.get("plan") else "no plan"
     line = (f"{s['mode']}: {s['prompts']} prompts x {s['max_new_tokens']} tokens, {s['dtype']}, {plan}, on {where}{when}; "
-            f"{loops} of {n} baseline completions loop")
+            f"{loops} of {n} baseline completions end in a loop")
     return line + (f". `{s['command']}`" if "command" in s else "")
 
 
@@ -141,7 +186,8 @@ def markdown_table(results: list[dict]) -> str:
     header, rule = ["method"], ["---"]
     for result in results:
         greedy = result["settings"]["mode"] == "greedy"
-        columns = ["tok/s", "speedup median (mean, min-max)", "tokens/call"] + (["same output"] if greedy else [])
+        columns = (["tok/s", "speedup median (mean, min-max)", "least repetitive half", "tokens/call"]
+                   + (["same output"] if greedy else []))
         header += [f"{'greedy' if greedy else 'sampled'}: {columns[0]}"] + columns[1:]
         rule += ["---:"] * len(columns)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
@@ -151,12 +197,13 @@ def markdown_table(results: list[dict]) -> str:
             greedy = result["settings"]["mode"] == "greedy"
             s = result["summary"].get(name)
             if s is None:
-                row += ["-"] * (4 if greedy else 3)
+                row += ["-"] * (5 if greedy else 4)
                 continue
             sp = s.get("speedup")
             speed = (f"{sp['median']:.2f}x ({sp['mean']:.2f}, {sp['min']:.2f}-{sp['max']:.2f})" if sp
                      else "refused: output differs")
-            row += [f"{s['tokens_per_second']:.1f}", speed, f"{s['tokens_per_oracle_call']:.2f}"]
+            plain = f"{sp['least_repetitive_half']:.2f}x" if sp and "least_repetitive_half" in sp else "-"
+            row += [f"{s['tokens_per_second']:.1f}", speed, plain, f"{s['tokens_per_oracle_call']:.2f}"]
             if greedy:
                 same = s["same_output"]
                 n = same["identical"] + len(same["near_ties"]) + len(same["differences"])

@@ -110,10 +110,12 @@ class GPT2Engine(CachedLM):
                  graphs: Callable[["GPT2Engine"], CUDAGraphs] | None = None):
         """GPT-2 over its weights (`build` makes them from a checkpoint's) and a cache of `kv` slots. `head`: the
         output projection (tied to wte; over the `shortlist`'s tokens only when there is one). The runners that
-        replace torch's forward where they apply: `blocks` runs the blocks of a forward of a few rows in C++
-        (native.Blocks), and `graphs` makes the engine's CUDA graphs (decode.models.cuda_graphs)."""
+        replace torch's forward where they apply: `blocks` runs a forward of at most `native_rows` rows in C++
+        (native.Blocks; decode.models.native_rows measures how many pay), and `graphs` makes the engine's CUDA graphs
+        (decode.models.cuda_graphs)."""
         self.shape, self.wte, self.wpe, self.layers, self.ln_f, self.head = shape, wte, wpe, layers, ln_f, head
         self.kv, self.max_length, self.shortlist, self.blocks = kv, max_length, shortlist, blocks
+        self.native_rows = native.Blocks.ROWS if blocks is not None else 0
         self.device, self.dtype = wte.device, wte.dtype
         self.on_gpu = self.device.type == "cuda"
         self.head_dim = shape.n_embd // shape.n_head
@@ -129,9 +131,9 @@ class GPT2Engine(CachedLM):
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
         stores every matrix in that layout; by default each matrix gets the fastest measured for its shape. On a
         GPU with `cuda_graphs`, forwards replay CUDA graphs. With a `shortlist`, the output layer computes the
-        logits of its tokens only. With `native_blocks` (for a draft), a bfloat16 engine on a CPU with AVX-512 BF16
-        runs the blocks of a forward of a few rows (a step's tree, up to native.Blocks.ROWS) as one C++ call, which
-        rounds differently from torch's."""
+        logits of its tokens only. With `native_blocks`, a bfloat16 engine on a CPU with AVX-512 BF16 runs a forward
+        of a few rows (up to native.Blocks.ROWS, or `native_rows` once measured) as one C++ call, which rounds
+        differently from torch's."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
@@ -202,7 +204,7 @@ class GPT2Engine(CachedLM):
         """Float32 logits of new nodes (of the `last` of them, with `last`) that write their keys/values into cache
         `slots` and attend to slots 0..end: all of them, or with a (q, k) boolean `mask`, the last k where it is
         true and every one before them."""
-        if self.blocks is not None and isinstance(slots, slice) and len(token_ids) <= native.Blocks.ROWS:
+        if len(token_ids) <= self.native_rows and isinstance(slots, slice):
             return self.blocks(token_ids, position_ids, mask, slots.start, end, last)
         token_ids, position_ids = as_tensor(token_ids, self.device), as_tensor(position_ids, self.device)
         # F.embedding (an index_select) took 7 us for 16 rows where indexing the matrices took 17 (AMX CPU, bfloat16)

@@ -11,6 +11,7 @@ from data.tokenizer import load_tokenizer
 from decode.models.cached_lm import CachedLM, Shortlist
 from decode.models.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.models.hf_backend import HFEngine
+from decode.models.native_rows import native_rows
 
 
 def pretrained_dir(model, tokenizer, keep: list, name: str) -> Path:
@@ -66,12 +67,15 @@ def load_trigram(options, vocab_size: int, eos_id: int):
 
 
 def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_graphs: bool = False,
-               shortlist: Shortlist | None = None, draft: bool = False) -> CachedLM:
-    """A model for decoding; a `draft`'s blocks run in C++ where they can (GPT2Engine's native_blocks)."""
+               shortlist: Shortlist | None = None) -> CachedLM:
+    """A model for decoding; the lean engine runs a forward of a few rows in C++ up to where that measured faster
+    (decode.models.native_rows)."""
     config = read_config(directory)
     if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
-        return GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
-                               native_blocks=draft)
+        engine = GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
+                                 native_blocks=True)
+        engine.native_rows = native_rows(directory, engine, dtype)
+        return engine
     return HFEngine.load(directory, dtype, device, shortlist=shortlist)
 
 
@@ -96,7 +100,7 @@ def draft_shortlist(draft_dir: Path, size: int, vocab_size: int) -> Shortlist | 
 def load_draft(options, vocab_size: int) -> CachedLM:
     """The draft model as the options load it, its output layer over `options.draft_vocab` tokens when set."""
     return load_model(options.draft, options.backend, options.draft_dtype or options.dtype, options.device, options.cuda_graphs,
-                      draft_shortlist(options.draft, options.draft_vocab, vocab_size), draft=True)
+                      draft_shortlist(options.draft, options.draft_vocab, vocab_size))
 
 
 def check_same_vocabulary(oracle_dir: Path, other_dir: Path, other: str) -> None:

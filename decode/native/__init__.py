@@ -25,14 +25,17 @@ from decode.models.cached_lm import Ids, as_list
 
 SOURCE = Path(__file__).with_name("step.cpp")
 DRAFT_SOURCE = Path(__file__).with_name("draft.cpp")
+# OpenMP: at::parallel_for shares the products among torch's own threads (on its libgomp, loaded already) only in
+# code compiled with it
+FLAGS = ["-O3", "-fopenmp"]
 
 
 def build(source: Path):
     """A C++ source compiled as a Python module (cached, named by the source's hash)."""
     from torch.utils import cpp_extension
 
-    name = f"{source.stem}_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
-    return cpp_extension.load(name, [str(source)], extra_cflags=["-O3", "-fopenmp-simd"])
+    name = f"{source.stem}_{hashlib.sha256(source.read_bytes() + ' '.join(FLAGS).encode()).hexdigest()[:12]}"
+    return cpp_extension.load(name, [str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
 
 
 @functools.lru_cache(maxsize=None)

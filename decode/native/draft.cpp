@@ -10,6 +10,8 @@
 #include <Python.h>
 #include <immintrin.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -57,37 +59,48 @@ struct Linear {
     int64_t in, out;
 };
 
-// y (rows x out, float32) = x (rows x in, bfloat16) @ W + bias: 4 rows by 64 columns in registers at a time.
-BF16_TARGET void product(const bf16 *x, const Linear &w, float *y, int64_t rows) {
-    const int64_t pairs = w.in / 2, blocks = (w.out + 15) / 16;
+// y (rows x out, float32) = x (rows x in, bfloat16) @ W + bias over the 64 output columns from `column`: 4 rows by
+// 64 columns in registers at a time, the rows in turn over weights that stay in cache.
+BF16_TARGET void product_columns(const bf16 *x, const Linear &w, float *y, int64_t rows, int64_t b0) {
+    const int64_t pairs = w.in / 2, bn = std::min<int64_t>(4, (w.out + 15) / 16 - b0);
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int64_t rn = std::min<int64_t>(4, rows - r0);
         const uint32_t *xr[4];
         for (int64_t r = 0; r < 4; r++) xr[r] = reinterpret_cast<const uint32_t *>(x + (r0 + std::min(r, rn - 1)) * w.in);
-        for (int64_t b0 = 0; b0 < blocks; b0 += 4) {
-            const int64_t bn = std::min<int64_t>(4, blocks - b0);
-            __m512 acc[4][4];
-            for (int64_t j = 0; j < 4; j++) {
-                const __m512 bias = j < bn ? _mm512_loadu_ps(w.bias + (b0 + j) * 16) : _mm512_setzero_ps();
-                for (int64_t r = 0; r < 4; r++) acc[r][j] = bias;
-            }
-            for (int64_t k = 0; k < pairs; k++) {
-                __m512i weights[4];
-                for (int64_t j = 0; j < 4; j++)
-                    weights[j] = j < bn ? _mm512_loadu_si512(w.packed + ((b0 + j) * pairs + k) * 32) : _mm512_setzero_si512();
-                for (int64_t r = 0; r < 4; r++) {
-                    const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[r][k]));
-                    for (int64_t j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, (__m512bh)weights[j]);
-                }
-            }
-            for (int64_t r = 0; r < rn; r++)
-                for (int64_t j = 0; j < bn; j++) {
-                    const int64_t column = (b0 + j) * 16, left = w.out - column;
-                    _mm512_mask_storeu_ps(y + (r0 + r) * w.out + column,
-                                          left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1), acc[r][j]);
-                }
+        __m512 acc[4][4];
+        for (int64_t j = 0; j < 4; j++) {
+            const __m512 bias = j < bn ? _mm512_loadu_ps(w.bias + (b0 + j) * 16) : _mm512_setzero_ps();
+            for (int64_t r = 0; r < 4; r++) acc[r][j] = bias;
         }
+        for (int64_t k = 0; k < pairs; k++) {
+            __m512i weights[4];
+            for (int64_t j = 0; j < 4; j++)
+                weights[j] = j < bn ? _mm512_loadu_si512(w.packed + ((b0 + j) * pairs + k) * 32) : _mm512_setzero_si512();
+            for (int64_t r = 0; r < 4; r++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[r][k]));
+                for (int64_t j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, (__m512bh)weights[j]);
+            }
+        }
+        for (int64_t r = 0; r < rn; r++)
+            for (int64_t j = 0; j < bn; j++) {
+                const int64_t column = (b0 + j) * 16, left = w.out - column;
+                _mm512_mask_storeu_ps(y + (r0 + r) * w.out + column,
+                                      left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1), acc[r][j]);
+            }
     }
+}
+
+// Multiply-adds past which a product's column groups are split among torch's threads: waking them costs a few
+// microseconds, a product of this size some tens.
+constexpr int64_t PARALLEL_WORK = 1 << 18;
+
+// y (rows x out, float32) = x (rows x in, bfloat16) @ W + bias.
+BF16_TARGET void product(const bf16 *x, const Linear &w, float *y, int64_t rows) {
+    const int64_t groups = (w.out + 63) / 64;
+    const int64_t grain = rows * w.in * w.out >= PARALLEL_WORK ? 1 : groups;  // a chunk this big runs in this thread
+    at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+        for (int64_t g = first; g < last; g++) product_columns(x, w, y, rows, 4 * g);
+    });
 }
 
 // Layer norm of each row of x (rows x n) into out as bfloat16, the next product's input.

@@ -1,0 +1,42 @@
+"""Up to how many new rows a forward runs as one C++ call (native.Blocks) instead of torch's operations, measured.
+
+A forward of a few rows through torch starts some thirty operations a layer, each paying its own overhead; the C++
+call pays once, and on a CPU with AVX-512 BF16 it ran the cpu preset's oracle over one token in about half torch's
+time (docs/decoding.md, "The C++ forward"). Past some tens of rows torch's products and attention win. Where the two
+cross depends on the CPU, its threads and the model's width, so both are timed on the model itself over
+ROW_COUNTS new rows and the choice is kept per model, code and device with the forward costs.
+"""
+import hashlib
+import json
+from pathlib import Path
+
+from data.atomic import write_json
+from decode import native
+from decode.planning.costs import CACHE_DIR, cache_key, forward_costs
+
+ROW_COUNTS = (1, 2, 4, 8, 16, 32)
+REPEATS = 10
+
+
+def native_rows(model_dir, engine, dtype: str, cache_dir: Path | None = None) -> int:
+    """The largest of ROW_COUNTS up to which every timed forward of `engine` was faster in C++ (0: never, or no C++
+    forward here); timed once per model, code, device and threads, then read back."""
+    if engine.blocks is None:
+        return 0
+    source = hashlib.sha256(native.DRAFT_SOURCE.read_bytes()).hexdigest()[:12]
+    path = Path(cache_dir or CACHE_DIR) / f"native-rows-{cache_key(model_dir, engine, dtype)}-{source}.json"
+    try:
+        ms = {way: {int(q): t for q, t in row.items()} for way, row in json.loads(path.read_text()).items()}
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        ms = {}
+        for way, rows in (("C++", max(ROW_COUNTS)), ("torch", 0)):
+            engine.native_rows = rows
+            ms[way] = forward_costs(engine, repeats=REPEATS, counts=ROW_COUNTS)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, ms, indent=1)
+    chosen = 0
+    for q in ROW_COUNTS:
+        if q not in ms["C++"] or ms["C++"][q] >= ms["torch"].get(q, float("inf")):
+            break
+        chosen = q
+    return chosen
