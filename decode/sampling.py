@@ -24,6 +24,10 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def describe(self) -> str:
+        """The setting as benchmarks and plans name it."""
+        return "greedy" if self.greedy else f"T={self.temperature} top-k {self.top_k} top-p {self.top_p}"
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Processed next-token distributions for logits (..., vocab)."""
         if self.greedy:

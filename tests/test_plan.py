@@ -373,7 +373,7 @@ def test_tree_methods_without_a_plan_say_their_tree_is_sized_for_the_device(plan
     options = run.parse(["--run", str(run_dir), *prompts]).options
     assert options.plan is None and (options.budget, options.widths) == (12, [3, 2, 1])  # a CPU's, not the paper's
     note = capsys.readouterr().err
-    assert "no plan in" in note and "sized for this device (--budget 12, --widths 3,2,1)" in note
+    assert "no plan for this setting in" in note and "sized for this device (--budget 12, --widths 3,2,1)" in note
     assert f"python -m decode.plan --run {run_dir}" in note
     for quiet in (["--widths", "4,2,1", "--budget", "16"], ["--budget", "36"], ["--paper-tree"], ["--method", "lookup"],
                   ["--no-plan"]):
@@ -406,14 +406,30 @@ def test_sampled_acceptance_is_certain_for_the_oracle_itself_and_falls_with_dept
     assert chain[0] == pytest.approx(sum(other) / len(other)) and chain == sorted(chain, reverse=True)
 
 
-def test_plan_reports_the_sampled_chain_acceptance_for_a_sampling_setting(planned, tmp_path):
-    out = tmp_path / "sampled.json"
-    written = plan.main(planned["args"] + ["--calibration", "2", "--max-budget", "8", "--max-depth", "2",
-                                           "--temperature", "1", "--top-k", "20", "--out", str(out)])
-    sampled = json.loads(out.read_text())["acceptance"]["sampled"]
-    assert sampled == written["acceptance"]["sampled"] and sampled["setting"] == "T=1.0 top-k 20 top-p 1.0"
-    chain = sampled["draft_chain"]
-    assert len(chain) == 2 and 0 < chain[1] <= chain[0] < 1
+def test_a_sampling_setting_is_planned_by_decoding_into_its_own_file_which_runs_read_at_that_setting(planned, models,
+                                                                                                     tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    prompts = ["--prompts", planned["args"][planned["args"].index("--prompts") + 1]]
+    decoded = []
+    sampled_replay = replay.sampled
+    monkeypatch.setattr(replay, "sampled", lambda drafter, *rest: decoded.append(drafter) or sampled_replay(drafter, *rest))
+    setting = ["--temperature", "1", "--top-k", "20"]
+    written = plan.main(["--run", str(run_dir), *prompts, "--max-new-tokens", "16", "--calibration", "2",
+                         "--max-budget", "8", "--max-depth", "2", "--draft-vocab", "0", *setting])
+    path = run_dir / "plan-t1-k20-p1.json"
+    assert json.loads(path.read_text())["sampling"] == written["sampling"] == "T=1.0 top-k 20 top-p 1.0"
+    sampled = written["acceptance"]["sampled"]
+    assert sampled["setting"] == "T=1.0 top-k 20 top-p 1.0" and len(sampled["draft_chain"]) == 2
+    assert 0 < sampled["draft_chain"][1] <= sampled["draft_chain"][0] < 1
+    assert decoded and not (run_dir / "plan.json").exists()  # every policy was decoded for real, none replayed greedily
+    branches = {d.draft_children for d in decoded if isinstance(d, StagedDrafter)}
+    assert {1, 2} <= branches  # staged's trees tried as chains of draws and as two draws a node
+    options = run.parse(["--run", str(run_dir), *prompts, *setting, "--method", "staged"]).options
+    assert options.plan == path and options.branch == written["policies"]["staged"]["branch"]
+    assert run.parse(["--run", str(run_dir), *prompts, "--method", "staged"]).options.plan is None  # greedy: no plan.json
 
 
 def test_paper_tree_is_one_flag_away_and_refused_beside_a_typed_tree(models):

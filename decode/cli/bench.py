@@ -13,8 +13,9 @@ generate on the oracle), `hf-assisted` (generate with the draft as assistant mod
 GGUF in the run's dtype, on as many threads as ours: `llamacpp` (plain) and `llamacpp-lookup` (its
 prompt-lookup draft), skipped with a note without llama-cpp-python (pip install -e ".[llamacpp]").
 `lookup` is ours: the same idea as a drafter.
-With RUN/plan.json (python -m decode.plan) every method of ours runs its planned policy and the
-table puts the plan's predicted tokens per call and speedup beside the measured ones; `staged-paper`
+With the run's plan for the sampling setting (python -m decode.plan, with the same --temperature,
+--top-k and --top-p) every method of ours runs its planned policy and the table puts the plan's
+predicted tokens per call and speedup beside the measured ones; `staged-paper`
 is staged with the paper's tree (decode.run --paper-tree) and no plan.
 """
 import argparse
@@ -166,9 +167,7 @@ def print_table(summary: dict[str, dict], greedy: bool) -> None:
     planned = {name: s for name, s in summary.items() if "predicted" in s}
     if planned:
         base = summary["baseline"]["tokens_per_second"]
-        if not greedy:  # the planner replays greedy decoding; sampled acceptance is lower (sum of min(p, q))
-            print("planned (RUN/plan.json) for greedy decoding, so not a forecast for this sampled run:")
-        print(f"planned (RUN/plan.json) against measured: {'method':<12} {'tokens/call':>19} {'speedup (tokens/s)':>19}")
+        print(f"planned (the run's plan) against measured: {'method':<12} {'tokens/call':>19} {'speedup (tokens/s)':>19}")
         for name, s in planned.items():
             p = s["predicted"]
             print(f"{'':<42} {name:<12} {p['tokens_per_call']:8.2f} vs {s['tokens_per_oracle_call']:5.2f}"
@@ -252,17 +251,13 @@ def describe_methods(decoders: dict, summary: dict, sampling) -> tuple[dict, dic
     return sizing, drafts
 
 
-def mode_of(sampling) -> str:
-    return "greedy" if sampling.greedy else f"T={sampling.temperature} top-k {sampling.top_k} top-p {sampling.top_p}"
-
-
 @exits_on_input_error
 def main(argv=None) -> dict:
     known, names, rest = parse(argv)
     decoders, ours, settings = build_methods(names, rest, chosen=known.methods is not None)
     options, sampling, plan_path = settings.flags.base, settings.sampling, settings.flags.plan
     prompts = run.encode_prompts(settings, ours)
-    mode, loops, healing = mode_of(sampling), native.loops(options.device), "on" if options.token_healing else "off"
+    mode, loops, healing = sampling.describe(), native.loops(options.device), "on" if options.token_healing else "off"
     print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
           f"token healing {healing}, step loops in {loops}; methods: {', '.join(decoders)}; "
           + (f"plan {plan_path}" if plan_path else "no plan (python -m decode.plan writes one)"))

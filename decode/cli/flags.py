@@ -11,7 +11,8 @@ from data.errors import InputError
 from decode.methods import METHODS
 from decode.models.precision import PINNED, auto_dtype
 from decode.options import CPU_BUDGET, CPU_WIDTHS, PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
-from decode.planning.plan_file import describe, replan_command, run_plan, with_plan
+from decode.planning.plan_file import describe, plan_name, replan_command, run_plan, with_plan
+from decode.sampling import Sampling
 
 # Flags a plan fills in unless typed: their parser default is None, DecoderOptions holds the value used otherwise
 PLANNED_FLAGS = ("k", "budget", "depth", "widths", "branch", "lookup_tokens", "draft_dtype", "draft_vocab")
@@ -61,9 +62,11 @@ def add_decoder_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-ngram", type=int, default=3, help="lookup, staged: longest suffix matched in the context")
     p.add_argument("--plan", type=Path,
                    help="a plan written by decode.plan: its policy for the method (k, tree shape, budget, widths, lookup "
-                        "tokens, draft vocabulary and dtype) fills in those flags that you do not type (default: RUN/plan.json when it "
-                        "exists and was planned for this device, dtype and backend; a plan for other models is refused)")
-    p.add_argument("--no-plan", action="store_true", help="use the flags' defaults even when RUN/plan.json exists")
+                        "tokens, draft vocabulary and dtype) fills in those flags that you do not type (default: the run's plan "
+                        "for the sampling setting, RUN/plan.json when greedy and e.g. RUN/plan-t1-k50-p1.json at "
+                        "--temperature 1 --top-k 50, when it exists and was planned for this device, dtype and backend; a "
+                        "plan for other models is refused)")
+    p.add_argument("--no-plan", action="store_true", help="use the flags' defaults even when the run has a plan")
     p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
                    help="back off the prompt's last token and let the first new token be only one that extends its text "
                         "(a prompt ending in a bare newline otherwise starts where training never went); every method alike")
@@ -99,10 +102,11 @@ class DecoderFlags:
         return with_plan(replace(self.base, method=method or self.base.method), self.plan, self.typed)
 
 
-def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, dtype_from_plan: bool = True) -> DecoderFlags:
-    """The flags `add_decoder_flags` parsed, resolved: the run's parts, the tree, the dtype and the run's plan.
-    `--dtype auto` takes the run's plan's dtype (even with --no-plan, so that a benchmark's methods share one) unless
-    `dtype_from_plan` is off (the planner, which measures afresh)."""
+def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, sampling: Sampling,
+                  dtype_from_plan: bool = True) -> DecoderFlags:
+    """The flags `add_decoder_flags` parsed, resolved: the run's parts, the tree, the dtype and the run's plan for
+    `sampling` (plan_name). `--dtype auto` takes the run's plan's dtype (even with --no-plan, so that a benchmark's
+    methods share one) unless `dtype_from_plan` is off (the planner, which measures afresh)."""
     run = args.run
     if run is not None:
         args.oracle = args.oracle or run / "oracle"
@@ -119,7 +123,7 @@ def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, dtype_fr
             args.widths = [int(w) for w in args.widths.split(",")]
         except ValueError:
             p.error(f"--widths takes comma-separated integers, e.g. 3,2,1 (got {args.widths!r})")
-    plan = None if args.no_plan else args.plan or (run / "plan.json" if run is not None else None)
+    plan = None if args.no_plan else args.plan or (run / plan_name(sampling) if run is not None else None)
     if args.dtype == "auto":
         args.dtype, why = auto_dtype(args.device, (args.plan or run and run / "plan.json") if dtype_from_plan else None,
                                      args.oracle)
@@ -131,14 +135,14 @@ def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, dtype_fr
     except InputError as err:
         p.error(str(err))
     if run is not None and args.plan is None and plan is not None:
-        plan, other = run_plan(run, base)
+        plan, other = run_plan(run, base, sampling)
         if other:
-            announce(f"note: {run / 'plan.json'} was planned for {', '.join(other)}; using the flags' trees (re-plan with "
-                     f"`{replan_command(run, base)}`)")
+            announce(f"note: {run / plan_name(sampling)} was planned for {', '.join(other)}; using the flags' trees "
+                     f"(re-plan with `{replan_command(run, base, sampling)}`)")
         elif plan is None and METHODS[base.method].tree and not {"widths", "budget"} & typed:
-            announce(f"note: no plan in {run}, so {base.method} uses a tree sized for this device (--budget "
-                     f"{base.budget}, --widths {','.join(map(str, base.widths))}); `python -m decode.plan --run {run}` "
-                     f"plans each method's tree for these models")
+            announce(f"note: no plan for this setting in {run} ({plan_name(sampling)}), so {base.method} uses a tree "
+                     f"sized for this device (--budget {base.budget}, --widths {','.join(map(str, base.widths))}); "
+                     f"`{replan_command(run, base, sampling)}` plans each method's tree for these models")
     return DecoderFlags(base, plan, typed)
 
 

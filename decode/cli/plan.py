@@ -3,22 +3,26 @@
     python -m decode.plan --run RUN --dtype bfloat16
     python -m decode.plan --run RUN --dtype bfloat16 --project-oracle gpt2-large --overwrite
 
-Calibrates on the last --calibration prompts of --prompts (benchmarks take the first ones): the
-oracle's greedy outputs, how often each drafter's rank-k candidate at depth d is the oracle's token,
+Plans for the sampling setting it is given (greedy by default; --temperature, --top-k, --top-p as in
+decode.run), each setting into its own file. Calibrates on the last --calibration prompts of
+--prompts (benchmarks take the first ones): the oracle's greedy outputs, how often each drafter's rank-k candidate at depth d is the oracle's token,
 the oracle's forward cost per node count (the cost cache), and the time a step spends around the
 forwards. Each candidate policy (chain k; Sequoia tree shapes from the rates; staged widths and
 budget; ngram budget; lookup length) is replayed along the oracle's outputs (every one on --screen
-prompts, the best few per method on all, and a draft method's best few again with other drafts: the
+prompts, the best few per method on all, and a draft method's best few again with other drafts; when
+sampling, each is decoded for real instead, its acceptance being random, and staged's trees are
+also tried as chains of draws (--branch 1): the
 draft's output layer over its most frequent tokens only, --draft-vocab, and on a CPU beside a bfloat16
 oracle the draft in float32), each method's best policy also decodes a few prompts for real to measure its
 costs inside a decoding loop, and the policy with the least predicted ms per token is written to
-RUN/plan.json, which decode.run and decode.bench then use.
+the run's plan, which decode.run and decode.bench then use at the same setting.
 --project-oracle repeats the choice with the forward costs of a larger oracle shape measured
 here on random weights: a projection, not a measurement.
 """
 import argparse
 import math
 import sys
+from typing import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,7 +44,7 @@ from decode.models.cached_lm import CachedLM
 from decode.models.loading import load_draft, load_trigram
 from decode.options import MIN_DRAFT_VOCAB
 from decode.planning import costs, replay, shapes
-from decode.planning.plan_file import PLAN_VERSION, describe, identity, save_plan, with_policy
+from decode.planning.plan_file import PLAN_VERSION, describe, identity, plan_name, save_plan, with_policy
 from decode.sampling import Sampling
 
 GREEDY = Sampling()
@@ -51,6 +55,7 @@ STAGED_WIDTHS = ((1, 1, 1, 1, 1, 1), (2, 1, 1, 1, 1, 1), (2, 2, 1, 1, 1, 1), (3,
                  (6, 4, 2, 1, 1, 1), (3, 2, 1), (4, 2, 1), (6, 3, 1))
 CHAIN_K = range(1, 9)
 LOOKUP_TOKENS = (1, 2, 3, 4, 6, 8, 10, 12, 16)
+STAGED_DRAWS = (1, 2)  # when sampling: the draft's draws per node of a staged tree (1: a chain of draws)
 RANKS = 8  # candidates per node the acceptance rates cover
 FINALISTS = 3  # policies per method (and per oracle cost) replayed on every calibration prompt
 
@@ -81,15 +86,17 @@ def parse(argv):
                    help="the draft shortlists (decode.run --draft-vocab) each method's best policy is replayed with, "
                         "besides the whole vocabulary; the plan keeps the fastest (default: the largest power of two up to "
                         f"half the vocabulary, when the draft has {TOKEN_COUNTS}; 0: none)")
-    p.add_argument("--out", type=Path, help="where the plan goes (default RUN/plan.json)")
+    p.add_argument("--out", type=Path, help="where the plan goes (default: RUN/plan.json when greedy, else the "
+                                            "setting's own, e.g. RUN/plan-t1-k50-p1.json, which decode.run and "
+                                            "decode.bench read at that setting)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing plan")
     known, rest = p.parse_known_args(argv)
     settings = run.parse(rest + ["--method", "staged", "--no-plan"], "python -m decode.plan", dtype_from_plan=False)
     if known.calibration < 1 or known.screen < 2 or not 2 <= known.max_budget <= 512 or not 1 <= known.max_depth <= 16:
         p.error("need --calibration >= 1, --screen >= 2, --max-budget 2..512 and --max-depth 1..16")
     if known.out is None and settings.run is None:
-        p.error("pass --out PATH (or --run RUN for RUN/plan.json)")
-    known.out = known.out or settings.run / "plan.json"
+        p.error("pass --out PATH (or --run RUN for the run's plan)")
+    known.out = known.out or settings.run / plan_name(settings.sampling)
     if known.project_oracle:
         costs.projection_shape(known.project_oracle)  # a bad shape fails now, not after the calibration
     return known, settings
@@ -120,19 +127,22 @@ def oracle_outputs(decoder, prompts, max_new_tokens: int) -> list[tuple[list[int
                                            allowed=p.allowed).tokens) for p in prompts]
 
 
-def loop_costs(decoder, drafters: dict, prompts, max_new_tokens: int, oracle_ms: torch.Tensor) -> dict:
-    """Greedy decoding for real with the baseline and each of `drafters`, in turns per prompt, as decode.bench runs
-    them (each slows the others' next forwards by evicting their weights from the caches). Per drafter: the oracle's
-    forward as a multiple of its isolated cost for the same node counts (`oracle_ms`), the drafting's ms per step
-    and the rest of a step's ms (masks, verification, commits); for "baseline", its baseline_costs."""
+def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: torch.Tensor) -> dict:
+    """Decoding for real under the settings' sampling with the baseline and each of `drafters`, in turns per prompt,
+    as decode.bench runs them (each slows the others' next forwards by evicting their weights from the caches). Per
+    drafter: the oracle's forward as a multiple of its isolated cost for the same node counts (`oracle_ms`), the
+    drafting's ms per step and the rest of a step's ms (masks, verification, commits); for "baseline", its
+    baseline_costs."""
     timers = {name: Timer(decoder.oracle.device) for name in ["baseline", *drafters]}
-    oracle, eos_id = decoder.oracle, decoder.eos_id
+    oracle, eos_id, n, sampling = decoder.oracle, decoder.eos_id, settings.max_new_tokens, settings.sampling
+    seeded = lambda i: torch.Generator(oracle.device).manual_seed(settings.seed + i)
     runs = {"baseline": lambda prompt, i, hooks=timers["baseline"].hooks(): loop.baseline(
-        oracle, prompt.ids, max_new_tokens, GREEDY, eos_id, allowed=prompt.allowed, hooks=hooks)}
+        oracle, prompt.ids, n, sampling, eos_id, generator=seeded(i), allowed=prompt.allowed, hooks=hooks)}
     for name, drafter in drafters.items():
         drafter.forget()
         runs[name] = lambda prompt, i, drafter=drafter, hooks=timers[name].hooks(): loop.tree_speculative(
-            oracle, prompt.ids, max_new_tokens, GREEDY, eos_id, drafter=drafter, allowed=prompt.allowed, hooks=hooks)
+            oracle, prompt.ids, n, sampling, eos_id, generator=seeded(i), drafter=drafter, allowed=prompt.allowed,
+            hooks=hooks)
     records = decode_in_turns(runs, prompts)
     seconds = {name: sum(r["seconds"] for r in rows) for name, rows in records.items()}
     tokens = {name: sum(len(r["tokens"]) for r in rows) for name, rows in records.items()}
@@ -177,9 +187,10 @@ def sampled_acceptance(decoder, prompts, settings, depth: int) -> dict:
             "draft_chain": shapes.chain_acceptance(overlap_lists, depth)}
 
 
-def candidates(options, draft, table, p_draft, max_budget: int, max_depth: int) -> list[tuple[str, dict, object]]:
+def candidates(options, draft, table, p_draft, max_budget: int, max_depth: int,
+               sampling: Sampling = GREEDY) -> list[tuple[str, dict, object]]:
     """(method, policy, drafter) for every policy to replay: trees of at most `max_budget` nodes and `max_depth`
-    levels."""
+    levels; when sampling, staged's trees of draws with each of STAGED_DRAWS per node."""
     drafted = {"draft_vocab": 0, "draft_dtype": base_dtype(options)}  # the draft the plan loaded; other drafts later
     policies = [("speculative", {"k": k} | drafted) for k in CHAIN_K]
     budgets = [b for b in BUDGETS if b <= max_budget]
@@ -193,9 +204,10 @@ def candidates(options, draft, table, p_draft, max_budget: int, max_depth: int) 
                 seen.add(key)
                 policies.append(("tree", {"parents": shape.parents, "ranks": shape.ranks, "expected": shape.expected,
                                           "nodes": len(shape.parents), "depth": shape.depth} | drafted))
+    draws = [{}] if sampling.greedy else [{"branch": n} for n in STAGED_DRAWS]
     for widths in STAGED_WIDTHS:
-        policies += [("staged", {"widths": list(widths), "budget": budget} | drafted)
-                     for budget in budgets if budget > widths[0]]
+        policies += [("staged", {"widths": list(widths), "budget": budget} | drawn | drafted)
+                     for budget in budgets if budget > widths[0] for drawn in draws]
     policies += [("ngram", {"widths": options.widths, "budget": budget}) for budget in budgets if budget > options.widths[0]]
     policies += [("lookup", {"tokens": length}) for length in LOOKUP_TOKENS]
     return [(method, policy, drafter_for(method, policy, draft, table, options)) for method, policy in policies]
@@ -261,18 +273,17 @@ def best(predicted: dict) -> dict:
     return {method: ranked[0] for method, ranked in predicted.items()}
 
 
-def calibrate_in_loop(decoder, replays: dict, prompts, max_new_tokens: int, isolated_ms: torch.Tensor
-                      ) -> tuple[dict, dict]:
+def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: torch.Tensor) -> tuple[dict, dict]:
     """Each method's costs in a real decoding loop, beside the baseline's: first with the context
     drafter (no draft model) standing for every method, then with each method's best policy under
     those, which gives the method its own factors (the draft's and the oracle's forwards evict each
     other from the caches). The factors, and the baseline measured beside them."""
-    generic = loop_costs(decoder, {"lookup": LookupDrafter()}, prompts, max_new_tokens, isolated_ms)
+    generic = loop_costs(decoder, {"lookup": LookupDrafter()}, prompts, settings, isolated_ms)
     in_loop = {method: {"oracle": generic["lookup"]["oracle"], "drafting": 1.0, "loop_ms": generic["lookup"]["loop_ms"]}
                for method in replays}
     first = best(forecast(replays, isolated_ms, generic["baseline"], in_loop))
     chosen = {method: next(c for c in group if c["policy"] == first[method]["policy"]) for method, group in replays.items()}
-    measured = loop_costs(decoder, {m: c["drafter"] for m, c in chosen.items()}, prompts, max_new_tokens, isolated_ms)
+    measured = loop_costs(decoder, {m: c["drafter"] for m, c in chosen.items()}, prompts, settings, isolated_ms)
     for method, c in chosen.items():
         replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps
         m = measured[method]
@@ -281,13 +292,22 @@ def calibrate_in_loop(decoder, replays: dict, prompts, max_new_tokens: int, isol
     return in_loop, measured["baseline"]
 
 
-def replay_all(candidates: list, sequences, desc: str) -> dict:
-    """Per method, each candidate policy with its drafter and its replay along `sequences`."""
+def replay_all(candidates: list, replayer: Callable, prompts: int, desc: str) -> dict:
+    """Per method, each candidate policy with its drafter and its replay on the first `prompts` calibration prompts
+    (`replayer(drafter, prompts)`)."""
     replays = {}
     for method, policy, drafter in tqdm(candidates, desc=desc, unit="policy"):
-        replays.setdefault(method, []).append({"policy": policy, "drafter": drafter,
-                                               "replay": replay.replay(drafter, sequences)})
+        replays.setdefault(method, []).append({"policy": policy, "drafter": drafter, "replay": replayer(drafter, prompts)})
     return replays
+
+
+def replayer(decoder, prompts: list, sequences: list, settings) -> Callable:
+    """How a policy is replayed on the first n calibration prompts: greedy, along the oracle's outputs
+    (`sequences`); sampling, by decoding them for real under the settings' sampling."""
+    if settings.sampling.greedy:
+        return lambda drafter, n: replay.replay(drafter, sequences[:n])
+    return lambda drafter, n: replay.sampled(drafter, decoder.oracle, prompts[:n], settings.max_new_tokens,
+                                             settings.sampling, decoder.eos_id, settings.seed)
 
 
 def print_forecast(title: str, predicted: dict) -> None:
@@ -309,20 +329,21 @@ def projected_costs(spec: str, options, sequences, max_budget: int) -> dict:
             "oracle": spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs}
 
 
-def replay_policies(known, options, draft, table, p_draft, sequences, oracle_curves: list, drafts: dict) -> dict:
-    """Every candidate policy replayed on the first --screen prompts, each method's best few under each oracle curve on
-    all of them, and a draft method's best few again with each of the other `drafts` (a cheaper draft may favour a
-    larger tree): per method, each policy with its drafter and replay."""
-    screened = replay_all(candidates(options, draft, table, p_draft, known.max_budget, known.max_depth),
-                          sequences[: known.screen], f"screening policies on {min(known.screen, len(sequences))} prompts")
-    replays = replay_all(leaders(screened, FINALISTS, oracle_curves), sequences,
-                         f"replaying the finalists on {len(sequences)} prompts")
+def replay_policies(known, options, draft, table, p_draft, run_replay: Callable, prompts: int, oracle_curves: list,
+                    drafts: dict, sampling: Sampling) -> dict:
+    """Every candidate policy replayed on the first --screen of the `prompts` calibration prompts, each method's best
+    few under each oracle curve on all of them, and a draft method's best few again with each of the other `drafts`
+    (a cheaper draft may favour a larger tree): per method, each policy with its drafter and replay."""
+    screened = replay_all(candidates(options, draft, table, p_draft, known.max_budget, known.max_depth, sampling),
+                          run_replay, known.screen, f"screening policies on {min(known.screen, prompts)} prompts")
+    replays = replay_all(leaders(screened, FINALISTS, oracle_curves), run_replay, prompts,
+                         f"replaying the finalists on {prompts} prompts")
     if drafts:
         drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
         variants = [(method, policy | {"draft_vocab": n, "draft_dtype": dtype}, drafter_for(method, policy, variant, table, options))
                     for method, policy, _ in leaders(drafted, FINALISTS, oracle_curves[:1])  # this device's finalists
                     for (n, dtype), variant in drafts.items()]
-        for method, group in replay_all(variants, sequences, "replaying them with the draft over "
+        for method, group in replay_all(variants, run_replay, prompts, "replaying them with the draft over "
                                         + "; ".join(variant_name(*key) for key in drafts)).items():
             replays[method] += group
     return replays
@@ -351,13 +372,15 @@ def main(argv=None) -> dict:
     projection = known.project_oracle and projected_costs(known.project_oracle, options, sequences, known.max_budget)
     oracle_curves = [(isolated_ms, {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0})]
     oracle_curves += [(projection["ms"], projection["baseline"])] if projection else []
-    replays = replay_policies(known, options, draft, table, p_draft, sequences, oracle_curves, drafts)
-    in_loop, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings.max_new_tokens, isolated_ms)
+    replays = replay_policies(known, options, draft, table, p_draft, replayer(decoder, prompts, sequences, settings),
+                              len(prompts), oracle_curves, drafts, settings.sampling)
+    in_loop, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings, isolated_ms)
     predicted = best(forecast(replays, isolated_ms, baseline, in_loop))
-    print_forecast(f"predicted on this device (oracle q=1 forward {oracle_costs[1]:.2f} ms in isolation, "
+    print_forecast(f"predicted for {settings.sampling.describe()} on this device (oracle q=1 forward {oracle_costs[1]:.2f} ms in isolation, "
                    f"{baseline['one_token']:.2f} ms in the baseline's loop; tokens per call count each prompt's "
                    f"prefill, as decode.bench does):", predicted)
     plan = {"version": PLAN_VERSION, "identity": identity(options),
+            "sampling": settings.sampling.describe(),
             "calibration": {"prompts": str(settings.prompts), "count": len(prompts), "tokens": sum(len(c) for _, c in sequences),
                             "max_new_tokens": settings.max_new_tokens, "token_healing": options.token_healing},
             "policies": {m: p["policy"] for m, p in predicted.items() if m != "baseline"}, "predicted": predicted,
@@ -365,8 +388,7 @@ def main(argv=None) -> dict:
             "costs": {"oracle_ms": oracle_costs, "baseline_in_loop_ms": baseline, "in_loop": in_loop}}
     if sampled is not None:
         print(f"sampling ({sampled['setting']}): a sampled draft chain's first d tokens are accepted with probability "
-              + ", ".join(f"{a:.2f}" for a in sampled["draft_chain"]) + " (d = 1, 2, ...); the policies above are "
-              "planned for greedy decoding")
+              + ", ".join(f"{a:.2f}" for a in sampled["draft_chain"]) + " (d = 1, 2, ...)")
     if projection:
         plan["projection"] = project(projection, replays, in_loop, baseline)
     save_plan(plan, known.out, known.overwrite)

@@ -73,7 +73,7 @@ def explain(summary: dict, plan: dict | None, greedy: bool, staged: str = "stage
         lines.append(f"Forecast, not a measurement: with a {projection['oracle']}-sized oracle on this machine "
                      f"({p['baseline']['ms_per_token']:.0f} ms per token alone) and these drafters, the plan predicts "
                      f"staged {p['staged']['speedup']:.2f}x" + (f" and {best} {p[best]['speedup']:.2f}x" if best != "staged" else "")
-                     + " (python -m decode.plan --project-oracle)" + ("." if greedy else "; for greedy decoding."))
+                     + " (python -m decode.plan --project-oracle).")
     return lines
 
 

@@ -68,11 +68,11 @@ def parse(argv=None, prog: str = "python -m decode.run", description: str = __do
         p.error("pass --prompt TEXT or --prompts humaneval|FILE (or --run RUN)")
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be at least 1 (got {args.limit}); leave it out for every prompt")
-    flags = decoder_flags(p, args, dtype_from_plan)
     try:
         sampling = sampling_of(args.temperature, args.top_k, args.top_p)
     except InputError as err:
         p.error(str(err))
+    flags = decoder_flags(p, args, sampling, dtype_from_plan)
     return Settings(flags, sampling, args.prompt, args.prompts, args.limit, args.max_new_tokens, args.seed, args.out,
                     args.overwrite, args.stream, args.run)
 

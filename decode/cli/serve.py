@@ -18,6 +18,7 @@ from data.cli import HelpFormatter
 from data.errors import InputError, exits_on_input_error
 from decode.api import SpeculativeDecoder
 from decode.cli.flags import add_decoder_flags, decoder_flags
+from decode.sampling import Sampling
 from decode.server import create_app
 
 PROG = "python -m decode.serve"
@@ -35,7 +36,7 @@ def parse(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536 or args.queue_size < 1 or args.max_body_bytes < 1:
         p.error("need a --port in 0..65535, and a --queue-size and --max-body-bytes of at least 1")
-    args.options = decoder_flags(p, args).options()
+    args.options = decoder_flags(p, args, Sampling()).options()  # each request samples as it asks, with the greedy plan
     return args
 
 

@@ -21,7 +21,8 @@ class StagedDrafter(ModelDrafter):
     the continuations it copies from the context join the tree and are always kept: a copy of what
     the sequence already did is accepted far more often than the draft's probabilities suggest.
     With `sampled` children (when sampling), the oracle's tree is drawn from the draft instead
-    (`sampled_tree`): the trigram's tree only decides where the draft's q is known."""
+    (`sampled_tree`): the trigram's tree decides where the draft's q is known after the step's first draft
+    call; draws off it take one more draft call a level."""
 
     def __init__(self, model: CachedLM, table, budget: int = 36, widths=(12, 7, 4, 1, 1, 1),
                  draft_children: int | None = None, context: "LookupDrafter | None" = None, depth: int = 8,
@@ -81,30 +82,34 @@ class StagedDrafter(ModelDrafter):
         return parents[fresh].tolist(), tokens[fresh].tolist(), weights[fresh].tolist()
 
     def sampled_tree(self, tree: Tree, logits: torch.Tensor, max_depth: int, sampling: Sampling, generator) -> Tree:
-        """When sampling: `draft_children` independent draws from the draft's q below the root and below
-        every draw that lands on a node the draft scored (`tree`, whose q its one call computed), level by
-        level, up to `budget` nodes; a draw elsewhere is a leaf. Verified by multi-draft rejection. Only the
-        rows drawn below get a proposal: its top-k costs microseconds a row, and most of the scored nodes are
-        never drawn. Draws that repeat a token each get draws below, so a confident path would multiply
-        (3 draws a node: trees of thousands of nodes); the budget stops it at the first nodes of a level, in
-        their order, which the earlier levels' draws decide before this level's are made: which nodes get
-        draws never depends on the draws themselves, so multi-draft rejection stays exact."""
+        """When sampling: `draft_children` independent draws from the draft's q below the root and below every draw,
+        level by level, up to `budget` nodes, verified by multi-draft rejection. A draw that lands on a node of the
+        trigram's tree (`tree`) has its q from the step's first draft call already; the level's other draws join
+        `tree` and one more draft call scores them all. Only the rows drawn below get a proposal: its top-k costs
+        microseconds a row, and most of the scored nodes are never drawn. Draws that repeat a token each get draws
+        below; the budget stops a level at its first nodes, in their order, so which nodes get draws depends on
+        the count of draws only, never on the tokens drawn."""
         count = self.draft_children or 2
         out, self.kept = Tree.rooted(tree.tokens[0]), [0]
-        level = [(0, 0)]  # (node of `out`, the scored node it stands for): their children are drawn next
+        rows = {node: logits[node] for node in range(len(tree))}  # the draft's logits after each scored node
+        level = [(0, 0)]  # (node of `out`, the node of `tree` it stands for): their children are drawn next
         while level := [(node, scored) for node, scored in level if out.depths[node] < max_depth][
                 : (self.budget - len(out)) // count]:
-            drawn, q = draw_children(sampling, logits[[scored for _, scored in level]], count,
+            unscored = list(dict.fromkeys(scored for _, scored in level if scored not in rows))  # a repeated draw: once
+            if unscored:
+                rows.update(zip(unscored, self.draft.score(tree, unscored)))
+            drawn, q = draw_children(sampling, torch.stack([rows[scored] for _, scored in level]), count,
                                      generator, self.draft.shortlist)
             below_level = []
             for (node, scored), tokens, dist in zip(level, drawn, q):
                 out.child_dists[node] = dist
                 below = {tree.tokens[c]: c for c in tree.children[scored]}
                 for token in tokens:
+                    if token not in below:  # a draw the trigram did not propose: a node of `tree` to score
+                        below[token] = tree.add(scored, token)
                     child = out.add(node, token)
-                    self.kept.append(below.get(token))
-                    if token in below:
-                        below_level.append((child, below[token]))
+                    self.kept.append(below[token])
+                    below_level.append((child, below[token]))
             level = below_level
         return out
 

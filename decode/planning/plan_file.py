@@ -1,5 +1,5 @@
-"""The plan (RUN/plan.json): the policy with the best predicted ms per token for each method, and what it was
-measured with (the models, the device, the dtype), which it must match to be used."""
+"""The plan (RUN/plan.json, or a sampling setting's own file): the policy with the best predicted ms per token for
+each method, and what it was measured with (the models, the device, the dtype), which it must match to be used."""
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -11,6 +11,9 @@ from data.errors import InputError
 from decode.methods import METHODS
 from decode.planning.costs import device_name, fingerprint
 from decode.planning.shapes import Shape
+from decode.sampling import Sampling
+
+GREEDY = Sampling()
 
 PLAN_VERSION = 1
 
@@ -35,19 +38,29 @@ def recorded(identity: dict, key: str):
     return identity.get(key, SETTINGS.get(key))
 
 
-def replan_command(run, options) -> str:
-    return f"python -m decode.plan --run {run} --dtype {options.dtype}" + ("" if options.cuda_graphs else " --no-cuda-graphs")
+def replan_command(run, options, sampling: Sampling = GREEDY) -> str:
+    setting = "" if sampling.greedy else f" --temperature {sampling.temperature:g} --top-k {sampling.top_k} --top-p {sampling.top_p:g}"
+    return (f"python -m decode.plan --run {run} --dtype {options.dtype}" + setting
+            + ("" if options.cuda_graphs else " --no-cuda-graphs"))
 
 
 def save_plan(plan: dict, path: Path, overwrite: bool) -> None:
     write_json(path, plan, overwrite, indent=1)
 
 
-def run_plan(run: Path, options) -> tuple[Path | None, list[str]]:
-    """RUN/plan.json when it exists and was measured for these settings (device, dtype, backend, CUDA graphs), else
-    None and the settings it was planned for (none: there is no plan). A plan named explicitly is checked by
-    load_plan instead, which refuses one measured for other settings."""
-    path = Path(run) / "plan.json"
+def plan_name(sampling: Sampling = GREEDY) -> str:
+    """A run's plan file for a sampling setting: plan.json for greedy decoding; else one named by the setting
+    (plan-t1-k50-p1.json), as acceptance, and so the best trees, differ by setting."""
+    if sampling.greedy:
+        return "plan.json"
+    return f"plan-t{sampling.temperature:g}-k{sampling.top_k}-p{sampling.top_p:g}.json"
+
+
+def run_plan(run: Path, options, sampling: Sampling = GREEDY) -> tuple[Path | None, list[str]]:
+    """The run's plan for `sampling` (plan_name) when it exists and was measured for these settings (device, dtype,
+    backend, CUDA graphs), else None and the settings it was planned for (none: there is no plan). A plan named
+    explicitly is checked by load_plan instead, which refuses one measured for other settings."""
+    path = Path(run) / plan_name(sampling)
     if not path.is_file():
         return None, []
     try:

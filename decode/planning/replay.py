@@ -4,6 +4,7 @@ tokens it would have accepted are counted, step by step, as decoding would.
 
     replay       a drafter with a given policy, along the oracle's greedy outputs: tokens per call,
                  drafting time per step (measured here) and the oracle's batch per step
+    sampled      the same figures when sampling, whose acceptance is random: from decoding for real
     predict      tokens per call, ms per token and speedup, from a replay and the oracle's forward
                  costs (its own, or a larger shape's for a projection)
 """
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from decode import loop
 from decode.drafting import Drafter
+from decode.loop import Hooks
 from decode.sampling import Sampling
 
 GREEDY = Sampling()
@@ -64,6 +67,41 @@ def replay(drafter: Drafter, sequences: list[tuple[list[int], list[int]]]) -> Re
             out.accepted.append(len(path) - 1)
         out.tokens += len(continuation)
         out.prompts += 1
+    return out
+
+
+class Recorded:
+    """A drafter whose accepted paths are recorded: drafted tokens accepted per step."""
+
+    def __init__(self, drafter: Drafter, accepted: list[int]):
+        self.drafter, self.accepted = drafter, accepted
+
+    def __getattr__(self, name: str):
+        return getattr(self.drafter, name)
+
+    def accept(self, path: list[int]) -> None:
+        self.accepted.append(len(path) - 1)
+        self.drafter.accept(path)
+
+
+def sampled(drafter: Drafter, oracle, prompts: list, max_new_tokens: int, sampling: Sampling, eos_id: int | None,
+            seed: int) -> Replay:
+    """What a drafter does when sampling, from decoding each prompt (a healed Prompt) for real: prompt i draws with
+    seed + i, as decode.bench does. Sampled acceptance is random, so no replay along one output stands for it; the
+    oracle's forwards are counted here, and costed by `predict` as a replay's are."""
+    drafter.forget()
+    out = Replay()
+    hooks = Hooks(on_forward=lambda nodes, cached, seconds: cached and out.nodes.append(nodes),
+                  on_propose=lambda seconds: setattr(out, "drafting_seconds", out.drafting_seconds + seconds),
+                  device=oracle.device)
+    recorded = Recorded(drafter, out.accepted)
+    for i, prompt in enumerate(prompts):
+        generator = torch.Generator(oracle.device).manual_seed(seed + i)
+        generation = loop.tree_speculative(oracle, prompt.ids, max_new_tokens, sampling, eos_id, generator=generator,
+                                           drafter=recorded, allowed=prompt.allowed, hooks=hooks)
+        out.tokens += len(generation.tokens)
+        out.prompts += 1
+    out.steps = len(out.nodes)
     return out
 
 
