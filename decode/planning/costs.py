@@ -17,6 +17,7 @@ import torch
 from data.atomic import write_json
 from data.errors import InputError
 from data.machine import cpu_features, cpu_name
+from decode import native
 from decode.models.cached_lm import CachedLM, synchronize
 from decode.tree import Tree
 
@@ -119,9 +120,11 @@ def fingerprint(directory, pattern: str = "*.safetensors") -> str:
 
 
 def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
-    """Model (its fingerprint), the backend's code, weight layout, CUDA graphs and output shortlist, device, dtype
-    and threads."""
+    """Model (its fingerprint), the backend's code (with the C++ forward's, where it runs one), weight layout, CUDA
+    graphs and output shortlist, device, dtype and threads."""
     backend = Path(inspect.getfile(type(model))).read_text()
+    if getattr(model, "blocks", None) is not None:
+        backend += native.DRAFT_SOURCE.read_text() + f"{model.native_rows}"
     layouts, graphs = getattr(model, "layouts", None), getattr(model, "graphs", None) is not None
     shortlist = None if model.shortlist is None else model.shortlist.tokens.tolist()
     digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, layouts, graphs, torch.__version__]
