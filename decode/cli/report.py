@@ -148,9 +148,8 @@ def looping(completions: list[list[int]], share: float = 0.2) -> str | None:
     if not loops or loops < share * n:
         return None
     return (f"Note: {loops} of {n} of the oracle's completions end in a loop of at most {LONGEST_LOOP} tokens (an "
-            f"oracle this small loops); drafters that copy a loop accept long runs on it, so an oracle that writes "
-            f"code (--preset cpu) gives fewer tokens per call than this table; the column 'least repetitive half' "
-            f"leaves the loops out.")
+            f"oracle this small loops); drafters that copy a loop accept long runs on it, so an oracle that loops less "
+            f"gives fewer tokens per call than this table; the column 'least repetitive half' leaves the loops out.")
 
 
 def load_result(path: Path) -> dict:
