@@ -28,10 +28,11 @@ def native_rows(model_dir, engine, dtype: str, cache_dir: Path | None = None) ->
     try:
         ms = {way: {int(q): t for q, t in row.items()} for way, row in json.loads(path.read_text()).items()}
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        ms = {}
+        ms, before = {}, engine.native_rows
         for way, rows in (("C++", max(ROW_COUNTS)), ("torch", 0)):
             engine.native_rows = rows
             ms[way] = forward_costs(engine, repeats=REPEATS, counts=ROW_COUNTS)
+        engine.native_rows = before
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, ms, indent=1)
     chosen = 0
