@@ -171,7 +171,7 @@ def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monk
 @pytest.fixture
 def blocks_here(built):
     if native.draft_module() is None:
-        pytest.skip("this CPU has no AVX-512 BF16: a draft's blocks run in torch")
+        pytest.skip("this CPU has no AVX-512 BF16: a model's forward runs in torch")
     return native.draft_module()
 
 

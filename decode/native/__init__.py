@@ -1,7 +1,7 @@
 """A decoding step's loops over trees in C++ (decode/native/step.cpp): the trigram's tree below a new context, the
 staged drafter's greedy selection of the oracle's tree from the draft's logits, sample-match verification under
 greedy decoding, each row's best tokens, the continuations a context repeats (prompt lookup) and a commit's moves in
-a CPU cache; and a bfloat16 draft's transformer blocks (decode/native/draft.cpp, `Blocks`) on CPUs with AVX-512 BF16.
+a CPU cache; and a bfloat16 model's forward over a few rows (decode/native/draft.cpp, `Blocks`) on CPUs with AVX-512 BF16.
 Right after a forward, each of the tens of torch, numpy and list operations these take in Python pays for caches the
 forward evicted; one call pays once (docs/decoding.md and docs/profiling.md).
 
@@ -61,7 +61,7 @@ def draft_module():
     try:
         compiled = build(DRAFT_SOURCE)
     except Exception as err:
-        print(f"note: the draft's C++ forward could not be built ({first_line(err)}); the draft runs in torch",
+        print(f"note: the C++ forward could not be built ({first_line(err)}); the models run in torch",
               file=sys.stderr)
         return None
     return compiled if compiled.supported() else None
@@ -142,11 +142,10 @@ def pack_for_dot_products(in_out: torch.Tensor) -> torch.Tensor:
 
 class Blocks:
     """A bfloat16 GPT-2's forward over a few new rows as one C++ call (decode/native/draft.cpp): embeddings, blocks,
-    final layer norm and output layer, for a draft. Its keys and values go to the engine's cache as torch's would."""
+    final layer norm and output layer. Its keys and values go to the engine's cache as torch's would."""
 
     LINEAR = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-    # Up to this many new rows a forward (a step's tree): past it torch's attention and 2-thread products are faster
-    # (the cpu preset's draft after 400 cached slots, cold: 16 rows 0.91 ms against 1.06, 32 even, 64 2.4 against 1.8)
+    # The most rows a forward takes it for, until decode.models.native_rows measures how many pay on this machine
     ROWS = 32
 
     @staticmethod

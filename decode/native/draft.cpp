@@ -1,11 +1,12 @@
-// A small GPT-2's transformer blocks and output layer in one C++ call, for a draft model's forwards on a CPU with
-// AVX-512 BF16 (decode/native loads it; decode/models/engine.py calls it through GPT2Engine.logits). A draft's forward is
-// a few rows (a step's tree) through matrices of a few hundred columns: torch spends it starting some thirty
-// operations, each cold after the oracle's forward (oneDNN took 73-140 us for a 20 x 128 x 384 product that is 10 us
-// of arithmetic). Here the products, the output layer's too, are AVX-512 BF16 dot products over weights packed once
-// at load, and layer norm, attention with the tree's mask, GELU and the residuals run over the rows in place, in
-// float32. Its logits differ from torch's in rounding only; a draft's logits decide what is proposed, never what is
-// accepted.
+// A small GPT-2's forward over a few new rows in one C++ call, on a CPU with AVX-512 BF16 (decode/native loads it;
+// decode/models/engine.py calls it through GPT2Engine.logits for a draft's forwards and an oracle's, up to the rows
+// measured faster than torch's: decode/models/native_rows.py). A step's forward is a few rows through matrices of a
+// few hundred columns: torch spends it starting some thirty operations a layer, each cold after the other model's
+// forward (oneDNN took 73-140 us for a 20 x 128 x 384 product that is 10 us of arithmetic). Here the products, the
+// output layer's too, are AVX-512 BF16 dot products over weights packed once at load, their column groups split
+// over torch's threads, and layer norm, attention with the tree's mask, GELU and the residuals run over the rows in
+// place, in float32. Its logits differ from torch's in rounding only, as two bfloat16 kernels' do (a greedy output
+// can leave another kernel's only at a near-tie: docs/exactness.md).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
