@@ -91,15 +91,18 @@ class StagedDrafter(ModelDrafter):
         the count of draws only, never on the tokens drawn."""
         count = self.draft_children or 2
         out, self.kept = Tree.rooted(tree.tokens[0]), [0]
-        rows = {node: logits[node] for node in range(len(tree))}  # the draft's logits after each scored node
+        first = len(tree)  # the nodes the step's first draft call scored: row i of `logits` is node i's
+        later = {}  # the draft's logits after each node scored by a later call
         level = [(0, 0)]  # (node of `out`, the node of `tree` it stands for): their children are drawn next
         while level := [(node, scored) for node, scored in level if out.depths[node] < max_depth][
                 : (self.budget - len(out)) // count]:
-            unscored = list(dict.fromkeys(scored for _, scored in level if scored not in rows))  # a repeated draw: once
+            nodes = [scored for _, scored in level]
+            unscored = list(dict.fromkeys(n for n in nodes if n >= first and n not in later))  # a repeated draw: once
             if unscored:
-                rows.update(zip(unscored, self.draft.score(tree, unscored)))
-            drawn, q = draw_children(sampling, torch.stack([rows[scored] for _, scored in level]), count,
-                                     generator, self.draft.shortlist)
+                later.update(zip(unscored, self.draft.score(tree, unscored)))
+            rows = (logits[nodes] if max(nodes) < first
+                    else torch.stack([logits[n] if n < first else later[n] for n in nodes]))
+            drawn, q = draw_children(sampling, rows, count, generator, self.draft.shortlist)
             below_level = []
             for (node, scored), tokens, dist in zip(level, drawn, q):
                 out.child_dists[node] = dist

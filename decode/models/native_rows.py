@@ -6,13 +6,9 @@ time (docs/profiling.md, "The C++ forward"). Past about ten rows torch's product
 cross depends on the CPU, its threads and the model's width, so both are timed on the model itself over
 ROW_COUNTS new rows and the choice is kept per model, code and device with the forward costs.
 """
-import hashlib
-import json
 from pathlib import Path
 
-from data.atomic import write_json
-from decode import native
-from decode.planning.costs import CACHE_DIR, cache_key, forward_costs
+from decode.planning.costs import CACHE_DIR, by_count, cache_key, forward_costs, kept
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)
 REPEATS = 10
@@ -23,18 +19,18 @@ def native_rows(model_dir, engine, dtype: str, cache_dir: Path | None = None) ->
     forward here); timed once per model, code, device and threads, then read back."""
     if engine.blocks is None:
         return 0
-    source = hashlib.sha256(native.DRAFT_SOURCE.read_bytes()).hexdigest()[:12]
-    path = Path(cache_dir or CACHE_DIR) / f"native-rows-{cache_key(model_dir, engine, dtype)}-{source}.json"
-    try:
-        ms = {way: {int(q): t for q, t in row.items()} for way, row in json.loads(path.read_text()).items()}
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+    path = Path(cache_dir or CACHE_DIR) / f"native-rows-{cache_key(model_dir, engine, dtype)}.json"  # names the C++ too
+
+    def both_ways() -> dict:
         ms, before = {}, engine.native_rows
         for way, rows in (("C++", max(ROW_COUNTS)), ("torch", 0)):
             engine.native_rows = rows
             ms[way] = forward_costs(engine, repeats=REPEATS, counts=ROW_COUNTS)
         engine.native_rows = before
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, ms, indent=1)
+        return ms
+
+    measured, _ = kept(path, both_ways)
+    ms = {way: by_count(row) for way, row in measured.items()}
     chosen = 0
     for q in ROW_COUNTS:
         if q not in ms["C++"] or ms["C++"][q] >= ms["torch"].get(q, float("inf")):

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from data.atomic import write_json
-from decode.planning.costs import CACHE_DIR, cpu_features, device_name, fingerprint, forward_costs
+from decode.planning.costs import CACHE_DIR, by_count, cpu_features, device_name, fingerprint, forward_costs, kept
 
 DTYPES = ("float32", "bfloat16")
 PINNED = "STAGED_SPECULATIVE_DTYPE"  # what "auto" resolves to when set (float32 or bfloat16): reproducible runs
@@ -59,12 +58,8 @@ def measured_dtype(oracle: Path, device: str, cache_dir: Path | None = None) -> 
     timings. Measured once per model and device (a few seconds for the cpu preset's oracle), then read back."""
     name = device_name(torch.device(device))
     path = Path(cache_dir or CACHE_DIR) / f"dtype-{fingerprint(oracle)}-{''.join(c if c.isalnum() else '_' for c in name)}.json"
-    try:
-        ms = {dtype: {int(q): t for q, t in row.items()} for dtype, row in json.loads(path.read_text()).items()}
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        ms = {dtype: time_forwards(oracle, dtype, device) for dtype in DTYPES}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, ms, indent=1)
+    measured, _ = kept(path, lambda: {dtype: time_forwards(oracle, dtype, device) for dtype in DTYPES})
+    ms = {dtype: by_count(row) for dtype, row in measured.items()}
     total = {dtype: sum(ms[dtype].values()) for dtype in DTYPES}
     chosen = min(DTYPES, key=total.get)  # float32 on a tie
     timings = ", ".join(f"{dtype} {' + '.join(f'{ms[dtype][q]:.2f}' for q in TIMED)} ms" for dtype in DTYPES)

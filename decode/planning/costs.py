@@ -10,6 +10,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -133,17 +134,32 @@ def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
     return f"{digest}-{device}-{dtype}"
 
 
+def kept(path: Path, measure: Callable[[], dict]) -> tuple[dict, bool]:
+    """The measurement kept at `path` (JSON), or `measure()`'s, kept there now; and whether it was read back."""
+    try:
+        measured = json.loads(path.read_text())
+        if isinstance(measured, dict):
+            return measured, True
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass
+    measured = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, measured, indent=1)
+    return measured, False
+
+
+def by_count(table: dict) -> dict[int, float]:
+    """A table of ms by node count as JSON keeps it (keys as strings), keyed by int again."""
+    return {int(q): ms for q, ms in table.items()}
+
+
 def measured_costs(model_dir, model: CachedLM, dtype: str, counts=NODE_COUNTS,
                    cache_dir: Path | None = None) -> tuple[dict[int, float], bool]:
     """The forward-cost table of this model on this device, from the cache or measured now; and
     whether it came from the cache."""
     path = Path(cache_dir or CACHE_DIR) / f"{cache_key(model_dir, model, dtype)}-{max(counts)}.json"
-    if path.is_file():
-        return {int(q): ms for q, ms in json.loads(path.read_text()).items()}, True
-    costs = forward_costs(model, counts=counts)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, costs, indent=1)
-    return costs, False
+    costs, read = kept(path, lambda: forward_costs(model, counts=counts))
+    return by_count(costs), read
 
 
 def cost_curve(costs: dict[int, float], largest: int) -> torch.Tensor:
