@@ -4,8 +4,8 @@
 // few hundred columns: torch spends it starting some thirty operations a layer, each cold after the other model's
 // forward (oneDNN took 73-140 us for a 20 x 128 x 384 product that is 10 us of arithmetic). Here the products, the
 // output layer's too, are AVX-512 BF16 dot products over weights packed once at load, their column groups split
-// over torch's threads, and layer norm, attention with the tree's mask, GELU and the residuals run over the rows in
-// place, in float32. Its logits differ from torch's in rounding only, as two bfloat16 kernels' do (a greedy output
+// over torch's threads; attention with the tree's mask runs its heads over those threads too; layer norm, softmax,
+// GELU and the residuals run 16 floats at a time over the rows in place, in float32. Its logits differ from torch's in rounding only, as two bfloat16 kernels' do (a greedy output
 // can leave another kernel's only at a near-tie: docs/exactness.md).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -39,16 +39,25 @@ BF16_TARGET inline bf16 to_bf16(float value) {
     return static_cast<bf16>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-// exp(x) to float32 precision: 2^(x log2 e), its fraction by a degree-5 polynomial; vectorises where expf does not.
-BF16_TARGET inline float fast_exp(float x) {
-    x = std::min(std::max(x, -87.0f), 88.0f);
-    const float t = x * 1.44269504f, whole = std::floor(t), f = t - whole;
-    const float p = 1.0f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f
-                    + f * 0.00133335581f))));
-    const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+// exp(x) to float32 precision, 16 at a time: 2^(x log2 e), its fraction by a degree-5 polynomial.
+BF16_TARGET inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+    const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, whole);
+    __m512 p = _mm512_set1_ps(0.00133335581f);
+    for (const float c : {0.00961812911f, 0.0555041087f, 0.240226507f, 0.693147182f, 1.0f})
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(whole), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// Mask of the first min(count, 16) of 16 lanes.
+inline __mmask16 first_lanes(int64_t count) { return count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1); }
+
+// The first `count` of 16 floats rounded to bfloat16 (to nearest even, as torch's conversion; the rows
+// hold no NaN) and stored.
+BF16_TARGET inline void store_bf16(bf16 *out, __m512 values, int64_t count = 16) {
+    _mm256_mask_storeu_epi16(out, first_lanes(count), (__m256i)_mm512_cvtneps_pbh(values));
 }
 
 // One linear layer, packed for _mm512_dpbf16_ps: blocks of 16 output columns; in each, for every pair of input
@@ -60,35 +69,47 @@ struct Linear {
     int64_t in, out;
 };
 
-// y (rows x out, float32) = x (rows x in, bfloat16) @ W + bias over the 64 output columns from `column`: 4 rows by
-// 64 columns in registers at a time, the rows in turn over weights that stay in cache.
-BF16_TARGET void product_columns(const bf16 *x, const Linear &w, float *y, int64_t rows, int64_t b0) {
-    const int64_t pairs = w.in / 2, bn = std::min<int64_t>(4, (w.out + 15) / 16 - b0);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int64_t rn = std::min<int64_t>(4, rows - r0);
-        const uint32_t *xr[4];
-        for (int64_t r = 0; r < 4; r++) xr[r] = reinterpret_cast<const uint32_t *>(x + (r0 + std::min(r, rn - 1)) * w.in);
-        __m512 acc[4][4];
-        for (int64_t j = 0; j < 4; j++) {
-            const __m512 bias = j < bn ? _mm512_loadu_ps(w.bias + (b0 + j) * 16) : _mm512_setzero_ps();
-            for (int64_t r = 0; r < 4; r++) acc[r][j] = bias;
-        }
-        for (int64_t k = 0; k < pairs; k++) {
-            __m512i weights[4];
-            for (int64_t j = 0; j < 4; j++)
-                weights[j] = j < bn ? _mm512_loadu_si512(w.packed + ((b0 + j) * pairs + k) * 32) : _mm512_setzero_si512();
-            for (int64_t r = 0; r < 4; r++) {
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[r][k]));
-                for (int64_t j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, (__m512bh)weights[j]);
-            }
-        }
-        for (int64_t r = 0; r < rn; r++)
-            for (int64_t j = 0; j < bn; j++) {
-                const int64_t column = (b0 + j) * 16, left = w.out - column;
-                _mm512_mask_storeu_ps(y + (r0 + r) * w.out + column,
-                                      left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1), acc[r][j]);
-            }
+// y (R rows x B blocks of 16 columns from block b0) = x @ W + bias, all in registers: each pair of input rows' B
+// weights are loaded once for the R rows. The last block's columns past `out` (an output layer's) are not stored.
+template <int R, int B>
+BF16_TARGET void tile(const bf16 *x, const Linear &w, float *y, int64_t r0, int64_t b0) {
+    const int64_t pairs = w.in / 2;
+    const uint32_t *xr[R];
+    for (int r = 0; r < R; r++) xr[r] = reinterpret_cast<const uint32_t *>(x + (r0 + r) * w.in);
+    const bf16 *weights[B];
+    __m512 acc[R][B];
+    for (int j = 0; j < B; j++) {
+        weights[j] = w.packed + (b0 + j) * pairs * 32;
+        const __m512 bias = _mm512_loadu_ps(w.bias + (b0 + j) * 16);
+        for (int r = 0; r < R; r++) acc[r][j] = bias;
     }
+    for (int64_t k = 0; k < pairs; k++) {
+        __m512i pair[B];
+        for (int j = 0; j < B; j++) pair[j] = _mm512_loadu_si512(weights[j] + k * 32);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[r][k]));
+            for (int j = 0; j < B; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, (__m512bh)pair[j]);
+        }
+    }
+    for (int j = 0; j < B; j++) {
+        const int64_t column = (b0 + j) * 16, left = w.out - column;
+        const __mmask16 present = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + (r0 + r) * w.out + column, present, acc[r][j]);
+    }
+}
+
+using Tile = void (*)(const bf16 *, const Linear &, float *, int64_t, int64_t);
+// TILES[R - 1][B - 1]: a tile of R rows (4 but for the last rows) and B blocks (4 but for the last columns)
+constexpr Tile TILES[4][4] = {{tile<1, 1>, tile<1, 2>, tile<1, 3>, tile<1, 4>},
+                              {tile<2, 1>, tile<2, 2>, tile<2, 3>, tile<2, 4>},
+                              {tile<3, 1>, tile<3, 2>, tile<3, 3>, tile<3, 4>},
+                              {tile<4, 1>, tile<4, 2>, tile<4, 3>, tile<4, 4>}};
+
+// y (rows x out, float32) = x (rows x in, bfloat16) @ W + bias over the 64 output columns from block b0, 4 rows at
+// a time over weights that stay in cache.
+BF16_TARGET void product_columns(const bf16 *x, const Linear &w, float *y, int64_t rows, int64_t b0) {
+    const int64_t blocks = std::min<int64_t>(4, (w.out + 15) / 16 - b0);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) TILES[std::min<int64_t>(4, rows - r0) - 1][blocks - 1](x, w, y, r0, b0);
 }
 
 // Multiply-adds past which a product's column groups are split among torch's threads: waking them costs a few
@@ -104,17 +125,24 @@ BF16_TARGET void product(const bf16 *x, const Linear &w, float *y, int64_t rows)
     });
 }
 
-// Layer norm of each row of x (rows x n) into out as bfloat16, the next product's input.
+// Layer norm of each row of x (rows x n, n a multiple of 16) into out as bfloat16, the next product's input.
 BF16_TARGET void layer_norm(const float *x, const float *weight, const float *bias, bf16 *out, int64_t rows, int64_t n,
                             float epsilon) {
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * n;
-        float mean = 0.0f, square = 0.0f;
-        for (int64_t i = 0; i < n; i++) mean += row[i];
-        mean /= n;
-        for (int64_t i = 0; i < n; i++) square += (row[i] - mean) * (row[i] - mean);
-        const float scale = 1.0f / std::sqrt(square / n + epsilon);
-        for (int64_t i = 0; i < n; i++) out[r * n + i] = to_bf16((row[i] - mean) * scale * weight[i] + bias[i]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(row + i));
+        const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / n);
+        __m512 square = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            const __m512 centred = _mm512_sub_ps(_mm512_loadu_ps(row + i), mean);
+            square = _mm512_fmadd_ps(centred, centred, square);
+        }
+        const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(square) / n + epsilon));
+        for (int64_t i = 0; i < n; i += 16) {
+            const __m512 normal = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), mean), scale);
+            store_bf16(out + r * n + i, _mm512_fmadd_ps(normal, _mm512_loadu_ps(weight + i), _mm512_loadu_ps(bias + i)));
+        }
     }
 }
 
@@ -215,41 +243,67 @@ BF16_TARGET void weighted_values(const float *weights, const bf16 *values, int64
     }
 }
 
-// Attention of each row's query over the slots it sees, head by head, into out (rows x n_embd) as bfloat16.
-BF16_TARGET void attention(const float *qkv, const Cache &cache, int64_t layer, const Visibility &visible,
-                           bf16 *out, int64_t rows, int64_t n_embd) {
-    const int64_t dim = cache.head_dim, end = visible.end;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
-    std::vector<float> scores(rows * end), sums(rows * dim);
-    for (int64_t h = 0; h < cache.heads; h++) {
-        scores_of(qkv + h * dim, 3 * n_embd, cache.at(0, layer, h, 0), rows, end, dim, scale, scores.data());
-        for (int64_t r = 0; r < rows; r++) {  // the softmax over the slots each row sees
-            float *row = scores.data() + r * end;
-            for (int64_t slot = visible.open(r); slot < end; slot++)
-                if (!visible.sees(r, slot)) row[slot] = -INFINITY;
-            float best = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : best)
-            for (int64_t slot = 0; slot < end; slot++) best = std::max(best, row[slot]);
-#pragma omp simd reduction(+ : total)
-            for (int64_t slot = 0; slot < end; slot++) {
-                row[slot] = row[slot] == -INFINITY ? 0.0f : fast_exp(row[slot] - best);
-                total += row[slot];
-            }
-            const float inverse = 1.0f / total;
-#pragma omp simd
-            for (int64_t slot = 0; slot < end; slot++) row[slot] *= inverse;
-        }
-        weighted_values(scores.data(), cache.at(1, layer, h, 0), rows, end, dim, sums.data());
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t d = 0; d < dim; d++) out[r * n_embd + h * dim + d] = to_bf16(sums[r * dim + d]);
+// The softmax of a row of scores over the slots it sees (the others set to -inf), in place.
+BF16_TARGET void softmax(float *row, int64_t end) {
+    const __m512 minus_infinity = _mm512_set1_ps(-INFINITY);
+    __m512 best = minus_infinity;
+    for (int64_t slot = 0; slot < end; slot += 16)
+        best = _mm512_max_ps(best, _mm512_mask_loadu_ps(minus_infinity, first_lanes(end - slot), row + slot));
+    const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t slot = 0; slot < end; slot += 16) {
+        const __mmask16 present = first_lanes(end - slot);
+        const __m512 score = _mm512_maskz_loadu_ps(present, row + slot);
+        const __mmask16 seen = _mm512_mask_cmp_ps_mask(present, score, minus_infinity, _CMP_NEQ_OQ);
+        const __m512 weight = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(score, most)));
+        total = _mm512_add_ps(total, weight);
+        _mm512_mask_storeu_ps(row + slot, present, weight);
     }
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int64_t slot = 0; slot < end; slot += 16)
+        _mm512_mask_storeu_ps(row + slot, first_lanes(end - slot), _mm512_mul_ps(_mm512_loadu_ps(row + slot), inverse));
 }
 
-// GPT-2's tanh GELU: x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)), as bfloat16 for the next product.
+// Attention of each row's query over the slots it sees through one head, into its columns of out (rows x n_embd) as
+// bfloat16; scores (rows x end) and sums (rows x head_dim) are room to work in.
+BF16_TARGET void head_attention(const float *qkv, const Cache &cache, int64_t layer, int64_t head,
+                                const Visibility &visible, bf16 *out, int64_t rows, int64_t n_embd, float *scores,
+                                float *sums) {
+    const int64_t dim = cache.head_dim, end = visible.end;
+    scores_of(qkv + head * dim, 3 * n_embd, cache.at(0, layer, head, 0), rows, end, dim,
+              1.0f / std::sqrt(static_cast<float>(dim)), scores);
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = scores + r * end;
+        for (int64_t slot = visible.open(r); slot < end; slot++)
+            if (!visible.sees(r, slot)) row[slot] = -INFINITY;
+        softmax(row, end);
+    }
+    weighted_values(scores, cache.at(1, layer, head, 0), rows, end, dim, sums);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = 0; d < dim; d += 16)
+            store_bf16(out + r * n_embd + head * dim + d, _mm512_maskz_loadu_ps(first_lanes(dim - d), sums + r * dim + d),
+                       dim - d);
+}
+
+// Attention over every head, the heads split among torch's threads where the work pays for waking them.
+void attention(const float *qkv, const Cache &cache, int64_t layer, const Visibility &visible, bf16 *out, int64_t rows,
+               int64_t n_embd) {
+    const int64_t heads = cache.heads, grain = 2 * rows * visible.end * n_embd >= PARALLEL_WORK ? 1 : heads;
+    at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
+        std::vector<float> scores(rows * visible.end), sums(rows * cache.head_dim);
+        for (int64_t h = first; h < last; h++)
+            head_attention(qkv, cache, layer, h, visible, out, rows, n_embd, scores.data(), sums.data());
+    });
+}
+
+// GPT-2's tanh GELU: x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)), as bfloat16 for the next product (n a multiple
+// of 16).
 BF16_TARGET void gelu(const float *x, bf16 *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const float v = x[i], inner = 1.5957691216f * (v + 0.044715f * v * v * v);
-        out[i] = to_bf16(v / (1.0f + fast_exp(-inner)));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        const __m512 cubic = _mm512_mul_ps(_mm512_mul_ps(v, v), _mm512_set1_ps(0.044715f));
+        const __m512 inner = _mm512_mul_ps(_mm512_fmadd_ps(cubic, v, v), _mm512_set1_ps(-1.5957691216f));
+        store_bf16(out + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(inner))));
     }
 }
 
@@ -340,10 +394,12 @@ BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs
         product(normed.data(), layer.attention, wide.data(), rows);  // q, k, v: 3 x n_embd a row
         for (int64_t r = 0; r < rows; r++)
             for (int64_t h = 0; h < heads; h++)
-                for (int64_t d = 0; d < head_dim; d++) {
+                for (int64_t d = 0; d < head_dim; d += 16) {
                     const float *row = wide.data() + r * 3 * n_embd + h * head_dim + d;
-                    cache.at(0, l, h, start + r)[d] = to_bf16(row[n_embd]);
-                    cache.at(1, l, h, start + r)[d] = to_bf16(row[2 * n_embd]);
+                    const __mmask16 present = first_lanes(head_dim - d);
+                    for (int64_t kind = 0; kind < 2; kind++)  // the key, then the value
+                        store_bf16(cache.at(kind, l, h, start + r) + d,
+                                   _mm512_maskz_loadu_ps(present, row + (kind + 1) * n_embd), head_dim - d);
                 }
         attention(wide.data(), cache, l, visible, normed.data(), rows, n_embd);
         std::vector<float> &projected = wide;  // the attention read its queries already
