@@ -2,15 +2,15 @@
 
 A forward of a few rows through torch starts some thirty operations a layer, each paying its own overhead; the C++
 call pays once, and on a CPU with AVX-512 BF16 it ran the cpu preset's oracle over one token in about half torch's
-time (docs/profiling.md, "The C++ forward"). Past about ten rows torch's products and attention win. Where the two
-cross depends on the CPU, its threads and the model's width, so both are timed on the model itself over
+time (docs/profiling.md, "The C++ forward"). Over many rows torch's products may win: where the two cross, if
+they do, depends on the CPU, its threads and the model's width, so both are timed on the model itself over
 ROW_COUNTS new rows and the choice is kept per model, code and device with the forward costs.
 """
 from pathlib import Path
 
 from decode.planning.costs import CACHE_DIR, by_count, cache_key, forward_costs, kept
 
-ROW_COUNTS = (1, 2, 4, 8, 16, 32)
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 REPEATS = 10
 
 

@@ -146,7 +146,7 @@ class Blocks:
 
     LINEAR = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
     # The most rows a forward takes it for, until decode.models.native_rows measures how many pay on this machine
-    ROWS = 32
+    ROWS = 64
 
     @staticmethod
     def fit(n_embd: int, dtype: torch.dtype, device: torch.device) -> bool:
