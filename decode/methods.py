@@ -32,7 +32,7 @@ def tree_drafter(o: DecoderOptions, draft: CachedLM, table) -> Drafter:
 
 def staged_drafter(o: DecoderOptions, draft: CachedLM, table) -> Drafter:
     return StagedDrafter(draft, table, o.budget, o.widths, o.branch, context_drafter(o) if o.context_drafter else None,
-                         o.depth, sampled=o.tree_children == "sampled")
+                         o.depth, sampled=o.tree_children == "sampled", draft_calls=o.draft_calls)
 
 
 def depth(o: DecoderOptions) -> int:

@@ -42,6 +42,7 @@ class DecoderOptions:
     depth: int = 8
     widths: list[int] | None = None  # None: sized for the device
     branch: int | None = None  # None: the drafter's default (tree: 4; staged: 1 top child, or 2 draws when sampled)
+    draft_calls: int = 1  # staged: the most draft calls a step makes to carry the draft's best path down to `depth`
     tree_children: str = "sampled"  # when sampling: draws from the draft, or its top tokens (greedy: top, either way)
     tree_shape: Shape | None = None  # the tree method's planned tree (decode.plan) in place of a best-first tree
     context_drafter: bool = True
@@ -126,6 +127,8 @@ def check_tree_shape(options, table) -> None:
         raise InputError(f"--depth {options.depth} is out of range: use 1 to {MAX_DEPTH}")
     if options.branch is not None and options.branch < 1:
         raise InputError(f"--branch {options.branch} must be at least 1")
+    if not 1 <= options.draft_calls <= options.depth:
+        raise InputError(f"--draft-calls {options.draft_calls} is out of range: use 1 to --depth {options.depth}")
     from decode.methods import METHODS
 
     if METHODS[options.method].trigram:
@@ -140,7 +143,9 @@ def check_tree_shape(options, table) -> None:
     if options.method == "staged":  # the draft scores the trigram's whole tree, and the context's continuations, in one call
         levels = np.cumprod(options.widths[: options.depth])
         scored = 1 + int(levels.sum()) + (options.lookup_tokens * options.lookup_branches if options.context_drafter else 0)
+        scored += (options.draft_calls - 1) * (1 + int(levels.sum()))  # each later call: a trigram tree at most
         if scored > SPECULATIVE_SLOTS:
             raise InputError(f"--widths {','.join(map(str, options.widths))} make a trigram tree of {1 + int(levels.sum()):,} nodes, "
-                             f"which the draft scores in one call (with the context's continuations, {scored:,}); it holds at "
-                             f"most {SPECULATIVE_SLOTS:,}: narrow the widths")
+                             f"which the draft scores in one call (with the context's continuations and --draft-calls "
+                             f"{options.draft_calls}, {scored:,} nodes a step); its cache holds at most "
+                             f"{SPECULATIVE_SLOTS:,}: narrow the widths or make fewer draft calls")

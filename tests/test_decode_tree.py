@@ -80,6 +80,7 @@ def drafters(models, sampling):
         "ngram": NgramDrafter(table, budget=12, widths=[3, 2, 1]),
         "lookup": LookupDrafter(length=4, branches=2),
         "staged-context": StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4),
+        "staged-calls": StagedDrafter(draft, table, budget=12, widths=[2, 1], depth=6, draft_calls=4),
     }
 
 
@@ -93,7 +94,9 @@ def test_greedy_tree_methods_equal_baseline(models, draft):
         methods = {"tree": TreeDrafter(bad, budget=12, depth=4, branch=3),
                    "staged": StagedDrafter(bad, table, budget=12, widths=[3, 2, 1]),
                    "staged-context": StagedDrafter(bad, table, budget=12, widths=[3, 2, 1],
-                                                   context=LookupDrafter(6, 2), depth=6)}
+                                                   context=LookupDrafter(6, 2), depth=6),
+                   "staged-calls": StagedDrafter(bad, table, budget=12, widths=[2, 1], depth=6, draft_calls=4,
+                                                 context=LookupDrafter(6, 2))}
     rng = torch.Generator().manual_seed(5)
     per_call = {name: [] for name in methods}
     for _ in range(12):
@@ -138,6 +141,38 @@ def test_staged_keeps_the_context_continuation_whatever_the_draft_thinks(models)
     tree = staged.propose(tokens, 10, Sampling(), None)
     chain = tree.path(next(n for n in range(len(tree)) if tree.depths[n] == 4 and tree.tokens[n] == 16))
     assert [tree.tokens[n] for n in chain] == [12, 13, 14, 15, 16] and len(tree) <= 8
+
+
+def test_staged_draft_calls_carry_the_drafts_own_chain_to_the_depth_in_fewer_calls(models):
+    """With more draft calls a step, the staged tree holds the chain that chain drafting proposes (the draft's
+    argmax token after token) down to the depth; where the trigram guesses the draft's tokens, one call covers
+    several of them."""
+    oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["good"])
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    depth = 6
+    chain, staged = ChainDrafter(draft, k=depth), StagedDrafter(draft, table, budget=64, widths=[2, 1, 1], depth=depth,
+                                                                draft_calls=depth)
+    one_call = StagedDrafter(draft, table, budget=64, widths=[2, 1, 1], depth=depth)
+    calls, deepest = {"chain": 0, "staged": 0}, []
+    rng = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        prompt = torch.randint(0, 97, (5,), generator=rng)
+        tokens = prompt.tolist() + baseline(oracle, prompt, 8, Sampling(), eos_id=None).tokens
+        for name, drafter in (("chain", chain), ("staged", staged)):
+            drafter.reset()
+            tree = drafter.propose(tokens, depth, Sampling(), None)
+            calls[name] += drafter.calls
+            if name == "chain":
+                expected = tree.tokens
+            else:
+                node = 0
+                for token in expected[1:]:  # the chain's tokens, one below the other
+                    node = next(c for c in tree.children[node] if tree.tokens[c] == token)
+                assert tree.depths[node] == depth
+        one_call.reset()
+        deepest.append(max(one_call.propose(tokens, depth, Sampling(), None).depths))
+    assert calls["staged"] < calls["chain"] == 10 * depth
+    assert min(deepest) < depth  # one call alone stops where the trigram leaves the draft's path
 
 
 @pytest.mark.parametrize("context", [False, True])

@@ -86,6 +86,9 @@ CORRECT = {  # one case per verification rule, and the chain (Chen et al.'s rule
     "staged with the context drafter, sample-match": (
         lambda m, s: StagedDrafter(m["good"], m["ngram"], budget=12, widths=[3, 2, 1], draft_children=2,
                                    context=LookupDrafter(4, 2), depth=4), Sampling(0.9, top_k=4)),
+    "staged carrying the draft's path down in more draft calls, sample-match": (
+        lambda m, s: StagedDrafter(m["good"], m["ngram"], budget=12, widths=[2, 1], depth=5, draft_calls=3),
+        Sampling(0.9, top_k=4)),
 }
 
 

@@ -15,7 +15,7 @@ from decode.planning.plan_file import describe, plan_name, replan_command, run_p
 from decode.sampling import Sampling
 
 # Flags a plan fills in unless typed: their parser default is None, DecoderOptions holds the value used otherwise
-PLANNED_FLAGS = ("k", "budget", "depth", "widths", "branch", "lookup_tokens", "draft_dtype", "draft_vocab")
+PLANNED_FLAGS = ("k", "budget", "depth", "widths", "branch", "draft_calls", "lookup_tokens", "draft_dtype", "draft_vocab")
 OTHER_FLAGS = ("oracle", "draft", "ngram", "method", "tree_children", "context_drafter", "lookup_branches",
                "lookup_ngram", "dtype", "device", "backend", "cuda_graphs", "token_healing")
 
@@ -48,6 +48,10 @@ def add_decoder_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--branch", type=int,
                    help="tree: children per expanded node (default 4); staged: the draft's own top children per node "
                         "(default 1, its argmax), or with sampled --tree-children its draws per node (default 2)")
+    p.add_argument("--draft-calls", type=int,
+                   help="staged, greedy or top children: the most draft forwards a step makes; past the first, each "
+                        "carries the draft's own best path through the tree on towards --depth, the trigram's tree "
+                        "below it (default: the plan's, else 1)")
     p.add_argument("--tree-children", choices=["top", "sampled"], default="sampled",
                    help="tree, staged, when sampling (greedy decoding always takes the draft's top tokens): the draft's "
                         "top tokens, verified by sample-match (the same seed gives the baseline's very tokens), or draws "

@@ -8,7 +8,7 @@ decode.run), each setting into its own file. Calibrates on the last --calibratio
 --prompts (benchmarks take the first ones): the oracle's greedy outputs, how often each drafter's rank-k candidate at depth d is the oracle's token,
 the oracle's forward cost per node count (the cost cache), and the time a step spends around the
 forwards. Each candidate policy (chain k; Sequoia tree shapes from the rates; staged widths and
-budget; ngram budget; lookup length) is replayed along the oracle's outputs (every one on --screen
+budget, and its draft calls a step; ngram budget; lookup length) is replayed along the oracle's outputs (every one on --screen
 prompts, the best few per method on all, and a draft method's best few again with other drafts; when
 sampling, each is decoded for real instead, its acceptance being random, and staged's trees are
 also tried as chains of draws (--branch 1): the
@@ -56,6 +56,7 @@ STAGED_WIDTHS = ((1, 1, 1, 1, 1, 1), (2, 1, 1, 1, 1, 1), (2, 2, 1, 1, 1, 1), (3,
 CHAIN_K = range(1, 9)
 LOOKUP_TOKENS = (1, 2, 3, 4, 6, 8, 10, 12, 16)
 STAGED_DRAWS = (1, 2)  # when sampling: the draft's draws per node of a staged tree (1: a chain of draws)
+STAGED_DRAFT_CALLS = (1, 2, 3, 5, 8)  # greedy: the most draft calls a staged step makes down its best path
 RANKS = 8  # candidates per node the acceptance rates cover
 FINALISTS = 3  # policies per method (and per oracle cost) replayed on every calibration prompt
 
@@ -190,7 +191,8 @@ def sampled_acceptance(decoder, prompts, settings, depth: int) -> dict:
 def candidates(options, draft, table, p_draft, max_budget: int, max_depth: int,
                sampling: Sampling = GREEDY) -> list[tuple[str, dict, object]]:
     """(method, policy, drafter) for every policy to replay: trees of at most `max_budget` nodes and `max_depth`
-    levels; when sampling, staged's trees of draws with each of STAGED_DRAWS per node."""
+    levels; staged's with each of STAGED_DRAFT_CALLS, or when sampling its trees of draws with each of STAGED_DRAWS
+    per node."""
     drafted = {"draft_vocab": 0, "draft_dtype": base_dtype(options)}  # the draft the plan loaded; other drafts later
     policies = [("speculative", {"k": k} | drafted) for k in CHAIN_K]
     budgets = [b for b in BUDGETS if b <= max_budget]
@@ -204,7 +206,8 @@ def candidates(options, draft, table, p_draft, max_budget: int, max_depth: int,
                 seen.add(key)
                 policies.append(("tree", {"parents": shape.parents, "ranks": shape.ranks, "expected": shape.expected,
                                           "nodes": len(shape.parents), "depth": shape.depth} | drafted))
-    draws = [{}] if sampling.greedy else [{"branch": n} for n in STAGED_DRAWS]
+    draws = ([{"draft_calls": n} for n in STAGED_DRAFT_CALLS] if sampling.greedy
+             else [{"branch": n} for n in STAGED_DRAWS])
     for widths in STAGED_WIDTHS:
         policies += [("staged", {"widths": list(widths), "budget": budget} | drawn | drafted)
                      for budget in budgets if budget > widths[0] for drawn in draws]

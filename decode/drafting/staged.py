@@ -10,7 +10,7 @@ from decode.drafting import ranking
 from decode.drafting.ranking import best_first, draw_children, ranked_children, ranked_children_arrays, ranking_scores
 from decode.drafting.trigram import TrigramTrees
 from decode.models.cached_lm import CachedLM
-from decode.sampling import Sampling
+from decode.sampling import Sampling, row_argmax
 from decode.tree import Tree
 
 
@@ -22,17 +22,21 @@ class StagedDrafter(ModelDrafter):
     the sequence already did is accepted far more often than the draft's probabilities suggest.
     With `sampled` children (when sampling), the oracle's tree is drawn from the draft instead
     (`sampled_tree`): the trigram's tree decides where the draft's q is known after the step's first draft
-    call; draws off it take one more draft call a level."""
+    call; draws off it take one more draft call a level. Otherwise, with `draft_calls` above 1, the draft's own
+    best path through the tree is carried on to the tree's depth by more draft calls (`extended`): the trigram
+    drafts for the draft as the draft drafts for the oracle, so the draft's chain costs fewer calls than chain
+    drafting's one a token."""
 
     def __init__(self, model: CachedLM, table, budget: int = 36, widths=(12, 7, 4, 1, 1, 1),
                  draft_children: int | None = None, context: "LookupDrafter | None" = None, depth: int = 8,
-                 sampled: bool = False):
+                 sampled: bool = False, draft_calls: int = 1):
         """`context` grafts its continuations from the context onto the trigram's tree (down to `depth`).
         `draft_children`: the draft's best children per node (None: 1), or its draws per node when the
-        children are sampled (None: 2; measured best on the cpu preset at top-k 50)."""
+        children are sampled (None: 2; measured best on the cpu preset at top-k 50). `draft_calls`: the most
+        draft forwards a step makes to carry the draft's best path down to `depth`."""
         super().__init__(model, sampled)
         self.trigram, self.budget, self.draft_children = TrigramTrees(table, widths), budget, draft_children
-        self.context, self.depth = context, depth
+        self.context, self.depth, self.draft_calls = context, depth, draft_calls
         # greedy with one draft child, the selection runs in C++ where the draft's logits are in CPU memory; else it
         # ranks by array code when its largest tree (the trigram's and the context's continuations) is past ARRAY_NODES
         self.native_selection = ((draft_children or 1) == 1 and model.device.type == "cpu" and native.module() is not None)
@@ -51,8 +55,8 @@ class StagedDrafter(ModelDrafter):
         return {"trigram trees": (self.trigram, "build")}
 
     def describe(self) -> dict:
-        return {"widths": self.trigram.widths, "budget": self.budget, "sampled": self.sampled,
-                "context": self.context is not None}
+        return {"widths": self.trigram.widths, "budget": self.budget, "draft_calls": self.draft_calls,
+                "sampled": self.sampled, "context": self.context is not None}
 
     @staticmethod
     def draft_leaves(tree: Tree, tokens: list[list[int]], weights: list[list[float]],
@@ -127,12 +131,39 @@ class StagedDrafter(ModelDrafter):
         # The copied continuation, likeliest to be accepted, takes the draft's first slots: accepted, it is in place.
         order = [0] + sorted(copied) + [node for node in range(1, n) if node not in copied]
         logits = self.draft.score(tree, order)
+        if self.draft_calls > 1:
+            logits = self.extended(tree, order, logits, max_depth)
         if sampling.greedy and self.native_selection:
             tokens, parents, self.kept = native.staged_selection(logits, order, tree.parents, tree.tokens, tree.depths,
                                                                  copied, self.draft.shortlist, max_depth, self.budget)
             return Tree.of(tokens, parents)
         tree, self.kept = self.selection(tree, logits, order, copied, max_depth, sampling)
         return tree
+
+    def extended(self, tree: Tree, order: list[int], logits: torch.Tensor, max_depth: int) -> torch.Tensor:
+        """Up to draft_calls - 1 more draft calls, each below the end of the draft's best path through `tree`
+        (following its argmax from the root while the tree holds it): the argmax there joins the tree with the
+        trigram's tree below it, and one call scores them. Stops once the path's next token would sit at
+        `max_depth` (the selection adds it as the draft's leaf). Grows `tree` and `order`; returns the logits of
+        every scored node, row i after order[i]."""
+        best = dict(zip(order, row_argmax(logits, self.draft.shortlist)))
+        parts, node = [logits], 0
+        for _ in range(self.draft_calls - 1):
+            while (child := next((c for c in tree.children[node] if tree.tokens[c] == best[node]), None)) is not None:
+                node = child
+            if tree.depths[node] + 1 >= max_depth:
+                break
+            token = best[node]
+            node = tree.add(node, token)
+            below, _ = self.trigram([tree.tokens[tree.parents[node]], token], max_depth - tree.depths[node])
+            new = [node]
+            for parent, child_token in zip(below.parents[1:], below.tokens[1:]):  # the shape's node i + 1 is new[i + 1]
+                new.append(tree.add(new[parent], child_token))
+            part = self.draft.score(tree, new)
+            best.update(zip(new, row_argmax(part, self.draft.shortlist)))
+            parts.append(part)
+            order += new
+        return torch.cat(parts) if len(parts) > 1 else logits
 
     def selection(self, tree: Tree, logits: torch.Tensor, order: list[int], copied: set[int], max_depth: int,
                   sampling: Sampling) -> tuple[Tree, list[int]]:
