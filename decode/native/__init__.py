@@ -1,7 +1,8 @@
 """A decoding step's loops over trees in C++ (decode/native/step.cpp): the trigram's tree below a new context, the
 staged drafter's greedy selection of the oracle's tree from the draft's logits, sample-match verification under
 greedy decoding, each row's best tokens, the continuations a context repeats (prompt lookup) and a commit's moves in
-a CPU cache; and a bfloat16 model's forward over a few rows (decode/native/draft.cpp, `Blocks`) on CPUs with AVX-512 BF16.
+a CPU cache; and a model's forward over a few rows (decode/native/draft.cpp, `Blocks`) on CPUs with AVX-512 (AVX-512
+BF16 for a bfloat16 model).
 Right after a forward, each of the tens of torch, numpy and list operations these take in Python pays for caches the
 forward evicted; one call pays once (docs/decoding.md and docs/profiling.md).
 
@@ -55,7 +56,7 @@ def module():
 @functools.lru_cache(maxsize=None)
 def draft_module():
     """The compiled transformer blocks of decode/native/draft.cpp, or None where they cannot run here: no C++ loops
-    (module() said why), a failed build (said once), or a CPU without AVX-512 BF16."""
+    (module() said why), a failed build (said once), or a CPU without AVX-512 (`Blocks.fit` asks per dtype)."""
     if module() is None:
         return None
     try:
@@ -64,7 +65,7 @@ def draft_module():
         print(f"note: the C++ forward could not be built ({first_line(err)}); the models run in torch",
               file=sys.stderr)
         return None
-    return compiled if compiled.supported() else None
+    return compiled if compiled.supported(4) else None
 
 
 def loops(device: str) -> str:
@@ -131,18 +132,20 @@ def continuations(tokens: list[int], max_ngram: int, length: int, branches: int)
     return module().continuations(tokens, max_ngram, length, branches)
 
 
-def pack_for_dot_products(in_out: torch.Tensor) -> torch.Tensor:
-    """An (in, out) bfloat16 weight as native/draft.cpp's products read it: blocks of 16 output columns (the last
-    padded with zeros), in each the two weights of every pair of input rows side by side (the operand layout of
-    AVX-512 BF16's dot product)."""
+def pack_for_products(in_out: torch.Tensor) -> torch.Tensor:
+    """An (in, out) weight as native/draft.cpp's products read it: blocks of 16 output columns (the last padded with
+    zeros); in each, bfloat16: the two weights of every pair of input rows side by side (the operand layout of
+    AVX-512 BF16's dot product); float32: the weights of every input row."""
     in_out = torch.nn.functional.pad(in_out, (0, -in_out.shape[1] % 16)).contiguous()
     rows, columns = in_out.shape
-    return in_out.view(rows // 2, 2, columns // 16, 16).permute(2, 0, 3, 1).contiguous()
+    per_step = 2 if in_out.dtype == torch.bfloat16 else 1  # input rows a 64-byte step covers
+    return in_out.view(rows // per_step, per_step, columns // 16, 16).permute(2, 0, 3, 1).contiguous()
 
 
 class Blocks:
-    """A bfloat16 GPT-2's forward over a few new rows as one C++ call (decode/native/draft.cpp): embeddings, blocks,
-    final layer norm and output layer. Its keys and values go to the engine's cache as torch's would."""
+    """A bfloat16 or float32 GPT-2's forward over a few new rows as one C++ call (decode/native/draft.cpp):
+    embeddings, blocks, final layer norm and output layer. Its keys and values go to the engine's cache as torch's
+    would."""
 
     LINEAR = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
     # The most rows a forward takes it for, until decode.models.native_rows measures how many pay on this machine
@@ -151,11 +154,11 @@ class Blocks:
     @staticmethod
     def fit(n_embd: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether these blocks can run a model of this width, dtype and device here."""
-        return (device.type == "cpu" and dtype == torch.bfloat16 and n_embd % 16 == 0
-                and draft_module() is not None)
+        return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and n_embd % 16 == 0
+                and draft_module() is not None and draft_module().supported(dtype.itemsize))
 
     def __init__(self, shape, weights: dict[str, torch.Tensor], kv_cache: torch.Tensor, output: torch.Tensor):
-        """`shape`: the engine's GPT2Shape; `weights`: its bfloat16 tensors by checkpoint name (no "transformer.");
+        """`shape`: the engine's GPT2Shape; `weights`: its tensors by checkpoint name (no "transformer.");
         `kv_cache`: its (2, layers, heads, capacity, head_dim) cache; `output`: the output layer's (columns, n_embd)
         weight (wte, or a shortlist's rows of it)."""
         self.kept = []  # every tensor whose address the C++ reads
@@ -171,15 +174,16 @@ class Blocks:
         for i in range(shape.n_layer):
             self.parameters += [float32(f"h.{i}.ln_1.weight"), float32(f"h.{i}.ln_1.bias")]
             for name in self.LINEAR:
-                self.parameters += [address(pack_for_dot_products(weights[f"h.{i}.{name}.weight"])),
+                self.parameters += [address(pack_for_products(weights[f"h.{i}.{name}.weight"])),
                                     float32(f"h.{i}.{name}.bias")]
             self.parameters += [float32(f"h.{i}.ln_2.weight"), float32(f"h.{i}.ln_2.bias")]
-        self.parameters += [float32("ln_f.weight"), float32("ln_f.bias"), address(pack_for_dot_products(output.T)),
+        self.parameters += [float32("ln_f.weight"), float32("ln_f.bias"), address(pack_for_products(output.T)),
                             address(torch.zeros(-(-output.shape[0] // 16) * 16))]
         self.embeddings = [address(weights["wte.weight"].contiguous()), address(weights["wpe.weight"].contiguous())]
         self.epsilon = shape.layer_norm_epsilon
         self.shape = [shape.n_embd, shape.n_head, shape.n_embd // shape.n_head, shape.n_layer, kv_cache.shape[3],
-                      weights["wte.weight"].shape[0], weights["wpe.weight"].shape[0], output.shape[0]]
+                      weights["wte.weight"].shape[0], weights["wpe.weight"].shape[0], output.shape[0],
+                      kv_cache.element_size()]
         self.cache = address(kv_cache)
 
     def __call__(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int, end: int,
@@ -188,7 +192,7 @@ class Blocks:
         GPT2Engine.logits gives them; `mask` as it takes it, None for a chain."""
         ids, positions = as_list(token_ids), as_list(position_ids)
         last = len(ids) if last is None else last
-        out = torch.empty(last, self.shape[-1])
+        out = torch.empty(last, self.shape[7])  # its logit columns
         mask = None if mask is None else mask.contiguous()
         draft_module().blocks(ids, positions, self.embeddings, self.parameters, self.shape, self.epsilon, self.cache,
                               start, end, 0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],

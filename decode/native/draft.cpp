@@ -1,12 +1,14 @@
-// A small GPT-2's forward over a few new rows in one C++ call, on a CPU with AVX-512 BF16 (decode/native loads it;
+// A small GPT-2's forward over a few new rows in one C++ call, on a CPU with AVX-512 (decode/native loads it;
 // decode/models/engine.py calls it through GPT2Engine.logits for a draft's forwards and an oracle's, up to the rows
 // measured faster than torch's: decode/models/native_rows.py). A step's forward is a few rows through matrices of a
 // few hundred columns: torch spends it starting some thirty operations a layer, each cold after the other model's
 // forward (oneDNN took 73-140 us for a 20 x 128 x 384 product that is 10 us of arithmetic). Here the products, the
-// output layer's too, are AVX-512 BF16 dot products over weights packed once at load, their column groups split
-// over torch's threads; attention with the tree's mask runs its heads over those threads too; layer norm, softmax,
-// GELU and the residuals run 16 floats at a time over the rows in place, in float32. Its logits differ from torch's in rounding only, as two bfloat16 kernels' do (a greedy output
-// can leave another kernel's only at a near-tie: docs/exactness.md).
+// output layer's too, run over weights packed once at load (a bfloat16 model's as AVX-512 BF16 dot products, a
+// float32 model's as AVX-512 fused multiply-adds), their column groups split over torch's threads; attention with
+// the tree's mask runs its heads over those threads too; layer norm, softmax, GELU and the residuals run 16 floats
+// at a time over the rows in place, in float32. The model's dtype (`T`: bf16 or float) is that of its weights, its
+// cache and the products' inputs. Its logits differ from torch's in rounding only, as two kernels' do (a greedy
+// output can leave another kernel's only at a near-tie: docs/exactness.md).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
@@ -17,8 +19,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+// Every function that uses AVX-512; a float32 model's never reach a BF16 instruction
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
 namespace {
@@ -32,6 +36,8 @@ BF16_TARGET inline float to_float(bf16 value) {
     return out;
 }
 
+inline float to_float(float value) { return value; }
+
 // Round to nearest even, as torch's float32 -> bfloat16 conversion (the rows hold no NaN).
 BF16_TARGET inline bf16 to_bf16(float value) {
     uint32_t bits;
@@ -39,13 +45,15 @@ BF16_TARGET inline bf16 to_bf16(float value) {
     return static_cast<bf16>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-// exp(x) to float32 precision, 16 at a time: 2^(x log2 e), its fraction by a degree-5 polynomial.
+// exp(x) to float32 precision, 16 at a time: 2^(x log2 e) as 2^n 2^f, n the nearest integer, 2^f for |f| <= 1/2 by
+// its Taylor polynomial of degree 7 (within 1e-8 relative).
 BF16_TARGET inline __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-    const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, whole);
-    __m512 p = _mm512_set1_ps(0.00133335581f);
-    for (const float c : {0.00961812911f, 0.0555041087f, 0.240226507f, 0.693147182f, 1.0f})
+    const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, whole);
+    __m512 p = _mm512_set1_ps(1.52527338e-05f);  // (ln 2)^k / k!, k = 7 down to 0
+    for (const float c : {1.54035304e-04f, 1.33335581e-03f, 9.61812911e-03f, 5.55041087e-02f, 2.40226507e-01f,
+                          6.93147181e-01f, 1.0f})
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(whole), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
@@ -54,70 +62,90 @@ BF16_TARGET inline __m512 exp16(__m512 x) {
 // Mask of the first min(count, 16) of 16 lanes.
 inline __mmask16 first_lanes(int64_t count) { return count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1); }
 
-// The first `count` of 16 floats rounded to bfloat16 (to nearest even, as torch's conversion; the rows
-// hold no NaN) and stored.
-BF16_TARGET inline void store_bf16(bf16 *out, __m512 values, int64_t count = 16) {
+// The first `count` of 16 floats stored in the model's dtype: rounded to bfloat16 (to nearest even, as torch's
+// conversion; the rows hold no NaN), or as they are.
+BF16_TARGET inline void store(bf16 *out, __m512 values, int64_t count = 16) {
     _mm256_mask_storeu_epi16(out, first_lanes(count), (__m256i)_mm512_cvtneps_pbh(values));
 }
 
-// One linear layer, packed for _mm512_dpbf16_ps: blocks of 16 output columns; in each, for every pair of input
-// rows (2k, 2k+1), the 16 columns' two weights side by side (decode/native's pack_for_dot_products). The last
-// block and the bias are padded with zeros to 16 columns where `out` is not a multiple of 16 (an output layer).
+BF16_TARGET inline void store(float *out, __m512 values, int64_t count = 16) {
+    _mm512_mask_storeu_ps(out, first_lanes(count), values);
+}
+
+// One linear layer, packed in blocks of 16 output columns, 64 bytes for each step along the input: bfloat16, for
+// every pair of input rows (2k, 2k+1) the 16 columns' two weights side by side (_mm512_dpbf16_ps's operand); float32,
+// for every input row the 16 columns' weights (decode/native's pack_for_products). The last block and the bias are
+// padded with zeros to 16 columns where `out` is not a multiple of 16 (an output layer).
+template <typename T>
 struct Linear {
-    const bf16 *packed;
+    const T *packed;
     const float *bias;
     int64_t in, out;
 };
 
-// y (R rows x B blocks of 16 columns from block b0) = x @ W + bias, all in registers: each pair of input rows' B
-// weights are loaded once for the R rows. The last block's columns past `out` (an output layer's) are not stored.
-template <int R, int B>
-BF16_TARGET void tile(const bf16 *x, const Linear &w, float *y, int64_t r0, int64_t b0) {
-    const int64_t pairs = w.in / 2;
-    const uint32_t *xr[R];
-    for (int r = 0; r < R; r++) xr[r] = reinterpret_cast<const uint32_t *>(x + (r0 + r) * w.in);
-    const bf16 *weights[B];
+// Input rows a step along the input covers: a pair in bfloat16, one in float32.
+template <typename T>
+constexpr int64_t ROWS_A_STEP = std::is_same_v<T, bf16> ? 2 : 1;
+
+// y (R rows x B blocks of 16 columns from block b0) = x @ W + bias, all in registers: each step's B weights are
+// loaded once for the R rows. The last block's columns past `out` (an output layer's) are not stored.
+template <typename T, int R, int B>
+BF16_TARGET void tile(const T *x, const Linear<T> &w, float *y, int64_t r0, int64_t b0) {
+    constexpr int64_t per_step = ROWS_A_STEP<T>, width = 16 * per_step;  // elements a step of a block
+    const int64_t steps = w.in / per_step;
+    const T *weights[B];
     __m512 acc[R][B];
     for (int j = 0; j < B; j++) {
-        weights[j] = w.packed + (b0 + j) * pairs * 32;
+        weights[j] = w.packed + (b0 + j) * steps * width;
         const __m512 bias = _mm512_loadu_ps(w.bias + (b0 + j) * 16);
         for (int r = 0; r < R; r++) acc[r][j] = bias;
     }
-    for (int64_t k = 0; k < pairs; k++) {
-        __m512i pair[B];
-        for (int j = 0; j < B; j++) pair[j] = _mm512_loadu_si512(weights[j] + k * 32);
+    for (int64_t k = 0; k < steps; k++) {
+        __m512i step[B];
+        for (int j = 0; j < B; j++) step[j] = _mm512_loadu_si512(weights[j] + k * width);
         for (int r = 0; r < R; r++) {
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xr[r][k]));
-            for (int j = 0; j < B; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, (__m512bh)pair[j]);
+            const T *input = x + (r0 + r) * w.in + k * per_step;
+            if constexpr (std::is_same_v<T, bf16>) {
+                int32_t pair;
+                std::memcpy(&pair, input, sizeof pair);
+                const __m512bh inputs = (__m512bh)_mm512_set1_epi32(pair);
+                for (int j = 0; j < B; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], inputs, (__m512bh)step[j]);
+            } else {
+                const __m512 inputs = _mm512_set1_ps(*input);
+                for (int j = 0; j < B; j++) acc[r][j] = _mm512_fmadd_ps(inputs, _mm512_castsi512_ps(step[j]), acc[r][j]);
+            }
         }
     }
     for (int j = 0; j < B; j++) {
-        const int64_t column = (b0 + j) * 16, left = w.out - column;
-        const __mmask16 present = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + (r0 + r) * w.out + column, present, acc[r][j]);
+        const int64_t column = (b0 + j) * 16;
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + (r0 + r) * w.out + column, first_lanes(w.out - column), acc[r][j]);
     }
 }
 
-using Tile = void (*)(const bf16 *, const Linear &, float *, int64_t, int64_t);
-// TILES[R - 1][B - 1]: a tile of R rows (4 but for the last rows) and B blocks (4 but for the last columns)
-constexpr Tile TILES[4][4] = {{tile<1, 1>, tile<1, 2>, tile<1, 3>, tile<1, 4>},
-                              {tile<2, 1>, tile<2, 2>, tile<2, 3>, tile<2, 4>},
-                              {tile<3, 1>, tile<3, 2>, tile<3, 3>, tile<3, 4>},
-                              {tile<4, 1>, tile<4, 2>, tile<4, 3>, tile<4, 4>}};
+template <typename T>
+using Tile = void (*)(const T *, const Linear<T> &, float *, int64_t, int64_t);
+// TILES<T>[R - 1][B - 1]: a tile of R rows (4 but for the last rows) and B blocks (4 but for the last columns)
+template <typename T>
+constexpr Tile<T> TILES[4][4] = {{tile<T, 1, 1>, tile<T, 1, 2>, tile<T, 1, 3>, tile<T, 1, 4>},
+                                 {tile<T, 2, 1>, tile<T, 2, 2>, tile<T, 2, 3>, tile<T, 2, 4>},
+                                 {tile<T, 3, 1>, tile<T, 3, 2>, tile<T, 3, 3>, tile<T, 3, 4>},
+                                 {tile<T, 4, 1>, tile<T, 4, 2>, tile<T, 4, 3>, tile<T, 4, 4>}};
 
-// y (rows x out, float32) = x (rows x in, bfloat16) @ W + bias over the 64 output columns from block b0, 4 rows at
-// a time over weights that stay in cache.
-BF16_TARGET void product_columns(const bf16 *x, const Linear &w, float *y, int64_t rows, int64_t b0) {
+// y (rows x out, float32) = x (rows x in) @ W + bias over the 64 output columns from block b0, 4 rows at a time
+// over weights that stay in cache.
+template <typename T>
+void product_columns(const T *x, const Linear<T> &w, float *y, int64_t rows, int64_t b0) {
     const int64_t blocks = std::min<int64_t>(4, (w.out + 15) / 16 - b0);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) TILES[std::min<int64_t>(4, rows - r0) - 1][blocks - 1](x, w, y, r0, b0);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) TILES<T>[std::min<int64_t>(4, rows - r0) - 1][blocks - 1](x, w, y, r0, b0);
 }
 
 // Multiply-adds past which a product's column groups are split among torch's threads: waking them costs a few
 // microseconds, a product of this size some tens.
 constexpr int64_t PARALLEL_WORK = 1 << 18;
 
-// y (rows x out, float32) = x (rows x in, bfloat16) @ W + bias.
-BF16_TARGET void product(const bf16 *x, const Linear &w, float *y, int64_t rows) {
+// y (rows x out, float32) = x (rows x in) @ W + bias.
+template <typename T>
+void product(const T *x, const Linear<T> &w, float *y, int64_t rows) {
     const int64_t groups = (w.out + 63) / 64;
     const int64_t grain = rows * w.in * w.out >= PARALLEL_WORK ? 1 : groups;  // a chunk this big runs in this thread
     at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
@@ -125,8 +153,9 @@ BF16_TARGET void product(const bf16 *x, const Linear &w, float *y, int64_t rows)
     });
 }
 
-// Layer norm of each row of x (rows x n, n a multiple of 16) into out as bfloat16, the next product's input.
-BF16_TARGET void layer_norm(const float *x, const float *weight, const float *bias, bf16 *out, int64_t rows, int64_t n,
+// Layer norm of each row of x (rows x n, n a multiple of 16) into out in the model's dtype, the next product's input.
+template <typename T>
+BF16_TARGET void layer_norm(const float *x, const float *weight, const float *bias, T *out, int64_t rows, int64_t n,
                             float epsilon) {
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * n;
@@ -141,20 +170,22 @@ BF16_TARGET void layer_norm(const float *x, const float *weight, const float *bi
         const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(square) / n + epsilon));
         for (int64_t i = 0; i < n; i += 16) {
             const __m512 normal = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), mean), scale);
-            store_bf16(out + r * n + i, _mm512_fmadd_ps(normal, _mm512_loadu_ps(weight + i), _mm512_loadu_ps(bias + i)));
+            store(out + r * n + i, _mm512_fmadd_ps(normal, _mm512_loadu_ps(weight + i), _mm512_loadu_ps(bias + i)));
         }
     }
 }
 
+template <typename T>
 struct Layer {
     const float *ln_1_weight, *ln_1_bias, *ln_2_weight, *ln_2_bias;
-    Linear attention, projection, up, down;
+    Linear<T> attention, projection, up, down;
 };
 
+template <typename T>
 struct Cache {  // GPT2Engine.kv_cache: (2, layers, heads, capacity, head_dim), keys at [0], values at [1]
-    bf16 *data;
+    T *data;
     int64_t layers, heads, capacity, head_dim;
-    bf16 *at(int64_t kind, int64_t layer, int64_t head, int64_t slot) const {
+    T *at(int64_t kind, int64_t layer, int64_t head, int64_t slot) const {
         return data + (((kind * layers + layer) * heads + head) * capacity + slot) * head_dim;
     }
 };
@@ -168,20 +199,24 @@ struct Visibility {
     bool sees(int64_t r, int64_t slot) const { return slot < open(r) || (mask && mask[r * columns + slot - (end - columns)]); }
 };
 
-// Scores (rows x end) of each row's query against every cached key of one head, times `scale`. With head_dim a
-// multiple of 32: AVX-512 BF16 dot products over the query rounded to bfloat16, 16 slots at a time, their keys'
-// pairs gathered across the slots; else in float32, one by one.
+// Scores (rows x end) of each row's query against every cached key of one head, times `scale`, in float32 one by
+// one: for head sizes the vector code below does not take.
+template <typename T>
+BF16_TARGET void scores_one_by_one(const float *queries, int64_t stride, const T *keys, int64_t rows, int64_t end,
+                                   int64_t dim, float scale, float *scores) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t slot = 0; slot < end; slot++) {
+            float dot = 0.0f;
+            for (int64_t d = 0; d < dim; d++) dot += queries[r * stride + d] * to_float(keys[slot * dim + d]);
+            scores[r * end + slot] = dot * scale;
+        }
+}
+
+// The same with head_dim a multiple of 32: AVX-512 BF16 dot products over the query rounded to bfloat16, 16 slots
+// at a time, their keys' pairs gathered across the slots.
 BF16_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *keys, int64_t rows, int64_t end, int64_t dim,
                            float scale, float *scores) {
-    if (dim % 32 || dim > 128) {
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t slot = 0; slot < end; slot++) {
-                float dot = 0.0f;
-                for (int64_t d = 0; d < dim; d++) dot += queries[r * stride + d] * to_float(keys[slot * dim + d]);
-                scores[r * end + slot] = dot * scale;
-            }
-        return;
-    }
+    if (dim % 32 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
     const int64_t pairs = dim / 2;
     std::vector<bf16> rounded(rows * dim);
     for (int64_t r = 0; r < rows; r++)
@@ -204,17 +239,41 @@ BF16_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *key
     }
 }
 
-// sums (rows x dim) = weights (rows x end) @ values (end x dim) of one head. With dim a multiple of 16: AVX-512 BF16
-// dot products over pairs of slots, the weights rounded to bfloat16; else in float32.
+// The same over float32 keys with head_dim a multiple of 16: fused multiply-adds, 16 slots at a time, each of the
+// keys' columns gathered across the slots.
+BF16_TARGET void scores_of(const float *queries, int64_t stride, const float *keys, int64_t rows, int64_t end,
+                           int64_t dim, float scale, float *scores) {
+    if (dim % 16 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
+    const __m512i across = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(static_cast<int32_t>(dim)));
+    __m512 key_columns[128];
+    for (int64_t first = 0; first < end; first += 16) {
+        const __mmask16 present = first_lanes(end - first);
+        for (int64_t d = 0; d < dim; d++)
+            key_columns[d] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, across, keys + first * dim + d, 4);
+        for (int64_t r = 0; r < rows; r++) {
+            __m512 dots = _mm512_setzero_ps();
+            for (int64_t d = 0; d < dim; d++) dots = _mm512_fmadd_ps(_mm512_set1_ps(queries[r * stride + d]), key_columns[d], dots);
+            _mm512_mask_storeu_ps(scores + r * end + first, present, _mm512_mul_ps(dots, _mm512_set1_ps(scale)));
+        }
+    }
+}
+
+// sums (rows x dim) = weights (rows x end) @ values (end x dim) of one head, in float32 one by one: for head sizes
+// the vector code below does not take.
+template <typename T>
+BF16_TARGET void weighted_one_by_one(const float *weights, const T *values, int64_t rows, int64_t end, int64_t dim,
+                                     float *sums) {
+    std::fill(sums, sums + rows * dim, 0.0f);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t slot = 0; slot < end; slot++)
+            for (int64_t d = 0; d < dim; d++) sums[r * dim + d] += weights[r * end + slot] * to_float(values[slot * dim + d]);
+}
+
+// The same with dim a multiple of 16: AVX-512 BF16 dot products over pairs of slots, the weights rounded to bfloat16.
 BF16_TARGET void weighted_values(const float *weights, const bf16 *values, int64_t rows, int64_t end, int64_t dim,
                                  float *sums) {
-    if (dim % 16 || dim > 128) {
-        std::fill(sums, sums + rows * dim, 0.0f);
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t slot = 0; slot < end; slot++)
-                for (int64_t d = 0; d < dim; d++) sums[r * dim + d] += weights[r * end + slot] * to_float(values[slot * dim + d]);
-        return;
-    }
+    if (dim % 16 || dim > 128) return weighted_one_by_one(weights, values, rows, end, dim, sums);
     const int64_t slot_pairs = (end + 1) / 2, chunks = dim / 16;
     std::vector<bf16> rounded(rows * 2 * slot_pairs, 0);
     for (int64_t r = 0; r < rows; r++)
@@ -243,6 +302,27 @@ BF16_TARGET void weighted_values(const float *weights, const bf16 *values, int64
     }
 }
 
+// The same over float32 values with dim a multiple of 16: fused multiply-adds, slot by slot.
+BF16_TARGET void weighted_values(const float *weights, const float *values, int64_t rows, int64_t end, int64_t dim,
+                                 float *sums) {
+    if (dim % 16 || dim > 128) return weighted_one_by_one(weights, values, rows, end, dim, sums);
+    const int64_t chunks = dim / 16;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t rn = std::min<int64_t>(4, rows - r0);
+        __m512 acc[4][8];
+        for (int64_t r = 0; r < 4; r++)
+            for (int64_t c = 0; c < chunks; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int64_t slot = 0; slot < end; slot++)
+            for (int64_t c = 0; c < chunks; c++) {
+                const __m512 value = _mm512_loadu_ps(values + slot * dim + 16 * c);
+                for (int64_t r = 0; r < rn; r++)
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[(r0 + r) * end + slot]), value, acc[r][c]);
+            }
+        for (int64_t r = 0; r < rn; r++)
+            for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(sums + (r0 + r) * dim + 16 * c, acc[r][c]);
+    }
+}
+
 // The softmax of a row of scores over the slots it sees (the others set to -inf), in place.
 BF16_TARGET void softmax(float *row, int64_t end) {
     const __m512 minus_infinity = _mm512_set1_ps(-INFINITY);
@@ -264,10 +344,11 @@ BF16_TARGET void softmax(float *row, int64_t end) {
         _mm512_mask_storeu_ps(row + slot, first_lanes(end - slot), _mm512_mul_ps(_mm512_loadu_ps(row + slot), inverse));
 }
 
-// Attention of each row's query over the slots it sees through one head, into its columns of out (rows x n_embd) as
-// bfloat16; scores (rows x end) and sums (rows x head_dim) are room to work in.
-BF16_TARGET void head_attention(const float *qkv, const Cache &cache, int64_t layer, int64_t head,
-                                const Visibility &visible, bf16 *out, int64_t rows, int64_t n_embd, float *scores,
+// Attention of each row's query over the slots it sees through one head, into its columns of out (rows x n_embd) in
+// the model's dtype; scores (rows x end) and sums (rows x head_dim) are room to work in.
+template <typename T>
+BF16_TARGET void head_attention(const float *qkv, const Cache<T> &cache, int64_t layer, int64_t head,
+                                const Visibility &visible, T *out, int64_t rows, int64_t n_embd, float *scores,
                                 float *sums) {
     const int64_t dim = cache.head_dim, end = visible.end;
     scores_of(qkv + head * dim, 3 * n_embd, cache.at(0, layer, head, 0), rows, end, dim,
@@ -281,12 +362,13 @@ BF16_TARGET void head_attention(const float *qkv, const Cache &cache, int64_t la
     weighted_values(scores, cache.at(1, layer, head, 0), rows, end, dim, sums);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t d = 0; d < dim; d += 16)
-            store_bf16(out + r * n_embd + head * dim + d, _mm512_maskz_loadu_ps(first_lanes(dim - d), sums + r * dim + d),
+            store(out + r * n_embd + head * dim + d, _mm512_maskz_loadu_ps(first_lanes(dim - d), sums + r * dim + d),
                        dim - d);
 }
 
 // Attention over every head, the heads split among torch's threads where the work pays for waking them.
-void attention(const float *qkv, const Cache &cache, int64_t layer, const Visibility &visible, bf16 *out, int64_t rows,
+template <typename T>
+void attention(const float *qkv, const Cache<T> &cache, int64_t layer, const Visibility &visible, T *out, int64_t rows,
                int64_t n_embd) {
     const int64_t heads = cache.heads, grain = 2 * rows * visible.end * n_embd >= PARALLEL_WORK ? 1 : heads;
     at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
@@ -296,14 +378,15 @@ void attention(const float *qkv, const Cache &cache, int64_t layer, const Visibi
     });
 }
 
-// GPT-2's tanh GELU: x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)), as bfloat16 for the next product (n a multiple
-// of 16).
-BF16_TARGET void gelu(const float *x, bf16 *out, int64_t n) {
+// GPT-2's tanh GELU: x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)), in the model's dtype for the next product (n a
+// multiple of 16).
+template <typename T>
+BF16_TARGET void gelu(const float *x, T *out, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __m512 v = _mm512_loadu_ps(x + i);
         const __m512 cubic = _mm512_mul_ps(_mm512_mul_ps(v, v), _mm512_set1_ps(0.044715f));
         const __m512 inner = _mm512_mul_ps(_mm512_fmadd_ps(cubic, v, v), _mm512_set1_ps(-1.5957691216f));
-        store_bf16(out + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(inner))));
+        store(out + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(inner))));
     }
 }
 
@@ -328,69 +411,40 @@ bool read_ints(PyObject *list, std::vector<int64_t> &out, const char *name) {
     return !PyErr_Occurred();
 }
 
-// blocks(ids, positions, embeddings, parameters, shape, epsilon, cache, start, end, mask, columns, last, out)
-//   ids, positions: lists of the new rows' tokens and positions (a list costs less to make than a tensor);
-//   embeddings: [wte, wpe] (bfloat16, n_embd columns); parameters: 12 addresses a layer (ln_1's float32 weight and
-//   bias; attn.c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj, each its packed weight and float32 bias; ln_2's weight
-//   and bias), then ln_f's weight and bias, then the output layer's packed weight and (zero) bias; shape: [n_embd,
-//   heads, head_dim, layers, capacity, vocabulary, positions, logit columns]; cache: GPT2Engine.kv_cache's address;
-//   mask: a bool (rows x columns) address, or 0 for a chain; out: float32 logits (last x logit columns) of the last
-//   `last` rows.
-// The new nodes' keys and values go to cache slots start..end.
-BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) {
-        PyErr_SetString(PyExc_TypeError, "blocks takes 13 arguments");
-        return nullptr;
-    }
+// A forward's arguments as blocks() reads them (below).
+struct Arguments {
     std::vector<int64_t> ids, positions;
     std::vector<uintptr_t> embeddings, parameters, shape;
-    if (!read_ints(args[0], ids, "ids") || !read_ints(args[1], positions, "positions")
-        || !read_addresses(args[2], embeddings) || !read_addresses(args[3], parameters)
-        || !read_addresses(args[4], shape))
-        return nullptr;
-    const auto rows = static_cast<int64_t>(ids.size());
-    if (shape.size() != 8) {
-        PyErr_SetString(PyExc_ValueError, "blocks: shape is [n_embd, heads, head_dim, layers, capacity, vocabulary, "
-                                          "positions, logit columns]");
-        return nullptr;
-    }
+    float epsilon;
+    void *cache;
+    int64_t start, end;
+    Visibility visible;
+    int64_t last;
+    float *out;
+};
+
+// The forward, in a model of dtype T.
+template <typename T>
+BF16_TARGET void forward(const Arguments &a) {
+    const auto &shape = a.shape;
+    const auto rows = static_cast<int64_t>(a.ids.size());
     const int64_t n_embd = shape[0], heads = shape[1], head_dim = shape[2], n_layer = shape[3];
-    const auto epsilon = static_cast<float>(PyFloat_AsDouble(args[5]));
-    const Cache cache{static_cast<bf16 *>(PyLong_AsVoidPtr(args[6])), n_layer, heads,
-                      static_cast<int64_t>(shape[4]), head_dim};
-    const int64_t start = PyLong_AsLongLong(args[7]), end = PyLong_AsLongLong(args[8]);
-    const Visibility visible{static_cast<const uint8_t *>(PyLong_AsVoidPtr(args[9])), PyLong_AsLongLong(args[10]),
-                             start, end};
-    const int64_t last = PyLong_AsLongLong(args[11]);
-    auto *out = static_cast<float *>(PyLong_AsVoidPtr(args[12]));
-    if (PyErr_Occurred()) return nullptr;
-    if (parameters.size() != static_cast<size_t>(12 * n_layer + 4) || embeddings.size() != 2 || end != start + rows
-        || positions.size() != ids.size() || last < 0 || last > rows || start < 0 || end > cache.capacity) {
-        PyErr_SetString(PyExc_ValueError, "blocks: the parameters do not match the shape");
-        return nullptr;
-    }
-    for (int64_t r = 0; r < rows; r++)  // as torch's embedding lookups would refuse them
-        if (ids[r] < 0 || ids[r] >= static_cast<int64_t>(shape[5]) || positions[r] < 0
-            || positions[r] >= static_cast<int64_t>(shape[6])) {
-            PyErr_Format(PyExc_IndexError, "blocks: token %lld or position %lld out of range",
-                         static_cast<long long>(ids[r]), static_cast<long long>(positions[r]));
-            return nullptr;
-        }
-    const auto *wte = reinterpret_cast<const bf16 *>(embeddings[0]), *wpe = reinterpret_cast<const bf16 *>(embeddings[1]);
+    const Cache<T> cache{static_cast<T *>(a.cache), n_layer, heads, static_cast<int64_t>(shape[4]), head_dim};
+    const auto *wte = reinterpret_cast<const T *>(a.embeddings[0]), *wpe = reinterpret_cast<const T *>(a.embeddings[1]);
     std::vector<float> x(rows * n_embd), wide(rows * 4 * n_embd);
-    std::vector<bf16> normed(rows * n_embd), activated(rows * 4 * n_embd);
+    std::vector<T> normed(rows * n_embd), activated(rows * 4 * n_embd);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < n_embd; i++)
-            x[r * n_embd + i] = to_float(wte[ids[r] * n_embd + i]) + to_float(wpe[positions[r] * n_embd + i]);
+            x[r * n_embd + i] = to_float(wte[a.ids[r] * n_embd + i]) + to_float(wpe[a.positions[r] * n_embd + i]);
     auto linear = [&](const uintptr_t *at, int64_t in, int64_t out_features) {
-        return Linear{reinterpret_cast<const bf16 *>(at[0]), reinterpret_cast<const float *>(at[1]), in, out_features};
+        return Linear<T>{reinterpret_cast<const T *>(at[0]), reinterpret_cast<const float *>(at[1]), in, out_features};
     };
     for (int64_t l = 0; l < n_layer; l++) {
-        const uintptr_t *p = parameters.data() + 12 * l;
+        const uintptr_t *p = a.parameters.data() + 12 * l;
         const auto *f = reinterpret_cast<const float *const *>(p);
-        const Layer layer{f[0], f[1], f[10], f[11], linear(p + 2, n_embd, 3 * n_embd), linear(p + 4, n_embd, n_embd),
-                          linear(p + 6, n_embd, 4 * n_embd), linear(p + 8, 4 * n_embd, n_embd)};
-        layer_norm(x.data(), layer.ln_1_weight, layer.ln_1_bias, normed.data(), rows, n_embd, epsilon);
+        const Layer<T> layer{f[0], f[1], f[10], f[11], linear(p + 2, n_embd, 3 * n_embd), linear(p + 4, n_embd, n_embd),
+                             linear(p + 6, n_embd, 4 * n_embd), linear(p + 8, 4 * n_embd, n_embd)};
+        layer_norm(x.data(), layer.ln_1_weight, layer.ln_1_bias, normed.data(), rows, n_embd, a.epsilon);
         product(normed.data(), layer.attention, wide.data(), rows);  // q, k, v: 3 x n_embd a row
         for (int64_t r = 0; r < rows; r++)
             for (int64_t h = 0; h < heads; h++)
@@ -398,36 +452,96 @@ BF16_TARGET PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs
                     const float *row = wide.data() + r * 3 * n_embd + h * head_dim + d;
                     const __mmask16 present = first_lanes(head_dim - d);
                     for (int64_t kind = 0; kind < 2; kind++)  // the key, then the value
-                        store_bf16(cache.at(kind, l, h, start + r) + d,
-                                   _mm512_maskz_loadu_ps(present, row + (kind + 1) * n_embd), head_dim - d);
+                        store(cache.at(kind, l, h, a.start + r) + d,
+                              _mm512_maskz_loadu_ps(present, row + (kind + 1) * n_embd), head_dim - d);
                 }
-        attention(wide.data(), cache, l, visible, normed.data(), rows, n_embd);
+        attention(wide.data(), cache, l, a.visible, normed.data(), rows, n_embd);
         std::vector<float> &projected = wide;  // the attention read its queries already
         product(normed.data(), layer.projection, projected.data(), rows);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += projected[i];
-        layer_norm(x.data(), layer.ln_2_weight, layer.ln_2_bias, normed.data(), rows, n_embd, epsilon);
+        layer_norm(x.data(), layer.ln_2_weight, layer.ln_2_bias, normed.data(), rows, n_embd, a.epsilon);
         product(normed.data(), layer.up, wide.data(), rows);
         gelu(wide.data(), activated.data(), rows * 4 * n_embd);
         product(activated.data(), layer.down, wide.data(), rows);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += wide[i];
     }
-    const auto *final_norm = reinterpret_cast<const float *const *>(parameters.data() + 12 * n_layer);
-    const int64_t first = rows - last;  // the rows whose logits are asked for
-    layer_norm(x.data() + first * n_embd, final_norm[0], final_norm[1], normed.data(), last, n_embd, epsilon);
-    product(normed.data(), linear(parameters.data() + 12 * n_layer + 2, n_embd, static_cast<int64_t>(shape[7])), out,
-            last);
+    const auto *final_norm = reinterpret_cast<const float *const *>(a.parameters.data() + 12 * n_layer);
+    const int64_t first = rows - a.last;  // the rows whose logits are asked for
+    layer_norm(x.data() + first * n_embd, final_norm[0], final_norm[1], normed.data(), a.last, n_embd, a.epsilon);
+    product(normed.data(), linear(a.parameters.data() + 12 * n_layer + 2, n_embd, static_cast<int64_t>(shape[7])), a.out,
+            a.last);
+}
+
+// blocks(ids, positions, embeddings, parameters, shape, epsilon, cache, start, end, mask, columns, last, out)
+//   ids, positions: lists of the new rows' tokens and positions (a list costs less to make than a tensor);
+//   embeddings: [wte, wpe] (the model's dtype, n_embd columns); parameters: 12 addresses a layer (ln_1's float32
+//   weight and bias; attn.c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj, each its packed weight and float32 bias;
+//   ln_2's weight and bias), then ln_f's weight and bias, then the output layer's packed weight and (zero) bias;
+//   shape: [n_embd, heads, head_dim, layers, capacity, vocabulary, positions, logit columns, bytes an element (2:
+//   bfloat16, 4: float32)]; cache: GPT2Engine.kv_cache's address; mask: a bool (rows x columns) address, or 0 for a
+//   chain; out: float32 logits (last x logit columns) of the last `last` rows.
+// The new nodes' keys and values go to cache slots start..end.
+PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "blocks takes 13 arguments");
+        return nullptr;
+    }
+    Arguments a;
+    if (!read_ints(args[0], a.ids, "ids") || !read_ints(args[1], a.positions, "positions")
+        || !read_addresses(args[2], a.embeddings) || !read_addresses(args[3], a.parameters)
+        || !read_addresses(args[4], a.shape))
+        return nullptr;
+    const auto rows = static_cast<int64_t>(a.ids.size());
+    const auto &shape = a.shape;
+    if (shape.size() != 9 || (shape[8] != 2 && shape[8] != 4)) {
+        PyErr_SetString(PyExc_ValueError, "blocks: shape is [n_embd, heads, head_dim, layers, capacity, vocabulary, "
+                                          "positions, logit columns, bytes an element (2 or 4)]");
+        return nullptr;
+    }
+    a.epsilon = static_cast<float>(PyFloat_AsDouble(args[5]));
+    a.cache = PyLong_AsVoidPtr(args[6]);
+    a.start = PyLong_AsLongLong(args[7]);
+    a.end = PyLong_AsLongLong(args[8]);
+    a.visible = Visibility{static_cast<const uint8_t *>(PyLong_AsVoidPtr(args[9])), PyLong_AsLongLong(args[10]), a.start,
+                           a.end};
+    a.last = PyLong_AsLongLong(args[11]);
+    a.out = static_cast<float *>(PyLong_AsVoidPtr(args[12]));
+    if (PyErr_Occurred()) return nullptr;
+    if (a.parameters.size() != 12 * shape[3] + 4 || a.embeddings.size() != 2 || a.end != a.start + rows
+        || a.positions.size() != a.ids.size() || a.last < 0 || a.last > rows || a.start < 0
+        || a.end > static_cast<int64_t>(shape[4])) {
+        PyErr_SetString(PyExc_ValueError, "blocks: the parameters do not match the shape");
+        return nullptr;
+    }
+    for (int64_t r = 0; r < rows; r++)  // as torch's embedding lookups would refuse them
+        if (a.ids[r] < 0 || a.ids[r] >= static_cast<int64_t>(shape[5]) || a.positions[r] < 0
+            || a.positions[r] >= static_cast<int64_t>(shape[6])) {
+            PyErr_Format(PyExc_IndexError, "blocks: token %lld or position %lld out of range",
+                         static_cast<long long>(a.ids[r]), static_cast<long long>(a.positions[r]));
+            return nullptr;
+        }
+    if (shape[8] == 2)
+        forward<bf16>(a);
+    else
+        forward<float>(a);
     Py_RETURN_NONE;
 }
 
-PyObject *supported(PyObject *, PyObject *) {
+// supported(bytes an element): whether this CPU runs the forward of a model in bfloat16 (2: AVX-512 BF16's dot
+// products) or float32 (4: AVX-512).
+PyObject *supported(PyObject *, PyObject *bytes) {
+    const long element = PyLong_AsLong(bytes);
+    if (PyErr_Occurred()) return nullptr;
     __builtin_cpu_init();
-    return PyBool_FromLong(__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"));
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                        && __builtin_cpu_supports("avx512vl");
+    return PyBool_FromLong(avx512 && (element == 4 || (element == 2 && __builtin_cpu_supports("avx512bf16"))));
 }
 
 PyMethodDef methods[] = {
     {"blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(blocks)), METH_FASTCALL,
      "A small GPT-2's transformer blocks over a few new rows."},
-    {"supported", supported, METH_NOARGS, "Whether this CPU has the AVX-512 BF16 dot products the blocks use."},
+    {"supported", supported, METH_O, "Whether this CPU runs the blocks of a model with elements of this many bytes."},
     {nullptr, nullptr, 0, nullptr}};
 
 #define STRINGIFY_(name) #name
