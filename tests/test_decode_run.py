@@ -35,6 +35,7 @@ def error_of(capsys, argv) -> str:
     ("staged", ["--budget", "16", "--widths", "4,2,1", "--draft-vocab", "64"]),
     ("speculative", ["--draft-dtype", "bfloat16"]), ("staged", ["--budget", "16", "--widths", "4,2,1", "--draft-dtype",
                                                                "bfloat16"]),  # a bfloat16 draft beside a float32 oracle
+    ("staged", ["--budget", "16", "--widths", "2,1", "--draft-calls", "4"]),
 ])
 def test_run_writes_records_and_every_method_matches_baseline(models, tmp_path, method, extra):
     prompts = tmp_path / "p.jsonl"
@@ -67,6 +68,7 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
     assert "built for a vocabulary of 50" in error_of(capsys, staged + ["--ngram", str(models["other_ngram"])])
     assert "--budget 1 is out of range" in error_of(capsys, staged + ["--budget", "1"])
     assert "--depth 0 is out of range" in error_of(capsys, staged + ["--depth", "0"])
+    assert "--draft-calls 9 is out of range" in error_of(capsys, staged + ["--draft-calls", "9"])
     assert "keeps only the top 16" in error_of(capsys, staged + ["--widths", "20,2"])
     assert "do not fit --budget 8" in error_of(capsys, staged + ["--widths", "12,2", "--budget", "8"])
     assert "at most --depth 2 levels" in error_of(capsys, staged + ["--widths", "3,2,1", "--depth", "2"])
