@@ -170,12 +170,18 @@ def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monk
     assert all(calls.values()), calls  # top_tokens: the baseline's argmax
 
 
+def needs_cpp_forward(dtype: str) -> None:
+    """Skip unless this CPU runs the C++ forward of a model in `dtype`; fail where it should and did not build."""
+    if native.draft_module() is None and "AVX-512 BF16" in cpu_features():
+        pytest.fail("the C++ forward did not build on a CPU with AVX-512 BF16 (see the note above)")
+    if native.draft_module() is None or not native.draft_module().supported(getattr(torch, dtype).itemsize):
+        pytest.skip(f"this CPU has no AVX-512{' BF16' if dtype == 'bfloat16' else ''}: a {dtype} model's forward "
+                    f"runs in torch")
+
+
 @pytest.fixture
 def blocks_here(built):
-    if native.draft_module() is None or not native.draft_module().supported(2):  # 2 bytes: bfloat16
-        if "AVX-512 BF16" in cpu_features():
-            pytest.fail("the C++ forward did not build on a CPU with AVX-512 BF16 (see the note above)")
-        pytest.skip("this CPU has no AVX-512 BF16: a model's forward runs in torch")
+    needs_cpp_forward("bfloat16")
     return native.draft_module()
 
 
@@ -183,8 +189,9 @@ def blocks_here(built):
     (32, 4, None), (64, 2, None), (32, 4, 40),  # layers of 97 columns and of a shortlist's 40: neither a multiple of 16
     (256, 4, None)])  # products large enough to be split among threads
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(blocks_here, monkeypatch, tmp_path, n_embd, n_head, shortlist,
+def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, tmp_path, n_embd, n_head, shortlist,
                                                             dtype):
+    needs_cpp_forward(dtype)
     directory = tiny_gpt2(tmp_path / "draft", seed=2, n_embd=n_embd, n_head=n_head)
     shortlist = shortlist and Shortlist(random.Random(1).sample(range(97), shortlist), 97)
     in_torch, in_cpp = (GPT2Engine.load(directory, dtype, native_blocks=cpp, shortlist=shortlist)
