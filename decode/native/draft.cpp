@@ -212,6 +212,12 @@ BF16_TARGET void scores_one_by_one(const float *queries, int64_t stride, const T
         }
 }
 
+// Offsets, in elements of `stride` each, of 16 consecutive slots: a gather's indices across the slots of a head.
+BF16_TARGET inline __m512i across_slots(int64_t stride) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm512_set1_epi32(static_cast<int32_t>(stride)));
+}
+
 // The same with head_dim a multiple of 32: AVX-512 BF16 dot products over the query rounded to bfloat16, 16 slots
 // at a time, their keys' pairs gathered across the slots.
 BF16_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *keys, int64_t rows, int64_t end, int64_t dim,
@@ -222,11 +228,10 @@ BF16_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *key
     for (int64_t r = 0; r < rows; r++)
         for (int64_t d = 0; d < dim; d++) rounded[r * dim + d] = to_bf16(queries[r * stride + d] * scale);
     const auto *query_pairs = reinterpret_cast<const int32_t *>(rounded.data());
-    const __m512i across = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(static_cast<int32_t>(pairs)));
+    const __m512i across = across_slots(pairs);
     __m512i key_pairs[64];
     for (int64_t first = 0; first < end; first += 16) {
-        const __mmask16 present = static_cast<__mmask16>((1u << std::min<int64_t>(16, end - first)) - 1);
+        const __mmask16 present = first_lanes(end - first);
         const auto *base = reinterpret_cast<const int32_t *>(keys + first * dim);
         for (int64_t t = 0; t < pairs; t++)
             key_pairs[t] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, across, base + t, 4);
@@ -244,8 +249,7 @@ BF16_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *key
 BF16_TARGET void scores_of(const float *queries, int64_t stride, const float *keys, int64_t rows, int64_t end,
                            int64_t dim, float scale, float *scores) {
     if (dim % 16 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
-    const __m512i across = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(static_cast<int32_t>(dim)));
+    const __m512i across = across_slots(dim);
     __m512 key_columns[128];
     for (int64_t first = 0; first < end; first += 16) {
         const __mmask16 present = first_lanes(end - first);
