@@ -13,6 +13,26 @@ import torch
 from decode import native
 from decode.models.cached_lm import Shortlist
 
+SPARSE_SUPPORT = 256  # sampling with a top-k up to this many tokens holds its distributions as Sparse
+
+
+class Sparse(dict):
+    """A distribution over a few tokens, {token: probability}, likeliest first; any other token's probability is 0.
+    Top-k sampling's distributions live on at most k tokens: on a CPU, reading and drawing from them here costs a
+    few microseconds, where each torch operation over a vocabulary-wide row costs tens."""
+
+    def __missing__(self, token: int) -> float:
+        return 0.0
+
+    def draw(self, uniform: float) -> int:
+        """The token at `uniform` (in [0, 1)) of the cumulative probabilities, likeliest first."""
+        for token, probability in self.items():
+            uniform -= probability
+            if uniform < 0:
+                return token
+        return token  # rounding left the sum a hair under `uniform`: the last token
+
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -23,6 +43,11 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def sparse(self) -> bool:
+        """Whether its distributions live on a few tokens (a top-k up to SPARSE_SUPPORT): `distributions` gives them."""
+        return not self.greedy and 0 < self.top_k <= SPARSE_SUPPORT
 
     def describe(self) -> str:
         """The setting as benchmarks and plans name it."""
@@ -42,6 +67,22 @@ class Sampling:
             drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p  # the mass before it already reaches p
             logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
         return logits.softmax(-1)
+
+    def distributions(self, logits: torch.Tensor, rows: list[int] | None = None,
+                      shortlist: Shortlist | None = None) -> list[Sparse]:
+        """The processed distribution after each of `rows` of the logits (default: every row) as Sparse (with a
+        shortlist, the logits' columns are its tokens): one C++ call where decode/native reads the logits, else
+        `probs` over the vocabulary, read back once. For `sparse` settings."""
+        rows = list(range(logits.shape[0])) if rows is None else rows
+        if native.takes(logits):
+            return [Sparse(d) for d in native.distributions(logits, rows, self, shortlist)]
+        out = []
+        for row in self.probs(logits[rows]).double().cpu().numpy():
+            columns = np.flatnonzero(row)
+            columns = columns[np.argsort(-row[columns], kind="stable")]
+            tokens = columns if shortlist is None else shortlist.tokens[columns]
+            out.append(Sparse(zip(tokens.tolist(), row[columns].tolist())))
+        return out
 
     def proposal(self, logits: torch.Tensor, cap: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft's distribution as a proposal that is cheap to draw from: the processed distribution over
@@ -121,6 +162,17 @@ def argmax_of_rows(logits: torch.Tensor) -> Callable[[int], int]:
         rows = logits.numpy()
         return lambda row: int(rows[row].argmax())
     return row_argmax(logits).__getitem__
+
+
+def uniforms(shape: tuple[int, ...], generator: torch.Generator | None) -> list:
+    """Uniform draws in [0, 1) from the generator (float64; nested lists of `shape`)."""
+    device = generator.device if generator is not None else None
+    return torch.rand(shape, dtype=torch.float64, generator=generator, device=device).tolist()
+
+
+def draw(probs: torch.Tensor | Sparse, generator: torch.Generator | None) -> int:
+    """One token from a distribution, vocabulary-wide (`sample`) or Sparse."""
+    return probs.draw(uniforms((1,), generator)[0]) if isinstance(probs, Sparse) else sample(probs, generator)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -39,8 +39,9 @@ class Tree:
     depths: list[int] = field(default_factory=list)
     children: list[list[int]] = field(default_factory=list)
     lineage: list[int] = field(default_factory=list)  # bit j of lineage[i]: j is i or one of its ancestors
-    # For drafters that sample children: the distribution each node's children were drawn from.
-    child_dists: dict[int, torch.Tensor] = field(default_factory=dict)
+    # For drafters that sample children: the distribution each node's children were drawn from (a row over the
+    # vocabulary, or Sparse under top-k sampling).
+    child_dists: dict = field(default_factory=dict)
 
     @classmethod
     def rooted(cls, token: int) -> "Tree":

@@ -13,12 +13,12 @@ from typing import Callable
 import torch
 
 from decode import native
-from decode.sampling import Sampling, argmax_of_rows, sample
+from decode.sampling import Sampling, Sparse, argmax_of_rows, draw, uniforms
 
 
 class Target:
     """The oracle's processed distribution p at each node of a scored tree, computed only at the
-    nodes verification visits (greedy: the row's argmax)."""
+    nodes verification visits (greedy: the row's argmax; top-k sampling: Sparse)."""
 
     def __init__(self, logits: torch.Tensor, sampling: Sampling):
         self.logits, self.sampling = logits, sampling
@@ -29,14 +29,15 @@ class Target:
         """row -> its argmax when greedy (None when sampling): made when first asked for."""
         return argmax_of_rows(self.logits) if self.sampling.greedy else None
 
-    def probs(self, node: int) -> torch.Tensor:
+    def probs(self, node: int) -> torch.Tensor | Sparse:
         if node not in self._probs:
-            self._probs[node] = self.sampling.probs(self.logits[node])
+            self._probs[node] = (self.sampling.distributions(self.logits, [node])[0] if self.sampling.sparse
+                                 else self.sampling.probs(self.logits[node]))
         return self._probs[node]
 
     def draw(self, node: int, generator) -> int:
         """A token from p at `node` (its argmax when greedy: a point mass needs no random draw)."""
-        return self.argmax(node) if self.argmax is not None else sample(self.probs(node), generator)
+        return self.argmax(node) if self.argmax is not None else draw(self.probs(node), generator)
 
 
 def sample_match(tree, target: Target, generator) -> tuple[list[int], int]:
@@ -55,6 +56,17 @@ def sample_match(tree, target: Target, generator) -> tuple[list[int], int]:
         path.append(child)
 
 
+def remainder(residual: torch.Tensor | Sparse, q: torch.Tensor | Sparse) -> torch.Tensor | Sparse:
+    """normalise(max(residual - q, 0)): what is left to sample once a draw from q is rejected (residual itself
+    where q covers all of it)."""
+    if isinstance(residual, Sparse):
+        left = {token: r - q[token] for token, r in residual.items() if r > q[token]}
+        total = sum(left.values())
+        return Sparse({token: r / total for token, r in left.items()}) if total > 0 else residual
+    left = (residual - q).clamp_min(0)
+    return left / left.sum() if left.sum() > 0 else residual
+
+
 def multi_draft_rejection(tree, target: Target, generator) -> tuple[list[int], int]:
     """SpecInfer's multi-round rejection sampling, for trees whose children at a node were drawn
     independently from `tree.child_dists[node]`: try the children in order, accepting child x with
@@ -67,10 +79,9 @@ def multi_draft_rejection(tree, target: Target, generator) -> tuple[list[int], i
         for child in tree.children[node]:
             q = tree.child_dists[node]
             x = tree.tokens[child]
-            if float(torch.rand(1, generator=generator, device=q.device)) * q[x] < residual[x]:
+            if uniforms((1,), generator)[0] * q[x] < residual[x]:
                 path.append(child)
                 break
-            left = (residual - q).clamp_min(0)
-            residual = left / left.sum() if left.sum() > 0 else residual
+            residual = remainder(residual, q)
         else:
-            return path, sample(residual, generator)
+            return path, draw(residual, generator)

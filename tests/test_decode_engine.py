@@ -218,12 +218,17 @@ def test_proposal_is_the_processed_distribution_on_the_likeliest_tokens():
         assert torch.equal(probs, sampling.probs(wide.gather(-1, tokens))), sampling
 
 
-def test_draw_children_draws_from_the_proposal_and_returns_it_over_the_vocabulary():
+def test_draw_children_draws_from_the_drafts_distribution_and_returns_it():
     logits = torch.log(torch.tensor([[0.05, 0.5, 0.1, 0.2, 0.15], [0.6, 0.1, 0.2, 0.05, 0.05]]))
     drawn, q = draw_children(Sampling(1.0, top_k=2), logits, 4000, torch.Generator().manual_seed(0))
-    assert torch.allclose(q, torch.tensor([[0, 5 / 7, 0, 2 / 7, 0], [0.75, 0, 0.25, 0, 0]]), atol=1e-6)
+    assert [list(row) for row in q] == [[1, 3], [0, 2]]  # top-k: Sparse, likeliest first
+    assert [list(row.values()) for row in q] == [pytest.approx([5 / 7, 2 / 7]), pytest.approx([0.75, 0.25])]
+    assert q[0][2] == 0.0  # off the support
     assert set(drawn[0]) == {1, 3} and set(drawn[1]) == {0, 2}
     assert abs(drawn[0].count(1) / 4000 - 5 / 7) < 0.03 and abs(drawn[1].count(0) / 4000 - 0.75) < 0.03
+    drawn, q = draw_children(Sampling(1.0), logits, 4000, torch.Generator().manual_seed(0))  # no top-k: the proposal
+    assert torch.allclose(q, logits.softmax(-1), atol=1e-6)  # its cap (64 tokens) holds all 5, over the vocabulary
+    assert abs(drawn[1].count(0) / 4000 - 0.6) < 0.03
 
 
 @pytest.mark.parametrize("k", [1, 2])

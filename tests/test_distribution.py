@@ -69,6 +69,10 @@ def sampled_tree(models, sampling):
 
 CORRECT = {  # one case per verification rule, and the chain (Chen et al.'s rule)
     "chain, rejection sampling": (lambda m, s: ChainDrafter(m["bad"], k=2), Sampling(1.0)),
+    "chain under top-k, rejection sampling over sparse distributions": (lambda m, s: ChainDrafter(m["bad"], k=2),
+                                                                        Sampling(1.0, top_k=4)),
+    "tree of sampled children under top-k and top-p, multi-draft rejection over sparse distributions": (
+        lambda m, s: TreeDrafter(m["bad"], budget=12, depth=3, branch=2, sampled=True), Sampling(1.2, top_k=5, top_p=0.9)),
     "tree of sampled children, multi-draft rejection": (sampled_tree, Sampling(1.0)),
     "staged, sampled children and the context drafter, multi-draft rejection": (
         lambda m, s: StagedDrafter(m["bad"], m["ngram"], widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4,

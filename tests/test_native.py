@@ -1,6 +1,7 @@
 """decode/native/step.cpp against the Python it replaces: the trigram's trees, the staged drafter's greedy selection,
-sample-match verification, argmax tokens and the context's continuations are the same, node for node, on random
-contexts, trees, logits and sequences, ties included; decoding takes them; and where they cannot be built, decoding says so once and goes on in Python."""
+sample-match verification, argmax tokens, top-k distributions and the context's continuations are the same, node for
+node, on random contexts, trees, logits and sequences, ties included; decoding takes them; and where they cannot be
+built, decoding says so once and goes on in Python."""
 import os
 import random
 import shutil
@@ -132,6 +133,38 @@ def test_top_tokens_equal_the_python_ranking(built, python_only):
                 assert native.top_tokens(distinct, k, tokens_of) == ranked_tokens(distinct, k, tokens_of), (columns, k)
     with pytest.raises(ValueError, match="k must be"):
         native.top_tokens(torch.zeros(2, 7), 8, None)
+
+
+def test_top_k_distributions_equal_the_python_ones(built, monkeypatch):
+    """Sampling.distributions in C++ against its Python code (the processed distribution over the vocabulary): the
+    same support, likeliest first, the same probabilities up to float32 rounding, ties at the k-th value kept (the
+    bfloat16 logits tie often) and -inf logits left out."""
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 4096) * 3).bfloat16().float()
+    logits[0, :12] = logits[0].max() + 1  # twelve tied best tokens: a top-k below 12 keeps them all
+    logits[1, 5:] = float("-inf")  # five tokens left: the support of any top-k
+    shortlist = Shortlist(random.Random(0).sample(range(9000), 4096), 9000)
+    rows = [5, 0, 1, 3]
+    for sampling in (Sampling(1.0, top_k=50), Sampling(0.7, top_k=8), Sampling(1.3, top_k=100, top_p=0.9),
+                     Sampling(2.0, top_k=1), Sampling(1.0, top_k=256, top_p=0.5)):
+        for tokens_of in (None, shortlist):
+            fast = sampling.distributions(logits, rows, tokens_of)
+            monkeypatch.setattr(native, "takes", lambda logits: False)
+            slow = sampling.distributions(logits, rows, tokens_of)
+            monkeypatch.undo()
+            for row, a, b in zip(rows, fast, slow):
+                values = list(a.values())
+                assert values == sorted(values, reverse=True) and sum(values) == pytest.approx(1), (sampling, row)
+                if sampling.top_p == 1.0:  # top-p may cut between tied tokens, as torch's sort orders them
+                    assert set(a) == set(b), (sampling, row)
+                assert sorted(values) == pytest.approx(sorted(b.values()), rel=1e-5, abs=1e-7), (sampling, row)
+            if sampling.top_p == 1.0:
+                assert len(fast[2]) == min(sampling.top_k, 5)  # the -inf logits left out
+                assert len(fast[1]) == 12 if sampling.top_k <= 12 else len(fast[1]) >= sampling.top_k  # ties kept
+    with pytest.raises(ValueError, match="must be positive"):
+        native.distributions(logits, [0], Sampling(0.0, top_k=5), None)
+    with pytest.raises(ValueError, match="outside the logits"):
+        native.distributions(logits, [6], Sampling(1.0, top_k=5), None)
 
 
 @pytest.mark.parametrize("seed", range(3))

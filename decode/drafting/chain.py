@@ -24,7 +24,7 @@ class ChainDrafter(ModelDrafter):
         for _ in range(min(self.k, max_depth)):
             logits = self.draft.score(tree, [node], repeats=node)  # every step's tree is a chain
             if draws:
-                (token,), q = draw_children(sampling, logits[0], 1, generator, self.draft.shortlist)
+                [[token]], [q] = draw_children(sampling, logits, 1, generator, self.draft.shortlist)
                 tree.child_dists[node] = q
             else:
                 token = row_argmax(logits, self.draft.shortlist)[0]

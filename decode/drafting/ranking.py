@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from decode.models.cached_lm import Shortlist
-from decode.sampling import Sampling, ranked_tokens, tokens_at, top_tokens, values_at, values_list
+from decode.sampling import Sampling, Sparse, ranked_tokens, tokens_at, top_tokens, uniforms, values_at, values_list
 from decode.tree import Tree
 
 ARRAY_NODES = 128  # trees (and candidate lists) past this size are ranked by array code, smaller ones in Python lists
@@ -68,10 +68,14 @@ def ranked_children_arrays(scores: torch.Tensor, tree: Tree, k: int, greedy: boo
 
 
 def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generator,
-                  shortlist: Shortlist | None = None) -> tuple[list[list[int]], torch.Tensor]:
-    """`count` independent draws per row from the draft's proposal (Sampling.proposal; over the `shortlist`'s
-    tokens when the logits are theirs), and each row's proposal over the whole vocabulary, the q that
-    multi-draft rejection checks the draws against."""
+                  shortlist: Shortlist | None = None) -> tuple[list[list[int]], list[Sparse] | torch.Tensor]:
+    """`count` independent draws per row from the draft's q, and each row's q, the distribution multi-draft rejection
+    checks the draws against: under top-k sampling the draft's processed distribution (Sampling.distributions),
+    else its proposal (Sampling.proposal) over the whole vocabulary, a row of a tensor. With a `shortlist`, the
+    logits' columns are its tokens."""
+    if sampling.sparse:
+        qs = sampling.distributions(logits, shortlist=shortlist)
+        return [[q.draw(u) for u in row] for q, row in zip(qs, uniforms((len(qs), count), generator))], qs
     probs, columns = sampling.proposal(logits)
     tokens = tokens_at(columns, shortlist)
     drawn = tokens.gather(-1, torch.multinomial(probs, count, replacement=True, generator=generator))

@@ -1,8 +1,8 @@
 """A decoding step's loops over trees in C++ (decode/native/step.cpp): the trigram's tree below a new context, the
 staged drafter's greedy selection of the oracle's tree from the draft's logits, sample-match verification under
-greedy decoding, each row's best tokens, the continuations a context repeats (prompt lookup) and a commit's moves in
-a CPU cache; and a model's forward over a few rows (decode/native/draft.cpp, `Blocks`) on CPUs with AVX-512 (AVX-512
-BF16 for a bfloat16 model).
+greedy decoding, each row's best tokens and (top-k sampling) processed distribution, the continuations a context
+repeats (prompt lookup) and a commit's moves in a CPU cache; and a model's forward over a few rows
+(decode/native/draft.cpp, `Blocks`) on CPUs with AVX-512 (AVX-512 BF16 for a bfloat16 model).
 Right after a forward, each of the tens of torch, numpy and list operations these take in Python pays for caches the
 forward evicted; one call pays once (docs/decoding.md and docs/profiling.md).
 
@@ -114,6 +114,13 @@ def top_tokens(logits: torch.Tensor, k: int, shortlist) -> list[list[int]]:
     """sampling.ranked_tokens: each row's k best tokens, best first."""
     return module().top_tokens(logits.data_ptr(), logits.shape[0], logits.shape[1], k,
                                None if shortlist is None else shortlist.tokens)
+
+
+def distributions(logits: torch.Tensor, rows: list[int], sampling, shortlist) -> list[dict[int, float]]:
+    """Sampling.distributions of the listed rows (a top-k setting), as dicts."""
+    return module().distributions(logits.data_ptr(), logits.shape[0], logits.shape[1], rows, sampling.top_k,
+                                  float(sampling.temperature), float(sampling.top_p),
+                                  None if shortlist is None else shortlist.tokens)
 
 
 def slot_mover(kv_cache: torch.Tensor):

@@ -1,12 +1,13 @@
 // A decoding step's loops over trees, in C++ for decode/native: the trigram's tree below a new context
 // (TrigramTrees.build in decode/drafting), the staged drafter's greedy ranking of the draft's logits and its choice
 // of the oracle's tree (StagedDrafter.selection), sample-match verification under greedy decoding
-// (decode/verify.py), each row's best tokens (decode/sampling.py's ranked_tokens and row_argmax), the
-// continuations a context repeats (decode/drafting/context.py's ContextIndex), and a commit's moves in a CPU cache
-// (GPT2Engine.commit). Each follows its Python code step for step, ties included (torch's top-k, which a row's k > 1
-// best tokens take in Python, orders ties as it likes; here the lower column comes first), and tests/test_native.py
-// compares the two. After a forward, every torch, numpy or list operation of a step pays for caches that the forward
-// evicted; one call here replaces tens of them.
+// (decode/verify.py), each row's best tokens and, under top-k sampling, its processed distribution
+// (decode/sampling.py's ranked_tokens, row_argmax and Sampling.distributions), the continuations a context repeats
+// (decode/drafting/context.py's ContextIndex), and a commit's moves in a CPU cache (GPT2Engine.commit). Each follows
+// its Python code step for step, ties included (torch's top-k, which a row's k > 1 best tokens take in Python, orders
+// ties as it likes; here the lower column comes first), and tests/test_native.py compares the two. After a forward,
+// every torch, numpy or list operation of a step pays for caches that the forward evicted; one call here replaces
+// tens of them.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -250,6 +251,78 @@ PyObject *top_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return out;
 }
 
+// distributions(logits_address, rows, columns, row_list, top_k, temperature, top_p, shortlist_tokens)
+//   -> [{token: probability} of each listed row]
+// Sampling.probs of each listed row over its support, likeliest first: the logits over the temperature, every column
+// at or above the top_k-th largest value (ties at the k-th kept, as the masking does), then top-p (the likeliest
+// tokens while the mass before each stays under top_p). Computed in double; tokens of probability 0 (a logit of
+// -inf) are left out. Sampling.distributions when sampling with a top-k.
+PyObject *distributions(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!takes_arguments("distributions", nargs, 8)) return nullptr;
+    const Logits logits(args);
+    const int64_t rows = logits.rows, columns = logits.columns;
+    std::vector<int64_t> listed;
+    Int64Array column_token;
+    if (PyErr_Occurred() || !read_ints(args[3], listed, "row_list")) return nullptr;
+    const int64_t k = std::min(static_cast<int64_t>(PyLong_AsLongLong(args[4])), columns);
+    const double temperature = PyFloat_AsDouble(args[5]), top_p = PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred() || !column_token.open(args[7], "shortlist tokens")) return nullptr;
+    if (column_token.data && column_token.size != columns) {
+        PyErr_SetString(PyExc_ValueError, "distributions: the shortlist and the logits' columns disagree");
+        return nullptr;
+    }
+    if (k < 1 || !(temperature > 0) || !(top_p > 0)) {
+        PyErr_SetString(PyExc_ValueError, "distributions: top_k, temperature and top_p must be positive");
+        return nullptr;
+    }
+    for (const int64_t row : listed)
+        if (row < 0 || row >= rows) {
+            PyErr_SetString(PyExc_ValueError, "distributions: a listed row is outside the logits");
+            return nullptr;
+        }
+    std::vector<int64_t> best(k);
+    std::vector<float> values(k);
+    std::vector<std::pair<float, int64_t>> support;  // (value, column)
+    std::vector<double> weights;
+    PyObject *out = PyList_New(listed.size());
+    for (size_t i = 0; out && i < listed.size(); i++) {
+        const float *row = logits.row(listed[i]);
+        row_top(row, columns, k, best.data(), values.data());
+        const float kth = values[k - 1];
+        support.clear();
+        for (int64_t c = 0; c < columns; c++)
+            if (row[c] >= kth) support.emplace_back(row[c], c);
+        std::stable_sort(support.begin(), support.end(),
+                         [](const auto &a, const auto &b) { return a.first > b.first; });
+        weights.assign(support.size(), 0.0);
+        double total = 0;
+        for (size_t j = 0; j < support.size(); j++)
+            total += weights[j] = std::exp((static_cast<double>(support[j].first) - support[0].first) / temperature);
+        size_t kept = support.size();
+        if (top_p < 1.0) {  // drop each token the mass before which already reaches top_p
+            double before = 0;
+            for (kept = 0; kept < support.size() && before / total < top_p; kept++) before += weights[kept];
+            total = before;
+        }
+        PyObject *distribution = PyDict_New();
+        for (size_t j = 0; distribution && j < kept && weights[j] > 0; j++) {
+            const int64_t column = support[j].second;
+            PyObject *token = PyLong_FromLongLong(column_token.data ? column_token.data[column] : column);
+            PyObject *probability = PyFloat_FromDouble(weights[j] / total);
+            if (!token || !probability || PyDict_SetItem(distribution, token, probability) < 0)
+                Py_CLEAR(distribution);
+            Py_XDECREF(token);
+            Py_XDECREF(probability);
+        }
+        if (!distribution) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, distribution);
+    }
+    return out;
+}
+
 // One successor of a trigram context, as ngram/successors.py's SUCCESSOR dtype lays it out.
 struct Successor {
     int32_t token;
@@ -351,6 +424,8 @@ PyObject *commit_slots(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 PyMethodDef methods[] = {
     {"top_tokens", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(top_tokens)), METH_FASTCALL,
      "Each row's k best tokens."},
+    {"distributions", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(distributions)), METH_FASTCALL,
+     "Each listed row's processed distribution over its support."},
     {"trigram_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(trigram_tree)), METH_FASTCALL,
      "The trigram's tree below a context."},
     {"staged_selection", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(staged_selection)), METH_FASTCALL,
