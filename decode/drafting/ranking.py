@@ -67,20 +67,20 @@ def ranked_children_arrays(scores: torch.Tensor, tree: Tree, k: int, greedy: boo
     return [1.0, *edges.tolist()], best, rows
 
 
-def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generator,
-                  shortlist: Shortlist | None = None) -> tuple[list[list[int]], list[Sparse] | torch.Tensor]:
-    """`count` independent draws per row from the draft's q, and each row's q, the distribution multi-draft rejection
-    checks the draws against: under top-k sampling the draft's processed distribution (Sampling.distributions),
-    else its proposal (Sampling.proposal) over the whole vocabulary, a row of a tensor. With a `shortlist`, the
-    logits' columns are its tokens."""
+def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generator, shortlist: Shortlist | None = None,
+                  rows: list[int] | None = None) -> tuple[list[list[int]], list[Sparse] | torch.Tensor]:
+    """`count` independent draws from the draft's q after each of `rows` of the logits (default: every row), and each
+    one's q, the distribution multi-draft rejection checks the draws against: under top-k sampling the draft's
+    processed distribution (Sampling.distributions), else its proposal (Sampling.proposal) over the whole vocabulary,
+    a row of a tensor. With a `shortlist`, the logits' columns are its tokens."""
     if sampling.sparse:
-        qs = sampling.distributions(logits, shortlist=shortlist)
+        qs = sampling.distributions(logits, rows, shortlist)
         return [[q.draw(u) for u in row] for q, row in zip(qs, uniforms((len(qs), count), generator))], qs
-    probs, columns = sampling.proposal(logits)
+    probs, columns = sampling.proposal(logits if rows is None else logits[rows])
     tokens = tokens_at(columns, shortlist)
     drawn = tokens.gather(-1, torch.multinomial(probs, count, replacement=True, generator=generator))
     vocab_size = logits.shape[-1] if shortlist is None else shortlist.vocab_size
-    return drawn.tolist(), probs.new_zeros((*logits.shape[:-1], vocab_size)).scatter_(-1, tokens, probs)
+    return drawn.tolist(), probs.new_zeros((*probs.shape[:-1], vocab_size)).scatter_(-1, tokens, probs)
 
 
 def best_first(scores: list[float], budget: int) -> list[int]:

@@ -96,20 +96,19 @@ class StagedDrafter(ModelDrafter):
         count = self.draft_children or 2
         out, self.kept = Tree.rooted(tree.tokens[0]), [0]
         first = len(tree)  # the nodes the step's first draft call scored: row i of `logits` is node i's
-        later = {}  # the draft's logits after each node scored by a later call
+        later = {}  # each node scored by a later call: (that call's logits, its row)
         level = [(0, 0)]  # (node of `out`, the node of `tree` it stands for): their children are drawn next
         while level := [(node, scored) for node, scored in level if out.depths[node] < max_depth][
                 : (self.budget - len(out)) // count]:
-            nodes = [scored for _, scored in level]
-            unscored = list(dict.fromkeys(n for n in nodes if n >= first and n not in later))  # a repeated draw: once
+            unscored = list(dict.fromkeys(n for _, n in level if n >= first and n not in later))  # a repeated draw: once
             if unscored:
-                later.update(zip(unscored, self.draft.score(tree, unscored)))
-            rows = (logits[nodes] if max(nodes) < first
-                    else torch.stack([logits[n] if n < first else later[n] for n in nodes]))
-            drawn, q = draw_children(sampling, rows, count, generator, self.draft.shortlist)
+                part = self.draft.score(tree, unscored)
+                later.update((n, (part, row)) for row, n in enumerate(unscored))
             below_level = []
-            for (node, scored), tokens, dist in zip(level, drawn, q):
-                out.child_dists[node] = dist
+            for node, scored in level:
+                rows, row = (logits, scored) if scored < first else later[scored]
+                [tokens], [out.child_dists[node]] = draw_children(sampling, rows, count, generator, self.draft.shortlist,
+                                                                  [row])
                 below = {tree.tokens[c]: c for c in tree.children[scored]}
                 for token in tokens:
                     if token not in below:  # a draw the trigram did not propose: a node of `tree` to score
@@ -122,6 +121,8 @@ class StagedDrafter(ModelDrafter):
 
     def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
         self.draft.start(tokens)
+        if self.draws(sampling):  # each level of draws takes `draft_children` nodes of the budget at least
+            max_depth = min(max_depth, (self.budget - 1) // (self.draft_children or 2))
         tree, _ = self.trigram(tokens, max_depth)
         max_depth = min(max_depth, self.depth)
         copied = self.context.graft(tree, tokens, max_depth) if self.context is not None else set()
