@@ -95,8 +95,12 @@ class Sampling:
         return self.probs(top.values), top.indices
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
-        """One token from the processed distribution of one row of logits (the argmax when greedy)."""
-        return row_argmax(logits[None])[0] if self.greedy else sample(self.probs(logits), generator)
+        """One token from the processed distribution of one row of logits (the argmax when greedy), drawn as the
+        verification rules draw from the oracle's p (`draw`): with one seed, a tree that does not depend on the draws
+        gives these tokens."""
+        if self.greedy:
+            return row_argmax(logits[None])[0]
+        return draw(self.distributions(logits[None])[0] if self.sparse else self.probs(logits), generator)
 
 
 def top_tokens(logits: torch.Tensor, k: int = 1, shortlist: Shortlist | None = None) -> np.ndarray:
