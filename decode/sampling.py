@@ -13,19 +13,21 @@ import torch
 from decode import native
 from decode.models.cached_lm import Shortlist
 
-SPARSE_SUPPORT = 256  # sampling with a top-k up to this many tokens holds its distributions as Sparse
+# Sampling with a top-k up to this many tokens holds its distributions as Sparse. Past it, reading a row's support
+# (the k largest logits, kept in order) cost more than torch's passes over the row (8,192 logits on a CPU).
+SPARSE_SUPPORT = 128
 
 
 class Sparse(dict):
-    """A distribution over a few tokens, {token: probability}, likeliest first; any other token's probability is 0.
-    Top-k sampling's distributions live on at most k tokens: on a CPU, reading and drawing from them here costs a
-    few microseconds, where each torch operation over a vocabulary-wide row costs tens."""
+    """A distribution over a few tokens, {token: probability} (likeliest first as read from logits); any other
+    token's probability is 0. Top-k sampling's distributions live on at most k tokens: on a CPU, reading and drawing
+    from them here costs a few microseconds, where each torch operation over a vocabulary-wide row costs tens."""
 
     def __missing__(self, token: int) -> float:
         return 0.0
 
     def draw(self, uniform: float) -> int:
-        """The token at `uniform` (in [0, 1)) of the cumulative probabilities, likeliest first."""
+        """The token at `uniform` (in [0, 1)) of the cumulative probabilities, in the dict's order."""
         for token, probability in self.items():
             uniform -= probability
             if uniform < 0:

@@ -12,8 +12,9 @@ from decode.models.engine import GPT2Engine
 from decode.models.projection import LAYOUTS, onednn_packs
 from decode.loop import baseline, speculative
 from decode.models.hf_backend import HFEngine
-from decode.sampling import Sampling, argmax_of_rows, sample, top_tokens, values_at, values_list
+from decode.sampling import Sampling, Sparse, argmax_of_rows, sample, top_tokens, values_at, values_list
 from decode.tree import Tree
+from decode.verify import remainder
 from decode_models import tiny_gpt2
 
 BACKENDS = [GPT2Engine, HFEngine]
@@ -229,6 +230,24 @@ def test_draw_children_draws_from_the_drafts_distribution_and_returns_it():
     drawn, q = draw_children(Sampling(1.0), logits, 4000, torch.Generator().manual_seed(0))  # no top-k: the proposal
     assert torch.allclose(q, logits.softmax(-1), atol=1e-6)  # its cap (64 tokens) holds all 5, over the vocabulary
     assert abs(drawn[1].count(0) / 4000 - 0.6) < 0.03
+
+
+def test_a_sparse_remainder_and_draw_equal_the_vocabulary_wide_ones():
+    """What multi-draft rejection samples after a rejection, normalise(max(r - q, 0)), over a support of a few tokens
+    as over the whole vocabulary; and a Sparse draw inverts its cumulative sum."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        r, q = (torch.rand(12, generator=generator) * (torch.rand(12, generator=generator) < 0.5) for _ in range(2))
+        r[0] = q[1] = 1.0  # neither is empty
+        r, q = r / r.sum(), q / q.sum()
+        sparse = [Sparse((t, float(v)) for t, v in enumerate(d.tolist()) if v > 0) for d in (r, q)]
+        left = remainder(*sparse)
+        dense = remainder(r.double(), q.double())
+        assert set(left) == set(dense.nonzero().flatten().tolist())
+        assert [left[t] for t in range(12)] == pytest.approx(dense.tolist())
+    assert remainder(Sparse({3: 1.0}), Sparse({3: 1.0})) == {3: 1.0}  # q covers r: nothing left, r itself
+    d = Sparse({7: 0.5, 2: 0.3, 9: 0.2})
+    assert [d.draw(u) for u in (0.0, 0.49, 0.5, 0.79, 0.8, 0.999)] == [7, 7, 2, 2, 9, 9] and d[4] == 0.0
 
 
 @pytest.mark.parametrize("k", [1, 2])
