@@ -77,7 +77,7 @@ class Sampling:
         `probs` over the vocabulary, read back once. For `sparse` settings."""
         rows = list(range(logits.shape[0])) if rows is None else rows
         if native.takes(logits):
-            return [Sparse(d) for d in native.distributions(logits, rows, self, shortlist)]
+            return native.distributions(logits, rows, self, shortlist, Sparse)
         out = []
         for row in self.probs(logits[rows]).double().cpu().numpy():
             columns = np.flatnonzero(row)

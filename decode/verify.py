@@ -64,7 +64,8 @@ def remainder(residual: torch.Tensor | Sparse, q: torch.Tensor | Sparse) -> torc
         total = sum(left.values())
         return Sparse({token: r / total for token, r in left.items()}) if total > 0 else residual
     left = (residual - q).clamp_min(0)
-    return left / left.sum() if left.sum() > 0 else residual
+    total = left.sum()
+    return left / total if total > 0 else residual
 
 
 def multi_draft_rejection(tree, target: Target, generator) -> tuple[list[int], int]:
@@ -75,9 +76,8 @@ def multi_draft_rejection(tree, target: Target, generator) -> tuple[list[int], i
     path = [0]
     while True:
         node = path[-1]
-        residual = target.probs(node)
+        residual, q = target.probs(node), tree.child_dists.get(node)
         for child in tree.children[node]:
-            q = tree.child_dists[node]
             x = tree.tokens[child]
             if uniforms((1,), generator)[0] * q[x] < residual[x]:
                 path.append(child)

@@ -116,11 +116,11 @@ def top_tokens(logits: torch.Tensor, k: int, shortlist) -> list[list[int]]:
                                None if shortlist is None else shortlist.tokens)
 
 
-def distributions(logits: torch.Tensor, rows: list[int], sampling, shortlist) -> list[dict[int, float]]:
-    """Sampling.distributions of the listed rows (a top-k setting), as dicts."""
+def distributions(logits: torch.Tensor, rows: list[int], sampling, shortlist, mapping=dict) -> list[dict[int, float]]:
+    """Sampling.distributions of the listed rows (a top-k setting), each made as `mapping()` (a dict type)."""
     return module().distributions(logits.data_ptr(), logits.shape[0], logits.shape[1], rows, sampling.top_k,
                                   float(sampling.temperature), float(sampling.top_p),
-                                  None if shortlist is None else shortlist.tokens)
+                                  None if shortlist is None else shortlist.tokens, mapping)
 
 
 def slot_mover(kv_cache: torch.Tensor):

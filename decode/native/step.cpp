@@ -251,14 +251,15 @@ PyObject *top_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return out;
 }
 
-// distributions(logits_address, rows, columns, row_list, top_k, temperature, top_p, shortlist_tokens)
-//   -> [{token: probability} of each listed row]
+// distributions(logits_address, rows, columns, row_list, top_k, temperature, top_p, shortlist_tokens, mapping)
+//   -> [mapping {token: probability} of each listed row]
 // Sampling.probs of each listed row over its support, likeliest first: the logits over the temperature, every column
 // at or above the top_k-th largest value (ties at the k-th kept, as the masking does), then top-p (the likeliest
 // tokens while the mass before each stays under top_p). Computed in double; tokens of probability 0 (a logit of
-// -inf) are left out. Sampling.distributions when sampling with a top-k.
+// -inf) are left out. Each is made as `mapping()` (a dict or a subclass of it) and filled in place.
+// Sampling.distributions when sampling with a top-k.
 PyObject *distributions(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("distributions", nargs, 8)) return nullptr;
+    if (!takes_arguments("distributions", nargs, 9)) return nullptr;
     const Logits logits(args);
     const int64_t rows = logits.rows, columns = logits.columns;
     std::vector<int64_t> listed;
@@ -304,7 +305,11 @@ PyObject *distributions(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
             for (kept = 0; kept < support.size() && before / total < top_p; kept++) before += weights[kept];
             total = before;
         }
-        PyObject *distribution = PyDict_New();
+        PyObject *distribution = PyObject_CallNoArgs(args[8]);
+        if (distribution && !PyDict_Check(distribution)) {
+            PyErr_SetString(PyExc_TypeError, "distributions: mapping must make dicts");
+            Py_CLEAR(distribution);
+        }
         for (size_t j = 0; distribution && j < kept && weights[j] > 0; j++) {
             const int64_t column = support[j].second;
             PyObject *token = PyLong_FromLongLong(column_token.data ? column_token.data[column] : column);
