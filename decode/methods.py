@@ -3,7 +3,8 @@ past the output a step of it may score."""
 from dataclasses import dataclass
 from typing import Callable
 
-from decode.drafting import ChainDrafter, Drafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
+from decode.drafting import (ChainDrafter, Drafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter,
+                            StagedShapeDrafter, TreeDrafter)
 from decode.models.cached_lm import CachedLM
 from decode.options import DecoderOptions
 
@@ -31,8 +32,12 @@ def tree_drafter(o: DecoderOptions, draft: CachedLM, table) -> Drafter:
 
 
 def staged_drafter(o: DecoderOptions, draft: CachedLM, table) -> Drafter:
-    return StagedDrafter(draft, table, o.budget, o.widths, o.branch, context_drafter(o) if o.context_drafter else None,
-                         o.depth, sampled=o.tree_children == "sampled", draft_calls=o.draft_calls)
+    context = context_drafter(o) if o.context_drafter else None
+    if o.tree_shape is not None:
+        return StagedShapeDrafter(draft, table, o.tree_shape.parents, o.tree_shape.ranks, o.widths, context,
+                                  sampled=o.tree_children == "sampled")
+    return StagedDrafter(draft, table, o.budget, o.widths, o.branch, context, o.depth,
+                         sampled=o.tree_children == "sampled", draft_calls=o.draft_calls)
 
 
 def depth(o: DecoderOptions) -> int:

@@ -143,7 +143,10 @@ def check_tree_shape(options, table) -> None:
     if options.method == "staged":  # the draft scores the trigram's whole tree, and the context's continuations, in one call
         levels = np.cumprod(options.widths[: options.depth])
         scored = 1 + int(levels.sum()) + (options.lookup_tokens * options.lookup_branches if options.context_drafter else 0)
-        scored += (options.draft_calls - 1) * (1 + int(levels.sum()))  # each later call: a trigram tree at most
+        if options.tree_shape is not None:  # at most every node of the shape scored with a trigram tree below it
+            scored += (len(options.tree_shape.parents) - 1) * (1 + int(levels.sum()))
+        else:
+            scored += (options.draft_calls - 1) * (1 + int(levels.sum()))  # each later call: a trigram tree at most
         if scored > SPECULATIVE_SLOTS:
             raise InputError(f"--widths {','.join(map(str, options.widths))} make a trigram tree of {1 + int(levels.sum()):,} nodes, "
                              f"which the draft scores in one call (with the context's continuations and --draft-calls "

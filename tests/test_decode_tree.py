@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from decode.drafting import (ChainDrafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter,
-                             TrigramTrees)
+from decode.drafting import (ChainDrafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter,
+                             StagedShapeDrafter, TreeDrafter, TrigramTrees)
 from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative
 from decode.drafting import ContextIndex
@@ -70,6 +70,18 @@ def models(tmp_path_factory):
     }
 
 
+SHAPE = {"parents": [-1, 0, 0, 1, 1, 2, 3, 6], "ranks": [0, 0, 1, 0, 1, 0, 0, 0]}  # branches, then a chain
+
+
+def oracle_contexts(models, count: int) -> list[list[int]]:
+    """Prompts, each with the oracle's greedy continuation: text the trigram and the good draft often guess."""
+    oracle = GPT2Engine.load(models["oracle"])
+    rng = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 97, (int(torch.randint(1, 8, (), generator=rng)),), generator=rng) for _ in range(count)]
+    return [p.tolist() + baseline(oracle, p, int(torch.randint(0, 12, (), generator=rng)), Sampling(), None).tokens
+            for p in prompts]
+
+
 def drafters(models, sampling):
     draft = GPT2Engine.load(models["good"])
     table = SuccessorTable.load(models["ngram"] / "successors.npz")
@@ -81,6 +93,7 @@ def drafters(models, sampling):
         "lookup": LookupDrafter(length=4, branches=2),
         "staged-context": StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4),
         "staged-calls": StagedDrafter(draft, table, budget=12, widths=[2, 1], depth=6, draft_calls=4),
+        "staged-shape": StagedShapeDrafter(draft, table, **SHAPE, widths=[2, 1], context=LookupDrafter(4, 2)),
     }
 
 
@@ -96,7 +109,8 @@ def test_greedy_tree_methods_equal_baseline(models, draft):
                    "staged-context": StagedDrafter(bad, table, budget=12, widths=[3, 2, 1],
                                                    context=LookupDrafter(6, 2), depth=6),
                    "staged-calls": StagedDrafter(bad, table, budget=12, widths=[2, 1], depth=6, draft_calls=4,
-                                                 context=LookupDrafter(6, 2))}
+                                                 context=LookupDrafter(6, 2)),
+                   "staged-shape": StagedShapeDrafter(bad, table, **SHAPE, widths=[1, 1], context=LookupDrafter(6))}
     rng = torch.Generator().manual_seed(5)
     per_call = {name: [] for name in methods}
     for _ in range(12):
@@ -333,6 +347,66 @@ def test_staged_sampled_children_leave_the_drafts_cache_on_the_accepted_tokens(m
         assert 0 < draft.length < len(tokens)
         fresh = GPT2Engine.load(models["good"])
         expected = fresh.extend(torch.tensor(tokens))[-1]
+        assert torch.allclose(draft.extend(torch.tensor(tokens[draft.length:]))[-1], expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("context", [False, True])
+@pytest.mark.parametrize("max_depth", [2, 8])
+def test_staged_on_a_shape_is_the_shaped_drafters_tree_in_fewer_draft_calls(models, context, max_depth):
+    """Greedy, the staged tree on a planned shape holds the shaped drafter's tokens node for node: the trigram's (and
+    the context's) guesses decide which draft call scores a node, never the tree. Where they guess the draft's
+    tokens, a step takes fewer calls than the shape's one a level."""
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    shaped = ShapedTreeDrafter(GPT2Engine.load(models["good"]), **SHAPE)
+    staged = StagedShapeDrafter(GPT2Engine.load(models["good"]), table, **SHAPE, widths=[2, 1],
+                                context=LookupDrafter(4) if context else None)
+    calls = {"shaped": 0, "staged": 0}
+    for tokens in oracle_contexts(models, 12):
+        trees = {}
+        for name, drafter in (("shaped", shaped), ("staged", staged)):
+            drafter.reset()
+            trees[name] = drafter.propose(tokens, max_depth, Sampling(), None)
+            calls[name] += drafter.calls
+        assert trees["staged"].tokens == trees["shaped"].tokens and trees["staged"].parents == trees["shaped"].parents
+        scored = staged.scored
+        assert [scored.tokens[n] for n in staged.kept] == trees["staged"].tokens  # each node is the one the draft scored
+        assert all(scored.parents[staged.kept[n]] == staged.kept[p] for n, p in enumerate(trees["staged"].parents) if n)
+    assert calls["staged"] < calls["shaped"] == 12 * min(max_depth, 4)
+
+
+def test_staged_on_a_shape_draws_each_nodes_children_from_the_drafts_distribution_there(models):
+    """Sampled, a node's draws come from the draft's q after that node's own path, whichever call scored it: ahead,
+    as a guess of the trigram's or the context's, or in its level's call."""
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    draft, fresh = GPT2Engine.load(models["good"]), GPT2Engine.load(models["good"])
+    staged = StagedShapeDrafter(draft, table, **SHAPE, widths=[2, 1], context=LookupDrafter(4), sampled=True)
+    sampling, generator = Sampling(1.0, top_k=6), torch.Generator().manual_seed(2)
+    guessed = 0
+    for tokens in oracle_contexts(models, 8):
+        staged.reset()
+        tree = staged.propose(tokens, 8, sampling, generator)
+        assert tree.parents == SHAPE["parents"] and set(tree.child_dists) == {0, 1, 2, 3, 6}
+        for node, q in tree.child_dists.items():
+            fresh.reset()
+            logits = fresh.extend(torch.tensor(tokens + [tree.tokens[n] for n in tree.path(node)[1:]]))[-1:]
+            [expected] = sampling.distributions(logits.float().contiguous())
+            assert q.keys() == expected.keys() and list(q.values()) == pytest.approx(list(expected.values()), abs=1e-5)
+            assert all(q[tree.tokens[c]] > 0 for c in tree.children[node])
+        guessed += 5 - (staged.calls - 1)  # nodes with draws less the calls past the first: scored ahead
+    assert guessed > 0
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_staged_on_a_shape_leaves_the_drafts_cache_on_the_accepted_tokens(models, sampled):
+    oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["good"])
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    staged = StagedShapeDrafter(draft, table, **SHAPE, widths=[2, 1], context=LookupDrafter(4), sampled=sampled)
+    sampling, generator = Sampling(1.0) if sampled else Sampling(), torch.Generator().manual_seed(4)
+    for prompt in ([4, 9, 17], [1, 2, 3, 4, 5]):
+        out = tree_speculative(oracle, torch.tensor(prompt), 30, sampling, None, generator=generator, drafter=staged)
+        tokens = prompt + out.tokens
+        assert len(out.tokens) / out.oracle_calls > 1.5 and 0 < draft.length < len(tokens)
+        expected = GPT2Engine.load(models["good"]).extend(torch.tensor(tokens))[-1]
         assert torch.allclose(draft.extend(torch.tensor(tokens[draft.length:]))[-1], expected, atol=1e-4)
 
 

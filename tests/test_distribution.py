@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from decode.models.cached_lm import Shortlist
-from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
+from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
+                             TreeDrafter)
 from decode.models.engine import GPT2Engine
 from decode.loop import tree_speculative
 from decode.sampling import Sampling, sample
@@ -80,6 +81,12 @@ CORRECT = {  # one case per verification rule, and the chain (Chen et al.'s rule
     "a planned tree shape of sampled children, multi-draft rejection": (  # two, one and no draws below nodes
         lambda m, s: ShapedTreeDrafter(m["bad"], parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0],
                                        sampled=True), Sampling(1.0, top_k=5)),
+    "staged on a planned shape of sampled children, the trigram and the context guessing, multi-draft rejection": (
+        lambda m, s: StagedShapeDrafter(m["bad"], m["ngram"], parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0],
+                                        widths=[2, 1], context=LookupDrafter(3, 2), sampled=True), Sampling(1.0, top_k=5)),
+    "staged on a planned shape of ranked children, sample-match": (
+        lambda m, s: StagedShapeDrafter(m["good"], m["ngram"], parents=[-1, 0, 0, 1, 2, 3], ranks=[0, 0, 1, 0, 0, 0],
+                                        widths=[1], context=LookupDrafter(3)), Sampling(0.9, top_k=4)),
     "chain from a draft with a shortlist, rejection sampling": (lambda m, s: ChainDrafter(m["shortlisted"], k=2),
                                                                 Sampling(1.0)),
     "staged, sampled children from a draft with a shortlist, multi-draft rejection": (

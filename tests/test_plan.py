@@ -19,7 +19,8 @@ from decode.methods import METHODS
 from decode.planning import costs, plan_file, replay, shapes
 from decode.cli import plan, run
 from decode.models.cached_lm import Shortlist
-from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TreeDrafter
+from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
+                             TreeDrafter)
 from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative
 from decode.sampling import Sampling
@@ -175,8 +176,10 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
         assert (len(shortlist) if shortlist else 0) == policy.get("draft_vocab", 0), method
         if method == "speculative":
             assert dec.options.k == policy["k"]
-        elif method == "tree":
+        elif "parents" in policy:  # a planned shape: the tree's, or staged's with the trigram guessing ahead
             assert isinstance(drafter, ShapedTreeDrafter) and drafter.parents == policy["parents"]
+            if method == "staged":
+                assert isinstance(drafter, StagedShapeDrafter) and drafter.trigram.widths == policy["widths"]
             drafter.reset()  # sampling: the shape's children are draws, each node's q recorded
             drawn = drafter.propose([3, 9], 8, Sampling(1.0), torch.Generator().manual_seed(1))
             counts = lambda children: sorted(map(len, children))
@@ -194,6 +197,11 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
     assert f"speculative with k {policy['k']}, draft_vocab {policy['draft_vocab']}, draft_dtype float32" in capsys.readouterr().err
 
 
+def planned_tree(drafter, policy: dict) -> bool:
+    """Whether a staged drafter drafts the plan's tree: its shape, or its budget."""
+    return drafter.parents == policy["parents"] if "parents" in policy else drafter.budget == policy["budget"]
+
+
 def test_a_flag_typed_wins_over_the_plan_which_fills_in_the_rest(planned, models, tmp_path, capsys):
     path, args = planned["path"], without(planned["args"], "--widths") + ["--plan", str(planned["path"])]
     policies = json.loads(path.read_text())["policies"]
@@ -203,7 +211,7 @@ def test_a_flag_typed_wins_over_the_plan_which_fills_in_the_rest(planned, models
     assert (len(staged.draft.shortlist) if staged.draft.shortlist else 0) == policies["staged"].get("draft_vocab", 0)
     assert "budget" not in staged.options.policy and staged.options.policy["widths"] == policies["staged"]["widths"]
     whole = decoder("--method", "staged", "--draft-vocab", "0")
-    assert whole.draft.shortlist is None and whole.drafter.budget == policies["staged"]["budget"]
+    assert whole.draft.shortlist is None and planned_tree(whole.drafter, policies["staged"])
     assert decoder("--method", "speculative", "--k", "2").options.k == 2
     tree = decoder("--method", "tree", "--budget", "5")  # a planned tree stands for every tree flag: the flags' tree
     assert isinstance(tree.drafter, TreeDrafter) and tree.drafter.budget == 5 and "parents" not in tree.options.policy
@@ -223,7 +231,7 @@ def test_a_flag_typed_wins_over_the_plan_which_fills_in_the_rest(planned, models
     (run_dir / "plan.json").write_text(path.read_text())
     from_run = SpeculativeDecoder.from_run(run_dir, method="staged", budget=7).decoder
     assert from_run.drafter.budget == 7 and from_run.drafter.trigram.widths == policies["staged"]["widths"]
-    assert SpeculativeDecoder.from_run(run_dir, method="staged").decoder.drafter.budget == policies["staged"]["budget"]
+    assert planned_tree(SpeculativeDecoder.from_run(run_dir, method="staged").decoder.drafter, policies["staged"])
 
 
 def test_plan_weighs_each_draft_methods_best_policy_with_the_draft_shortlist_and_decoding_follows_its_choice(planned):

@@ -7,8 +7,9 @@ Plans for the sampling setting it is given (greedy by default; --temperature, --
 decode.run), each setting into its own file. Calibrates on the last --calibration prompts of
 --prompts (benchmarks take the first ones): the oracle's greedy outputs, how often each drafter's rank-k candidate at depth d is the oracle's token,
 the oracle's forward cost per node count (the cost cache), and the time a step spends around the
-forwards. Each candidate policy (chain k; Sequoia tree shapes from the rates; staged widths and
-budget, and its draft calls a step; ngram budget; lookup length) is replayed along the oracle's outputs (every one on --screen
+forwards. Each candidate policy (chain k; Sequoia tree shapes from the rates; staged on each of those
+shapes with the trigram guessing a level or two ahead of the draft, or staged widths and budget and its draft
+calls a step; ngram budget; lookup length) is replayed along the oracle's outputs (every one on --screen
 prompts, the best few per method on all, and a draft method's best few again with other drafts; when
 sampling, each is decoded for real instead, its acceptance being random, and staged's trees are
 also tried as chains of draws (--branch 1): the
@@ -55,6 +56,8 @@ STAGED_WIDTHS = ((1, 1, 1, 1, 1, 1), (2, 1, 1, 1, 1, 1), (2, 2, 1, 1, 1, 1), (3,
                  (6, 4, 2, 1, 1, 1), (3, 2, 1), (4, 2, 1), (6, 3, 1))
 CHAIN_K = range(1, 9)
 LOOKUP_TOKENS = (1, 2, 3, 4, 6, 8, 10, 12, 16)
+# staged on a planned shape: the trigram's tree guessed below each node a draft call scores
+STAGED_GUESSES = ((1,), (2,))
 STAGED_DRAWS = (1, 2)  # when sampling: the draft's draws per node of a staged tree (1: a chain of draws)
 STAGED_DRAFT_CALLS = (1, 2, 3, 5, 8)  # greedy: the most draft calls a staged step makes down its best path
 RANKS = 8  # candidates per node the acceptance rates cover
@@ -204,8 +207,11 @@ def candidates(options, draft, table, p_draft, max_budget: int, max_depth: int,
             key = shape and (tuple(shape.parents), tuple(shape.ranks))
             if shape and key not in seen:
                 seen.add(key)
-                policies.append(("tree", {"parents": shape.parents, "ranks": shape.ranks, "expected": shape.expected,
-                                          "nodes": len(shape.parents), "depth": shape.depth} | drafted))
+                planned = {"parents": shape.parents, "ranks": shape.ranks, "expected": shape.expected,
+                           "nodes": len(shape.parents), "depth": shape.depth}
+                policies.append(("tree", planned | drafted))
+                policies += [("staged", planned | {"widths": list(widths)} | drafted) for widths in STAGED_GUESSES
+                             if shape.depth > 1]
     draws = ([{"draft_calls": n} for n in STAGED_DRAFT_CALLS] if sampling.greedy
              else [{"branch": n} for n in STAGED_DRAWS])
     for widths in STAGED_WIDTHS:

@@ -82,17 +82,17 @@ def option_of(key: str) -> str:
     return "lookup_tokens" if key == "tokens" else key
 
 
-def unless_given(policy: dict, method: str, given) -> dict:
+def unless_given(policy: dict, given) -> dict:
     """The policy less what the caller set (`given`, field names): a flag typed or a keyword passed wins over the plan."""
-    fills = lambda key: TREE_FLAGS if method == "tree" and key in TREE_SHAPE else (option_of(key),)
+    fills = lambda key: TREE_FLAGS if "parents" in policy and key in TREE_SHAPE else (option_of(key),)
     return {key: value for key, value in policy.items() if set(fills(key)).isdisjoint(given)}
 
 
 def with_policy(options, policy: dict):
     """The DecoderOptions with a policy of their method's in place (a planned tree's shape as `tree_shape`)."""
-    tree = options.method == "tree"
+    tree = "parents" in policy
     fields = {option_of(key): value for key, value in policy.items() if not (tree and key in TREE_SHAPE)}
-    if tree and "parents" in policy:
+    if tree:
         shape = Shape(policy["parents"], policy["ranks"], policy["expected"])
         fields |= {"tree_shape": shape, "budget": max(2, len(shape.parents)), "depth": max(1, shape.depth)}
     return replace(options, **fields, policy=policy)
@@ -105,7 +105,7 @@ def with_plan(options, path: Path | None, given=frozenset()):
     if path is None or not METHODS[options.method].planned:
         return options
     policy = load_plan(path, options).get(options.method)
-    policy = policy and unless_given(policy, options.method, given)
+    policy = policy and unless_given(policy, given)
     return with_policy(replace(options, plan=Path(path)), policy) if policy else options
 
 
