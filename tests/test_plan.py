@@ -17,7 +17,7 @@ from data.shards import TOKEN_COUNTS
 from decode import SpeculativeDecoder
 from decode.methods import METHODS
 from decode.planning import costs, plan_file, replay, shapes
-from decode.cli import plan, run
+from decode.cli import bench, plan, run
 from decode.models.cached_lm import Shortlist
 from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
                              TreeDrafter)
@@ -195,6 +195,27 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
     run.main(args + ["--plan", str(path), "--method", "speculative", "--limit", "1"])
     policy = on_disk["policies"]["speculative"]
     assert f"speculative with k {policy['k']}, draft_vocab {policy['draft_vocab']}, draft_dtype float32" in capsys.readouterr().err
+
+
+def test_staged_on_the_trees_planned_shape_decodes_and_benches_as_planned(planned, tmp_path, capsys):
+    """A staged policy on a planned shape (the tree's, with the trigram guessing one level ahead): decode.run drafts
+    that shape with the trigram, the baseline's tokens come out, and decode.bench reports the tree it drafted."""
+    plan_json = json.loads(planned["path"].read_text())
+    plan_json["policies"]["staged"] = plan_json["policies"]["tree"] | {"widths": [1]}
+    path = tmp_path / "shaped.json"
+    path.write_text(json.dumps(plan_json))
+    args = without(planned["args"], "--widths") + ["--plan", str(path)]
+    dec = SpeculativeDecoder(run.parse(args + ["--method", "staged"]).options)
+    assert isinstance(dec.decoder.drafter, StagedShapeDrafter)
+    assert dec.decoder.drafter.parents == plan_json["policies"]["tree"]["parents"] and dec.decoder.drafter.trigram.widths == [1]
+    base = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options)
+    assert dec.generate("t3 t9", max_new_tokens=16).token_ids == base.generate("t3 t9", max_new_tokens=16).token_ids
+    capsys.readouterr()
+    result = bench.main(args + ["--methods", "baseline,staged", "--limit", "2", "--out", str(tmp_path / "b.json")])
+    nodes = len(plan_json["policies"]["tree"]["parents"])
+    assert result["settings"]["tree_sizes"]["staged"]["nodes"] == nodes
+    assert f"the planned shape of {nodes} nodes" in capsys.readouterr().out
+    assert result["summary"]["staged"]["same_output"]["identical"] == 2
 
 
 def planned_tree(drafter, policy: dict) -> bool:
