@@ -410,7 +410,7 @@ def test_staged_on_a_shape_leaves_the_drafts_cache_on_the_accepted_tokens(models
         assert torch.allclose(draft.extend(torch.tensor(tokens[draft.length:]))[-1], expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("shape", ["chain", "tree", "staged"])
 def test_remembered_draft_calls_feed_the_draft_what_fresh_ones_do(models, monkeypatch, shape):
     """Steps of one shape remember each draft call's slots, mask and positions (DraftModel.score's `repeats`): the
     draft must be fed exactly what working them out afresh feeds it, whatever the unseen tokens, and its cache must
@@ -419,8 +419,11 @@ def test_remembered_draft_calls_feed_the_draft_what_fresh_ones_do(models, monkey
     fed = {}
     for remembered in (True, False):
         draft = GPT2Engine.load(models["good"])
-        drafter = (ChainDrafter(draft, k=3) if shape == "chain" else
-                   ShapedTreeDrafter(draft, parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0]))
+        table = SuccessorTable.load(models["ngram"] / "successors.npz")
+        drafter = {"chain": lambda: ChainDrafter(draft, k=3),
+                   "tree": lambda: ShapedTreeDrafter(draft, parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0]),
+                   "staged": lambda: StagedShapeDrafter(draft, table, **SHAPE, widths=[2, 1], context=LookupDrafter(4))
+                   }[shape]()
         calls, forward, score = fed.setdefault(remembered, []), draft.forward, drafter.draft.score
 
         def recording(ids, positions, mask, last=None, calls=calls, forward=forward):
@@ -437,6 +440,7 @@ def test_remembered_draft_calls_feed_the_draft_what_fresh_ones_do(models, monkey
             expected = fresh.extend(torch.tensor(tokens))[-1]
             assert torch.allclose(draft.extend(torch.tensor(tokens[draft.length :]))[-1], expected, atol=1e-4)
         known = drafter.draft.known
-        assert (0 < len(known) < len(calls) / 2) if remembered else not known
+        # staged's calls vary with the guesses that came true: fewer of them repeat
+        assert (0 < len(known) < len(calls) / (1 if shape == "staged" else 2)) if remembered else not known
     assert fed[True] == fed[False]
     assert len({len(ids) for ids, *_ in fed[True]}) > 2  # steps began with different numbers of unseen tokens

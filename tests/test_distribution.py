@@ -81,7 +81,7 @@ CORRECT = {  # one case per verification rule, and the chain (Chen et al.'s rule
     "a planned tree shape of sampled children, multi-draft rejection": (  # two, one and no draws below nodes
         lambda m, s: ShapedTreeDrafter(m["bad"], parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0],
                                        sampled=True), Sampling(1.0, top_k=5)),
-    "staged on a planned shape of sampled children, the trigram and the context guessing, multi-draft rejection": (
+    "staged on a planned shape of sampled children guessed ahead, multi-draft rejection": (
         lambda m, s: StagedShapeDrafter(m["bad"], m["ngram"], parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0],
                                         widths=[2, 1], context=LookupDrafter(3, 2), sampled=True), Sampling(1.0, top_k=5)),
     "staged on a planned shape of ranked children, sample-match": (

@@ -51,44 +51,42 @@ class StagedShapeDrafter(ShapedTreeDrafter):
         return new
 
     def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
-        depth = min(max_depth, len(self.parents))
-        draws = self.draws(sampling)
+        shape, levels = self.layout(max_depth)
+        depth, draws = len(levels), self.draws(sampling)
+        out = shape.copy([tokens[-1]] + shape.tokens[1:])
+        self.kept = [0] * len(out)  # node of `out` -> the node of `scored` it stands for
         self.draft.start(tokens)
         scored = self.scored = Tree.rooted(tokens[-1])
         known = {}  # node of `scored` -> what its draft logits give: (logits, row) for draws, else its ranked tokens
-        out, self.kept = Tree.rooted(tokens[-1]), [0]
-        level = [(0, 0, 0)]  # (node of `out`, the node of `scored` it stands for, the shape node it fills)
-        while level := [(node, s, shaped) for node, s, shaped in level if self.below[shaped] and out.depths[node] < depth]:
-            unknown = list(dict.fromkeys(s for _, s, _ in level if s not in known))  # a repeated draw: once
-            if unknown:
+        calls = ()  # the step's draft calls so far, as the structure they fed: names a call's layout (`repeats`)
+        for nodes, _, _, children in levels:
+            at = [self.kept[node] for node in nodes]
+            if unknown := list(dict.fromkeys(s for s in at if s not in known)):  # a repeated draw's node: once
                 fed = []
-                for s in unknown:  # guesses below a node whose children have children of their own in the shape
-                    levels = min(len(self.trigram.widths), depth - scored.depths[s] - 1)
+                for s in unknown:  # the trigram's guesses below, where their own children are in the tree
+                    below = min(len(self.trigram.widths), depth - scored.depths[s] - 1)
                     context = tokens if s == 0 else [scored.tokens[scored.parents[s]], scored.tokens[s]]
-                    fed += self.guess(scored, s, context, levels) if levels > 0 else [s]
+                    fed += self.guess(scored, s, context, below) if below > 0 else [s]
                 if unknown[0] == 0 and self.context is not None:  # the step's first call
                     first = len(scored)
                     fed += sorted(n for n in self.context.graft(scored, tokens, depth - 1) if n >= first)
-                logits = self.draft.score(scored, fed)
+                calls = (calls, tuple(scored.parents), tuple(fed))
+                logits = self.draft.score(scored, fed, repeats=calls)
                 if draws:
                     known.update((s, (logits, row)) for row, s in enumerate(fed))
                 else:
                     known.update(zip(fed, ranked_tokens(ranking_scores(logits, sampling), self.ranks_read,
                                                         self.draft.shortlist)))
-            below_level = []
-            for node, s, shaped in level:
-                children = self.below[shaped]
-                if draws:
+            if draws:  # each node's children are as many draws from its q
+                drawn = []
+                for node, s in zip(nodes, at):
                     rows, row = known[s]
-                    [drawn], [out.child_dists[node]] = draw_children(sampling, rows, len(children), generator,
-                                                                     self.draft.shortlist, [row])
-                else:
-                    drawn = [known[s][self.ranks[child]] for child in children]
-                guessed = {scored.tokens[c]: c for c in scored.children[s]}
-                for token, child in zip(drawn, children):
-                    if token not in guessed:
-                        guessed[token] = scored.add(s, token)
-                    below_level.append((out.add(node, token), guessed[token], child))
-                    self.kept.append(guessed[token])
-            level = below_level
+                    [tokens_drawn], [out.child_dists[node]] = draw_children(
+                        sampling, rows, len(out.children[node]), generator, self.draft.shortlist, [row])
+                    drawn.append(tokens_drawn)
+            for child, row, place, rank in children:
+                s = at[row]
+                token = out.tokens[child] = drawn[row][place] if draws else known[s][rank]
+                guessed = next((c for c in scored.children[s] if scored.tokens[c] == token), None)
+                self.kept[child] = scored.add(s, token) if guessed is None else guessed
         return out
