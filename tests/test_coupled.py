@@ -1,6 +1,6 @@
 """Coupled exactness: same seed, same tokens as the baseline, for every method whose tree does not
 depend on the oracle's randomness (tree and staged with top children, staged with the context
-drafter, ngram, lookup; not sampled children, which draw from the same generator).
+drafter, staged on a planned shape, ngram, lookup; not sampled children, which draw from the same generator).
 
 Why this holds: such a tree is a function of the accepted tokens only, and sample-match walks it
 by drawing, at each visited node, one token from the oracle's processed distribution p at that
@@ -13,11 +13,14 @@ import pytest
 import torch
 
 from decode import SpeculativeDecoder
+from decode.planning.shapes import Shape
 from decode_models import PROMPTS
 
 METHODS = {"tree": {"budget": 12, "tree_children": "top"}, "staged": {"budget": 16, "widths": [4, 2, 1], "tree_children": "top"},
            "staged-no-context": {"method": "staged", "budget": 16, "widths": [4, 2, 1], "context_drafter": False,
                                  "tree_children": "top"},
+           "staged-shape": {"method": "staged", "tree_shape": Shape([-1, 0, 0, 1, 1, 2, 3, 6], [0, 0, 1, 0, 1, 0, 0, 0], 0.0),
+                            "budget": 8, "depth": 4, "widths": [1], "tree_children": "top"},
            "ngram": {"budget": 16, "widths": [4, 2, 1]}, "lookup": {}}
 SETTINGS = [{"temperature": 1.0}, {"temperature": 1.0, "top_k": 50}, {"temperature": 0.7, "top_p": 0.9},
             {"temperature": 1.3, "top_k": 20, "top_p": 0.8}]

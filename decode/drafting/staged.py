@@ -14,7 +14,25 @@ from decode.sampling import Sampling, row_argmax
 from decode.tree import Tree
 
 
-class StagedDrafter(ModelDrafter):
+class TrigramStage:
+    """What a staged drafter adds to a model drafter: the trigram (`trigram`) and the context drafter (`context`,
+    or None) that draft for the draft model, reset and timed with it."""
+    trigram: TrigramTrees
+    context: LookupDrafter | None
+
+    def reset(self) -> None:
+        super().reset()
+        if self.context is not None:
+            self.context.reset()
+
+    def forget(self) -> None:
+        self.trigram.forget()
+
+    def parts(self) -> dict[str, tuple[object, str]]:
+        return {"trigram trees": (self.trigram, "build")}
+
+
+class StagedDrafter(TrigramStage, ModelDrafter):
     """Staged speculative decoding: the trigram drafts for the draft model, which drafts for the oracle.
     One draft forward per step scores the unseen accepted tokens and the trigram's whole tree; the
     draft's own top children of every scored node join as candidate leaves. With a `context` drafter,
@@ -42,17 +60,6 @@ class StagedDrafter(ModelDrafter):
         self.native_selection = ((draft_children or 1) == 1 and model.device.type == "cpu" and native.module() is not None)
         largest = len(self.trigram.shape(len(self.trigram.widths))) + (context.length * context.branches if context else 0)
         self.arrays = largest > ranking.ARRAY_NODES
-
-    def reset(self) -> None:
-        super().reset()
-        if self.context is not None:
-            self.context.reset()
-
-    def forget(self) -> None:
-        self.trigram.forget()
-
-    def parts(self) -> dict[str, tuple[object, str]]:
-        return {"trigram trees": (self.trigram, "build")}
 
     def describe(self) -> dict:
         return {"widths": self.trigram.widths, "budget": self.budget, "draft_calls": self.draft_calls,

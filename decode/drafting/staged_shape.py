@@ -1,9 +1,8 @@
 """Staged speculative decoding on a planned tree: Sequoia's shape filled by the draft model, as `ShapedTreeDrafter`
 fills it, with the Katz trigram drafting for the draft."""
-import torch
-
 from decode.drafting.context import LookupDrafter
 from decode.drafting.ranking import draw_children, ranking_scores
+from decode.drafting.staged import TrigramStage
 from decode.drafting.trees import ShapedTreeDrafter
 from decode.drafting.trigram import TrigramTrees
 from decode.models.cached_lm import CachedLM
@@ -11,7 +10,7 @@ from decode.sampling import Sampling, ranked_tokens
 from decode.tree import Tree
 
 
-class StagedShapeDrafter(ShapedTreeDrafter):
+class StagedShapeDrafter(TrigramStage, ShapedTreeDrafter):
     """The oracle's tree is the planned shape, each node's children the draft's ranked tokens (or, when sampling, its
     draws), exactly as `ShapedTreeDrafter` makes it; what changes is how many draft calls that takes. Each draft call
     scores a level's nodes whose logits are not known yet together with the trigram's guesses below them (`widths[d]`
@@ -24,18 +23,7 @@ class StagedShapeDrafter(ShapedTreeDrafter):
                  context: LookupDrafter | None = None, sampled: bool = False):
         super().__init__(model, parents, ranks, sampled)
         self.trigram, self.context = TrigramTrees(table, widths), context
-        self.ranks_read = max(self.widest)  # the draft's ranked tokens read a scored node (greedy)
-
-    def reset(self) -> None:
-        super().reset()
-        if self.context is not None:
-            self.context.reset()
-
-    def forget(self) -> None:
-        self.trigram.forget()
-
-    def parts(self) -> dict[str, tuple[object, str]]:
-        return {"trigram trees": (self.trigram, "build")}
+        self.ranks_read = max(1, *self.widest)  # the draft's ranked tokens read a scored node (greedy)
 
     def describe(self) -> dict:
         return {"nodes": len(self.parents), "widths": self.trigram.widths, "context": self.context is not None,
