@@ -198,21 +198,24 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
 
 
 def test_staged_on_the_trees_planned_shape_decodes_and_benches_as_planned(planned, tmp_path, capsys):
-    """A staged policy on a planned shape (the tree's, with the trigram guessing one level ahead): decode.run drafts
-    that shape with the trigram, the baseline's tokens come out, and decode.bench reports the tree it drafted."""
+    """A staged policy on a planned shape (with the trigram guessing one level ahead): decode.run drafts that shape
+    with the trigram, also under typed --widths deeper than the shape (the guesses stop where it does), the
+    baseline's tokens come out, and decode.bench reports the tree it drafted."""
     plan_json = json.loads(planned["path"].read_text())
-    plan_json["policies"]["staged"] = plan_json["policies"]["tree"] | {"widths": [1]}
+    shape = {"parents": [-1, 0, 0, 1], "ranks": [0, 0, 1, 0], "expected": 1.5, "nodes": 4, "depth": 2}
+    plan_json["policies"]["staged"] = shape | {"widths": [1]}
     path = tmp_path / "shaped.json"
     path.write_text(json.dumps(plan_json))
     args = without(planned["args"], "--widths") + ["--plan", str(path)]
-    dec = SpeculativeDecoder(run.parse(args + ["--method", "staged"]).options)
-    assert isinstance(dec.decoder.drafter, StagedShapeDrafter)
-    assert dec.decoder.drafter.parents == plan_json["policies"]["tree"]["parents"] and dec.decoder.drafter.trigram.widths == [1]
     base = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options)
-    assert dec.generate("t3 t9", max_new_tokens=16).token_ids == base.generate("t3 t9", max_new_tokens=16).token_ids
+    for typed, widths in (([], [1]), (["--widths", "3,2,1"], [3, 2, 1])):
+        dec = SpeculativeDecoder(run.parse(args + ["--method", "staged"] + typed).options)
+        assert isinstance(dec.decoder.drafter, StagedShapeDrafter) and dec.decoder.drafter.parents == shape["parents"]
+        assert dec.decoder.drafter.trigram.widths == widths
+        assert dec.generate("t3 t9", max_new_tokens=16).token_ids == base.generate("t3 t9", max_new_tokens=16).token_ids
     capsys.readouterr()
     result = bench.main(args + ["--methods", "baseline,staged", "--limit", "2", "--out", str(tmp_path / "b.json")])
-    nodes = len(plan_json["policies"]["tree"]["parents"])
+    nodes = len(shape["parents"])
     assert result["settings"]["tree_sizes"]["staged"]["nodes"] == nodes
     assert f"the planned shape of {nodes} nodes" in capsys.readouterr().out
     assert result["summary"]["staged"]["same_output"]["identical"] == 2
