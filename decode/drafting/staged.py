@@ -31,6 +31,15 @@ class TrigramStage:
     def parts(self) -> dict[str, tuple[object, str]]:
         return {"trigram trees": (self.trigram, "build")}
 
+    def guess(self, tree: Tree, node: int, context: list[int], levels: int) -> list[int]:
+        """Graft the trigram's tree below `node` of `tree` (at most `levels` deep; `context` ends with the node's
+        token); returns `node` and the grafted nodes."""
+        below, _ = self.trigram(context, levels)
+        new = [node]
+        for parent, token in zip(below.parents[1:], below.tokens[1:]):  # the trigram tree's node i is new[i]
+            new.append(tree.add(new[parent], token))
+        return new
+
 
 class StagedDrafter(TrigramStage, ModelDrafter):
     """Staged speculative decoding: the trigram drafts for the draft model, which drafts for the oracle.
@@ -163,10 +172,7 @@ class StagedDrafter(TrigramStage, ModelDrafter):
                 break
             token = best[node]
             node = tree.add(node, token)
-            below, _ = self.trigram([tree.tokens[tree.parents[node]], token], max_depth - tree.depths[node])
-            new = [node]
-            for parent, child_token in zip(below.parents[1:], below.tokens[1:]):  # the shape's node i + 1 is new[i + 1]
-                new.append(tree.add(new[parent], child_token))
+            new = self.guess(tree, node, [tree.tokens[tree.parents[node]], token], max_depth - tree.depths[node])
             part = self.draft.score(tree, new)
             best.update(zip(new, row_argmax(part, self.draft.shortlist)))
             parts.append(part)

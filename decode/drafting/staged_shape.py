@@ -29,15 +29,6 @@ class StagedShapeDrafter(TrigramStage, ShapedTreeDrafter):
         return {"nodes": len(self.parents), "widths": self.trigram.widths, "context": self.context is not None,
                 "sampled": self.sampled}
 
-    def guess(self, scored: Tree, node: int, context: list[int], levels: int) -> list[int]:
-        """Graft the trigram's tree below `node` of `scored` (at most `levels` deep; `context` ends with the node's
-        token); returns `node` and the grafted nodes."""
-        below, _ = self.trigram(context, levels)
-        new = [node]
-        for parent, token in zip(below.parents[1:], below.tokens[1:]):  # the trigram tree's node i is new[i]
-            new.append(scored.add(new[parent], token))
-        return new
-
     def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
         shape, levels = self.layout(max_depth)
         depth, draws = len(levels), self.draws(sampling)
