@@ -48,11 +48,15 @@ def test_cuda_sampling_is_reproducible_and_coupled(bpe_run):
     base, chain = build("baseline"), build("speculative")
     staged = build("staged", budget=16, widths=[4, 2, 1], tree_children="top", cuda_graphs=False)  # graphs: the default
     graphed = build("staged", budget=16, widths=[4, 2, 1], tree_children="top", cuda_graphs=True)
+    shaped = build(**METHODS["staged-shape"], cuda_graphs=True)  # staged on a shape: many small draft calls
     assert graphed.decoder.oracle.graphs is not None and staged.decoder.oracle.graphs is None
+    greedy = base.generate(PROMPTS[0], max_new_tokens=24).token_ids
+    assert shaped.generate(PROMPTS[0], max_new_tokens=24).token_ids == greedy
     for seed in range(3):
         sampling = {"temperature": 1.0, "top_k": 50, "seed": seed}
         expected = base.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids
         assert base.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids == expected
         assert staged.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids == expected
         assert graphed.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids == expected
+        assert shaped.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids == expected
         assert chain.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids == chain.generate(PROMPTS[0], max_new_tokens=24, **sampling).token_ids
