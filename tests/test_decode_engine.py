@@ -7,7 +7,7 @@ from transformers import GPT2LMHeadModel
 
 from data.pretrained import FUSED_GELU, load_causal_lm
 from decode.models.cached_lm import Shortlist
-from decode.drafting.ranking import draw_children, ranked_children
+from decode.drafting.ranking import draw_below, draw_children, ranked_children
 from decode.models.engine import GPT2Engine
 from decode.models.projection import LAYOUTS, onednn_packs
 from decode.loop import baseline, speculative
@@ -230,6 +230,20 @@ def test_draw_children_draws_from_the_drafts_distribution_and_returns_it():
     drawn, q = draw_children(Sampling(1.0), logits, 4000, torch.Generator().manual_seed(0))  # no top-k: the proposal
     assert torch.allclose(q, logits.softmax(-1), atol=1e-6)  # its cap (64 tokens) holds all 5, over the vocabulary
     assert abs(drawn[1].count(0) / 4000 - 0.6) < 0.03
+
+
+def test_draws_below_rows_of_several_draft_calls_follow_each_rows_distribution_in_order():
+    first = torch.log(torch.tensor([[0.05, 0.5, 0.1, 0.2, 0.15], [0.6, 0.1, 0.2, 0.05, 0.05]]))
+    later = torch.log(torch.tensor([[0.1, 0.1, 0.1, 0.1, 0.6]]))
+    for sampling in (Sampling(1.0, top_k=2), Sampling(1.0)):
+        sources = [(first, 1), (later, 0), (first, 0), (first, 0)]  # a repeated row: drawn from afresh
+        drawn, q = draw_below(sampling, sources, 4000, torch.Generator().manual_seed(0))
+        for (logits, row), tokens, dist in zip(sources, drawn, q, strict=True):
+            _, [expected] = draw_children(sampling, logits, 1, None, rows=[row])  # that row's q alone
+            assert [float(dist[t]) for t in range(5)] == pytest.approx([float(expected[t]) for t in range(5)], abs=1e-6)
+            best = max(range(5), key=lambda t: dist[t])
+            assert abs(tokens.count(best) / 4000 - float(dist[best])) < 0.03, (sampling, row)
+        assert drawn[2] != drawn[3]  # independent draws, not a copy
 
 
 def test_a_sparse_remainder_and_draw_equal_the_vocabulary_wide_ones():

@@ -83,6 +83,22 @@ def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generato
     return drawn.tolist(), probs.new_zeros((*probs.shape[:-1], vocab_size)).scatter_(-1, tokens, probs)
 
 
+def draw_below(sampling: Sampling, sources: list[tuple[torch.Tensor, int]], count: int, generator,
+               shortlist: Shortlist | None = None) -> tuple[list[list[int]], list]:
+    """`draw_children` after rows of several draft calls' logits, `sources[i]` = (logits, row), a repeated source drawn
+    from afresh: one `draw_children` per logits tensor, so a level of a tree costs one read of its distributions and
+    one of uniforms (on a GPU, node by node each was a transfer: most of a sampled step's time there)."""
+    groups = {}  # id(logits) -> (logits, [(i, row)])
+    for i, (logits, row) in enumerate(sources):
+        groups.setdefault(id(logits), (logits, []))[1].append((i, row))
+    drawn, qs = [None] * len(sources), [None] * len(sources)
+    for logits, members in groups.values():
+        tokens, q = draw_children(sampling, logits, count, generator, shortlist, [row for _, row in members])
+        for (i, _), row_tokens, row_q in zip(members, tokens, q):
+            drawn[i], qs[i] = row_tokens, row_q
+    return drawn, qs
+
+
 def best_first(scores: list[float], budget: int) -> list[int]:
     """The `budget` nodes of highest score (a path probability), in topological order; ancestor-closed
     because a child never beats its parent (ties go to the earlier node, and parents come first).

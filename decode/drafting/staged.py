@@ -7,7 +7,7 @@ from decode import native
 from decode.drafting.base import ModelDrafter
 from decode.drafting.context import LookupDrafter
 from decode.drafting import ranking
-from decode.drafting.ranking import best_first, draw_children, ranked_children, ranked_children_arrays, ranking_scores
+from decode.drafting.ranking import best_first, draw_below, ranked_children, ranked_children_arrays, ranking_scores
 from decode.drafting.trigram import TrigramTrees
 from decode.models.cached_lm import CachedLM
 from decode.sampling import Sampling, row_argmax
@@ -121,10 +121,10 @@ class StagedDrafter(TrigramStage, ModelDrafter):
                 part = self.draft.score(tree, unscored)
                 later.update((n, (part, row)) for row, n in enumerate(unscored))
             below_level = []
-            for node, scored in level:
-                rows, row = (logits, scored) if scored < first else later[scored]
-                [tokens], [out.child_dists[node]] = draw_children(sampling, rows, count, generator, self.draft.shortlist,
-                                                                  [row])
+            drawn, qs = draw_below(sampling, [(logits, n) if n < first else later[n] for _, n in level], count,
+                                   generator, self.draft.shortlist)
+            for (node, scored), tokens, q in zip(level, drawn, qs):
+                out.child_dists[node] = q
                 below = {tree.tokens[c]: c for c in tree.children[scored]}
                 for token in tokens:
                     if token not in below:  # a draw the trigram did not propose: a node of `tree` to score

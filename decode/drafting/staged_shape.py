@@ -1,7 +1,7 @@
 """Staged speculative decoding on a planned tree: Sequoia's shape filled by the draft model, as `ShapedTreeDrafter`
 fills it, with the Katz trigram drafting for the draft."""
 from decode.drafting.context import LookupDrafter
-from decode.drafting.ranking import draw_children, ranking_scores
+from decode.drafting.ranking import draw_below, ranking_scores
 from decode.drafting.staged import TrigramStage
 from decode.drafting.trees import ShapedTreeDrafter
 from decode.drafting.trigram import TrigramTrees
@@ -38,7 +38,7 @@ class StagedShapeDrafter(TrigramStage, ShapedTreeDrafter):
         scored = self.scored = Tree.rooted(tokens[-1])
         known = {}  # node of `scored` -> what its draft logits give: (logits, row) for draws, else its ranked tokens
         calls = ()  # the step's draft calls so far, as the structure they fed: names a call's layout (`repeats`)
-        for nodes, _, _, children in levels:
+        for nodes, _, draws_most, children in levels:
             at = [self.kept[node] for node in nodes]
             if unknown := list(dict.fromkeys(s for s in at if s not in known)):  # a repeated draw's node: once
                 fed = []
@@ -56,13 +56,9 @@ class StagedShapeDrafter(TrigramStage, ShapedTreeDrafter):
                 else:
                     known.update(zip(fed, ranked_tokens(ranking_scores(logits, sampling), self.ranks_read,
                                                         self.draft.shortlist)))
-            if draws:  # each node's children are as many draws from its q
-                drawn = []
-                for node, s in zip(nodes, at):
-                    rows, row = known[s]
-                    [tokens_drawn], [out.child_dists[node]] = draw_children(
-                        sampling, rows, len(out.children[node]), generator, self.draft.shortlist, [row])
-                    drawn.append(tokens_drawn)
+            if draws:  # each node's children are as many draws from its q (a node with fewer leaves the rest)
+                drawn, qs = draw_below(sampling, [known[s] for s in at], draws_most, generator, self.draft.shortlist)
+                out.child_dists.update(zip(nodes, qs))
             for child, row, place, rank in children:
                 s = at[row]
                 token = out.tokens[child] = drawn[row][place] if draws else known[s][rank]
