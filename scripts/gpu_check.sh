@@ -9,7 +9,8 @@
 #                                              # training, exactness, then CUDA graphs' speed
 #   bash scripts/gpu_check.sh plan RUN         # what brief leaves, in one command of about 9 minutes: a shorter
 #                                              # training (and `--compile`'s beside the draft's), the planner on the
-#                                              # GPU, then the bench with the plan's policies and the transformers peers
+#                                              # GPU, then the bench with the plan's policies and the transformers peers,
+#                                              # and a plan and a bench at top-k 50
 # It runs with the machine's own python3 (a CUDA torch) and PYTHONPATH=. instead of scripts/setup.sh, which
 # needs a package registry. Wheels in .whl/ (nltk; kenlm has none, its tests skip) are installed first.
 # Logs and JSON go to $LOGS (default: $OUT, the device tool's folder, else gpu-logs/).
@@ -149,6 +150,9 @@ plan)
     STEP_TIMEOUT=150 step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 10 \
         --max-new-tokens 128 --methods baseline,speculative,tree,staged,lookup,hf-generate,hf-assisted,hf-lookup \
         --out "$logs/bench.json" --overwrite
+    # the bench at top-k 50 with a plan made for that setting (screening decodes for real: ~2 policies a second)
+    STEP_TIMEOUT=220 step plan-topk python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 6 \
+        --screen 2 --max-budget 32 --temperature 1 --top-k 50 --overwrite
     STEP_TIMEOUT=100 step bench-topk python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 6 \
         --max-new-tokens 128 --temperature 1 --top-k 50 --seed 1 --methods baseline,speculative,tree,staged,lookup \
         --out "$logs/bench-topk.json" --overwrite
