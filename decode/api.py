@@ -27,7 +27,7 @@ from decode.models.cached_lm import CachedLM
 from decode.models.loading import check_same_vocabulary, load_draft, load_model, load_trigram, pretrained_dir
 from decode.models.precision import auto_dtype
 from decode.options import DecoderOptions, check_number, check_tree_shape, sampling_of
-from decode.planning.plan_file import run_plan, with_plan
+from decode.planning.plan_file import plan_name, run_plan, with_plan
 from decode.sampling import Sampling
 
 log = logging.getLogger("decode")
@@ -61,25 +61,61 @@ class DecoderBusy(RuntimeError):
     """A second generate or stream on a decoder that is still decoding: its models hold one sequence's caches."""
 
 
+@dataclass(frozen=True)
+class SettingPlans:
+    """Where each sampling setting finds its plan: the run's plan for that setting (plan_name) when it was made for
+    these models and settings, else none (the method's defaults for the device), as decode.run and decode.bench
+    choose; `base` are the options before any plan, `given` the fields the caller set, which win over every plan."""
+
+    run: Path
+    base: DecoderOptions
+    given: frozenset[str]
+
+    def options(self, sampling: Sampling) -> DecoderOptions:
+        return with_plan(self.base, run_plan(self.run, self.base, sampling)[0], self.given)
+
+
 class SpeculativeDecoder:
     """One method over one set of models; `generate` and `stream` decode a prompt (text or token ids).
+
+    With `plans`, a request decodes with the plan made for its sampling setting (greedy: `options`' own): each
+    setting's drafter is built on first use, over the same loaded models.
 
     One sequence at a time: the models' caches hold the sequence being decoded. A generate or stream that starts
     while another is decoding (another thread's, or an unfinished stream in this one) raises DecoderBusy at once,
     and the decoding in progress goes on unharmed. Use one decoder per thread, or take turns."""
 
-    def __init__(self, options: DecoderOptions):
+    def __init__(self, options: DecoderOptions, plans: SettingPlans | None = None):
         self.options = options.check()
-        self.decoder, self.healer = build_decoder(self.options)
+        self.models = {}  # what build_decoder loaded, shared by every setting's decoder
+        self.decoder, self.healer = build_decoder(self.options, self.models)
         self.tokenizer = self.healer.tokenizer
+        self.plans, self.settings = plans, {}  # sampling setting -> its options (with `plans`)
+        self.decoders = {self.options.plan: self.decoder}  # the plan a decoder follows (None: none) -> the decoder
         self.busy = threading.Lock()
         self.materialized = []  # temporary directories from_pretrained saved loaded models into
 
+    def options_for(self, sampling: Sampling) -> DecoderOptions:
+        """The options a request with this sampling decodes with."""
+        if self.plans is None or sampling.greedy:
+            return self.options
+        if sampling not in self.settings:
+            self.settings[sampling] = self.plans.options(sampling).check()
+        return self.settings[sampling]
+
+    def decoder_for(self, sampling: Sampling) -> "Decoder":
+        """The decoder for this sampling setting, built on first use."""
+        options = self.options_for(sampling)
+        if options.plan not in self.decoders:
+            self.decoders[options.plan] = build_decoder(options, self.models)[0]
+        return self.decoders[options.plan]
+
     @classmethod
     def from_run(cls, run: str | Path | None = None, *, oracle=None, draft=None, ngram=None, **options) -> "SpeculativeDecoder":
-        """Models from a run directory (RUN/oracle, RUN/draft, RUN/ngram, and RUN/plan.json when it
-        exists: plan=None turns it off) or given one by one; any other DecoderOptions field (method,
-        dtype, device, budget, widths, ...) as a keyword, which wins over the plan's value."""
+        """Models from a run directory (RUN/oracle, RUN/draft, RUN/ngram, and the run's plan for each call's sampling
+        setting, RUN/plan.json when greedy: plan=None turns them off, plan=PATH uses that one for every call) or given
+        one by one; any other DecoderOptions field (method, dtype, device, budget, widths, ...) as a keyword, which
+        wins over the plan's value."""
         if run is not None:
             run = Path(run)
             oracle, draft, ngram = oracle or run / "oracle", draft or run / "draft", ngram or run / "ngram"
@@ -89,17 +125,18 @@ class SpeculativeDecoder:
         unknown = sorted(set(options) - names)
         if unknown:
             raise InputError(f"unknown options {unknown}; choose from {', '.join(sorted(names - {'oracle', 'draft', 'ngram'}))}")
-        plan = options.pop("plan", run and run / "plan.json")
+        plan = options.pop("plan", run and run / plan_name())
         if options.get("dtype", "auto") == "auto" and plan is not None:
             options["dtype"] = auto_dtype(options.get("device", "cpu"), plan, oracle)[0]  # the plan's, where it has one
         chosen = DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram), **options).check()
-        if run is not None and plan == run / "plan.json":  # the run's own plan, where it was made for these settings
+        own = run is not None and plan == run / plan_name()  # the run's own plans: each sampling setting takes its own
+        if own:  # greedy decoding's, where it was made for these settings
             plan, other = run_plan(run, chosen)
             if plan is None and METHODS[chosen.method].tree:
                 log.info("%s, so %s uses a tree sized for this device (budget %d, widths %s); decode.plan plans each "
                          "method's tree for these models", f"{run} has a plan for {', '.join(other)}" if other else
                          f"no plan in {run}", chosen.method, chosen.budget, chosen.widths)
-        return cls(with_plan(chosen, plan, frozenset(options)))
+        return cls(with_plan(chosen, plan, frozenset(options)), SettingPlans(run, chosen, frozenset(options)) if own else None)
 
     @classmethod
     def from_pretrained(cls, oracle, draft=None, ngram=None, *, tokenizer=None, method: str | None = None,
@@ -117,8 +154,8 @@ class SpeculativeDecoder:
         decoder.materialized = keep
         return decoder
 
-    def prompt(self, prompt: str | list[int], max_new_tokens: int) -> Prompt:
-        """The prompt as the models will see it (healed), checked against the context."""
+    def prompt(self, prompt: str | list[int], max_new_tokens: int, lookahead: int | None = None) -> Prompt:
+        """The prompt as the models will see it (healed), checked against the context (`room`)."""
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -127,11 +164,16 @@ class SpeculativeDecoder:
                 raise InputError(f"prompt token ids must lie in 0..{self.decoder.oracle.vocab_size - 1}")
         else:
             raise InputError(f"a prompt is a string or a list of token ids (got {type(prompt).__name__})")
-        return self.encode(ids, "prompt", max_new_tokens)
+        return self.encode(ids, "prompt", max_new_tokens, lookahead)
+
+    def lookahead(self, sampling: Sampling = Sampling()) -> int:
+        """Positions past the output a step may score when decoding with this sampling setting (its drafted depth)."""
+        options = self.options_for(sampling)
+        return METHODS[options.method].lookahead(options)
 
     def room(self, prompt_tokens: int, lookahead: int | None = None) -> int:
         """How many tokens a prompt of `prompt_tokens` tokens leaves to generate in the models' context: the drafts'
-        lookahead and the token healing's back-off take their share."""
+        lookahead (default: greedy decoding's) and the token healing's back-off take their share."""
         return self.decoder.context() - prompt_tokens - (self.decoder.lookahead() if lookahead is None else lookahead) - 1
 
     def encode(self, ids: list[int], name: str, max_new_tokens: int, lookahead: int | None = None) -> Prompt:
@@ -170,7 +212,7 @@ class SpeculativeDecoder:
                               "not yet finished or closed); decode one prompt at a time on it, or use one decoder per thread")
         try:
             check_number("seed", request.seed, integer=True)
-            encoded = self.prompt(prompt, request.max_new_tokens)
+            encoded = self.prompt(prompt, request.max_new_tokens, self.lookahead(request.sampling))
             return (yield from self.decode(encoded, request, pieces, streamer))
         finally:
             self.busy.release()
@@ -185,7 +227,7 @@ class SpeculativeDecoder:
         checks = bool(request.eos_ids or request.stop_strings)
         if streamer is not None:
             streamer.put(prompt.ids.detach().cpu())
-        for out in self.decoder.steps(prompt, request.max_new_tokens, request.seed, request.sampling):
+        for out in self.decoder_for(request.sampling).steps(prompt, request.max_new_tokens, request.seed, request.sampling):
             stopped = request.stop_at(out.tokens, seen, text_of) if checks else None
             tokens = out.tokens if stopped is None else out.tokens[:stopped]  # the loop's own list, grown each step
             if streamer is not None and len(tokens) > seen:
@@ -245,23 +287,35 @@ class Decoder:
         return METHODS[self.options.method].lookahead(self.options)
 
 
-def build_decoder(options: DecoderOptions) -> tuple[Decoder, TokenHealer]:
-    """The method's decoder, and the healer that turns prompt token ids into its prompts (its tokenizer: .tokenizer)."""
+def loaded(models: dict, key: tuple, load: Callable):
+    """models[key], loaded first if it is not there."""
+    if key not in models:
+        models[key] = load()
+    return models[key]
+
+
+def build_decoder(options: DecoderOptions, models: dict | None = None) -> tuple[Decoder, TokenHealer]:
+    """The method's decoder, and the healer that turns prompt token ids into its prompts (its tokenizer: .tokenizer).
+    `models` holds what earlier decoders loaded (the oracle, the draft, the trigram), to be shared with this one: a
+    sequence resets the models' caches as it starts."""
+    models = {} if models is None else models
     if not Path(options.oracle).is_dir():
         raise InputError(f"oracle directory {options.oracle} does not exist; train one with train/finetune_oracle.py")
     method = METHODS[options.method]
-    oracle = load_model(options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs)
+    oracle = loaded(models, ("oracle", options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs),
+                    lambda: load_model(options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs))
     tokenizer = load_tokenizer(options.oracle)
     draft = table = drafter = None
     if method.draft:
         if options.draft is None or not Path(options.draft).is_dir():
             raise InputError(f"--method {options.method} needs a draft model; pass --draft DIR (got {options.draft})")
         check_same_vocabulary(options.oracle, options.draft, "draft")
-        draft = load_draft(options, oracle.vocab_size)
+        draft = loaded(models, ("draft", options.draft, options.backend, options.draft_dtype or options.dtype, options.device,
+                                options.cuda_graphs, options.draft_vocab), lambda: load_draft(options, oracle.vocab_size))
         if draft.vocab_size != oracle.vocab_size:
             raise InputError(f"the oracle has {oracle.vocab_size} output tokens and the draft {draft.vocab_size}; they must match")
     if method.trigram:
-        table = load_trigram(options, len(tokenizer), tokenizer.eos_token_id)
+        table = loaded(models, ("ngram", options.ngram), lambda: load_trigram(options, len(tokenizer), tokenizer.eos_token_id))
     if method.tree:
         check_tree_shape(options, table)
     if method.drafter is not None:

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from data.errors import InputError
 from decode.api import SpeculativeDecoder
+from decode.sampling import Sampling
 
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
           "n", "best_of", "user", "echo", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "suffix"}
@@ -116,7 +117,12 @@ def parse_completion(body: bytes, decoder: SpeculativeDecoder) -> Completion:
             raise RequestError(400, f"{name} is not supported: the output is exactly the oracle's", name)
     ids = prompt_ids(request.get("prompt"), decoder)
     max_tokens = number(request, "max_tokens", 16, int, minimum=1)
-    room = decoder.room(len(ids))
+    temperature = number(request, "temperature", 1.0, float, minimum=0.0)
+    top_p = number(request, "top_p", 1.0, float, minimum=0.0)
+    if not 0 < top_p <= 1:
+        raise RequestError(400, f"top_p must lie in (0, 1] (got {top_p})", "top_p")
+    top_k = number(request, "top_k", 0, int, minimum=-1)
+    room = decoder.room(len(ids), decoder.lookahead(Sampling(temperature, max(top_k, 0), top_p)))  # its setting's tree
     context = decoder.decoder.context()
     if room < 1:
         raise RequestError(400, f"the prompt has {len(ids)} tokens; the model's context of {context} tokens leaves no "
@@ -124,11 +130,6 @@ def parse_completion(body: bytes, decoder: SpeculativeDecoder) -> Completion:
     if max_tokens > room:
         raise RequestError(400, f"max_tokens {max_tokens} does not fit the model's context of {context} tokens after a "
                                 f"prompt of {len(ids)}: use at most {room}", "max_tokens", code="context_length_exceeded")
-    temperature = number(request, "temperature", 1.0, float, minimum=0.0)
-    top_p = number(request, "top_p", 1.0, float, minimum=0.0)
-    if not 0 < top_p <= 1:
-        raise RequestError(400, f"top_p must lie in (0, 1] (got {top_p})", "top_p")
-    top_k = number(request, "top_k", 0, int, minimum=-1)
     seed = request.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise RequestError(400, f"seed must be an integer (got {seed!r})", "seed")

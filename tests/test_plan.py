@@ -17,7 +17,7 @@ from data.shards import TOKEN_COUNTS
 from decode import SpeculativeDecoder
 from decode.methods import METHODS
 from decode.planning import costs, plan_file, replay, shapes
-from decode.cli import bench, plan, run
+from decode.cli import bench, plan, run, serve
 from decode.models.cached_lm import Shortlist
 from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
                              TreeDrafter)
@@ -494,3 +494,35 @@ def test_auto_dtype_is_the_plans_on_this_device_else_the_devices_native_one(plan
     assert precision.auto_dtype("cpu", elsewhere)[0] == "bfloat16"  # a plan measured on another device says nothing here
     monkeypatch.setenv(precision.PINNED, "bfloat16")
     assert precision.auto_dtype("cpu", planned["path"])[0] == "bfloat16"
+
+
+def test_each_call_decodes_with_its_sampling_settings_plan_over_the_same_models(planned, models, tmp_path):
+    """A run with plans for greedy decoding and for top-k 20: from_run's decoder (and the server's) decodes each call
+    with its setting's plan, a setting without one with the method's defaults, every decoder over the models loaded
+    once; a keyword wins over every plan, and plan=None turns them all off."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    plan_json = json.loads(planned["path"].read_text())
+    greedy, top_k = {"widths": [2, 1], "budget": 6, "draft_vocab": 0}, {"widths": [1, 1], "budget": 3, "draft_vocab": 64}
+    for name, policy in (("plan.json", greedy), ("plan-t1-k20-p1.json", top_k)):
+        (run_dir / name).write_text(json.dumps(plan_json | {"policies": plan_json["policies"] | {"staged": policy}}))
+    dec = SpeculativeDecoder.from_run(run_dir, method="staged")
+    sampled, other = Sampling(1.0, 20), Sampling(0.7)
+    assert dec.decoder.drafter.budget == 6 and dec.decoder_for(Sampling()) is dec.decoder
+    assert dec.options_for(other).plan is None and dec.options_for(other).policy is None  # no plan of its own
+    result = dec.generate("t3 t9", max_new_tokens=16, do_sample=True, temperature=1.0, top_k=20, seed=3)
+    assert len(result.token_ids) == 16 and set(dec.decoders) == {run_dir / "plan.json", run_dir / "plan-t1-k20-p1.json"}
+    own = dec.decoder_for(sampled)
+    assert (own.drafter.budget, own.drafter.trigram.widths, len(own.draft.shortlist)) == (3, [1, 1], 64)
+    assert own.oracle is dec.decoder.oracle and dec.decoder.draft.shortlist is None  # one oracle; each draft layer
+    assert dec.generate("t3 t9", max_new_tokens=16, do_sample=True, temperature=1.0, top_k=20, seed=3).token_ids == \
+        result.token_ids and dec.decoder_for(sampled) is own
+    typed = SpeculativeDecoder.from_run(run_dir, method="staged", budget=5)
+    assert (typed.decoder_for(sampled).drafter.budget, typed.decoder_for(sampled).drafter.trigram.widths) == (5, [1, 1])
+    unplanned = SpeculativeDecoder.from_run(run_dir, method="staged", plan=None)
+    assert unplanned.decoder_for(sampled) is unplanned.decoder and unplanned.options.plan is None
+    served = serve.parse(["--run", str(run_dir), "--method", "staged"])
+    assert served.plans.options(sampled).policy == top_k and served.options.policy == greedy
+    assert serve.parse(["--run", str(run_dir), "--method", "staged", "--no-plan"]).plans is None

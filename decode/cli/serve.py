@@ -16,7 +16,7 @@ import time
 
 from data.cli import HelpFormatter
 from data.errors import InputError, exits_on_input_error
-from decode.api import SpeculativeDecoder
+from decode.api import SettingPlans, SpeculativeDecoder
 from decode.cli.flags import add_decoder_flags, decoder_flags
 from decode.sampling import Sampling
 from decode.server import create_app
@@ -36,7 +36,10 @@ def parse(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536 or args.queue_size < 1 or args.max_body_bytes < 1:
         p.error("need a --port in 0..65535, and a --queue-size and --max-body-bytes of at least 1")
-    args.options = decoder_flags(p, args, Sampling()).options()  # each request samples as it asks, with the greedy plan
+    flags = decoder_flags(p, args, Sampling())
+    args.options = flags.options()
+    own = args.run is not None and args.plan is None and not args.no_plan
+    args.plans = SettingPlans(args.run, flags.base, flags.typed) if own else None  # a request's setting: its own plan
     return args
 
 
@@ -55,7 +58,7 @@ def main(argv=None) -> None:
 
     args = parse(argv)
     check_address(args.host, args.port)
-    decoder = SpeculativeDecoder(args.options)
+    decoder = SpeculativeDecoder(args.options, args.plans)
     name = args.model_name or args.options.oracle.resolve().name
     app = create_app(decoder, name, args.api_key, args.queue_size, args.max_body_bytes)
     worker = app.state.worker
