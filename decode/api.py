@@ -125,11 +125,11 @@ class SpeculativeDecoder:
         unknown = sorted(set(options) - names)
         if unknown:
             raise InputError(f"unknown options {unknown}; choose from {', '.join(sorted(names - {'oracle', 'draft', 'ngram'}))}")
+        own = run is not None and "plan" not in options  # the run's own plans: each sampling setting takes its own
         plan = options.pop("plan", run and run / plan_name())
         if options.get("dtype", "auto") == "auto" and plan is not None:
             options["dtype"] = auto_dtype(options.get("device", "cpu"), plan, oracle)[0]  # the plan's, where it has one
         chosen = DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram), **options).check()
-        own = run is not None and plan == run / plan_name()  # the run's own plans: each sampling setting takes its own
         if own:  # greedy decoding's, where it was made for these settings
             plan, other = run_plan(run, chosen)
             if plan is None and METHODS[chosen.method].tree:

@@ -499,7 +499,7 @@ def test_auto_dtype_is_the_plans_on_this_device_else_the_devices_native_one(plan
 def test_each_call_decodes_with_its_sampling_settings_plan_over_the_same_models(planned, models, tmp_path):
     """A run with plans for greedy decoding and for top-k 20: from_run's decoder (and the server's) decodes each call
     with its setting's plan, a setting without one with the method's defaults, every decoder over the models loaded
-    once; a keyword wins over every plan, and plan=None turns them all off."""
+    once; a keyword wins over every plan, plan=None turns them all off and a plan named is used for every call."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for part in ("oracle", "draft", "ngram"):
@@ -523,6 +523,8 @@ def test_each_call_decodes_with_its_sampling_settings_plan_over_the_same_models(
     assert (typed.decoder_for(sampled).drafter.budget, typed.decoder_for(sampled).drafter.trigram.widths) == (5, [1, 1])
     unplanned = SpeculativeDecoder.from_run(run_dir, method="staged", plan=None)
     assert unplanned.decoder_for(sampled) is unplanned.decoder and unplanned.options.plan is None
+    named = SpeculativeDecoder.from_run(run_dir, method="staged", plan=run_dir / "plan.json")  # one plan for every call
+    assert named.decoder_for(sampled) is named.decoder and named.decoder.drafter.budget == 6
     served = serve.parse(["--run", str(run_dir), "--method", "staged"])
     assert served.plans.options(sampled).policy == top_k and served.options.policy == greedy
     assert serve.parse(["--run", str(run_dir), "--method", "staged", "--no-plan"]).plans is None
