@@ -283,7 +283,7 @@ def test_staged_sampled_children_are_draws_below_every_draw_scored_in_one_more_c
     for tokens in ([4, 9, 17], [1, 2, 3, 4], [30, 31]):
         staged.reset()
         tree = staged.propose(tokens, 10, sampling, generator)
-        scored, _ = staged.trigram(tokens, 10)  # the tree of the step's first draft call (no context drafter)
+        scored = staged.trigram.best(tokens, 10, 15)  # the step's first draft call: the trigram's 15 likeliest nodes
         assert staged.draws(sampling) and tree.tokens[0] == tokens[-1] and staged.kept[0] == 0
         assert len(tree) == 15 and tree.depths == sorted(tree.depths)  # levels of 2, 4, 8 draws: the budget's
         for node in range(len(tree)):

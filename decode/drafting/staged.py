@@ -137,9 +137,12 @@ class StagedDrafter(TrigramStage, ModelDrafter):
 
     def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
         self.draft.start(tokens)
-        if self.draws(sampling):  # each level of draws takes `draft_children` nodes of the budget at least
+        if self.draws(sampling):  # each level of draws takes `draft_children` nodes of the budget at least; a draw
+            # lands on a node of the trigram's with the draft's probability of it: its `budget` likeliest are scored
             max_depth = min(max_depth, (self.budget - 1) // (self.draft_children or 2))
-        tree, _ = self.trigram(tokens, max_depth)
+            tree = self.trigram.best(tokens, max_depth, self.budget).copy()
+        else:
+            tree, _ = self.trigram(tokens, max_depth)
         max_depth = min(max_depth, self.depth)
         copied = self.context.graft(tree, tokens, max_depth) if self.context is not None else set()
         n = len(tree)
