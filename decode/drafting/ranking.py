@@ -87,7 +87,7 @@ def draw_below(sampling: Sampling, sources: list[tuple[torch.Tensor, int]], coun
                shortlist: Shortlist | None = None) -> tuple[list[list[int]], list]:
     """`draw_children` after rows of several draft calls' logits, `sources[i]` = (logits, row), a repeated source drawn
     from afresh: one `draw_children` per logits tensor, so a level of a tree costs one read of its distributions and
-    one of uniforms (on a GPU, node by node each was a transfer: most of a sampled step's time there)."""
+    one of uniforms, each a transfer on a GPU (there, reads node by node were most of a sampled step's time)."""
     groups = {}  # id(logits) -> (logits, [(i, row)])
     for i, (logits, row) in enumerate(sources):
         groups.setdefault(id(logits), (logits, []))[1].append((i, row))
