@@ -302,8 +302,8 @@ def build_decoder(options: DecoderOptions, models: dict | None = None) -> tuple[
     if not Path(options.oracle).is_dir():
         raise InputError(f"oracle directory {options.oracle} does not exist; train one with train/finetune_oracle.py")
     method = METHODS[options.method]
-    oracle = loaded(models, ("oracle", options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs),
-                    lambda: load_model(options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs))
+    how = (options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs)  # load_model's arguments
+    oracle = loaded(models, ("oracle", *how), lambda: load_model(*how))
     tokenizer = load_tokenizer(options.oracle)
     draft = table = drafter = None
     if method.draft:
