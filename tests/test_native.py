@@ -161,6 +161,15 @@ def test_top_k_distributions_equal_the_python_ones(built, monkeypatch):
             if sampling.top_p == 1.0:
                 assert len(fast[2]) == min(sampling.top_k, 5)  # the -inf logits left out
                 assert len(fast[1]) == 12 if sampling.top_k <= 12 else len(fast[1]) >= sampling.top_k  # ties kept
+    odd = (torch.randn(3, 1001) * 2).bfloat16().float()  # a last block of 9 columns; its best value the row's
+    odd[:, -1] = odd.max() + 1
+    for sampling in (Sampling(1.0, top_k=8), Sampling(1.0, top_k=50)):
+        fast = sampling.distributions(odd)
+        monkeypatch.setattr(native, "takes", lambda logits: False)
+        slow = sampling.distributions(odd)
+        monkeypatch.undo()
+        assert [list(a) for a in fast] == [list(b) for b in slow]
+        assert [list(a.values()) for a in fast] == [pytest.approx(list(b.values()), rel=1e-5) for b in slow]
     with pytest.raises(ValueError, match="must be positive"):
         native.distributions(logits, [0], Sampling(0.0, top_k=5), None)
     with pytest.raises(ValueError, match="outside the logits"):

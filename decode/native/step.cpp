@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 namespace {
@@ -54,6 +55,44 @@ int64_t row_argmax(const float *row, int64_t columns, float *largest) {
     int64_t at;
     row_top(row, columns, 1, &at, largest);
     return at;
+}
+
+// The columns whose values are at or above the row's k-th largest value, largest first (ties: the lower column), into
+// `support` as (value, column). Among the maxima of blocks of 32 columns, the k-th largest bounds the k-th largest
+// value from below (k blocks hold a value at or above it), so only the values at or above that bound are collected,
+// from the blocks whose maximum reaches it; the k-th largest is then found among those few. Reading a row of 8192
+// values once this way took a third of the time of row_top's k-best insertion with k = 50.
+VECTOR_CLONES void row_support(const float *row, int64_t columns, int64_t k, std::vector<float> &maxima,
+                               std::vector<float> &scratch, std::vector<std::pair<float, int64_t>> &support) {
+    constexpr int64_t block = 32;
+    const int64_t blocks = (columns + block - 1) / block;
+    maxima.resize(blocks);
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t start = b * block, end = std::min(start + block, columns);
+        float largest = row[start];
+#pragma omp simd reduction(max : largest)
+        for (int64_t c = start; c < end; c++) largest = row[c] > largest ? row[c] : largest;
+        maxima[b] = largest;
+    }
+    float bound = -INFINITY;
+    if (blocks >= k) {
+        scratch.assign(maxima.begin(), maxima.end());
+        std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<float>());
+        bound = scratch[k - 1];
+    }
+    support.clear();
+    for (int64_t b = 0; b < blocks; b++) {
+        if (!(maxima[b] >= bound)) continue;
+        for (int64_t c = b * block, end = std::min(c + block, columns); c < end; c++)
+            if (row[c] >= bound) support.emplace_back(row[c], c);
+    }
+    scratch.resize(support.size());
+    for (size_t j = 0; j < support.size(); j++) scratch[j] = support[j].first;
+    std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<float>());
+    const float kth = scratch[k - 1];
+    support.erase(std::remove_if(support.begin(), support.end(), [kth](const auto &s) { return s.first < kth; }),
+                  support.end());
+    std::stable_sort(support.begin(), support.end(), [](const auto &a, const auto &b) { return a.first > b.first; });
 }
 
 bool read_ints(PyObject *list, std::vector<int64_t> &out, const char *name) {
@@ -281,20 +320,12 @@ PyObject *distributions(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
             PyErr_SetString(PyExc_ValueError, "distributions: a listed row is outside the logits");
             return nullptr;
         }
-    std::vector<int64_t> best(k);
-    std::vector<float> values(k);
+    std::vector<float> maxima, scratch;
     std::vector<std::pair<float, int64_t>> support;  // (value, column)
     std::vector<double> weights;
     PyObject *out = PyList_New(listed.size());
     for (size_t i = 0; out && i < listed.size(); i++) {
-        const float *row = logits.row(listed[i]);
-        row_top(row, columns, k, best.data(), values.data());
-        const float kth = values[k - 1];
-        support.clear();
-        for (int64_t c = 0; c < columns; c++)
-            if (row[c] >= kth) support.emplace_back(row[c], c);
-        std::stable_sort(support.begin(), support.end(),
-                         [](const auto &a, const auto &b) { return a.first > b.first; });
+        row_support(logits.row(listed[i]), columns, k, maxima, scratch, support);
         weights.assign(support.size(), 0.0);
         double total = 0;
         for (size_t j = 0; j < support.size(); j++)
