@@ -5,6 +5,7 @@ a model's cache holds every token of the sequence but the last, which it has not
 Each loop is a generator (`*_steps`) that yields its Generation after every oracle call, so a caller can stream
 the tokens as they are accepted; `baseline`, `tree_speculative` and `speculative` run one to the end. `hooks`
 hear how long each part of a step took (the tools that time decoding pass them; decoding itself passes none).
+Both read their random draws from the `generator` they are given through one `Uniforms`, a block at a time.
 """
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ import torch
 from decode.drafting import ChainDrafter, Drafter
 from decode.healing import constrain_first
 from decode.models.cached_lm import CachedLM, long_tensor, synchronize
-from decode.sampling import Sampling
+from decode.sampling import Sampling, Uniforms
 from decode.verify import Target, multi_draft_rejection, sample_match
 
 
@@ -93,12 +94,12 @@ def baseline_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, 
                    eos_id: int | None, *, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
                    hooks: Hooks = UNTIMED) -> Iterator[Generation]:
     """One oracle call per token. `allowed` (a healed prompt's): the tokens the first one may be."""
-    extend = hooks.forward(oracle, oracle.extend)
+    extend, uniforms = hooks.forward(oracle, oracle.extend), Uniforms(generator)
     oracle.reset()
     logits = constrain_first(extend(prompt, last=1), allowed)[0]
     out = Generation(oracle_calls=1, oracle_nodes=1)
     while True:
-        done = out.add([sampling.choose(logits, generator)], max_new_tokens, eos_id)
+        done = out.add([sampling.choose(logits, uniforms)], max_new_tokens, eos_id)
         yield out
         if done:
             return
@@ -117,6 +118,7 @@ def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_token
     verify = hooks.timed(verify or (multi_draft_rejection if drafter.draws(sampling) else sample_match), hooks.on_verify)
     propose = hooks.timed(drafter.propose, hooks.on_propose)
     forward, extend = hooks.forward(oracle, oracle.forward), hooks.forward(oracle, oracle.extend)
+    uniforms = Uniforms(generator)
     oracle.reset()
     drafter.reset()
     tokens = prompt.tolist()
@@ -125,13 +127,13 @@ def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_token
         extend(prompt[:-1], last=0)
         out.oracle_calls += 1
     while True:
-        tree = propose(tokens, max_new_tokens - len(out.tokens) - 1, sampling, generator)
+        tree = propose(tokens, max_new_tokens - len(out.tokens) - 1, sampling, uniforms)
         cached = oracle.length
         logits = forward(tree.token_ids(oracle.device), tree.position_ids(cached, oracle.device), tree.mask(oracle.device))
         logits, allowed = constrain_first(logits, allowed), None  # the root's row of the first step only
         out.oracle_calls += 1
         out.oracle_nodes += len(tree)
-        path, following = verify(tree, Target(logits, sampling), generator)
+        path, following = verify(tree, Target(logits, sampling), uniforms)
         oracle.commit(path)
         drafter.accept(path)
         new = [tree.tokens[n] for n in path[1:]] + [following]

@@ -96,7 +96,7 @@ class Sampling:
             return (top.values / self.temperature).softmax(-1), top.indices
         return self.probs(top.values), top.indices
 
-    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+    def choose(self, logits: torch.Tensor, generator: "Uniforms") -> int:
         """One token from the processed distribution of one row of logits (the argmax when greedy), drawn as the
         verification rules draw from the oracle's p (`draw`): with one seed, a tree that does not depend on the draws
         gives these tokens."""
@@ -170,22 +170,38 @@ def argmax_of_rows(logits: torch.Tensor) -> Callable[[int], int]:
     return row_argmax(logits).__getitem__
 
 
-def uniforms(shape: tuple[int, ...], generator: torch.Generator | None) -> list:
-    """Uniform draws in [0, 1) from the generator (float64; nested lists of `shape`)."""
-    device = generator.device if generator is not None else None
-    return torch.rand(shape, dtype=torch.float64, generator=generator, device=device).tolist()
+class Uniforms:
+    """Uniform draws in [0, 1) (float64) from a torch generator (None: torch's default one), read from it a block at a
+    time and handed out in order: each read of the generator is a torch call (on a GPU, a transfer as well), tens of
+    microseconds right after a model's forward on a CPU, and a sampled step draws several times. The decoding loops
+    draw through one made from the generator they are given: it is the `generator` that drafters, verification
+    rules and `Sampling.choose` take."""
+
+    BLOCK = 256
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+        self.values, self.next = [], 0
+
+    def take(self, count: int) -> list[float]:
+        """The next `count` draws."""
+        if self.next + count > len(self.values):
+            device = self.generator.device if self.generator is not None else None
+            fresh = torch.rand(max(self.BLOCK, count), dtype=torch.float64, generator=self.generator, device=device)
+            self.values, self.next = self.values[self.next :] + fresh.tolist(), 0
+        self.next += count
+        return self.values[self.next - count : self.next]
 
 
-def draw(probs: torch.Tensor | Sparse, generator: torch.Generator | None) -> int:
+def draw(probs: torch.Tensor | Sparse, generator: Uniforms) -> int:
     """One token from a distribution, vocabulary-wide (`sample`) or Sparse."""
-    return probs.draw(uniforms((1,), generator)[0]) if isinstance(probs, Sparse) else sample(probs, generator)
+    return probs.draw(generator.take(1)[0]) if isinstance(probs, Sparse) else sample(probs, generator)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+def sample(probs: torch.Tensor, generator: Uniforms) -> int:
     """One token from a distribution, by inverting its cumulative sum at a uniform draw (in float64:
     the sum's rounding stays far below any probability that matters). torch.multinomial draws one
     exponential per token: 220 us over 8192 tokens on a CPU, against 21 us for this, and the
     baseline samples every token this way."""
     cumulative = probs.double().cumsum(-1)
-    point = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device) * cumulative[-1]
-    return int(torch.searchsorted(cumulative, point, right=True))
+    return int(torch.searchsorted(cumulative, cumulative[-1:] * generator.take(1)[0], right=True))

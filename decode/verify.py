@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from decode import native
-from decode.sampling import Sampling, Sparse, argmax_of_rows, draw, uniforms
+from decode.sampling import Sampling, Sparse, Uniforms, argmax_of_rows, draw
 
 
 class Target:
@@ -35,12 +35,12 @@ class Target:
                                  else self.sampling.probs(self.logits[node]))
         return self._probs[node]
 
-    def draw(self, node: int, generator) -> int:
+    def draw(self, node: int, generator: Uniforms) -> int:
         """A token from p at `node` (its argmax when greedy: a point mass needs no random draw)."""
         return self.argmax(node) if self.argmax is not None else draw(self.probs(node), generator)
 
 
-def sample_match(tree, target: Target, generator) -> tuple[list[int], int]:
+def sample_match(tree, target: Target, generator: Uniforms) -> tuple[list[int], int]:
     """Exact for any tree that does not depend on the oracle's randomness: at each node sample the
     oracle's token from p; descend into the child that carries it, else emit it and stop.
     Returns the accepted nodes (the root first) and the token that follows them. Greedy, on logits the C++ loops
@@ -68,7 +68,7 @@ def remainder(residual: torch.Tensor | Sparse, q: torch.Tensor | Sparse) -> torc
     return left / total if total > 0 else residual
 
 
-def multi_draft_rejection(tree, target: Target, generator) -> tuple[list[int], int]:
+def multi_draft_rejection(tree, target: Target, generator: Uniforms) -> tuple[list[int], int]:
     """SpecInfer's multi-round rejection sampling, for trees whose children at a node were drawn
     independently from `tree.child_dists[node]`: try the children in order, accepting child x with
     probability min(1, r(x) / q(x)) where r starts as p and becomes normalise(max(r - q, 0)) after
@@ -79,7 +79,7 @@ def multi_draft_rejection(tree, target: Target, generator) -> tuple[list[int], i
         residual, q = target.probs(node), tree.child_dists.get(node)
         for child in tree.children[node]:
             x = tree.tokens[child]
-            if uniforms((1,), generator)[0] * q[x] < residual[x]:
+            if generator.take(1)[0] * q[x] < residual[x]:
                 path.append(child)
                 break
             residual = remainder(residual, q)

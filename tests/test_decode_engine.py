@@ -12,7 +12,7 @@ from decode.models.engine import GPT2Engine
 from decode.models.projection import LAYOUTS, onednn_packs
 from decode.loop import baseline, speculative
 from decode.models.hf_backend import HFEngine
-from decode.sampling import Sampling, Sparse, argmax_of_rows, sample, top_tokens, values_at, values_list
+from decode.sampling import Sampling, Sparse, Uniforms, argmax_of_rows, sample, top_tokens, values_at, values_list
 from decode.tree import Tree
 from decode.verify import remainder
 from decode_models import tiny_gpt2
@@ -201,7 +201,16 @@ def test_sampling_processes_temperature_top_k_and_top_p():
     assert torch.allclose(Sampling(1.0, top_p=0.71).probs(logits), torch.tensor([50, 20, 15, 0, 0]) / 85, atol=1e-6)
     hot = Sampling(2.0).probs(logits)
     assert torch.allclose(hot, logits.div(2).softmax(-1))
-    assert Sampling().probs(logits).tolist() == [1, 0, 0, 0, 0] and sample(Sampling().probs(logits), None) == 0
+    assert Sampling().probs(logits).tolist() == [1, 0, 0, 0, 0] and sample(Sampling().probs(logits), Uniforms()) == 0
+
+
+def test_uniforms_hand_out_the_generators_draws_in_order_across_its_reads():
+    uniforms = Uniforms(torch.Generator().manual_seed(5))
+    taken = uniforms.take(3) + uniforms.take(250) + uniforms.take(10) + uniforms.take(300)  # read at the 1st, 3rd and 4th take
+    expected = torch.Generator().manual_seed(5)
+    reads = [torch.rand(n, dtype=torch.float64, generator=expected).tolist() for n in (256, 256, 300)]
+    assert taken == (reads[0] + reads[1] + reads[2])[:563]
+    assert all(0 <= u < 1 for u in taken)
 
 
 def test_proposal_is_the_processed_distribution_on_the_likeliest_tokens():
@@ -221,13 +230,13 @@ def test_proposal_is_the_processed_distribution_on_the_likeliest_tokens():
 
 def test_draw_children_draws_from_the_drafts_distribution_and_returns_it():
     logits = torch.log(torch.tensor([[0.05, 0.5, 0.1, 0.2, 0.15], [0.6, 0.1, 0.2, 0.05, 0.05]]))
-    drawn, q = draw_children(Sampling(1.0, top_k=2), logits, 4000, torch.Generator().manual_seed(0))
+    drawn, q = draw_children(Sampling(1.0, top_k=2), logits, 4000, Uniforms(torch.Generator().manual_seed(0)))
     assert [list(row) for row in q] == [[1, 3], [0, 2]]  # top-k: Sparse, likeliest first
     assert [list(row.values()) for row in q] == [pytest.approx([5 / 7, 2 / 7]), pytest.approx([0.75, 0.25])]
     assert q[0][2] == 0.0  # off the support
     assert set(drawn[0]) == {1, 3} and set(drawn[1]) == {0, 2}
     assert abs(drawn[0].count(1) / 4000 - 5 / 7) < 0.03 and abs(drawn[1].count(0) / 4000 - 0.75) < 0.03
-    drawn, q = draw_children(Sampling(1.0), logits, 4000, torch.Generator().manual_seed(0))  # no top-k: the proposal
+    drawn, q = draw_children(Sampling(1.0), logits, 4000, Uniforms(torch.Generator().manual_seed(0)))  # no top-k: the proposal
     assert torch.allclose(q, logits.softmax(-1), atol=1e-6)  # its cap (64 tokens) holds all 5, over the vocabulary
     assert abs(drawn[1].count(0) / 4000 - 0.6) < 0.03
 
@@ -237,9 +246,9 @@ def test_draws_below_rows_of_several_draft_calls_follow_each_rows_distribution_i
     later = torch.log(torch.tensor([[0.1, 0.1, 0.1, 0.1, 0.6]]))
     for sampling in (Sampling(1.0, top_k=2), Sampling(1.0)):
         sources = [(first, 1), (later, 0), (first, 0), (first, 0)]  # a repeated row: drawn from afresh
-        drawn, q = draw_below(sampling, sources, 4000, torch.Generator().manual_seed(0))
+        drawn, q = draw_below(sampling, sources, 4000, Uniforms(torch.Generator().manual_seed(0)))
         for (logits, row), tokens, dist in zip(sources, drawn, q, strict=True):
-            _, [expected] = draw_children(sampling, logits, 1, None, rows=[row])  # that row's q alone
+            _, [expected] = draw_children(sampling, logits, 1, Uniforms(), rows=[row])  # that row's q alone
             assert [float(dist[t]) for t in range(5)] == pytest.approx([float(expected[t]) for t in range(5)], abs=1e-6)
             best = max(range(5), key=lambda t: dist[t])
             assert abs(tokens.count(best) / 4000 - float(dist[best])) < 0.03, (sampling, row)
@@ -321,7 +330,7 @@ def test_helpers_read_a_shortlisted_models_columns_as_tokens():
     assert values_list(logits, [0, 1, 1], [9, 2, 4], shortlist) == [1.0, 2.0, float("-inf")]  # read one by one
     assert values_list(logits.bfloat16(), [0, 1, 1], [9, 2, 4], shortlist) == [1.0, 2.0, float("-inf")]  # through numpy
     assert values_list(logits, [1, 0], [2, 1]) == [0.0, 3.0]  # no shortlist: columns are tokens
-    drawn, q = draw_children(Sampling(1.0), logits, 2000, torch.Generator().manual_seed(0), shortlist)
+    drawn, q = draw_children(Sampling(1.0), logits, 2000, Uniforms(torch.Generator().manual_seed(0)), shortlist)
     assert q.shape == (2, 10) and torch.allclose(q[:, [2, 7, 9]], logits.softmax(-1)) and q.sum() == pytest.approx(2.0)
     assert set(drawn[0]) == {2, 7, 9} and abs(drawn[0].count(7) / 2000 - float(logits[0].softmax(-1)[1])) < 0.03
     tree = Tree.rooted(3)

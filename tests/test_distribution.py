@@ -121,7 +121,7 @@ def wrong_rejection(renormalise=True, scale=1.0, temperature=None, resample_from
             residual = target.probs(node)
             for child in tree.children[node]:
                 q, x = tree.child_dists[node], tree.tokens[child]
-                if float(torch.rand(1, generator=generator)) * q[x] < scale * residual[x]:
+                if generator.take(1)[0] * q[x] < scale * residual[x]:
                     path.append(child)
                     break
                 left = (residual - q).clamp_min(0)

@@ -23,7 +23,7 @@ from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, Sta
                              TreeDrafter)
 from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative
-from decode.sampling import Sampling
+from decode.sampling import Sampling, Uniforms
 from decode_models import run_models
 from ngram.successors import SuccessorTable
 
@@ -181,7 +181,7 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
             if method == "staged":
                 assert isinstance(drafter, StagedShapeDrafter) and drafter.trigram.widths == policy["widths"]
             drafter.reset()  # sampling: the shape's children are draws, each node's q recorded
-            drawn = drafter.propose([3, 9], 8, Sampling(1.0), torch.Generator().manual_seed(1))
+            drawn = drafter.propose([3, 9], 8, Sampling(1.0), Uniforms(torch.Generator().manual_seed(1)))
             counts = lambda children: sorted(map(len, children))
             assert counts(drawn.children) == counts([[c for c, p in enumerate(policy["parents"]) if p == n]
                                                      for n in range(len(policy["parents"]))])

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from decode.models.cached_lm import Shortlist
-from decode.sampling import Sampling, Sparse, ranked_tokens, tokens_at, top_tokens, uniforms, values_at, values_list
+from decode.sampling import Sampling, Sparse, Uniforms, ranked_tokens, tokens_at, top_tokens, values_at, values_list
 from decode.tree import Tree
 
 ARRAY_NODES = 128  # trees (and candidate lists) past this size are ranked by array code, smaller ones in Python lists
@@ -67,27 +67,33 @@ def ranked_children_arrays(scores: torch.Tensor, tree: Tree, k: int, greedy: boo
     return [1.0, *edges.tolist()], best, rows
 
 
-def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generator, shortlist: Shortlist | None = None,
+def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generator: Uniforms,
+                  shortlist: Shortlist | None = None,
                   rows: list[int] | None = None) -> tuple[list[list[int]], list[Sparse] | torch.Tensor]:
     """`count` independent draws from the draft's q after each of `rows` of the logits (default: every row), and each
     one's q, the distribution multi-draft rejection checks the draws against: under top-k sampling the draft's
     processed distribution (Sampling.distributions), else its proposal (Sampling.proposal) over the whole vocabulary,
-    a row of a tensor. With a `shortlist`, the logits' columns are its tokens."""
+    a row of a tensor, drawn from by inverting its cumulative sums. With a `shortlist`, the logits' columns are its
+    tokens."""
     if sampling.sparse:
         qs = sampling.distributions(logits, rows, shortlist)
-        return [[q.draw(u) for u in row] for q, row in zip(qs, uniforms((len(qs), count), generator))], qs
+        drawn = generator.take(len(qs) * count)
+        return [[q.draw(u) for u in drawn[i * count : (i + 1) * count]] for i, q in enumerate(qs)], qs
     probs, columns = sampling.proposal(logits if rows is None else logits[rows])
     tokens = tokens_at(columns, shortlist)
-    drawn = tokens.gather(-1, torch.multinomial(probs, count, replacement=True, generator=generator))
+    cumulative = probs.double().cumsum(-1)
+    points = torch.tensor(generator.take(len(probs) * count), dtype=torch.float64).view(len(probs), count)
+    picks = torch.searchsorted(cumulative, cumulative[:, -1:] * points.to(probs.device), right=True)
+    drawn = tokens.gather(-1, picks.clamp_max_(probs.shape[-1] - 1))
     vocab_size = logits.shape[-1] if shortlist is None else shortlist.vocab_size
     return drawn.tolist(), probs.new_zeros((*probs.shape[:-1], vocab_size)).scatter_(-1, tokens, probs)
 
 
-def draw_below(sampling: Sampling, sources: list[tuple[torch.Tensor, int]], count: int, generator,
+def draw_below(sampling: Sampling, sources: list[tuple[torch.Tensor, int]], count: int, generator: Uniforms,
                shortlist: Shortlist | None = None) -> tuple[list[list[int]], list]:
     """`draw_children` after rows of several draft calls' logits, `sources[i]` = (logits, row), a repeated source drawn
-    from afresh: one `draw_children` per logits tensor, so a level of a tree costs one read of its distributions and
-    one of uniforms, each a transfer on a GPU (there, reads node by node were most of a sampled step's time)."""
+    from afresh: one `draw_children` per logits tensor, so a level of a tree costs one read of its distributions, a
+    transfer on a GPU (there, reads node by node were most of a sampled step's time)."""
     groups = {}  # id(logits) -> (logits, [(i, row)])
     for i, (logits, row) in enumerate(sources):
         groups.setdefault(id(logits), (logits, []))[1].append((i, row))
