@@ -63,7 +63,7 @@ int64_t row_argmax(const float *row, int64_t columns, float *largest) {
 // from the blocks whose maximum reaches it; the k-th largest is then found among those few. Reading a row of 8192
 // values once this way took a third of the time of row_top's k-best insertion with k = 50.
 VECTOR_CLONES void row_support(const float *row, int64_t columns, int64_t k, std::vector<float> &maxima,
-                               std::vector<float> &scratch, std::vector<std::pair<float, int64_t>> &support) {
+                               std::vector<float> &candidates, std::vector<std::pair<float, int64_t>> &support) {
     constexpr int64_t block = 32;
     const int64_t blocks = (columns + block - 1) / block;
     maxima.resize(blocks);
@@ -76,9 +76,9 @@ VECTOR_CLONES void row_support(const float *row, int64_t columns, int64_t k, std
     }
     float bound = -INFINITY;
     if (blocks >= k) {
-        scratch.assign(maxima.begin(), maxima.end());
-        std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<float>());
-        bound = scratch[k - 1];
+        candidates.assign(maxima.begin(), maxima.end());
+        std::nth_element(candidates.begin(), candidates.begin() + (k - 1), candidates.end(), std::greater<float>());
+        bound = candidates[k - 1];
     }
     support.clear();
     for (int64_t b = 0; b < blocks; b++) {
@@ -86,10 +86,10 @@ VECTOR_CLONES void row_support(const float *row, int64_t columns, int64_t k, std
         for (int64_t c = b * block, end = std::min(c + block, columns); c < end; c++)
             if (row[c] >= bound) support.emplace_back(row[c], c);
     }
-    scratch.resize(support.size());
-    for (size_t j = 0; j < support.size(); j++) scratch[j] = support[j].first;
-    std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<float>());
-    const float kth = scratch[k - 1];
+    candidates.resize(support.size());
+    for (size_t j = 0; j < support.size(); j++) candidates[j] = support[j].first;
+    std::nth_element(candidates.begin(), candidates.begin() + (k - 1), candidates.end(), std::greater<float>());
+    const float kth = candidates[k - 1];
     support.erase(std::remove_if(support.begin(), support.end(), [kth](const auto &s) { return s.first < kth; }),
                   support.end());
     std::stable_sort(support.begin(), support.end(), [](const auto &a, const auto &b) { return a.first > b.first; });
@@ -320,12 +320,12 @@ PyObject *distributions(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
             PyErr_SetString(PyExc_ValueError, "distributions: a listed row is outside the logits");
             return nullptr;
         }
-    std::vector<float> maxima, scratch;
+    std::vector<float> maxima, candidates;
     std::vector<std::pair<float, int64_t>> support;  // (value, column)
     std::vector<double> weights;
     PyObject *out = PyList_New(listed.size());
     for (size_t i = 0; out && i < listed.size(); i++) {
-        row_support(logits.row(listed[i]), columns, k, maxima, scratch, support);
+        row_support(logits.row(listed[i]), columns, k, maxima, candidates, support);
         weights.assign(support.size(), 0.0);
         double total = 0;
         for (size_t j = 0; j < support.size(); j++)
