@@ -1,7 +1,8 @@
 """What a drafter is: the interface the speculative loop drafts through, and the two kinds of drafter.
 
     reset()                                     a new sequence follows
-    propose(tokens, max_depth, sampling, rng)   a tree rooted at tokens[-1] for the oracle to verify
+    propose(tokens, max_depth, sampling, rng)   a tree rooted at tokens[-1] for the oracle to verify (rng: the loop's
+                                                sampling.Uniforms, which a drafter that draws reads)
     accept(path)                                the nodes of the last tree the oracle accepted, root first
     draws(sampling)                             whether its trees hold draws from the draft (multi-draft rejection
                                                 verifies them) or its ranked tokens (sample-match)
@@ -15,7 +16,7 @@ from typing import Protocol
 
 from decode.drafting.draft_cache import DraftCache
 from decode.models.cached_lm import CachedLM
-from decode.sampling import Sampling
+from decode.sampling import Sampling, Uniforms
 from decode.tree import Tree
 
 
@@ -24,7 +25,7 @@ class Drafter(Protocol):
 
     def reset(self) -> None: ...
 
-    def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree: ...
+    def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator: Uniforms) -> Tree: ...
 
     def accept(self, path: list[int]) -> None: ...
 

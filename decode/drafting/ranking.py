@@ -77,8 +77,8 @@ def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generato
     tokens."""
     if sampling.sparse:
         qs = sampling.distributions(logits, rows, shortlist)
-        drawn = generator.take(len(qs) * count)
-        return [[q.draw(u) for u in drawn[i * count : (i + 1) * count]] for i, q in enumerate(qs)], qs
+        uniforms = generator.take(len(qs) * count)
+        return [[q.draw(u) for u in uniforms[i * count : (i + 1) * count]] for i, q in enumerate(qs)], qs
     probs, columns = sampling.proposal(logits if rows is None else logits[rows])
     tokens = tokens_at(columns, shortlist)
     cumulative = probs.double().cumsum(-1)
