@@ -1,4 +1,4 @@
-"""How fast is the lean engine? Two measurements, printed as tables:
+"""How fast is the lean engine? Six measurements, printed as tables:
 
 1. per-token latency of greedy decoding: our baseline loop vs transformers `generate`, same checkpoint;
 2. the cost of one forward over q = 1, 2, 4, ..., 64 new nodes after a cached prefix, for a model
@@ -98,8 +98,7 @@ def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[i
             "forward_ms_with_cuda_graphs": graphed}
 
 
-@exits_on_input_error
-def main(argv=None) -> dict:
+def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m decode.bench_engine", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="a GPT-2 checkpoint directory (e.g. RUN/oracle)")
@@ -123,7 +122,36 @@ def main(argv=None) -> dict:
     if args.dtype == "auto":
         args.dtype, why = auto_dtype(args.device, None, args.model)
         print(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)")
+    return args
 
+
+def forward_tables(args, engine: GPT2Engine) -> dict:
+    """Measurements 2-4: the forward's cost by node count (the model, and a GPT-2-Large-sized one unless
+    --skip-large), as a tree against a chain, and by weight layout."""
+    models = {args.model: engine}
+    if not args.skip_large:
+        models["gpt2-large-sized (random)"] = random_gpt2(*PROJECTIONS["gpt2-large"], args.dtype, args.device)
+    costs = {name: forward_costs(model, args.prefix, args.repeats) for name, model in models.items()}
+    print(f"\nforward cost in ms after {args.prefix} cached positions, by new nodes q")
+    print(f"{'model':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
+    for name, row in costs.items():
+        print(table_row(name, row) + f"   ({models[name].shape.n_layer} layers)")
+    tree_costs = forward_costs(engine, args.prefix, args.repeats, tree=True)
+    print(table_row("the same nodes as a tree, explicit mask", tree_costs))
+    print(table_row("  tree / chain", {q: ms / costs[args.model][q] for q, ms in tree_costs.items()}))
+    layouts = [name for name in LAYOUTS if name != "packed" or (args.device == "cpu" and onednn_packs(engine.dtype))]
+    layout_costs = {name: forward_costs(GPT2Engine.load(args.model, args.dtype, args.device, layout=name), args.prefix,
+                                        args.repeats) for name in layouts}
+    print(f"\nthe chain's forward by weight layout (chosen per matrix: {', '.join(f'{k} {v}' for k, v in engine.layouts.items())})")
+    for name, row in (layout_costs | {"chosen per matrix (first table)": costs[args.model]}).items():
+        print(table_row(name, row))
+    return {"forward_ms": costs, "tree_forward_ms": tree_costs, "layouts": engine.layouts,
+            "forward_ms_by_layout": layout_costs}
+
+
+@exits_on_input_error
+def main(argv=None) -> dict:
+    args = parse(argv)
     texts = [r["prompt"] for r in load_prompts(args.prompts, args.limit)]
     latency, outputs = generation_latency(args.model, texts, args.max_new_tokens, args.dtype, args.device)
     print(f"greedy decoding, {len(texts)} prompts x {args.max_new_tokens} tokens ({args.dtype}, {device_name(torch.device(args.device))})")
@@ -131,37 +159,18 @@ def main(argv=None) -> dict:
     print(f"  transformers generate     {latency['hf_generate_ms_per_token']:8.2f} ms/token")
     print(f"  speedup {latency['speedup']:.2f}x, identical outputs {latency['identical_outputs']}")
 
-    models = {args.model: GPT2Engine.load(args.model, args.dtype, args.device)}
-    if not args.skip_large:
-        models["gpt2-large-sized (random)"] = random_gpt2(*PROJECTIONS["gpt2-large"], args.dtype, args.device)
-    costs = {name: forward_costs(engine, args.prefix, args.repeats) for name, engine in models.items()}
-    print(f"\nforward cost in ms after {args.prefix} cached positions, by new nodes q")
-    print(f"{'model':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
-    for name, row in costs.items():
-        layers = models[name].shape.n_layer
-        print(table_row(name, row) + f"   ({layers} layers)")
-    tree_costs = forward_costs(models[args.model], args.prefix, args.repeats, tree=True)
-    print(table_row("the same nodes as a tree, explicit mask", tree_costs))
-    print(table_row("  tree / chain", {q: ms / costs[args.model][q] for q, ms in tree_costs.items()}))
-    layouts = [name for name in LAYOUTS if name != "packed" or (args.device == "cpu" and onednn_packs(models[args.model].dtype))]
-    layout_costs = {name: forward_costs(GPT2Engine.load(args.model, args.dtype, args.device, layout=name), args.prefix,
-                                        args.repeats) for name in layouts}
-    chosen = models[args.model].layouts
-    print(f"\nthe chain's forward by weight layout (chosen per matrix: {', '.join(f'{k} {v}' for k, v in chosen.items())})")
-    for name, row in (layout_costs | {"chosen per matrix (first table)": costs[args.model]}).items():
-        print(table_row(name, row))
-    host = host_work_after_forward(models[args.model], args.prefix, args.repeats)
+    engine = GPT2Engine.load(args.model, args.dtype, args.device)
+    result = {"generation": latency, "dtype": args.dtype, "device": device_name(torch.device(args.device))}
+    result |= forward_tables(args, engine)
+    host = host_work_after_forward(engine, args.prefix, args.repeats)
     print(f"\nhost work between forwards (a 200-item Python loop, a 64-value numpy gather): {host['after a forward']:.1f} us "
           f"right after a q=1 forward, {host['again']:.1f} us again ({host['after a forward'] / host['again']:.1f}x)")
-    result = {"generation": latency, "forward_ms": costs, "tree_forward_ms": tree_costs, "dtype": args.dtype,
-              "layouts": chosen, "forward_ms_by_layout": layout_costs, "host_work_us": host,
-              "device": device_name(torch.device(args.device))}
-    if models[args.model].on_gpu:
-        result |= with_cuda_graphs(args, texts, latency, outputs, costs)
+    result["host_work_us"] = host
+    if engine.on_gpu:
+        result |= with_cuda_graphs(args, texts, latency, outputs, result["forward_ms"])
     if args.out:
         write_json(args.out, result, args.overwrite)
     return result
-
 
 if __name__ == "__main__":
     main()
