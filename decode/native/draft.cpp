@@ -344,8 +344,10 @@ BF16_TARGET void softmax(float *row, int64_t end) {
         _mm512_mask_storeu_ps(row + slot, present, weight);
     }
     const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-    for (int64_t slot = 0; slot < end; slot += 16)
-        _mm512_mask_storeu_ps(row + slot, first_lanes(end - slot), _mm512_mul_ps(_mm512_loadu_ps(row + slot), inverse));
+    for (int64_t slot = 0; slot < end; slot += 16) {  // masked both ways: the row may end at the end of its memory
+        const __mmask16 present = first_lanes(end - slot);
+        _mm512_mask_storeu_ps(row + slot, present, _mm512_mul_ps(_mm512_maskz_loadu_ps(present, row + slot), inverse));
+    }
 }
 
 // Attention of each row's query over the slots it sees through one head, into its columns of out (rows x n_embd) in
