@@ -16,6 +16,7 @@ the dense log-softmax.
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -57,16 +58,20 @@ def copy_targets(source: Path, work_dir: Path) -> None:
 def top_k_targets(teacher, windows: torch.utils.data.Dataset, k: int, temperature: float, vocab_size: int,
                   batch_size: int, device, autocast) -> dict:
     """For every window (in order) and position: the teacher's k most probable next tokens ("ids", as int32)
-    and their log-probabilities at `temperature` ("logp", float16), over the first vocab_size logits."""
-    ids, logp = [], []
+    and their log-probabilities at `temperature` ("logp", float16), over the first vocab_size logits. Each batch's
+    are written into arrays made once: kept as a tensor a batch between the forwards' large temporaries, they
+    fragmented the heap, which then grew with every batch."""
+    shape = (len(windows), len(windows[0]), k)
+    ids, logp = np.empty(shape, np.int32), np.empty(shape, np.float16)
     for start in tqdm(range(0, len(windows), batch_size), desc="teacher targets", unit="batch"):
-        batch = torch.stack([windows[i] for i in range(start, min(start + batch_size, len(windows)))]).to(device)
+        end = min(start + batch_size, len(windows))
+        batch = torch.stack([windows[i] for i in range(start, end)]).to(device)
         with autocast():
             logits = teacher(batch).logits.float()[..., :vocab_size]
         top = F.log_softmax(logits / temperature, -1).topk(k, dim=-1)
-        ids.append(top.indices.int().cpu())
-        logp.append(top.values.half().cpu())
-    return {"ids": torch.cat(ids).numpy(), "logp": torch.cat(logp).numpy()}
+        ids[start:end] = top.indices.cpu().numpy()
+        logp[start:end] = top.values.half().cpu().numpy()
+    return {"ids": ids, "logp": logp}
 
 
 def load_or_build_targets(work_dir: Path, build, count: int, seq_len: int, k: int) -> dict:
