@@ -172,5 +172,6 @@ def main(argv=None) -> dict:
         write_json(args.out, result, args.overwrite)
     return result
 
+
 if __name__ == "__main__":
     main()
