@@ -5,7 +5,8 @@ import numpy as np
 import torch
 
 from decode.models.cached_lm import Shortlist
-from decode.sampling import Sampling, Sparse, Uniforms, ranked_tokens, tokens_at, top_tokens, values_at, values_list
+from decode.sampling import (Sampling, Sparse, Uniforms, inverse_cdf, ranked_tokens, tokens_at, top_tokens, values_at,
+                             values_list)
 from decode.tree import Tree
 
 ARRAY_NODES = 128  # trees (and candidate lists) past this size are ranked by array code, smaller ones in Python lists
@@ -73,18 +74,16 @@ def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generato
     """`count` independent draws from the draft's q after each of `rows` of the logits (default: every row), and each
     one's q, the distribution multi-draft rejection checks the draws against: under top-k sampling the draft's
     processed distribution (Sampling.distributions), else its proposal (Sampling.proposal) over the whole vocabulary,
-    a row of a tensor, drawn from by inverting its cumulative sums. With a `shortlist`, the logits' columns are its
-    tokens."""
+    a row of a tensor, drawn from by inverting its cumulative sums (`inverse_cdf`). With a `shortlist`, the logits'
+    columns are its tokens."""
     if sampling.sparse:
         qs = sampling.distributions(logits, rows, shortlist)
         uniforms = generator.take(len(qs) * count)
         return [[q.draw(u) for u in uniforms[i * count : (i + 1) * count]] for i, q in enumerate(qs)], qs
     probs, columns = sampling.proposal(logits if rows is None else logits[rows])
     tokens = tokens_at(columns, shortlist)
-    cumulative = probs.double().cumsum(-1)
-    points = torch.tensor(generator.take(len(probs) * count), dtype=torch.float64).view(len(probs), count)
-    picks = torch.searchsorted(cumulative, cumulative[:, -1:] * points.to(probs.device), right=True)
-    drawn = tokens.gather(-1, picks.clamp_max_(probs.shape[-1] - 1))
+    points = torch.tensor(generator.take(len(probs) * count), dtype=torch.float64, device=probs.device)
+    drawn = tokens.gather(-1, inverse_cdf(probs, points.view(len(probs), count)))
     vocab_size = logits.shape[-1] if shortlist is None else shortlist.vocab_size
     return drawn.tolist(), probs.new_zeros((*probs.shape[:-1], vocab_size)).scatter_(-1, tokens, probs)
 
