@@ -185,12 +185,22 @@ class Uniforms:
 
     def take(self, count: int) -> list[float]:
         """The next `count` draws."""
+        draws = self.peek(count)
+        self.next += count
+        return draws
+
+    def peek(self, count: int) -> list[float]:
+        """The next `count` draws, left to be taken: a rule that reads an unknown number of them up to `count` (the
+        C++ loops) takes as many as it read with `skip`."""
         if self.next + count > len(self.values):
             device = self.generator.device if self.generator is not None else None
             fresh = torch.rand(max(self.BLOCK, count), dtype=torch.float64, generator=self.generator, device=device)
             self.values, self.next = self.values[self.next :] + fresh.tolist(), 0
+        return self.values[self.next : self.next + count]
+
+    def skip(self, count: int) -> None:
+        """Take the next `count` draws (a `peek` read them)."""
         self.next += count
-        return self.values[self.next - count : self.next]
 
 
 def draw(probs: torch.Tensor | Sparse, generator: Uniforms) -> int:

@@ -72,7 +72,12 @@ def multi_draft_rejection(tree, target: Target, generator: Uniforms) -> tuple[li
     """SpecInfer's multi-round rejection sampling, for trees whose children at a node were drawn
     independently from `tree.child_dists[node]`: try the children in order, accepting child x with
     probability min(1, r(x) / q(x)) where r starts as p and becomes normalise(max(r - q, 0)) after
-    each rejection; if every child is rejected, sample from r. On a chain this is Chen et al.'s rule."""
+    each rejection; if every child is rejected, sample from r. On a chain this is Chen et al.'s rule. Under a top-k
+    setting, on logits the C++ loops read (decode/native), one call walks the tree with the same draws."""
+    if target.sampling.sparse and native.takes(target.logits):
+        path, following, used = native.rejection_walk(target.logits, tree, target.sampling, generator.peek(len(tree)))
+        generator.skip(used)
+        return path, following
     path = [0]
     while True:
         node = path[-1]

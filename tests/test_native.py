@@ -1,5 +1,6 @@
 """decode/native/step.cpp against the Python it replaces: the trigram's trees, the staged drafter's greedy selection,
-sample-match verification, argmax tokens, top-k distributions and the context's continuations are the same, node for
+sample-match and (top-k) multi-draft rejection verification, argmax tokens, top-k distributions and draws and the
+context's continuations are the same, node for
 node, on random contexts, trees, logits and sequences, ties included; decoding takes them; and where they cannot be
 built, decoding says so once and goes on in Python."""
 import os
@@ -18,9 +19,9 @@ from decode.models import engine as engine_module
 from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative
 from decode.drafting import ContextIndex
-from decode.sampling import Sampling
+from decode.sampling import Sampling, Sparse, Uniforms
 from decode.tree import Tree
-from decode.verify import Target, sample_match
+from decode.verify import Target, multi_draft_rejection, sample_match
 from decode_models import tiny_gpt2, tiny_trigram
 from ngram.successors import SuccessorTable
 
@@ -174,6 +175,67 @@ def test_top_k_distributions_equal_the_python_ones(built, monkeypatch):
         native.distributions(logits, [0], Sampling(0.0, top_k=5), None)
     with pytest.raises(ValueError, match="outside the logits"):
         native.distributions(logits, [6], Sampling(1.0, top_k=5), None)
+
+
+def drawn_tree(rng: random.Random, draft: torch.Tensor, sampling: Sampling, generator: Uniforms) -> Tree:
+    """A tree whose children at a node are independent draws from the draft's q after it (row i of `draft`: after node
+    i), as the sampled drafters grow theirs, while it has fewer nodes than `draft` rows."""
+    tree = Tree.rooted(0)
+    for node in range(len(draft)):
+        if node >= len(tree):
+            break
+        count = min(rng.choice([0, 1, 1, 2, 3]), len(draft) - len(tree))
+        if count:
+            [tokens], [q] = ranking.draw_children(sampling, draft, count, generator, rows=[node])
+            tree.child_dists[node] = q
+            for token in tokens:
+                tree.add(node, token)
+    return tree
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_draws_equal_the_python_draws(built, seed):
+    """draw_children under a top-k setting, in one C++ call: the same tokens and distributions as drawing from
+    Sampling.distributions in Python, with the same uniform draws."""
+    torch.manual_seed(seed)
+    logits = (torch.randn(5, 2048) * 3).bfloat16().float()
+    shortlist = Shortlist(random.Random(seed).sample(range(3000), 2048), 3000)
+    for sampling in (Sampling(1.0, top_k=50), Sampling(0.7, top_k=8, top_p=0.8), Sampling(1.5, top_k=1)):
+        for tokens_of in (None, shortlist):
+            fast, slow = Uniforms(torch.Generator().manual_seed(seed)), Uniforms(torch.Generator().manual_seed(seed))
+            drawn, qs = ranking.draw_children(sampling, logits, 3, fast, tokens_of, rows=[4, 0, 2])
+            expected = sampling.distributions(logits, [4, 0, 2], tokens_of)
+            assert qs == expected and all(isinstance(q, Sparse) for q in qs), sampling
+            assert drawn == [[q.draw(u) for u in slow.take(3)] for q in expected], sampling
+            assert fast.take(1) == slow.take(1)  # as many draws read
+    with pytest.raises(ValueError, match="count draws per listed row"):
+        native.draws(logits, [0, 1], 2, Sampling(1.0, top_k=5), None, [0.5] * 3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rejection_walk_equals_multi_draft_rejection(built, monkeypatch, seed):
+    """Multi-draft rejection under a top-k setting in one C++ call against its Python code, given the same oracle
+    distributions: the same path, the same following token, and the same number of uniform draws read, on trees of
+    one to three draws a node whose walks accept, reject and resample."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    depths, rejected = [], 0
+    for case in range(80):
+        sampling = rng.choice([Sampling(1.0, top_k=20), Sampling(0.8, top_k=6), Sampling(1.2, top_k=40, top_p=0.9)])
+        draft = (torch.randn(16, 300) * 2).bfloat16().float()
+        oracle = (draft + torch.randn(16, 300) * rng.choice([0.3, 1.0])).bfloat16().float()
+        tree = drawn_tree(rng, draft, sampling, Uniforms(torch.Generator().manual_seed(case)))
+        fast, slow = Uniforms(torch.Generator().manual_seed(case)), Uniforms(torch.Generator().manual_seed(case))
+        path, following = multi_draft_rejection(tree, Target(oracle, sampling), fast)
+        with monkeypatch.context() as python:  # the Python walk over the same p, read in C++
+            python.setattr(native, "takes", lambda logits: False)
+            python.setattr(Target, "probs", lambda target, node: native.distributions(target.logits, [node],
+                                                                                      target.sampling, None, Sparse)[0])
+            assert (path, following) == multi_draft_rejection(tree, Target(oracle, sampling), slow), (seed, case)
+        assert fast.take(1) == slow.take(1), (seed, case)
+        depths.append(len(path))
+        rejected += bool(tree.children[path[-1]])
+    assert max(depths) >= 3 and rejected >= 10  # deep walks, and walks that ended in a resample
 
 
 @pytest.mark.parametrize("seed", range(3))

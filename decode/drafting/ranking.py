@@ -4,6 +4,7 @@ import math
 import numpy as np
 import torch
 
+from decode import native
 from decode.models.cached_lm import Shortlist
 from decode.sampling import (Sampling, Sparse, Uniforms, inverse_cdf, ranked_tokens, tokens_at, top_tokens, values_at,
                              values_list)
@@ -77,6 +78,9 @@ def draw_children(sampling: Sampling, logits: torch.Tensor, count: int, generato
     a row of a tensor, drawn from by inverting its cumulative sums (`inverse_cdf`). With a `shortlist`, the logits'
     columns are its tokens."""
     if sampling.sparse:
+        rows = list(range(logits.shape[0])) if rows is None else rows
+        if native.takes(logits):
+            return native.draws(logits, rows, count, sampling, shortlist, generator.take(len(rows) * count), Sparse)
         qs = sampling.distributions(logits, rows, shortlist)
         uniforms = generator.take(len(qs) * count)
         return [[q.draw(u) for u in uniforms[i * count : (i + 1) * count]] for i, q in enumerate(qs)], qs

@@ -1,8 +1,9 @@
 """A decoding step's loops over trees in C++ (decode/native/step.cpp): the trigram's tree below a new context, the
 staged drafter's greedy selection of the oracle's tree from the draft's logits, sample-match verification under
-greedy decoding, each row's best tokens and (top-k sampling) processed distribution, the continuations a context
-repeats (prompt lookup) and a commit's moves in a CPU cache; and a model's forward over a few rows
-(decode/native/draft.cpp, `Blocks`) on CPUs with AVX-512 (AVX-512 BF16 for a bfloat16 model).
+greedy decoding and multi-draft rejection under top-k sampling, each row's best tokens and (top-k sampling) processed
+distribution and draws from it, the continuations a context repeats (prompt lookup) and a commit's moves in a CPU
+cache; and a model's forward over a few rows (decode/native/draft.cpp, `Blocks`) on CPUs with AVX-512 (AVX-512 BF16
+for a bfloat16 model).
 Right after a forward, each of the tens of torch, numpy and list operations these take in Python pays for caches the
 forward evicted; one call pays once (docs/decoding.md and docs/profiling.md).
 
@@ -116,11 +117,29 @@ def top_tokens(logits: torch.Tensor, k: int, shortlist) -> list[list[int]]:
                                None if shortlist is None else shortlist.tokens)
 
 
+def sparse_setting(logits: torch.Tensor, sampling, shortlist) -> tuple:
+    """The leading arguments of the loops that read top-k distributions off logits (step.cpp's SparseRows)."""
+    return (logits.data_ptr(), logits.shape[0], logits.shape[1], sampling.top_k, float(sampling.temperature),
+            float(sampling.top_p), None if shortlist is None else shortlist.tokens)
+
+
 def distributions(logits: torch.Tensor, rows: list[int], sampling, shortlist, mapping=dict) -> list[dict[int, float]]:
     """Sampling.distributions of the listed rows (a top-k setting), each made as `mapping()` (a dict type)."""
-    return module().distributions(logits.data_ptr(), logits.shape[0], logits.shape[1], rows, sampling.top_k,
-                                  float(sampling.temperature), float(sampling.top_p),
-                                  None if shortlist is None else shortlist.tokens, mapping)
+    return module().distributions(*sparse_setting(logits, sampling, shortlist), rows, mapping)
+
+
+def draws(logits: torch.Tensor, rows: list[int], count: int, sampling, shortlist, uniforms: list[float],
+          mapping=dict) -> tuple[list[list[int]], list[dict[int, float]]]:
+    """ranking.draw_children under a top-k setting: `count` draws from each listed row's distribution, row i's at
+    uniforms[i * count:(i + 1) * count], and the distributions (made as `mapping()`)."""
+    return module().draws(*sparse_setting(logits, sampling, shortlist), rows, mapping, count, uniforms)
+
+
+def rejection_walk(logits: torch.Tensor, tree, sampling, uniforms: list[float]) -> tuple[list[int], int, int]:
+    """verify.multi_draft_rejection under a top-k setting, with the draws it would take next (at least one a node of
+    `tree`): its path, the token that follows, and how many of the draws it read."""
+    return module().rejection_walk(*sparse_setting(logits, sampling, None), tree.tokens, tree.parents,
+                                   tree.child_dists, uniforms)
 
 
 def slot_mover(kv_cache: torch.Tensor):

@@ -1,8 +1,9 @@
 // A decoding step's loops over trees, in C++ for decode/native: the trigram's tree below a new context
 // (TrigramTrees.build in decode/drafting), the staged drafter's greedy ranking of the draft's logits and its choice
-// of the oracle's tree (StagedDrafter.selection), sample-match verification under greedy decoding
-// (decode/verify.py), each row's best tokens and, under top-k sampling, its processed distribution
-// (decode/sampling.py's ranked_tokens, row_argmax and Sampling.distributions), the continuations a context repeats
+// of the oracle's tree (StagedDrafter.selection), sample-match verification under greedy decoding and multi-draft
+// rejection under top-k sampling (decode/verify.py), each row's best tokens and, under top-k sampling, its processed
+// distribution and draws from it (decode/sampling.py's ranked_tokens, row_argmax and Sampling.distributions,
+// decode/drafting/ranking.py's draw_children), the continuations a context repeats
 // (decode/drafting/context.py's ContextIndex), and a commit's moves in a CPU cache (GPT2Engine.commit). Each follows
 // its Python code step for step, ties included (torch's top-k, which a row's k > 1 best tokens take in Python, orders
 // ties as it likes; here the lower column comes first), and tests/test_native.py compares the two. After a forward,
@@ -290,42 +291,43 @@ PyObject *top_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return out;
 }
 
-// distributions(logits_address, rows, columns, row_list, top_k, temperature, top_p, shortlist_tokens, mapping)
-//   -> [mapping {token: probability} of each listed row]
-// Sampling.probs of each listed row over its support, likeliest first: the logits over the temperature, every column
-// at or above the top_k-th largest value (ties at the k-th kept, as the masking does), then top-p (the likeliest
-// tokens while the mass before each stays under top_p). Computed in double; tokens of probability 0 (a logit of
-// -inf) are left out. Each is made as `mapping()` (a dict or a subclass of it) and filled in place.
-// Sampling.distributions when sampling with a top-k.
-PyObject *distributions(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("distributions", nargs, 9)) return nullptr;
-    const Logits logits(args);
-    const int64_t rows = logits.rows, columns = logits.columns;
-    std::vector<int64_t> listed;
+// The processed distribution after rows of float32 logits under a top-k setting (sampling.Sampling.probs over a
+// row's support), read from the arguments (logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens)
+// at `first`: the logits as Logits reads them, then the setting and the shortlist's column -> token array (or None).
+struct SparseRows {
+    const float *data = nullptr;
+    int64_t rows = 0, columns = 0, k = 0;
+    double temperature = 0, top_p = 0;
     Int64Array column_token;
-    if (PyErr_Occurred() || !read_ints(args[3], listed, "row_list")) return nullptr;
-    const int64_t k = std::min(static_cast<int64_t>(PyLong_AsLongLong(args[4])), columns);
-    const double temperature = PyFloat_AsDouble(args[5]), top_p = PyFloat_AsDouble(args[6]);
-    if (PyErr_Occurred() || !column_token.open(args[7], "shortlist tokens")) return nullptr;
-    if (column_token.data && column_token.size != columns) {
-        PyErr_SetString(PyExc_ValueError, "distributions: the shortlist and the logits' columns disagree");
-        return nullptr;
-    }
-    if (k < 1 || !(temperature > 0) || !(top_p > 0)) {
-        PyErr_SetString(PyExc_ValueError, "distributions: top_k, temperature and top_p must be positive");
-        return nullptr;
-    }
-    for (const int64_t row : listed)
-        if (row < 0 || row >= rows) {
-            PyErr_SetString(PyExc_ValueError, "distributions: a listed row is outside the logits");
-            return nullptr;
-        }
     std::vector<float> maxima, candidates;
     std::vector<std::pair<float, int64_t>> support;  // (value, column)
     std::vector<double> weights;
-    PyObject *out = PyList_New(listed.size());
-    for (size_t i = 0; out && i < listed.size(); i++) {
-        row_support(logits.row(listed[i]), columns, k, maxima, candidates, support);
+
+    bool open(PyObject *const *args, const char *function) {
+        data = static_cast<const float *>(PyLong_AsVoidPtr(args[0]));
+        rows = PyLong_AsLongLong(args[1]);
+        columns = PyLong_AsLongLong(args[2]);
+        k = std::min(static_cast<int64_t>(PyLong_AsLongLong(args[3])), columns);
+        temperature = PyFloat_AsDouble(args[4]);
+        top_p = PyFloat_AsDouble(args[5]);
+        if (PyErr_Occurred() || !column_token.open(args[6], "shortlist tokens")) return false;
+        if (column_token.data && column_token.size != columns) {
+            PyErr_Format(PyExc_ValueError, "%s: the shortlist and the logits' columns disagree", function);
+            return false;
+        }
+        if (k < 1 || !(temperature > 0) || !(top_p > 0)) {
+            PyErr_Format(PyExc_ValueError, "%s: top_k, temperature and top_p must be positive", function);
+            return false;
+        }
+        return true;
+    }
+
+    // Row `row`'s distribution, likeliest first, as (token, probability): the logits over the temperature, every
+    // column at or above the top_k-th largest value (ties at the k-th kept, as the masking does), then top-p (the
+    // likeliest tokens while the mass before each stays under top_p). Computed in double; tokens of probability 0
+    // (a logit of -inf) are left out.
+    void read(int64_t row, std::vector<std::pair<int64_t, double>> &out) {
+        row_support(data + row * columns, columns, k, maxima, candidates, support);
         weights.assign(support.size(), 0.0);
         double total = 0;
         for (size_t j = 0; j < support.size(); j++)
@@ -336,27 +338,191 @@ PyObject *distributions(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
             for (kept = 0; kept < support.size() && before / total < top_p; kept++) before += weights[kept];
             total = before;
         }
-        PyObject *distribution = PyObject_CallNoArgs(args[8]);
-        if (distribution && !PyDict_Check(distribution)) {
-            PyErr_SetString(PyExc_TypeError, "distributions: mapping must make dicts");
-            Py_CLEAR(distribution);
-        }
-        for (size_t j = 0; distribution && j < kept && weights[j] > 0; j++) {
+        out.clear();
+        for (size_t j = 0; j < kept && weights[j] > 0; j++) {
             const int64_t column = support[j].second;
-            PyObject *token = PyLong_FromLongLong(column_token.data ? column_token.data[column] : column);
-            PyObject *probability = PyFloat_FromDouble(weights[j] / total);
-            if (!token || !probability || PyDict_SetItem(distribution, token, probability) < 0)
-                Py_CLEAR(distribution);
-            Py_XDECREF(token);
-            Py_XDECREF(probability);
+            out.emplace_back(column_token.data ? column_token.data[column] : column, weights[j] / total);
         }
-        if (!distribution) {
+    }
+};
+
+// A distribution as a new `mapping()` (a dict or a subclass of it) filled in place.
+PyObject *distribution_dict(const std::vector<std::pair<int64_t, double>> &distribution, PyObject *mapping) {
+    PyObject *out = PyObject_CallNoArgs(mapping);
+    if (out && !PyDict_Check(out)) {
+        PyErr_SetString(PyExc_TypeError, "mapping must make dicts");
+        Py_CLEAR(out);
+    }
+    for (size_t j = 0; out && j < distribution.size(); j++) {
+        PyObject *token = PyLong_FromLongLong(distribution[j].first);
+        PyObject *probability = PyFloat_FromDouble(distribution[j].second);
+        if (!token || !probability || PyDict_SetItem(out, token, probability) < 0) Py_CLEAR(out);
+        Py_XDECREF(token);
+        Py_XDECREF(probability);
+    }
+    return out;
+}
+
+// The token at `uniform` (in [0, 1)) of a distribution's cumulative probabilities, in its order (sampling.Sparse.draw).
+int64_t draw_at(const std::vector<std::pair<int64_t, double>> &distribution, double uniform) {
+    for (const auto &[token, probability] : distribution) {
+        uniform -= probability;
+        if (uniform < 0) return token;
+    }
+    return distribution.back().first;  // rounding left the sum a hair under `uniform`: the last token
+}
+
+bool read_rows(PyObject *list, const SparseRows &logits, std::vector<int64_t> &rows, const char *function) {
+    if (!read_ints(list, rows, "row_list")) return false;
+    for (const int64_t row : rows)
+        if (row < 0 || row >= logits.rows) {
+            PyErr_Format(PyExc_ValueError, "%s: a listed row is outside the logits", function);
+            return false;
+        }
+    return true;
+}
+
+// distributions(logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens, row_list, mapping)
+//   -> [mapping {token: probability} of each listed row]
+// Sampling.distributions when sampling with a top-k: SparseRows.read of each listed row, made as `mapping()`.
+PyObject *distributions(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!takes_arguments("distributions", nargs, 9)) return nullptr;
+    SparseRows logits;
+    std::vector<int64_t> listed;
+    if (!logits.open(args, "distributions") || !read_rows(args[7], logits, listed, "distributions")) return nullptr;
+    std::vector<std::pair<int64_t, double>> distribution;
+    PyObject *out = PyList_New(listed.size());
+    for (size_t i = 0; out && i < listed.size(); i++) {
+        logits.read(listed[i], distribution);
+        PyObject *made = distribution_dict(distribution, args[8]);
+        if (!made) {
             Py_CLEAR(out);
             break;
         }
-        PyList_SET_ITEM(out, i, distribution);
+        PyList_SET_ITEM(out, i, made);
     }
     return out;
+}
+
+// draws(logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens, row_list, mapping, count,
+//       uniforms) -> ([the drawn tokens of each listed row], [its distribution])
+// ranking.draw_children under top-k sampling: `count` draws from each listed row's distribution (`distributions`),
+// at uniforms[i * count + j] for row i's draw j (Sparse.draw).
+PyObject *draws(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!takes_arguments("draws", nargs, 11)) return nullptr;
+    SparseRows logits;
+    std::vector<int64_t> listed;
+    if (!logits.open(args, "draws") || !read_rows(args[7], logits, listed, "draws")) return nullptr;
+    const int64_t count = PyLong_AsLongLong(args[9]);
+    PyObject *uniforms = args[10];
+    if (PyErr_Occurred()) return nullptr;
+    if (!PyList_Check(uniforms) || PyList_GET_SIZE(uniforms) != static_cast<Py_ssize_t>(listed.size() * count)) {
+        PyErr_SetString(PyExc_ValueError, "draws: uniforms must be a list of count draws per listed row");
+        return nullptr;
+    }
+    std::vector<std::pair<int64_t, double>> distribution;
+    std::vector<int64_t> drawn(count);
+    PyObject *tokens = PyList_New(listed.size()), *dists = PyList_New(listed.size());
+    for (size_t i = 0; tokens && dists && i < listed.size(); i++) {
+        logits.read(listed[i], distribution);
+        for (int64_t j = 0; j < count; j++)
+            drawn[j] = draw_at(distribution, PyFloat_AsDouble(PyList_GET_ITEM(uniforms, i * count + j)));
+        PyObject *made = distribution_dict(distribution, args[8]), *row_tokens = int_list(drawn);
+        if (!made || !row_tokens || PyErr_Occurred()) {
+            Py_XDECREF(made);
+            Py_XDECREF(row_tokens);
+            Py_CLEAR(tokens);
+            break;
+        }
+        PyList_SET_ITEM(dists, i, made);
+        PyList_SET_ITEM(tokens, i, row_tokens);
+    }
+    if (!tokens || !dists) {
+        Py_XDECREF(tokens);
+        Py_XDECREF(dists);
+        return nullptr;
+    }
+    return Py_BuildValue("(NN)", tokens, dists);
+}
+
+// rejection_walk(logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens, tokens, parents,
+//                child_dists, uniforms) -> (path, following, uniforms used)
+// verify.multi_draft_rejection under top-k sampling, step for step: the oracle's p at a node is SparseRows.read of
+// its row (row i: after node i); the children of a node (after it, in order) were drawn from child_dists[node], a
+// {token: probability} dict. Child x is accepted when u * q[x] < r[x], r starting as p and becoming
+// normalise(max(r - q, 0)) (verify.remainder) after each rejection; with every child rejected, the token drawn from
+// r follows. The uniforms are read in order, one a child tried and one for the last draw: at most one a node.
+PyObject *rejection_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!takes_arguments("rejection_walk", nargs, 11)) return nullptr;
+    SparseRows logits;
+    std::vector<int64_t> tokens, parents;
+    if (!logits.open(args, "rejection_walk") || !read_ints(args[7], tokens, "tokens") ||
+        !read_ints(args[8], parents, "parents"))
+        return nullptr;
+    PyObject *child_dists = args[9], *uniforms = args[10];
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    if (n == 0 || logits.rows < n || static_cast<int64_t>(parents.size()) != n || !PyDict_Check(child_dists) ||
+        !PyList_Check(uniforms) || PyList_GET_SIZE(uniforms) < n) {
+        PyErr_SetString(PyExc_ValueError, "rejection_walk: the tree, the logits' rows and the uniforms disagree");
+        return nullptr;
+    }
+    // q[token] of a dict (0 for a token it leaves out, as Sparse gives), or -1 with an error set
+    auto probability = [](PyObject *q, int64_t token) -> double {
+        PyObject *key = PyLong_FromLongLong(token);
+        if (!key) return -1;
+        PyObject *value = PyDict_GetItemWithError(q, key);
+        Py_DECREF(key);
+        if (!value) return PyErr_Occurred() ? -1 : 0.0;
+        return PyFloat_AsDouble(value);
+    };
+    std::vector<int64_t> path{0};
+    std::vector<std::pair<int64_t, double>> residual, left;
+    Py_ssize_t used = 0;
+    while (true) {
+        const int64_t node = path.back();
+        logits.read(node, residual);
+        PyObject *q = nullptr;
+        bool accepted = false;
+        for (int64_t child = node + 1; child < n && !accepted; child++) {
+            if (parents[child] != node) continue;
+            if (!q) {
+                PyObject *key = PyLong_FromLongLong(node);
+                q = key ? PyDict_GetItemWithError(child_dists, key) : nullptr;
+                Py_XDECREF(key);
+                if (!q || !PyDict_Check(q)) {
+                    if (!PyErr_Occurred())
+                        PyErr_SetString(PyExc_ValueError, "rejection_walk: a node with children has no dict in child_dists");
+                    return nullptr;
+                }
+            }
+            const double u = PyFloat_AsDouble(PyList_GET_ITEM(uniforms, used++)), q_x = probability(q, tokens[child]);
+            double r_x = 0;
+            for (const auto &[token, r] : residual)
+                if (token == tokens[child]) r_x = r;
+            if (PyErr_Occurred()) return nullptr;
+            if (u * q_x < r_x) {
+                path.push_back(child);
+                accepted = true;
+                break;
+            }
+            left.clear();  // normalise(max(r - q, 0)), the residual itself where q covers all of it
+            double total = 0;
+            for (const auto &[token, r] : residual) {
+                const double q_token = probability(q, token);
+                if (PyErr_Occurred()) return nullptr;
+                if (r > q_token) left.emplace_back(token, r - q_token);
+            }
+            for (const auto &entry : left) total += entry.second;
+            if (total > 0) {
+                for (auto &entry : left) entry.second /= total;
+                residual.swap(left);
+            }
+        }
+        if (accepted) continue;
+        const int64_t following = draw_at(residual, PyFloat_AsDouble(PyList_GET_ITEM(uniforms, used++)));
+        if (PyErr_Occurred()) return nullptr;
+        return Py_BuildValue("(NLn)", int_list(path), static_cast<long long>(following), used);
+    }
 }
 
 // One successor of a trigram context, as ngram/successors.py's SUCCESSOR dtype lays it out.
@@ -462,6 +628,10 @@ PyMethodDef methods[] = {
      "Each row's k best tokens."},
     {"distributions", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(distributions)), METH_FASTCALL,
      "Each listed row's processed distribution over its support."},
+    {"draws", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(draws)), METH_FASTCALL,
+     "Draws from each listed row's processed distribution, and the distributions."},
+    {"rejection_walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rejection_walk)), METH_FASTCALL,
+     "Multi-draft rejection verification under top-k sampling."},
     {"trigram_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(trigram_tree)), METH_FASTCALL,
      "The trigram's tree below a context."},
     {"staged_selection", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(staged_selection)), METH_FASTCALL,
