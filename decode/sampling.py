@@ -109,7 +109,7 @@ def top_tokens(logits: torch.Tensor, k: int = 1, shortlist: Shortlist | None = N
     """(rows, k): each row's k largest tokens, best first (with a shortlist, the logits' columns are its tokens).
     The argmax on CPU goes through numpy: torch's CPU argmax over a vocabulary is ~10x slower (measured: 110-290
     us vs 12 us for 30 x 8192 float32). Ties go to the first index for k = 1."""
-    if k == 1 and logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if k == 1 and logits.is_cpu and logits.dtype == torch.float32:
         best = logits.numpy().argmax(1)[:, None]
     else:
         best = (logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k).indices).cpu().numpy()
@@ -123,7 +123,7 @@ def values_at(logits: torch.Tensor, rows, tokens, shortlist: Shortlist | None = 
     if shortlist is not None:
         columns = shortlist.column[np.asarray(tokens, np.int64)]
         return np.where(columns >= 0, values_at(logits, rows, np.maximum(columns, 0)), -np.inf)
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if logits.is_cpu and logits.dtype == torch.float32:
         return logits.numpy()[rows, tokens]
     flat = np.asarray(rows, np.int64) * logits.shape[-1] + np.asarray(tokens, np.int64)
     return logits.take(torch.from_numpy(flat).to(logits.device)).float().cpu().numpy()
@@ -133,7 +133,7 @@ def values_list(logits: torch.Tensor, rows: list[int], tokens: list[int], shortl
     """`values_at` for a few values, as a list. On CPU in float32 each is read alone (`ndarray.item`: a tenth of a
     microsecond), where numpy's gather costs microseconds a call: a staged step's 48 values took 45-50 us through
     `values_at` right after the draft's forward."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+    if not logits.is_cpu or logits.dtype != torch.float32:
         return values_at(logits, rows, tokens, shortlist).tolist()
     item = logits.numpy().item
     if shortlist is None:
@@ -164,7 +164,7 @@ def argmax_of_rows(logits: torch.Tensor) -> Callable[[int], int]:
     """row -> the argmax of that row of `logits`. On CPU a row is read when asked for (verification
     visits a few of a tree's rows, and right after the forward that wrote them each read is slow:
     16 x 8192 float32 logits took 110-150 us against 20 us warm); elsewhere every row at once, one transfer."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if logits.is_cpu and logits.dtype == torch.float32:
         rows = logits.numpy()
         return lambda row: int(rows[row].argmax())
     return row_argmax(logits).__getitem__

@@ -77,9 +77,9 @@ def loops(device: str) -> str:
 
 
 def takes(logits: torch.Tensor) -> bool:
-    """Whether the C++ loops can read these logits: float32 rows, contiguous, in CPU memory."""
-    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
-            and module() is not None)
+    """Whether the C++ loops can read these logits: float32 rows, contiguous, in CPU memory. (`is_cpu`, not
+    `device.type`: right after a forward on a CPU, making the device object took 21 us, reading is_cpu 4.)"""
+    return logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous() and module() is not None
 
 
 def trigram_source(table) -> tuple | None:
