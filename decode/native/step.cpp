@@ -466,14 +466,28 @@ PyObject *rejection_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_ValueError, "rejection_walk: the tree, the logits' rows and the uniforms disagree");
         return nullptr;
     }
-    // q[token] of a dict (0 for a token it leaves out, as Sparse gives), or -1 with an error set
-    auto probability = [](PyObject *q, int64_t token) -> double {
-        PyObject *key = PyLong_FromLongLong(token);
-        if (!key) return -1;
-        PyObject *value = PyDict_GetItemWithError(q, key);
-        Py_DECREF(key);
-        if (!value) return PyErr_Occurred() ? -1 : 0.0;
-        return PyFloat_AsDouble(value);
+    // a node's q, read once from its dict: q[token] is then a scan of a few tens of pairs (0 for a token it leaves out,
+    // as Sparse gives), where a dict lookup would make a Python int a token
+    std::vector<std::pair<int64_t, double>> q;
+    auto read_q = [&](int64_t node) -> bool {
+        PyObject *key = PyLong_FromLongLong(node), *dict = key ? PyDict_GetItemWithError(child_dists, key) : nullptr;
+        Py_XDECREF(key);
+        if (!dict || !PyDict_Check(dict)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "rejection_walk: a node with children has no dict in child_dists");
+            return false;
+        }
+        q.clear();
+        Py_ssize_t at = 0;
+        PyObject *token, *probability;
+        while (PyDict_Next(dict, &at, &token, &probability))
+            q.emplace_back(PyLong_AsLongLong(token), PyFloat_AsDouble(probability));
+        return !PyErr_Occurred();
+    };
+    auto at = [](const std::vector<std::pair<int64_t, double>> &distribution, int64_t token) {
+        for (const auto &[t, p] : distribution)
+            if (t == token) return p;
+        return 0.0;
     };
     std::vector<int64_t> path{0};
     std::vector<std::pair<int64_t, double>> residual, left;
@@ -481,26 +495,13 @@ PyObject *rejection_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     while (true) {
         const int64_t node = path.back();
         logits.read(node, residual);
-        PyObject *q = nullptr;
-        bool accepted = false;
+        bool accepted = false, read = false;
         for (int64_t child = node + 1; child < n && !accepted; child++) {
             if (parents[child] != node) continue;
-            if (!q) {
-                PyObject *key = PyLong_FromLongLong(node);
-                q = key ? PyDict_GetItemWithError(child_dists, key) : nullptr;
-                Py_XDECREF(key);
-                if (!q || !PyDict_Check(q)) {
-                    if (!PyErr_Occurred())
-                        PyErr_SetString(PyExc_ValueError, "rejection_walk: a node with children has no dict in child_dists");
-                    return nullptr;
-                }
-            }
-            const double u = PyFloat_AsDouble(PyList_GET_ITEM(uniforms, used++)), q_x = probability(q, tokens[child]);
-            double r_x = 0;
-            for (const auto &[token, r] : residual)
-                if (token == tokens[child]) r_x = r;
+            if (!read && !(read = read_q(node))) return nullptr;
+            const double u = PyFloat_AsDouble(PyList_GET_ITEM(uniforms, used++));
             if (PyErr_Occurred()) return nullptr;
-            if (u * q_x < r_x) {
+            if (u * at(q, tokens[child]) < at(residual, tokens[child])) {
                 path.push_back(child);
                 accepted = true;
                 break;
@@ -508,8 +509,7 @@ PyObject *rejection_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
             left.clear();  // normalise(max(r - q, 0)), the residual itself where q covers all of it
             double total = 0;
             for (const auto &[token, r] : residual) {
-                const double q_token = probability(q, token);
-                if (PyErr_Occurred()) return nullptr;
+                const double q_token = at(q, token);
                 if (r > q_token) left.emplace_back(token, r - q_token);
             }
             for (const auto &entry : left) total += entry.second;
