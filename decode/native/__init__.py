@@ -125,7 +125,7 @@ def sparse_setting(logits: torch.Tensor, sampling, shortlist) -> tuple:
 
 def distributions(logits: torch.Tensor, rows: list[int], sampling, shortlist, mapping=dict) -> list[dict[int, float]]:
     """Sampling.distributions of the listed rows (a top-k setting), each made as `mapping()` (a dict type)."""
-    return module().distributions(*sparse_setting(logits, sampling, shortlist), rows, mapping)
+    return module().draws(*sparse_setting(logits, sampling, shortlist), rows, mapping, 0, [])[1]
 
 
 def draws(logits: torch.Tensor, rows: list[int], count: int, sampling, shortlist, uniforms: list[float],

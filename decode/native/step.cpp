@@ -382,32 +382,11 @@ bool read_rows(PyObject *list, const SparseRows &logits, std::vector<int64_t> &r
     return true;
 }
 
-// distributions(logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens, row_list, mapping)
-//   -> [mapping {token: probability} of each listed row]
-// Sampling.distributions when sampling with a top-k: SparseRows.read of each listed row, made as `mapping()`.
-PyObject *distributions(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("distributions", nargs, 9)) return nullptr;
-    SparseRows logits;
-    std::vector<int64_t> listed;
-    if (!logits.open(args, "distributions") || !read_rows(args[7], logits, listed, "distributions")) return nullptr;
-    std::vector<std::pair<int64_t, double>> distribution;
-    PyObject *out = PyList_New(listed.size());
-    for (size_t i = 0; out && i < listed.size(); i++) {
-        logits.read(listed[i], distribution);
-        PyObject *made = distribution_dict(distribution, args[8]);
-        if (!made) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, i, made);
-    }
-    return out;
-}
-
 // draws(logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens, row_list, mapping, count,
 //       uniforms) -> ([the drawn tokens of each listed row], [its distribution])
-// ranking.draw_children under top-k sampling: `count` draws from each listed row's distribution (`distributions`),
-// at uniforms[i * count + j] for row i's draw j (Sparse.draw).
+// ranking.draw_children under top-k sampling: each listed row's distribution (SparseRows.read), made as `mapping()`,
+// and `count` draws from it, row i's draw j at uniforms[i * count + j] (Sparse.draw). With count 0:
+// Sampling.distributions.
 PyObject *draws(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (!takes_arguments("draws", nargs, 11)) return nullptr;
     SparseRows logits;
@@ -626,10 +605,8 @@ PyObject *commit_slots(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 PyMethodDef methods[] = {
     {"top_tokens", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(top_tokens)), METH_FASTCALL,
      "Each row's k best tokens."},
-    {"distributions", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(distributions)), METH_FASTCALL,
-     "Each listed row's processed distribution over its support."},
     {"draws", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(draws)), METH_FASTCALL,
-     "Draws from each listed row's processed distribution, and the distributions."},
+     "Each listed row's processed distribution over its support, and draws from it."},
     {"rejection_walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rejection_walk)), METH_FASTCALL,
      "Multi-draft rejection verification under top-k sampling."},
     {"trigram_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(trigram_tree)), METH_FASTCALL,
