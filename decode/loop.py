@@ -129,7 +129,7 @@ def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_token
     while True:
         tree = propose(tokens, max_new_tokens - len(out.tokens) - 1, sampling, uniforms)
         cached = oracle.length
-        logits = forward(tree.token_ids(oracle.device), tree.position_ids(cached, oracle.device), tree.mask(oracle.device))
+        logits = forward(tree.tokens, tree.positions(cached), tree.mask(oracle.device))
         logits, allowed = constrain_first(logits, allowed), None  # the root's row of the first step only
         out.oracle_calls += 1
         out.oracle_nodes += len(tree)

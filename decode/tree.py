@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decode.models.cached_lm import long_tensor, on
+from decode.models.cached_lm import on
 
 
 def unpack_rows(rows: list[int], width: int) -> np.ndarray:
@@ -93,11 +93,10 @@ class Tree:
         """(N, N) bool: what each node sees among the tree's nodes (the cache it sees whole)."""
         return rows_mask(tuple(self.lineage), len(self), device)
 
-    def position_ids(self, prefix: int, device=None) -> torch.Tensor:
-        return long_tensor([prefix + depth for depth in self.depths], device)
-
-    def token_ids(self, device=None) -> torch.Tensor:
-        return long_tensor(self.tokens, device)
+    def positions(self, prefix: int) -> list[int]:
+        """Each node's position after `prefix` cached ones. A forward takes its tokens and positions as lists: on a
+        CPU the C++ forward reads lists, and a tensor made for it would be read back into one."""
+        return [prefix + depth for depth in self.depths]
 
     def cumulative(self, edge_probs) -> list[float]:
         """Each node's path probability, the product of `edge_probs` (a node's probability given its

@@ -29,7 +29,7 @@ def test_mask_shows_each_node_the_prefix_and_exactly_its_ancestors():
     assert mask.shape == (6, 6)
     for node in range(len(tree)):
         assert set(mask[node].nonzero().flatten().tolist()) == set(tree.path(node))
-    assert tree.position_ids(4).tolist() == [4 + d for d in tree.depths] == [4, 5, 5, 6, 7, 6]
+    assert tree.positions(4) == [4 + d for d in tree.depths] == [4, 5, 5, 6, 7, 6]
 
 
 def test_subtree_keeps_structure_and_order():

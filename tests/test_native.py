@@ -313,7 +313,7 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
         # the commit, one node
         lambda m: m.extend(torch.tensor([rng.randrange(97) for _ in range(native.Blocks.ROWS + 8)]), last=5),
         lambda m: m.extend(torch.tensor([rng.randrange(97) for _ in range(20)]), last=5),
-        lambda m: m.forward(tree.token_ids(), tree.position_ids(m.length), tree.mask()),
+        lambda m: m.forward(tree.tokens, tree.positions(m.length), tree.mask()),
         lambda m: (m.commit(tree.path(len(tree) - 1)), m.forward(torch.tensor([3, 4, 5]), torch.arange(3) + m.length, None))[1],
         lambda m: m.forward(torch.tensor([6]), torch.tensor([m.length + m.pending]), None),
     ]

@@ -52,12 +52,12 @@ def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=
     prefix = min(prefix, model.max_length // 2)
     for q in (q for q in counts if prefix + q <= getattr(model, "capacity", model.max_length)):
         prefill(model, prefix)
-        ids = torch.randint(0, model.vocab_size, (q,), device=model.device)
-        positions = torch.arange(prefix, prefix + q, device=model.device).clamp(max=model.max_length - 1)
+        ids = torch.randint(0, model.vocab_size, (q,)).tolist()  # as decoding passes them: lists
+        positions = [min(position, model.max_length - 1) for position in range(prefix, prefix + q)]
         mask = None
         if tree:
             shape = bushy_tree(q)
-            positions, mask = shape.position_ids(prefix, model.device), shape.mask(model.device)
+            positions, mask = shape.positions(prefix), shape.mask(model.device)
         times = []
         for _ in range(repeats + 1):  # the first call warms up
             synchronize(model.device)
