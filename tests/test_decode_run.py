@@ -181,11 +181,9 @@ def test_in_bfloat16_a_wrong_position_is_still_a_bug_with_the_methods_own_forwar
     the root sit one position too far (a bug) differs from the baseline, and every difference is reported as a bug
     whose own row moved the best logits beyond the replays' rounding, in bfloat16 as in float32."""
     from decode.cli import agreement
-    from decode.models.cached_lm import long_tensor
     from decode.tree import Tree
 
-    monkeypatch.setattr(Tree, "position_ids", lambda self, prefix, device=None:
-                        long_tensor([prefix + depth + (depth > 0) for depth in self.depths], device))
+    monkeypatch.setattr(Tree, "positions", lambda self, prefix: [prefix + depth + (depth > 0) for depth in self.depths])
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i} t{i + 5}"}) + "\n" for i in range(6)))
     for dtype in ("bfloat16", "float32"):
