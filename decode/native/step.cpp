@@ -292,21 +292,19 @@ PyObject *top_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 // The processed distribution after rows of float32 logits under a top-k setting (sampling.Sampling.probs over a
-// row's support), read from the arguments (logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens)
-// at `first`: the logits as Logits reads them, then the setting and the shortlist's column -> token array (or None).
-struct SparseRows {
-    const float *data = nullptr;
-    int64_t rows = 0, columns = 0, k = 0;
+// row's support), read from the arguments (logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens):
+// the logits as Logits reads them, then the setting and the shortlist's column -> token array (or None).
+struct SparseRows : Logits {
+    int64_t k = 0;
     double temperature = 0, top_p = 0;
     Int64Array column_token;
     std::vector<float> maxima, candidates;
     std::vector<std::pair<float, int64_t>> support;  // (value, column)
     std::vector<double> weights;
 
+    explicit SparseRows(PyObject *const *args) : Logits(args) {}
+
     bool open(PyObject *const *args, const char *function) {
-        data = static_cast<const float *>(PyLong_AsVoidPtr(args[0]));
-        rows = PyLong_AsLongLong(args[1]);
-        columns = PyLong_AsLongLong(args[2]);
         k = std::min(static_cast<int64_t>(PyLong_AsLongLong(args[3])), columns);
         temperature = PyFloat_AsDouble(args[4]);
         top_p = PyFloat_AsDouble(args[5]);
@@ -327,7 +325,7 @@ struct SparseRows {
     // likeliest tokens while the mass before each stays under top_p). Computed in double; tokens of probability 0
     // (a logit of -inf) are left out.
     void read(int64_t row, std::vector<std::pair<int64_t, double>> &out) {
-        row_support(data + row * columns, columns, k, maxima, candidates, support);
+        row_support(this->row(row), columns, k, maxima, candidates, support);
         weights.assign(support.size(), 0.0);
         double total = 0;
         for (size_t j = 0; j < support.size(); j++)
@@ -389,7 +387,7 @@ bool read_rows(PyObject *list, const SparseRows &logits, std::vector<int64_t> &r
 // Sampling.distributions.
 PyObject *draws(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (!takes_arguments("draws", nargs, 11)) return nullptr;
-    SparseRows logits;
+    SparseRows logits(args);
     std::vector<int64_t> listed;
     if (!logits.open(args, "draws") || !read_rows(args[7], logits, listed, "draws")) return nullptr;
     const int64_t count = PyLong_AsLongLong(args[9]);
@@ -433,7 +431,7 @@ PyObject *draws(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 // r follows. The uniforms are read in order, one a child tried and one for the last draw: at most one a node.
 PyObject *rejection_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (!takes_arguments("rejection_walk", nargs, 11)) return nullptr;
-    SparseRows logits;
+    SparseRows logits(args);
     std::vector<int64_t> tokens, parents;
     if (!logits.open(args, "rejection_walk") || !read_ints(args[7], tokens, "tokens") ||
         !read_ints(args[8], parents, "parents"))
