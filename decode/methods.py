@@ -32,6 +32,8 @@ def tree_drafter(o: DecoderOptions, draft: CachedLM, table) -> Drafter:
 
 
 def staged_drafter(o: DecoderOptions, draft: CachedLM, table) -> Drafter:
+    if o.tree_shape is not None and not o.widths:  # no stage below the draft (a plan's choice): the draft's tree alone
+        return tree_drafter(o, draft, table)
     context = context_drafter(o) if o.context_drafter else None
     if o.tree_shape is not None:
         return StagedShapeDrafter(draft, table, o.tree_shape.parents, o.tree_shape.ranks, o.widths, context,

@@ -134,12 +134,13 @@ def check_tree_shape(options, table) -> None:
     if METHODS[options.method].trigram:
         # staged on a planned shape: the trigram guesses below the shape's nodes, as deep as the shape reaches
         shaped = options.tree_shape is not None
-        if any(w < 1 for w in options.widths) or (len(options.widths) > options.depth and not shaped):
+        if any(w < 1 for w in options.widths) or (len(options.widths) > options.depth and not shaped) or (
+                not options.widths and not shaped):
             raise InputError(f"--widths {options.widths} need a positive width per level and at most --depth {options.depth} levels")
-        if max(options.widths) > table.k:
+        if options.widths and max(options.widths) > table.k:
             raise InputError(f"--widths {options.widths} ask for {max(options.widths)} trigram children but {options.ngram} keeps "
                              f"only the top {table.k}; rebuild it with --successors {max(options.widths)} or narrow the widths")
-        if options.widths[0] + 1 > options.budget and not shaped:
+        if not shaped and options.widths[0] + 1 > options.budget:
             raise InputError(f"--widths {options.widths} do not fit --budget {options.budget}: the first level alone has "
                              f"{options.widths[0]} nodes; raise the budget or narrow the first width")
     if options.method == "staged":  # the draft scores the trigram's whole tree, and the context's continuations, in one call

@@ -178,8 +178,9 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
             assert dec.options.k == policy["k"]
         elif "parents" in policy:  # a planned shape: the tree's, or staged's with the trigram guessing ahead
             assert isinstance(drafter, ShapedTreeDrafter) and drafter.parents == policy["parents"]
-            if method == "staged":
-                assert isinstance(drafter, StagedShapeDrafter) and drafter.trigram.widths == policy["widths"]
+            if method == "staged":  # no trigram guesses: the draft's tree alone, drafted as the tree method does
+                assert isinstance(drafter, StagedShapeDrafter) == bool(policy["widths"])
+                assert not policy["widths"] or drafter.trigram.widths == policy["widths"]
             drafter.reset()  # sampling: the shape's children are draws, each node's q recorded
             drawn = drafter.propose([3, 9], 8, Sampling(1.0), Uniforms(torch.Generator().manual_seed(1)))
             counts = lambda children: sorted(map(len, children))
@@ -219,6 +220,32 @@ def test_staged_on_the_trees_planned_shape_decodes_and_benches_as_planned(planne
     assert result["settings"]["tree_sizes"]["staged"]["nodes"] == nodes
     assert f"the planned shape of {nodes} nodes" in capsys.readouterr().out
     assert result["summary"]["staged"]["same_output"]["identical"] == 2
+
+
+def test_staged_on_a_planned_shape_without_guesses_drafts_the_trees_shape_and_is_exact(planned, tmp_path):
+    """A staged policy whose shape has no trigram guesses (the plan's choice where they cost more than they save)
+    drafts exactly what the tree method drafts on that shape: the same trees, the baseline's tokens."""
+    plan_json = json.loads(planned["path"].read_text())
+    shape = {"parents": [-1, 0, 0, 1], "ranks": [0, 0, 1, 0], "expected": 1.5, "nodes": 4, "depth": 2}
+    plan_json["policies"]["staged"] = shape | {"widths": []}
+    plan_json["policies"]["tree"] = shape
+    path = tmp_path / "unguessed.json"
+    path.write_text(json.dumps(plan_json))
+    args = without(planned["args"], "--widths") + ["--plan", str(path)]
+    decoded = {}
+    for method in ("baseline", "tree", "staged"):
+        dec = SpeculativeDecoder(run.parse(args + ["--method", method]).options)
+        decoded[method] = dec.generate("t3 t9", max_new_tokens=16).token_ids
+        if method != "baseline":
+            assert type(dec.decoder.drafter) is ShapedTreeDrafter and dec.decoder.drafter.parents == shape["parents"]
+            dec.decoder.drafter.reset()
+            decoded[method, "tree"] = dec.decoder.drafter.propose([3, 9], 8, Sampling(1.0),
+                                                                  Uniforms(torch.Generator().manual_seed(1))).tokens
+    assert decoded["staged"] == decoded["tree"] == decoded["baseline"]
+    assert decoded["staged", "tree"] == decoded["tree", "tree"]
+    with pytest.raises(SystemExit) as exit_info:  # typed, a staged tree needs the trigram's widths
+        SpeculativeDecoder(run.parse(without(planned["args"], "--widths") + ["--method", "staged", "--widths", ""]).options)
+    assert exit_info.value.code == 2
 
 
 def planned_tree(drafter, policy: dict) -> bool:

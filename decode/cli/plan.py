@@ -56,8 +56,9 @@ STAGED_WIDTHS = ((1, 1, 1, 1, 1, 1), (2, 1, 1, 1, 1, 1), (2, 2, 1, 1, 1, 1), (3,
                  (6, 4, 2, 1, 1, 1), (3, 2, 1), (4, 2, 1), (6, 3, 1))
 CHAIN_K = range(1, 9)
 LOOKUP_TOKENS = (1, 2, 3, 4, 6, 8, 10, 12, 16)
-# staged on a planned shape: the trigram's tree guessed below each node a draft call scores
-STAGED_GUESSES = ((1,), (2,))
+# staged on a planned shape: the trigram's tree guessed below each node a draft call scores, or no stage below the
+# draft (its tree alone, as the tree method drafts it: where guesses and copies save less than they cost)
+STAGED_GUESSES = ((), (1,), (2,))
 STAGED_DRAWS = (1, 2)  # when sampling: the draft's draws per node of a staged tree (1: a chain of draws)
 STAGED_DRAFT_CALLS = (1, 2, 3, 5, 8)  # greedy: the most draft calls a staged step makes down its best path
 RANKS = 8  # candidates per node the acceptance rates cover
