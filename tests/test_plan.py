@@ -222,9 +222,10 @@ def test_staged_on_the_trees_planned_shape_decodes_and_benches_as_planned(planne
     assert result["summary"]["staged"]["same_output"]["identical"] == 2
 
 
-def test_staged_on_a_planned_shape_without_guesses_drafts_the_trees_shape_and_is_exact(planned, tmp_path):
+def test_staged_on_a_planned_shape_without_guesses_drafts_the_trees_shape_and_is_exact(planned, tmp_path, capsys):
     """A staged policy whose shape has no trigram guesses (the plan's choice where they cost more than they save)
-    drafts exactly what the tree method drafts on that shape: the same trees, the baseline's tokens."""
+    drafts exactly what the tree method drafts on that shape: the same trees, the baseline's tokens; decode.bench
+    says so."""
     plan_json = json.loads(planned["path"].read_text())
     shape = {"parents": [-1, 0, 0, 1], "ranks": [0, 0, 1, 0], "expected": 1.5, "nodes": 4, "depth": 2}
     plan_json["policies"]["staged"] = shape | {"widths": []}
@@ -243,6 +244,10 @@ def test_staged_on_a_planned_shape_without_guesses_drafts_the_trees_shape_and_is
                                                                   Uniforms(torch.Generator().manual_seed(1))).tokens
     assert decoded["staged"] == decoded["tree"] == decoded["baseline"]
     assert decoded["staged", "tree"] == decoded["tree", "tree"]
+    capsys.readouterr()
+    result = bench.main(args + ["--methods", "baseline,tree,staged", "--limit", "2", "--out", str(tmp_path / "b.json")])
+    assert "staged: no stage below the draft, the planned shape of 4 nodes" in capsys.readouterr().out
+    assert result["summary"]["staged"]["same_output"]["identical"] == 2
     with pytest.raises(SystemExit) as exit_info:  # typed, a staged tree needs the trigram's widths
         SpeculativeDecoder(run.parse(without(planned["args"], "--widths") + ["--method", "staged", "--widths", ""]).options)
     assert exit_info.value.code == 2

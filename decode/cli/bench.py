@@ -243,7 +243,8 @@ def describe_methods(decoders: dict, summary: dict, sampling) -> tuple[dict, dic
         over = ", ".join(f"{x:.2f}x over {rival}" for rival, x in summary[name].get("median_speedup_over", {}).items())
         tree = (f"oracle tree of {size['budget']} nodes" if "budget" in size else f"the planned shape of {size['nodes']} nodes")
         tree += ", draws from the draft" if size["children"] == "sampled" else ""
-        print(f"  {name}: trigram widths {size['widths']}, {tree}" + (f"; median {over}" if over else ""))
+        stages = f"trigram widths {size['widths']}" if size.get("widths") else "no stage below the draft"
+        print(f"  {name}: {stages}, {tree}" + (f"; median {over}" if over else ""))
     drafts = {n: draft_of(d.draft) for n, d in decoders.items() if n in OURS and d.draft is not None}
     if drafts:
         print("  the draft: " + "; ".join(f"{name} {draft['dtype']}, {draft['vocabulary']}" for name, draft in drafts.items()))
