@@ -22,6 +22,7 @@ from decode.models.cached_lm import Shortlist
 from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
                              TreeDrafter)
 from decode.models.engine import GPT2Engine
+from decode.options import CPU_WIDTHS
 from decode.loop import baseline, tree_speculative
 from decode.sampling import Sampling, Uniforms
 from decode_models import run_models
@@ -244,6 +245,8 @@ def test_staged_on_a_planned_shape_without_guesses_drafts_the_trees_shape_and_is
                                                                   Uniforms(torch.Generator().manual_seed(1))).tokens
     assert decoded["staged"] == decoded["tree"] == decoded["baseline"]
     assert decoded["staged", "tree"] == decoded["tree", "tree"]
+    typed = SpeculativeDecoder(run.parse(args + ["--method", "staged", "--budget", "7"]).options).decoder
+    assert typed.drafter.budget == 7 and typed.drafter.trigram.widths == list(CPU_WIDTHS)  # the flags' tree, its widths
     capsys.readouterr()
     result = bench.main(args + ["--methods", "baseline,tree,staged", "--limit", "2", "--out", str(tmp_path / "b.json")])
     assert "staged: no stage below the draft, the planned shape of 4 nodes" in capsys.readouterr().out
@@ -262,10 +265,11 @@ def test_a_flag_typed_wins_over_the_plan_which_fills_in_the_rest(planned, models
     path, args = planned["path"], without(planned["args"], "--widths") + ["--plan", str(planned["path"])]
     policies = json.loads(path.read_text())["policies"]
     decoder = lambda *flags: SpeculativeDecoder(run.parse(args + list(flags)).options).decoder
-    staged = decoder("--method", "staged", "--budget", "7")
-    assert staged.drafter.budget == 7 and staged.drafter.trigram.widths == policies["staged"]["widths"]
+    staged = decoder("--method", "staged", "--budget", "7")  # a plan's staged shape without widths: the default ones
+    planned_widths = policies["staged"]["widths"]
+    assert staged.drafter.budget == 7 and staged.drafter.trigram.widths == (planned_widths or list(CPU_WIDTHS))
     assert (len(staged.draft.shortlist) if staged.draft.shortlist else 0) == policies["staged"].get("draft_vocab", 0)
-    assert "budget" not in staged.options.policy and staged.options.policy["widths"] == policies["staged"]["widths"]
+    assert "budget" not in staged.options.policy and staged.options.policy.get("widths") == (planned_widths or None)
     whole = decoder("--method", "staged", "--draft-vocab", "0")
     assert whole.draft.shortlist is None and planned_tree(whole.drafter, policies["staged"])
     assert decoder("--method", "speculative", "--k", "2").options.k == 2
@@ -279,14 +283,15 @@ def test_a_flag_typed_wins_over_the_plan_which_fills_in_the_rest(planned, models
     capsys.readouterr()
     run.main(args + ["--method", "staged", "--budget", "7", "--limit", "1"])
     said = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("plan "))
-    assert f"widths {policies['staged']['widths']}" in said and "budget" not in said and "a flag you type wins" in said
+    assert (f"widths {planned_widths}" in said) == bool(planned_widths) and "budget" not in said
+    assert "a flag you type wins" in said
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for part in ("oracle", "draft", "ngram"):
         (run_dir / part).symlink_to(models[part])
     (run_dir / "plan.json").write_text(path.read_text())
     from_run = SpeculativeDecoder.from_run(run_dir, method="staged", budget=7).decoder
-    assert from_run.drafter.budget == 7 and from_run.drafter.trigram.widths == policies["staged"]["widths"]
+    assert from_run.drafter.budget == 7 and from_run.drafter.trigram.widths == (planned_widths or list(CPU_WIDTHS))
     assert planned_tree(SpeculativeDecoder.from_run(run_dir, method="staged").decoder.drafter, policies["staged"])
 
 

@@ -85,7 +85,10 @@ def option_of(key: str) -> str:
 def unless_given(policy: dict, given) -> dict:
     """The policy less what the caller set (`given`, field names): a flag typed or a keyword passed wins over the plan."""
     fills = lambda key: TREE_FLAGS if "parents" in policy and key in TREE_SHAPE else (option_of(key),)
-    return {key: value for key, value in policy.items() if set(fills(key)).isdisjoint(given)}
+    kept = {key: value for key, value in policy.items() if set(fills(key)).isdisjoint(given)}
+    if "parents" in policy and "parents" not in kept and kept.get("widths") == []:
+        del kept["widths"]  # staged with no stage below the draft is a plan's shape only: the flags' tree gets the default widths
+    return kept
 
 
 def with_policy(options, policy: dict):
