@@ -36,7 +36,7 @@ from data.errors import InputError, exits_on_input_error
 from decode import native
 from decode.api import SpeculativeDecoder
 from decode.cli import agreement, report, run
-from decode.cli.harness import compare_with_baseline, decode_in_turns
+from decode.cli.harness import compare_with_baseline, decode_in_turns, warm_up
 from decode.cli.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
 from decode.models.loading import check_same_vocabulary
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS
@@ -44,7 +44,6 @@ from decode.planning.costs import device_name, machine_name
 
 OURS = ("baseline", "speculative", "tree", "staged", "staged-paper", "ngram", "lookup")
 DEFAULT_METHODS = ",".join(OURS + PEERS)
-WARMUP_TOKENS = 16
 PROG = "python -m decode.bench"
 
 
@@ -87,10 +86,9 @@ def timed_runs(decoders: dict, prompts: list, settings: run.Settings) -> dict[st
     kernels and fill caches); one record per method and prompt."""
     n, seed, sampling = settings.max_new_tokens, settings.seed, settings.sampling
     runs = {name: decoder if name in PEERS else partial(decoder, sampling=sampling) for name, decoder in decoders.items()}
-    for decode in runs.values():
-        decode(prompts[0][1], min(WARMUP_TOKENS, n), seed)
-    runs = {name: (lambda prompt, i, decode=decode: decode(prompt, n, seed + i)) for name, decode in runs.items()}
-    records = decode_in_turns(runs, [prompt for _, prompt in prompts], progress="prompts")
+    runs = {name: (lambda prompt, i, tokens, decode=decode: decode(prompt, tokens, seed + i)) for name, decode in runs.items()}
+    warm_up(runs, prompts[0][1], n)
+    records = decode_in_turns(runs, [prompt for _, prompt in prompts], n, progress="prompts")
     for rows in records.values():
         for row, (record, _) in zip(rows, prompts):
             row["task_id"] = record["task_id"]

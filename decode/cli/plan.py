@@ -38,7 +38,7 @@ from data.shards import TOKEN_COUNTS
 from decode import loop
 from decode.api import SpeculativeDecoder
 from decode.cli import run
-from decode.cli.harness import Timer, decode_in_turns
+from decode.cli.harness import Timer, decode_in_turns, warm_up
 from decode.drafting import LookupDrafter
 from decode.methods import METHODS
 from decode.models.cached_lm import CachedLM
@@ -133,22 +133,25 @@ def oracle_outputs(decoder, prompts, max_new_tokens: int) -> list[tuple[list[int
 
 
 def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: torch.Tensor) -> dict:
-    """Decoding for real under the settings' sampling with the baseline and each of `drafters`, in turns per prompt,
-    as decode.bench runs them (each slows the others' next forwards by evicting their weights from the caches). Per
+    """Decoding for real under the settings' sampling with the baseline and each of `drafters`, in turns per prompt
+    after a warm-up, as decode.bench runs them (each slows the others' next forwards by evicting their weights from the caches). Per
     drafter: the oracle's forward as a multiple of its isolated cost for the same node counts (`oracle_ms`), the
     drafting's ms per step and the rest of a step's ms (masks, verification, commits); for "baseline", its
     baseline_costs."""
     timers = {name: Timer(decoder.oracle.device) for name in ["baseline", *drafters]}
     oracle, eos_id, n, sampling = decoder.oracle, decoder.eos_id, settings.max_new_tokens, settings.sampling
     seeded = lambda i: torch.Generator(oracle.device).manual_seed(settings.seed + i)
-    runs = {"baseline": lambda prompt, i, hooks=timers["baseline"].hooks(): loop.baseline(
-        oracle, prompt.ids, n, sampling, eos_id, generator=seeded(i), allowed=prompt.allowed, hooks=hooks)}
+    runs = {"baseline": lambda prompt, i, tokens, hooks=timers["baseline"].hooks(): loop.baseline(
+        oracle, prompt.ids, tokens, sampling, eos_id, generator=seeded(i), allowed=prompt.allowed, hooks=hooks)}
     for name, drafter in drafters.items():
         drafter.forget()
-        runs[name] = lambda prompt, i, drafter=drafter, hooks=timers[name].hooks(): loop.tree_speculative(
-            oracle, prompt.ids, n, sampling, eos_id, generator=seeded(i), drafter=drafter, allowed=prompt.allowed,
+        runs[name] = lambda prompt, i, tokens, drafter=drafter, hooks=timers[name].hooks(): loop.tree_speculative(
+            oracle, prompt.ids, tokens, sampling, eos_id, generator=seeded(i), drafter=drafter, allowed=prompt.allowed,
             hooks=hooks)
-    records = decode_in_turns(runs, prompts)
+    warm_up(runs, prompts[0], n)
+    for timer in timers.values():
+        timer.clear()
+    records = decode_in_turns(runs, prompts, n)
     seconds = {name: sum(r["seconds"] for r in rows) for name, rows in records.items()}
     tokens = {name: sum(len(r["tokens"]) for r in rows) for name, rows in records.items()}
     measured = {"baseline": baseline_costs(timers["baseline"].forwards, seconds["baseline"], tokens["baseline"])}
