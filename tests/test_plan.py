@@ -138,6 +138,33 @@ def test_predict_adds_the_prefill_and_per_step_the_oracle_the_drafting_and_the_l
     assert replayed.accepted_by_depth(3) == [1.0, 1.0, 0.0]
 
 
+def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to_one_measured_faster(monkeypatch):
+    """The in-loop costs are measured per policy: a method's best policy under the costs of the first one measured is
+    measured too, and the plan keeps the faster of the two, each priced with its own costs."""
+    replays = {"tree": [{"policy": {"nodes": n}, "drafter": f"drafter {n}",
+                         "replay": replay.Replay(prompts=1, steps=steps, tokens=40, drafting_seconds=seconds,
+                                                 nodes=[n] * steps, accepted=[40 // steps - 1] * steps)}
+                        for n, steps, seconds in ((8, 4, 0.0008), (4, 10, 0.0002))]}  # 0.2 and 0.02 ms a step
+    in_loop_drafting_ms = {"drafter 8": 5.0, "drafter 4": 0.3}  # the 8-node tree's drafting is slow in the loop
+    measured_drafters = []
+
+    def loop_costs(decoder, drafters, *rest):
+        measured_drafters.append(list(drafters.values()))
+        return {"baseline": {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}} | {
+            name: {"oracle": 1.0, "loop_ms": 0.0, "drafting_ms": in_loop_drafting_ms.get(drafter, 0.0)}
+            for name, drafter in drafters.items()}
+
+    monkeypatch.setattr(plan, "loop_costs", loop_costs)
+    oracle_ms = torch.arange(0, 20, dtype=torch.float64) * 0.1  # q nodes cost q / 10 ms
+    measured, baseline_costs = plan.calibrate_in_loop(None, replays, [], None, oracle_ms)
+    assert measured_drafters[1:] == [["drafter 8"], ["drafter 4"]]  # after the context drafter's round
+    predicted, factors = plan.measured_forecast(measured, oracle_ms, baseline_costs)
+    assert predicted["tree"]["policy"] == {"nodes": 4}
+    assert factors["tree"]["drafting"] == pytest.approx(0.3 / 0.02)  # its own: 0.3 ms in the loop, 0.02 replayed
+    assert predicted["tree"]["ms_per_token"] == pytest.approx((1.0 + 10 * (0.4 + 0.3)) / 40)
+    assert predicted["baseline"]["ms_per_token"] == pytest.approx(1.0)
+
+
 @pytest.fixture
 def planned(models, tmp_path, monkeypatch):
     monkeypatch.setattr(costs, "CACHE_DIR", tmp_path / "costs")

@@ -63,6 +63,7 @@ STAGED_DRAWS = (1, 2)  # when sampling: the draft's draws per node of a staged t
 STAGED_DRAFT_CALLS = (1, 2, 3, 5, 8)  # greedy: the most draft calls a staged step makes down its best path
 RANKS = 8  # candidates per node the acceptance rates cover
 FINALISTS = 3  # policies per method (and per oracle cost) replayed on every calibration prompt
+IN_LOOP_ROUNDS = 2  # rounds of decoding each method's best policy for real, while the best changes under its costs
 
 
 def shortlists(text: str) -> list[int]:
@@ -287,22 +288,43 @@ def best(predicted: dict) -> dict:
 
 
 def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: torch.Tensor) -> tuple[dict, dict]:
-    """Each method's costs in a real decoding loop, beside the baseline's: first with the context
-    drafter (no draft model) standing for every method, then with each method's best policy under
-    those, which gives the method its own factors (the draft's and the oracle's forwards evict each
-    other from the caches). The factors, and the baseline measured beside them."""
+    """Each method's costs in a real decoding loop, beside the baseline's: first with the context drafter (no draft
+    model) standing for every method, then with each method's best policy under the costs measured so far, which
+    gives that policy its own factors (the draft's and the oracle's forwards evict each other from the caches, by
+    amounts that differ with the draft's dtype and output layer); a method whose best policy changes under its
+    factors has the new one measured too, up to IN_LOOP_ROUNDS. Per method, the policies measured, each as (its
+    candidate, its factors); and the baseline measured beside the last of them."""
     generic = loop_costs(decoder, {"lookup": LookupDrafter()}, prompts, settings, isolated_ms)
     in_loop = {method: {"oracle": generic["lookup"]["oracle"], "drafting": 1.0, "loop_ms": generic["lookup"]["loop_ms"]}
                for method in replays}
-    first = best(forecast(replays, isolated_ms, generic["baseline"], in_loop))
-    chosen = {method: next(c for c in group if c["policy"] == first[method]["policy"]) for method, group in replays.items()}
-    measured = loop_costs(decoder, {m: c["drafter"] for m, c in chosen.items()}, prompts, settings, isolated_ms)
-    for method, c in chosen.items():
-        replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps
-        m = measured[method]
-        in_loop[method] = {"oracle": m["oracle"], "loop_ms": m["loop_ms"],
-                           "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}
-    return in_loop, measured["baseline"]
+    baseline, measured = generic["baseline"], {method: [] for method in replays}
+    for _ in range(IN_LOOP_ROUNDS):
+        leading = best(forecast(replays, isolated_ms, baseline, in_loop))
+        chosen = {method: next(c for c in group if c["policy"] == leading[method]["policy"])
+                  for method, group in replays.items()}
+        chosen = {method: c for method, c in chosen.items() if all(c is not done for done, _ in measured[method])}
+        if not chosen:
+            break
+        costs = loop_costs(decoder, {m: c["drafter"] for m, c in chosen.items()}, prompts, settings, isolated_ms)
+        baseline = costs["baseline"]
+        for method, c in chosen.items():
+            replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps
+            m = costs[method]
+            in_loop[method] = {"oracle": m["oracle"], "loop_ms": m["loop_ms"],
+                               "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}
+            measured[method].append((c, in_loop[method]))
+    return measured, baseline
+
+
+def measured_forecast(measured: dict, oracle_ms: torch.Tensor, baseline: dict) -> tuple[dict, dict]:
+    """Per method, the best of its policies measured in the loop, each priced with its own factors (`forecast`);
+    and the factors that priced each method's best."""
+    priced = {method: min(((forecast({method: [c]}, oracle_ms, baseline, {method: f}), f) for c, f in pairs),
+                          key=lambda p: p[0][method][0]["ms_per_token"])
+              for method, pairs in measured.items()}
+    baseline_row = next(iter(priced.values()))[0]["baseline"][0]
+    predicted = {"baseline": baseline_row} | {method: p[method][0] for method, (p, _) in priced.items()}
+    return predicted, {method: f for method, (_, f) in priced.items()}
 
 
 def replay_all(candidates: list, replayer: Callable, prompts: int, desc: str) -> dict:
@@ -387,8 +409,8 @@ def main(argv=None) -> dict:
     oracle_curves += [(projection["ms"], projection["baseline"])] if projection else []
     replays = replay_policies(known, options, draft, table, p_draft, replayer(decoder, prompts, sequences, settings),
                               len(prompts), oracle_curves, drafts, settings.sampling)
-    in_loop, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings, isolated_ms)
-    predicted = best(forecast(replays, isolated_ms, baseline, in_loop))
+    measured, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings, isolated_ms)
+    predicted, in_loop = measured_forecast(measured, isolated_ms, baseline)
     print_forecast(f"predicted for {settings.sampling.describe()} on this device (oracle q=1 forward {oracle_costs[1]:.2f} ms in isolation, "
                    f"{baseline['one_token']:.2f} ms in the baseline's loop; tokens per call count each prompt's "
                    f"prefill, as decode.bench does):", predicted)
