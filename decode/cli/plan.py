@@ -14,9 +14,10 @@ prompts, the best few per method on all, and a draft method's best few again wit
 sampling, each is decoded for real instead, its acceptance being random, and staged's trees are
 also tried as chains of draws (--branch 1): the
 draft's output layer over its most frequent tokens only, --draft-vocab, and on a CPU beside a bfloat16
-oracle the draft in float32), each method's best policy also decodes a few prompts for real to measure its
-costs inside a decoding loop, and the policy with the least predicted ms per token is written to
-the run's plan, which decode.run and decode.bench then use at the same setting.
+oracle the draft in float32), each method's best policy also decodes a few prompts for real, after a warm-up, to
+measure its own costs inside a decoding loop (a policy those costs make best is measured too), and of the
+policies measured, the one with the least predicted ms per token is written to the run's plan, which
+decode.run and decode.bench then use at the same setting.
 --project-oracle repeats the choice with the forward costs of a larger oracle shape measured
 here on random weights: a projection, not a measurement.
 """
