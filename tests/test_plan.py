@@ -165,6 +165,13 @@ def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to
     assert predicted["baseline"]["ms_per_token"] == pytest.approx(1.0)
 
 
+def test_the_prompts_screened_on_come_from_across_the_calibration_prompts():
+    order = plan.spread(list(range(100)), 16)
+    assert sorted(order) == list(range(100))
+    assert order[:16] == list(range(0, 96, 6))  # evenly spaced, in order, not the first 16
+    assert plan.spread(list(range(5)), 16) == list(range(5))
+
+
 @pytest.fixture
 def planned(models, tmp_path, monkeypatch):
     monkeypatch.setattr(costs, "CACHE_DIR", tmp_path / "costs")

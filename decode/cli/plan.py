@@ -110,8 +110,17 @@ def parse(argv):
 
 
 def calibration_prompts(settings, known, dec):
-    records = load_prompts(settings.prompts)[-known.calibration :]
+    """The last --calibration prompts, `spread` so that the first --screen of them (screened on, and decoded for real
+    to measure the in-loop costs) come from across them."""
+    records = spread(load_prompts(settings.prompts)[-known.calibration :], known.screen)
     return [prompt for _, prompt in run.encode_prompts(settings, [dec], records)]
+
+
+def spread(items: list, first: int) -> list:
+    """`items` reordered so that the first `first` are evenly spaced over the list, in order, the rest after them:
+    prompts harvested from one file come together and are alike, so a block of neighbours is a biased sample."""
+    stride = max(1, len(items) // first)
+    return [items[i] for i in sorted(range(len(items)), key=lambda i: (i % stride != 0 or i // stride >= first, i))]
 
 
 def steps_of(calls: list) -> list[tuple[int, float]]:
