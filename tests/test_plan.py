@@ -165,6 +165,19 @@ def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to
     assert predicted["baseline"]["ms_per_token"] == pytest.approx(1.0)
 
 
+def test_staged_may_take_a_shape_measured_for_the_tree_as_its_own_with_no_stage_below_the_draft():
+    shape = {"parents": [-1, 0, 1], "ranks": [0, 0, 0], "nodes": 3, "depth": 2}
+    candidate = lambda policy, steps: {"policy": policy, "drafter": None, "replay": replay.Replay(
+        prompts=1, steps=steps, tokens=40, drafting_seconds=0.0, nodes=[3] * steps, accepted=[1] * steps)}
+    factors = {"oracle": 1.0, "loop_ms": 0.0, "drafting": 1.0}
+    measured = {"tree": [(candidate(shape, 10), factors)],
+                "staged": [(candidate({"widths": [2, 1], "budget": 8}, 20), factors)]}
+    baseline_costs = {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}
+    predicted, _ = plan.measured_forecast(plan.with_tree_shapes(measured), torch.arange(0, 20.0), baseline_costs)
+    assert predicted["staged"]["policy"] == shape | {"widths": []}
+    assert predicted["staged"]["ms_per_token"] == predicted["tree"]["ms_per_token"]
+
+
 def test_the_prompts_screened_on_come_from_across_the_calibration_prompts():
     order = plan.spread(list(range(100)), 16)
     assert sorted(order) == list(range(100))

@@ -303,7 +303,8 @@ def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: to
     gives that policy its own factors (the draft's and the oracle's forwards evict each other from the caches, by
     amounts that differ with the draft's dtype and output layer); a method whose best policy changes under its
     factors has the new one measured too, up to IN_LOOP_ROUNDS. Per method, the policies measured, each as (its
-    candidate, its factors); and the baseline measured beside the last of them."""
+    candidate, its factors), staged's with the tree's (`with_tree_shapes`); and the baseline measured beside the last
+    of them."""
     generic = loop_costs(decoder, {"lookup": LookupDrafter()}, prompts, settings, isolated_ms)
     in_loop = {method: {"oracle": generic["lookup"]["oracle"], "drafting": 1.0, "loop_ms": generic["lookup"]["loop_ms"]}
                for method in replays}
@@ -323,7 +324,16 @@ def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: to
             in_loop[method] = {"oracle": m["oracle"], "loop_ms": m["loop_ms"],
                                "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}
             measured[method].append((c, in_loop[method]))
-    return measured, baseline
+    return with_tree_shapes(measured), baseline
+
+
+def with_tree_shapes(measured: dict) -> dict:
+    """`measured` with the tree's shapes among staged's policies, as staged with no stage below the draft (which
+    drafts the tree's shape as the tree method does: the same drafter, so the same measurements)."""
+    if "staged" not in measured or "tree" not in measured:
+        return measured
+    return measured | {"staged": measured["staged"] + [({**c, "policy": c["policy"] | {"widths": []}}, f)
+                                                       for c, f in measured["tree"] if c["policy"]["depth"] > 1]}
 
 
 def measured_forecast(measured: dict, oracle_ms: torch.Tensor, baseline: dict) -> tuple[dict, dict]:
