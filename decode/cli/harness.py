@@ -83,8 +83,7 @@ def in_turns(names: list[str], i: int) -> list[str]:
 
 def warm_up(runs: dict[str, Run], prompt: Prompt, max_new_tokens: int) -> None:
     """Every method decodes a few tokens of `prompt`, before any timing: a process's first forwards of each shape
-    allocate, build kernels and fill caches (without this, the first round of methods in turns measured a tree
-    method's tokens a quarter slower than the next round did)."""
+    allocate, build kernels and fill caches."""
     for run in runs.values():
         run(prompt, 0, min(WARMUP_TOKENS, max_new_tokens))
 

@@ -119,8 +119,8 @@ def calibration_prompts(settings, known, dec):
 def spread(items: list, first: int) -> list:
     """`items` reordered so that the first `first` are evenly spaced over the list, in order, the rest after them:
     prompts harvested from one file come together and are alike, so a block of neighbours is a biased sample."""
-    stride = max(1, len(items) // first)
-    return [items[i] for i in sorted(range(len(items)), key=lambda i: (i % stride != 0 or i // stride >= first, i))]
+    picked = range(0, len(items), max(1, len(items) // first))[:first]
+    return [items[i] for i in picked] + [item for i, item in enumerate(items) if i not in picked]
 
 
 def steps_of(calls: list) -> list[tuple[int, float]]:
@@ -145,8 +145,8 @@ def oracle_outputs(decoder, prompts, max_new_tokens: int) -> list[tuple[list[int
 
 def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: torch.Tensor) -> dict:
     """Decoding for real under the settings' sampling with the baseline and each of `drafters`, in turns per prompt
-    after a warm-up, as decode.bench runs them (each slows the others' next forwards by evicting their weights from the caches). Per
-    drafter: the oracle's forward as a multiple of its isolated cost for the same node counts (`oracle_ms`), the
+    after a warm-up, as decode.bench runs them (each slows the others' next forwards by evicting their weights from
+    the caches). Per drafter: the oracle's forward as a multiple of its isolated cost for the same node counts (`oracle_ms`), the
     drafting's ms per step and the rest of a step's ms (masks, verification, commits); for "baseline", its
     baseline_costs."""
     timers = {name: Timer(decoder.oracle.device) for name in ["baseline", *drafters]}
@@ -339,12 +339,13 @@ def with_tree_shapes(measured: dict) -> dict:
 def measured_forecast(measured: dict, oracle_ms: torch.Tensor, baseline: dict) -> tuple[dict, dict]:
     """Per method, the best of its policies measured in the loop, each priced with its own factors (`forecast`);
     and the factors that priced each method's best."""
-    priced = {method: min(((forecast({method: [c]}, oracle_ms, baseline, {method: f}), f) for c, f in pairs),
-                          key=lambda p: p[0][method][0]["ms_per_token"])
-              for method, pairs in measured.items()}
-    baseline_row = next(iter(priced.values()))[0]["baseline"][0]
-    predicted = {"baseline": baseline_row} | {method: p[method][0] for method, (p, _) in priced.items()}
-    return predicted, {method: f for method, (_, f) in priced.items()}
+    predicted, factors = {}, {}
+    for method, pairs in measured.items():
+        priced = [(forecast({method: [c]}, oracle_ms, baseline, {method: f}), f) for c, f in pairs]
+        cheapest, factors[method] = min(priced, key=lambda p: p[0][method][0]["ms_per_token"])
+        predicted.setdefault("baseline", cheapest["baseline"][0])
+        predicted[method] = cheapest[method][0]
+    return predicted, factors
 
 
 def replay_all(candidates: list, replayer: Callable, prompts: int, desc: str) -> dict:
