@@ -11,6 +11,7 @@ region, and returns their logits. `commit` keeps an ordered subset of the specul
 accepted path) and drops the rest.
 """
 import contextlib
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,14 @@ def attention_kernels(device: torch.device):
     per new cached length, which made generate several times slower in a fresh process (docs/gpu.md)."""
     return sdpa_kernel(ATTENTION_WITHOUT_CUDNN) if device.type == "cuda" else contextlib.nullcontext()
 
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def chain_mask(q: int, pending: int, device: torch.device) -> torch.Tensor:
+    """(q, pending + q) bool: q new nodes in a chain after `pending` slots, each seeing those and its predecessors.
+    Remembered (shared, never written to): a draft step's first call feeds a chain of one shape after another, and
+    making it took two torch calls per forward."""
+    return torch.ones(q, pending + q, dtype=torch.bool, device=device).tril(pending)
 
 @dataclass(frozen=True)
 class GPT2Shape:
@@ -188,7 +197,7 @@ class GPT2Engine(CachedLM):
         if mask is not None and q == 1 and kv.pending == 0:  # a lone node sees everything: no mask is faster
             mask = None
         elif mask is None and q > 1:  # a chain: the new nodes see the pending slots and their predecessors
-            mask = torch.ones(q, kv.pending + q, dtype=torch.bool, device=self.device).tril(kv.pending)
+            mask = chain_mask(q, kv.pending, self.device)
         graph = self.graphs.get(q, start, end) if self.graphs is not None else None
         if graph is not None:
             with torch.inference_mode():
