@@ -146,9 +146,9 @@ def oracle_outputs(decoder, prompts, max_new_tokens: int) -> list[tuple[list[int
 def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: torch.Tensor) -> dict:
     """Decoding for real under the settings' sampling with the baseline and each of `drafters`, in turns per prompt
     after a warm-up, as decode.bench runs them (each slows the others' next forwards by evicting their weights from
-    the caches). Per drafter: the oracle's forward as a multiple of its isolated cost for the same node counts (`oracle_ms`), the
-    drafting's ms per step and the rest of a step's ms (masks, verification, commits); for "baseline", its
-    baseline_costs."""
+    the caches). Per drafter: the oracle's forward as a multiple of its isolated cost for the same node counts
+    (`oracle_ms`), the drafting's ms per step and the rest of a step's ms (masks, verification, commits); for
+    "baseline", its baseline_costs."""
     timers = {name: Timer(decoder.oracle.device) for name in ["baseline", *drafters]}
     oracle, eos_id, n, sampling = decoder.oracle, decoder.eos_id, settings.max_new_tokens, settings.sampling
     seeded = lambda i: torch.Generator(oracle.device).manual_seed(settings.seed + i)

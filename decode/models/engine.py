@@ -11,7 +11,6 @@ region, and returns their logits. `commit` keeps an ordered subset of the specul
 accepted path) and drops the rest.
 """
 import contextlib
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from decode.models.cached_lm import CachedLM, Ids, Shortlist, as_tensor
 from decode.models.cuda_graphs import CUDAGraphs
 from decode.models.kv_slots import KVSlots
 from decode.models.projection import LAYOUTS, Projection, fastest_layout
+from decode.tree import rows_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SPECULATIVE_SLOTS = 2048  # cache slots beyond the context for the nodes of a speculative tree
@@ -42,14 +42,6 @@ def attention_kernels(device: torch.device):
     per new cached length, which made generate several times slower in a fresh process (docs/gpu.md)."""
     return sdpa_kernel(ATTENTION_WITHOUT_CUDNN) if device.type == "cuda" else contextlib.nullcontext()
 
-
-
-@functools.lru_cache(maxsize=1 << 10)
-def chain_mask(q: int, pending: int, device: torch.device) -> torch.Tensor:
-    """(q, pending + q) bool: q new nodes in a chain after `pending` slots, each seeing those and its predecessors.
-    Remembered (shared, never written to): a draft step's first call feeds a chain of one shape after another, and
-    making it took two torch calls per forward."""
-    return torch.ones(q, pending + q, dtype=torch.bool, device=device).tril(pending)
 
 @dataclass(frozen=True)
 class GPT2Shape:
@@ -197,7 +189,9 @@ class GPT2Engine(CachedLM):
         if mask is not None and q == 1 and kv.pending == 0:  # a lone node sees everything: no mask is faster
             mask = None
         elif mask is None and q > 1:  # a chain: the new nodes see the pending slots and their predecessors
-            mask = chain_mask(q, kv.pending, self.device)
+            # remembered as a tree's mask is: a draft step's first call feeds a chain of one shape after another
+            mask = rows_mask(tuple((2 << slot) - 1 for slot in range(kv.pending, kv.pending + q)), kv.pending + q,
+                             self.device)
         graph = self.graphs.get(q, start, end) if self.graphs is not None else None
         if graph is not None:
             with torch.inference_mode():
