@@ -292,10 +292,12 @@ def blocks_here(built):
 @pytest.mark.parametrize("n_embd, n_head, shortlist", [  # heads of 8 (float32 attention) and of 32 (BF16); output
     (32, 4, None), (64, 2, None), (32, 4, 40),  # layers of 97 columns and of a shortlist's 40: neither a multiple of 16
     (256, 4, None)])  # products large enough to be split among threads
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype, tiles", [("bfloat16", False), ("bfloat16", True), ("float32", False)])
 def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, tmp_path, n_embd, n_head, shortlist,
-                                                            dtype):
+                                                            dtype, tiles):
     needs_cpp_forward(dtype)
+    if tiles and not native.draft_module().tiles():
+        pytest.skip("this CPU has no AMX-BF16: the products run as AVX-512 dot products")
     directory = tiny_gpt2(tmp_path / "draft", seed=2, n_embd=n_embd, n_head=n_head)
     shortlist = shortlist and Shortlist(random.Random(1).sample(range(97), shortlist), 97)
     in_torch, in_cpp = (GPT2Engine.load(directory, dtype, native_blocks=cpp, shortlist=shortlist)
@@ -304,6 +306,8 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
         monkeypatch.setitem(engine_module.DTYPES, "float64", torch.float64)
     exact = GPT2Engine.load(directory, "float32" if dtype == "bfloat16" else "float64", shortlist=shortlist)
     assert in_torch.blocks is None and in_cpp.blocks is not None
+    in_cpp.blocks.tiles = tiles
+    assert in_cpp.blocks.tiles == tiles
     rows = []
     inner = in_cpp.blocks.__call__
     monkeypatch.setattr(in_cpp, "blocks", lambda *args: rows.append(len(args[0])) or inner(*args))
@@ -340,6 +344,24 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
     assert rows == [20, 15, 3, 1]  # every forward but the long prompt's took the C++ call
     with pytest.raises(IndexError, match="out of range"):  # as torch's embedding refuses them, not a read past wte
         in_cpp.forward(torch.tensor([97]), torch.tensor([in_cpp.length]), None)
+
+
+@pytest.mark.parametrize("tiles", [False, True])
+def test_a_rows_logits_in_cpp_do_not_depend_on_the_forwards_other_rows(blocks_here, tmp_path, tiles):
+    # what keeps a greedy speculative decoding's tokens those of one token a forward, bit for bit
+    if tiles and not blocks_here.tiles():
+        pytest.skip("this CPU has no AMX-BF16: the products run as AVX-512 dot products")
+    engine = GPT2Engine.load(tiny_gpt2(tmp_path / "model", seed=3, n_embd=64, n_head=2), "bfloat16",
+                             native_blocks=True)
+    engine.blocks.tiles = tiles
+    engine.extend(torch.tensor([5, 6, 7, 8]))
+    chain = [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]  # more rows than a tile holds
+    together = engine.forward(chain, list(range(engine.length, engine.length + len(chain))), None)
+    engine.commit([])
+    for i, token in enumerate(chain):
+        alone = engine.forward([token], [engine.length], None)
+        engine.commit([0])
+        assert torch.equal(alone[0], together[i])
 
 
 def test_decoding_with_a_drafts_blocks_in_cpp_equals_the_baseline(blocks_here, monkeypatch, tmp_path):
@@ -386,19 +408,29 @@ def test_a_forward_runs_in_cpp_up_to_the_rows_measured_faster_there_and_the_choi
 
     directory = tiny_gpt2(tmp_path / "model", seed=2)
     engine = GPT2Engine.load(directory, "bfloat16", native_blocks=True)
-    timed = []
+    monkeypatch.setattr(native.Blocks, "can_tile", True)  # both ways of the products timed, on any CPU
+    timed, tiles_win = [], True
 
-    def forward_costs(model, repeats, counts):  # C++ faster up to 8 rows, and again at 32: the first crossing counts
-        timed.append(model.native_rows)
-        if model.native_rows:
-            return {q: (1.0 if q <= 8 or q == 32 else 3.0) for q in counts}
-        return {q: 2.0 for q in counts}
+    def forward_costs(model, repeats, counts):  # C++ faster up to 8 rows, and again at 32: the first crossing counts;
+        # the tiles' products faster but at one row, or slower
+        timed.append((model.native_rows, model.blocks.tiles))
+        if not model.native_rows:
+            return {q: 2.0 for q in counts}
+        if model.blocks.tiles:
+            return {q: (1.2 if q == 1 else 0.5 if tiles_win else 1.9) for q in counts}
+        return {q: (1.0 if q <= 8 or q == 32 else 3.0) for q in counts}
 
     monkeypatch.setattr(native_rows, "forward_costs", forward_costs)
-    assert native_rows.native_rows(directory, engine, "bfloat16", tmp_path / "cache") == 8
-    assert native_rows.native_rows(directory, engine, "bfloat16", tmp_path / "cache") == 8
-    assert timed == [max(native_rows.ROW_COUNTS), 0]  # timed once both ways, then read back
-    assert native_rows.native_rows(directory, GPT2Engine.load(directory, "float32"), "float32") == 0  # no C++ forward
+    for _ in range(2):
+        assert native_rows.native_forward(directory, engine, "bfloat16", tmp_path / "cache") == (
+            native_rows.NativeForward(64, True))
+    rows = max(native_rows.ROW_COUNTS)
+    assert timed == [(rows, False), (rows, True), (0, True)]  # timed once every way, then read back
+    tiles_win = False
+    assert native_rows.native_forward(directory, engine, "bfloat16", tmp_path / "other") == (
+        native_rows.NativeForward(8, False))
+    assert native_rows.native_forward(directory, GPT2Engine.load(directory, "float32"), "float32") == (
+        native_rows.NativeForward(0, False))  # no C++ forward
 
     engine.native_rows, rows = 8, []
     inner = engine.blocks.__call__

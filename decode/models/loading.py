@@ -11,7 +11,7 @@ from data.tokenizer import load_tokenizer
 from decode.models.cached_lm import CachedLM, Shortlist
 from decode.models.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.models.hf_backend import HFEngine
-from decode.models.native_rows import native_rows
+from decode.models.native_rows import native_forward
 
 
 def pretrained_dir(model, tokenizer, keep: list, name: str) -> Path:
@@ -68,13 +68,16 @@ def load_trigram(options, vocab_size: int, eos_id: int):
 
 def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_graphs: bool = False,
                shortlist: Shortlist | None = None) -> CachedLM:
-    """A model for decoding; the lean engine runs a forward of a few rows in C++ up to where that measured faster
-    (decode.models.native_rows)."""
+    """A model for decoding; the lean engine runs a forward of a few rows in C++ up to where that measured faster,
+    its products on AMX's tiles where those did (decode.models.native_rows)."""
     config = read_config(directory)
     if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
         engine = GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
                                  native_blocks=True)
-        engine.native_rows = native_rows(directory, engine, dtype)
+        forward = native_forward(directory, engine, dtype)
+        engine.native_rows = forward.rows
+        if engine.blocks is not None:
+            engine.blocks.tiles = forward.tiles
         return engine
     return HFEngine.load(directory, dtype, device, shortlist=shortlist)
 

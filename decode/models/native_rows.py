@@ -1,39 +1,58 @@
-"""Up to how many new rows a forward runs as one C++ call (native.Blocks) instead of torch's operations, measured.
+"""How a forward of a few new rows runs, measured: up to how many rows as one C++ call (native.Blocks) instead of
+torch's operations, and whether that call's products run on AMX's tiles.
 
 A forward of a few rows through torch starts some thirty operations a layer, each paying its own overhead; the C++
 call pays once, and on a CPU with AVX-512 BF16 it ran the cpu preset's oracle over one token in about half torch's
 time (docs/profiling.md, "The C++ forward"). Over many rows torch's products may win: where the two cross, if
-they do, depends on the CPU, its threads and the model's width, so both are timed on the model itself over
-ROW_COUNTS new rows and the choice is kept per model, code and device with the forward costs.
+they do, depends on the CPU, its threads and the model's width. On a CPU with AMX the C++ products can run on its
+tiles instead of AVX-512's dot products, which pays from a few rows on. So every way is timed on the model itself
+over ROW_COUNTS new rows and the choice is kept per model, code and device with the forward costs.
 """
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from decode.planning.costs import CACHE_DIR, by_count, cache_key, forward_costs, kept
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 REPEATS = 10
+# The C++ call's ways of running its products, by the name its timings are kept under: on AMX's tiles or not
+PRODUCTS = {"C++": False, "C++ on AMX tiles": True}
 
 
-def native_rows(model_dir, engine, dtype: str, cache_dir: Path | None = None) -> int:
-    """The largest of ROW_COUNTS up to which every timed forward of `engine` was faster in C++ (0: never, or no C++
-    forward here); timed once per model, code, device and threads, then read back."""
+@dataclass(frozen=True)
+class NativeForward:
+    rows: int  # the most new rows a forward runs as the C++ call (0: none)
+    tiles: bool  # whether that call's products run on AMX's tiles
+
+
+def native_forward(model_dir, engine, dtype: str, cache_dir: Path | None = None) -> NativeForward:
+    """The C++ call's products on whichever way took less time over ROW_COUNTS as a whole (the geometric mean of the
+    ratios), and the largest of ROW_COUNTS up to which every timed forward was faster that way than in torch (0:
+    never, or no C++ forward here); timed once per model, code, device and threads, then read back."""
     if engine.blocks is None:
-        return 0
+        return NativeForward(0, False)
     path = Path(cache_dir or CACHE_DIR) / f"native-rows-{cache_key(model_dir, engine, dtype)}.json"  # names the C++ too
+    ways = [way for way, tiles in PRODUCTS.items() if engine.blocks.can_tile or not tiles]
 
-    def both_ways() -> dict:
-        ms, before = {}, engine.native_rows
-        for way, rows in (("C++", max(ROW_COUNTS)), ("torch", 0)):
-            engine.native_rows = rows
+    def every_way() -> dict:
+        ms, before = {}, (engine.native_rows, engine.blocks.tiles)
+        for way in ways:
+            engine.native_rows, engine.blocks.tiles = max(ROW_COUNTS), PRODUCTS[way]
             ms[way] = forward_costs(engine, repeats=REPEATS, counts=ROW_COUNTS)
-        engine.native_rows = before
+        engine.native_rows = 0
+        ms["torch"] = forward_costs(engine, repeats=REPEATS, counts=ROW_COUNTS)
+        engine.native_rows, engine.blocks.tiles = before
         return ms
 
-    measured, _ = kept(path, both_ways)
+    measured, _ = kept(path, every_way)
     ms = {way: by_count(row) for way, row in measured.items()}
-    chosen = 0
+    best = min((way for way in ways if way in ms), key=lambda way: np.mean([np.log(ms[way][q] / ms["C++"][q])
+                                                                            for q in ms["C++"] if q in ms[way]]))
+    rows = 0
     for q in ROW_COUNTS:
-        if q not in ms["C++"] or ms["C++"][q] >= ms["torch"].get(q, float("inf")):
+        if q not in ms[best] or ms[best][q] >= ms["torch"].get(q, float("inf")):
             break
-        chosen = q
-    return chosen
+        rows = q
+    return NativeForward(rows, PRODUCTS[best])

@@ -209,8 +209,26 @@ class Blocks:
         self.epsilon = shape.layer_norm_epsilon
         self.shape = [shape.n_embd, shape.n_head, shape.n_embd // shape.n_head, shape.n_layer, kv_cache.shape[3],
                       weights["wte.weight"].shape[0], weights["wpe.weight"].shape[0], output.shape[0],
-                      kv_cache.element_size()]
+                      kv_cache.element_size(), 0]
+        self.tiles = True
         self.cache = address(kv_cache)
+
+    @property
+    def can_tile(self) -> bool:
+        """Whether this model's products can run on AMX's tiles here (a bfloat16 model, n_embd a multiple of 32, a
+        CPU with AMX-BF16)."""
+        return self.shape[8] == 2 and self.shape[0] % 32 == 0 and draft_module().tiles()
+
+    @property
+    def tiles(self) -> bool:
+        """Whether the products run on AMX's tiles (where can_tile: until decode.models.native_rows measures which
+        of the two runs faster here) or as AVX-512 dot products. Each gives a row the same logits whatever the
+        forward's other rows; the two differ in rounding."""
+        return bool(self.shape[9])
+
+    @tiles.setter
+    def tiles(self, on: bool):
+        self.shape[9] = int(on and self.can_tile)
 
     def __call__(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int, end: int,
                  last: int | None = None) -> torch.Tensor:

@@ -1,19 +1,22 @@
 // A small GPT-2's forward over a few new rows in one C++ call, on a CPU with AVX-512 (decode/native loads it;
 // decode/models/engine.py calls it through GPT2Engine.logits for a draft's forwards and an oracle's, up to the rows
-// measured faster than torch's: decode/models/native_rows.py). A step's forward is a few rows through matrices of a
-// few hundred columns: torch spends it starting some thirty operations a layer, each cold after the other model's
-// forward (oneDNN took 73-140 us for a 20 x 128 x 384 product that is 10 us of arithmetic). Here the products, the
-// output layer's too, run over weights packed once at load (a bfloat16 model's as AVX-512 BF16 dot products, a
-// float32 model's as AVX-512 fused multiply-adds), their column groups split over torch's threads; attention with
-// the tree's mask runs its heads over those threads too; layer norm, softmax, GELU and the residuals run 16 floats
-// at a time over the rows in place, in float32. The model's dtype (`T`: bf16 or float) is that of its weights, its
-// cache and the products' inputs. Its logits differ from torch's in rounding only, as two kernels' do (a greedy
-// output can leave another kernel's only at a near-tie: docs/exactness.md).
+// measured faster than torch's: decode/models/native_rows.py). A step's forward is a few rows through matrices of a few
+// hundred columns: torch spends it starting some thirty operations a layer, each cold after the other model's forward
+// (oneDNN took 73-140 us for a 20 x 128 x 384 product that is 10 us of arithmetic). Here the products, the output
+// layer's too, run over weights packed once at load (a bfloat16 model's as AVX-512 BF16 dot products or, on a CPU with
+// AMX, on its tiles; a float32 model's as AVX-512 fused multiply-adds), their column groups split over torch's threads;
+// a row's sums are the same whatever the forward's other rows. Attention with the tree's mask runs its heads over those
+// threads too; layer norm, softmax, GELU and the residuals run 16 floats at a time over the rows in place, in float32.
+// The model's dtype (`T`: bf16 or float) is that of its weights, its cache and the products' inputs. Its logits differ
+// from torch's in rounding only, as two kernels' do (a greedy output can leave another kernel's only at a near-tie:
+// docs/exactness.md).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
 
 #include <ATen/Parallel.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +27,8 @@
 
 // Every function that uses AVX-512; a float32 model's never reach a BF16 instruction
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+// And those that use AMX's tiles too
+#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")))
 
 namespace {
 
@@ -143,12 +148,105 @@ void product_columns(const T *x, const Linear<T> &w, float *y, int64_t rows, int
 // microseconds, a product of this size some tens.
 constexpr int64_t PARALLEL_WORK = 1 << 18;
 
-// y (rows x out, float32) = x (rows x in) @ W + bias.
+// The same products on AMX's tile unit (TDPBF16PS), for a bfloat16 model on a CPU that has it: the packed weights
+// of a block of 16 columns are, 16 steps at a time, the tile B the instruction reads (16 rows of 16 column pairs),
+// the input's rows 32 elements at a time the tile A (up to 16 rows), each block's sums a tile C of 16 float32
+// columns. Tiles 0-3 hold the sums of 4 blocks, tile 4 the input, tiles 5 and 6 weights in turn.
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_a_row[16];
+    uint8_t rows[16];
+};
+
+// Sets this thread's tiles for `rows` input rows (the sums' and the input's tiles) and 16 weight steps.
+AMX_TARGET void configure_tiles(int64_t rows) {
+    TileConfig config{};
+    config.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        config.bytes_a_row[t] = 64;
+        config.rows[t] = static_cast<uint8_t>(t < 5 ? rows : 16);
+    }
+    _tile_loadconfig(&config);
+}
+
+// y (rows x out) = x @ W + bias over B blocks of 16 columns from block b0, 16 rows at a time (the tiles configured
+// for `configured` rows; set again for fewer).
+template <int B>
+AMX_TARGET void tiled_columns(const bf16 *x, const Linear<bf16> &w, float *y, int64_t rows, int64_t b0,
+                              int64_t &configured) {
+    const int64_t steps = w.in / 2;
+    const bf16 *weights = w.packed + b0 * steps * 32;
+    alignas(64) float sums[B][16 * 16];
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t m = std::min<int64_t>(16, rows - r0);
+        if (m != configured) configure_tiles(configured = m);
+        _tile_zero(0);
+        if constexpr (B > 1) _tile_zero(1);
+        if constexpr (B > 2) _tile_zero(2);
+        if constexpr (B > 3) _tile_zero(3);
+        for (int64_t k = 0; k < w.in; k += 32) {
+            _tile_loadd(4, x + r0 * w.in + k, w.in * sizeof(bf16));
+            _tile_loadd(5, weights + k * 16, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if constexpr (B > 1) {
+                _tile_loadd(6, weights + steps * 32 + k * 16, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if constexpr (B > 2) {
+                _tile_loadd(5, weights + 2 * steps * 32 + k * 16, 64);
+                _tile_dpbf16ps(2, 4, 5);
+            }
+            if constexpr (B > 3) {
+                _tile_loadd(6, weights + 3 * steps * 32 + k * 16, 64);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+        }
+        _tile_stored(0, sums[0], 64);
+        if constexpr (B > 1) _tile_stored(1, sums[1], 64);
+        if constexpr (B > 2) _tile_stored(2, sums[2], 64);
+        if constexpr (B > 3) _tile_stored(3, sums[3], 64);
+        for (int j = 0; j < B; j++) {
+            const int64_t column = (b0 + j) * 16;
+            const __m512 bias = _mm512_loadu_ps(w.bias + column);
+            for (int64_t r = 0; r < m; r++)
+                _mm512_mask_storeu_ps(y + (r0 + r) * w.out + column, first_lanes(w.out - column),
+                                      _mm512_add_ps(_mm512_load_ps(sums[j] + 16 * r), bias));
+        }
+    }
+}
+
+AMX_TARGET void release_tiles() { _tile_release(); }
+
+using TiledColumns = void (*)(const bf16 *, const Linear<bf16> &, float *, int64_t, int64_t, int64_t &);
+constexpr TiledColumns TILED[4] = {tiled_columns<1>, tiled_columns<2>, tiled_columns<3>, tiled_columns<4>};
+
+// Whether this process may use AMX's tiles: the CPU has them and Linux granted their state (asked once).
+bool tiles_granted() {
+    static const bool granted = [] {
+        __builtin_cpu_init();
+        if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+        constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return granted;
+}
+
+// y (rows x out, float32) = x (rows x in) @ W + bias; on AMX's tiles with `tiles` (a bfloat16 model, `in` a multiple
+// of 32, tiles_granted()).
 template <typename T>
-void product(const T *x, const Linear<T> &w, float *y, int64_t rows) {
+void product(const T *x, const Linear<T> &w, float *y, int64_t rows, bool tiles) {
     const int64_t groups = (w.out + 63) / 64;
     const int64_t grain = rows * w.in * w.out >= PARALLEL_WORK ? 1 : groups;  // a chunk this big runs in this thread
     at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+        if constexpr (std::is_same_v<T, bf16>) {
+            if (tiles) {
+                int64_t configured = 0;
+                for (int64_t g = first; g < last; g++)
+                    TILED[std::min<int64_t>(4, (w.out + 15) / 16 - 4 * g) - 1](x, w, y, rows, 4 * g, configured);
+                release_tiles();
+                return;
+            }
+        }
         for (int64_t g = first; g < last; g++) product_columns(x, w, y, rows, 4 * g);
     });
 }
@@ -442,6 +540,8 @@ BF16_TARGET void forward(const Arguments &a) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < n_embd; i++)
             x[r * n_embd + i] = to_float(wte[a.ids[r] * n_embd + i]) + to_float(wpe[a.positions[r] * n_embd + i]);
+    // AMX's tiles where asked for and granted (every product's input a multiple of 32 elements: n_embd's)
+    const bool tiles = shape[9] && std::is_same_v<T, bf16> && n_embd % 32 == 0 && tiles_granted();
     auto linear = [&](const uintptr_t *at, int64_t in, int64_t out_features) {
         return Linear<T>{reinterpret_cast<const T *>(at[0]), reinterpret_cast<const float *>(at[1]), in, out_features};
     };
@@ -451,7 +551,7 @@ BF16_TARGET void forward(const Arguments &a) {
         const Layer<T> layer{f[0], f[1], f[10], f[11], linear(p + 2, n_embd, 3 * n_embd), linear(p + 4, n_embd, n_embd),
                              linear(p + 6, n_embd, 4 * n_embd), linear(p + 8, 4 * n_embd, n_embd)};
         layer_norm(x.data(), layer.ln_1_weight, layer.ln_1_bias, normed.data(), rows, n_embd, a.epsilon);
-        product(normed.data(), layer.attention, wide.data(), rows);  // q, k, v: 3 x n_embd a row
+        product(normed.data(), layer.attention, wide.data(), rows, tiles);  // q, k, v: 3 x n_embd a row
         for (int64_t r = 0; r < rows; r++)
             for (int64_t h = 0; h < heads; h++)
                 for (int64_t d = 0; d < head_dim; d += 16) {
@@ -463,19 +563,19 @@ BF16_TARGET void forward(const Arguments &a) {
                 }
         attention(wide.data(), cache, l, a.visible, normed.data(), rows, n_embd);
         std::vector<float> &projected = wide;  // the attention read its queries already
-        product(normed.data(), layer.projection, projected.data(), rows);
+        product(normed.data(), layer.projection, projected.data(), rows, tiles);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += projected[i];
         layer_norm(x.data(), layer.ln_2_weight, layer.ln_2_bias, normed.data(), rows, n_embd, a.epsilon);
-        product(normed.data(), layer.up, wide.data(), rows);
+        product(normed.data(), layer.up, wide.data(), rows, tiles);
         gelu(wide.data(), activated.data(), rows * 4 * n_embd);
-        product(activated.data(), layer.down, wide.data(), rows);
+        product(activated.data(), layer.down, wide.data(), rows, tiles);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += wide[i];
     }
     const auto *final_norm = reinterpret_cast<const float *const *>(a.parameters.data() + 12 * n_layer);
     const int64_t first = rows - a.last;  // the rows whose logits are asked for
     layer_norm(x.data() + first * n_embd, final_norm[0], final_norm[1], normed.data(), a.last, n_embd, a.epsilon);
     product(normed.data(), linear(a.parameters.data() + 12 * n_layer + 2, n_embd, static_cast<int64_t>(shape[7])), a.out,
-            a.last);
+            a.last, tiles);
 }
 
 // blocks(ids, positions, embeddings, parameters, shape, epsilon, cache, start, end, mask, columns, last, out)
@@ -484,8 +584,9 @@ BF16_TARGET void forward(const Arguments &a) {
 //   weight and bias; attn.c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj, each its packed weight and float32 bias;
 //   ln_2's weight and bias), then ln_f's weight and bias, then the output layer's packed weight and (zero) bias;
 //   shape: [n_embd, heads, head_dim, layers, capacity, vocabulary, positions, logit columns, bytes an element (2:
-//   bfloat16, 4: float32)]; cache: GPT2Engine.kv_cache's address; mask: a bool (rows x columns) address, or 0 for a
-//   chain; out: float32 logits (last x logit columns) of the last `last` rows.
+//   bfloat16, 4: float32), products on AMX's tiles (1, where tiles() says so) or not (0)]; cache: GPT2Engine.kv_cache's
+//   address; mask: a bool (rows x columns) address, or 0 for a chain; out: float32 logits (last x logit columns)
+//   of the last `last` rows.
 // The new nodes' keys and values go to cache slots start..end.
 PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 13) {
@@ -499,9 +600,9 @@ PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         return nullptr;
     const auto rows = static_cast<int64_t>(a.ids.size());
     const auto &shape = a.shape;
-    if (shape.size() != 9 || (shape[8] != 2 && shape[8] != 4)) {
+    if (shape.size() != 10 || (shape[8] != 2 && shape[8] != 4)) {
         PyErr_SetString(PyExc_ValueError, "blocks: shape is [n_embd, heads, head_dim, layers, capacity, vocabulary, "
-                                          "positions, logit columns, bytes an element (2 or 4)]");
+                                          "positions, logit columns, bytes an element (2 or 4), tiles (0 or 1)]");
         return nullptr;
     }
     a.epsilon = static_cast<float>(PyFloat_AsDouble(args[5]));
@@ -544,10 +645,14 @@ PyObject *supported(PyObject *, PyObject *bytes) {
     return PyBool_FromLong(avx512 && (element == 4 || (element == 2 && __builtin_cpu_supports("avx512bf16"))));
 }
 
+// tiles(): whether this CPU and process run a bfloat16 model's products on AMX's tiles.
+PyObject *tiles(PyObject *, PyObject *) { return PyBool_FromLong(tiles_granted()); }
+
 PyMethodDef methods[] = {
     {"blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(blocks)), METH_FASTCALL,
      "A small GPT-2's transformer blocks over a few new rows."},
     {"supported", supported, METH_O, "Whether this CPU runs the blocks of a model with elements of this many bytes."},
+    {"tiles", tiles, METH_NOARGS, "Whether this CPU runs a bfloat16 model's products on AMX's tiles."},
     {nullptr, nullptr, 0, nullptr}};
 
 #define STRINGIFY_(name) #name
