@@ -33,8 +33,10 @@ from decode.models.hf_backend import cache_keyword
 from decode.verify import sample_match
 
 # Forward sizes the diverging position is scored at: a matmul over another number of rows may round
-# differently (in bfloat16 by up to a unit in the logits' last place: 0.03-0.06 at logits of 8-16).
-SHAPES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# differently (in bfloat16 by up to a unit in the logits' last place: 0.03-0.06 at logits of 8-16), and a
+# forward past the rows the C++ call takes (native_rows) runs in torch's kernels: up to the largest tree a plan
+# considers.
+SHAPES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # The cache before it may have been written in such forwards too (a chain of k drafted tokens is scored
 # in forwards of k + 1): on an H100 a gap of one bfloat16 unit, steady across SHAPES, still flipped.
 CHUNKS = (2, 3, 4, 5, 6, 8)
@@ -52,7 +54,7 @@ def replayed_logits(oracle, context: list[int], prompt_length: int | None = None
     """(replays, vocabulary) float32 logits after `context`: as the baseline computes it (the first
     `prompt_length` tokens in one forward, then token by token; first), then with the tokens after the prompt
     in forwards of 2, 3, ... tokens each (CHUNKS: the cache as a speculative method writes it), then its
-    last position scored in one forward with the 1, 2, ... 31 tokens before it (SHAPES), and with the
+    last position scored in one forward with the 1, 2, ... 63 tokens before it (SHAPES), and with the
     whole context."""
     rows, generated = [], context[prompt_length or len(context):]
     for chunk in (1, *CHUNKS) if generated else (1,):
