@@ -364,6 +364,21 @@ def test_a_rows_logits_in_cpp_do_not_depend_on_the_forwards_other_rows(blocks_he
         assert torch.equal(alone[0], together[i])
 
 
+def test_the_near_tie_checker_replays_a_cpp_forward_in_torch_too(blocks_here, tmp_path):
+    from decode.cli import agreement
+
+    engine = GPT2Engine.load(tiny_gpt2(tmp_path / "model", seed=3, n_embd=64, n_head=2), "bfloat16",
+                             native_blocks=True)
+    context = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    rows = agreement.replayed_logits(engine, context, 3)
+    engine.native_rows, native_rows = 0, engine.native_rows
+    in_torch = agreement.replayed_logits(engine, context, 3)
+    engine.native_rows = native_rows
+    half = len(in_torch)
+    assert len(rows) == 2 * half and torch.equal(rows[half:], in_torch)
+    assert (rows[:half] == rows[0]).all()  # the C++ replays agree to the bit, the cache written in chunks of any size
+
+
 def test_decoding_with_a_drafts_blocks_in_cpp_equals_the_baseline(blocks_here, monkeypatch, tmp_path):
     oracle_dir = tiny_gpt2(tmp_path / "oracle", seed=0)
     oracle = GPT2Engine.load(oracle_dir)

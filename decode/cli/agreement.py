@@ -33,9 +33,8 @@ from decode.models.hf_backend import cache_keyword
 from decode.verify import sample_match
 
 # Forward sizes the diverging position is scored at: a matmul over another number of rows may round
-# differently (in bfloat16 by up to a unit in the logits' last place: 0.03-0.06 at logits of 8-16), and a
-# forward past the rows the C++ call takes (native_rows) runs in torch's kernels: up to the largest tree a plan
-# considers.
+# differently (in bfloat16 by up to a unit in the logits' last place: 0.03-0.06 at logits of 8-16); up to the
+# largest tree a plan considers.
 SHAPES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # The cache before it may have been written in such forwards too (a chain of k drafted tokens is scored
 # in forwards of k + 1): on an H100 a gap of one bfloat16 unit, steady across SHAPES, still flipped.
@@ -55,7 +54,21 @@ def replayed_logits(oracle, context: list[int], prompt_length: int | None = None
     `prompt_length` tokens in one forward, then token by token; first), then with the tokens after the prompt
     in forwards of 2, 3, ... tokens each (CHUNKS: the cache as a speculative method writes it), then its
     last position scored in one forward with the 1, 2, ... 63 tokens before it (SHAPES), and with the
-    whole context."""
+    whole context. Where the oracle runs a forward of a few rows in C++ (whose rows do not depend on each other,
+    so those replays agree) and a larger one in torch, the replays run again in torch's kernels: a method's tree
+    past the C++ call's rows is computed there."""
+    rows = shaped_replays(oracle, context, prompt_length)
+    if getattr(oracle, "native_rows", 0):
+        before, oracle.native_rows = oracle.native_rows, 0
+        try:
+            rows = torch.cat([rows, shaped_replays(oracle, context, prompt_length)])
+        finally:
+            oracle.native_rows = before
+    return rows
+
+
+def shaped_replays(oracle, context: list[int], prompt_length: int | None) -> torch.Tensor:
+    """`replayed_logits`' replays in the kernels the oracle now runs (the baseline's first)."""
     rows, generated = [], context[prompt_length or len(context):]
     for chunk in (1, *CHUNKS) if generated else (1,):
         oracle.reset()
