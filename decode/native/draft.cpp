@@ -27,7 +27,14 @@
 
 // Every function that uses AVX-512; a float32 model's never reach a BF16 instruction
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
-// And those that use AMX's tiles too
+// And those that use AMX's tiles too: a compiler before GCC 11 or clang 12 lacks their intrinsics and builds the rest
+#ifndef TILES_BUILD
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define TILES_BUILD 1
+#else
+#define TILES_BUILD 0
+#endif
+#endif
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")))
 
 namespace {
@@ -148,6 +155,7 @@ void product_columns(const T *x, const Linear<T> &w, float *y, int64_t rows, int
 // microseconds, a product of this size some tens.
 constexpr int64_t PARALLEL_WORK = 1 << 18;
 
+#if TILES_BUILD
 // The same products on AMX's tile unit (TDPBF16PS), for a bfloat16 model on a CPU that has it: the packed weights
 // of a block of 16 columns are, 16 steps at a time, the tile B the instruction reads (16 rows of 16 column pairs),
 // the input's rows 32 elements at a time the tile A (up to 16 rows), each block's sums a tile C of 16 float32
@@ -219,9 +227,11 @@ AMX_TARGET void release_tiles() { _tile_release(); }
 
 using TiledColumns = void (*)(const bf16 *, const Linear<bf16> &, float *, int64_t, int64_t, int64_t &);
 constexpr TiledColumns TILED[4] = {tiled_columns<1>, tiled_columns<2>, tiled_columns<3>, tiled_columns<4>};
+#endif
 
 // Whether this process may use AMX's tiles: the CPU has them and Linux granted their state (asked once).
 bool tiles_granted() {
+#if TILES_BUILD
     static const bool granted = [] {
         __builtin_cpu_init();
         if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
@@ -229,6 +239,9 @@ bool tiles_granted() {
         return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }();
     return granted;
+#else
+    return false;
+#endif
 }
 
 // y (rows x out, float32) = x (rows x in) @ W + bias; on AMX's tiles with `tiles` (a bfloat16 model, `in` a multiple
@@ -238,6 +251,7 @@ void product(const T *x, const Linear<T> &w, float *y, int64_t rows, bool tiles)
     const int64_t groups = (w.out + 63) / 64;
     const int64_t grain = rows * w.in * w.out >= PARALLEL_WORK ? 1 : groups;  // a chunk this big runs in this thread
     at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+#if TILES_BUILD
         if constexpr (std::is_same_v<T, bf16>) {
             if (tiles) {
                 int64_t configured = 0;
@@ -247,6 +261,7 @@ void product(const T *x, const Linear<T> &w, float *y, int64_t rows, bool tiles)
                 return;
             }
         }
+#endif
         for (int64_t g = first; g < last; g++) product_columns(x, w, y, rows, 4 * g);
     });
 }
