@@ -5,12 +5,14 @@ import types
 
 import numpy as np
 import pytest
+import torch
 
 from decode.cli import agreement, bench, bench_engine, peers, profile_step, report
 from decode.cli.harness import Timer
 from decode.planning import costs
 from decode import native
 from decode.api import Decoder
+from decode.models.cached_lm import CachedLM
 from decode.models.engine import GPT2Engine
 from decode_models import run_models
 
@@ -183,6 +185,27 @@ def test_forward_costs_are_measured_once_per_model_and_device(models, cost_cache
     assert cached and again == table and len(list(cost_cache.iterdir())) == 1
     _, cached = costs.measured_costs(models["oracle"], oracle, "bfloat16")
     assert not cached
+
+
+def test_forward_costs_keep_a_burst_from_skewing_one_count(monkeypatch):
+    """A forward of q nodes takes q ms on a clock the model moves; a burst slows 25 forwards in a row tenfold, as
+    other work on the machine would. Timed in turns, every count's median stays its own."""
+    clock = types.SimpleNamespace(ms=0.0, forwards=0)
+
+    class Timed(CachedLM):
+        max_length, vocab_size, device = 1024, 50, torch.device("cpu")
+
+        def forward(self, token_ids, position_ids, mask, last=None):
+            clock.forwards += 1
+            clock.ms += len(token_ids) * (10 if 40 <= clock.forwards < 65 else 1)
+            self.pending += len(token_ids)
+
+        def commit(self, keep):
+            self.length, self.pending = self.length + len(keep), 0
+
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock.ms / 1e3)
+    measured = costs.forward_costs(Timed(), counts=(1, 2, 4, 8), repeats=20)
+    assert measured == pytest.approx({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0})
 
 
 def test_cost_curve_interpolates_and_extrapolates():

@@ -47,28 +47,29 @@ def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=
     median of repeats). The nodes form a chain, the costliest shape for attention, with the model's
     default causal mask; with `tree=True` a three-children-per-node tree with its explicit mask (to
     compare the two). Positions stop at the context's end (a tree's nodes share positions, so a tree
-    can hold more nodes than the context has positions)."""
-    costs = {}
-    prefix = min(prefix, model.max_length // 2)
+    can hold more nodes than the context has positions). The counts take turns, one forward each a
+    round: a burst of other work on the machine slows a round of every count, which the median drops,
+    instead of every forward of one count, which would skew the curve a plan sizes its trees by."""
+    prefix = prefill(model, min(prefix, model.max_length // 2))
+    forwards = {}  # q -> (ids, positions, mask)
     for q in (q for q in counts if prefix + q <= getattr(model, "capacity", model.max_length)):
-        prefill(model, prefix)
         ids = torch.randint(0, model.vocab_size, (q,)).tolist()  # as decoding passes them: lists
-        positions = [min(position, model.max_length - 1) for position in range(prefix, prefix + q)]
-        mask = None
+        positions, mask = [min(position, model.max_length - 1) for position in range(prefix, prefix + q)], None
         if tree:
             shape = bushy_tree(q)
             positions, mask = shape.positions(prefix), shape.mask(model.device)
-        times = []
-        for _ in range(repeats + 1):  # the first call warms up
+        forwards[q] = ids, positions, mask
+    times = {q: [] for q in forwards}
+    for _ in range(repeats + 1):  # the first round warms up
+        for q, (ids, positions, mask) in forwards.items():
             synchronize(model.device)
             start = time.perf_counter()
             model.forward(ids, positions, mask)
             synchronize(model.device)
-            times.append(time.perf_counter() - start)
+            times[q].append(time.perf_counter() - start)
             model.commit([])
-        costs[q] = 1e3 * float(np.median(times[1:]))
     model.reset()
-    return costs
+    return {q: 1e3 * float(np.median(seconds[1:])) for q, seconds in times.items()}
 
 
 def host_work_after_forward(model: CachedLM, prefix: int = 128, repeats: int = 50) -> dict[str, float]:
@@ -121,9 +122,9 @@ def fingerprint(directory, pattern: str = "*.safetensors") -> str:
 
 
 def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
-    """Model (its fingerprint), the backend's code (with the C++ forward's, where it runs one), weight layout, CUDA
-    graphs and output shortlist, device, dtype and threads."""
-    backend = Path(inspect.getfile(type(model))).read_text()
+    """Model (its fingerprint), the backend's code (with the C++ forward's, where it runs one) and the timing's, weight
+    layout, CUDA graphs and output shortlist, device, dtype and threads."""
+    backend = Path(inspect.getfile(type(model))).read_text() + inspect.getsource(forward_costs)
     if getattr(model, "blocks", None) is not None:
         backend += native.DRAFT_SOURCE.read_text() + f"{model.native_rows} {model.blocks.tiles}"
     layouts, graphs = getattr(model, "layouts", None), getattr(model, "graphs", None) is not None
