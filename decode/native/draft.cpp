@@ -331,6 +331,37 @@ BF16_TARGET inline __m512i across_slots(int64_t stride) {
                               _mm512_set1_epi32(static_cast<int32_t>(stride)));
 }
 
+// R rows' scores against 16 slots' keys, over `width` steps: a key column (float32) or column pair (bfloat16) a step,
+// one vector each, and the rows' query elements (or element pairs, as int32) `stride` apart. Every row sums its terms
+// in the same order whatever R, so a row's scores do not depend on the rows beside it; the R chains of multiply-adds
+// overlap where one row's would wait on each step.
+template <typename T, int R>
+BF16_TARGET void key_dots(const void *queries, int64_t stride, const void *keys, int64_t width, float *scores,
+                          int64_t end, __mmask16 present, float scale) {
+    __m512 dots[R];
+    for (int r = 0; r < R; r++) dots[r] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < width; t++)
+        for (int r = 0; r < R; r++) {
+            if constexpr (std::is_same_v<T, bf16>)
+                dots[r] = _mm512_dpbf16_ps(dots[r],
+                                           (__m512bh)_mm512_set1_epi32(static_cast<const int32_t *>(queries)[r * stride + t]),
+                                           (__m512bh) static_cast<const __m512i *>(keys)[t]);
+            else
+                dots[r] = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<const float *>(queries)[r * stride + t]),
+                                          static_cast<const __m512 *>(keys)[t], dots[r]);
+        }
+    for (int r = 0; r < R; r++) {
+        if constexpr (std::is_same_v<T, bf16>)  // the bfloat16 queries carry the scale already
+            _mm512_mask_storeu_ps(scores + r * end, present, dots[r]);
+        else
+            _mm512_mask_storeu_ps(scores + r * end, present, _mm512_mul_ps(dots[r], _mm512_set1_ps(scale)));
+    }
+}
+
+using KeyDots = void (*)(const void *, int64_t, const void *, int64_t, float *, int64_t, __mmask16, float);
+template <typename T>
+constexpr KeyDots KEY_DOTS[4] = {key_dots<T, 1>, key_dots<T, 2>, key_dots<T, 3>, key_dots<T, 4>};
+
 // The same with head_dim a multiple of 32: AVX-512 BF16 dot products over the query rounded to bfloat16, 16 slots
 // at a time, their keys' pairs gathered across the slots.
 BF16_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *keys, int64_t rows, int64_t end, int64_t dim,
@@ -348,12 +379,9 @@ BF16_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *key
         const auto *base = reinterpret_cast<const int32_t *>(keys + first * dim);
         for (int64_t t = 0; t < pairs; t++)
             key_pairs[t] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, across, base + t, 4);
-        for (int64_t r = 0; r < rows; r++) {
-            __m512 dots = _mm512_setzero_ps();
-            for (int64_t t = 0; t < pairs; t++)
-                dots = _mm512_dpbf16_ps(dots, (__m512bh)_mm512_set1_epi32(query_pairs[r * pairs + t]), (__m512bh)key_pairs[t]);
-            _mm512_mask_storeu_ps(scores + r * end + first, present, dots);
-        }
+        for (int64_t r0 = 0; r0 < rows; r0 += 4)
+            KEY_DOTS<bf16>[std::min<int64_t>(4, rows - r0) - 1](query_pairs + r0 * pairs, pairs, key_pairs, pairs,
+                                                                scores + r0 * end + first, end, present, scale);
     }
 }
 
@@ -368,11 +396,9 @@ BF16_TARGET void scores_of(const float *queries, int64_t stride, const float *ke
         const __mmask16 present = first_lanes(end - first);
         for (int64_t d = 0; d < dim; d++)
             key_columns[d] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, across, keys + first * dim + d, 4);
-        for (int64_t r = 0; r < rows; r++) {
-            __m512 dots = _mm512_setzero_ps();
-            for (int64_t d = 0; d < dim; d++) dots = _mm512_fmadd_ps(_mm512_set1_ps(queries[r * stride + d]), key_columns[d], dots);
-            _mm512_mask_storeu_ps(scores + r * end + first, present, _mm512_mul_ps(dots, _mm512_set1_ps(scale)));
-        }
+        for (int64_t r0 = 0; r0 < rows; r0 += 4)
+            KEY_DOTS<float>[std::min<int64_t>(4, rows - r0) - 1](queries + r0 * stride, stride, key_columns, dim,
+                                                                 scores + r0 * end + first, end, present, scale);
     }
 }
 
