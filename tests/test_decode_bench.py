@@ -189,7 +189,7 @@ def test_forward_costs_are_measured_once_per_model_and_device(models, cost_cache
 
 def test_forward_costs_keep_a_burst_from_skewing_one_count(monkeypatch):
     """A forward of q nodes takes q ms on a clock the model moves; a burst slows 25 forwards in a row tenfold, as
-    other work on the machine would. Timed in turns, every count's median stays its own."""
+    other work on the machine would. Timed in rounds, every count's median stays its own."""
     clock = types.SimpleNamespace(ms=0.0, forwards=0)
 
     class Timed(CachedLM):
@@ -210,6 +210,11 @@ def test_forward_costs_keep_a_burst_from_skewing_one_count(monkeypatch):
 
 def test_cost_curve_interpolates_and_extrapolates():
     assert costs.cost_curve({1: 1.0, 2: 2.0, 4: 3.0}, 6).tolist() == [0, 1, 2, 2.5, 3, 3.5, 4]
+
+
+def test_cost_curve_never_falls_with_more_nodes():
+    assert costs.cost_curve({1: 2.0, 2: 1.0, 4: 3.0}, 4).tolist() == [0, 1.5, 1.5, 2.25, 3]
+    assert costs.non_decreasing([2.54, 2.45, 2.17, 2.24, 2.81]).round(4).tolist() == [2.35, 2.35, 2.35, 2.35, 2.81]
 
 
 @pytest.mark.parametrize("method, drafting", [("staged", {"trigram trees", "tree building"}),

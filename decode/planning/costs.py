@@ -23,6 +23,9 @@ from decode.models.cached_lm import CachedLM, synchronize
 from decode.tree import Tree
 
 NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+# Untimed forwards of a count before its timed ones, at least this long: right after forwards of many nodes (a
+# prompt's, or a larger count's), the next few forwards of one node ran up to 2x slower on a CPU for some milliseconds
+SETTLE_SECONDS = 0.01
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "staged-speculative" / "forward-costs"
 
 
@@ -42,14 +45,15 @@ def prefill(model: CachedLM, prefix: int) -> int:
 
 
 def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=NODE_COUNTS,
-                  tree: bool = False) -> dict[int, float]:
+                  tree: bool = False, rounds: int = 4) -> dict[int, float]:
     """Milliseconds per forward of q nodes after `prefix` cached positions (at most half the context;
     median of repeats). The nodes form a chain, the costliest shape for attention, with the model's
     default causal mask; with `tree=True` a three-children-per-node tree with its explicit mask (to
     compare the two). Positions stop at the context's end (a tree's nodes share positions, so a tree
-    can hold more nodes than the context has positions). The counts take turns, one forward each a
-    round: a burst of other work on the machine slows a round of every count, which the median drops,
-    instead of every forward of one count, which would skew the curve a plan sizes its trees by."""
+    can hold more nodes than the context has positions). The repeats are split among `rounds` that each
+    time every count in turn, a count's forwards one after another, as a decoding loop repeats its own: a
+    burst of other work on the machine slows a part of a count's forwards, which the median drops, rather
+    than all of them. Each count's timed forwards follow SETTLE_SECONDS of untimed ones."""
     prefix = prefill(model, min(prefix, model.max_length // 2))
     forwards = {}  # q -> (ids, positions, mask)
     for q in (q for q in counts if prefix + q <= getattr(model, "capacity", model.max_length)):
@@ -59,17 +63,24 @@ def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=
             shape = bushy_tree(q)
             positions, mask = shape.positions(prefix), shape.mask(model.device)
         forwards[q] = ids, positions, mask
+
+    def seconds(q: int) -> float:
+        synchronize(model.device)
+        start = time.perf_counter()
+        model.forward(*forwards[q])
+        synchronize(model.device)
+        model.commit([])
+        return time.perf_counter() - start
+
     times = {q: [] for q in forwards}
-    for _ in range(repeats + 1):  # the first round warms up
-        for q, (ids, positions, mask) in forwards.items():
-            synchronize(model.device)
-            start = time.perf_counter()
-            model.forward(ids, positions, mask)
-            synchronize(model.device)
-            times[q].append(time.perf_counter() - start)
-            model.commit([])
+    for round_ in range(rounds):
+        for q in forwards:
+            settled = time.perf_counter() + SETTLE_SECONDS
+            while seconds(q) and time.perf_counter() < settled:
+                pass
+            times[q] += [seconds(q) for _ in range(repeats * (round_ + 1) // rounds - repeats * round_ // rounds)]
     model.reset()
-    return {q: 1e3 * float(np.median(seconds[1:])) for q, seconds in times.items()}
+    return {q: 1e3 * float(np.median(timed)) for q, timed in times.items()}
 
 
 def host_work_after_forward(model: CachedLM, prefix: int = 128, repeats: int = 50) -> dict[str, float]:
@@ -163,10 +174,25 @@ def measured_costs(model_dir, model: CachedLM, dtype: str, counts=NODE_COUNTS,
     return by_count(costs), read
 
 
+def non_decreasing(values) -> np.ndarray:
+    """The non-decreasing sequence nearest `values` in least squares (pool adjacent violators): neighbours out of
+    order are replaced by their mean until none is."""
+    pools = []  # [mean, count]
+    for value in values:
+        pools.append([float(value), 1])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            (mean, count), (last, last_count) = pools[-2], pools.pop()
+            pools[-1] = [(mean * count + last * last_count) / (count + last_count), count + last_count]
+    return np.repeat([mean for mean, _ in pools], [count for _, count in pools])
+
+
 def cost_curve(costs: dict[int, float], largest: int) -> torch.Tensor:
     """Milliseconds for q = 0 .. largest nodes, interpolated linearly between measured counts (and
-    extrapolated with the last segment's slope beyond them); entry 0 is 0."""
-    qs, ms = np.array(sorted(costs)), np.array([costs[q] for q in sorted(costs)])
+    extrapolated with the last segment's slope beyond them); entry 0 is 0. A forward of more nodes does the
+    work of one of fewer and more, so the measured table is first fitted non-decreasing (`non_decreasing`): on a
+    busy machine a count timed at a worse moment can come out above a larger one."""
+    qs = np.array(sorted(costs))
+    ms = non_decreasing([costs[q] for q in qs])
     q = np.arange(largest + 1)
     curve = np.interp(q, qs, ms)
     if len(qs) > 1 and largest > qs[-1]:
