@@ -69,15 +69,17 @@ def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=
         start = time.perf_counter()
         model.forward(*forwards[q])
         synchronize(model.device)
+        took = time.perf_counter() - start
         model.commit([])
-        return time.perf_counter() - start
+        return took
 
     times = {q: [] for q in forwards}
     for round_ in range(rounds):
         for q in forwards:
             settled = time.perf_counter() + SETTLE_SECONDS
-            while seconds(q) and time.perf_counter() < settled:
-                pass
+            seconds(q)
+            while time.perf_counter() < settled:
+                seconds(q)
             times[q] += [seconds(q) for _ in range(repeats * (round_ + 1) // rounds - repeats * round_ // rounds)]
     model.reset()
     return {q: 1e3 * float(np.median(timed)) for q, timed in times.items()}
