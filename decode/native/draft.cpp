@@ -325,81 +325,124 @@ BF16_TARGET void scores_one_by_one(const float *queries, int64_t stride, const T
         }
 }
 
-// Offsets, in elements of `stride` each, of 16 consecutive slots: a gather's indices across the slots of a head.
-BF16_TARGET inline __m512i across_slots(int64_t stride) {
-    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                              _mm512_set1_epi32(static_cast<int32_t>(stride)));
-}
-
-// R rows' scores against 16 slots' keys, over `width` steps: a key column (float32) or column pair (bfloat16) a step,
-// one vector each, and the rows' query elements (or element pairs, as int32) `stride` apart. Every row sums its terms
-// in the same order whatever R, so a row's scores do not depend on the rows beside it; the R chains of multiply-adds
-// overlap where one row's would wait on each step.
-template <typename T, int R>
-BF16_TARGET void key_dots(const void *queries, int64_t stride, const void *keys, int64_t width, float *scores,
-                          int64_t end, __mmask16 present, float scale) {
-    __m512 dots[R];
-    for (int r = 0; r < R; r++) dots[r] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < width; t++)
-        for (int r = 0; r < R; r++) {
-            if constexpr (std::is_same_v<T, bf16>)
-                dots[r] = _mm512_dpbf16_ps(dots[r],
-                                           (__m512bh)_mm512_set1_epi32(static_cast<const int32_t *>(queries)[r * stride + t]),
-                                           (__m512bh) static_cast<const __m512i *>(keys)[t]);
-            else
-                dots[r] = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<const float *>(queries)[r * stride + t]),
-                                          static_cast<const __m512 *>(keys)[t], dots[r]);
+// Sixteen rows of 16 32-bit elements (16 slots' keys, 16 of their elements each) transposed in place: row j then
+// holds element j of every slot, what a dot product across the slots reads. Shuffles within 128-bit lanes, then of
+// whole lanes: 64 of them, where gathering each element across the slots took several times as long.
+BF16_TARGET inline void transpose16(__m512i rows[16]) {
+    __m512i pairs[16];
+    for (int i = 0; i < 16; i += 2) {  // elements 4k + c of rows i, i + 1 side by side
+        pairs[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+        pairs[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    __m512i fours[16];  // fours[4g + c], lane k: element 4k + c of rows 4g..4g + 3
+    for (int g = 0; g < 16; g += 4)
+        for (int h = 0; h < 2; h++) {
+            fours[g + 2 * h] = _mm512_unpacklo_epi64(pairs[g + h], pairs[g + 2 + h]);
+            fours[g + 2 * h + 1] = _mm512_unpackhi_epi64(pairs[g + h], pairs[g + 2 + h]);
         }
-    for (int r = 0; r < R; r++) {
-        if constexpr (std::is_same_v<T, bf16>)  // the bfloat16 queries carry the scale already
-            _mm512_mask_storeu_ps(scores + r * end, present, dots[r]);
-        else
-            _mm512_mask_storeu_ps(scores + r * end, present, _mm512_mul_ps(dots[r], _mm512_set1_ps(scale)));
+    for (int c = 0; c < 4; c++) {  // element 4k + c: lane k of fours[c], fours[4 + c], fours[8 + c], fours[12 + c]
+        const __m512i even_low = _mm512_shuffle_i32x4(fours[c], fours[4 + c], 0x88),
+                      odd_low = _mm512_shuffle_i32x4(fours[c], fours[4 + c], 0xdd),
+                      even_high = _mm512_shuffle_i32x4(fours[8 + c], fours[12 + c], 0x88),
+                      odd_high = _mm512_shuffle_i32x4(fours[8 + c], fours[12 + c], 0xdd);
+        rows[c] = _mm512_shuffle_i32x4(even_low, even_high, 0x88);
+        rows[8 + c] = _mm512_shuffle_i32x4(even_low, even_high, 0xdd);
+        rows[4 + c] = _mm512_shuffle_i32x4(odd_low, odd_high, 0x88);
+        rows[12 + c] = _mm512_shuffle_i32x4(odd_low, odd_high, 0xdd);
     }
 }
 
-using KeyDots = void (*)(const void *, int64_t, const void *, int64_t, float *, int64_t, __mmask16, float);
-template <typename T>
-constexpr KeyDots KEY_DOTS[4] = {key_dots<T, 1>, key_dots<T, 2>, key_dots<T, 3>, key_dots<T, 4>};
+// Up to 16 consecutive slots' elements (`count` slots of `width` 32-bit elements each, width a multiple of 16) across
+// the slots: out[t], lane s: element t of slot s (0 past `count`).
+BF16_TARGET inline void across_slots(const void *slots, int64_t count, int64_t width, __m512i *out) {
+    const auto *elements = static_cast<const int32_t *>(slots);
+    for (int64_t t0 = 0; t0 < width; t0 += 16) {
+        __m512i *rows = out + t0;
+        for (int64_t s = 0; s < 16; s++)
+            rows[s] = s < count ? _mm512_loadu_si512(elements + s * width + t0) : _mm512_setzero_si512();
+        transpose16(rows);
+    }
+}
 
-// The same with head_dim a multiple of 32: AVX-512 BF16 dot products over the query rounded to bfloat16, 16 slots
-// at a time, their keys' pairs gathered across the slots.
+// R rows' scores against C chunks of 16 slots' keys, over `width` steps: a key column (float32) or column pair
+// (bfloat16) a step, one vector each (chunk c's at keys[c * KEY_WIDTH]), and the rows' query elements (or element
+// pairs, as int32) `stride` apart; `count` slots from the first are stored. Every row sums its terms in the same order
+// whatever R and C, so a row's scores do not depend on the rows beside it; the R x C chains of multiply-adds overlap
+// where one would wait on each step.
+constexpr int64_t KEY_WIDTH = 128;  // the most steps: a head of 128 float32 elements
+
+template <typename T, int R, int C>
+BF16_TARGET void key_dots(const void *queries, int64_t stride, const __m512i *keys, int64_t width, float *scores,
+                          int64_t end, int64_t count, float scale) {
+    __m512 dots[R][C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) dots[r][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < width; t++)
+        for (int r = 0; r < R; r++) {
+            if constexpr (std::is_same_v<T, bf16>) {
+                const auto query = (__m512bh)_mm512_set1_epi32(static_cast<const int32_t *>(queries)[r * stride + t]);
+                for (int c = 0; c < C; c++) dots[r][c] = _mm512_dpbf16_ps(dots[r][c], query, (__m512bh)keys[c * KEY_WIDTH + t]);
+            } else {
+                const __m512 query = _mm512_set1_ps(static_cast<const float *>(queries)[r * stride + t]);
+                for (int c = 0; c < C; c++)
+                    dots[r][c] = _mm512_fmadd_ps(query, _mm512_castsi512_ps(keys[c * KEY_WIDTH + t]), dots[r][c]);
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C && 16 * c < count; c++) {
+            const __mmask16 present = first_lanes(count - 16 * c);
+            if constexpr (std::is_same_v<T, bf16>)  // the bfloat16 queries carry the scale already
+                _mm512_mask_storeu_ps(scores + r * end + 16 * c, present, dots[r][c]);
+            else
+                _mm512_mask_storeu_ps(scores + r * end + 16 * c, present, _mm512_mul_ps(dots[r][c], _mm512_set1_ps(scale)));
+        }
+}
+
+using KeyDots = void (*)(const void *, int64_t, const __m512i *, int64_t, float *, int64_t, int64_t, float);
+// KEY_DOTS<T>[R - 1]: R rows at a time against the chunks that make four chains with them (a row alone: four chunks)
+template <typename T>
+constexpr KeyDots KEY_DOTS[4] = {key_dots<T, 1, 4>, key_dots<T, 2, 2>, key_dots<T, 3, 1>, key_dots<T, 4, 1>};
+constexpr int64_t KEY_CHUNKS[4] = {4, 2, 1, 1};
+
+// Scores (rows x end) of each row's query (`stride` apart) against every cached key of one head, `width` 32-bit
+// steps a key (head_dim float32 elements, or head_dim / 2 bfloat16 pairs: a multiple of 16), 64 slots at a time laid
+// across the slots (`across_slots`) for `key_dots`.
+template <typename T>
+BF16_TARGET void scores_across_slots(const void *queries, int64_t stride, const T *keys, int64_t rows, int64_t end,
+                                     int64_t dim, int64_t width, float scale, float *scores) {
+    __m512i key_vectors[4 * KEY_WIDTH];
+    for (int64_t first = 0; first < end; first += 64) {
+        const int64_t count = end - first, chunks = std::min<int64_t>(4, (count + 15) / 16);
+        for (int64_t c = 0; c < 4; c++)  // chunks past the last slot: zeros, never stored
+            if (c < chunks)
+                across_slots(keys + (first + 16 * c) * dim, count - 16 * c, width, key_vectors + c * KEY_WIDTH);
+            else
+                std::fill(key_vectors + c * KEY_WIDTH, key_vectors + c * KEY_WIDTH + width, _mm512_setzero_si512());
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const int64_t r = std::min<int64_t>(4, rows - r0);
+            for (int64_t c = 0; c < chunks; c += KEY_CHUNKS[r - 1])
+                KEY_DOTS<T>[r - 1](static_cast<const int32_t *>(queries) + r0 * stride, stride,
+                                   key_vectors + c * KEY_WIDTH, width, scores + r0 * end + first + 16 * c, end,
+                                   count - 16 * c, scale);
+        }
+    }
+}
+
+// The same with head_dim a multiple of 32: AVX-512 BF16 dot products over the query rounded to bfloat16.
 BF16_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *keys, int64_t rows, int64_t end, int64_t dim,
                            float scale, float *scores) {
     if (dim % 32 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
-    const int64_t pairs = dim / 2;
     std::vector<bf16> rounded(rows * dim);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t d = 0; d < dim; d++) rounded[r * dim + d] = to_bf16(queries[r * stride + d] * scale);
-    const auto *query_pairs = reinterpret_cast<const int32_t *>(rounded.data());
-    const __m512i across = across_slots(pairs);
-    __m512i key_pairs[64];
-    for (int64_t first = 0; first < end; first += 16) {
-        const __mmask16 present = first_lanes(end - first);
-        const auto *base = reinterpret_cast<const int32_t *>(keys + first * dim);
-        for (int64_t t = 0; t < pairs; t++)
-            key_pairs[t] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, across, base + t, 4);
-        for (int64_t r0 = 0; r0 < rows; r0 += 4)
-            KEY_DOTS<bf16>[std::min<int64_t>(4, rows - r0) - 1](query_pairs + r0 * pairs, pairs, key_pairs, pairs,
-                                                                scores + r0 * end + first, end, present, scale);
-    }
+    scores_across_slots(rounded.data(), dim / 2, keys, rows, end, dim, dim / 2, scale, scores);
 }
 
-// The same over float32 keys with head_dim a multiple of 16: fused multiply-adds, 16 slots at a time, each of the
-// keys' columns gathered across the slots.
+// The same over float32 keys with head_dim a multiple of 16: fused multiply-adds.
 BF16_TARGET void scores_of(const float *queries, int64_t stride, const float *keys, int64_t rows, int64_t end,
                            int64_t dim, float scale, float *scores) {
     if (dim % 16 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
-    const __m512i across = across_slots(dim);
-    __m512 key_columns[128];
-    for (int64_t first = 0; first < end; first += 16) {
-        const __mmask16 present = first_lanes(end - first);
-        for (int64_t d = 0; d < dim; d++)
-            key_columns[d] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, across, keys + first * dim + d, 4);
-        for (int64_t r0 = 0; r0 < rows; r0 += 4)
-            KEY_DOTS<float>[std::min<int64_t>(4, rows - r0) - 1](queries + r0 * stride, stride, key_columns, dim,
-                                                                 scores + r0 * end + first, end, present, scale);
-    }
+    scores_across_slots(queries, stride, keys, rows, end, dim, dim, scale, scores);
 }
 
 // sums (rows x dim) = weights (rows x end) @ values (end x dim) of one head, in float32 one by one: for head sizes
@@ -413,35 +456,44 @@ BF16_TARGET void weighted_one_by_one(const float *weights, const T *values, int6
             for (int64_t d = 0; d < dim; d++) sums[r * dim + d] += weights[r * end + slot] * to_float(values[slot * dim + d]);
 }
 
-// The same with dim a multiple of 16: AVX-512 BF16 dot products over pairs of slots, the weights rounded to bfloat16.
+// The same with dim a multiple of 32: AVX-512 BF16 dot products over pairs of slots, the weights rounded to bfloat16.
+// A pair's values are two slots' rows of 32 elements interleaved within each 128-bit lane (unpacklo/hi_epi16): the
+// low vector then holds elements 8k..8k + 3 of lane k, the high one 8k + 4..8k + 7, put back in order once at the end.
 BF16_TARGET void weighted_values(const float *weights, const bf16 *values, int64_t rows, int64_t end, int64_t dim,
                                  float *sums) {
-    if (dim % 16 || dim > 128) return weighted_one_by_one(weights, values, rows, end, dim, sums);
-    const int64_t slot_pairs = (end + 1) / 2, chunks = dim / 16;
+    if (dim % 32 || dim > 128) return weighted_one_by_one(weights, values, rows, end, dim, sums);
+    const int64_t slot_pairs = (end + 1) / 2, halves = dim / 16;  // halves: a low and a high vector each 32 elements
     std::vector<bf16> rounded(rows * 2 * slot_pairs, 0);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t slot = 0; slot < end; slot++) rounded[r * 2 * slot_pairs + slot] = to_bf16(weights[r * end + slot]);
     const auto *weight_pairs = reinterpret_cast<const int32_t *>(rounded.data());
+    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+                  second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int64_t rn = std::min<int64_t>(4, rows - r0);
         __m512 acc[4][8];
         for (int64_t r = 0; r < 4; r++)
-            for (int64_t c = 0; c < chunks; c++) acc[r][c] = _mm512_setzero_ps();
+            for (int64_t h = 0; h < halves; h++) acc[r][h] = _mm512_setzero_ps();
         for (int64_t u = 0; u < slot_pairs; u++) {
             const bf16 *even = values + 2 * u * dim, *odd = 2 * u + 1 < end ? even + dim : nullptr;
-            for (int64_t c = 0; c < chunks; c++) {
-                const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(even + 16 * c)));
-                const __m512i high = odd ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                               _mm256_loadu_si256(reinterpret_cast<const __m256i *>(odd + 16 * c))), 16)
-                                         : _mm512_setzero_si512();
-                const __m512bh pair = (__m512bh)_mm512_or_si512(low, high);
-                for (int64_t r = 0; r < rn; r++)
-                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c],
-                                                 (__m512bh)_mm512_set1_epi32(weight_pairs[(r0 + r) * slot_pairs + u]), pair);
+            for (int64_t h = 0; h < halves; h += 2) {
+                const __m512i low = _mm512_loadu_si512(even + 16 * h),
+                              high = odd ? _mm512_loadu_si512(odd + 16 * h) : _mm512_setzero_si512();
+                const auto first = (__m512bh)_mm512_unpacklo_epi16(low, high),
+                           second = (__m512bh)_mm512_unpackhi_epi16(low, high);
+                for (int64_t r = 0; r < rn; r++) {
+                    const auto weight = (__m512bh)_mm512_set1_epi32(weight_pairs[(r0 + r) * slot_pairs + u]);
+                    acc[r][h] = _mm512_dpbf16_ps(acc[r][h], weight, first);
+                    acc[r][h + 1] = _mm512_dpbf16_ps(acc[r][h + 1], weight, second);
+                }
             }
         }
         for (int64_t r = 0; r < rn; r++)
-            for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(sums + (r0 + r) * dim + 16 * c, acc[r][c]);
+            for (int64_t h = 0; h < halves; h += 2) {
+                float *out = sums + (r0 + r) * dim + 16 * h;
+                _mm512_storeu_ps(out, _mm512_permutex2var_ps(acc[r][h], first_half, acc[r][h + 1]));
+                _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(acc[r][h], second_half, acc[r][h + 1]));
+            }
     }
 }
 
