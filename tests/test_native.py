@@ -14,7 +14,7 @@ import torch
 from data.machine import cpu_features
 from decode import native
 from decode.models.cached_lm import Shortlist
-from decode.drafting import LookupDrafter, StagedDrafter, TrigramTrees, ranking
+from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TrigramTrees, ranking
 from decode.models import engine as engine_module
 from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative
@@ -395,6 +395,38 @@ def test_decoding_with_a_drafts_blocks_in_cpp_equals_the_baseline(blocks_here, m
         assert out.tokens == baseline(oracle, prompt, 32, Sampling(), eos_id=0).tokens
         assert out.oracle_calls < len(out.tokens)  # the draft's proposals were accepted
     assert len(calls) > 4 and max(calls) > 1
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0, 5), Sampling(0.8, 12, 0.9)],
+                         ids=["greedy", "top-k", "top-k top-p"])
+@pytest.mark.parametrize("shortlist", [None, 40])
+def test_a_chain_drafted_in_one_cpp_call_equals_the_chain_drafted_a_forward_at_a_time(blocks_here, monkeypatch, tmp_path,
+                                                                                       sampling, shortlist):
+    """A chain drafter (and a planned shape that is a chain) makes a step's draft forwards and the tokens they choose
+    in one C++ call where the draft runs in C++: the same trees, the same q at every node and the same output, step
+    after step, as one draft forward a node."""
+    oracle_dir = tiny_gpt2(tmp_path / "oracle", seed=0)
+    oracle = GPT2Engine.load(oracle_dir)
+    shortlist = shortlist and Shortlist(random.Random(1).sample(range(97), shortlist), 97)
+    draft = GPT2Engine.load(tiny_gpt2(tmp_path / "draft", seed=1, noise_from=oracle_dir, noise=0.02), "bfloat16",
+                            native_blocks=True, shortlist=shortlist)
+    inner, fits = draft.chain, draft.chains
+    for drafter in (ChainDrafter(draft, 4), ShapedTreeDrafter(draft, [-1, 0, 1, 2, 3], [0] * 5, sampled=True)):
+        made, calls = {}, {}
+        propose = drafter.propose
+        for one_call in (True, False):
+            made[one_call], calls[one_call] = [], []
+            monkeypatch.setattr(draft, "chains", lambda rows, setting: one_call and fits(rows, setting))
+            monkeypatch.setattr(draft, "chain", lambda *args, seen=calls[one_call]: seen.append(args) or inner(*args))
+            monkeypatch.setattr(drafter, "propose", lambda *args, seen=made[one_call]: seen.append(propose(*args)) or seen[-1])
+            for seed, prompt in enumerate(([4, 9, 17], [11, 12, 13, 14, 11, 12] * 3)):
+                out = tree_speculative(oracle, torch.tensor(prompt), 40, sampling, eos_id=None, drafter=drafter,
+                                       generator=torch.Generator().manual_seed(seed))
+                made[one_call].append(out.tokens)
+        drafted = sum(isinstance(t, Tree) and len(t) > 1 for t in made[True])
+        assert len(calls[True]) == drafted and not calls[False]  # every proposal in one call, or none in any
+        assert [(t.tokens, t.parents, t.child_dists) if isinstance(t, Tree) else t for t in made[True]] == \
+               [(t.tokens, t.parents, t.child_dists) if isinstance(t, Tree) else t for t in made[False]]
 
 
 def test_without_a_compiler_decoding_says_so_once_and_goes_on_in_python(monkeypatch, capsys):

@@ -11,9 +11,10 @@ reported apart. The trigram's remembered trees are forgotten after it, so new co
     python -m decode.profile_step --run RUN --method staged --limit 10 --dtype bfloat16
 
 Every other flag is decode.run's. The decoding loop's hooks time the oracle's forwards, the drafter's proposals and
-the verifications; the draft's forward and the work a drafter names as its parts (the trigram's tree builder, which
-runs once per new context: trees are remembered) are timed by wrapping them; tree building is the proposals less the
-forwards and trigram trees inside them.
+the verifications; the draft's forward (a chain's forwards made in one C++ call, with the tokens each chooses, as
+one) and the work a drafter names as its parts (the trigram's tree builder, which runs once per new context: trees
+are remembered) are timed by wrapping them; tree building is the proposals less the forwards and trigram trees inside
+them.
 """
 import statistics
 import time
@@ -44,8 +45,9 @@ def main(argv=None) -> dict[str, float]:
     dec = SpeculativeDecoder(settings.options)
     decoder, prompts = dec.decoder, [prompt for _, prompt in run.encode_prompts(settings, [dec])]
     timer = Timer(decoder.oracle.device)
-    if decoder.draft is not None:
-        timer.wrap(decoder.draft, "forward", lambda: f"draft {'prompt' if decoder.draft.length == 0 else 'forward'}")
+    if decoder.draft is not None:  # a chain's forwards made in one call count as the draft's forwards
+        for name in ("forward", "chain"):
+            timer.wrap(decoder.draft, name, lambda: f"draft {'prompt' if decoder.draft.length == 0 else 'forward'}")
     for label, (owner, name) in (decoder.drafter.parts() if decoder.drafter is not None else {}).items():
         timer.wrap(owner, name, label)
     with timer.paused():

@@ -67,6 +67,21 @@ class ModelDrafter:
     def accept(self, path: list[int]) -> None:
         self.draft.accept([self.kept[n] for n in path] if self.kept is not None else path)
 
+    def chain(self, root: int, steps: int, sampling: Sampling, generator: Uniforms) -> Tree | None:
+        """The step's tree as a chain of `steps` tokens below `root` from one call of the draft model's, where it makes
+        a chain's forwards at once (DraftCache.chain; the step started): greedy, each token the argmax after the one
+        above; sampling, draws, each node's q recorded. None where it does not: the drafter then scores node by node,
+        which gives the same tree."""
+        chained = self.draft.chain(steps, sampling, generator) if steps else None
+        if chained is None:
+            return None
+        tree, (drawn, qs) = Tree.rooted(root), chained
+        for node, token in enumerate(drawn):
+            if qs is not None:
+                tree.child_dists[node] = qs[node]
+            tree.add(node, token)
+        return tree
+
 
 class ModelFreeDrafter:
     """A drafter without a draft model: no draft calls, nothing to commit."""

@@ -18,10 +18,13 @@ class ChainDrafter(ModelDrafter):
         return {"k": self.k}
 
     def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
-        tree = Tree.rooted(tokens[-1])
         self.draft.start(tokens)
+        steps = min(self.k, max_depth)
+        if (chained := self.chain(tokens[-1], steps, sampling, generator)) is not None:
+            return chained
+        tree = Tree.rooted(tokens[-1])
         node, draws = 0, self.draws(sampling)
-        for _ in range(min(self.k, max_depth)):
+        for _ in range(steps):
             logits = self.draft.score(tree, [node], repeats=node)  # every step's tree is a chain
             if draws:
                 [[token]], [q] = draw_children(sampling, logits, 1, generator, self.draft.shortlist)

@@ -10,6 +10,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from decode.models.cached_lm import CachedLM
+from decode.sampling import Sampling, Sparse, Uniforms
 from decode.tree import Tree, rows_mask
 
 
@@ -76,6 +77,23 @@ class DraftCache:
         length = model.length
         positions = [length + offset for offset in call.offsets]
         return model.forward(ids, positions, call.mask, call.rows)  # row i: after nodes[i]
+
+    def chain(self, steps: int, sampling: Sampling, generator: Uniforms) -> tuple[list[int], list | None] | None:
+        """A step's `steps` draft calls down a chain from the root (each scoring the node the one before chose, the first
+        with the unseen accepted tokens), as one call of the model's where it has one (CachedLM.chains); else None,
+        and the caller scores node by node. Returns the chain's tokens below the root (greedy: the argmaxes; sampling:
+        draws, the generator's next `steps`) and, when sampling, each one's distribution, as score's logits give them;
+        node i of the chain is then scored, in pending slot i past the root's."""
+        if self.slots or not self.model.chains(len(self.unseen), sampling):
+            return None
+        run, length = self.unseen, self.model.length
+        uniforms = [] if sampling.greedy else generator.take(steps)
+        chosen = self.model.chain(run, list(range(length, length + len(run))), steps, sampling, uniforms, Sparse)
+        root = len(run) - 1
+        self.slots = {node: root + node for node in range(steps)}
+        self.sees = {node: (2 << slot) - 1 for node, slot in self.slots.items()}
+        self.calls += steps
+        return chosen
 
     def layout(self, tree: Tree, nodes: list[int], unseen: int, pending: int) -> Call:
         """`score`'s bookkeeping for a call with `unseen` accepted tokens to feed first (0 after a step's first call)."""

@@ -81,6 +81,8 @@ class ShapedTreeDrafter(ModelDrafter):
         # shape node -> how many of the draft's ranked tokens its children read
         self.widest = [1 + max((self.ranks[c] for c in children), default=-1) for children in self.below]
         self.layouts = {}
+        # one child a node, the best or a draw: the chain drafter's tree, which the draft model may make in one call
+        self.is_chain = all(len(children) <= 1 for children in self.below) and not any(self.ranks)
 
     def describe(self) -> dict:
         return {"nodes": len(self.parents), "sampled": self.sampled}
@@ -108,8 +110,11 @@ class ShapedTreeDrafter(ModelDrafter):
 
     def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
         shape, levels = self.layout(max_depth)
-        tree = shape.copy([tokens[-1]] + shape.tokens[1:])
         self.draft.start(tokens)
+        if self.is_chain and (sampling.greedy or self.draws(sampling)):
+            if (chained := self.chain(tokens[-1], len(levels), sampling, generator)) is not None:
+                return chained
+        tree = shape.copy([tokens[-1]] + shape.tokens[1:])
         for level, (nodes, widest, draws, children) in enumerate(levels):
             logits = self.draft.score(tree, nodes, repeats=(len(levels), level))
             if self.draws(sampling):  # child j of a node is its j-th independent draw

@@ -202,6 +202,19 @@ class GPT2Engine(CachedLM):
         kv.pending += q
         return logits
 
+    def chains(self, rows: int, sampling) -> bool:
+        """A chain's forwards run as one C++ call where each of them would run in C++ (the first of `rows` rows), greedy
+        or under a top-k setting."""
+        return self.blocks is not None and rows <= self.native_rows and (sampling.greedy or sampling.sparse)
+
+    def chain(self, token_ids: Ids, position_ids: Ids, steps: int, sampling, uniforms: list[float],
+              mapping=dict) -> tuple[list[int], list[dict[int, float]] | None]:
+        q = len(token_ids) + steps - 1  # the last token chosen is not fed
+        start, _ = self.kv.reserve(q)
+        chosen = self.blocks.chain(token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms, mapping)
+        self.kv.pending += q
+        return chosen
+
     def logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
         """Float32 logits of new nodes (of the `last` of them, with `last`) that write their keys/values into cache

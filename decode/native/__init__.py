@@ -8,7 +8,7 @@ Right after a forward, each of the tens of torch, numpy and list operations thes
 forward evicted; one call pays once (docs/decoding.md and docs/profiling.md).
 
 torch's extension builder compiles the file on first use (a few seconds; cached under ~/.cache/torch_extensions in a
-directory named by the source's hash, so checkouts of different versions neither rebuild in turn nor replace a
+directory named by the hash of the source and its headers, so checkouts of different versions neither rebuild in turn nor replace a
 module another process has loaded). Where it cannot (no C++ compiler or ninja), or the data are not laid out as the
 loops read them (logits not float32 rows in CPU memory), decoding takes the Python code, which gives the same trees
 and paths. STAGED_SPECULATIVE_NATIVE=0 turns the C++ off.
@@ -33,10 +33,11 @@ FLAGS = ["-O3", "-fopenmp"]
 
 
 def build(source: Path):
-    """A C++ source compiled as a Python module (cached, named by the source's hash)."""
+    """A C++ source compiled as a Python module (cached, named by the hash of the source and the headers beside it)."""
     from torch.utils import cpp_extension
 
-    name = f"{source.stem}_{hashlib.sha256(source.read_bytes() + ' '.join(FLAGS).encode()).hexdigest()[:12]}"
+    code = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
+    name = f"{source.stem}_{hashlib.sha256(code + ' '.join(FLAGS).encode()).hexdigest()[:12]}"
     return cpp_extension.load(name, [str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
 
 
@@ -242,3 +243,14 @@ class Blocks:
                               start, end, 0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],
                               last, out.data_ptr())
         return out
+
+    def chain(self, token_ids: Ids, position_ids: Ids, start: int, steps: int, sampling, shortlist,
+              uniforms: list[float], mapping=dict) -> tuple[list[int], list[dict[int, float]] | None]:
+        """A chain drafter's `steps` forwards as one C++ call (draft.cpp's chain): the first over the new nodes in
+        cache slots from `start` (the last of them the root), each later one over the token chosen after the one
+        before, a position and a slot further. Returns the chosen tokens (greedy: each row's argmax; a top-k setting:
+        a draw at each of `uniforms`) and, when sampling, each one's distribution (made as `mapping()`)."""
+        return draft_module().chain(as_list(token_ids), as_list(position_ids), self.embeddings, self.parameters,
+                                    self.shape, self.epsilon, self.cache, start, steps, sampling.top_k,
+                                    float(sampling.temperature), float(sampling.top_p),
+                                    None if shortlist is None else shortlist.tokens, uniforms, mapping)

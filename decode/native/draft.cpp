@@ -25,6 +25,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "rows.h"
+
 // Every function that uses AVX-512; a float32 model's never reach a BF16 instruction
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 // And those that use AMX's tiles too: a compiler before GCC 11 or clang 12 lacks their intrinsics and builds the rest
@@ -598,16 +600,6 @@ bool read_addresses(PyObject *list, std::vector<uintptr_t> &out) {
     return !PyErr_Occurred();
 }
 
-bool read_ints(PyObject *list, std::vector<int64_t> &out, const char *name) {
-    if (!PyList_Check(list)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a list of ints", name);
-        return false;
-    }
-    out.resize(PyList_GET_SIZE(list));
-    for (size_t i = 0; i < out.size(); i++) out[i] = PyLong_AsLongLong(PyList_GET_ITEM(list, static_cast<Py_ssize_t>(i)));
-    return !PyErr_Occurred();
-}
-
 // A forward's arguments as blocks() reads them (below).
 struct Arguments {
     std::vector<int64_t> ids, positions;
@@ -671,6 +663,53 @@ BF16_TARGET void forward(const Arguments &a) {
             a.last, tiles);
 }
 
+// A model and its new rows from a call's first arguments: (ids, positions, embeddings, parameters, shape, epsilon,
+// cache), as blocks() below takes them.
+bool read_model(PyObject *const *args, Arguments &a, const char *function) {
+    if (!read_ints(args[0], a.ids, "ids") || !read_ints(args[1], a.positions, "positions")
+        || !read_addresses(args[2], a.embeddings) || !read_addresses(args[3], a.parameters)
+        || !read_addresses(args[4], a.shape))
+        return false;
+    const auto &shape = a.shape;
+    if (shape.size() != 10 || (shape[8] != 2 && shape[8] != 4)) {
+        PyErr_Format(PyExc_ValueError, "%s: shape is [n_embd, heads, head_dim, layers, capacity, vocabulary, positions, "
+                                       "logit columns, bytes an element (2 or 4), tiles (0 or 1)]", function);
+        return false;
+    }
+    a.epsilon = static_cast<float>(PyFloat_AsDouble(args[5]));
+    a.cache = PyLong_AsVoidPtr(args[6]);
+    if (PyErr_Occurred()) return false;
+    if (a.parameters.size() != 12 * shape[3] + 4 || a.embeddings.size() != 2) {
+        PyErr_Format(PyExc_ValueError, "%s: the parameters do not match the shape", function);
+        return false;
+    }
+    return true;
+}
+
+// The forward of a's rows, once they are checked against the model: their slots, the logits asked for, their
+// tokens and positions (refused as torch's embedding lookups would refuse them).
+bool forward_checked(const Arguments &a, const char *function) {
+    const auto rows = static_cast<int64_t>(a.ids.size());
+    const auto &shape = a.shape;
+    if (a.end != a.start + rows || a.positions.size() != a.ids.size() || a.last < 0 || a.last > rows || a.start < 0
+        || a.end > static_cast<int64_t>(shape[4])) {
+        PyErr_Format(PyExc_ValueError, "%s: the rows do not match the cache's slots", function);
+        return false;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        if (a.ids[r] < 0 || a.ids[r] >= static_cast<int64_t>(shape[5]) || a.positions[r] < 0
+            || a.positions[r] >= static_cast<int64_t>(shape[6])) {
+            PyErr_Format(PyExc_IndexError, "%s: token %lld or position %lld out of range", function,
+                         static_cast<long long>(a.ids[r]), static_cast<long long>(a.positions[r]));
+            return false;
+        }
+    if (shape[8] == 2)
+        forward<bf16>(a);
+    else
+        forward<float>(a);
+    return true;
+}
+
 // blocks(ids, positions, embeddings, parameters, shape, epsilon, cache, start, end, mask, columns, last, out)
 //   ids, positions: lists of the new rows' tokens and positions (a list costs less to make than a tensor);
 //   embeddings: [wte, wpe] (the model's dtype, n_embd columns); parameters: 12 addresses a layer (ln_1's float32
@@ -682,49 +721,81 @@ BF16_TARGET void forward(const Arguments &a) {
 //   of the last `last` rows.
 // The new nodes' keys and values go to cache slots start..end.
 PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) {
-        PyErr_SetString(PyExc_TypeError, "blocks takes 13 arguments");
-        return nullptr;
-    }
+    if (!takes_arguments("blocks", nargs, 13)) return nullptr;
     Arguments a;
-    if (!read_ints(args[0], a.ids, "ids") || !read_ints(args[1], a.positions, "positions")
-        || !read_addresses(args[2], a.embeddings) || !read_addresses(args[3], a.parameters)
-        || !read_addresses(args[4], a.shape))
-        return nullptr;
-    const auto rows = static_cast<int64_t>(a.ids.size());
-    const auto &shape = a.shape;
-    if (shape.size() != 10 || (shape[8] != 2 && shape[8] != 4)) {
-        PyErr_SetString(PyExc_ValueError, "blocks: shape is [n_embd, heads, head_dim, layers, capacity, vocabulary, "
-                                          "positions, logit columns, bytes an element (2 or 4), tiles (0 or 1)]");
-        return nullptr;
-    }
-    a.epsilon = static_cast<float>(PyFloat_AsDouble(args[5]));
-    a.cache = PyLong_AsVoidPtr(args[6]);
+    if (!read_model(args, a, "blocks")) return nullptr;
     a.start = PyLong_AsLongLong(args[7]);
     a.end = PyLong_AsLongLong(args[8]);
     a.visible = Visibility{static_cast<const uint8_t *>(PyLong_AsVoidPtr(args[9])), PyLong_AsLongLong(args[10]), a.start,
                            a.end};
     a.last = PyLong_AsLongLong(args[11]);
     a.out = static_cast<float *>(PyLong_AsVoidPtr(args[12]));
-    if (PyErr_Occurred()) return nullptr;
-    if (a.parameters.size() != 12 * shape[3] + 4 || a.embeddings.size() != 2 || a.end != a.start + rows
-        || a.positions.size() != a.ids.size() || a.last < 0 || a.last > rows || a.start < 0
-        || a.end > static_cast<int64_t>(shape[4])) {
-        PyErr_SetString(PyExc_ValueError, "blocks: the parameters do not match the shape");
+    if (PyErr_Occurred() || !forward_checked(a, "blocks")) return nullptr;
+    Py_RETURN_NONE;
+}
+
+// chain(ids, positions, embeddings, parameters, shape, epsilon, cache, start, steps, top_k, temperature, top_p,
+//       shortlist_tokens, uniforms, mapping) -> (tokens, distributions or None)
+// A chain drafter's `steps` draft forwards as one call (ChainDrafter.propose): the first over the new rows (from
+// slot `start`, the last of them the tree's root), each later one over the token drawn after the row before, one
+// position further; after each, the token that follows: the argmax when greedy (temperature 0; as row_argmax), else
+// under the top-k setting a draw at the next of `uniforms` from the processed distribution (TopK.read, draw_at), each
+// distribution made as `mapping()`. shortlist_tokens: the logits' column -> token array, or None.
+PyObject *chain(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (!takes_arguments("chain", nargs, 15)) return nullptr;
+    Arguments a;
+    if (!read_model(args, a, "chain")) return nullptr;
+    a.start = PyLong_AsLongLong(args[7]);
+    const int64_t steps = PyLong_AsLongLong(args[8]);
+    TopK setting;
+    setting.k = PyLong_AsLongLong(args[9]);
+    setting.temperature = PyFloat_AsDouble(args[10]);
+    setting.top_p = PyFloat_AsDouble(args[11]);
+    Int64Array column_token;
+    PyObject *uniforms = args[13], *mapping = args[14];
+    const bool greedy = setting.temperature == 0;
+    const auto columns = static_cast<int64_t>(a.shape[7]);
+    if (PyErr_Occurred() || !column_token.open(args[12], "shortlist tokens") || (!greedy && !setting.check("chain")))
+        return nullptr;
+    if ((column_token.data && column_token.size != columns) || a.ids.empty() || steps < 0
+        || !PyList_Check(uniforms) || PyList_GET_SIZE(uniforms) != (greedy ? 0 : steps)) {
+        PyErr_SetString(PyExc_ValueError, "chain: a shortlist of the logits' columns, at least one row, and a uniform "
+                                          "draw a step when sampling");
         return nullptr;
     }
-    for (int64_t r = 0; r < rows; r++)  // as torch's embedding lookups would refuse them
-        if (a.ids[r] < 0 || a.ids[r] >= static_cast<int64_t>(shape[5]) || a.positions[r] < 0
-            || a.positions[r] >= static_cast<int64_t>(shape[6])) {
-            PyErr_Format(PyExc_IndexError, "blocks: token %lld or position %lld out of range",
-                         static_cast<long long>(a.ids[r]), static_cast<long long>(a.positions[r]));
-            return nullptr;
+    std::vector<float> logits(columns);
+    std::vector<std::pair<int64_t, double>> distribution;
+    std::vector<int64_t> tokens;
+    PyObject *distributions = greedy ? Py_None : PyList_New(0);
+    if (greedy) Py_INCREF(Py_None);
+    for (int64_t step = 0; distributions && step < steps; step++) {
+        a.end = a.start + static_cast<int64_t>(a.ids.size());
+        a.visible = Visibility{nullptr, 0, a.start, a.end};
+        a.last = 1;
+        a.out = logits.data();
+        if (!forward_checked(a, "chain")) {
+            Py_CLEAR(distributions);
+            break;
         }
-    if (shape[8] == 2)
-        forward<bf16>(a);
-    else
-        forward<float>(a);
-    Py_RETURN_NONE;
+        int64_t token;
+        if (greedy) {
+            float largest;
+            const int64_t column = row_argmax(logits.data(), columns, &largest);
+            token = column_token.data ? column_token.data[column] : column;
+        } else {
+            setting.read(logits.data(), columns, column_token.data, distribution);
+            token = draw_at(distribution, PyFloat_AsDouble(PyList_GET_ITEM(uniforms, step)));
+            PyObject *made = distribution_dict(distribution, mapping);
+            if (!made || PyList_Append(distributions, made) < 0) Py_CLEAR(distributions);
+            Py_XDECREF(made);
+        }
+        tokens.push_back(token);
+        a.start = a.end;
+        a.ids.assign(1, token);
+        a.positions.assign(1, a.positions.back() + 1);
+    }
+    if (!distributions) return nullptr;
+    return Py_BuildValue("(NN)", int_list(tokens), distributions);
 }
 
 // supported(bytes an element): whether this CPU runs the forward of a model in bfloat16 (2: AVX-512 BF16's dot
@@ -744,6 +815,8 @@ PyObject *tiles(PyObject *, PyObject *) { return PyBool_FromLong(tiles_granted()
 PyMethodDef methods[] = {
     {"blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(blocks)), METH_FASTCALL,
      "A small GPT-2's transformer blocks over a few new rows."},
+    {"chain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(chain)), METH_FASTCALL,
+     "A chain drafter's draft forwards and the tokens each chooses, as one call."},
     {"supported", supported, METH_O, "Whether this CPU runs the blocks of a model with elements of this many bytes."},
     {"tiles", tiles, METH_NOARGS, "Whether this CPU runs a bfloat16 model's products on AMX's tiles."},
     {nullptr, nullptr, 0, nullptr}};

@@ -8,7 +8,7 @@
 // its Python code step for step, ties included (torch's top-k, which a row's k > 1 best tokens take in Python, orders
 // ties as it likes; here the lower column comes first), and tests/test_native.py compares the two. After a forward,
 // every torch, numpy or list operation of a step pays for caches that the forward evicted; one call here replaces
-// tens of them.
+// tens of them. What is read off a row of logits is rows.h's, which draft.cpp's chain of draft forwards reads too.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -19,105 +19,9 @@
 #include <functional>
 #include <vector>
 
+#include "rows.h"
+
 namespace {
-
-#if defined(__GNUC__) && defined(__x86_64__)
-#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define VECTOR_CLONES
-#endif
-
-// The k columns of the row's largest values, largest first (ties: the lower column), into `best`: a block of 64
-// columns is read value by value only when its largest value (vectorised) beats the k-th best so far.
-VECTOR_CLONES void row_top(const float *row, int64_t columns, int64_t k, int64_t *best, float *values) {
-    int64_t count = 0;
-    for (int64_t start = 0; start < columns; start += 64) {
-        const int64_t end = std::min(start + 64, columns);
-        float block = row[start];
-#pragma omp simd reduction(max : block)
-        for (int64_t c = start; c < end; c++) block = row[c] > block ? row[c] : block;
-        if (count == k && !(block > values[k - 1])) continue;
-        for (int64_t c = start; c < end; c++) {
-            const float value = row[c];
-            if (count == k && !(value > values[k - 1])) continue;
-            int64_t at = count < k ? count++ : k - 1;  // the last place, then up past every smaller value
-            for (; at > 0 && values[at - 1] < value; at--) {
-                values[at] = values[at - 1];
-                best[at] = best[at - 1];
-            }
-            values[at] = value;
-            best[at] = c;
-        }
-    }
-}
-
-// The first column that holds the row's largest value, as numpy's argmax (rows hold no NaN).
-int64_t row_argmax(const float *row, int64_t columns, float *largest) {
-    int64_t at;
-    row_top(row, columns, 1, &at, largest);
-    return at;
-}
-
-// The columns whose values are at or above the row's k-th largest value, largest first (ties: the lower column), into
-// `support` as (value, column). Among the maxima of blocks of 32 columns, the k-th largest bounds the k-th largest
-// value from below (k blocks hold a value at or above it), so only the values at or above that bound are collected,
-// from the blocks whose maximum reaches it; the k-th largest is then found among those few. Reading a row of 8192
-// values this way took a fifth of the time of inserting each into the k best (row_top), k = 50, in a tight loop.
-VECTOR_CLONES void row_support(const float *row, int64_t columns, int64_t k, std::vector<float> &maxima,
-                               std::vector<float> &candidates, std::vector<std::pair<float, int64_t>> &support) {
-    constexpr int64_t block = 32;
-    const int64_t blocks = (columns + block - 1) / block;
-    maxima.resize(blocks);
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t start = b * block, end = std::min(start + block, columns);
-        float largest = row[start];
-#pragma omp simd reduction(max : largest)
-        for (int64_t c = start; c < end; c++) largest = row[c] > largest ? row[c] : largest;
-        maxima[b] = largest;
-    }
-    float bound = -INFINITY;
-    if (blocks >= k) {
-        candidates.assign(maxima.begin(), maxima.end());
-        std::nth_element(candidates.begin(), candidates.begin() + (k - 1), candidates.end(), std::greater<float>());
-        bound = candidates[k - 1];
-    }
-    support.clear();
-    for (int64_t b = 0; b < blocks; b++) {
-        if (!(maxima[b] >= bound)) continue;
-        for (int64_t c = b * block, end = std::min(c + block, columns); c < end; c++)
-            if (row[c] >= bound) support.emplace_back(row[c], c);
-    }
-    candidates.resize(support.size());
-    for (size_t j = 0; j < support.size(); j++) candidates[j] = support[j].first;
-    std::nth_element(candidates.begin(), candidates.begin() + (k - 1), candidates.end(), std::greater<float>());
-    const float kth = candidates[k - 1];
-    support.erase(std::remove_if(support.begin(), support.end(), [kth](const auto &s) { return s.first < kth; }),
-                  support.end());
-    std::stable_sort(support.begin(), support.end(), [](const auto &a, const auto &b) { return a.first > b.first; });
-}
-
-bool read_ints(PyObject *list, std::vector<int64_t> &out, const char *name) {
-    if (!PyList_Check(list)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a list of ints", name);
-        return false;
-    }
-    const Py_ssize_t n = PyList_GET_SIZE(list);
-    out.resize(n);
-    for (Py_ssize_t i = 0; i < n; i++) out[i] = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
-    return !PyErr_Occurred();
-}
-
-PyObject *int_list(const std::vector<int64_t> &values) {
-    PyObject *list = PyList_New(values.size());
-    for (size_t i = 0; list && i < values.size(); i++) PyList_SET_ITEM(list, i, PyLong_FromLongLong(values[i]));
-    return list;
-}
-
-bool takes_arguments(const char *function, Py_ssize_t nargs, Py_ssize_t expected) {
-    if (nargs == expected) return true;
-    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", function, expected);
-    return false;
-}
 
 // Float32 logits passed as (address, rows, columns): a contiguous tensor's data_ptr() and shape.
 struct Logits {
@@ -128,27 +32,6 @@ struct Logits {
           rows(PyLong_AsLongLong(args[1])),
           columns(PyLong_AsLongLong(args[2])) {}
     const float *row(int64_t i) const { return data + i * columns; }
-};
-
-// An int64 array passed by the buffer protocol (a shortlist's numpy arrays), or none.
-struct Int64Array {
-    Py_buffer view{};
-    const int64_t *data = nullptr;
-    Py_ssize_t size = 0;
-    bool open(PyObject *object, const char *name) {
-        if (object == Py_None) return true;
-        if (PyObject_GetBuffer(object, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return false;
-        if (view.itemsize != 8 || view.format == nullptr || (view.format[0] != 'q' && view.format[0] != 'l')) {
-            PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 array", name);
-            return false;
-        }
-        data = static_cast<const int64_t *>(view.buf);
-        size = view.len / 8;
-        return true;
-    }
-    ~Int64Array() {
-        if (view.obj) PyBuffer_Release(&view);
-    }
 };
 
 // staged_selection(logits_address, rows, columns, order, parents, tokens, depths, copied, shortlist_tokens,
@@ -295,80 +178,28 @@ PyObject *top_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 // row's support), read from the arguments (logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens):
 // the logits as Logits reads them, then the setting and the shortlist's column -> token array (or None).
 struct SparseRows : Logits {
-    int64_t k = 0;
-    double temperature = 0, top_p = 0;
+    TopK setting;
     Int64Array column_token;
-    std::vector<float> maxima, candidates;
-    std::vector<std::pair<float, int64_t>> support;  // (value, column)
-    std::vector<double> weights;
 
     explicit SparseRows(PyObject *const *args) : Logits(args) {}
 
     bool open(PyObject *const *args, const char *function) {
-        k = std::min(static_cast<int64_t>(PyLong_AsLongLong(args[3])), columns);
-        temperature = PyFloat_AsDouble(args[4]);
-        top_p = PyFloat_AsDouble(args[5]);
+        setting.k = PyLong_AsLongLong(args[3]);
+        setting.temperature = PyFloat_AsDouble(args[4]);
+        setting.top_p = PyFloat_AsDouble(args[5]);
         if (PyErr_Occurred() || !column_token.open(args[6], "shortlist tokens")) return false;
         if (column_token.data && column_token.size != columns) {
             PyErr_Format(PyExc_ValueError, "%s: the shortlist and the logits' columns disagree", function);
             return false;
         }
-        if (k < 1 || !(temperature > 0) || !(top_p > 0)) {
-            PyErr_Format(PyExc_ValueError, "%s: top_k, temperature and top_p must be positive", function);
-            return false;
-        }
-        return true;
+        return setting.check(function);
     }
 
-    // Row `row`'s distribution, likeliest first, as (token, probability): the logits over the temperature, every
-    // column at or above the top_k-th largest value (ties at the k-th kept, as the masking does), then top-p (the
-    // likeliest tokens while the mass before each stays under top_p). Computed in double; tokens of probability 0
-    // (a logit of -inf) are left out.
+    // Row `row`'s distribution (TopK.read).
     void read(int64_t row, std::vector<std::pair<int64_t, double>> &out) {
-        row_support(this->row(row), columns, k, maxima, candidates, support);
-        weights.assign(support.size(), 0.0);
-        double total = 0;
-        for (size_t j = 0; j < support.size(); j++)
-            total += weights[j] = std::exp((static_cast<double>(support[j].first) - support[0].first) / temperature);
-        size_t kept = support.size();
-        if (top_p < 1.0) {  // drop each token the mass before which already reaches top_p
-            double before = 0;
-            for (kept = 0; kept < support.size() && before / total < top_p; kept++) before += weights[kept];
-            total = before;
-        }
-        out.clear();
-        for (size_t j = 0; j < kept && weights[j] > 0; j++) {
-            const int64_t column = support[j].second;
-            out.emplace_back(column_token.data ? column_token.data[column] : column, weights[j] / total);
-        }
+        setting.read(this->row(row), columns, column_token.data, out);
     }
 };
-
-// A distribution as a new `mapping()` (a dict or a subclass of it) filled in place.
-PyObject *distribution_dict(const std::vector<std::pair<int64_t, double>> &distribution, PyObject *mapping) {
-    PyObject *out = PyObject_CallNoArgs(mapping);
-    if (out && !PyDict_Check(out)) {
-        PyErr_SetString(PyExc_TypeError, "mapping must make dicts");
-        Py_CLEAR(out);
-    }
-    for (size_t j = 0; out && j < distribution.size(); j++) {
-        PyObject *token = PyLong_FromLongLong(distribution[j].first);
-        PyObject *probability = PyFloat_FromDouble(distribution[j].second);
-        if (!token || !probability || PyDict_SetItem(out, token, probability) < 0) Py_CLEAR(out);
-        Py_XDECREF(token);
-        Py_XDECREF(probability);
-    }
-    return out;
-}
-
-// The token at `uniform` (in [0, 1)) of a distribution's cumulative probabilities, in its order (sampling.Sparse.draw).
-int64_t draw_at(const std::vector<std::pair<int64_t, double>> &distribution, double uniform) {
-    for (const auto &[token, probability] : distribution) {
-        uniform -= probability;
-        if (uniform < 0) return token;
-    }
-    return distribution.back().first;  // rounding left the sum a hair under `uniform`: the last token
-}
 
 bool read_rows(PyObject *list, const SparseRows &logits, std::vector<int64_t> &rows, const char *function) {
     if (!read_ints(list, rows, "row_list")) return false;
