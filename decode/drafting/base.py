@@ -70,9 +70,10 @@ class ModelDrafter:
     def chain(self, root: int, steps: int, sampling: Sampling, generator: Uniforms) -> Tree | None:
         """The step's tree as a chain of `steps` tokens below `root` from one call of the draft model's, where it makes
         a chain's forwards at once (DraftCache.chain; the step started): greedy, each token the argmax after the one
-        above; sampling, draws, each node's q recorded. None where it does not: the drafter then scores node by node,
-        which gives the same tree."""
-        chained = self.draft.chain(steps, sampling, generator) if steps else None
+        above; sampling, draws, each node's q recorded. None where it does not, or where this drafter's children are
+        ranked tokens under sampling: the drafter then scores node by node."""
+        drawn_or_best = sampling.greedy or self.draws(sampling)
+        chained = self.draft.chain(steps, sampling, generator) if steps and drawn_or_best else None
         if chained is None:
             return None
         tree, (drawn, qs) = Tree.rooted(root), chained

@@ -111,9 +111,8 @@ class ShapedTreeDrafter(ModelDrafter):
     def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
         shape, levels = self.layout(max_depth)
         self.draft.start(tokens)
-        if self.is_chain and (sampling.greedy or self.draws(sampling)):
-            if (chained := self.chain(tokens[-1], len(levels), sampling, generator)) is not None:
-                return chained
+        if self.is_chain and (chained := self.chain(tokens[-1], len(levels), sampling, generator)) is not None:
+            return chained
         tree = shape.copy([tokens[-1]] + shape.tokens[1:])
         for level, (nodes, widest, draws, children) in enumerate(levels):
             logits = self.draft.score(tree, nodes, repeats=(len(levels), level))

@@ -8,10 +8,10 @@ Right after a forward, each of the tens of torch, numpy and list operations thes
 forward evicted; one call pays once (docs/decoding.md and docs/profiling.md).
 
 torch's extension builder compiles the file on first use (a few seconds; cached under ~/.cache/torch_extensions in a
-directory named by the hash of the source and its headers, so checkouts of different versions neither rebuild in turn nor replace a
-module another process has loaded). Where it cannot (no C++ compiler or ninja), or the data are not laid out as the
-loops read them (logits not float32 rows in CPU memory), decoding takes the Python code, which gives the same trees
-and paths. STAGED_SPECULATIVE_NATIVE=0 turns the C++ off.
+directory named by the hash of the source and its headers, so checkouts of different versions neither rebuild in
+turn nor replace a module another process has loaded). Where it cannot (no C++ compiler or ninja), or the data are
+not laid out as the loops read them (logits not float32 rows in CPU memory), decoding takes the Python code, which
+gives the same trees and paths. STAGED_SPECULATIVE_NATIVE=0 turns the C++ off.
 """
 import functools
 import hashlib
