@@ -14,12 +14,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_features() -> str:
-    """The instructions that decide a CPU's bfloat16 speed, as a reader of a benchmark names them."""
+def cpu_flags() -> set[str]:
+    """The CPU's instruction set flags as /proc/cpuinfo names them (empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ""
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def cpu_features() -> str:
+    """The instructions that decide a CPU's bfloat16 speed, as a reader of a benchmark names them."""
+    flags = cpu_flags()
     named = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16")) if flag in flags]
     return ", ".join(named) or ("AVX2" if "avx2" in flags else "")

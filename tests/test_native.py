@@ -276,17 +276,17 @@ def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monk
 
 def needs_cpp_forward(dtype: str) -> None:
     """Skip unless this CPU runs the C++ forward of a model in `dtype`; fail where it should and did not build."""
-    if native.draft_module() is None and "AVX-512 BF16" in cpu_features():
-        pytest.fail("the C++ forward did not build on a CPU with AVX-512 BF16 (see the note above)")
-    if native.draft_module() is None or not native.draft_module().supported(getattr(torch, dtype).itemsize):
-        pytest.skip(f"this CPU has no AVX-512{' BF16' if dtype == 'bfloat16' else ''}: a {dtype} model's forward "
-                    f"runs in torch")
+    if native.forward_module(getattr(torch, dtype)) is None:
+        if native.forward_build(getattr(torch, dtype)) is not None:
+            pytest.fail(f"the C++ forward did not build on a CPU that runs its {native.forward_build(getattr(torch, dtype))} "
+                        f"build (see the note above)")
+        pytest.skip("this CPU has neither AVX2 with FMA nor AVX-512: the models' forwards run in torch")
 
 
 @pytest.fixture
 def blocks_here(built):
     needs_cpp_forward("bfloat16")
-    return native.draft_module()
+    return native.forward_module(torch.bfloat16)
 
 
 @pytest.mark.parametrize("n_embd, n_head, shortlist", [  # heads of 8 (float32 attention) and of 32 (BF16); output
@@ -296,12 +296,12 @@ def blocks_here(built):
 def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, tmp_path, n_embd, n_head, shortlist,
                                                             dtype, tiles):
     needs_cpp_forward(dtype)
-    if tiles and not native.draft_module().tiles():
-        pytest.skip("this CPU has no AMX-BF16: the products run as AVX-512 dot products")
     directory = tiny_gpt2(tmp_path / "draft", seed=2, n_embd=n_embd, n_head=n_head)
     shortlist = shortlist and Shortlist(random.Random(1).sample(range(97), shortlist), 97)
     in_torch, in_cpp = (GPT2Engine.load(directory, dtype, native_blocks=cpp, shortlist=shortlist)
                         for cpp in (False, True))
+    if tiles and not in_cpp.blocks.can_tile:
+        pytest.skip("no AMX-BF16 here (or the model is not one the tiles take): the products run as vector dot products")
     if dtype == "float32":  # the reference for float32 roundings is the same model in float64
         monkeypatch.setitem(engine_module.DTYPES, "float64", torch.float64)
     exact = GPT2Engine.load(directory, "float32" if dtype == "bfloat16" else "float64", shortlist=shortlist)
@@ -346,14 +346,25 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
         in_cpp.forward(torch.tensor([97]), torch.tensor([in_cpp.length]), None)
 
 
-@pytest.mark.parametrize("tiles", [False, True])
-def test_a_rows_logits_in_cpp_do_not_depend_on_the_forwards_other_rows(blocks_here, tmp_path, tiles):
-    # what keeps a greedy speculative decoding's tokens those of one token a forward, bit for bit
-    if tiles and not blocks_here.tiles():
-        pytest.skip("this CPU has no AMX-BF16: the products run as AVX-512 dot products")
-    engine = GPT2Engine.load(tiny_gpt2(tmp_path / "model", seed=3, n_embd=64, n_head=2), "bfloat16",
-                             native_blocks=True)
+DTYPES_AND_PRODUCTS = [("bfloat16", False), ("bfloat16", True), ("float32", False)]
+# an oracle's and a draft's shape: heads of 32 (the vector attention) and of 8 (part of a vector, or one by one)
+SHAPES = [(64, 2), (32, 4)]
+
+
+def engine_in_cpp(directory, dtype: str, tiles: bool) -> GPT2Engine:
+    needs_cpp_forward(dtype)
+    engine = GPT2Engine.load(directory, dtype, native_blocks=True)
+    if tiles and not engine.blocks.can_tile:
+        pytest.skip("no AMX-BF16 here: the products run as vector dot products")
     engine.blocks.tiles = tiles
+    return engine
+
+
+@pytest.mark.parametrize("dtype, tiles", DTYPES_AND_PRODUCTS)
+@pytest.mark.parametrize("n_embd, n_head", SHAPES)
+def test_a_rows_logits_in_cpp_do_not_depend_on_the_forwards_other_rows(built, tmp_path, dtype, tiles, n_embd, n_head):
+    # what keeps a greedy speculative decoding's tokens those of one token a forward, bit for bit
+    engine = engine_in_cpp(tiny_gpt2(tmp_path / "model", seed=3, n_embd=n_embd, n_head=n_head), dtype, tiles)
     engine.extend(torch.tensor([5, 6, 7, 8]))
     chain = [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]  # more rows than a tile holds
     together = engine.forward(chain, list(range(engine.length, engine.length + len(chain))), None)
@@ -362,6 +373,25 @@ def test_a_rows_logits_in_cpp_do_not_depend_on_the_forwards_other_rows(blocks_he
         alone = engine.forward([token], [engine.length], None)
         engine.commit([0])
         assert torch.equal(alone[0], together[i])
+
+
+@pytest.mark.parametrize("dtype, tiles", DTYPES_AND_PRODUCTS)
+@pytest.mark.parametrize("n_embd, n_head", SHAPES)
+def test_a_rows_logits_in_cpp_are_the_same_bits_alone_and_anywhere_in_a_call_of_2_to_64_rows(built, tmp_path, dtype,
+                                                                                            tiles, n_embd, n_head):
+    engine = engine_in_cpp(tiny_gpt2(tmp_path / "model", seed=3, n_embd=n_embd, n_head=n_head), dtype, tiles)
+    engine.extend(torch.tensor([5, 6, 7, 8, 40, 41, 42]))
+    alone = engine.forward([9], [engine.length], None)[0]
+    engine.commit([])
+    rng = random.Random(0)
+    for q in (2, 3, 5, 8, 13, 16, 17, 33, 64):
+        for at in sorted({0, q // 2, q - 1}):
+            tokens = [rng.randrange(97) for _ in range(q)]
+            tokens[at] = 9
+            # siblings below the cache: each row sees the cached tokens and itself, as the lone row did
+            logits = engine.forward(tokens, [engine.length] * q, torch.eye(q, dtype=torch.bool))
+            engine.commit([])
+            assert torch.equal(logits[at], alone), f"row {at} of {q}"
 
 
 def test_the_near_tie_checker_replays_a_cpp_forward_in_torch_too(blocks_here, tmp_path):

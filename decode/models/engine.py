@@ -221,7 +221,7 @@ class GPT2Engine(CachedLM):
         `slots` and attend to slots 0..end: all of them, or with a (q, k) boolean `mask`, the last k where it is
         true and every one before them."""
         if len(token_ids) <= self.native_rows and isinstance(slots, slice):
-            return self.blocks(token_ids, position_ids, mask, slots.start, end, last)
+            return self.blocks(token_ids, position_ids, mask, slots.start, last)
         with torch.inference_mode():  # torch's forward only: entering it took 2-5 us, a C++ forward needs none of it
             return self.torch_logits(token_ids, position_ids, mask, slots, end, last)
 

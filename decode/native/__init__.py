@@ -2,8 +2,8 @@
 staged drafter's greedy selection of the oracle's tree from the draft's logits, sample-match verification under
 greedy decoding and multi-draft rejection under top-k sampling, each row's best tokens and (top-k sampling) processed
 distribution and draws from it, the continuations a context repeats (prompt lookup) and a commit's moves in a CPU
-cache; and a model's forward over a few rows (decode/native/draft.cpp, `Blocks`) on CPUs with AVX-512 (AVX-512 BF16
-for a bfloat16 model).
+cache; and a model's forward over a few rows (decode/native/forward.cpp, `Blocks`), built for AVX-512 (AVX-512 BF16
+for a bfloat16 model) or for AVX2 with FMA, whichever this CPU runs.
 Right after a forward, each of the tens of torch, numpy and list operations these take in Python pays for caches the
 forward evicted; one call pays once (docs/decoding.md and docs/profiling.md).
 
@@ -23,22 +23,29 @@ import numpy as np
 import torch
 
 from data.errors import first_line
+from data.machine import cpu_flags
 from decode.models.cached_lm import Ids, as_list
 
 SOURCE = Path(__file__).with_name("step.cpp")
-DRAFT_SOURCE = Path(__file__).with_name("draft.cpp")
+FORWARD_SOURCE = Path(__file__).with_name("forward.cpp")
+# The instruction sets forward.cpp is built for, each with its compiler defines and the CPU flags (as /proc/cpuinfo
+# names them) it needs; a CPU runs the first its flags allow, bfloat16 AVX-512 only with AVX-512 BF16
+FORWARD_BUILDS = {"AVX-512": (["-DFORWARD_AVX512"], {"avx512f", "avx512bw", "avx512vl"}),
+                  "AVX2": ([], {"avx2", "fma"})}
 # OpenMP: at::parallel_for shares the products among torch's own threads (on its libgomp, loaded already) only in
 # code compiled with it
 FLAGS = ["-O3", "-fopenmp"]
 
 
-def build(source: Path):
-    """A C++ source compiled as a Python module (cached, named by the hash of the source and the headers beside it)."""
+def build(source: Path, defines: tuple[str, ...] = ()):
+    """A C++ source compiled as a Python module (cached, named by the hash of the source, the headers beside it and
+    the flags)."""
     from torch.utils import cpp_extension
 
+    flags = [*FLAGS, *defines]
     code = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
-    name = f"{source.stem}_{hashlib.sha256(code + ' '.join(FLAGS).encode()).hexdigest()[:12]}"
-    return cpp_extension.load(name, [str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+    name = f"{source.stem}_{hashlib.sha256(code + ' '.join(flags).encode()).hexdigest()[:12]}"
+    return cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,19 +62,43 @@ def module():
         return None
 
 
+def forward_build(dtype: torch.dtype) -> str | None:
+    """Which build of forward.cpp runs a model in `dtype` on this CPU (a key of FORWARD_BUILDS), or None."""
+    flags = cpu_flags()
+    for name, (_, needs) in FORWARD_BUILDS.items():
+        if needs <= flags and (name != "AVX-512" or dtype != torch.bfloat16 or "avx512_bf16" in flags):
+            return name
+    return None
+
+
 @functools.lru_cache(maxsize=None)
-def draft_module():
-    """The compiled transformer blocks of decode/native/draft.cpp, or None where they cannot run here: no C++ loops
-    (module() said why), a failed build (said once), or a CPU without AVX-512 (`Blocks.fit` asks per dtype)."""
+def forward_module(dtype: torch.dtype):
+    """The compiled forward of decode/native/forward.cpp that runs a model in `dtype` here, or None: no C++ loops
+    (module() said why), a CPU with neither AVX2 nor AVX-512, or a failed build (each said once)."""
     if module() is None:
         return None
-    try:
-        compiled = build(DRAFT_SOURCE)
-    except Exception as err:
-        print(f"note: the C++ forward could not be built ({first_line(err)}); the models run in torch",
-              file=sys.stderr)
+    name = forward_build(dtype)
+    if name is None:
+        note_once("this CPU has neither AVX2 with FMA nor AVX-512: the models' forwards run in torch, whose forward of a "
+                  "few rows costs several times the C++ call's")
         return None
-    return compiled if compiled.supported(4) else None
+    try:
+        compiled = _forward_build(name)
+    except Exception as err:
+        note_once(f"the C++ forward ({name}) could not be built ({first_line(err)}); the models' forwards run in torch, "
+                  f"whose forward of a few rows costs several times the C++ call's")
+        return None
+    return compiled if compiled.supported(dtype.itemsize) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_build(name: str):
+    return build(FORWARD_SOURCE, tuple(FORWARD_BUILDS[name][0]))
+
+
+@functools.lru_cache(maxsize=None)
+def note_once(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
 
 
 def loops(device: str) -> str:
@@ -160,9 +191,9 @@ def continuations(tokens: list[int], max_ngram: int, length: int, branches: int)
 
 
 def pack_for_products(in_out: torch.Tensor) -> torch.Tensor:
-    """An (in, out) weight as native/draft.cpp's products read it: blocks of 16 output columns (the last padded with
+    """An (in, out) weight as native/forward.cpp's products read it: blocks of 16 output columns (the last padded with
     zeros); in each, bfloat16: the two weights of every pair of input rows side by side (the operand layout of
-    AVX-512 BF16's dot product); float32: the weights of every input row."""
+    AVX-512 BF16's dot product; the AVX2 build widens each half to float32); float32: the weights of every input row."""
     in_out = torch.nn.functional.pad(in_out, (0, -in_out.shape[1] % 16)).contiguous()
     rows, columns = in_out.shape
     per_step = 2 if in_out.dtype == torch.bfloat16 else 1  # input rows a 64-byte step covers
@@ -170,7 +201,7 @@ def pack_for_products(in_out: torch.Tensor) -> torch.Tensor:
 
 
 class Blocks:
-    """A bfloat16 or float32 GPT-2's forward over a few new rows as one C++ call (decode/native/draft.cpp):
+    """A bfloat16 or float32 GPT-2's forward over a few new rows as one C++ call (decode/native/forward.cpp):
     embeddings, blocks, final layer norm and output layer. Its keys and values go to the engine's cache as torch's
     would."""
 
@@ -182,75 +213,70 @@ class Blocks:
     def fit(n_embd: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether these blocks can run a model of this width, dtype and device here."""
         return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and n_embd % 16 == 0
-                and draft_module() is not None and draft_module().supported(dtype.itemsize))
+                and forward_module(dtype) is not None)
 
     def __init__(self, shape, weights: dict[str, torch.Tensor], kv_cache: torch.Tensor, output: torch.Tensor):
         """`shape`: the engine's GPT2Shape; `weights`: its tensors by checkpoint name (no "transformer.");
         `kv_cache`: its (2, layers, heads, capacity, head_dim) cache; `output`: the output layer's (columns, n_embd)
         weight (wte, or a shortlist's rows of it)."""
-        self.kept = []  # every tensor whose address the C++ reads
-
-        def address(tensor: torch.Tensor) -> int:
-            self.kept.append(tensor)
-            return tensor.data_ptr()
-
-        def float32(name: str) -> int:
-            return address(weights[name].float().contiguous())
-
-        self.parameters = []
+        self.kept = {}  # every tensor the C++ reads, by the name model() knows it under
+        self.forward = forward_module(kv_cache.dtype)
         for i in range(shape.n_layer):
-            self.parameters += [float32(f"h.{i}.ln_1.weight"), float32(f"h.{i}.ln_1.bias")]
-            for name in self.LINEAR:
-                self.parameters += [address(pack_for_products(weights[f"h.{i}.{name}.weight"])),
-                                    float32(f"h.{i}.{name}.bias")]
-            self.parameters += [float32(f"h.{i}.ln_2.weight"), float32(f"h.{i}.ln_2.bias")]
-        self.parameters += [float32("ln_f.weight"), float32("ln_f.bias"), address(pack_for_products(output.T)),
-                            address(torch.zeros(-(-output.shape[0] // 16) * 16))]
-        self.embeddings = [address(weights["wte.weight"].contiguous()), address(weights["wpe.weight"].contiguous())]
-        self.epsilon = shape.layer_norm_epsilon
-        self.shape = [shape.n_embd, shape.n_head, shape.n_embd // shape.n_head, shape.n_layer, kv_cache.shape[3],
-                      weights["wte.weight"].shape[0], weights["wpe.weight"].shape[0], output.shape[0],
-                      kv_cache.element_size(), 0]
+            for name in ("ln_1", "ln_2", *self.LINEAR):
+                prefix = f"h.{i}.{name}"
+                packs = name in self.LINEAR
+                self.kept[f"{prefix}.packed" if packs else f"{prefix}.weight"] = (
+                    pack_for_products(weights[f"{prefix}.weight"]) if packs else weights[f"{prefix}.weight"].float().contiguous())
+                self.kept[f"{prefix}.bias"] = weights[f"{prefix}.bias"].float().contiguous()
+        self.kept |= {f"ln_f.{part}": weights[f"ln_f.{part}"].float().contiguous() for part in ("weight", "bias")}
+        self.kept |= {"wte": weights["wte.weight"].contiguous(), "wpe": weights["wpe.weight"].contiguous(),
+                      "output.packed": pack_for_products(output.T), "output.bias": torch.zeros(-(-output.shape[0] // 16) * 16),
+                      "cache": kv_cache}
+        fields = {name: (tensor.data_ptr(), tensor.numel()) for name, tensor in self.kept.items()}
+        self.model = self.forward.model(fields | {
+            "n_embd": shape.n_embd, "heads": shape.n_head, "layers": shape.n_layer, "capacity": kv_cache.shape[3],
+            "vocabulary": weights["wte.weight"].shape[0], "positions": weights["wpe.weight"].shape[0],
+            "logit_columns": output.shape[0], "element_bytes": kv_cache.element_size(),
+            "epsilon": float(shape.layer_norm_epsilon)})
+        self.columns = output.shape[0]
         self.tiles = True
-        self.cache = address(kv_cache)
 
     @property
     def can_tile(self) -> bool:
         """Whether this model's products can run on AMX's tiles here (a bfloat16 model, n_embd a multiple of 32, a
         CPU with AMX-BF16)."""
-        return self.shape[8] == 2 and self.shape[0] % 32 == 0 and draft_module().tiles()
+        return self.forward.tiles(self.model, None)
 
     @property
     def tiles(self) -> bool:
         """Whether the products run on AMX's tiles (where can_tile: until decode.models.native_rows measures which
-        of the two runs faster here) or as AVX-512 dot products. Each gives a row the same logits whatever the
+        of the two runs faster here) or as vector dot products. Each gives a row the same logits whatever the
         forward's other rows; the two differ in rounding."""
-        return bool(self.shape[9])
+        return self._tiles
 
     @tiles.setter
     def tiles(self, on: bool):
-        self.shape[9] = int(on and self.can_tile)
+        self._tiles = bool(on) and self.can_tile
+        self.forward.tiles(self.model, self._tiles)  # which the C++ takes only where the CPU has them
 
-    def __call__(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int, end: int,
+    def __call__(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int,
                  last: int | None = None) -> torch.Tensor:
-        """Float32 logits of new nodes in cache slots start..end (of the `last` of them, with `last`), as
+        """Float32 logits of new nodes in the cache's slots from `start` on (of the `last` of them, with `last`), as
         GPT2Engine.logits gives them; `mask` as it takes it, None for a chain."""
         ids, positions = as_list(token_ids), as_list(position_ids)
         last = len(ids) if last is None else last
-        out = torch.empty(last, self.shape[7])  # its logit columns
+        out = torch.empty(last, self.columns)
         mask = None if mask is None else mask.contiguous()
-        draft_module().blocks(ids, positions, self.embeddings, self.parameters, self.shape, self.epsilon, self.cache,
-                              start, end, 0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],
-                              last, out.data_ptr())
+        self.forward.blocks(self.model, ids, positions, start, 0 if mask is None else mask.data_ptr(),
+                            0 if mask is None else mask.shape[1], last, out.data_ptr(), out.numel())
         return out
 
     def chain(self, token_ids: Ids, position_ids: Ids, start: int, steps: int, sampling, shortlist,
               uniforms: list[float], mapping=dict) -> tuple[list[int], list[dict[int, float]] | None]:
-        """A chain drafter's `steps` forwards as one C++ call (draft.cpp's chain): the first over the new nodes in
+        """A chain drafter's `steps` forwards as one C++ call (forward.cpp's chain): the first over the new nodes in
         cache slots from `start` (the last of them the root), each later one over the token chosen after the one
         before, a position and a slot further. Returns the chosen tokens (greedy: each row's argmax; a top-k setting:
         a draw at each of `uniforms`) and, when sampling, each one's distribution (made as `mapping()`)."""
-        return draft_module().chain(as_list(token_ids), as_list(position_ids), self.embeddings, self.parameters,
-                                    self.shape, self.epsilon, self.cache, start, steps, sampling.top_k,
-                                    float(sampling.temperature), float(sampling.top_p),
-                                    None if shortlist is None else shortlist.tokens, uniforms, mapping)
+        return self.forward.chain(self.model, as_list(token_ids), as_list(position_ids), start, steps, sampling.top_k,
+                                  float(sampling.temperature), float(sampling.top_p),
+                                  None if shortlist is None else shortlist.tokens, uniforms, mapping)

@@ -139,7 +139,8 @@ def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
     layout, CUDA graphs and output shortlist, device, dtype and threads."""
     backend = Path(inspect.getfile(type(model))).read_text() + inspect.getsource(forward_costs)
     if getattr(model, "blocks", None) is not None:
-        backend += native.DRAFT_SOURCE.read_text() + f"{model.native_rows} {model.blocks.tiles}"
+        backend += (native.FORWARD_SOURCE.read_text() + native.forward_build(model.dtype)
+                    + f"{model.native_rows} {model.blocks.tiles}")
     layouts, graphs = getattr(model, "layouts", None), getattr(model, "graphs", None) is not None
     shortlist = None if model.shortlist is None else model.shortlist.tokens.tolist()
     digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, layouts, graphs, torch.__version__]
