@@ -9,7 +9,10 @@
    (decode.models.engine.LAYOUTS), against the engine's own choice (per matrix shape, timed at start-up);
 5. on a GPU, our decoding and the forwards of 2 again with CUDA graphs (decode.models.cuda_graphs);
 6. what a forward costs the host work after it: a fixed piece of Python and numpy, of the kind a decoding
-   step runs between forwards, right after a q=1 forward of the model directory and again right after itself.
+   step runs between forwards, right after a q=1 forward of the model directory and again right after itself;
+7. the forward's cost curve c(q)/c(1) after 128 and 480 cached positions, for both models, beside this machine's
+   measured memory bandwidth and peak multiply-add rate, the roofline curve they imply and the forward's share of
+   it at every q (the roofline's time over the measured one), with torch's forward for comparison.
 
     python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl
 """
@@ -26,6 +29,7 @@ from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
 from decode.options import check_device
 from decode.planning.costs import NODE_COUNTS, PROJECTIONS, device_name, forward_costs, host_work_after_forward, random_gpt2
+from decode.planning.roofline import ForwardShape, knee, measure_machine
 from decode.models.engine import GPT2Engine
 from decode.models.projection import LAYOUTS, onednn_packs
 from decode.loop import baseline
@@ -98,6 +102,42 @@ def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[i
             "forward_ms_with_cuda_graphs": graphed}
 
 
+CURVE_PREFIXES = (128, 480)  # cached positions: a prompt's, and a long context's
+
+
+def roofline_tables(args, models: dict) -> dict:
+    """Measurement 7: each model's forward costs after CURVE_PREFIXES cached positions, as the engine runs them and in
+    torch's operations, against the roofline of this machine."""
+    machine = measure_machine(models[args.model].dtype)
+    print(f"\nthis machine: memory read {machine.bandwidth / 1e9:.1f} GB/s (sums over 256 MB), peak "
+          f"{machine.macs / 1e9:.1f} GMAC/s ({machine.peak_dtype} products of 512 x 512 in torch), "
+          f"{torch.get_num_threads()} threads")
+    result = {"bandwidth_gb_s": machine.bandwidth / 1e9, "peak_gmac_s": machine.macs / 1e9,
+              "peak_dtype": machine.peak_dtype, "curves": {}}
+    for name, model in models.items():
+        shape = ForwardShape.of(model)
+        ways = {"engine": model.native_rows} | ({"torch": 0} if model.native_rows else {})
+        for prefix in CURVE_PREFIXES:
+            roof = {q: shape.roofline_ms(machine, q, prefix) for q in NODE_COUNTS}
+            ms = {}
+            for way, rows in ways.items():
+                before, model.native_rows = model.native_rows, rows
+                ms[way] = forward_costs(model, prefix, args.repeats)
+                model.native_rows = before
+            print(f"\n{name}: c(q)/c(1) after {prefix} cached positions (the engine: the C++ call up to "
+                  f"{model.native_rows} rows; the roofline's knee at {knee(shape, machine, prefix)} rows)")
+            print(f"{'':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
+            for way, row in ms.items():
+                print(table_row(f"{way} ms", row))
+                print(table_row(f"  {way} c(q)/c(1)", {q: t / row[1] for q, t in row.items()}))
+            print(table_row("roofline ms", roof))
+            print(table_row("  roofline c(q)/c(1)", {q: t / roof[1] for q, t in roof.items()}))
+            for way, row in ms.items():
+                print(table_row(f"  {way}'s share of the roofline", {q: roof[q] / t for q, t in row.items()}))
+            result["curves"][f"{name} @ {prefix}"] = {"ms": ms, "roofline_ms": roof}
+    return result
+
+
 def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m decode.bench_engine", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
@@ -125,12 +165,10 @@ def parse(argv) -> argparse.Namespace:
     return args
 
 
-def forward_tables(args, engine: GPT2Engine) -> dict:
+def forward_tables(args, models: dict) -> dict:
     """Measurements 2-4: the forward's cost by node count (the model, and a GPT-2-Large-sized one unless
     --skip-large), as a tree against a chain, and by weight layout."""
-    models = {args.model: engine}
-    if not args.skip_large:
-        models["gpt2-large-sized (random)"] = random_gpt2(*PROJECTIONS["gpt2-large"], args.dtype, args.device)
+    engine = models[args.model]
     costs = {name: forward_costs(model, args.prefix, args.repeats) for name, model in models.items()}
     print(f"\nforward cost in ms after {args.prefix} cached positions, by new nodes q")
     print(f"{'model':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
@@ -159,9 +197,14 @@ def main(argv=None) -> dict:
     print(f"  transformers generate     {latency['hf_generate_ms_per_token']:8.2f} ms/token")
     print(f"  speedup {latency['speedup']:.2f}x, identical outputs {latency['identical_outputs']}")
 
-    engine = GPT2Engine.load(args.model, args.dtype, args.device)
+    engine = GPT2Engine.load(args.model, args.dtype, args.device, native_blocks=True)
     result = {"generation": latency, "dtype": args.dtype, "device": device_name(torch.device(args.device))}
-    result |= forward_tables(args, engine)
+    models = {args.model: engine}
+    if not args.skip_large:
+        models["gpt2-large-sized (random)"] = random_gpt2(*PROJECTIONS["gpt2-large"], args.dtype, args.device)
+    result |= forward_tables(args, models)
+    if not engine.on_gpu:
+        result["roofline"] = roofline_tables(args, models)
     host = host_work_after_forward(engine, args.prefix, args.repeats)
     print(f"\nhost work between forwards (a 200-item Python loop, a 64-value numpy gather): {host['after a forward']:.1f} us "
           f"right after a q=1 forward, {host['again']:.1f} us again ({host['after a forward'] / host['again']:.1f}x)")

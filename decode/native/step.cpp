@@ -8,7 +8,7 @@
 // its Python code step for step, ties included (torch's top-k, which a row's k > 1 best tokens take in Python, orders
 // ties as it likes; here the lower column comes first), and tests/test_native.py compares the two. After a forward,
 // every torch, numpy or list operation of a step pays for caches that the forward evicted; one call here replaces
-// tens of them. What is read off a row of logits is rows.h's, which draft.cpp's chain of draft forwards reads too.
+// tens of them. What is read off a row of logits is rows.h's, which forward.cpp's chain of draft forwards reads too.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 

@@ -224,9 +224,9 @@ def projection_shape(spec: str) -> tuple[int, int, int]:
 
 
 def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: str, n_positions: int = 1024,
-                cuda_graphs: bool = False):
+                cuda_graphs: bool = False, native_blocks: bool = True):
     """A GPT-2 of this shape with random weights (64-wide heads): its forward costs what a trained
-    one's does."""
+    one's does. With `native_blocks`, a forward of up to native.Blocks.ROWS rows runs as the C++ call where it can."""
     from decode.models.engine import GPT2Engine
 
     e = n_embd
@@ -240,4 +240,4 @@ def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: 
             "attn.c_proj.bias": (e,), "mlp.c_fc.weight": (e, 4 * e), "mlp.c_fc.bias": (4 * e,),
             "mlp.c_proj.weight": (4 * e, e), "mlp.c_proj.bias": (e,)}.items()}
     weights = {name: 0.02 * torch.randn(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
-    return GPT2Engine.build(config, weights, dtype, device, cuda_graphs=cuda_graphs)
+    return GPT2Engine.build(config, weights, dtype, device, cuda_graphs=cuda_graphs, native_blocks=native_blocks)
