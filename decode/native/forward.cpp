@@ -59,11 +59,19 @@ struct Linear {
 template <typename T>
 constexpr int64_t ROWS_A_STEP = std::is_same_v<T, bf16> ? 2 : 1;
 
+// Asks for step k's share of the weights `ahead` (B blocks' worth, a 64-byte line a block a step), so that the
+// blocks a product reads next come from memory while this tile computes; none where ahead is null.
+template <typename T, int B>
+inline void prefetch_step(const T *ahead, int64_t k, int64_t width) {
+    if (ahead)
+        for (int i = 0; i < B; i++) _mm_prefetch(reinterpret_cast<const char *>(ahead + (k * B + i) * width), _MM_HINT_T0);
+}
+
 #ifdef FORWARD_AVX512
 // y (R rows x B blocks of 16 columns from block b0) = x @ W + bias, all in registers: each step's B weights are
 // loaded once for the R rows. The last block's columns past `out` (an output layer's) are not stored.
 template <typename T, int R, int B>
-VECTOR_TARGET void tile(const T *x, const Linear<T> &w, float *y, int64_t r0, int64_t b0) {
+VECTOR_TARGET void tile(const T *x, const Linear<T> &w, float *y, int64_t r0, int64_t b0, const T *ahead) {
     constexpr int64_t per_step = ROWS_A_STEP<T>, width = 16 * per_step;  // elements a step of a block
     const int64_t steps = w.in / per_step;
     const T *weights[B];
@@ -74,6 +82,7 @@ VECTOR_TARGET void tile(const T *x, const Linear<T> &w, float *y, int64_t r0, in
         for (int r = 0; r < R; r++) acc[r][j] = bias;
     }
     for (int64_t k = 0; k < steps; k++) {
+        prefetch_step<T, B>(ahead, k, width);
         __m512i step[B];
         for (int j = 0; j < B; j++) step[j] = _mm512_loadu_si512(weights[j] + k * width);
         for (int r = 0; r < R; r++) {
@@ -97,15 +106,22 @@ VECTOR_TARGET void tile(const T *x, const Linear<T> &w, float *y, int64_t r0, in
 
 template <typename T>
 using Input = T;
-// BLOCKS_A_TILE[R - 1]: the blocks a tile of R rows covers, its sums in 16 of the 32 registers
-constexpr int64_t BLOCKS_A_TILE[4] = {4, 4, 4, 4};
+// The rows a tile takes and BLOCKS_A_TILE<T>[R - 1], the blocks a tile of R rows covers: their sums in 16 of the 32
+// registers
+template <typename T>
+constexpr int64_t ROWS_A_TILE = 4;
+// Whether a tile fetches the weights a product reads next (not measured on AVX-512: there the hardware's own
+// prefetching is left to it)
+constexpr bool PREFETCH = false;
+template <typename T>
+constexpr int64_t BLOCKS_A_TILE[6] = {4, 4, 4, 4, 4, 4};
 #else
 // y (R rows x B blocks of 16 columns from block b0) = x @ W + bias, all in registers, two vectors of 8 a block: each
 // step's weights are loaded once for the R rows, whose inputs the caller widened to float32. A bfloat16 step holds, in
 // each 32-bit lane, a column's weights for input rows 2k (low half) and 2k + 1 (high half): a shift and a mask make
 // them float32. Every sum adds its terms in input order whatever R and B. Columns past `out` are not stored.
 template <typename T, int R, int B>
-VECTOR_TARGET void tile(const float *x, const Linear<T> &w, float *y, int64_t r0, int64_t b0) {
+VECTOR_TARGET void tile(const float *x, const Linear<T> &w, float *y, int64_t r0, int64_t b0, const T *ahead) {
     constexpr int64_t per_step = ROWS_A_STEP<T>, width = 16 * per_step;  // elements a step of a block
     const int64_t steps = w.in / per_step;
     const T *weights[B];
@@ -116,23 +132,31 @@ VECTOR_TARGET void tile(const float *x, const Linear<T> &w, float *y, int64_t r0
             for (int r = 0; r < R; r++) acc[r][2 * j + h] = _mm256_loadu_ps(w.bias + (b0 + j) * 16 + 8 * h);
     }
     for (int64_t k = 0; k < steps; k++) {
-        __m256 inputs[R][per_step];
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < per_step; i++) inputs[r][i] = _mm256_broadcast_ss(x + (r0 + r) * w.in + k * per_step + i);
-        for (int j = 0; j < B; j++)
-            for (int h = 0; h < 2; h++) {
-                const T *step = weights[j] + k * width + 8 * per_step * h;
-                if constexpr (std::is_same_v<T, bf16>) {
-                    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(step));
-                    const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)),
-                                 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
-                    for (int r = 0; r < R; r++)
-                        acc[r][2 * j + h] = _mm256_fmadd_ps(inputs[r][1], odd, _mm256_fmadd_ps(inputs[r][0], even, acc[r][2 * j + h]));
-                } else {
-                    const __m256 weight = _mm256_loadu_ps(step);
-                    for (int r = 0; r < R; r++) acc[r][2 * j + h] = _mm256_fmadd_ps(inputs[r][0], weight, acc[r][2 * j + h]);
+        prefetch_step<T, B>(ahead, k, width);
+        for (int j = 0; j < B; j++) {
+            const T *step = weights[j] + k * width;
+            const float *input = x + r0 * w.in + k * per_step;
+            if constexpr (std::is_same_v<T, bf16>) {  // each half's weights for rows 2k and 2k + 1, then each row's sums
+                const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(step)),
+                              high = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(step + 16)),
+                              top = _mm256_set1_epi32(-65536);
+                const __m256 even[2] = {_mm256_castsi256_ps(_mm256_slli_epi32(low, 16)),
+                                        _mm256_castsi256_ps(_mm256_slli_epi32(high, 16))},
+                             odd[2] = {_mm256_castsi256_ps(_mm256_and_si256(low, top)),
+                                       _mm256_castsi256_ps(_mm256_and_si256(high, top))};
+                for (int r = 0; r < R; r++) {
+                    const __m256 first = _mm256_broadcast_ss(input + r * w.in), second = _mm256_broadcast_ss(input + r * w.in + 1);
+                    for (int h = 0; h < 2; h++)
+                        acc[r][2 * j + h] = _mm256_fmadd_ps(second, odd[h], _mm256_fmadd_ps(first, even[h], acc[r][2 * j + h]));
+                }
+            } else {
+                const __m256 weight[2] = {_mm256_loadu_ps(step), _mm256_loadu_ps(step + 8)};
+                for (int r = 0; r < R; r++) {
+                    const __m256 value = _mm256_broadcast_ss(input + r * w.in);
+                    for (int h = 0; h < 2; h++) acc[r][2 * j + h] = _mm256_fmadd_ps(value, weight[h], acc[r][2 * j + h]);
                 }
             }
+        }
     }
     for (int j = 0; j < B; j++)
         for (int h = 0; h < 2; h++) {
@@ -144,28 +168,41 @@ VECTOR_TARGET void tile(const float *x, const Linear<T> &w, float *y, int64_t r0
 // The products' input: the AVX2 build reads it as float32
 template <typename T>
 using Input = float;
-// BLOCKS_A_TILE[R - 1]: the blocks a tile of R rows covers, its sums in 8 of the 16 registers
-constexpr int64_t BLOCKS_A_TILE[4] = {4, 2, 1, 1};
+// The rows a tile takes (a bfloat16 step holds four widened weight vectors) and BLOCKS_A_TILE<T>[R - 1], the blocks a
+// tile of R rows covers: their sums in up to 12 of the 16 registers, with room for a step's weights and an input
+template <typename T>
+constexpr int64_t ROWS_A_TILE = std::is_same_v<T, bf16> ? 4 : 6;
+// Whether a tile fetches the weights a product reads next, while it computes
+constexpr bool PREFETCH = true;
+template <typename T>
+constexpr int64_t BLOCKS_A_TILE[6] = {4, 2, std::is_same_v<T, bf16> ? 1 : 2, 1, 1, 1};
 #endif
 
 template <typename T>
-using Tile = void (*)(const Input<T> *, const Linear<T> &, float *, int64_t, int64_t);
-// TILES<T>[R - 1][B - 1]: a tile of R rows (4 but for the last rows) and B blocks (BLOCKS_A_TILE[R - 1] but for the
-// last columns)
+using Tile = void (*)(const Input<T> *, const Linear<T> &, float *, int64_t, int64_t, const T *);
+// TILES<T>[R - 1][B - 1]: a tile of R rows (ROWS_A_TILE<T> but for the last rows) and B blocks (BLOCKS_A_TILE<T>[R -
+// 1] but for the last columns)
+template <typename T, int R>
+constexpr Tile<T> TILE_ROW[4] = {tile<T, R, 1>, tile<T, R, 2>, tile<T, R, 3>, tile<T, R, 4>};
 template <typename T>
-constexpr Tile<T> TILES[4][4] = {{tile<T, 1, 1>, tile<T, 1, 2>, tile<T, 1, 3>, tile<T, 1, 4>},
-                                 {tile<T, 2, 1>, tile<T, 2, 2>, tile<T, 2, 3>, tile<T, 2, 4>},
-                                 {tile<T, 3, 1>, tile<T, 3, 2>, tile<T, 3, 3>, tile<T, 3, 4>},
-                                 {tile<T, 4, 1>, tile<T, 4, 2>, tile<T, 4, 3>, tile<T, 4, 4>}};
+constexpr const Tile<T> *TILES[6] = {TILE_ROW<T, 1>, TILE_ROW<T, 2>, TILE_ROW<T, 3>, TILE_ROW<T, 4>, TILE_ROW<T, 5>,
+                                     TILE_ROW<T, 6>};
 
-// y (rows x out, float32) = x (rows x in) @ W + bias over the (up to) 64 output columns from block b0: every row, 4 at
-// a time, over the group's weights while they stay in cache.
+// y (rows x out, float32) = x (rows x in) @ W + bias over the (up to) 64 output columns from block b0: every row, a
+// tile's rows at a time, over the group's weights while they stay in cache.
 template <typename T>
 void product_columns(const Input<T> *x, const Linear<T> &w, float *y, int64_t rows, int64_t b0) {
-    const int64_t blocks = std::min<int64_t>(4, (w.out + 15) / 16 - b0);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int64_t r = std::min<int64_t>(4, rows - r0), step = BLOCKS_A_TILE[r - 1];
-        for (int64_t b = 0; b < blocks; b += step) TILES<T>[r - 1][std::min(step, blocks - b) - 1](x, w, y, r0, b0 + b);
+    const int64_t all = (w.out + 15) / 16, blocks = std::min<int64_t>(4, all - b0), steps = w.in / ROWS_A_STEP<T>;
+    for (int64_t r0 = 0; r0 < rows; r0 += ROWS_A_TILE<T>) {
+        const int64_t r = std::min<int64_t>(ROWS_A_TILE<T>, rows - r0), step = BLOCKS_A_TILE<T>[r - 1];
+        // the last pass over the group's rows fetches the weights read next: the next tile's blocks where one pass
+        // takes every row, else the same blocks of the next group
+        const int64_t next = r0 + r < rows ? all : r0 == 0 ? step : 4;
+        for (int64_t b = 0; b < blocks; b += step) {
+            const int64_t ahead = b0 + b + next;
+            TILES<T>[r - 1][std::min(step, blocks - b) - 1](
+                x, w, y, r0, b0 + b, PREFETCH && ahead + std::min(step, blocks - b) <= all ? w.packed + ahead * steps * 16 * ROWS_A_STEP<T> : nullptr);
+        }
     }
 }
 
