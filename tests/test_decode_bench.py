@@ -273,11 +273,18 @@ def test_bench_engine_times_both_loops_on_the_same_outputs_and_its_graph_section
     assert out["generation"]["identical_outputs"] == "2/2" and out["dtype"] == "float32"
     assert set(out["host_work_us"]) == {"after a forward", "again"}
     assert set(out["forward_ms"][oracle]) == set(costs.NODE_COUNTS) and "generation_with_cuda_graphs" not in out
+    roofline = out["roofline"]  # the cost curves after each prefix, as the engine runs them, beside the roofline
+    assert roofline["bandwidth_gb_s"] > 0 and roofline["peak_gmac_s"] > 0
+    assert set(roofline["curves"]) == {f"{oracle} @ {prefix}" for prefix in bench_engine.CURVE_PREFIXES}
+    for curve in roofline["curves"].values():
+        assert set(curve["roofline_ms"]) == set(curve["ms"]["engine"]) == set(costs.NODE_COUNTS)
+    printed = capsys.readouterr().out
+    assert "share of the roofline" in printed and "roofline c(q)/c(1)" in printed
     latency, outputs = bench_engine.generation_latency(oracle, ["t2 t7", "t3 t8"], 6, "float32", "cpu")
     assert [len(tokens) for tokens in outputs] == [6, 6] and latency["identical_outputs"] == "2/2"
     # the GPU's part of the engine benchmark, run where graphs fall back to the eager forward: the same outputs
     args = bench_engine.argparse.Namespace(model=oracle, max_new_tokens=6, dtype="float32", device="cpu",
-                                           skip_large=True, prefix=8, repeats=1)
+                                           shapes=[], prefix=8, repeats=1)
     graphed = bench_engine.with_cuda_graphs(args, ["t2 t7", "t3 t8"], latency, outputs,
                                             {oracle: out["forward_ms"][oracle]})
     assert graphed["generation_with_cuda_graphs"]["identical_to_without"] == "2/2"
@@ -294,3 +301,25 @@ def test_host_work_is_timed_right_after_each_forward_and_again_and_leaves_the_ca
     assert seen == [(0, 8)] + [(8, 1)] * 4  # the prefix, then a first (untimed) and three timed q=1 forwards after it
     assert set(timings) == {"after a forward", "again"} and all(us > 0 for us in timings.values())
     assert engine.length == engine.pending == 0
+
+
+def test_the_roofline_is_flat_up_to_its_knee_then_grows_with_the_rows():
+    from decode.planning.roofline import ForwardShape, Machine, knee
+
+    # float32 weights at 4 GB/s against 8 G multiply-adds a second: a row's 4 bytes a weight take as long as 8 rows'
+    # multiply-adds, so the knee is at 8 rows
+    machine, shape = Machine(bandwidth=4e9, macs=8e9, peak_dtype="float32"), ForwardShape(4, 512, 8192, 4)
+    assert knee(shape, machine, cached=0) == 8
+    one = shape.roofline_ms(machine, 1, cached=0)
+    assert all(shape.roofline_ms(machine, q, cached=0) == pytest.approx(one, rel=0.01) for q in range(1, 8))
+    assert shape.roofline_ms(machine, 64, cached=0) == pytest.approx(2 * shape.roofline_ms(machine, 32, cached=0), rel=0.01)
+    # bfloat16 halves the bytes, not the arithmetic: the knee comes at half the rows; a long cache adds reads
+    assert knee(ForwardShape(4, 512, 8192, 2), machine, cached=0) == 4
+    assert shape.roofline_ms(machine, 1, cached=4096) > 1.1 * one
+
+
+def test_bench_engine_refuses_a_shape_it_cannot_make_in_one_line(models, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_engine.main(["--model", str(models["oracle"]), "--prompts", "humaneval", "--shape", "7,100,50"])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(errors) == 1 and "--shape '7,100,50'" in errors[0]

@@ -2,7 +2,7 @@
 
 1. per-token latency of greedy decoding: our baseline loop vs transformers `generate`, same checkpoint;
 2. the cost of one forward over q = 1, 2, 4, ..., 64 new nodes after a cached prefix, for a model
-   directory and for a GPT-2-Large-sized config with random weights (cost does not depend on them);
+   directory and for models of other shapes with random weights (--shape; cost does not depend on them);
 3. for the model directory, the same forwards with the nodes as a tree and its explicit attention
    mask, against the chain: what a tree's mask costs;
 4. for the model directory, the chain's forwards with all its matrices in each layout this device runs
@@ -15,6 +15,7 @@
    it at every q (the roofline's time over the measured one), with torch's forward for comparison.
 
     python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl
+    python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl --shape 6,512,8192 --shape gpt2-large
 """
 import argparse
 import time
@@ -28,7 +29,8 @@ from data.errors import exits_on_input_error
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
 from decode.options import check_device
-from decode.planning.costs import NODE_COUNTS, PROJECTIONS, device_name, forward_costs, host_work_after_forward, random_gpt2
+from decode.planning.costs import (NODE_COUNTS, PROJECTIONS, device_name, forward_costs, host_work_after_forward,
+                                   projection_shape, random_gpt2)
 from decode.planning.roofline import ForwardShape, knee, measure_machine
 from decode.models.engine import GPT2Engine
 from decode.models.projection import LAYOUTS, onednn_packs
@@ -90,10 +92,7 @@ def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[i
     same = sum(tokens == before for (tokens, _), before in zip(runs, outputs))
     print(f"\nwith CUDA graphs: ours {ms_per_token:.2f} ms/token (without {latency['ours_ms_per_token']:.2f}: "
           f"{latency['ours_ms_per_token'] / ms_per_token:.2f}x), outputs identical to those without: {same}/{len(texts)}")
-    models = {args.model: engine}
-    if not args.skip_large:
-        models["gpt2-large-sized (random)"] = random_gpt2(*PROJECTIONS["gpt2-large"], args.dtype, args.device,
-                                                          cuda_graphs=True)
+    models = {args.model: engine} | shaped_models(args, cuda_graphs=True)
     graphed = {name: forward_costs(model, args.prefix, args.repeats) for name, model in models.items()}
     for name, row in graphed.items():
         print(table_row(name, row))
@@ -150,7 +149,11 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: the one the model's forward measures faster in here (a GPU: bfloat16)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N for the N-th GPU)")
-    p.add_argument("--skip-large", action="store_true", help="skip the GPT-2-Large-sized forward costs")
+    p.add_argument("--shape", action="append", metavar="SHAPE",
+                   help="also time a model of this shape with random weights, for cost only: a GPT-2 name "
+                        f"({', '.join(PROJECTIONS)}) or n_layer,n_embd,vocab (e.g. 6,512,8192); repeatable "
+                        "(default: gpt2-large)")
+    p.add_argument("--skip-large", action="store_true", help="time no random-weight shape (overrides --shape)")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
@@ -158,6 +161,7 @@ def parse(argv) -> argparse.Namespace:
         p.error("--limit, --max-new-tokens and --repeats must be at least 1, --prefix 0 or more")
     if args.out:
         check_output(args.out, FILE, args.overwrite, "--out")
+    args.shapes = [] if args.skip_large else [(spec, projection_shape(spec, "--shape")) for spec in args.shape or ["gpt2-large"]]
     check_device(args.device)
     if args.dtype == "auto":
         args.dtype, why = auto_dtype(args.device, None, args.model)
@@ -165,9 +169,15 @@ def parse(argv) -> argparse.Namespace:
     return args
 
 
+def shaped_models(args, cuda_graphs: bool = False) -> dict:
+    """The --shape models, random weights in the run's dtype, by a label that says so."""
+    return {f"{spec}-shaped (random weights)": random_gpt2(*shape, args.dtype, args.device, cuda_graphs=cuda_graphs)
+            for spec, shape in args.shapes}
+
+
 def forward_tables(args, models: dict) -> dict:
-    """Measurements 2-4: the forward's cost by node count (the model, and a GPT-2-Large-sized one unless
-    --skip-large), as a tree against a chain, and by weight layout."""
+    """Measurements 2-4: the forward's cost by node count (the model, and the --shape models), as a tree against a
+    chain, and by weight layout."""
     engine = models[args.model]
     costs = {name: forward_costs(model, args.prefix, args.repeats) for name, model in models.items()}
     print(f"\nforward cost in ms after {args.prefix} cached positions, by new nodes q")
@@ -199,9 +209,7 @@ def main(argv=None) -> dict:
 
     engine = GPT2Engine.load(args.model, args.dtype, args.device, native_blocks=True)
     result = {"generation": latency, "dtype": args.dtype, "device": device_name(torch.device(args.device))}
-    models = {args.model: engine}
-    if not args.skip_large:
-        models["gpt2-large-sized (random)"] = random_gpt2(*PROJECTIONS["gpt2-large"], args.dtype, args.device)
+    models = {args.model: engine} | shaped_models(args)
     result |= forward_tables(args, models)
     if not engine.on_gpu:
         result["roofline"] = roofline_tables(args, models)

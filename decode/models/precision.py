@@ -1,17 +1,20 @@
 """Which dtype a decoder runs in when asked for "auto": the one the oracle's own forward measures faster in here.
 
 A batch-one forward streams every weight, so bfloat16 halves the bytes; but on a CPU without bfloat16 instructions
-the products are emulated, and a tree of 16 nodes then costs ten times one token (docs/decoding.md, "Precision").
-Which one wins depends on the CPU and the model's shape, so on a CPU the oracle is timed in both, over one token and
-over a tree of 16, and the choice is kept per model and device with the forward costs. A GPU with bfloat16 support
+torch emulates its products (a tree of 16 nodes cost ten times one token), and the C++ forward widens each bfloat16
+weight to float32 as it reads it (docs/decoding.md, "Precision"). Which one wins depends on the CPU, the model's
+shape and which forward runs, so on a CPU the oracle is timed in both, over one token and over a tree of 16, and the
+choice is kept per model, device and C++ forward with the forward costs. A GPU with bfloat16 support
 decodes in it.
 """
+import hashlib
 import json
 import os
 from pathlib import Path
 
 import torch
 
+from decode import native
 from decode.planning.costs import CACHE_DIR, by_count, cpu_features, device_name, fingerprint, forward_costs, kept
 
 DTYPES = ("float32", "bfloat16")
@@ -39,7 +42,7 @@ def auto_dtype(device: str, plan: Path | None = None, oracle: Path | None = None
     features = cpu_features()
     if "BF16" in features or "AMX" in features:
         return "bfloat16", f"this CPU multiplies in it natively ({features})"
-    return "float32", "this CPU has no bfloat16 instructions, so bfloat16 would be emulated"
+    return "float32", "this CPU has no bfloat16 instructions (unmeasured: no oracle to time)"
 
 
 def plan_dtype(plan: Path, device: str) -> str | None:
@@ -57,7 +60,8 @@ def measured_dtype(oracle: Path, device: str, cache_dir: Path | None = None) -> 
     """The dtype whose forwards of the oracle over 1 and 16 new nodes take less time in all, here; with the two
     timings. Measured once per model and device (a few seconds for the cpu preset's oracle), then read back."""
     name = device_name(torch.device(device))
-    path = Path(cache_dir or CACHE_DIR) / f"dtype-{fingerprint(oracle)}-{''.join(c if c.isalnum() else '_' for c in name)}.json"
+    code = hashlib.sha256(b"".join(source.read_bytes() for source in native.FORWARD_SOURCES)).hexdigest()[:8]
+    path = Path(cache_dir or CACHE_DIR) / f"dtype-{fingerprint(oracle)}-{code}-{''.join(c if c.isalnum() else '_' for c in name)}.json"
     measured, _ = kept(path, lambda: {dtype: time_forwards(oracle, dtype, device) for dtype in DTYPES})
     ms = {dtype: by_count(row) for dtype, row in measured.items()}
     total = {dtype: sum(ms[dtype].values()) for dtype in DTYPES}

@@ -28,6 +28,7 @@ from decode.models.cached_lm import Ids, as_list
 
 SOURCE = Path(__file__).with_name("step.cpp")
 FORWARD_SOURCE = Path(__file__).with_name("forward.cpp")
+FORWARD_SOURCES = (FORWARD_SOURCE, *sorted(FORWARD_SOURCE.parent.glob("*.h")))  # what the forward's build reads
 # The instruction sets forward.cpp is built for, each with its compiler defines and the CPU flags (as /proc/cpuinfo
 # names them) it needs; a CPU runs the first its flags allow, bfloat16 AVX-512 only with AVX-512 BF16
 FORWARD_BUILDS = {"AVX-512": (["-DFORWARD_AVX512"], {"avx512f", "avx512bw", "avx512vl"}),
@@ -43,7 +44,7 @@ def build(source: Path, defines: tuple[str, ...] = ()):
     from torch.utils import cpp_extension
 
     flags = [*FLAGS, *defines]
-    code = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
+    code = b"".join(path.read_bytes() for path in (source, *sorted(source.parent.glob("*.h"))))
     name = f"{source.stem}_{hashlib.sha256(code + ' '.join(flags).encode()).hexdigest()[:12]}"
     return cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"])
 

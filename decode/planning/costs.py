@@ -139,7 +139,7 @@ def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
     layout, CUDA graphs and output shortlist, device, dtype and threads."""
     backend = Path(inspect.getfile(type(model))).read_text() + inspect.getsource(forward_costs)
     if getattr(model, "blocks", None) is not None:
-        backend += (native.FORWARD_SOURCE.read_text() + native.forward_build(model.dtype)
+        backend += ("".join(source.read_text() for source in native.FORWARD_SOURCES) + native.forward_build(model.dtype)
                     + f"{model.native_rows} {model.blocks.tiles}")
     layouts, graphs = getattr(model, "layouts", None), getattr(model, "graphs", None) is not None
     shortlist = None if model.shortlist is None else model.shortlist.tokens.tolist()
@@ -209,7 +209,7 @@ PROJECTIONS = {"gpt2": (12, 768, 50257), "gpt2-medium": (24, 1024, 50257), "gpt2
                "gpt2-xl": (48, 1600, 50257)}
 
 
-def projection_shape(spec: str) -> tuple[int, int, int]:
+def projection_shape(spec: str, flag: str = "--project-oracle") -> tuple[int, int, int]:
     """(n_layer, n_embd, vocab_size) from a GPT-2 name or 'n_layer,n_embd,vocab'."""
     if spec in PROJECTIONS:
         return PROJECTIONS[spec]
@@ -218,7 +218,7 @@ def projection_shape(spec: str) -> tuple[int, int, int]:
     except ValueError:
         n_layer = 0
     if n_layer < 1 or n_embd < 64 or n_embd % 64 or vocab < 2:
-        raise InputError(f"--project-oracle {spec!r}: name one of {', '.join(PROJECTIONS)} or give n_layer,n_embd,vocab "
+        raise InputError(f"{flag} {spec!r}: name one of {', '.join(PROJECTIONS)} or give n_layer,n_embd,vocab "
                          f"(n_embd a multiple of 64, the head size), e.g. 36,1280,50257")
     return n_layer, n_embd, vocab
 
