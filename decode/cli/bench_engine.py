@@ -109,7 +109,7 @@ def roofline_tables(args, models: dict) -> dict:
     torch's operations, against the roofline of this machine."""
     machine = measure_machine(models[args.model].dtype)
     print(f"\nthis machine: memory read {machine.bandwidth / 1e9:.1f} GB/s (sums over 256 MB), peak "
-          f"{machine.macs / 1e9:.1f} GMAC/s ({machine.peak_dtype} products of 512 x 512 in torch), "
+          f"{machine.macs / 1e9:.1f} GMAC/s ({machine.peak_dtype} square products in torch), "
           f"{torch.get_num_threads()} threads")
     result = {"bandwidth_gb_s": machine.bandwidth / 1e9, "peak_gmac_s": machine.macs / 1e9,
               "peak_dtype": machine.peak_dtype, "curves": {}}
