@@ -606,12 +606,12 @@ VECTOR_TARGET void softmax(float *row, const Visibility &visible, int64_t r) {
     Vec best = minus_infinity;
     for (int64_t slot = 0; slot < end; slot += LANES) best = max(best, load(row + slot, end - slot, minus_infinity));
     const Vec most = splat(largest(best));
+    Vec total = zeros();  // the weights of slots 0..open, lane by slot (their rank)
     for (int64_t slot = 0; slot < end; slot += LANES) {  // masked both ways: the row may end at the end of its memory
         const Vec score = load(row + slot, end - slot);
         store(row + slot, where_seen(score, exp(sub(score, most)), end - slot), end - slot);
+        if (slot < open) total = add(total, load(row + slot, open - slot));
     }
-    Vec total = zeros();
-    for (int64_t slot = 0; slot < open; slot += LANES) total = add(total, load(row + slot, open - slot));
     if (open < end) {
         alignas(64) float lanes[LANES];
         store(lanes, total);
