@@ -6,7 +6,12 @@ import threading
 
 
 class InputError(Exception):
-    """Bad input from the user (missing file, mismatched vocabulary, ...). The message is shown as is."""
+    """Bad input from the user (missing file, mismatched vocabulary, ...). The message is shown as is; `field` names
+    the setting at fault, where one is (the server's error object reports it as its `param`)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class Terminated(KeyboardInterrupt):

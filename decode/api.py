@@ -157,7 +157,7 @@ class SpeculativeDecoder:
     def prompt(self, prompt: str | list[int], max_new_tokens: int, lookahead: int | None = None) -> Prompt:
         """The prompt as the models will see it (healed), checked against the context (`room`)."""
         if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+            ids = self.token_ids(prompt)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             if any(not 0 <= t < self.decoder.oracle.vocab_size for t in ids):
@@ -165,6 +165,16 @@ class SpeculativeDecoder:
         else:
             raise InputError(f"a prompt is a string or a list of token ids (got {type(prompt).__name__})")
         return self.encode(ids, "prompt", max_new_tokens, lookahead)
+
+    def token_ids(self, text: str, name: str = "prompt") -> list[int]:
+        """A prompt's text as the tokenizer splits it, without special tokens; InputError for text that is not
+        Unicode (a lone surrogate, as undecodable command-line bytes or a JSON escape can make)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InputError(f"{name} holds a lone surrogate (U+{ord(text[err.start]):04X} at character {err.start}), "
+                             f"which is not text; pass valid Unicode", "prompt") from None
+        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def lookahead(self, sampling: Sampling = Sampling()) -> int:
         """Positions past the output a step may score when decoding with this sampling setting (its drafted depth)."""
@@ -211,7 +221,6 @@ class SpeculativeDecoder:
             raise DecoderBusy("this decoder is already decoding another prompt (another thread's call, or a stream "
                               "not yet finished or closed); decode one prompt at a time on it, or use one decoder per thread")
         try:
-            check_number("seed", request.seed, integer=True)
             encoded = self.prompt(prompt, request.max_new_tokens, self.lookahead(request.sampling))
             return (yield from self.decode(encoded, request, pieces, streamer))
         finally:

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from typing import Callable, Generator, Iterator
 
 from data.errors import InputError
+from decode.options import check_number
 from decode.sampling import Sampling
 
 SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "stop_strings", "seed")
 DEFAULT_MAX_NEW_TOKENS = 128
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,11 @@ class Request:
     seed: int = 0
     eos_ids: frozenset[int] = frozenset()  # tokens that end the output (kept), besides the models' end-of-text
     stop_strings: tuple[str, ...] = ()  # texts that end the output once a token completes one (kept)
+
+    def __post_init__(self):
+        check_number("seed", self.seed, integer=True)
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise InputError(f"seed must lie in {SEED_RANGE[0]}..{SEED_RANGE[1]} (got {self.seed})", "seed")
 
     def stop_at(self, tokens: list[int], checked: int, text_of: Callable[[list[int]], str]) -> int | None:
         """How many of `tokens` to keep when a stop condition holds among those after the first `checked`, else None."""

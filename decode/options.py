@@ -15,6 +15,7 @@ from decode.sampling import Sampling
 
 MAX_BUDGET, MAX_DEPTH = 512, 64
 MIN_DRAFT_VOCAB = 64  # a shortlist holds every draft's top children and a sampled proposal's 64 tokens
+MIN_TEMPERATURE = 1e-4  # the least sampling temperature: logits divided by a smaller one can overflow float32
 PAPER_WIDTHS, PAPER_BUDGET = (12, 7, 4, 1, 1, 1), 36  # the paper's staged tree, sized for a GPU
 # Without a plan on a CPU: the trigram widths and budget that plans choose for the cpu preset there. The paper's tree
 # has the draft score up to 1,441 nodes a step, which on a CPU is slower than plain decoding (docs/decoding.md).
@@ -91,16 +92,22 @@ def check_number(name: str, value, integer: bool = False) -> None:
     """`value` is a number (an integer with `integer`), as InputError: a string or None would fail deep inside."""
     kind = numbers.Integral if integer else numbers.Real
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise InputError(f"{name} must be {'an integer' if integer else 'a number'} (got {value!r})")
+        raise InputError(f"{name} must be {'an integer' if integer else 'a number'} (got {value!r})", name)
 
 
 def sampling_of(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
-    """The processed distribution's settings, checked (temperature 0: greedy)."""
+    """The processed distribution's settings, checked (temperature 0: greedy). A temperature under MIN_TEMPERATURE
+    would divide float32 logits past their range."""
     check_number("temperature", temperature)
     check_number("top_k", top_k, integer=True)
     check_number("top_p", top_p)
-    if not 0 <= temperature < math.inf or not 0 < top_p <= 1 or top_k < 0:
-        raise InputError(f"need a finite temperature >= 0, 0 < top-p <= 1 and top-k >= 0 (got {temperature}, {top_p}, {top_k})")
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
+        raise InputError(f"temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE} "
+                         f"(got {temperature})", "temperature")
+    if top_k < 0:
+        raise InputError(f"top-k must be at least 0, 0 for every token (got {top_k})", "top_k")
+    if not 0 < top_p <= 1:
+        raise InputError(f"top-p must lie in (0, 1] (got {top_p})", "top_p")
     return Sampling(temperature, top_k, top_p)
 
 

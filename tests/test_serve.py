@@ -21,6 +21,9 @@ PROMPTS = ["def scale(values):\n", "import math\n", "class Box3:\n    def __init
            "for i in range(10):\n"]
 
 
+READ_TIMEOUT = 2  # seconds: the module's server closes stalled connections this soon
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,7 +66,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(bpe_run):
-    s = Server(bpe_run["run"], "--method", "staged")
+    s = Server(bpe_run["run"], "--method", "staged", "--read-timeout", str(READ_TIMEOUT))
     yield s
     assert s.stop() == 0
 
@@ -108,17 +111,25 @@ def test_seeded_sampling_is_reproducible_and_unseeded_is_fresh(server):
 @pytest.mark.parametrize("body, status, message", [
     (b"{not json", 400, "not valid JSON"),
     (b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+    (b'{"prompt": "x = \'\\ud800\'\\n"}', 400, "lone UTF-16 surrogate"),
+    (b"[" * 10_000 + b"]" * 10_000, 400, "not valid JSON"),
+    (b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", 400, "not valid JSON"),
     ({"max_tokens": 4}, 400, "prompt is required"),
     ({"prompt": ""}, 400, "prompt is empty"),
+    ({"prompt": [10**30]}, 400, "prompt token ids must lie in 0.."),
     ({"prompt": "x", "n": 2}, 400, "n must be 1"),
     ({"prompt": "x", "best_of": 3}, 400, "best_of must be 1"),
-    ({"prompt": "x", "frobnicate": 1}, 400, "unsupported fields: frobnicate"),
-    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
-    ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens must be at least 1"),
-    ({"prompt": "x", "max_tokens": 10**9}, 400, "use at most"),
+    ({"prompt": "x", "frobnicate": 1}, 400, "unsupported field frobnicate"),
+    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty must be 0"),
+    ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens must be an integer of at least 1"),
+    ({"prompt": "x", "max_tokens": 10**30}, 400, "use 1.."),
     ({"prompt": "x " * 400}, 400, "leaves no room to generate"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be a number"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop must be a string or a list of at most 4"),
+    ({"prompt": "x", "temperature": 1e-300}, 400, "temperature must be 0 (greedy) or a finite number of at least"),
+    ({"prompt": "x", "top_k": -5}, 400, "top_k must be an integer"),
+    ({"prompt": "x", "temperature": 1, "seed": 2**64}, 400, f"seed must be an integer in {-2**63}..{2**64 - 1}"),
+    ({"prompt": "x", "temperature": 1, "seed": -(2**70)}, 400, "seed must be an integer in"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop must be a non-empty string or a list of at most 4"),
     ({"prompt": "x" * (2 << 20)}, 413, "over 1048576 bytes"),
 ])
 def test_bad_requests_are_4xx_openai_errors(server, body, status, message):
@@ -127,6 +138,16 @@ def test_bad_requests_are_4xx_openai_errors(server, body, status, message):
     error = answer.json()["error"]
     assert message in error["message"] and error["type"] and "Traceback" not in answer.text
     assert server.post({"prompt": "x", "max_tokens": 2}).status_code == 200  # the server serves on
+
+
+@pytest.mark.parametrize("method, path, status, message", [
+    ("POST", "/v1/chat/completions", 400, "POST /v1/completions with a prompt"),
+    ("GET", "/v2/engines", 404, "GET /v2/engines is not an endpoint of this server"),
+    ("DELETE", "/v1/completions", 405, "DELETE /v1/completions does not take this method"),
+])
+def test_chat_unknown_routes_and_methods_are_openai_errors(server, method, path, status, message):
+    answer = httpx.request(method, f"{server.url}{path}", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == status and message in answer.json()["error"]["message"], answer.text
 
 
 def test_a_client_that_disconnects_stops_its_decoding_and_the_next_request_starts(server):
@@ -166,6 +187,38 @@ def test_eight_clients_at_once_are_served_in_turn_with_the_same_outputs(server):
         t.join(timeout=300)
     assert not failures and len(answers) == 40
     assert all(text == alone[r] for r, text in answers.values())  # greedy and seeded sampling alike
+
+
+def raw(server, data: bytes) -> socket.socket:
+    """A connection to the server that has sent `data` and nothing more."""
+    connection = socket.create_connection(("127.0.0.1", server.port), timeout=READ_TIMEOUT + 30)
+    connection.sendall(data)
+    return connection
+
+
+def test_stalled_headers_are_closed_and_a_stalled_body_is_answered_408(server):
+    with raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le") as headers:
+        assert headers.recv(1000) == b""  # closed, with no answer: there was no request yet
+    with raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ") as body:
+        answer = b"".join(iter(lambda: body.recv(10_000), b"")).decode()  # answered, then closed
+        assert answer.startswith("HTTP/1.1 408") and f"did not arrive within {READ_TIMEOUT} seconds" in answer
+    assert server.post({"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_hostile_sizes_are_answered_and_the_worker_serves_on(server, bpe_run):
+    limit = 1 << 20
+    padded = {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0, "user": ""}
+    padded["user"] = "u" * (limit - len(json.dumps(padded)))
+    assert len(json.dumps(padded)) == limit and server.post(padded).status_code == 200
+    context = json.loads((bpe_run["run"] / "oracle" / "config.json").read_text())["n_positions"]
+    answer = server.post({"prompt": [1] * context, "max_tokens": 1})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
+    flood = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 50) for i in range(5000))
+    with raw(server, flood + b"\r\n") as connection:
+        assert connection.recv(1000).startswith(b"HTTP/1.1 4")
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    assert server.post({"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_a_full_queue_answers_429(bpe_run):

@@ -87,7 +87,7 @@ def encode_prompts(settings: Settings, decoders: list[SpeculativeDecoder], recor
         records = load_prompts(settings.prompts, settings.limit)
     first = min(decoders, key=lambda d: d.decoder.context())
     lookahead = max(d.decoder.lookahead() for d in decoders)
-    return [(record, first.encode(first.tokenizer(record["prompt"], add_special_tokens=False).input_ids,
+    return [(record, first.encode(first.token_ids(record["prompt"], f"prompt {record['task_id']!r}"),
                                   record["task_id"], settings.max_new_tokens, lookahead)) for record in records]
 
 

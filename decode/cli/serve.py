@@ -5,7 +5,7 @@
 
 One decoder serves the requests in turn (batch one is the design); the rest wait in a bounded queue. SIGTERM or
 Ctrl-C finishes the request being decoded, refuses the others and exits. Endpoints: POST /v1/completions,
-GET /v1/models, GET /health.
+GET /v1/models, GET /health (and POST /v1/chat/completions, which answers 400: chat is not served).
 """
 import argparse
 import signal
@@ -19,7 +19,8 @@ from data.errors import InputError, exits_on_input_error
 from decode.api import SettingPlans, SpeculativeDecoder
 from decode.cli.flags import add_decoder_flags, decoder_flags
 from decode.sampling import Sampling
-from decode.server import create_app
+from decode.serving.app import create_app
+from decode.serving.connections import protocol
 
 PROG = "python -m decode.serve"
 
@@ -33,9 +34,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--model-name", help="the model's name in answers and /v1/models (default: the oracle directory's)")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait for the decoder; more get 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a connection whose request headers are not complete this long after it opens (or after the "
+                        "last answer) is closed; a body not complete this long after the headers gets 408")
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536 or args.queue_size < 1 or args.max_body_bytes < 1:
         p.error("need a --port in 0..65535, and a --queue-size and --max-body-bytes of at least 1")
+    if not 0 < args.read_timeout < float("inf"):
+        p.error(f"--read-timeout must be a positive number of seconds (got {args.read_timeout})")
     flags = decoder_flags(p, args, Sampling())
     args.options = flags.options()
     own = args.run is not None and args.plan is None and not args.no_plan
@@ -60,9 +66,10 @@ def main(argv=None) -> None:
     check_address(args.host, args.port)
     decoder = SpeculativeDecoder(args.options, args.plans)
     name = args.model_name or args.options.oracle.resolve().name
-    app = create_app(decoder, name, args.api_key, args.queue_size, args.max_body_bytes)
+    app = create_app(decoder, name, args.api_key, args.queue_size, args.max_body_bytes, args.read_timeout)
     worker = app.state.worker
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           http=protocol(args.read_timeout)))
     http = threading.Thread(target=server.run, name="http", daemon=True)  # the decoder keeps the main thread
 
     def drain(signum, frame):  # SIGTERM, Ctrl-C: refuse what waits, finish what decodes, then exit 0

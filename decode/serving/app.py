@@ -1,17 +1,20 @@
-"""An OpenAI-compatible completions server over one SpeculativeDecoder (FastAPI; decode.serve runs it).
+"""OpenAI's completions API over one SpeculativeDecoder (FastAPI; decode.serve runs it).
 
-    POST /v1/completions   prompt, max_tokens, temperature, top_p, top_k, stop, seed, stream (server-sent events)
-    GET  /v1/models        the one model served
-    GET  /health           status, queue length, requests completed and cancelled (no API key needed)
+    POST /v1/completions        prompt, max_tokens, temperature, top_p, top_k, stop, seed, stream (server-sent events)
+    GET  /v1/models             the one model served
+    GET  /health                status, queue length, requests completed and cancelled (no API key needed)
+    POST /v1/chat/completions   400: chat (messages) is not served; the error names /v1/completions
 
 One decoder decodes one request at a time, as batch one is the design: requests wait in a bounded queue (a full
 queue answers 429) and the worker takes them in turn, on the process's main thread (torch's OpenMP products ran at
 half speed on another thread here) while the HTTP server runs on its own. A streaming client that disconnects stops its own
 decoding at the next step. Responses carry `usage` and, under `decoding`, the method, oracle calls, tokens per
-oracle call and seconds. Bad requests are 4xx answers with an OpenAI-style error object.
+oracle call and seconds. Every refusal, an unknown route or method included, is a 4xx with OpenAI's error object
+naming the field at fault; only a fault inside decoding is a 5xx, in the same shape, its traceback logged.
 """
 import asyncio
 import json
+import logging
 import queue
 import threading
 import time
@@ -19,41 +22,16 @@ import uuid
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from data.errors import InputError
 from decode.api import SpeculativeDecoder
-from decode.sampling import Sampling
+from decode.serving.request import SCHEMA, Completion, RequestError, parse_completion
 
-FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "n", "best_of", "user", "echo", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "suffix"}
-MAX_STOPS = 4
-
-
-class RequestError(Exception):
-    """A request the server refuses: its HTTP status and an OpenAI-style error."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}},
-                            status_code=self.status)
-
-
-@dataclass
-class Completion:
-    """One checked request: its prompt's token ids and what to decode."""
-
-    ids: list[int]
-    max_tokens: int
-    settings: dict  # SpeculativeDecoder.generate's: do_sample, temperature, top_k, top_p, seed, stop_strings
-    stops: tuple[str, ...]
-    stream: bool
-    usage_in_stream: bool
-
+log = logging.getLogger("decode.serve")
+ROUTES = "POST /v1/completions, GET /v1/models, GET /health"
 
 @dataclass
 class Job:
@@ -95,89 +73,6 @@ class StopText:
         return new
 
 
-def parse_completion(body: bytes, decoder: SpeculativeDecoder) -> Completion:
-    """The request body, checked as OpenAI's completions endpoint reads it; RequestError when it cannot be served."""
-    try:
-        request = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise RequestError(400, "the request body is not valid UTF-8") from None
-    except json.JSONDecodeError as err:
-        raise RequestError(400, f"the request body is not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
-    if not isinstance(request, dict):
-        raise RequestError(400, "the request body must be a JSON object")
-    unknown = sorted(set(request) - FIELDS)
-    if unknown:
-        raise RequestError(400, f"unsupported fields: {', '.join(unknown)}", unknown[0])
-    for name, allowed in (("n", 1), ("best_of", 1)):
-        if request.get(name, allowed) not in (allowed, None):
-            raise RequestError(400, f"{name} must be 1: one decoder decodes one completion at a time", name)
-    for name, neutral in (("echo", False), ("logprobs", None), ("suffix", None), ("presence_penalty", 0),
-                          ("frequency_penalty", 0), ("logit_bias", None)):
-        if request.get(name, neutral) not in (neutral, None, {} if name == "logit_bias" else neutral):
-            raise RequestError(400, f"{name} is not supported: the output is exactly the oracle's", name)
-    ids = prompt_ids(request.get("prompt"), decoder)
-    max_tokens = number(request, "max_tokens", 16, int, minimum=1)
-    temperature = number(request, "temperature", 1.0, float, minimum=0.0)
-    top_p = number(request, "top_p", 1.0, float, minimum=0.0)
-    if not 0 < top_p <= 1:
-        raise RequestError(400, f"top_p must lie in (0, 1] (got {top_p})", "top_p")
-    top_k = number(request, "top_k", 0, int, minimum=-1)
-    room = decoder.room(len(ids), decoder.lookahead(Sampling(temperature, max(top_k, 0), top_p)))  # its setting's tree
-    context = decoder.decoder.context()
-    if room < 1:
-        raise RequestError(400, f"the prompt has {len(ids)} tokens; the model's context of {context} tokens leaves no "
-                                f"room to generate: shorten it", "prompt", code="context_length_exceeded")
-    if max_tokens > room:
-        raise RequestError(400, f"max_tokens {max_tokens} does not fit the model's context of {context} tokens after a "
-                                f"prompt of {len(ids)}: use at most {room}", "max_tokens", code="context_length_exceeded")
-    seed = request.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise RequestError(400, f"seed must be an integer (got {seed!r})", "seed")
-    stops = request.get("stop") or ()
-    stops = (stops,) if isinstance(stops, str) else stops
-    if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(400, f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings", "stop")
-    stream = request.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(400, f"stream must be true or false (got {stream!r})", "stream")
-    options = request.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise RequestError(400, "stream_options takes only include_usage", "stream_options")
-    settings = {"do_sample": temperature > 0, "temperature": temperature or None, "top_k": max(top_k, 0), "top_p": top_p,
-                "seed": seed, "stop_strings": tuple(stops)}
-    return Completion(ids, max_tokens, settings, tuple(stops), stream, bool(options.get("include_usage")))
-
-
-def prompt_ids(prompt, decoder: SpeculativeDecoder) -> list[int]:
-    """A prompt as text, a list of one text, or token ids, as token ids."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError(400, "prompt is empty; give some text to continue", "prompt")
-        return decoder.tokenizer(prompt, add_special_tokens=False).input_ids
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        vocabulary = decoder.decoder.oracle.vocab_size
-        if not all(0 <= t < vocabulary for t in prompt):
-            raise RequestError(400, f"prompt token ids must lie in 0..{vocabulary - 1}", "prompt")
-        return prompt
-    if prompt is None:
-        raise RequestError(400, "prompt is required", "prompt")
-    raise RequestError(400, "prompt must be a string, a list of one string, or a list of token ids", "prompt")
-
-
-def number(request: dict, name: str, default, kind: type, minimum):
-    """request[name] (or its default) as a number of `kind`, at least `minimum`."""
-    value = request.get(name, default)
-    value = default if value is None else value
-    valid = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
-    if not valid or value != value or value in (float("inf"), float("-inf")):
-        raise RequestError(400, f"{name} must be {'an integer' if kind is int else 'a number'} (got {value!r})", name)
-    if value < minimum:
-        raise RequestError(400, f"{name} must be at least {minimum} (got {value})", name)
-    return kind(value)
-
-
 class Worker:
     """What decodes: takes jobs from a bounded queue in turn, in `run`, until `stop`."""
 
@@ -205,6 +100,8 @@ class Worker:
             try:
                 self.decode(job)
             except Exception as err:  # a job's failure is its own; the worker serves the next
+                if not isinstance(err, (InputError, RequestError)):
+                    log.exception("decoding failed")
                 job.emit("error", err)
             finally:
                 self.decoding = False
@@ -239,10 +136,15 @@ class Worker:
         self.jobs.put(None)
 
 
+def answer(err: RequestError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
 def create_app(decoder: SpeculativeDecoder, model: str, api_key: str | None = None, queue_size: int = 16,
-               max_body_bytes: int = 1 << 20) -> FastAPI:
+               max_body_bytes: int = 1 << 20, read_timeout: float = 30.0) -> FastAPI:
     """The server's ASGI app over `decoder`, named `model` in its answers; `app.state.worker.run()` must decode its
-    jobs (decode.serve runs it on the main thread), and returns once the app has shut down."""
+    jobs (decode.serve runs it on the main thread), and returns once the app has shut down. A request body that takes
+    over `read_timeout` seconds to arrive is answered 408."""
     worker = Worker(decoder, queue_size)
 
     async def lifespan(app: FastAPI):
@@ -255,7 +157,21 @@ def create_app(decoder: SpeculativeDecoder, model: str, api_key: str | None = No
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, err: RequestError):
-        return err.response()
+        return answer(err)
+
+    @app.exception_handler(HTTPException)
+    async def not_served(request: Request, err: HTTPException):  # routing's own: an unknown path or method
+        what = {404: "is not an endpoint of this server", 405: "does not take this method"}.get(err.status_code)
+        message = f"{request.method} {request.url.path} {what}; it serves {ROUTES}" if what else str(err.detail)
+        return answer(RequestError(err.status_code, message))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError):
+        return answer(RequestError(400, f"invalid request: {err.errors()[0]['msg']}"))
+
+    @app.exception_handler(Exception)
+    async def fault(request: Request, err: Exception):  # Starlette logs the traceback after this answer
+        return answer(RequestError(500, f"the server failed: {type(err).__name__}", kind="server_error"))
 
     @app.get("/health")
     async def health():
@@ -269,26 +185,41 @@ def create_app(decoder: SpeculativeDecoder, model: str, api_key: str | None = No
         return {"object": "list", "data": [{"id": model, "object": "model", "created": int(time.time()),
                                             "owned_by": "staged-speculative"}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": SCHEMA}}}})
     async def completions(request: Request):
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_body_bytes:
-                raise RequestError(413, f"the request body is over {max_body_bytes} bytes")
-        completion = parse_completion(bytes(body), decoder)
+        try:
+            body = await asyncio.wait_for(read_body(request, max_body_bytes), read_timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"the request body did not arrive within {read_timeout:g} seconds") from None
+        completion = parse_completion(body, decoder)
         job = Job(completion, asyncio.get_running_loop())
         worker.submit(job)
-        answer = Answer(job, model, decoder.options.method)
+        reply = Answer(job, model, decoder.options.method)
         if completion.stream:
-            return StreamingResponse(answer.events(), media_type="text/event-stream")
+            return StreamingResponse(reply.events(), media_type="text/event-stream")
         try:
-            return await answer.whole()
+            return await reply.whole()
         except asyncio.CancelledError:
             job.cancelled.set()
             raise
 
+    @app.post("/v1/chat/completions")
+    async def chat():
+        raise RequestError(400, "this server serves OpenAI's completions API, not chat: POST /v1/completions with a "
+                                "prompt (text or token ids) instead of messages", "messages")
+
     return app
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body as it arrives; 413 once it is over `max_bytes` (a chunked body declares no length)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise RequestError(413, f"the request body is over {max_bytes} bytes")
+    return bytes(body)
 
 
 class Guard:
@@ -308,7 +239,7 @@ class Guard:
             elif headers.get("content-length", "").isdigit() and int(headers["content-length"]) > self.max_body_bytes:
                 refusal = RequestError(413, f"the request body is over {self.max_body_bytes} bytes")
             if refusal is not None:
-                return await refusal.response()(scope, receive, send)
+                return await answer(refusal)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -338,7 +269,7 @@ class Answer:
             if kind == "text":
                 text.append(value)
             elif kind == "error":
-                return failure(value).response()
+                return answer(failure(value))
             else:
                 return JSONResponse(self.body("".join(text), value.finish_reason, value))
 
@@ -349,8 +280,7 @@ class Answer:
                 if kind == "text":
                     yield sse(self.body(value, None))
                 elif kind == "error":
-                    err = failure(value)
-                    yield sse({"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}})
+                    yield sse(failure(value).body())
                     break
                 else:
                     final = self.body("", value.finish_reason, value)
@@ -373,5 +303,5 @@ def failure(err: Exception) -> RequestError:
     if isinstance(err, RequestError):
         return err
     if isinstance(err, InputError):
-        return RequestError(400, str(err))
+        return RequestError(400, str(err), err.field)
     return RequestError(500, f"decoding failed: {type(err).__name__}: {err}", kind="server_error")

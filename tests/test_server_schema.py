@@ -1,0 +1,80 @@
+"""The server fuzzed from its own OpenAPI schema (schemathesis, in-process over ASGI, a tiny model): requests that fit
+the schema and requests that break it are answered 2xx or 4xx in OpenAI's error shape, never 5xx, and the server
+decodes exactly afterwards."""
+import threading
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+from decode.api import SpeculativeDecoder
+from decode.serving.app import create_app
+
+PROMPT = "def scale(values):\n"
+EXAMPLES = 100  # per generation mode, over every operation
+
+
+@pytest.fixture(scope="module")
+def decoder(bpe_run):
+    return SpeculativeDecoder.from_run(bpe_run["run"], method="staged")
+
+
+@pytest.fixture(scope="module")
+def app(decoder):
+    app = create_app(decoder, "oracle", queue_size=4)
+    worker = threading.Thread(target=app.state.worker.run, daemon=True)
+    worker.start()
+    yield app
+    app.state.worker.stop()
+    worker.join(timeout=60)
+
+
+class WithoutLifespan:
+    """The app with its lifespan acknowledged but not run: the ASGI test client starts and ends a lifespan for every
+    call, and the app's end stops its worker."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+def openai_error(body) -> bool:
+    error = body.get("error") if isinstance(body, dict) else None
+    return (isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}
+            and isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str))
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_every_request_from_the_schema_gets_a_2xx_or_an_openai_4xx(app, mode):
+    schema = schemathesis.openapi.from_asgi("/openapi.json", WithoutLifespan(app))
+    completions = []  # the statuses POST /v1/completions answered
+
+    @given(case=schema.as_strategy(generation_mode=mode))
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    def answered(case):
+        response = case.call()
+        assert response.status_code < 500, (case.as_curl_command(), response.text)
+        if response.status_code >= 400:
+            assert openai_error(response.json()), (case.as_curl_command(), response.text)
+        if (case.method, case.path) == ("POST", "/v1/completions"):
+            completions.append(response.status_code)
+
+    answered()
+    assert 400 in completions and (mode == GenerationMode.NEGATIVE or 200 in completions), completions
+
+
+def test_after_the_fuzzing_a_greedy_request_is_the_decoders_own_text(app, decoder):
+    from fastapi.testclient import TestClient
+
+    expected = decoder.generate(PROMPT, max_new_tokens=24)
+    answer = TestClient(app).post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == expected.text
+    assert answer.json()["usage"]["completion_tokens"] == len(expected.token_ids)
