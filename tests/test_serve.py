@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from conftest import child_env
+from decode.api import SpeculativeDecoder
 from decode.cli import run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,11 +72,17 @@ def server(bpe_run):
     assert s.stop() == 0
 
 
-def test_greedy_completions_over_http_are_decode_runs(server, bpe_run):
+def test_the_command_the_api_and_the_server_give_the_same_greedy_completion(server, bpe_run):
     client = server.client()
     assert [m.id for m in client.models.list().data] == ["oracle"]
-    for prompt in PROMPTS[:3]:
+    decoder = SpeculativeDecoder.from_run(bpe_run["run"], method="staged")
+    healed = 0
+    for prompt in PROMPTS:
         expected = run.main(["--run", str(bpe_run["run"]), "--prompt", prompt, "--max-new-tokens", "24"])[0]
+        generated = decoder.generate(prompt, max_new_tokens=24)
+        assert (generated.text, generated.token_ids, generated.healed) == \
+            (expected["completion"], expected["token_ids"], expected["healed"])
+        healed += bool(generated.healed)
         answer = client.completions.create(model="oracle", prompt=prompt, max_tokens=24, temperature=0)
         assert answer.choices[0].text == expected["completion"]
         assert answer.usage.completion_tokens == expected["new_tokens"] and answer.usage.prompt_tokens > 0
@@ -87,6 +94,7 @@ def test_greedy_completions_over_http_are_decode_runs(server, bpe_run):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["completion"]
         assert chunks[-2].choices[0].finish_reason in ("stop", "length") and chunks[-1].usage.completion_tokens == \
             expected["new_tokens"]
+    assert healed >= 2  # prompts whose last token healing backed off, and the completion re-made
 
 
 def test_stop_sequences_end_the_text_before_them(server):
