@@ -3,7 +3,8 @@ name, renamed into place when complete, and never put in the place of something 
 
 An output has a kind: a file, or an artifact directory recognised by a marker file inside it (a run's
 data/meta.json, a trigram's meta.json, a model's config.json). `check_output` refuses, in one line,
-anything else at the path; an artifact of the same kind is replaced only with --overwrite.
+anything else at the path; an artifact of the same kind is replaced only with --overwrite; and nothing the command
+reads (its models, tokenizer, trigram, plan, prompts) is ever written over or into, --overwrite or not.
 """
 import contextlib
 import json
@@ -44,8 +45,22 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_output(path, kind: Kind = FILE, overwrite: bool = False, flag: str = "the output path") -> None:
-    """Refuse, before any work, an output path whose current content the command may not replace."""
+def check_not_input(path, reads: dict, flag: str) -> None:
+    """Refuse an output that is, lies inside, or holds something the command reads: `reads` maps what each input is
+    (a role: "oracle", "prompts", ...) to its path (None: not read)."""
+    out = Path(path).resolve()
+    for role, source in reads.items():
+        if source is not None and (out == (source := Path(source).resolve()) or out.is_relative_to(source)
+                                   or source.is_relative_to(out)):
+            where = "over" if out == source or source.is_relative_to(out) else "into"
+            raise InputError(f"{flag} {path} would write {where} {source}, which this command reads as its {role}; "
+                             f"pass another {flag}")
+
+
+def check_output(path, kind: Kind = FILE, overwrite: bool = False, flag: str = "the output path",
+                 reads: dict | None = None) -> None:
+    """Refuse, before any work, an output path whose current content the command may not replace, or that would
+    write over or into one of its inputs (`reads`: check_not_input)."""
     path = Path(path)
     if path.is_symlink() or path.exists():
         if kind.marker is None and path.is_dir():
@@ -58,6 +73,7 @@ def check_output(path, kind: Kind = FILE, overwrite: bool = False, flag: str = "
                                  f"pass an empty or new directory to {flag}")
         elif not overwrite:
             raise InputError(f"{path} already holds a {kind.name}; pass --overwrite to replace it, or another {flag}")
+    check_not_input(path, reads or {}, flag)
     parent = _nearest_existing(path.parent)
     if not parent.is_dir():
         raise InputError(f"cannot create {path}: {parent} is a file; pass another {flag}")

@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from data import corpus, prompts, shards, tokenizer as tok
-from data.atomic import FILE, Kind, atomic_outputs, check_output
+from data.atomic import FILE, Kind, atomic_outputs, check_not_input, check_output
 from data.cli import HelpFormatter
 from data.errors import InputError, exits_on_input_error
 
@@ -70,8 +70,10 @@ def outputs(run: Path) -> list[tuple[Path, Kind]]:
     return [(run / "tokenizer", TOKENIZER), (run / "prompts.jsonl", FILE), (run / "data", DATA)]
 
 
-def check_outputs(run: Path, overwrite: bool) -> None:
-    """Refuse before any work an --out whose parts prepare may not replace."""
+def check_outputs(run: Path, overwrite: bool, sources: list[Path]) -> None:
+    """Refuse before any work an --out whose parts prepare may not replace, or that holds the corpus it reads."""
+    for path in sources:
+        check_not_input(run, {"corpus": path}, "--out")
     check_output(run, RUN, overwrite, "--out")
     for path, kind in outputs(run):
         check_output(path, kind, overwrite, "--out")
@@ -114,7 +116,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     start = time.time()
     run = args.out
-    check_outputs(run, args.overwrite)
+    check_outputs(run, args.overwrite, args.path or [corpus.stdlib_dir()] if args.source == "local" else [])
     if args.tokenizer == "bpe":
         tok.check_vocab_size(args.vocab_size)
         tokenizer = None  # trained on the training split once it is read

@@ -145,7 +145,9 @@ def load_documents(args) -> tuple[list[np.ndarray], list[np.ndarray], int, int, 
 @exits_on_input_error
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    check_output(args.out, TRIGRAM, args.overwrite, "--out")
+    reads = {"data": None if args.tokens else args.data or args.out.parent / "data", "tokens": args.tokens,
+             "validation tokens": args.val_tokens, "draft": args.from_draft}
+    check_output(args.out, TRIGRAM, args.overwrite, "--out", reads)
     start = time.time()
     train, val, vocab_size, eos_id, source = load_documents(args)
     vocab = ngram_counts.Vocabulary(vocab_size)

@@ -132,10 +132,10 @@ class OffByOneAtToken5(Decoder):
 def test_bench_refuses_a_speedup_when_greedy_output_differs(models, tmp_path, capsys, monkeypatch):
     build = bench.build_methods
 
-    def with_a_broken_method(names, rest, chosen):
-        decoders, ours, settings = build(names, rest, chosen)
+    def with_a_broken_method(names, settings, chosen):
+        decoders, ours = build(names, settings, chosen)
         decoders["speculative"] = OffByOneAtToken5(**vars(decoders["speculative"]))
-        return decoders, ours, settings
+        return decoders, ours
 
     monkeypatch.setattr(bench, "build_methods", with_a_broken_method)
     summary = bench.main(bench_args(models, tmp_path, "--methods", "baseline,speculative,ngram"))["summary"]

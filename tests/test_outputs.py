@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import write_corpus
 from data import prepare
-from decode.cli import agreement, bench, bench_engine, run
+from decode.cli import agreement, bench, bench_engine, export, run
 from decode_models import run_models
 from ngram import build_katz
 from train import distill_draft, finetune_oracle
@@ -101,6 +101,29 @@ def test_every_output_flag_refuses_a_directory_holding_a_file(trained, models, t
     err = one_line_error(capsys, main, argv(target) + (["--overwrite"] if overwrite else []))
     assert str(target) in err
     assert snapshot(tmp_path) == before
+
+
+def test_no_output_flag_writes_over_or_into_what_its_command_reads(trained, models, tmp_path, capsys):
+    r, m = trained["run"], models
+    inside = {  # each command's output pointed at one of its own inputs
+        "data.prepare --out": r.parent / "src" / "run",
+        "build_katz --out": r / "data" / "ngram",
+        "finetune_oracle --out": r / "data" / "oracle",
+        "distill_draft --out": r / "oracle" / "draft",
+        "decode.run --out": m["oracle"] / "config.json",
+        "decode.bench --out": m["draft"] / "figures.json",
+        "decode.bench --plot": m["ngram"] / "speedups.png",
+        "decode.agreement --out": m["oracle"] / "config.json",
+        "decode.bench_engine --out": r / "prompts.jsonl",
+    }
+    before = snapshot(r.parent), snapshot(m["oracle"].parent)
+    for command, target in inside.items():
+        main, argv = commands(trained, models)[command]
+        err = one_line_error(capsys, main, argv(target) + ["--overwrite"])
+        assert "which this command reads as its" in err, (command, err)
+    err = one_line_error(capsys, export.main, ["--oracle", str(m["oracle"]), "--out", str(m["oracle"]), "--overwrite"])
+    assert "which this command reads as its oracle" in err
+    assert (snapshot(r.parent), snapshot(m["oracle"].parent)) == before
 
 
 def test_build_katz_into_a_run_or_a_package_leaves_it_whole(trained, tmp_path, capsys):

@@ -6,6 +6,7 @@ import math
 import json
 import logging
 import os
+import shutil
 import random
 
 import numpy as np
@@ -416,18 +417,38 @@ def test_a_plan_for_other_models_or_settings_is_refused_in_one_line(planned, mod
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "dtype" in err and "decode.plan" in err and "--no-plan" in err
     weights = models["draft"] / "model.safetensors"
-    stat = weights.stat()
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the draft was retrained
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # the draft was retrained: one weight differs
     try:
         with pytest.raises(SystemExit):
             run.main(args + ["--plan", str(path), "--method", "speculative", "--limit", "1"])
-        assert "draft" in capsys.readouterr().err
+        assert "draft changed" in capsys.readouterr().err
     finally:
-        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        weights.write_bytes(original)
     path.write_text("{}")
     with pytest.raises(SystemExit):
         run.main(args + ["--plan", str(path), "--method", "lookup", "--limit", "1"])
     assert "not a plan" in capsys.readouterr().err
+
+
+def test_a_copied_run_keeps_its_plan_and_a_damaged_copy_names_the_damage(planned, models, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    for part in ("oracle", "draft", "ngram"):
+        shutil.copytree(models[part], copy / part)  # new paths, new modification times, the same bytes
+    (copy / "plan.json").write_text(planned["path"].read_text())
+    prompts = planned["args"][planned["args"].index("--prompts") + 1]
+    assert run.parse(["--run", str(copy), "--prompts", prompts]).options.plan == copy / "plan.json"
+    weights = copy / "draft" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a copy cut short
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--run", str(copy), "--prompts", prompts, "--method", "speculative", "--limit", "1"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and f"{weights} is damaged" in err and "plan" not in err
+    shutil.copy(models["draft"] / "model.safetensors", weights)
+    shutil.rmtree(copy / "ngram")
+    with pytest.raises(SystemExit):
+        run.main(["--run", str(copy), "--plan", str(copy / "plan.json"), "--method", "ngram", "--prompts", prompts])
+    assert f"the ngram at {copy / 'ngram'}, which does not exist" in capsys.readouterr().err
 
 
 def test_a_run_plan_for_another_dtype_is_set_aside_with_a_note(planned, models, tmp_path, capsys):

@@ -81,8 +81,10 @@ def check_output(args: TrainArgs) -> Path:
     work_dir, out = work_dir_of(args), Path(args.out)
     if args.resume and args.overwrite:
         raise InputError("--resume and --overwrite contradict each other; pass one")
-    check_output_path(out, MODEL, args.overwrite or args.resume, "--out")
-    check_output_path(work_dir, WORK_DIR, True, "--work-dir")  # a run there: decided below
+    reads = {"data": args.data, "starting model": args.init if args.init and Path(args.init).exists() else None,
+             "teacher": getattr(args, "teacher", None)}
+    check_output_path(out, MODEL, args.overwrite or args.resume, "--out", reads)
+    check_output_path(work_dir, WORK_DIR, True, "--work-dir", reads)  # a run there: decided below
     if args.resume:
         if not (work_dir / WORK_DIR.marker).is_file():
             raise InputError(f"nothing to resume: no run in {work_dir}; run without --resume")

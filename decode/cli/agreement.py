@@ -205,13 +205,13 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, help="write the per-prompt divergences and totals as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     known, rest = p.parse_known_args(argv)
-    if known.out:
-        check_output(known.out, FILE, known.overwrite, "--out")
     methods = known.methods.split(",")
     unknown = [m for m in methods if m not in METHODS or m == "baseline"]
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(m for m in METHODS if m != 'baseline')}")
     settings = run.parse(rest, PROG)
+    if known.out:
+        check_output(known.out, FILE, known.overwrite, "--out", settings.reads())
     decoders = {m: SpeculativeDecoder(settings.flags.options(m)) for m in ["baseline", *methods]}
     records, prompts = zip(*run.encode_prompts(settings, list(decoders.values())))
     n, seed, sampling = settings.max_new_tokens, settings.seed, settings.sampling

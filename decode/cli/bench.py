@@ -47,10 +47,9 @@ DEFAULT_METHODS = ",".join(OURS + PEERS)
 PROG = "python -m decode.bench"
 
 
-def build_methods(names: list[str], rest: list[str], chosen: bool) -> tuple[dict, list, run.Settings]:
-    """A decoder per method (each with its own models and caches), our SpeculativeDecoders, and the settings. A
-    llama.cpp peer that cannot run here is an error when `chosen` (named in --methods), else skipped with a line."""
-    settings = run.parse(rest, PROG)
+def build_methods(names: list[str], settings: run.Settings, chosen: bool) -> tuple[dict, list]:
+    """A decoder per method (each with its own models and caches) and our SpeculativeDecoders. A llama.cpp peer that
+    cannot run here is an error when `chosen` (named in --methods), else skipped with a line."""
     base = settings.flags.base
     decoders, ours = {}, []
     for name in (n for n in names if n not in PEERS):
@@ -78,7 +77,7 @@ def build_methods(names: list[str], rest: list[str], chosen: bool) -> tuple[dict
         decoders[name] = HFGenerate(base.oracle, base.draft if name == "hf-assisted" else None, settings.sampling,
                                     decoders["baseline"].eos_id, base.dtype, base.device,
                                     base.lookup_tokens if name == "hf-lookup" else None)
-    return decoders, ours, settings
+    return decoders, ours
 
 
 def timed_runs(decoders: dict, prompts: list, settings: run.Settings) -> dict[str, list[dict]]:
@@ -176,11 +175,11 @@ def print_table(summary: dict[str, dict], greedy: bool) -> None:
                   f"({agreement.describe(d)})")
 
 
-def check_plot_path(path: Path, overwrite: bool) -> None:
-    """A plot path matplotlib can write, checked before any decoding."""
+def check_plot_path(path: Path, overwrite: bool, reads: dict) -> None:
+    """A plot path matplotlib can write, none of the inputs (`reads`), checked before any decoding."""
     from matplotlib.figure import Figure
 
-    check_output(path, FILE, overwrite, "--plot")
+    check_output(path, FILE, overwrite, "--plot", reads)
     formats = Figure().canvas.get_supported_filetypes()
     if path.suffix.lstrip(".").lower() not in formats:
         raise InputError(f"--plot {path}: matplotlib cannot write {path.suffix or 'a file without extension'}; "
@@ -206,8 +205,8 @@ def plot(summary: dict[str, dict], path: Path, title: str, overwrite: bool) -> N
     plt.close(fig)
 
 
-def parse(argv) -> tuple[argparse.Namespace, list[str], list[str]]:
-    """bench's own flags, checked; the methods, the baseline first; and the rest (decode.run's flags)."""
+def parse(argv) -> tuple[argparse.Namespace, list[str], run.Settings]:
+    """bench's own flags, checked; the methods, the baseline first; and decode.run's flags, parsed."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
                                 epilog="Every other flag is decode.run's (--run, --prompts, --limit, --max-new-tokens, "
                                        "--temperature, --top-k, --budget, --widths, --dtype, ...).")
@@ -226,11 +225,12 @@ def parse(argv) -> tuple[argparse.Namespace, list[str], list[str]]:
             p.error(f"{', '.join(n for n in names if n in LLAMACPP_PEERS)}: {LLAMACPP_MISSING}")
         print(f"skipping {', '.join(LLAMACPP_PEERS)}: {LLAMACPP_MISSING}")
         names = [n for n in names if n not in LLAMACPP_PEERS]
+    settings = run.parse(rest, PROG)
     if known.out:
-        check_output(known.out, FILE, known.overwrite, "--out")
+        check_output(known.out, FILE, known.overwrite, "--out", settings.reads())
     if known.plot:
-        check_plot_path(known.plot, known.overwrite)
-    return known, ["baseline"] + [n for n in names if n != "baseline"], rest
+        check_plot_path(known.plot, known.overwrite, settings.reads())
+    return known, ["baseline"] + [n for n in names if n != "baseline"], settings
 
 
 def describe_methods(decoders: dict, summary: dict, sampling) -> tuple[dict, dict]:
@@ -252,8 +252,8 @@ def describe_methods(decoders: dict, summary: dict, sampling) -> tuple[dict, dic
 
 @exits_on_input_error
 def main(argv=None) -> dict:
-    known, names, rest = parse(argv)
-    decoders, ours, settings = build_methods(names, rest, chosen=known.methods is not None)
+    known, names, settings = parse(argv)
+    decoders, ours = build_methods(names, settings, chosen=known.methods is not None)
     options, sampling, plan_path = settings.flags.base, settings.sampling, settings.flags.plan
     prompts = run.encode_prompts(settings, ours)
     mode, loops, healing = sampling.describe(), native.loops(options.device), "on" if options.token_healing else "off"

@@ -160,7 +160,8 @@ def parse(argv) -> argparse.Namespace:
     if args.limit < 1 or args.max_new_tokens < 1 or args.repeats < 1 or args.prefix < 0:
         p.error("--limit, --max-new-tokens and --repeats must be at least 1, --prefix 0 or more")
     if args.out:
-        check_output(args.out, FILE, args.overwrite, "--out")
+        prompts = Path(args.prompts) if args.prompts != "humaneval" else None
+        check_output(args.out, FILE, args.overwrite, "--out", {"model": args.model, "prompts": prompts})
     args.shapes = [] if args.skip_large else [(spec, projection_shape(spec, "--shape")) for spec in args.shape or ["gpt2-large"]]
     check_device(args.device)
     if args.dtype == "auto":

@@ -49,7 +49,7 @@ def main(argv=None) -> list[Path]:
             raise InputError(f"{name} directory {directory} does not exist")
     paths = [args.out / f"{name}.gguf" for name in models]
     for path in paths:
-        check_output(path, FILE, args.overwrite, "--out")
+        check_output(path, FILE, args.overwrite, "--out", models)
     with atomic_outputs([(path, FILE) for path in paths], args.overwrite) as tmps:
         for (name, directory), tmp in zip(models.items(), tmps):
             print(f"{name}: {directory} -> {args.out / f'{name}.gguf'} ({args.dtype})")

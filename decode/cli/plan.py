@@ -408,7 +408,7 @@ def replay_policies(known, options, draft, table, p_draft, run_replay: Callable,
 @exits_on_input_error
 def main(argv=None) -> dict:
     known, settings = parse(argv)
-    check_output(known.out, FILE, known.overwrite, "--out")
+    check_output(known.out, FILE, known.overwrite, "--out", settings.reads())
     options = settings.options
     dec = SpeculativeDecoder(options)
     decoder, oracle, draft = dec.decoder, dec.decoder.oracle, dec.decoder.draft

@@ -37,6 +37,14 @@ class Settings:
     stream: bool
     run: Path | None = None
 
+    def reads(self) -> dict:
+        """What the tools read, which none of their outputs may write over: the models (the oracle's directory holds
+        the tokenizer), the trigram, the plan and the prompts file."""
+        base = self.flags.base
+        prompts = Path(self.prompts) if self.prompts not in (None, "humaneval") else None
+        return {"oracle": base.oracle, "draft": base.draft, "trigram": base.ngram, "plan": self.flags.plan,
+                "prompts": prompts}
+
     @property
     def options(self) -> DecoderOptions:
         """The options of --method, with its plan's policy."""
@@ -102,7 +110,7 @@ def summary_row(method: str, records: list[dict]) -> str:
 def main(argv=None) -> list[dict]:
     settings = parse(argv)
     if settings.out:
-        check_output(settings.out, FILE, settings.overwrite, "--out")
+        check_output(settings.out, FILE, settings.overwrite, "--out", settings.reads())
     dec = SpeculativeDecoder(settings.options)
     method = dec.options.method
     announce_plan(dec.options)

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from decode import native
-from decode.planning.costs import CACHE_DIR, by_count, cpu_features, device_name, fingerprint, forward_costs, kept
+from decode.planning.costs import CACHE_DIR, by_count, cpu_features, device_name, forward_costs, kept
+from decode.planning.fingerprint import fingerprint
 
 DTYPES = ("float32", "bfloat16")
 PINNED = "STAGED_SPECULATIVE_DTYPE"  # what "auto" resolves to when set (float32 or bfloat16): reproducible runs

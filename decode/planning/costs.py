@@ -7,7 +7,6 @@ it. `cost_curve` interpolates the table to every q.
 import hashlib
 import inspect
 import json
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -20,13 +19,14 @@ from data.errors import InputError
 from data.machine import cpu_features, cpu_name
 from decode import native
 from decode.models.cached_lm import CachedLM, synchronize
+from decode.planning.fingerprint import CACHE_ROOT, fingerprint
 from decode.tree import Tree
 
 NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 # Untimed forwards of a count before its timed ones, at least this long: right after forwards of many nodes (a
 # prompt's, or a larger count's), the next few forwards of one node ran up to 2x slower on a CPU for some milliseconds
 SETTLE_SECONDS = 0.01
-CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "staged-speculative" / "forward-costs"
+CACHE_DIR = CACHE_ROOT / "forward-costs"
 
 
 def bushy_tree(q: int) -> Tree:
@@ -125,13 +125,6 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{cpu_name()}, {torch.get_num_threads()} threads"
-
-
-def fingerprint(directory, pattern: str = "*.safetensors") -> str:
-    """An artifact's identity: its path and its files' sizes and modification times."""
-    directory = Path(directory).resolve()
-    files = sorted(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in directory.glob(pattern))
-    return hashlib.sha256(json.dumps([str(directory), files]).encode()).hexdigest()[:16]
 
 
 def cache_key(model_dir, model: CachedLM, dtype: str) -> str:

@@ -9,26 +9,31 @@ import torch
 from data.atomic import write_json
 from data.errors import InputError
 from decode.methods import METHODS
-from decode.planning.costs import device_name, fingerprint
+from decode.planning.costs import device_name
+from decode.planning.fingerprint import TABLES, WEIGHTS, fingerprint
 from decode.planning.shapes import Shape
 from decode.sampling import Sampling
 
 GREEDY = Sampling()
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: models named by their files' contents, not their paths
 
 
 # A plan's identity besides the models, with the value a plan written before the setting existed was made with
 SETTINGS = {"device": None, "dtype": None, "backend": None, "cuda_graphs": False}
 
 
+MODELS = {"oracle": WEIGHTS, "draft": WEIGHTS, "ngram": TABLES}  # the artifacts a plan was measured with: their files
+
+
 def identity(options) -> dict:
-    """What a plan's measurements depend on: the models, the device, the dtype, the backend and whether
-    the forwards replay CUDA graphs (only on a GPU with the lean engine). The draft's shortlist and dtype are
-    the plan's choice, in each policy."""
+    """What a plan's measurements depend on: the models (by content: a copied run keeps its plans; None where the
+    directory is absent), the device, the dtype, the backend and whether the forwards replay CUDA graphs (only on a
+    GPU with the lean engine). The draft's shortlist and dtype are the plan's choice, in each policy."""
     graphs = options.cuda_graphs and torch.device(options.device).type == "cuda" and options.backend != "hf"
-    return {"oracle": fingerprint(options.oracle), "draft": options.draft and fingerprint(options.draft),
-            "ngram": options.ngram and fingerprint(options.ngram, "*.npz"),
+    models = {k: getattr(options, k) for k in MODELS}
+    return {**{k: fingerprint(path, MODELS[k]) if path is not None and Path(path).is_dir() else None
+               for k, path in models.items()},
             "device": device_name(torch.device(options.device)), "dtype": options.dtype, "backend": options.backend,
             "cuda_graphs": graphs}
 
@@ -64,9 +69,12 @@ def run_plan(run: Path, options, sampling: Sampling = GREEDY) -> tuple[Path | No
     if not path.is_file():
         return None, []
     try:
-        measured = json.loads(path.read_text())["identity"]
+        plan = json.loads(path.read_text())
+        measured, version = plan["identity"], plan["version"]
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return path, []  # load_plan says what is wrong with it
+    if version != PLAN_VERSION:
+        return None, [f"version {version} of decode.plan's files (now {PLAN_VERSION})"]
     current = identity(options)
     other = [f"{k} {recorded(measured, k)!r}" for k in SETTINGS if recorded(measured, k) != current[k]]
     return (None, other) if other else (path, [])
@@ -130,6 +138,11 @@ def load_plan(path: Path, options) -> dict:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         raise InputError(f"{path} is not a plan this version of decode.plan wrote; {redo}") from None
     current = identity(options)
+    absent = [k for k in MODELS if measured.get(k) is not None and current[k] is None]
+    if absent:
+        raise InputError(f"{path} was planned with {' and '.join(f'the {k} at {getattr(options, k)}' for k in absent)}, "
+                         f"which {'does' if len(absent) == 1 else 'do'} not exist; restore "
+                         f"{'it' if len(absent) == 1 else 'them'}, or pass --no-plan")
     changed = [k for k in current if recorded(measured, k) != current[k]]
     if changed:
         what = ", ".join(f"{k} {recorded(measured, k)!r} (now {current[k]!r})" if k in SETTINGS else k
