@@ -78,3 +78,17 @@ def test_after_the_fuzzing_a_greedy_request_is_the_decoders_own_text(app, decode
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["text"] == expected.text
     assert answer.json()["usage"]["completion_tokens"] == len(expected.token_ids)
+
+
+def test_a_fault_inside_decoding_is_a_500_in_openai_shape_with_its_traceback_logged(app, decoder, monkeypatch, caplog):
+    from fastapi.testclient import TestClient
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a kernel fell over")
+
+    monkeypatch.setattr(decoder, "stream", broken)
+    answer = TestClient(app).post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+    assert answer.status_code == 500 and openai_error(answer.json()), answer.text
+    assert answer.json()["error"]["type"] == "server_error" and "a kernel fell over" in answer.json()["error"]["message"]
+    logged = [r for r in caplog.records if r.name == "decode.serve" and r.exc_info]
+    assert logged and "a kernel fell over" in str(logged[0].exc_info[1])
