@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.errors import InputError
+from data.errors import InputError, written
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,6 @@ class Kind:
 
 FILE = Kind("file")
 
-written: list[Path] = []  # outputs renamed into place by this process, for an honest interrupt message
 
 
 def _remove(path: Path) -> None:

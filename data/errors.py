@@ -14,6 +14,9 @@ class InputError(Exception):
         self.field = field
 
 
+written: list = []  # paths the running command's outputs were renamed into (data.atomic), for an honest interrupt message
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so that temporary outputs are removed on the way out."""
 
@@ -24,8 +27,6 @@ def _terminate(signum, frame):
 
 def interrupt_message(stopped: str) -> str:
     """What an interrupted command says: the truth about what it wrote before stopping."""
-    from data.atomic import written
-
     if not written:
         return f"{stopped}: nothing was written; temporary files were removed"
     return f"{stopped} after writing {', '.join(map(str, written))}; temporary files were removed"
@@ -37,8 +38,6 @@ def exits_on_input_error(main):
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
-        from data.atomic import written
-
         written.clear()
         in_main_thread = threading.current_thread() is threading.main_thread()  # signals go there only
         previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None

@@ -81,7 +81,8 @@ def read_token_file(path: Path, vocab_size: int) -> list[np.ndarray]:
                 bad = next(t for t in line.split() if not t.lstrip("-").isdigit())
                 raise InputError(f"{path}:{lineno}: {bad!r} is not an integer token id") from None
             if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-                raise InputError(f"{path}:{lineno}: token id {ids.max() if ids.max() >= vocab_size else ids.min()} is outside the vocabulary 0..{vocab_size - 1}; check --vocab-size")
+                bad = ids.max() if ids.max() >= vocab_size else ids.min()
+                raise InputError(f"{path}:{lineno}: token id {bad} is outside the vocabulary 0..{vocab_size - 1}; check --vocab-size")
             docs.append(ids)
     if not sum(d.size for d in docs):
         raise InputError(f"token file {path} holds no tokens")

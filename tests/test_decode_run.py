@@ -46,7 +46,8 @@ def test_run_writes_records_and_every_method_matches_baseline(models, tmp_path, 
     spec = run.main(common + ["--method", method, *extra, "--out", str(tmp_path / "spec.jsonl")])
     records = [json.loads(line) for line in (tmp_path / "spec.jsonl").read_text().splitlines()]
     assert [r["token_ids"] for r in base] == [r["token_ids"] for r in spec] == [r["token_ids"] for r in records]
-    keys = {"task_id", "method", "completion", "token_ids", "new_tokens", "seconds", "oracle_calls", "draft_calls", "tokens_per_oracle_call", "healed"}
+    keys = {"task_id", "method", "completion", "token_ids", "new_tokens", "seconds", "oracle_calls", "draft_calls",
+            "tokens_per_oracle_call", "healed"}
     assert set(records[0]) == keys and records[0]["method"] == method
     assert sum(r["oracle_calls"] for r in spec) < sum(r["oracle_calls"] for r in base)
 

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from data.machine import cpu_features
 from decode import native
 from decode.models.cached_lm import Shortlist
 from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TrigramTrees, ranking

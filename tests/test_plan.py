@@ -5,7 +5,6 @@ import itertools
 import math
 import json
 import logging
-import os
 import shutil
 import random
 
@@ -212,7 +211,8 @@ def without(args: list[str], flag: str) -> list[str]:
 def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
     path, args = planned["path"], without(planned["args"], "--widths")  # a typed flag would win over the plan
     on_disk = json.loads(path.read_text())
-    assert on_disk["policies"] == planned["plan"]["policies"] and set(on_disk["policies"]) == set([m for m, method in METHODS.items() if method.planned])
+    assert on_disk["policies"] == planned["plan"]["policies"]
+    assert set(on_disk["policies"]) == {m for m, method in METHODS.items() if method.planned}
     options = run.parse(args + ["--plan", str(path)]).options
     assert plan_file.load_plan(path, options) == on_disk["policies"]
     for method, policy in on_disk["policies"].items():

@@ -40,7 +40,7 @@ class WithoutLifespan:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "lifespan":
             return await self.app(scope, receive, send)
-        while (message := await receive())["type"] != "lifespan.shutdown":
+        while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
 

@@ -173,6 +173,6 @@ def test_auto_dtype_measures_a_real_oracle_and_the_command_line_says_so(bpe_run,
     assert set(ms) == {1, 16} and all(t > 0 for t in ms.values())
     flags.announce.cache_clear()  # said once per process: this test reads it
     settings = run.parse(["--run", str(bpe_run["run"]), "--method", "baseline", "--prompt", "x", "--no-plan"])
-    line = [l for l in capsys.readouterr().err.splitlines() if l.startswith("dtype:")]
+    line = [said for said in capsys.readouterr().err.splitlines() if said.startswith("dtype:")]
     assert len(line) == 1 and line[0].startswith(f"dtype: {settings.options.dtype} (measured faster here")
     assert run.parse(["--run", str(bpe_run["run"]), "--prompt", "x", "--dtype", "float32"]).options.dtype == "float32"

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from data.atomic import Kind, atomic_output, check_output as check_output_path, write_json, written
-from data.errors import InputError, first_line
+from data.atomic import Kind, atomic_output, check_output as check_output_path, write_json
+from data.errors import InputError, first_line, written
 from data.machine import cpu_features, cpu_name
 from data.pretrained import FUSED_GELU, load_causal_lm
 from data.shards import TOKEN_COUNTS, open_split, read_meta, token_counts
@@ -166,7 +166,8 @@ def load_data(args: TrainArgs) -> tuple[dict, np.ndarray, np.ndarray]:
     train, val = open_split(data_dir, "train"), open_split(data_dir, "val")
     for name, tokens in (("train", train), ("val", val)):
         if len(tokens) < args.seq_len:
-            raise InputError(f"the {name} split has {len(tokens)} tokens, fewer than one --seq-len {args.seq_len} window; lower --seq-len or prepare more data")
+            raise InputError(f"the {name} split has {len(tokens)} tokens, fewer than one --seq-len {args.seq_len} window; "
+                             f"lower --seq-len or prepare more data")
     return meta, train, val
 
 

@@ -18,7 +18,8 @@ DIVERGENCES = ("forward", "reverse", "tv")  # --kd-loss: train/distill_draft.py'
 
 @dataclass
 class TrainArgs:
-    preset: str = field(default="tiny", metadata={"help": "tiny (seconds, tests), quick (minutes, the quickstart), cpu (about an hour on 2 cores), paper (GPT-2-L, GPUs)"})
+    preset: str = field(default="tiny", metadata={"help": "tiny (seconds, tests), quick (minutes, the quickstart), "
+                                                          "cpu (about an hour on 2 cores), paper (GPT-2-L, GPUs)"})
     data: str = field(default="runs/default/data", metadata={"help": "prepared data directory (python -m data.prepare)"})
     out: str = field(default="runs/default/oracle", metadata={"help": "where the final model goes (save_pretrained layout)"})
     work_dir: Optional[str] = field(default=None, metadata={"help": "checkpoints and logs (default: OUT-train)"})

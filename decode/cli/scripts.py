@@ -1,0 +1,36 @@
+"""The console scripts pip installs (pyproject.toml's [project.scripts]): each runs a command's `main` and exits 0,
+whatever the main returns for the tests and the Python callers (a console script exits with a main's return value).
+
+    staged-prepare, staged-finetune-oracle, staged-distill-draft, staged-build-katz,
+    staged-run, staged-serve, staged-bench, staged-plan, staged-profile-step, staged-bench-engine,
+    staged-agreement, staged-report, staged-export
+
+`python -m decode.run` and the other module and script paths keep working.
+"""
+import importlib
+
+COMMANDS = {
+    "prepare": "data.prepare", "finetune-oracle": "train.finetune_oracle", "distill-draft": "train.distill_draft",
+    "build-katz": "ngram.build_katz", "run": "decode.cli.run", "serve": "decode.cli.serve", "bench": "decode.cli.bench",
+    "plan": "decode.cli.plan", "profile-step": "decode.cli.profile_step", "bench-engine": "decode.cli.bench_engine",
+    "agreement": "decode.cli.agreement", "report": "decode.cli.report", "export": "decode.cli.export",
+}
+
+
+def command(name: str) -> None:
+    importlib.import_module(COMMANDS[name]).main()
+
+
+def prepare(): command("prepare")
+def finetune_oracle(): command("finetune-oracle")
+def distill_draft(): command("distill-draft")
+def build_katz(): command("build-katz")
+def run(): command("run")
+def serve(): command("serve")
+def bench(): command("bench")
+def plan(): command("plan")
+def profile_step(): command("profile-step")
+def bench_engine(): command("bench-engine")
+def agreement(): command("agreement")
+def report(): command("report")
+def export(): command("export")

@@ -1,0 +1,18 @@
+"""Every command installs as a console script (staged-NAME) that runs it."""
+import importlib
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from decode.cli.scripts import COMMANDS
+
+
+def test_every_command_is_a_console_script():
+    scripts = {e.name: e for e in entry_points(group="console_scripts") if e.value.startswith("decode.cli.scripts:")}
+    assert sorted(scripts) == sorted(f"staged-{name}" for name in COMMANDS)
+    for name, script in scripts.items():
+        assert callable(script.load()) and callable(importlib.import_module(COMMANDS[name.removeprefix("staged-")]).main)
+    shown = subprocess.run([str(Path(sys.executable).parent / "staged-run"), "--help"], capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0 and "--max-new-tokens" in shown.stdout, shown.stderr[-500:]
