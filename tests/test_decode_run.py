@@ -265,3 +265,28 @@ def test_a_peers_difference_is_judged_with_its_own_models_logits_too(models):
     assert not agreement.divergence(oracle, prompt, expected, got)["near_tie"]
     peer = SimpleNamespace(gaps=lambda *context_and_pair: agreement.peer_gaps(hf, *context_and_pair))
     assert agreement.divergence(oracle, prompt, expected, got, peer=peer)["near_tie"]
+
+
+def test_models_by_hub_name_come_from_the_hubs_cache_and_offline_a_missing_one_is_one_line(bpe_run, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    cache = tmp_path / "hub"
+    for name in ("oracle", "draft"):  # the hub cache's layout: a snapshot per revision, refs/main naming the current
+        repo = cache / f"models--local--tiny-{name}"
+        shutil.copytree(bpe_run["run"] / name, repo / "snapshots" / "0123abcd")
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0123abcd")
+    env = child_env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    decode = ["--method", "speculative", "--prompt", "def scale(values):\n", "--max-new-tokens", "12"]
+    by_name = subprocess.run([sys.executable, "-m", "decode.run", "--oracle", "local/tiny-oracle", "--draft", "local/tiny-draft",
+                              *decode, "--out", str(tmp_path / "hub.jsonl")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert by_name.returncode == 0, by_name.stderr
+    by_dir = run.main(["--oracle", str(bpe_run["run"] / "oracle"), "--draft", str(bpe_run["run"] / "draft"), *decode])[0]
+    assert json.loads((tmp_path / "hub.jsonl").read_text())["token_ids"] == by_dir["token_ids"]
+    missing = subprocess.run([sys.executable, "-m", "decode.run", "--oracle", "local/not-cached", *decode], cwd=ROOT, env=env,
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert "not in the local cache" in missing.stderr and "HF_HUB_OFFLINE is set" in missing.stderr

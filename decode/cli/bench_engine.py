@@ -32,6 +32,7 @@ from decode.options import check_device
 from decode.planning.costs import (NODE_COUNTS, PROJECTIONS, device_name, forward_costs, host_work_after_forward,
                                    projection_shape, random_gpt2)
 from decode.planning.roofline import ForwardShape, knee, measure_machine
+from decode.models.loading import model_dir
 from decode.models.engine import GPT2Engine
 from decode.models.projection import LAYOUTS, onednn_packs
 from decode.loop import baseline
@@ -140,7 +141,7 @@ def roofline_tables(args, models: dict) -> dict:
 def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m decode.bench_engine", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", required=True, help="a GPT-2 checkpoint directory (e.g. RUN/oracle)")
+    p.add_argument("--model", required=True, help="a GPT-2 checkpoint: a directory (e.g. RUN/oracle) or a hub name")
     p.add_argument("--prompts", required=True, help="a .jsonl[.gz] prompt file or 'humaneval'")
     p.add_argument("--limit", type=int, default=5, help="the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
@@ -157,6 +158,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
+    args.model = model_dir(args.model, "--model")
     if args.limit < 1 or args.max_new_tokens < 1 or args.repeats < 1 or args.prefix < 0:
         p.error("--limit, --max-new-tokens and --repeats must be at least 1, --prefix 0 or more")
     if args.out:

@@ -14,6 +14,7 @@ from data.atomic import FILE, atomic_outputs, check_output
 from data.cli import HelpFormatter
 from data.errors import InputError, exits_on_input_error
 from decode.models.gguf_export import GGUF_DTYPES, write_gguf
+from decode.models.loading import model_dir
 
 PROG = "python -m decode.export"
 
@@ -21,13 +22,15 @@ PROG = "python -m decode.export"
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--run", type=Path, help="run directory: exports RUN/oracle and RUN/draft")
-    p.add_argument("--oracle", type=Path, help="the oracle's directory (default: RUN/oracle)")
-    p.add_argument("--draft", type=Path, help="the draft's directory (default: RUN/draft, when it exists)")
+    p.add_argument("--oracle", type=Path, help="the oracle's directory or hub name (default: RUN/oracle)")
+    p.add_argument("--draft", type=Path, help="the draft's directory or hub name (default: RUN/draft, when it exists)")
     p.add_argument("--to", choices=["gguf"], default="gguf", help="the format")
     p.add_argument("--dtype", choices=GGUF_DTYPES, default="float32", help="the weight matrices' dtype in the files")
     p.add_argument("--out", type=Path, help="the directory the files go into (default: RUN/gguf)")
     p.add_argument("--overwrite", action="store_true", help="replace existing files")
     args = p.parse_args(argv)
+    args.oracle = args.oracle and model_dir(args.oracle, "--oracle")
+    args.draft = args.draft and model_dir(args.draft, "--draft")
     if args.run is not None:
         args.oracle = args.oracle or args.run / "oracle"
         draft = args.run / "draft"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from data.errors import InputError
 from decode.methods import METHODS
+from decode.models.loading import model_dir
 from decode.models.precision import PINNED, auto_dtype
 from decode.options import CPU_BUDGET, CPU_WIDTHS, PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
 from decode.planning.plan_file import describe, plan_name, replan_command, run_plan, with_plan
@@ -29,8 +30,8 @@ def announce(line: str) -> None:
 def add_decoder_flags(p: argparse.ArgumentParser) -> None:
     """The flags that choose the models, the method, its tree and the precision."""
     p.add_argument("--run", type=Path, help="run directory: defaults --oracle, --draft, --ngram and --prompts to its parts")
-    p.add_argument("--oracle", type=Path, help="the oracle's directory (save_pretrained)")
-    p.add_argument("--draft", type=Path, help="the draft's directory (for speculative methods)")
+    p.add_argument("--oracle", type=Path, help="the oracle: a directory (save_pretrained) or a hub name (gpt2-large)")
+    p.add_argument("--draft", type=Path, help="the draft (for speculative methods): a directory or a hub name")
     p.add_argument("--ngram", type=Path, help="the Katz trigram's directory (for n-gram drafting)")
     p.add_argument("--method", choices=list(METHODS), default="staged",
                    help="; ".join(f"{name}: {m.summary}" for name, m in METHODS.items()))
@@ -112,6 +113,8 @@ def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, sampling
     `sampling` (plan_name). `--dtype auto` takes the run's plan's dtype (even with --no-plan, so that a benchmark's
     methods share one) unless `dtype_from_plan` is off (the planner, which measures afresh)."""
     run = args.run
+    args.oracle = args.oracle and model_dir(args.oracle, "--oracle")  # a hub name typed: its files in the hub's cache
+    args.draft = args.draft and model_dir(args.draft, "--draft")
     if run is not None:
         args.oracle = args.oracle or run / "oracle"
         args.draft = args.draft or run / "draft"

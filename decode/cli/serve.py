@@ -31,7 +31,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument("--api-key", help="require Authorization: Bearer KEY on every endpoint but /health")
-    p.add_argument("--model-name", help="the model's name in answers and /v1/models (default: the oracle directory's)")
+    p.add_argument("--model-name", help="the model's name in answers and /v1/models (default: the oracle's hub name or "
+                                        "directory name)")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait for the decoder; more get 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -42,6 +43,8 @@ def parse(argv=None) -> argparse.Namespace:
         p.error("need a --port in 0..65535, and a --queue-size and --max-body-bytes of at least 1")
     if not 0 < args.read_timeout < float("inf"):
         p.error(f"--read-timeout must be a positive number of seconds (got {args.read_timeout})")
+    given = args.oracle or (args.run and args.run / "oracle")  # the name answers carry: a hub name as typed, else the directory's
+    args.oracle_name = str(given) if given is not None and not given.is_dir() else given and given.resolve().name
     flags = decoder_flags(p, args, Sampling())
     args.options = flags.options()
     own = args.run is not None and args.plan is None and not args.no_plan
@@ -65,7 +68,7 @@ def main(argv=None) -> None:
     args = parse(argv)
     check_address(args.host, args.port)
     decoder = SpeculativeDecoder(args.options, args.plans)
-    name = args.model_name or args.options.oracle.resolve().name
+    name = args.model_name or args.oracle_name
     app = create_app(decoder, name, args.api_key, args.queue_size, args.max_body_bytes, args.read_timeout)
     worker = app.state.worker
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",

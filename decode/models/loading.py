@@ -29,15 +29,30 @@ def pretrained_dir(model, tokenizer, keep: list, name: str) -> Path:
         return Path(directory.name)
     if not isinstance(model, (str, Path)):
         raise InputError(f"{name} must be a directory, a hub name or a loaded transformers model (got {type(model).__name__})")
-    if Path(model).is_dir():
+    return model_dir(model, name)
+
+
+def looks_like_a_hub_name(spelled: str) -> bool:
+    """A name as the hub spells one (gpt2-large, openai-community/gpt2), not a path to a directory."""
+    parts = spelled.split("/")
+    return len(parts) <= 2 and all(parts) and not spelled.startswith((".", "~")) and "\\" not in spelled
+
+
+def model_dir(model: str | Path, name: str) -> Path:
+    """A model's directory: a local directory as it is, or a hub name's files (config, tokenizer, safetensors) from
+    huggingface_hub's cache, downloaded first when online. A local path that does not exist is returned as it is, for
+    the caller's own message."""
+    if Path(model).is_dir() or not looks_like_a_hub_name(str(model)):
         return Path(model)
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
     try:
         return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
     except Exception as err:  # not found, offline, no access: many kinds
-        raise InputError(f"{name} {model!r} is not a directory, and the hub did not give it ({first_line(err)}); "
-                         f"pass a local directory, or a hub name when online") from None
+        offline = "HF_HUB_OFFLINE is set; " if constants.HF_HUB_OFFLINE else ""
+        raise InputError(f"{name} {model} is not a directory, and the hub name is not in the local cache and could not "
+                         f"be downloaded ({offline}{first_line(err)}); download it first (huggingface-cli download "
+                         f"{model}) or pass a local directory") from None
 
 
 def load_trigram(options, vocab_size: int, eos_id: int):
