@@ -15,7 +15,8 @@ import torch
 
 from decode.drafting import ChainDrafter, Drafter
 from decode.healing import constrain_first
-from decode.models.cached_lm import CachedLM, long_tensor, synchronize
+from decode.models.cached_lm import CachedLM
+from decode.tensors import long_tensor, synchronize
 from decode.sampling import Sampling, Uniforms
 from decode.verify import Target, multi_draft_rejection, sample_match
 

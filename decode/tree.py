@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decode.models.cached_lm import on
+from decode.tensors import on
 
 
 def unpack_rows(rows: list[int], width: int) -> np.ndarray:

@@ -10,7 +10,7 @@ import torch
 from decode.cli import agreement, bench, bench_engine, peers, profile_step, report
 from decode.cli.harness import Timer
 from decode.planning import costs
-from decode import native
+from decode import native, timing
 from decode.api import Decoder
 from decode.models.cached_lm import CachedLM
 from decode.models.engine import GPT2Engine
@@ -180,7 +180,7 @@ def test_a_bad_decoding_flag_is_reported_by_the_command_that_was_run(models, tmp
 def test_forward_costs_are_measured_once_per_model_and_device(models, cost_cache):
     oracle = GPT2Engine.load(models["oracle"])
     table, cached = costs.measured_costs(models["oracle"], oracle, "float32")
-    assert not cached and set(table) == set(costs.NODE_COUNTS) and all(ms > 0 for ms in table.values())
+    assert not cached and set(table) == set(timing.NODE_COUNTS) and all(ms > 0 for ms in table.values())
     again, cached = costs.measured_costs(models["oracle"], oracle, "float32")
     assert cached and again == table and len(list(cost_cache.iterdir())) == 1
     _, cached = costs.measured_costs(models["oracle"], oracle, "bfloat16")
@@ -203,8 +203,8 @@ def test_forward_costs_keep_a_burst_from_skewing_one_count(monkeypatch):
         def commit(self, keep):
             self.length, self.pending = self.length + len(keep), 0
 
-    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock.ms / 1e3)
-    measured = costs.forward_costs(Timed(), counts=(1, 2, 4, 8), repeats=20)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock.ms / 1e3)
+    measured = timing.forward_costs(Timed(), counts=(1, 2, 4, 8), repeats=20)
     assert measured == pytest.approx({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0})
 
 
@@ -272,12 +272,12 @@ def test_bench_engine_times_both_loops_on_the_same_outputs_and_its_graph_section
     out = bench_engine.main(argv)
     assert out["generation"]["identical_outputs"] == "2/2" and out["dtype"] == "float32"
     assert set(out["host_work_us"]) == {"after a forward", "again"}
-    assert set(out["forward_ms"][oracle]) == set(costs.NODE_COUNTS) and "generation_with_cuda_graphs" not in out
+    assert set(out["forward_ms"][oracle]) == set(timing.NODE_COUNTS) and "generation_with_cuda_graphs" not in out
     roofline = out["roofline"]  # the cost curves after each prefix, as the engine runs them, beside the roofline
     assert roofline["bandwidth_gb_s"] > 0 and roofline["peak_gmac_s"] > 0
     assert set(roofline["curves"]) == {f"{oracle} @ {prefix}" for prefix in bench_engine.CURVE_PREFIXES}
     for curve in roofline["curves"].values():
-        assert set(curve["roofline_ms"]) == set(curve["ms"]["engine"]) == set(costs.NODE_COUNTS)
+        assert set(curve["roofline_ms"]) == set(curve["ms"]["engine"]) == set(timing.NODE_COUNTS)
     printed = capsys.readouterr().out
     assert "share of the roofline" in printed and "roofline c(q)/c(1)" in printed
     latency, outputs = bench_engine.generation_latency(oracle, ["t2 t7", "t3 t8"], 6, "float32", "cpu")
@@ -288,7 +288,7 @@ def test_bench_engine_times_both_loops_on_the_same_outputs_and_its_graph_section
     graphed = bench_engine.with_cuda_graphs(args, ["t2 t7", "t3 t8"], latency, outputs,
                                             {oracle: out["forward_ms"][oracle]})
     assert graphed["generation_with_cuda_graphs"]["identical_to_without"] == "2/2"
-    assert set(graphed["forward_ms_with_cuda_graphs"][oracle]) == set(costs.NODE_COUNTS)
+    assert set(graphed["forward_ms_with_cuda_graphs"][oracle]) == set(timing.NODE_COUNTS)
     assert "with graphs / without" in capsys.readouterr().out
 
 
@@ -297,7 +297,7 @@ def test_host_work_is_timed_right_after_each_forward_and_again_and_leaves_the_ca
     seen = []
     forward = engine.forward
     engine.forward = lambda ids, *rest: seen.append((engine.length, ids.numel())) or forward(ids, *rest)
-    timings = costs.host_work_after_forward(engine, prefix=8, repeats=3)
+    timings = timing.host_work_after_forward(engine, prefix=8, repeats=3)
     assert seen == [(0, 8)] + [(8, 1)] * 4  # the prefix, then a first (untimed) and three timed q=1 forwards after it
     assert set(timings) == {"after a forward", "again"} and all(us > 0 for us in timings.values())
     assert engine.length == engine.pending == 0

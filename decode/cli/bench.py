@@ -40,7 +40,7 @@ from decode.cli.harness import compare_with_baseline, decode_in_turns, warm_up
 from decode.cli.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
 from decode.models.loading import check_same_vocabulary
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS
-from decode.planning.costs import device_name, machine_name
+from decode.timing import device_name, machine_name
 
 OURS = ("baseline", "speculative", "tree", "staged", "staged-paper", "ngram", "lookup")
 DEFAULT_METHODS = ",".join(OURS + PEERS)

@@ -29,9 +29,9 @@ from data.errors import exits_on_input_error
 from data.prompts import load_prompts
 from data.tokenizer import load_tokenizer
 from decode.options import check_device
-from decode.planning.costs import (NODE_COUNTS, PROJECTIONS, device_name, forward_costs, host_work_after_forward,
-                                   projection_shape, random_gpt2)
+from decode.planning.costs import PROJECTIONS, projection_shape, random_gpt2
 from decode.planning.roofline import ForwardShape, knee, measure_machine
+from decode.timing import NODE_COUNTS, device_name, forward_costs, host_work_after_forward
 from decode.models.loading import model_dir
 from decode.models.engine import GPT2Engine
 from decode.models.projection import LAYOUTS, onednn_packs

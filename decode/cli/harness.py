@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from decode import loop
 from decode.healing import Prompt
-from decode.models.cached_lm import synchronize
+from decode.tensors import synchronize
 
 # (prompt, its index, how many tokens) -> the Generation of one decoding of it
 Run = Callable[[Prompt, int, int], loop.Generation]

@@ -36,7 +36,7 @@ from data.atomic import FILE, check_output
 from data.errors import exits_on_input_error
 from data.prompts import load_prompts
 from data.shards import TOKEN_COUNTS
-from decode import loop
+from decode import loop, timing
 from decode.api import SpeculativeDecoder
 from decode.cli import run
 from decode.cli.harness import Timer, decode_in_turns, warm_up
@@ -378,7 +378,7 @@ def projected_costs(spec: str, options, sequences, max_budget: int) -> dict:
     """The forward costs of an oracle of shape `spec` measured here on random weights: its ms per node count, the
     baseline's costs under them, and the shape."""
     n_layer, n_embd, vocab = costs.projection_shape(spec)
-    big_costs = costs.forward_costs(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device), repeats=5)
+    big_costs = timing.forward_costs(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device), repeats=5)
     prompt_length = round(sum(len(p) for p, _ in sequences) / len(sequences))
     big_ms = costs.cost_curve(big_costs, max(2 * max_budget, prompt_length))
     return {"ms": big_ms, "baseline": {"prefill": float(big_ms[prompt_length]), "one_token": big_costs[1], "loop": 0.0},
@@ -416,7 +416,7 @@ def main(argv=None) -> dict:
     drafts = draft_variants(shortlist_sizes(known.draft_vocab, options, oracle.vocab_size), options, oracle.vocab_size)
     prompts = calibration_prompts(settings, known, dec)
     print(f"calibrating on {len(prompts)} prompts x {settings.max_new_tokens} tokens, {options.dtype} on "
-          f"{costs.device_name(oracle.device)}")
+          f"{timing.device_name(oracle.device)}")
     oracle_costs, _ = costs.measured_costs(options.oracle, oracle, options.dtype)
     isolated_ms = costs.cost_curve(oracle_costs, 2 * known.max_budget)
     sequences = oracle_outputs(decoder, prompts, settings.max_new_tokens)

@@ -21,11 +21,10 @@ import time
 from dataclasses import dataclass
 
 from data.errors import exits_on_input_error
-from decode import native
+from decode import native, timing
 from decode.api import SpeculativeDecoder
 from decode.cli import run
 from decode.cli.harness import Timer
-from decode.planning import costs
 
 BOUNDS = {"around the forwards": 0.10, "draft forwards": 0.30}  # of an oracle q=1 forward, the step's budget
 
@@ -59,7 +58,7 @@ def main(argv=None) -> dict[str, float]:
 
     def measure_one_token() -> None:
         with timer.paused():
-            one_token.append(costs.forward_costs(decoder.oracle, repeats=10, counts=(1,))[1])
+            one_token.append(timing.forward_costs(decoder.oracle, repeats=10, counts=(1,))[1])
 
     timed = timed_pass(decoder, prompts, settings, timer, measure_one_token)
     ms = step_parts(timer, timed)

@@ -23,7 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from data.errors import InputError
 from data.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode import native
-from decode.models.cached_lm import CachedLM, Ids, Shortlist, as_tensor
+from decode.models.cached_lm import CachedLM, Shortlist
+from decode.tensors import Ids, as_tensor
 from decode.models.cuda_graphs import CUDAGraphs
 from decode.models.kv_slots import KVSlots
 from decode.models.projection import LAYOUTS, Projection, fastest_layout

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from decode.planning.costs import CACHE_DIR, by_count, cache_key, forward_costs, kept
+from decode.timing import CACHE_DIR, by_count, cache_key, forward_costs, kept
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 REPEATS = 10

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 from decode import native
-from decode.planning.costs import CACHE_DIR, by_count, cpu_features, device_name, forward_costs, kept
-from decode.planning.fingerprint import fingerprint
+from data.machine import cpu_features
+from decode.fingerprint import fingerprint
+from decode.timing import CACHE_DIR, by_count, device_name, forward_costs, kept
 
 DTYPES = ("float32", "bfloat16")
 PINNED = "STAGED_SPECULATIVE_DTYPE"  # what "auto" resolves to when set (float32 or bfloat16): reproducible runs

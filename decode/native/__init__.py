@@ -24,7 +24,7 @@ import torch
 
 from data.errors import first_line
 from data.machine import cpu_flags
-from decode.models.cached_lm import Ids, as_list
+from decode.tensors import Ids, as_list
 
 SOURCE = Path(__file__).with_name("step.cpp")
 FORWARD_SOURCE = Path(__file__).with_name("forward.cpp")

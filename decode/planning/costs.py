@@ -1,164 +1,16 @@
 """What a forward pass costs on this device, measured: the input to sizing speculative trees.
 
-`forward_costs` times one forward of q chained nodes after a cached prefix. `measured_costs` does that
-once per model, device, dtype and thread count and keeps the table in a cache file, so later runs read
-it. `cost_curve` interpolates the table to every q.
+`measured_costs` times a model's forwards (decode.timing.forward_costs) once per model, device, dtype and thread
+count and keeps the table in a cache file, so later runs read it. `cost_curve` interpolates the table to every q.
 """
-import hashlib
-import inspect
-import json
-import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
-from data.atomic import write_json
 from data.errors import InputError
-from data.machine import cpu_features, cpu_name
-from decode import native
-from decode.models.cached_lm import CachedLM, synchronize
-from decode.planning.fingerprint import CACHE_ROOT, fingerprint
-from decode.tree import Tree
-
-NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
-# Untimed forwards of a count before its timed ones, at least this long: right after forwards of many nodes (a
-# prompt's, or a larger count's), the next few forwards of one node ran up to 2x slower on a CPU for some milliseconds
-SETTLE_SECONDS = 0.01
-CACHE_DIR = CACHE_ROOT / "forward-costs"
-
-
-def bushy_tree(q: int) -> Tree:
-    """q nodes, three children per node, level by level: the shape of a drafted tree."""
-    tree = Tree.rooted(0)
-    for node in range(1, q):
-        tree.add((node - 1) // 3, node)
-    return tree
-
-
-def prefill(model: CachedLM, prefix: int) -> int:
-    """An empty cache filled with `prefix` random tokens, committed; returns `prefix`."""
-    model.reset()
-    model.extend(torch.randint(0, model.vocab_size, (prefix,), device=model.device), last=0)
-    return prefix
-
-
-def forward_costs(model: CachedLM, prefix: int = 128, repeats: int = 20, counts=NODE_COUNTS,
-                  tree: bool = False, rounds: int = 4) -> dict[int, float]:
-    """Milliseconds per forward of q nodes after `prefix` cached positions (at most half the context;
-    median of repeats). The nodes form a chain, the costliest shape for attention, with the model's
-    default causal mask; with `tree=True` a three-children-per-node tree with its explicit mask (to
-    compare the two). Positions stop at the context's end (a tree's nodes share positions, so a tree
-    can hold more nodes than the context has positions). The repeats are split among `rounds` that each
-    time every count in turn, a count's forwards one after another, as a decoding loop repeats its own: a
-    burst of other work on the machine slows a part of a count's forwards, which the median drops, rather
-    than all of them. Each count's timed forwards follow SETTLE_SECONDS of untimed ones."""
-    prefix = prefill(model, min(prefix, model.max_length // 2))
-    forwards = {}  # q -> (ids, positions, mask)
-    for q in (q for q in counts if prefix + q <= getattr(model, "capacity", model.max_length)):
-        ids = torch.randint(0, model.vocab_size, (q,)).tolist()  # as decoding passes them: lists
-        positions, mask = [min(position, model.max_length - 1) for position in range(prefix, prefix + q)], None
-        if tree:
-            shape = bushy_tree(q)
-            positions, mask = shape.positions(prefix), shape.mask(model.device)
-        forwards[q] = ids, positions, mask
-
-    def seconds(q: int) -> float:
-        synchronize(model.device)
-        start = time.perf_counter()
-        model.forward(*forwards[q])
-        synchronize(model.device)
-        took = time.perf_counter() - start
-        model.commit([])
-        return took
-
-    times = {q: [] for q in forwards}
-    for round_ in range(rounds):
-        for q in forwards:
-            settled = time.perf_counter() + SETTLE_SECONDS
-            seconds(q)
-            while time.perf_counter() < settled:
-                seconds(q)
-            times[q] += [seconds(q) for _ in range(repeats * (round_ + 1) // rounds - repeats * round_ // rounds)]
-    model.reset()
-    return {q: 1e3 * float(np.median(timed)) for q, timed in times.items()}
-
-
-def host_work_after_forward(model: CachedLM, prefix: int = 128, repeats: int = 50) -> dict[str, float]:
-    """Microseconds of a fixed piece of host work of the kind a decoding step does between forwards (a loop
-    of Python over 200 items, a numpy gather of 64 values from a (32, 4096) array and its tolist) timed right
-    after a q=1 forward of `model` and again right after itself (medians). On a CPU a forward streams the
-    model's weights through the caches the step's Python and data then have to be read back into."""
-    prefix = prefill(model, min(prefix, model.max_length // 2))
-    ids, positions = torch.zeros(1, dtype=torch.long, device=model.device), torch.tensor([prefix], device=model.device)
-    rng = np.random.default_rng(0)
-    table, rows, columns = rng.standard_normal((32, 4096), np.float32), rng.integers(0, 32, 64), rng.integers(0, 4096, 64)
-
-    def work() -> float:
-        start = time.perf_counter()
-        sum(i * 3 % 7 for i in range(200))
-        table[rows, columns].tolist()
-        return time.perf_counter() - start
-
-    after, again = [], []
-    for _ in range(repeats + 1):
-        model.forward(ids, positions, None)
-        synchronize(model.device)
-        after.append(work())
-        again.append(work())
-        model.commit([])
-    model.reset()
-    return {"after a forward": 1e6 * float(np.median(after[1:])), "again": 1e6 * float(np.median(again[1:]))}
-
-
-def machine_name(device: torch.device) -> str:
-    """`device_name` with, on a CPU, the instructions that decide its bfloat16 speed: what a benchmark ran on."""
-    if device.type == "cuda":
-        return device_name(device)
-    features = cpu_features()
-    return f"{cpu_name()}" + (f" ({features})" if features else "") + f", {torch.get_num_threads()} threads"
-
-
-def device_name(device: torch.device) -> str:
-    """What a measured time depends on besides the model: the GPU's name, or the CPU's and its threads."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{cpu_name()}, {torch.get_num_threads()} threads"
-
-
-def cache_key(model_dir, model: CachedLM, dtype: str) -> str:
-    """Model (its fingerprint), the backend's code (with the C++ forward's, where it runs one) and the timing's, weight
-    layout, CUDA graphs and output shortlist, device, dtype and threads."""
-    backend = Path(inspect.getfile(type(model))).read_text() + inspect.getsource(forward_costs)
-    if getattr(model, "blocks", None) is not None:
-        backend += ("".join(source.read_text() for source in native.FORWARD_SOURCES) + native.forward_build(model.dtype)
-                    + f"{model.native_rows} {model.blocks.tiles}")
-    layouts, graphs = getattr(model, "layouts", None), getattr(model, "graphs", None) is not None
-    shortlist = None if model.shortlist is None else model.shortlist.tokens.tolist()
-    digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, layouts, graphs, torch.__version__]
-                                       + ([shortlist] if shortlist is not None else [])).encode()).hexdigest()[:16]
-    device = "".join(c if c.isalnum() else "_" for c in device_name(model.device))
-    return f"{digest}-{device}-{dtype}"
-
-
-def kept(path: Path, measure: Callable[[], dict]) -> tuple[dict, bool]:
-    """The measurement kept at `path` (JSON), or `measure()`'s, kept there now; and whether it was read back."""
-    try:
-        measured = json.loads(path.read_text())
-        if isinstance(measured, dict):
-            return measured, True
-    except (OSError, UnicodeDecodeError, ValueError):
-        pass
-    measured = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, measured, indent=1)
-    return measured, False
-
-
-def by_count(table: dict) -> dict[int, float]:
-    """A table of ms by node count as JSON keeps it (keys as strings), keyed by int again."""
-    return {int(q): ms for q, ms in table.items()}
+from decode.models.cached_lm import CachedLM
+from decode.timing import CACHE_DIR, NODE_COUNTS, by_count, cache_key, forward_costs, kept
 
 
 def measured_costs(model_dir, model: CachedLM, dtype: str, counts=NODE_COUNTS,

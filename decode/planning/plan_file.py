@@ -9,8 +9,8 @@ import torch
 from data.atomic import write_json
 from data.errors import InputError
 from decode.methods import METHODS
-from decode.planning.costs import device_name
-from decode.planning.fingerprint import TABLES, WEIGHTS, fingerprint
+from decode.fingerprint import TABLES, WEIGHTS, fingerprint
+from decode.timing import device_name
 from decode.planning.shapes import Shape
 from decode.sampling import Sampling
 

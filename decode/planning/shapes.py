@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decode.models.cached_lm import CachedLM, long_tensor
+from decode.models.cached_lm import CachedLM
+from decode.tensors import long_tensor
 
 
 def ranks(model: CachedLM, prompt: list[int], continuation: list[int]) -> list[int]:
