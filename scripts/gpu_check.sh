@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# Checks a CUDA machine, in stages that each fit a 10-minute command:
+# Checks a CUDA machine, in stages of under 10 minutes each:
 #   bash scripts/gpu_check.sh tests            # the whole suite, CUDA tests included
 #   bash scripts/gpu_check.sh train RUN        # GPT-2-small-sized oracle, draft, trigram (RUN/data prepared)
 #   bash scripts/gpu_check.sh decode RUN       # exactness on CUDA, sampling, engine costs, plan, bench
-#   bash scripts/gpu_check.sh brief RUN        # all three, shorter, in one command of about 9 minutes (a 15-minute
-#                                              # device budget; run it under `timeout 560` and keep $LOGS outside $OUT,
-#                                              # then tar it there: $OUT takes 8 files): the suite beside a shorter
+#   bash scripts/gpu_check.sh brief RUN        # all three, shorter, in about 9 minutes: the suite beside a shorter
 #                                              # training, exactness, then CUDA graphs' speed
 #   bash scripts/gpu_check.sh plan RUN         # what brief leaves, in one command of about 9 minutes: a shorter
 #                                              # training (and `--compile`'s beside the draft's), the planner on the
@@ -13,7 +11,7 @@
 #                                              # and a plan and a bench at top-k 50
 # It runs with the machine's own python3 (a CUDA torch) and PYTHONPATH=. instead of scripts/setup.sh, which
 # needs a package registry. Wheels in .whl/ (nltk; kenlm has none, its tests skip) are installed first.
-# Logs and JSON go to $LOGS (default: $OUT, the device tool's folder, else gpu-logs/).
+# Logs and JSON go to $LOGS (default: $OUT when it is set, else gpu-logs/).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 stage="${1:?usage: bash scripts/gpu_check.sh tests|train|decode|brief|plan [RUN]}"

@@ -23,6 +23,9 @@ DIARY = re.compile("|".join([
     r"\bthis\s+morning\b", r"\bV[M]s?\b", r"\bscratch\b",  # spelled so that a plain grep finds no hit here
     r"(?:^|[^&\w])#\d{1,4}\b", r"\bissue (?:#|no\.? ?)?\d+",
     r"(?-i:\bDESIGN\.md\b)", r"\bhistory\.md\b", r"\.\./shared\b", r"(?-i:\bGPU\.md\b)",
+    # the work's own timeline: what came before, what was tried, the budget it ran under
+    r"\b(?:with|in|by) the previous\b", r"\ban earlier (?:plan|planner|run|recipe)\b", r"\bhour earlier\b",
+    r"\bthe same hour\b", r"\bnot adopted\b", r"\b\d+-minute (?:command|budget)\b", r"\bdevice tool\b",
 ]), re.I)
 
 
@@ -49,10 +52,12 @@ def test_the_diary_markers_catch_what_they_must():
     session, morning, machine, scratch = "sess" + "ion", "mor" + "ning", "V" + "M", "scr" + "atch"  # whole: hits here
     caught = [f"the thirty-eighth {session} measured", f"on the sixth GPU {session}", f"in an earlier {session}",
               f"this {morning}", f"on a slow {machine}", f"a {scratch} script", "the lever of #13", "see issue 12", "DESIGN.md section 6",
-              "docs/history.md", "../shared/GPU.md"]
+              "docs/history.md", "../shared/GPU.md", "with the previous planner", "an earlier plan on an AMD EPYC",
+              "an hour earlier one row took", "repeated the same hour", "also measured and not adopted",
+              "stages that each fit a 10-minute command", "the device tool's folder"]
     assert all(DIARY.search(text) for text in caught), [t for t in caught if not DIARY.search(t)]
     kept = ["a second run of setup", '@pytest.fixture(scope="session")', "the first prompt's seed", "#include <vector>",
-            "HTML's &#39;"]
+            "HTML's &#39;", "replace a previous run in OUT", "tokens that followed earlier occurrences"]
     assert not [text for text in kept if DIARY.search(text)]
 
 
