@@ -14,6 +14,8 @@ resampled after a rejection, the first token taken greedily) give z near 20 at a
 Power: at 20,000 draws the first-token test alone detects with 99% probability a bias that moves
 2.2 points of probability onto the most likely first token (1.6 at 40,000); see the README.
 """
+import functools
+
 import pytest
 import torch
 
@@ -45,9 +47,10 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("distribution")
     oracle = tiny_gpt2(root / "oracle", vocab_size=6, seed=10)
     bad = tiny_gpt2(root / "bad", vocab_size=6, seed=12)
-    return {"oracle": GPT2Engine.load(oracle), "bad": GPT2Engine.load(bad),
-            "shortlisted": GPT2Engine.load(bad, shortlist=Shortlist([0, 2, 3, 5], 6)),  # q is 0 off the shortlist
-            "good": GPT2Engine.load(tiny_gpt2(root / "good", vocab_size=6, seed=11, noise_from=oracle, noise=0.1)),
+    load = functools.partial(GPT2Engine.load, native_blocks=True)  # the C++ forward, as decoding runs it, where it builds
+    return {"oracle": load(oracle), "bad": load(bad),
+            "shortlisted": load(bad, shortlist=Shortlist([0, 2, 3, 5], 6)),  # q is 0 off the shortlist
+            "good": load(tiny_gpt2(root / "good", vocab_size=6, seed=11, noise_from=oracle, noise=0.1)),
             "ngram": SuccessorTable.load(tiny_trigram(root / "ngram", oracle, documents=100, length=20) / "successors.npz")}
 
 

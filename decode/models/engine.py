@@ -133,9 +133,9 @@ class GPT2Engine(CachedLM):
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
         stores every matrix in that layout; by default each matrix gets the fastest measured for its shape. On a
         GPU with `cuda_graphs`, forwards replay CUDA graphs. With a `shortlist`, the output layer computes the
-        logits of its tokens only. With `native_blocks`, a bfloat16 engine on a CPU with AVX-512 BF16 runs a forward
-        of a few rows (up to native.Blocks.ROWS, or `native_rows` once measured) as one C++ call, which rounds
-        differently from torch's."""
+        logits of its tokens only. With `native_blocks`, an engine on a CPU with AVX2 and FMA or AVX-512 runs a forward
+        of a few rows (up to native.Blocks.ROWS, or `native_rows` once measured) as one C++ call (forward.cpp), which
+        rounds differently from torch's."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
