@@ -267,6 +267,7 @@ def test_a_peers_difference_is_judged_with_its_own_models_logits_too(models):
     assert agreement.divergence(oracle, prompt, expected, got, peer=peer)["near_tie"]
 
 
+@pytest.mark.processes
 def test_models_by_hub_name_come_from_the_hubs_cache_and_offline_a_missing_one_is_one_line(bpe_run, tmp_path):
     import subprocess
     import sys

@@ -30,6 +30,8 @@ from decode_models import tiny_gpt2, tiny_trigram
 from exactness import Z_LIMIT, chi_square_z, exact_distribution
 from ngram.successors import SuccessorTable
 
+pytestmark = pytest.mark.statistical
+
 RUNS = 20_000  # correct methods, and the mutants that move probability by several points
 PROMPT = [1, 2, 3]
 

@@ -69,6 +69,7 @@ def test_the_readme_is_short_and_its_links_resolve():
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
 
 
+@pytest.mark.processes
 def test_generated_pages_match_what_the_commands_print():
     done = subprocess.run([sys.executable, "scripts/make_docs.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -5,9 +5,12 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
+
 from decode.cli.scripts import COMMANDS
 
 
+@pytest.mark.processes
 def test_every_command_is_a_console_script():
     scripts = {e.name: e for e in entry_points(group="console_scripts") if e.value.startswith("decode.cli.scripts:")}
     assert sorted(scripts) == sorted(f"staged-{name}" for name in COMMANDS)

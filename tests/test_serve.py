@@ -17,6 +17,8 @@ from conftest import child_env
 from decode.api import SpeculativeDecoder
 from decode.cli import run
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def scale(values):\n", "import math\n", "class Box3:\n    def __init__(self):\n", "x = (1, 2",
            "for i in range(10):\n"]
@@ -95,6 +97,13 @@ def test_the_command_the_api_and_the_server_give_the_same_greedy_completion(serv
         assert chunks[-2].choices[0].finish_reason in ("stop", "length") and chunks[-1].usage.completion_tokens == \
             expected["new_tokens"]
     assert healed >= 2  # prompts whose last token healing backed off, and the completion re-made
+    sampled = {"temperature": 1.0, "top_k": 20, "seed": 5}
+    expected = run.main(["--run", str(bpe_run["run"]), "--prompt", PROMPTS[0], "--max-new-tokens", "24", "--temperature", "1",
+                         "--top-k", "20", "--seed", "5"])[0]
+    assert decoder.generate(PROMPTS[0], max_new_tokens=24, **sampled).token_ids == expected["token_ids"]
+    answer = client.completions.create(model="oracle", prompt=PROMPTS[0], max_tokens=24, temperature=1.0, seed=5,
+                                       extra_body={"top_k": 20})
+    assert answer.choices[0].text == expected["completion"]
 
 
 def test_stop_sequences_end_the_text_before_them(server):

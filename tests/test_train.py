@@ -105,7 +105,11 @@ def test_bad_inputs_are_one_line_errors(run, tmp_path, capsys):
     assert "does not exist" in error_of(capsys, finetune_oracle.main, ["--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
     assert "no preset named 'huge'" in error_of(capsys, finetune_oracle.main, ["--preset", "huge"])
     assert "already holds a model" in error_of(capsys, finetune_oracle.main, ["--data", data, "--out", str(root / "oracle")])
-    assert "no trained model" in error_of(capsys, distill_draft.main, ["--data", data, "--teacher", str(tmp_path), "--out", str(tmp_path / "d")])
+    (tmp_path / "empty").mkdir()
+    assert "no trained model" in error_of(capsys, distill_draft.main, ["--data", data, "--teacher", str(tmp_path / "empty"),
+                                                                       "--out", str(tmp_path / "d")])
+    assert "which this command reads as its teacher" in error_of(capsys, distill_draft.main, [
+        "--data", data, "--teacher", str(root / "oracle"), "--out", str(root / "oracle" / "draft")])
     # a teacher or --init model trained with another tokenizer
     other = prepared_run(tmp_path / "other", vocab_size=300)
     finetune_oracle.main(["--data", str(other / "data"), "--out", str(other / "oracle"), "--max-steps", "12"])

@@ -106,7 +106,7 @@ def test_from_pretrained_takes_a_loaded_model_and_refuses_what_it_cannot_load(bp
     with pytest.raises(InputError, match="needs its tokenizer"):
         SpeculativeDecoder.from_pretrained(hf)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(InputError, match="is not a directory, and the hub did not give it"):
+    with pytest.raises(InputError, match="is not a directory, and the hub name is not in the local cache"):
         SpeculativeDecoder.from_pretrained("no-such-user/no-such-model")
     with pytest.raises(InputError, match="unknown generation settings"):
         staged.generate(PROMPT, num_beams=4)

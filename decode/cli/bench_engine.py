@@ -158,7 +158,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
-    args.model = model_dir(args.model, "--model")
+    args.model = str(model_dir(args.model, "--model"))
     if args.limit < 1 or args.max_new_tokens < 1 or args.repeats < 1 or args.prefix < 0:
         p.error("--limit, --max-new-tokens and --repeats must be at least 1, --prefix 0 or more")
     if args.out:
