@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from data.errors import InputError
 from decode.api import SpeculativeDecoder
 from decode.generation import SEED_RANGE
-from decode.options import sampling_of
+from decode.options import MIN_TEMPERATURE, sampling_of
 
 MAX_STOPS = 4
 EXACT = "the output follows the oracle's own distribution, which a penalty or a bias would change"
@@ -48,11 +48,11 @@ class CompletionRequest(BaseModel):
     model: StrictStr | None = rule("any name: one model is served", default=None)
     max_tokens: StrictInt | None = rule("an integer of at least 1 that fits the context after the prompt", default=16,
                                         ge=1)
-    temperature: StrictFloat | None = rule("a number: 0 for greedy decoding, else the sampling temperature",
+    temperature: StrictFloat | None = rule(f"a number: 0 for greedy decoding, else a sampling temperature of at least {MIN_TEMPERATURE}",
                                            default=1.0, ge=0)
     top_p: StrictFloat | None = rule("a number in (0, 1]: the smallest set of tokens with this much probability",
                                      default=1.0, gt=0, le=1)
-    top_k: StrictInt | None = rule("an integer: the k most likely tokens, -1 or 0 for all", default=0, ge=-1)
+    top_k: StrictInt | None = rule("an integer of -1 or more: the k most likely tokens, -1 or 0 for all", default=0, ge=-1)
     stop: Text | Annotated[list[Text], Field(max_length=MAX_STOPS)] | None = rule(
         f"a non-empty string or a list of at most {MAX_STOPS} of them", default=None)
     seed: StrictInt | None = rule(f"an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}", default=None,
