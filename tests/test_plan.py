@@ -16,7 +16,7 @@ from data.shards import TOKEN_COUNTS
 
 from decode import SpeculativeDecoder
 from decode.methods import METHODS
-from decode.planning import costs, plan_file, replay, shapes
+from decode.planning import costs, plan_file, replay, search, shapes
 from decode.cli import bench, plan, run, serve
 from decode.models.cached_lm import Shortlist
 from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
@@ -158,7 +158,7 @@ def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to
     oracle_ms = torch.arange(0, 20, dtype=torch.float64) * 0.1  # q nodes cost q / 10 ms
     measured, baseline_costs = plan.calibrate_in_loop(None, replays, [], None, oracle_ms)
     assert measured_drafters[1:] == [["drafter 8"], ["drafter 4"]]  # after the context drafter's round
-    predicted, factors = plan.measured_forecast(measured, oracle_ms, baseline_costs)
+    predicted, factors = search.measured_forecast(measured, oracle_ms, baseline_costs)
     assert predicted["tree"]["policy"] == {"nodes": 4}
     assert factors["tree"]["drafting"] == pytest.approx(0.3 / 0.02)  # its own: 0.3 ms in the loop, 0.02 replayed
     assert predicted["tree"]["ms_per_token"] == pytest.approx((1.0 + 10 * (0.4 + 0.3)) / 40)
@@ -173,7 +173,7 @@ def test_staged_may_take_a_shape_measured_for_the_tree_as_its_own_with_no_stage_
     measured = {"tree": [(candidate(shape, 10), factors)],
                 "staged": [(candidate({"widths": [2, 1], "budget": 8}, 20), factors)]}
     baseline_costs = {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}
-    predicted, _ = plan.measured_forecast(plan.with_tree_shapes(measured), torch.arange(0, 20.0), baseline_costs)
+    predicted, _ = search.measured_forecast(search.with_tree_shapes(measured), torch.arange(0, 20.0), baseline_costs)
     assert predicted["staged"]["policy"] == shape | {"widths": []}
     assert predicted["staged"]["ms_per_token"] == predicted["tree"]["ms_per_token"]
 
@@ -191,12 +191,12 @@ def planned(models, tmp_path, monkeypatch):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i + 2} t{i + 7} t{i + 3}"}) + "\n"
                                for i in range(6)))
-    monkeypatch.setattr(plan, "BUDGETS", (4, 8, 12))
-    monkeypatch.setattr(plan, "STAGED_WIDTHS", ((2, 1, 1), (3, 2, 1)))
+    monkeypatch.setattr(search, "BUDGETS", (4, 8, 12))
+    monkeypatch.setattr(search, "STAGED_WIDTHS", ((2, 1, 1), (3, 2, 1)))
     args = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
             "--prompts", str(prompts), "--max-new-tokens", "16", "--widths", "3,2,1"]
-    out, replayed, replay_all = tmp_path / "plan.json", [], plan.replay_all
-    monkeypatch.setattr(plan, "replay_all", lambda candidates, *rest: replay_all(replayed.extend(candidates) or candidates, *rest))
+    out, replayed, replay_all = tmp_path / "plan.json", [], search.replay_all
+    monkeypatch.setattr(search, "replay_all", lambda candidates, *rest: replay_all(replayed.extend(candidates) or candidates, *rest))
     written = plan.main(args + ["--calibration", "3", "--max-budget", "12", "--max-depth", "3", "--draft-vocab", "64",
                                 "--out", str(out)])
     return {"args": args, "path": out, "plan": written, "replayed": replayed}

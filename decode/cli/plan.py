@@ -29,7 +29,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from data.cli import HelpFormatter
 from data.atomic import FILE, check_output
@@ -41,29 +40,17 @@ from decode.api import SpeculativeDecoder
 from decode.cli import run
 from decode.cli.harness import Timer, decode_in_turns, warm_up
 from decode.drafting import LookupDrafter
-from decode.methods import METHODS
 from decode.models.cached_lm import CachedLM
 from decode.models.loading import load_draft, load_trigram
 from decode.options import MIN_DRAFT_VOCAB
 from decode.planning import costs, replay, shapes
-from decode.planning.plan_file import PLAN_VERSION, describe, identity, plan_name, save_plan, with_policy
+from decode.planning.search import (RANKS, base_dtype, best, forecast, measured_forecast, replay_policies,
+                                    with_tree_shapes)
+from decode.planning.plan_file import PLAN_VERSION, describe, identity, plan_name, save_plan
 from decode.sampling import Sampling
 
 GREEDY = Sampling()
 
-BUDGETS = (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-# Six trigram levels, and three (the draft's best children add a fourth): shallow and wide was the cpu preset's best
-STAGED_WIDTHS = ((1, 1, 1, 1, 1, 1), (2, 1, 1, 1, 1, 1), (2, 2, 1, 1, 1, 1), (3, 2, 2, 1, 1, 1), (4, 3, 2, 1, 1, 1),
-                 (6, 4, 2, 1, 1, 1), (3, 2, 1), (4, 2, 1), (6, 3, 1))
-CHAIN_K = range(1, 9)
-LOOKUP_TOKENS = (1, 2, 3, 4, 6, 8, 10, 12, 16)
-# staged on a planned shape: the trigram's tree guessed below each node a draft call scores, or no stage below the
-# draft (its tree alone, as the tree method drafts it: where guesses and copies save less than they cost)
-STAGED_GUESSES = ((), (1,), (2,))
-STAGED_DRAWS = (1, 2)  # when sampling: the draft's draws per node of a staged tree (1: a chain of draws)
-STAGED_DRAFT_CALLS = (1, 2, 3, 5, 8)  # greedy: the most draft calls a staged step makes down its best path
-RANKS = 8  # candidates per node the acceptance rates cover
-FINALISTS = 3  # policies per method (and per oracle cost) replayed on every calibration prompt
 IN_LOOP_ROUNDS = 2  # rounds of decoding each method's best policy for real, while the best changes under its costs
 
 
@@ -175,22 +162,6 @@ def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: torch.Tens
     return measured
 
 
-def leaders(replays: dict, keep: int, oracle_curves: list[tuple]) -> list[tuple[str, dict, object]]:
-    """(method, policy, drafter) for each method's `keep` best policies of `replays` under each of
-    `oracle_curves` (the oracle's ms per node count, and the baseline's costs), with drafting and
-    the loop as measured outside a decoding loop."""
-    plain = {method: {"oracle": 1.0, "drafting": 1.0, "loop_ms": 0.0} for method in replays}
-    return [(method, c["policy"], c["drafter"]) for method, group in replays.items()
-            for c in unique_best(group, [forecast({method: group}, ms, baseline, plain, keep) for ms, baseline in oracle_curves],
-                                 method)]
-
-
-def unique_best(group: list[dict], forecasts: list[dict], method: str) -> list[dict]:
-    """The candidates of `group` among the ranked policies of any forecast, once each."""
-    wanted = [p["policy"] for f in forecasts for p in f[method]]
-    return [c for c in group if c["policy"] in wanted]
-
-
 def sampled_acceptance(decoder, prompts, settings, depth: int) -> dict:
     """Under the sampling setting, along the oracle's sampled outputs: how often a chain of draft
     samples is accepted to each depth (teacher forced, Chen et al.'s acceptance rule)."""
@@ -206,42 +177,6 @@ def sampled_acceptance(decoder, prompts, settings, depth: int) -> dict:
             "draft_chain": shapes.chain_acceptance(overlap_lists, depth)}
 
 
-def candidates(options, draft, table, p_draft, max_budget: int, max_depth: int,
-               sampling: Sampling = GREEDY) -> list[tuple[str, dict, object]]:
-    """(method, policy, drafter) for every policy to replay: trees of at most `max_budget` nodes and `max_depth`
-    levels; staged's with each of STAGED_DRAFT_CALLS, or when sampling its trees of draws with each of STAGED_DRAWS
-    per node."""
-    drafted = {"draft_vocab": 0, "draft_dtype": base_dtype(options)}  # the draft the plan loaded; other drafts later
-    policies = [("speculative", {"k": k} | drafted) for k in CHAIN_K]
-    budgets = [b for b in BUDGETS if b <= max_budget]
-    seen = set()
-    for depth in range(1, max_depth + 1):
-        best = shapes.best_shapes(p_draft, max_budget, depth)
-        for n in budgets:
-            shape = best[n]
-            key = shape and (tuple(shape.parents), tuple(shape.ranks))
-            if shape and key not in seen:
-                seen.add(key)
-                planned = {"parents": shape.parents, "ranks": shape.ranks, "expected": shape.expected,
-                           "nodes": len(shape.parents), "depth": shape.depth}
-                policies.append(("tree", planned | drafted))
-                policies += [("staged", planned | {"widths": list(widths)} | drafted) for widths in STAGED_GUESSES
-                             if shape.depth > 1]
-    draws = ([{"draft_calls": n} for n in STAGED_DRAFT_CALLS] if sampling.greedy
-             else [{"branch": n} for n in STAGED_DRAWS])
-    for widths in STAGED_WIDTHS:
-        policies += [("staged", {"widths": list(widths), "budget": budget} | drawn | drafted)
-                     for budget in budgets if budget > widths[0] for drawn in draws]
-    policies += [("ngram", {"widths": options.widths, "budget": budget}) for budget in budgets if budget > options.widths[0]]
-    policies += [("lookup", {"tokens": length}) for length in LOOKUP_TOKENS]
-    return [(method, policy, drafter_for(method, policy, draft, table, options)) for method, policy in policies]
-
-
-def drafter_for(method: str, policy: dict, draft, table, options):
-    """The drafter that drafts `method`'s `policy` with this draft model."""
-    return METHODS[method].drafter(with_policy(replace(options, method=method), policy), draft, table)
-
-
 def shortlist_sizes(requested: list[int] | None, options, vocab_size: int) -> list[int]:
     """The draft shortlists to weigh against the whole vocabulary: those requested, or by default the
     largest power of two up to half of the vocabulary when the draft has its token counts (smaller
@@ -255,10 +190,6 @@ def shortlist_sizes(requested: list[int] | None, options, vocab_size: int) -> li
     return [n for n in requested if MIN_DRAFT_VOCAB <= n < vocab_size]
 
 
-def base_dtype(options) -> str:
-    return options.draft_dtype or options.dtype
-
-
 def draft_variants(sizes: list[int], options, vocab_size: int) -> dict[tuple[int, str], CachedLM]:
     """The drafts besides the plan's own (whole vocabulary, `base_dtype`) that each draft method's finalists are
     replayed with, by (shortlist size or 0, dtype): each of `sizes` and the whole vocabulary, in the base dtype and,
@@ -269,32 +200,6 @@ def draft_variants(sizes: list[int], options, vocab_size: int) -> dict[tuple[int
     dtypes = [base_dtype(options)] + ["float32"] * (base_dtype(options) != "float32" and on_cpu)
     return {(n, dtype): load_draft(replace(options, draft_vocab=n, draft_dtype=dtype), vocab_size)
             for n in [0, *sizes] for dtype in dtypes if (n, dtype) != (0, base_dtype(options))}
-
-
-def variant_name(size: int, dtype: str) -> str:
-    return f"{f'{size} tokens' if size else 'every token'} in {dtype}"
-
-
-def forecast(replays: dict, oracle_ms: torch.Tensor, baseline: dict, in_loop: dict, keep: int = 1) -> dict:
-    """Per method, its `keep` best policies with their predictions under these oracle costs, best
-    first: a tree step of q nodes costs oracle_ms[q] times the method's in-loop factor, plus its
-    drafting (times its factor) and loop (`in_loop[method]`); the baseline's prefill, one-token
-    forward and loop are `baseline`'s (its first call per prompt is the prefill, which yields the
-    first token)."""
-    any_replay = next(iter(replays.values()))[0]["replay"]
-    prompts, tokens = any_replay.prompts, any_replay.tokens
-    baseline_ms = (prompts * baseline["prefill"] + (tokens - prompts) * baseline["one_token"]
-                   + tokens * baseline["loop"]) / tokens
-    predicted = {"baseline": [{"tokens_per_call": 1.0, "ms_per_token": baseline_ms, "speedup": 1.0}]}
-    for method, group in replays.items():
-        f = in_loop[method]
-        predicted[method] = replay.ranked(group, f["oracle"] * oracle_ms, f["loop_ms"], baseline["prefill"],
-                                            baseline_ms, f["drafting"])[:keep]
-    return predicted
-
-
-def best(predicted: dict) -> dict:
-    return {method: ranked[0] for method, ranked in predicted.items()}
 
 
 def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: torch.Tensor) -> tuple[dict, dict]:
@@ -327,36 +232,6 @@ def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: to
     return with_tree_shapes(measured), baseline
 
 
-def with_tree_shapes(measured: dict) -> dict:
-    """`measured` with the tree's shapes among staged's policies, as staged with no stage below the draft (which
-    drafts the tree's shape as the tree method does: the same drafter, so the same measurements)."""
-    if "staged" not in measured or "tree" not in measured:
-        return measured
-    return measured | {"staged": measured["staged"] + [({**c, "policy": c["policy"] | {"widths": []}}, f)
-                                                       for c, f in measured["tree"] if c["policy"]["depth"] > 1]}
-
-
-def measured_forecast(measured: dict, oracle_ms: torch.Tensor, baseline: dict) -> tuple[dict, dict]:
-    """Per method, the best of its policies measured in the loop, each priced with its own factors (`forecast`);
-    and the factors that priced each method's best."""
-    predicted, factors = {}, {}
-    for method, pairs in measured.items():
-        priced = [(forecast({method: [c]}, oracle_ms, baseline, {method: f}), f) for c, f in pairs]
-        cheapest, factors[method] = min(priced, key=lambda p: p[0][method][0]["ms_per_token"])
-        predicted.setdefault("baseline", cheapest["baseline"][0])
-        predicted[method] = cheapest[method][0]
-    return predicted, factors
-
-
-def replay_all(candidates: list, replayer: Callable, prompts: int, desc: str) -> dict:
-    """Per method, each candidate policy with its drafter and its replay on the first `prompts` calibration prompts
-    (`replayer(drafter, prompts)`)."""
-    replays = {}
-    for method, policy, drafter in tqdm(candidates, desc=desc, unit="policy"):
-        replays.setdefault(method, []).append({"policy": policy, "drafter": drafter, "replay": replayer(drafter, prompts)})
-    return replays
-
-
 def replayer(decoder, prompts: list, sequences: list, settings) -> Callable:
     """How a policy is replayed on the first n calibration prompts: greedy, along the oracle's outputs
     (`sequences`); sampling, by decoding them for real under the settings' sampling."""
@@ -385,26 +260,6 @@ def projected_costs(spec: str, options, sequences, max_budget: int) -> dict:
             "oracle": spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs}
 
 
-def replay_policies(known, options, draft, table, p_draft, run_replay: Callable, prompts: int, oracle_curves: list,
-                    drafts: dict, sampling: Sampling) -> dict:
-    """Every candidate policy replayed on the first --screen of the `prompts` calibration prompts, each method's best
-    few under each oracle curve on all of them, and a draft method's best few again with each of the other `drafts`
-    (a cheaper draft may favour a larger tree): per method, each policy with its drafter and replay."""
-    screened = replay_all(candidates(options, draft, table, p_draft, known.max_budget, known.max_depth, sampling),
-                          run_replay, known.screen, f"screening policies on {min(known.screen, prompts)} prompts")
-    replays = replay_all(leaders(screened, FINALISTS, oracle_curves), run_replay, prompts,
-                         f"replaying the finalists on {prompts} prompts")
-    if drafts:
-        drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
-        variants = [(method, policy | {"draft_vocab": n, "draft_dtype": dtype}, drafter_for(method, policy, variant, table, options))
-                    for method, policy, _ in leaders(drafted, FINALISTS, oracle_curves[:1])  # this device's finalists
-                    for (n, dtype), variant in drafts.items()]
-        for method, group in replay_all(variants, run_replay, prompts, "replaying them with the draft over "
-                                        + "; ".join(variant_name(*key) for key in drafts)).items():
-            replays[method] += group
-    return replays
-
-
 @exits_on_input_error
 def main(argv=None) -> dict:
     known, settings = parse(argv)
@@ -428,8 +283,9 @@ def main(argv=None) -> dict:
     projection = known.project_oracle and projected_costs(known.project_oracle, options, sequences, known.max_budget)
     oracle_curves = [(isolated_ms, {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0})]
     oracle_curves += [(projection["ms"], projection["baseline"])] if projection else []
-    replays = replay_policies(known, options, draft, table, p_draft, replayer(decoder, prompts, sequences, settings),
-                              len(prompts), oracle_curves, drafts, settings.sampling)
+    replays = replay_policies(options, draft, table, p_draft, replayer(decoder, prompts, sequences, settings),
+                              len(prompts), oracle_curves, drafts, settings.sampling, known.screen, known.max_budget,
+                              known.max_depth)
     measured, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings, isolated_ms)
     predicted, in_loop = measured_forecast(measured, isolated_ms, baseline)
     print_forecast(f"predicted for {settings.sampling.describe()} on this device (oracle q=1 forward {oracle_costs[1]:.2f} ms in isolation, "
