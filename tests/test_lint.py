@@ -34,3 +34,9 @@ def test_no_layer_imports_a_layer_that_imports_it_back():
                     imports.setdefault(layer(name), set()).add(layer(target))
     back = sorted((a, b) for a, bs in imports.items() for b in bs if a < b and a in imports.get(b, ()))
     assert not back, f"layers that import each other: {back}"
+
+
+def test_no_source_file_is_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for folder in ("data", "train", "ngram", "decode", "scripts")
+            for p in (ROOT / folder).rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"split these by what their parts do: {long}"

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from data.atomic import atomic_output
 from data.errors import InputError
 from train.continuations import POOL_FILE
-from train.loop import changed_args, load_or_build_arrays, read_saved_args
+from train.work_dir import changed_args, load_or_build_arrays, read_saved_args
 
 TARGETS_FILE = "teacher_targets.npz"
 # what decides the windows a run trains on and the teacher's targets over them (not the student's shape)
