@@ -15,8 +15,8 @@ gives the same trees and paths. STAGED_SPECULATIVE_NATIVE=0 turns the C++ off.
 """
 import functools
 import hashlib
+import logging
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,8 @@ import torch
 from data.errors import first_line
 from data.machine import cpu_flags
 from decode.tensors import Ids, as_list
+
+log = logging.getLogger("decode.native")  # notes a user sees on stderr without any logging set up (warnings)
 
 SOURCE = Path(__file__).with_name("step.cpp")
 FORWARD_SOURCE = Path(__file__).with_name("forward.cpp")
@@ -57,9 +59,8 @@ def module():
     try:
         return build(SOURCE)
     except Exception as err:  # no compiler, no ninja, a failed build: decoding goes on in Python
-        print(f"note: the decoding step's C++ loops could not be built ({first_line(err)}); decoding uses their Python "
-              f"code, which gives the same output a little slower (STAGED_SPECULATIVE_NATIVE=0 silences this)",
-              file=sys.stderr)
+        log.warning("note: the decoding step's C++ loops could not be built (%s); decoding uses their Python code, which "
+                    "gives the same output a little slower (STAGED_SPECULATIVE_NATIVE=0 silences this)", first_line(err))
         return None
 
 
@@ -99,7 +100,7 @@ def _forward_build(name: str):
 
 @functools.lru_cache(maxsize=None)
 def note_once(text: str) -> None:
-    print(f"note: {text}", file=sys.stderr)
+    log.warning("note: %s", text)
 
 
 def loops(device: str) -> str:
