@@ -23,8 +23,8 @@ from data.cli import HelpFormatter
 from data.atomic import FILE, check_output, write_json
 from data.errors import exits_on_input_error
 from decode.api import SpeculativeDecoder
-from decode.cli import run
 from decode.cli.harness import compare_with_baseline
+from decode.cli.settings import encode_prompts, parse_settings
 from decode.loop import run_to_end
 from decode.methods import METHODS
 from decode.sampling import Sampling
@@ -209,11 +209,11 @@ def main(argv=None) -> dict:
     unknown = [m for m in methods if m not in METHODS or m == "baseline"]
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {', '.join(m for m in METHODS if m != 'baseline')}")
-    settings = run.parse(rest, PROG)
+    settings = parse_settings(rest, PROG, __doc__.split("\n\n")[0])
     if known.out:
         check_output(known.out, FILE, known.overwrite, "--out", settings.reads())
     decoders = {m: SpeculativeDecoder(settings.flags.options(m)) for m in ["baseline", *methods]}
-    records, prompts = zip(*run.encode_prompts(settings, list(decoders.values())))
+    records, prompts = zip(*encode_prompts(settings, list(decoders.values())))
     n, seed, sampling = settings.max_new_tokens, settings.seed, settings.sampling
     outputs = {m: [dec.decoder(prompt, n, seed + i, sampling) for i, prompt in enumerate(prompts)]
                for m, dec in decoders.items()}

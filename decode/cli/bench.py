@@ -35,9 +35,10 @@ from data.atomic import FILE, atomic_output, check_output, write_json
 from data.errors import InputError, exits_on_input_error
 from decode import native
 from decode.api import SpeculativeDecoder
-from decode.cli import agreement, report, run
+from decode.cli import agreement, report
 from decode.cli.harness import compare_with_baseline, decode_in_turns, warm_up
 from decode.cli.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
+from decode.cli.settings import Settings, encode_prompts, parse_settings
 from decode.models.loading import check_same_vocabulary
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS
 from decode.timing import device_name, machine_name
@@ -47,7 +48,7 @@ DEFAULT_METHODS = ",".join(OURS + PEERS)
 PROG = "python -m decode.bench"
 
 
-def build_methods(names: list[str], settings: run.Settings, chosen: bool) -> tuple[dict, list]:
+def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[dict, list]:
     """A decoder per method (each with its own models and caches) and our SpeculativeDecoders. A llama.cpp peer that
     cannot run here is an error when `chosen` (named in --methods), else skipped with a line."""
     base = settings.flags.base
@@ -80,7 +81,7 @@ def build_methods(names: list[str], settings: run.Settings, chosen: bool) -> tup
     return decoders, ours
 
 
-def timed_runs(decoders: dict, prompts: list, settings: run.Settings) -> dict[str, list[dict]]:
+def timed_runs(decoders: dict, prompts: list, settings: Settings) -> dict[str, list[dict]]:
     """Every method on every prompt in turns, after a warm-up on the first prompt (first calls allocate, build
     kernels and fill caches); one record per method and prompt."""
     n, seed, sampling = settings.max_new_tokens, settings.seed, settings.sampling
@@ -94,7 +95,7 @@ def timed_runs(decoders: dict, prompts: list, settings: run.Settings) -> dict[st
     return records
 
 
-def check_outputs(records: dict[str, list[dict]], prompts: list, decoders: dict, settings: run.Settings) -> dict[str, dict]:
+def check_outputs(records: dict[str, list[dict]], prompts: list, decoders: dict, settings: Settings) -> dict[str, dict]:
     """Greedy: per method, prompts whose output equals the baseline's, near-ties, and differences that are not.
     A peer's difference is judged with its own model's logits too (transformers' kernels round otherwise), one
     of ours with the rows its own forwards computed (`agreement.own_rows`, decoded again with the run's seed)."""
@@ -205,7 +206,7 @@ def plot(summary: dict[str, dict], path: Path, title: str, overwrite: bool) -> N
     plt.close(fig)
 
 
-def parse(argv) -> tuple[argparse.Namespace, list[str], run.Settings]:
+def parse(argv) -> tuple[argparse.Namespace, list[str], Settings]:
     """bench's own flags, checked; the methods, the baseline first; and decode.run's flags, parsed."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
                                 epilog="Every other flag is decode.run's (--run, --prompts, --limit, --max-new-tokens, "
@@ -225,7 +226,7 @@ def parse(argv) -> tuple[argparse.Namespace, list[str], run.Settings]:
             p.error(f"{', '.join(n for n in names if n in LLAMACPP_PEERS)}: {LLAMACPP_MISSING}")
         print(f"skipping {', '.join(LLAMACPP_PEERS)}: {LLAMACPP_MISSING}")
         names = [n for n in names if n not in LLAMACPP_PEERS]
-    settings = run.parse(rest, PROG)
+    settings = parse_settings(rest, PROG, __doc__.split("\n\n")[0])
     if known.out:
         check_output(known.out, FILE, known.overwrite, "--out", settings.reads())
     if known.plot:
@@ -255,7 +256,7 @@ def main(argv=None) -> dict:
     known, names, settings = parse(argv)
     decoders, ours = build_methods(names, settings, chosen=known.methods is not None)
     options, sampling, plan_path = settings.flags.base, settings.sampling, settings.flags.plan
-    prompts = run.encode_prompts(settings, ours)
+    prompts = encode_prompts(settings, ours)
     mode, loops, healing = sampling.describe(), native.loops(options.device), "on" if options.token_healing else "off"
     print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
           f"token healing {healing}, step loops in {loops}; methods: {', '.join(decoders)}; "

@@ -37,8 +37,8 @@ from data.prompts import load_prompts
 from data.shards import TOKEN_COUNTS
 from decode import loop, timing
 from decode.api import SpeculativeDecoder
-from decode.cli import run
 from decode.cli.harness import Timer, decode_in_turns, warm_up
+from decode.cli.settings import encode_prompts, parse_settings
 from decode.drafting import LookupDrafter
 from decode.models.cached_lm import CachedLM
 from decode.models.loading import load_draft, load_trigram
@@ -85,7 +85,8 @@ def parse(argv):
                                             "decode.bench read at that setting)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing plan")
     known, rest = p.parse_known_args(argv)
-    settings = run.parse(rest + ["--method", "staged", "--no-plan"], "python -m decode.plan", dtype_from_plan=False)
+    settings = parse_settings(rest + ["--method", "staged", "--no-plan"], "python -m decode.plan",
+                              __doc__.split("\n\n")[0], dtype_from_plan=False)
     if known.calibration < 1 or known.screen < 2 or not 2 <= known.max_budget <= 512 or not 1 <= known.max_depth <= 16:
         p.error("need --calibration >= 1, --screen >= 2, --max-budget 2..512 and --max-depth 1..16")
     if known.out is None and settings.run is None:
@@ -100,7 +101,7 @@ def calibration_prompts(settings, known, dec):
     """The last --calibration prompts, `spread` so that the first --screen of them (screened on, and decoded for real
     to measure the in-loop costs) come from across them."""
     records = spread(load_prompts(settings.prompts)[-known.calibration :], known.screen)
-    return [prompt for _, prompt in run.encode_prompts(settings, [dec], records)]
+    return [prompt for _, prompt in encode_prompts(settings, [dec], records)]
 
 
 def spread(items: list, first: int) -> list:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from data.errors import exits_on_input_error
 from decode import native, timing
 from decode.api import SpeculativeDecoder
-from decode.cli import run
 from decode.cli.harness import Timer
+from decode.cli.settings import encode_prompts, parse_settings
 
 BOUNDS = {"around the forwards": 0.10, "draft forwards": 0.30}  # of an oracle q=1 forward, the step's budget
 
@@ -40,9 +40,9 @@ class Pass:
 
 @exits_on_input_error
 def main(argv=None) -> dict[str, float]:
-    settings = run.parse(argv, "python -m decode.profile_step", __doc__.split("\n\n")[0])
+    settings = parse_settings(argv, "python -m decode.profile_step", __doc__.split("\n\n")[0])
     dec = SpeculativeDecoder(settings.options)
-    decoder, prompts = dec.decoder, [prompt for _, prompt in run.encode_prompts(settings, [dec])]
+    decoder, prompts = dec.decoder, [prompt for _, prompt in encode_prompts(settings, [dec])]
     timer = Timer(decoder.oracle.device)
     if decoder.draft is not None:  # a chain's forwards made in one call count as the draft's forwards
         for name in ("forward", "chain"):

@@ -4,99 +4,21 @@
     python -m decode.run --oracle RUN/oracle --draft RUN/draft --method baseline --prompt "def add(a, b):"
     python -m decode.run --run RUN --method speculative --temperature 1 --top-k 50 --out out.jsonl
 """
-import argparse
 import json
-from dataclasses import dataclass
-from pathlib import Path
 
 from data.atomic import FILE, atomic_output, check_output
-from data.cli import HelpFormatter
-from data.errors import InputError, exits_on_input_error
-from data.prompts import load_prompts
+from data.errors import exits_on_input_error
 from decode.api import SpeculativeDecoder, drain
-from decode.cli.flags import DecoderFlags, add_decoder_flags, announce_plan, decoder_flags
+from decode.cli.flags import announce_plan
+from decode.cli.settings import Settings, encode_prompts, parse_settings
 from decode.generation import Request
-from decode.healing import Prompt
-from decode.options import DecoderOptions, sampling_of
-from decode.sampling import Sampling
 
 
-@dataclass
-class Settings:
-    """decode.run's flags, parsed and checked: what the other tools share with it."""
-
-    flags: DecoderFlags
-    sampling: Sampling
-    prompt: str | None
-    prompts: str | None
-    limit: int | None
-    max_new_tokens: int
-    seed: int
-    out: Path | None
-    overwrite: bool
-    stream: bool
-    run: Path | None = None
-
-    def reads(self) -> dict:
-        """What the tools read, which none of their outputs may write over: the models (the oracle's directory holds
-        the tokenizer), the trigram, the plan and the prompts file."""
-        base = self.flags.base
-        prompts = Path(self.prompts) if self.prompts not in (None, "humaneval") else None
-        return {"oracle": base.oracle, "draft": base.draft, "trigram": base.ngram, "plan": self.flags.plan,
-                "prompts": prompts}
-
-    @property
-    def options(self) -> DecoderOptions:
-        """The options of --method, with its plan's policy."""
-        return self.flags.options()
+PROG = "python -m decode.run"
 
 
-def parse(argv=None, prog: str = "python -m decode.run", description: str = __doc__.split("\n\n")[0],
-          dtype_from_plan: bool = True) -> Settings:
-    """decode.run's flags as Settings; the tools built on them pass their own name and summary, and the planner
-    `dtype_from_plan=False` (decoder_flags)."""
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
-    add_decoder_flags(p)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="one prompt text")
-    src.add_argument("--prompts", help="'humaneval' or a .jsonl[.gz] file of {task_id, prompt} (default: RUN/prompts.jsonl)")
-    p.add_argument("--limit", type=int, help="the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this much probability")
-    p.add_argument("--seed", type=int, default=0, help="the first prompt's sampling seed; prompt i takes seed + i")
-    p.add_argument("--out", type=Path, help="write one JSON object per prompt here (.jsonl)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    p.add_argument("--stream", action="store_true", help="print each completion as its tokens are accepted")
-    args = p.parse_args(argv)
-    if args.run is not None and args.prompt is None and args.prompts is None:
-        args.prompts = str(args.run / "prompts.jsonl")
-    if args.prompt is None and args.prompts is None:
-        p.error("pass --prompt TEXT or --prompts humaneval|FILE (or --run RUN)")
-    if args.limit is not None and args.limit < 1:
-        p.error(f"--limit must be at least 1 (got {args.limit}); leave it out for every prompt")
-    try:
-        sampling = sampling_of(args.temperature, args.top_k, args.top_p)
-    except InputError as err:
-        p.error(str(err))
-    flags = decoder_flags(p, args, sampling, dtype_from_plan)
-    return Settings(flags, sampling, args.prompt, args.prompts, args.limit, args.max_new_tokens, args.seed, args.out,
-                    args.overwrite, args.stream, args.run)
-
-
-def encode_prompts(settings: Settings, decoders: list[SpeculativeDecoder], records: list[dict] | None = None
-                   ) -> list[tuple[dict, Prompt]]:
-    """The prompts (`records`, or the settings'), checked to fit every decoder's context with its
-    lookahead, healed as the first decodes them."""
-    if records is None and settings.prompt is not None:
-        records = [{"task_id": "prompt", "prompt": settings.prompt}]
-    elif records is None:
-        records = load_prompts(settings.prompts, settings.limit)
-    first = min(decoders, key=lambda d: d.decoder.context())
-    lookahead = max(d.decoder.lookahead() for d in decoders)
-    return [(record, first.encode(first.token_ids(record["prompt"], f"prompt {record['task_id']!r}"),
-                                  record["task_id"], settings.max_new_tokens, lookahead)) for record in records]
+def parse(argv=None) -> Settings:
+    return parse_settings(argv, PROG, __doc__.split("\n\n")[0])
 
 
 def summary_row(method: str, records: list[dict]) -> str:
