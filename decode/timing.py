@@ -144,14 +144,20 @@ def cache_key(model_dir, model: "CachedLM", dtype: str) -> str:
     return f"{digest}-{device}-{dtype}"
 
 
-def kept(path: Path, measure: Callable[[], dict]) -> tuple[dict, bool]:
-    """The measurement kept at `path` (JSON), or `measure()`'s, kept there now; and whether it was read back."""
+def read_kept(path: Path) -> dict | None:
+    """The measurement kept at `path` (JSON), or None."""
     try:
         measured = json.loads(path.read_text())
-        if isinstance(measured, dict):
-            return measured, True
     except (OSError, UnicodeDecodeError, ValueError):
-        pass
+        return None
+    return measured if isinstance(measured, dict) else None
+
+
+def kept(path: Path, measure: Callable[[], dict]) -> tuple[dict, bool]:
+    """The measurement kept at `path` (JSON), or `measure()`'s, kept there now; and whether it was read back."""
+    measured = read_kept(path)
+    if measured is not None:
+        return measured, True
     measured = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, measured, indent=1)

@@ -22,6 +22,7 @@ COMMANDS = [  # (what a user types, how to run it here)
     ("python -m ngram.bench_lookup", ["-m", "ngram.bench_lookup"]),
     ("python -m decode.run", ["-m", "decode.run"]),
     ("python -m decode.serve", ["-m", "decode.serve"]),
+    ("python -m decode.calibrate", ["-m", "decode.calibrate"]),
     ("python -m decode.plan", ["-m", "decode.plan"]),
     ("python -m decode.bench", ["-m", "decode.bench"]),
     ("python -m decode.report", ["-m", "decode.report"]),

@@ -9,7 +9,7 @@ from data.pretrained import FUSED_GELU, load_causal_lm
 from decode.models.cached_lm import Shortlist
 from decode.drafting.ranking import draw_below, draw_children, ranked_children
 from decode.models.engine import GPT2Engine
-from decode.models.projection import LAYOUTS, onednn_packs
+from decode.models.projection import LAYOUTS, default_layout, layout_for, onednn_packs
 from decode.loop import baseline, speculative
 from decode.models.hf_backend import HFEngine
 from decode.sampling import Sampling, Sparse, Uniforms, argmax_of_rows, sample, top_tokens, values_at, values_list
@@ -337,3 +337,14 @@ def test_helpers_read_a_shortlisted_models_columns_as_tokens():
     tree.add_level([0, 0], [9, 4])
     edges, best, weights = ranked_children(torch.cat([logits, logits[:1]]), tree, 1, greedy=True, shortlist=shortlist)
     assert best == [[7], [2], [7]] and edges == pytest.approx([1.0, math.exp(1.0 - 3.0), 0.0])  # token 4: off, weight 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_matrix_layout_is_timed_only_by_calibration_and_kept(dtype, tmp_path):
+    cpu = torch.device("cpu")
+    assert layout_for(dtype, cpu, 64, 192, cache_dir=tmp_path) == default_layout(dtype)
+    assert not list(tmp_path.iterdir())  # nothing timed, nothing kept
+    chosen = layout_for(dtype, cpu, 64, 192, calibrate=True, cache_dir=tmp_path)
+    assert chosen in LAYOUTS and len(list(tmp_path.iterdir())) == 1
+    assert layout_for(dtype, cpu, 64, 192, cache_dir=tmp_path) == chosen  # read back
+    assert layout_for(dtype, cpu, 64, 256, cache_dir=tmp_path) == default_layout(dtype)  # another shape: not calibrated

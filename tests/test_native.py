@@ -498,15 +498,17 @@ def test_a_forward_runs_in_cpp_up_to_the_rows_measured_faster_there_and_the_choi
         return {q: (9.0 if q == 1 and burst else 1.0 if q <= 8 or q == 32 else 3.0) for q in counts}
 
     monkeypatch.setattr(native_rows, "forward_costs", forward_costs)
-    for _ in range(2):
-        assert native_rows.native_forward(directory, engine, "bfloat16", tmp_path / "cache") == (
+    uncalibrated = native_rows.native_forward(directory, engine, "bfloat16", tmp_path / "cache")
+    assert uncalibrated == native_rows.NativeForward(native.Blocks.ROWS, False) and not timed  # the default, untimed
+    for calibrate in (True, False):  # measured and kept, then read back
+        assert native_rows.native_forward(directory, engine, "bfloat16", tmp_path / "cache", calibrate=calibrate) == (
             native_rows.NativeForward(64, True))
     rows = max(native_rows.ROW_COUNTS)
     # timed every way in turn, native_rows.ROUNDS times, then read back
     assert timed == [(rows, False), (rows, True), (0, engine.blocks.tiles)] * native_rows.ROUNDS
     tiles_win = False
     timed.clear()
-    assert native_rows.native_forward(directory, engine, "bfloat16", tmp_path / "other") == (
+    assert native_rows.native_forward(directory, engine, "bfloat16", tmp_path / "other", calibrate=True) == (
         native_rows.NativeForward(8, False))
     assert native_rows.native_forward(directory, GPT2Engine.load(directory, "float32"), "float32") == (
         native_rows.NativeForward(0, False))  # no C++ forward

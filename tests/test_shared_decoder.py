@@ -163,16 +163,26 @@ def test_auto_dtype_times_the_oracle_once_and_picks_the_faster(bpe_run, tmp_path
     assert precision.measured_dtype(bpe_run["run"] / "oracle", "cpu", cache_dir=tmp_path / "other")[0] == "float32"
 
 
-def test_auto_dtype_measures_a_real_oracle_and_the_command_line_says_so(bpe_run, tmp_path, monkeypatch, capsys):
-    from decode.planning import costs
+def test_only_calibration_measures_and_the_command_line_says_what_auto_dtype_took(bpe_run, tmp_path, monkeypatch,
+                                                                                     capsys):
+    from decode.cli import calibrate
+    from decode.models import native_rows, projection
 
     monkeypatch.delenv(precision.PINNED)
-    monkeypatch.setattr(costs, "CACHE_DIR", tmp_path)
-    monkeypatch.setattr(precision, "CACHE_DIR", tmp_path)
-    ms = precision.time_forwards(bpe_run["run"] / "oracle", "float32", "cpu")
-    assert set(ms) == {1, 16} and all(t > 0 for t in ms.values())
+    for module in (precision, projection, native_rows):
+        monkeypatch.setattr(module, "CACHE_DIR", tmp_path)
+    said = lambda: [line for line in capsys.readouterr().err.splitlines() if line.startswith("dtype:")]
+    argv = ["--run", str(bpe_run["run"]), "--method", "baseline", "--prompt", "x", "--no-plan"]
     flags.announce.cache_clear()  # said once per process: this test reads it
-    settings = run.parse(["--run", str(bpe_run["run"]), "--method", "baseline", "--prompt", "x", "--no-plan"])
-    line = [said for said in capsys.readouterr().err.splitlines() if said.startswith("dtype:")]
-    assert len(line) == 1 and line[0].startswith(f"dtype: {settings.options.dtype} (measured faster here")
+    run.parse(argv)
+    assert len(line := said()) == 1 and "not calibrated: `python -m decode.calibrate` times both" in line[0]
+    run.main(argv + ["--max-new-tokens", "8"])
+    assert not list(tmp_path.iterdir())  # checking, loading and decoding timed nothing
+    chosen = calibrate.main(["--run", str(bpe_run["run"])])
+    kept = {p.name.split("-")[0] for p in tmp_path.iterdir()}
+    assert {"dtype", "layout", "native"} <= kept and set(chosen) == {"oracle", "draft"}
+    flags.announce.cache_clear()
+    said()
+    settings = run.parse(argv)
+    assert len(line := said()) == 1 and line[0].startswith(f"dtype: {settings.options.dtype} (measured faster here")
     assert run.parse(["--run", str(bpe_run["run"]), "--prompt", "x", "--dtype", "float32"]).options.dtype == "float32"

@@ -133,7 +133,7 @@ def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, sampling
     plan = None if args.no_plan else args.plan or (run / plan_name(sampling) if run is not None else None)
     if args.dtype == "auto":
         args.dtype, why = auto_dtype(args.device, (args.plan or run and run / "plan.json") if dtype_from_plan else None,
-                                     args.oracle)
+                                     args.oracle, calibrate=not dtype_from_plan)  # the planner calibrates
         if PINNED not in why:  # pinned by the environment: the user chose it
             announce(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)")
     typed = frozenset(name for name in PLANNED_FLAGS if getattr(args, name) is not None)

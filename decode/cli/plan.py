@@ -41,6 +41,7 @@ from decode.cli.harness import Timer, decode_in_turns, warm_up
 from decode.cli.settings import encode_prompts, parse_settings
 from decode.drafting import LookupDrafter
 from decode.models.cached_lm import CachedLM
+from decode.models.calibration import calibrate
 from decode.models.loading import load_draft, load_trigram
 from decode.options import MIN_DRAFT_VOCAB
 from decode.planning import costs, replay, shapes
@@ -266,6 +267,8 @@ def main(argv=None) -> dict:
     known, settings = parse(argv)
     check_output(known.out, FILE, known.overwrite, "--out", settings.reads())
     options = settings.options
+    for role, what in calibrate(options).items():  # what the plan's measurements, and later decoding, run with
+        print(f"calibrated the {role}: {what}")
     dec = SpeculativeDecoder(options)
     decoder, oracle, draft = dec.decoder, dec.decoder.oracle, dec.decoder.draft
     table = load_trigram(options, oracle.vocab_size, decoder.eos_id)

@@ -27,7 +27,7 @@ from decode.models.cached_lm import CachedLM, Shortlist
 from decode.tensors import Ids, as_tensor
 from decode.models.cuda_graphs import CUDAGraphs
 from decode.models.kv_slots import KVSlots
-from decode.models.projection import LAYOUTS, Projection, fastest_layout
+from decode.models.projection import LAYOUTS, Projection, layout_for
 from decode.tree import rows_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -129,9 +129,10 @@ class GPT2Engine(CachedLM):
     @classmethod
     def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
               max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False,
-              shortlist: Shortlist | None = None, native_blocks: bool = False) -> "GPT2Engine":
+              shortlist: Shortlist | None = None, native_blocks: bool = False, calibrate: bool = False) -> "GPT2Engine":
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
-        stores every matrix in that layout; by default each matrix gets the fastest measured for its shape. On a
+        stores every matrix in that layout; by default each matrix gets its shape's calibrated layout (measured now
+        with `calibrate`; decode.models.projection.layout_for). On a
         GPU with `cuda_graphs`, forwards replay CUDA graphs. With a `shortlist`, the output layer computes the
         logits of its tokens only. With `native_blocks`, an engine on a CPU with AVX2 and FMA or AVX-512 runs a forward
         of a few rows (up to native.Blocks.ROWS, or `native_rows` once measured) as one C++ call (forward.cpp), which
@@ -143,7 +144,7 @@ class GPT2Engine(CachedLM):
         pad_rows = device.type == "cpu" and torch_dtype == torch.bfloat16
 
         def projection(in_out: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False) -> Projection:
-            return Projection(in_out, bias, layout or fastest_layout(torch_dtype, device.type, *in_out.shape, gelu),
+            return Projection(in_out, bias, layout or layout_for(torch_dtype, device, *in_out.shape, gelu, calibrate),
                               gelu, pad_rows)
 
         wte = weights["wte.weight"]
@@ -162,7 +163,7 @@ class GPT2Engine(CachedLM):
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
-             native_blocks: bool = False) -> "GPT2Engine":
+             native_blocks: bool = False, calibrate: bool = False) -> "GPT2Engine":
         """From a save_pretrained directory (safetensors)."""
         config = read_config(model_dir)
         if not is_lean_compatible(config):
@@ -171,7 +172,7 @@ class GPT2Engine(CachedLM):
                 f"use the transformers backend (--backend hf)"
             )
         return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs, shortlist,
-                         native_blocks)
+                         native_blocks, calibrate)
 
     # the cache's state, as CachedLM's callers read and write it
     length = property(lambda self: self.kv.length, lambda self, n: setattr(self.kv, "length", n))

@@ -82,14 +82,15 @@ def load_trigram(options, vocab_size: int, eos_id: int):
 
 
 def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_graphs: bool = False,
-               shortlist: Shortlist | None = None) -> CachedLM:
-    """A model for decoding; the lean engine runs a forward of a few rows in C++ up to where that measured faster,
-    its products on AMX's tiles where those did (decode.models.native_rows)."""
+               shortlist: Shortlist | None = None, calibrate: bool = False) -> CachedLM:
+    """A model for decoding; the lean engine stores each matrix in its calibrated layout and runs a forward of a few
+    rows in C++ up to where that was calibrated faster, its products on AMX's tiles where those were
+    (decode.models.native_rows); `calibrate` measures (and keeps) what was not yet."""
     config = read_config(directory)
     if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
         engine = GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
-                                 native_blocks=True)
-        forward = native_forward(directory, engine, dtype)
+                                 native_blocks=True, calibrate=calibrate)
+        forward = native_forward(directory, engine, dtype, calibrate=calibrate)
         engine.native_rows = forward.rows
         if engine.blocks is not None:
             engine.blocks.tiles = forward.tiles

@@ -6,14 +6,16 @@ call pays once, and on a CPU with AVX-512 BF16 it ran the cpu preset's oracle ov
 time (docs/profiling.md, "The C++ forward"). Over many rows torch's products may win: where the two cross, if
 they do, depends on the CPU, its threads and the model's width. On a CPU with AMX the C++ products can run on its
 tiles instead of AVX-512's dot products, which pays from a few rows on. So every way is timed on the model itself
-over ROW_COUNTS new rows and the choice is kept per model, code and device with the forward costs.
+over ROW_COUNTS new rows by calibration (decode.calibrate, decode.plan), and the choice is kept per model, code and
+device with the forward costs. Where a model was never calibrated, the C++ call runs up to native.Blocks.ROWS rows,
+its products as dot products.
 """
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from decode.timing import CACHE_DIR, by_count, cache_key, forward_costs, kept
+from decode.timing import CACHE_DIR, by_count, cache_key, forward_costs, kept, read_kept
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 REPEATS = 10
@@ -30,10 +32,12 @@ class NativeForward:
     tiles: bool  # whether that call's products run on AMX's tiles
 
 
-def native_forward(model_dir, engine, dtype: str, cache_dir: Path | None = None) -> NativeForward:
+def native_forward(model_dir, engine, dtype: str, cache_dir: Path | None = None, calibrate: bool = False
+                   ) -> NativeForward:
     """The C++ call's products on whichever way took less time over ROW_COUNTS as a whole (the geometric mean of the
     ratios), and the largest of ROW_COUNTS up to which every timed forward was faster that way than in torch (0:
-    never, or no C++ forward here); timed once per model, code, device and threads, then read back."""
+    never, or no C++ forward here); timed with `calibrate` once per model, code, device and threads, then read back.
+    Never timed: the engine's own (native.Blocks.ROWS rows, dot products)."""
     if engine.blocks is None:
         return NativeForward(0, False)
     path = Path(cache_dir or CACHE_DIR) / f"native-rows-{cache_key(model_dir, engine, dtype)}.json"  # names the C++ too
@@ -50,7 +54,9 @@ def native_forward(model_dir, engine, dtype: str, cache_dir: Path | None = None)
         engine.native_rows, engine.blocks.tiles = before
         return ms
 
-    measured, _ = kept(path, every_way)
+    measured = kept(path, every_way)[0] if calibrate else read_kept(path)
+    if measured is None:
+        return NativeForward(engine.native_rows, engine.blocks.tiles)
     ms = {way: by_count(row) for way, row in measured.items()}
 
     def against_dot_products(way: str) -> float:  # the mean log of the way's time over the dot products'

@@ -3,9 +3,10 @@
 A batch-one forward streams every weight, so bfloat16 halves the bytes; but on a CPU without bfloat16 instructions
 torch emulates its products (a tree of 16 nodes cost ten times one token), and the C++ forward widens each bfloat16
 weight to float32 as it reads it (docs/decoding.md, "Precision"). Which one wins depends on the CPU, the model's
-shape and which forward runs, so on a CPU the oracle is timed in both, over one token and over a tree of 16, and the
-choice is kept per model, device and C++ forward with the forward costs. A GPU with bfloat16 support
-decodes in it.
+shape and which forward runs, so on a CPU calibration (decode.calibrate, or decode.plan) times the oracle in both,
+over one token and over a tree of 16, and keeps the choice per model, device and C++ forward with the forward costs.
+Nothing else times it: without a calibration "auto" is bfloat16 on a CPU with bfloat16 instructions (AVX-512 BF16
+or AMX), else float32. A GPU with bfloat16 support decodes in it.
 """
 import hashlib
 import json
@@ -17,7 +18,7 @@ import torch
 from decode import native
 from data.machine import cpu_features
 from decode.fingerprint import fingerprint
-from decode.timing import CACHE_DIR, by_count, device_name, forward_costs, kept
+from decode.timing import CACHE_DIR, by_count, device_name, forward_costs, kept, read_kept
 
 DTYPES = ("float32", "bfloat16")
 PINNED = "STAGED_SPECULATIVE_DTYPE"  # what "auto" resolves to when set (float32 or bfloat16): reproducible runs
@@ -25,10 +26,12 @@ TIMED = (1, 16)  # a plain decoding step and a speculative tree's, in new nodes
 REPEATS = 20
 
 
-def auto_dtype(device: str, plan: Path | None = None, oracle: Path | None = None) -> tuple[str, str]:
+def auto_dtype(device: str, plan: Path | None = None, oracle: Path | None = None, calibrate: bool = False
+               ) -> tuple[str, str]:
     """The dtype "auto" stands for on `device`, and why, in one line: the dtype the `plan` file (RUN/plan.json) was
     planned in on this device (the planner measured these models there); else, on a CPU, the one the `oracle`'s
-    forward measures faster in (measured once, then cached); else bfloat16 where the device has it natively."""
+    forward was calibrated faster in (measured now with `calibrate`, else only read back); else bfloat16 where the
+    device has it natively."""
     pinned = os.environ.get(PINNED)
     if pinned in DTYPES:
         return pinned, f"{PINNED}={pinned}"
@@ -39,12 +42,16 @@ def auto_dtype(device: str, plan: Path | None = None, oracle: Path | None = None
         if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
             return "bfloat16", "this GPU supports it"
         return "float32", "this GPU lacks bfloat16"
+    calibrated = None
     if oracle is not None and (Path(oracle) / "config.json").is_file():
-        return measured_dtype(Path(oracle), device)
+        calibrated = measured_dtype(Path(oracle), device, calibrate=calibrate)
+        if calibrated is not None:
+            return calibrated
+    unmeasured = "not calibrated: `python -m decode.calibrate` times both" if oracle is not None else "no oracle to time"
     features = cpu_features()
     if "BF16" in features or "AMX" in features:
-        return "bfloat16", f"this CPU multiplies in it natively ({features})"
-    return "float32", "this CPU has no bfloat16 instructions (unmeasured: no oracle to time)"
+        return "bfloat16", f"this CPU multiplies in it natively ({features}; {unmeasured})"
+    return "float32", f"this CPU has no bfloat16 instructions ({unmeasured})"
 
 
 def plan_dtype(plan: Path, device: str) -> str | None:
@@ -58,13 +65,18 @@ def plan_dtype(plan: Path, device: str) -> str | None:
     return identity["dtype"]
 
 
-def measured_dtype(oracle: Path, device: str, cache_dir: Path | None = None) -> tuple[str, str]:
+def measured_dtype(oracle: Path, device: str, cache_dir: Path | None = None, calibrate: bool = True
+                   ) -> tuple[str, str] | None:
     """The dtype whose forwards of the oracle over 1 and 16 new nodes take less time in all, here; with the two
-    timings. Measured once per model and device (a few seconds for the cpu preset's oracle), then read back."""
+    timings. Measured once per model and device with `calibrate` (a few seconds for the cpu preset's oracle), kept,
+    and read back; without `calibrate`, None where it was never measured."""
     name = device_name(torch.device(device))
     code = hashlib.sha256(b"".join(source.read_bytes() for source in native.FORWARD_SOURCES)).hexdigest()[:8]
     path = Path(cache_dir or CACHE_DIR) / f"dtype-{fingerprint(oracle)}-{code}-{''.join(c if c.isalnum() else '_' for c in name)}.json"
-    measured, _ = kept(path, lambda: {dtype: time_forwards(oracle, dtype, device) for dtype in DTYPES})
+    if calibrate:
+        measured, _ = kept(path, lambda: {dtype: time_forwards(oracle, dtype, device) for dtype in DTYPES})
+    elif (measured := read_kept(path)) is None:
+        return None
     ms = {dtype: by_count(row) for dtype, row in measured.items()}
     total = {dtype: sum(ms[dtype].values()) for dtype in DTYPES}
     chosen = min(DTYPES, key=total.get)  # float32 on a tie
@@ -76,5 +88,5 @@ def time_forwards(oracle: Path, dtype: str, device: str) -> dict[int, float]:
     """Milliseconds per forward of the oracle over each of TIMED new nodes, in `dtype` (the decoder's own engine)."""
     from decode.models.loading import load_model  # the engine a decoder would load, lean or transformers'
 
-    model = load_model(oracle, "auto", dtype, device)
+    model = load_model(oracle, "auto", dtype, device, calibrate=True)  # its layouts and C++ rows calibrated too
     return forward_costs(model, repeats=REPEATS, counts=TIMED)

@@ -1,10 +1,14 @@
 """How a linear layer multiplies: the weight's layout (Hugging Face's Conv1D (in, out), torch's (out, in), or oneDNN's
-prepacked), picked once per matrix shape by measurement on a CPU."""
+prepacked), picked per matrix shape on a CPU by calibration (decode.calibrate, decode.plan), which keeps each
+choice; where a shape was never calibrated, default_layout's."""
 import functools
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from decode.timing import CACHE_DIR, device_name, kept, read_kept
 
 # On a CPU in bfloat16, oneDNN builds a kernel for every new number of rows a matrix is multiplied with: 1-4 ms a
 # matrix, a first prompt of a new length cost 8 ms more than a second on the cpu preset's oracle (5 on its draft;
@@ -17,6 +21,25 @@ PAD_ABOVE, ROW_BLOCK = 64, 32
 # layout, F.linear over (out, in), or oneDNN's matmul over (out, in) prepacked in its blocked layout (private
 # ops, inductor's). Which is fastest depends on the device and the matrix's shape: on CPUs it is measured.
 LAYOUTS = ("in_out", "out_in", "packed")
+
+
+def default_layout(dtype: torch.dtype) -> str:
+    """A GPU's layout, and a CPU's where not calibrated: F.linear's in bfloat16, addmm's otherwise."""
+    return "out_in" if dtype == torch.bfloat16 else "in_out"
+
+
+def layout_for(dtype: torch.dtype, device: torch.device, in_features: int, out_features: int, gelu: bool = False,
+               calibrate: bool = False, cache_dir: Path | None = None) -> str:
+    """The layout a matrix of this shape is stored in on `device`: on a CPU the calibrated one (measured now with
+    `calibrate`, by fastest_layout, and kept per CPU, threads and torch), else default_layout's."""
+    if device.type != "cpu":
+        return default_layout(dtype)
+    machine = "".join(c if c.isalnum() else "_" for c in f"{device_name(device)}-torch-{torch.__version__}")
+    name = f"layout-{machine}-{str(dtype).removeprefix('torch.')}-{in_features}x{out_features}{'-gelu' * gelu}.json"
+    path = Path(cache_dir or CACHE_DIR) / name
+    if calibrate:
+        return kept(path, lambda: {"layout": fastest_layout(dtype, in_features, out_features, gelu)})[0]["layout"]
+    return (read_kept(path) or {}).get("layout", default_layout(dtype))
 
 
 @functools.cache
@@ -64,16 +87,13 @@ class Projection:
 
 
 @functools.cache
-def fastest_layout(dtype: torch.dtype, device_type: str, in_features: int, out_features: int, gelu: bool = False) -> str:
+def fastest_layout(dtype: torch.dtype, in_features: int, out_features: int, gelu: bool = False) -> str:
     """The layout whose product of 1 and of 16 rows by a matrix of this shape (and its GELU, with `gelu`) takes
-    least time here. On a GPU: F.linear in bfloat16, addmm in float32 (not measured). On CPUs it differs by kind
-    and shape: oneDNN's prepacked product wins for wide matrices and loses for small ones, where its fixed cost per
-    call dominates (docs/profiling.md); bfloat16 cannot be prepacked on a CPU with AVX2 alone. Every candidate is
-    called once before the timing (its first call builds kernels), then the candidates take turns, so a drift of
-    the machine's speed during the measurement weighs on all of them alike, and a candidate's first call cannot
-    make it look slow."""
-    if device_type != "cpu":
-        return "out_in" if dtype == torch.bfloat16 else "in_out"
+    least time on this CPU. It differs by kind and shape: oneDNN's prepacked product wins for wide matrices and
+    loses for small ones, where its fixed cost per call dominates (docs/profiling.md); bfloat16 cannot be prepacked
+    on a CPU with AVX2 alone. Every candidate is called once before the timing (its first call builds kernels), then
+    the candidates take turns, so a drift of the machine's speed during the measurement weighs on all of them alike,
+    and a candidate's first call cannot make it look slow."""
     weight = torch.randn(in_features, out_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     bias = torch.zeros(out_features, dtype=dtype)
     cases = [(layout, Projection(weight, bias, layout, gelu), torch.ones(rows, in_features, dtype=dtype))
