@@ -178,6 +178,9 @@ def test_only_calibration_measures_and_the_command_line_says_what_auto_dtype_too
     assert len(line := said()) == 1 and "not calibrated: `python -m decode.calibrate` times both" in line[0]
     run.main(argv + ["--max-new-tokens", "8"])
     assert not list(tmp_path.iterdir())  # checking, loading and decoding timed nothing
+    with pytest.raises(SystemExit) as refused:
+        calibrate.main(["--run", str(tmp_path / "no-run")])
+    assert refused.value.code == 2 and "oracle directory" in capsys.readouterr().err
     chosen = calibrate.main(["--run", str(bpe_run["run"])])
     kept = {p.name.split("-")[0] for p in tmp_path.iterdir()}
     assert {"dtype", "layout", "native"} <= kept and set(chosen) == {"oracle", "draft"}
