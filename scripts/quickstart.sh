@@ -74,14 +74,18 @@ else
     "$py" ngram/build_katz.py --out "$run/ngram"
 fi
 
-# plan and decode in what --dtype auto chooses: bfloat16 where this CPU multiplies in it natively (AVX-512 BF16, AMX),
-# float32 where it would be emulated (docs/decoding.md, "Precision")
-dtype=$("$py" -c "import sys; from decode.models.precision import auto_dtype; print(auto_dtype('cpu', None, sys.argv[1])[0])" "$run/oracle")
+# plan and decode in the dtype the oracle is calibrated faster in on this CPU (timed once and kept; docs/decoding.md,
+# "Calibration")
+dtype=$("$py" -c "import sys; from decode.models.precision import auto_dtype; print(auto_dtype('cpu', None, sys.argv[1], calibrate=True)[0])" "$run/oracle")
 
 stage "== 5/6 plan each method's tree for these models on this CPU ($dtype) -> $run/plan.json"
-if grep -q "\"dtype\": \"$dtype\"" "$run/plan.json" 2>/dev/null && [ "$run/plan.json" -nt "$run/oracle/model.safetensors" ] \
+current_plan() {  # a plan of this version, in this dtype
+    "$py" -c "import json, sys; from decode.planning.plan_file import PLAN_VERSION; plan = json.load(open(sys.argv[1]));
+sys.exit(plan.get('version') != PLAN_VERSION or plan['identity']['dtype'] != sys.argv[2])" "$1" "$dtype" 2>/dev/null
+}
+if current_plan "$run/plan.json" && [ "$run/plan.json" -nt "$run/oracle/model.safetensors" ] \
         && [ "$run/plan.json" -nt "$run/draft/model.safetensors" ] && [ "$run/plan.json" -nt "$run/ngram/successors.npz" ]; then
-    echo "   already planned for these models in $dtype (remove $run/plan.json to re-plan)"
+    echo "   already planned for these models in $dtype by this version (remove $run/plan.json to re-plan)"
 else
     "$py" -m decode.plan --run "$run" --dtype "$dtype" --calibration 16 --screen 4 --project-oracle gpt2-large --overwrite
 fi

@@ -44,7 +44,7 @@ def parse(argv=None) -> argparse.Namespace:
     if not 0 < args.read_timeout < float("inf"):
         p.error(f"--read-timeout must be a positive number of seconds (got {args.read_timeout})")
     given = args.oracle or (args.run and args.run / "oracle")  # the name answers carry: a hub name as typed, else the directory's
-    args.oracle_name = str(given) if given is not None and not given.is_dir() else given and given.resolve().name
+    args.oracle_name = given.resolve().name if given is not None and given.is_dir() else str(given)
     flags = decoder_flags(p, args, Sampling())
     args.options = flags.options()
     own = args.run is not None and args.plan is None and not args.no_plan

@@ -32,19 +32,20 @@ def pretrained_dir(model, tokenizer, keep: list, name: str) -> Path:
     return model_dir(model, name)
 
 
-def looks_like_a_hub_name(spelled: str) -> bool:
-    """A name as the hub spells one (gpt2-large, openai-community/gpt2), not a path to a directory."""
-    parts = spelled.split("/")
-    return len(parts) <= 2 and all(parts) and not spelled.startswith((".", "~")) and "\\" not in spelled
-
-
 def model_dir(model: str | Path, name: str) -> Path:
     """A model's directory: a local directory as it is, or a hub name's files (config, tokenizer, safetensors) from
     huggingface_hub's cache, downloaded first when online. A local path that does not exist is returned as it is, for
     the caller's own message."""
-    if Path(model).is_dir() or not looks_like_a_hub_name(str(model)):
-        return Path(model)
     from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        validate_repo_id(str(model))  # gpt2-large, openai-community/gpt2; not runs/quick/oracle or ./oracle
+    except HFValidationError:
+        return Path(model)
 
     try:
         return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
