@@ -3,14 +3,12 @@
 Temperature 0 means greedy: the distribution is a point mass on the argmax, so the same exact
 verification rules serve greedy decoding (they reduce to "accept while the token is the argmax").
 """
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
-from decode import native
 from decode.models.cached_lm import Shortlist
 
 # Sampling with a top-k up to this many tokens holds its distributions as Sparse. Past it, reading a row's support
@@ -73,11 +71,9 @@ class Sampling:
     def distributions(self, logits: torch.Tensor, rows: list[int] | None = None,
                       shortlist: Shortlist | None = None) -> list[Sparse]:
         """The processed distribution after each of `rows` of the logits (default: every row) as Sparse (with a
-        shortlist, the logits' columns are its tokens): one C++ call where decode/native reads the logits, else
-        `probs` over the vocabulary, read back once. For `sparse` settings."""
+        shortlist, the logits' columns are its tokens): `probs` over the vocabulary, read back once. For `sparse`
+        settings; decode.kernels reads them off the logits where it can."""
         rows = list(range(logits.shape[0])) if rows is None else rows
-        if native.takes(logits):
-            return native.distributions(logits, rows, self, shortlist, Sparse)
         out = []
         for row in self.probs(logits[rows]).double().cpu().numpy():
             columns = np.flatnonzero(row)
@@ -95,14 +91,6 @@ class Sampling:
         if self.top_p == 1.0 and not self.greedy:  # top-k over K <= top_k values keeps them all: what probs does
             return (top.values / self.temperature).softmax(-1), top.indices
         return self.probs(top.values), top.indices
-
-    def choose(self, logits: torch.Tensor, generator: "Uniforms") -> int:
-        """One token from the processed distribution of one row of logits (the argmax when greedy), drawn as the
-        verification rules draw from the oracle's p (`draw`): with one seed, a tree that does not depend on the draws
-        gives these tokens."""
-        if self.greedy:
-            return row_argmax(logits[None])[0]
-        return draw(self.distributions(logits[None])[0] if self.sparse else self.probs(logits), generator)
 
 
 def top_tokens(logits: torch.Tensor, k: int = 1, shortlist: Shortlist | None = None) -> np.ndarray:
@@ -129,32 +117,6 @@ def values_at(logits: torch.Tensor, rows, tokens, shortlist: Shortlist | None = 
     return logits.take(torch.from_numpy(flat).to(logits.device)).float().cpu().numpy()
 
 
-def values_list(logits: torch.Tensor, rows: list[int], tokens: list[int], shortlist: Shortlist | None = None) -> list[float]:
-    """`values_at` for a few values, as a list. On CPU in float32 each is read alone (`ndarray.item`: a tenth of a
-    microsecond), where numpy's gather costs microseconds a call: a staged step's 48 values took 45-50 us through
-    `values_at` right after the draft's forward."""
-    if not logits.is_cpu or logits.dtype != torch.float32:
-        return values_at(logits, rows, tokens, shortlist).tolist()
-    item = logits.numpy().item
-    if shortlist is None:
-        return [item(row, token) for row, token in zip(rows, tokens)]
-    column = shortlist.column_list
-    return [item(row, c) if (c := column[token]) >= 0 else -math.inf for row, token in zip(rows, tokens)]
-
-
-def ranked_tokens(logits: torch.Tensor, k: int, shortlist: Shortlist | None = None) -> list[list[int]]:
-    """`top_tokens` as lists; one C++ call where decode/native takes the logits (torch's top-k over a row of 4096
-    columns took 30-50 us right after the draft's forward on a CPU)."""
-    if native.takes(logits):
-        return native.top_tokens(logits, k, shortlist)
-    return top_tokens(logits, k, shortlist).tolist()
-
-
-def row_argmax(logits: torch.Tensor, shortlist: Shortlist | None = None) -> list[int]:
-    """The argmax token of each row (`ranked_tokens` with k = 1)."""
-    return [best for best, in ranked_tokens(logits, 1, shortlist)]
-
-
 def tokens_at(columns: torch.Tensor, shortlist: Shortlist | None) -> torch.Tensor:
     """The tokens that these columns of a model's logits stand for (the columns themselves without a shortlist)."""
     return columns if shortlist is None else shortlist.tokens_at(columns)
@@ -167,7 +129,7 @@ def argmax_of_rows(logits: torch.Tensor) -> Callable[[int], int]:
     if logits.is_cpu and logits.dtype == torch.float32:
         rows = logits.numpy()
         return lambda row: int(rows[row].argmax())
-    return row_argmax(logits).__getitem__
+    return top_tokens(logits).ravel().tolist().__getitem__
 
 
 class Uniforms:

@@ -1,6 +1,7 @@
 """Exact verification of a drafted tree: the emitted tokens follow the oracle's processed
 distribution p exactly. Both rules take the tree and the oracle's Target (p at every node) and
-return the accepted nodes (the root first) and the token that follows them.
+return the accepted nodes (the root first) and the token that follows them. These are the rules as the portable
+kernels run them (decode.kernels); the C++ loops walk a tree the same way where they read the logits.
 
 On a chain, multi-draft rejection is Chen et al.'s modified rejection sampling: accept the drafted
 token with probability min(1, p(x) / q(x)), on rejection sample from normalise(max(p - q, 0)), and
@@ -12,7 +13,6 @@ from typing import Callable
 
 import torch
 
-from decode import native
 from decode.sampling import Sampling, Sparse, Uniforms, argmax_of_rows, draw
 
 
@@ -43,10 +43,7 @@ class Target:
 def sample_match(tree, target: Target, generator: Uniforms) -> tuple[list[int], int]:
     """Exact for any tree that does not depend on the oracle's randomness: at each node sample the
     oracle's token from p; descend into the child that carries it, else emit it and stop.
-    Returns the accepted nodes (the root first) and the token that follows them. Greedy, on logits the C++ loops
-    read (decode/native), one call walks the tree."""
-    if target.sampling.greedy and native.takes(target.logits):
-        return native.greedy_walk(target.logits, tree.tokens, tree.parents)
+    Returns the accepted nodes (the root first) and the token that follows them."""
     path = [0]
     while True:
         token = target.draw(path[-1], generator)
@@ -72,12 +69,7 @@ def multi_draft_rejection(tree, target: Target, generator: Uniforms) -> tuple[li
     """SpecInfer's multi-round rejection sampling, for trees whose children at a node were drawn
     independently from `tree.child_dists[node]`: try the children in order, accepting child x with
     probability min(1, r(x) / q(x)) where r starts as p and becomes normalise(max(r - q, 0)) after
-    each rejection; if every child is rejected, sample from r. On a chain this is Chen et al.'s rule. Under a top-k
-    setting, on logits the C++ loops read (decode/native), one call walks the tree with the same draws."""
-    if target.sampling.sparse and native.takes(target.logits):
-        path, following, used = native.rejection_walk(target.logits, tree, target.sampling, generator.peek(len(tree)))
-        generator.skip(used)
-        return path, following
+    each rejection; if every child is rejected, sample from r. On a chain this is Chen et al.'s rule."""
     path = [0]
     while True:
         node = path[-1]

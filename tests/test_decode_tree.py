@@ -6,7 +6,7 @@ from decode.drafting import (ChainDrafter, LookupDrafter, NgramDrafter, ShapedTr
                              StagedShapeDrafter, TreeDrafter, TrigramTrees)
 from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative
-from decode.drafting import ContextIndex
+from decode.kernels import PortableKernels, kernels_for
 from decode.sampling import Sampling, Uniforms, sample
 from decode.tree import Tree
 from decode.verify import Target, sample_match
@@ -132,15 +132,15 @@ def test_sample_match_walks_the_path_that_carries_the_sampled_tokens():
     assert sample(p[4], Uniforms()) == 1
 
 
-def test_context_index_proposes_the_continuation_of_a_repeated_pattern():
-    index = ContextIndex(max_ngram=3)
+@pytest.mark.parametrize("kernels", [PortableKernels(), kernels_for()], ids=["portable", "decoding's"])
+def test_continuations_of_a_repeated_pattern(kernels):
     tokens = [5, 6, 7, 8, 9, 1, 4, 6, 7]
-    assert index.continuations(tokens, 4) == [[8, 9, 1, 4]]  # the longest suffix seen before is (6, 7)
+    assert kernels.continuations(tokens, 3, 4) == [[8, 9, 1, 4]]  # the longest suffix seen before is (6, 7)
     tokens += [2, 6, 7]  # (6, 7) now also followed by 2: the latest occurrence first, then the earlier one
-    assert index.continuations(tokens, 3, branches=2) == [[2, 6, 7], [8, 9, 1]]
-    assert index.continuations(tokens, 3, branches=2) == ContextIndex(3).continuations(tokens, 3, branches=2)
-    assert ContextIndex(3).continuations([1, 2, 3, 1, 2, 3], 7) == [[1, 2, 3, 1, 2, 3, 1]]  # the period goes on
-    assert ContextIndex(3).continuations([4, 5, 6], 3) == []  # nothing repeats yet
+    assert kernels.continuations(tokens, 3, 3, branches=2) == [[2, 6, 7], [8, 9, 1]]
+    assert kernels.continuations(tokens, 1, 2, branches=5) == [[2, 6], [8, 9]]  # (7) alone: two different ones
+    assert kernels.continuations([1, 2, 3, 1, 2, 3], 3, 7) == [[1, 2, 3, 1, 2, 3, 1]]  # the period goes on
+    assert kernels.continuations([4, 5, 6], 3, 3) == [] and kernels.continuations([4], 3, 3) == []  # nothing repeats
     drafter = LookupDrafter(length=3, branches=2)
     tree = drafter.propose(tokens, 2, Sampling(), None)  # capped at the depth left
     assert tree.tokens == [7, 2, 6, 8, 9] and tree.parents == [-1, 0, 1, 0, 3]
@@ -189,42 +189,14 @@ def test_staged_draft_calls_carry_the_drafts_own_chain_to_the_depth_in_fewer_cal
     assert min(deepest) < depth  # one call alone stops where the trigram leaves the draft's path
 
 
-@pytest.mark.parametrize("context", [False, True])
-@pytest.mark.parametrize("draft_children", [1, 2])
-def test_staged_ranks_large_trees_in_arrays_as_small_ones_in_lists(models, monkeypatch, context, draft_children):
-    """Past ARRAY_NODES the staged selection runs as array code (a paper-sized trigram tree has 1,441 nodes):
-    the same trees, node for node, and the same map to the nodes the draft scored (the Python code's: greedy with
-    one draft child, decoding takes decode/native/step.cpp, which tests/test_native.py compares with it)."""
-    from decode import native
-    from decode.drafting import ranking
-
-    monkeypatch.setattr(native, "module", lambda: None)  # the Python code, the staged selection's included
-
-    draft = GPT2Engine.load(models["good"])
-    table = SuccessorTable.load(models["ngram"] / "successors.npz")
-    proposals = {}
-    for array_nodes in (0, 10**9):
-        monkeypatch.setattr(ranking, "ARRAY_NODES", array_nodes)
-        staged = StagedDrafter(draft, table, budget=12, widths=[4, 3, 2], draft_children=draft_children,
-                               context=LookupDrafter(4) if context else None, depth=4)
-        proposals[array_nodes] = []
-        for tokens in ([4, 9, 17], [11, 12, 13, 14, 15, 16, 11, 12], [30, 31, 30, 31, 30]):
-            staged.reset()
-            tree = staged.propose(tokens, 10, Sampling(), None)
-            proposals[array_nodes].append((tree.tokens, tree.parents, staged.kept))
-    assert proposals[0] == proposals[10**9]
-    assert all(len(tokens) == 12 for tokens, _, _ in proposals[0])
-
-
-def test_best_first_in_arrays_keeps_the_earlier_of_tied_nodes(monkeypatch):
-    from decode.drafting import ranking
+def test_best_first_keeps_the_earlier_of_tied_nodes():
+    from decode import ranking
 
     scores = np.round(np.random.default_rng(0).random(400), 1).tolist()  # ties at every value
     expected = sorted(sorted(range(400), key=lambda n: (-scores[n], n))[:30])
-    for array_nodes in (0, 10**9):
-        monkeypatch.setattr(ranking, "ARRAY_NODES", array_nodes)
-        assert ranking.best_first(scores, 30) == expected
-        assert ranking.best_first(scores, 500) == list(range(400))  # a budget past the candidates keeps them all
+    assert ranking.best_first(scores, 30) == expected
+    assert ranking.best_first(scores, 500) == list(range(400))  # a budget past the candidates keeps them all
+    assert ranking.best_first([1.0, 0.5, 0.5, 0.25], 3) == [0, 1, 2]
 
 
 def test_trigram_trees_hold_each_levels_top_successors_and_are_remembered_unchanged(models):
@@ -244,12 +216,9 @@ def test_trigram_trees_hold_each_levels_top_successors_and_are_remembered_unchan
     assert len(trees([9, 17], 2)[0]) == 1 + 3 + 6  # capped at the depth left
 
 
-def test_path_products_of_a_large_trigram_tree_are_a_level_at_a_time_and_the_same(models, monkeypatch):
-    from decode.drafting import ranking
-
+def test_path_products_of_a_trigram_tree_are_a_level_at_a_time_and_the_same(models):
     trees = TrigramTrees(SuccessorTable.load(models["ngram"] / "successors.npz"), [3, 2, 2])
     tree, probs = trees([4, 9, 17], 10)
-    monkeypatch.setattr(ranking, "ARRAY_NODES", 0)  # numpy for every tree
     assert isinstance(trees.cumulative(probs, 3), np.ndarray) and list(trees.cumulative(probs, 3)) == tree.cumulative(probs)
     assert list(trees.cumulative(probs[:4], 1)) == tree.cumulative(probs)[:4]  # a shallower tree's
 

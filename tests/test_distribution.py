@@ -162,6 +162,25 @@ def test_each_wrong_rule_fails(models, mutant):
     assert max(z_scores(models, sampled_tree(models, sampling), sampling, runs, verify=verify)) > Z_LIMIT
 
 
+def test_a_wrong_acceptance_in_the_cpp_walk_fails(models, tmp_path):
+    """The C++ rejection walk (top-k sampling) with its acceptance test scaled by 0.95, the subtlest Python mutant's
+    mistake, built from a copy of step.cpp: the same test catches it."""
+    from decode import native
+    from decode.kernels import NativeKernels
+
+    if native.module() is None:
+        pytest.skip("no C++ loops here: decoding runs the portable rule, which the mutants above test")
+    source = tmp_path / "step.cpp"
+    for original in (native.SOURCE, *native.SOURCE.parent.glob("*.h")):
+        (tmp_path / original.name).write_text(original.read_text())
+    right = "if (u * at(q, tokens[child]) < at(residual, tokens[child])) {"
+    assert right in source.read_text()  # the acceptance test as the walk writes it
+    source.write_text(source.read_text().replace(right, right.replace("< at(", "< 0.95 * at(")))
+    wrong = NativeKernels(native.build(source))
+    sampling = Sampling(1.0, top_k=5)
+    assert max(z_scores(models, sampled_tree(models, sampling), sampling, 40_000, verify=wrong.multi_draft_rejection)) > Z_LIMIT
+
+
 def test_the_correct_rule_written_like_the_mutants_passes(models):
     """The mutants' template with no mistake is decode.verify.multi_draft_rejection: what fails is the mistake."""
     sampling = Sampling(1.0)

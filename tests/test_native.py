@@ -1,28 +1,30 @@
-"""decode/native/step.cpp against the Python it replaces: the trigram's trees, the staged drafter's greedy selection,
-sample-match and (top-k) multi-draft rejection verification, argmax tokens, top-k distributions and draws and the
-context's continuations are the same, node for
+"""The C++ kernels (decode/kernels/cpp.py over decode/native/step.cpp) against the portable ones they replace on a
+CPU: the trigram's trees, the staged drafter's greedy selection, sample-match and (top-k) multi-draft rejection
+verification, argmax tokens, top-k distributions and draws and the context's continuations are the same, node for
 node, on random contexts, trees, logits and sequences, ties included; decoding takes them; and where they cannot be
-built, decoding says so once and goes on in Python."""
+built, decoding says so once and goes on with the portable ones."""
 import os
 import random
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from decode import native
+from decode.kernels import NativeKernels, PortableKernels, kernels_for
 from decode.models.cached_lm import Shortlist
-from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TrigramTrees, ranking
+from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, TrigramTrees
+from decode import ranking
 from decode.models import engine as engine_module
 from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative
-from decode.drafting import ContextIndex
 from decode.sampling import Sampling, Sparse, Uniforms
 from decode.tree import Tree
-from decode.verify import Target, multi_draft_rejection, sample_match
+from decode.verify import Target
 from decode_models import tiny_gpt2, tiny_trigram
 from ngram.successors import SuccessorTable
+
+REFERENCE = PortableKernels()
 
 
 def compiler_found() -> bool:
@@ -30,17 +32,12 @@ def compiler_found() -> bool:
 
 
 @pytest.fixture
-def built():
+def built() -> NativeKernels:
     if not compiler_found():
-        pytest.skip("no C++ compiler or ninja here: decoding uses the Python code")
+        pytest.skip("no C++ compiler or ninja here: decoding uses the portable kernels")
     if native.module() is None:
         pytest.fail("the C++ loops did not build here although a compiler and ninja were found (see the note above)")
-    return native.module()
-
-
-@pytest.fixture
-def python_only(monkeypatch):
-    monkeypatch.setattr(native, "takes", lambda logits: False)
+    return NativeKernels()
 
 
 def random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
@@ -54,11 +51,10 @@ def random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
     return tree
 
 
-def test_trigram_trees_equal_the_python_ones(built, tmp_path):
+def test_trigram_trees_equal_the_portable_ones(built, tmp_path):
     oracle = tiny_gpt2(tmp_path / "oracle", seed=0)
     table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle) / "successors.npz")
-    trees = TrigramTrees(table, [4, 3, 2, 1])
-    assert trees.native is not None
+    fast, slow = built.trigram_reader(table), REFERENCE.trigram_reader(table)
     rng = random.Random(0)
     seen = table.histories[rng.sample(range(table.histories.size), 50)]
     contexts = [(int(h) // (table.vocab_size + 2), int(h) % (table.vocab_size + 2)) for h in seen]  # trigram rows
@@ -66,19 +62,17 @@ def test_trigram_trees_equal_the_python_ones(built, tmp_path):
     contexts += [(rng.randrange(vocab), rng.randrange(vocab)) for _ in range(50)]  # mostly backoff rows
     contexts += [(table.bos, rng.randrange(vocab)) for _ in range(10)]  # the start of a text
     for u, v in contexts:
-        for depth in (0, 1, 4):
-            native_tree = trees.build(u, v, depth)
-            trees.native = None
-            assert native_tree == trees.build(u, v, depth), (u, v, depth)
-            trees.native = native.trigram_source(table)
+        for widths in ([], [4], [4, 3, 2, 1]):
+            assert fast(u, v, widths) == slow(u, v, widths), (u, v, widths)
+    assert TrigramTrees(table, [4, 3, 2, 1]).build(*contexts[0], 4) == fast(*contexts[0], [4, 3, 2, 1])  # what drafting reads
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_staged_selection_equals_the_python_one_node_for_node(built, python_only, seed):
+def test_staged_selection_equals_the_portable_one_node_for_node(built, seed):
     rng = random.Random(seed)
     vocab = 40
     for case in range(40):
-        n = rng.choice([1, 2, 6, 20, 60, 200])  # 200: past ARRAY_NODES, the Python code's array path
+        n = rng.choice([1, 2, 6, 20, 60, 200])
         tree = random_tree(rng, n, vocab)
         shortlist = Shortlist(rng.sample(range(vocab), 24), vocab) if case % 2 else None
         columns = len(shortlist) if shortlist else vocab
@@ -89,17 +83,14 @@ def test_staged_selection_equals_the_python_one_node_for_node(built, python_only
         copied = set(tree.path(rng.randrange(n))) - {0} if case % 4 == 1 else set()  # a continuation, as grafted
         order = [0] + sorted(copied) + [node for node in range(1, n) if node not in copied]
         max_depth, budget = rng.randint(1, 5), rng.choice([2, 5, 12, 36, 400])
-        drafter = SimpleNamespace(draft_children=None, budget=budget, arrays=n > ranking.ARRAY_NODES,  # what selection reads
-                                  draft=SimpleNamespace(shortlist=shortlist), draft_leaves=StagedDrafter.draft_leaves,
-                                  draft_leaves_arrays=StagedDrafter.draft_leaves_arrays)
-        expected, expected_kept = StagedDrafter.selection(drafter, tree, logits, order, copied, max_depth, Sampling())
-        tokens, parents, kept = native.staged_selection(logits, order, tree.parents, tree.tokens, tree.depths, copied,
-                                                        shortlist, max_depth, budget)
-        assert (tokens, parents, kept) == (expected.tokens, expected.parents, expected_kept), (seed, case)
+        selection = (tree, logits, order, copied, max_depth, budget, 1, Sampling(), shortlist)
+        expected, expected_kept = REFERENCE.staged_selection(*selection)
+        chosen, kept = built.staged_selection(*selection)
+        assert (chosen.tokens, chosen.parents, kept) == (expected.tokens, expected.parents, expected_kept), (seed, case)
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_greedy_walk_equals_sample_match(built, monkeypatch, seed):
+def test_greedy_walk_equals_sample_match(built, seed):
     rng = random.Random(seed)
     walked = []
     for case in range(60):
@@ -108,18 +99,13 @@ def test_greedy_walk_equals_sample_match(built, monkeypatch, seed):
         for node, children in enumerate(tree.children):  # most rows point at a child, so walks go deep
             if children and rng.random() < 0.8:
                 logits[node, tree.tokens[rng.choice(children)]] = 9
-        path, following = native.greedy_walk(logits, tree.tokens, tree.parents)
-        with monkeypatch.context() as python:
-            python.setattr(native, "takes", lambda logits: False)
-            assert (path, following) == sample_match(tree, Target(logits, Sampling()), None), (seed, case)
-        assert sample_match(tree, Target(logits, Sampling()), None) == (path, following)  # the C++ call in decoding
+        path, following = built.sample_match(tree, Target(logits, Sampling()), None)
+        assert (path, following) == REFERENCE.sample_match(tree, Target(logits, Sampling()), None), (seed, case)
         walked.append(len(path))
     assert max(walked) >= 4
 
 
-def test_top_tokens_equal_the_python_ranking(built, python_only):
-    from decode.sampling import ranked_tokens
-
+def test_top_tokens_equal_the_portable_ranking(built):
     torch.manual_seed(0)
     for columns in (1, 7, 64, 65, 4096, 8192):
         shortlist = Shortlist(random.Random(columns).sample(range(2 * columns), columns), 2 * columns)
@@ -128,15 +114,24 @@ def test_top_tokens_equal_the_python_ranking(built, python_only):
         distinct = torch.randn(6, columns)  # k > 1: torch's top-k orders ties as it likes
         distinct[1, -3:] = torch.tensor([7.0, 8.0, 9.0])[-columns:]  # the best in the last block, the order reversed
         for tokens_of in (None, shortlist):
-            assert native.top_tokens(ties, 1, tokens_of) == ranked_tokens(ties, 1, tokens_of), columns
+            assert built.top_tokens(ties, 1, tokens_of) == REFERENCE.top_tokens(ties, 1, tokens_of), columns
             for k in sorted({k for k in (1, 2, 4, 9, columns if columns < 100 else 1) if k <= columns}):
-                assert native.top_tokens(distinct, k, tokens_of) == ranked_tokens(distinct, k, tokens_of), (columns, k)
+                assert built.top_tokens(distinct, k, tokens_of) == REFERENCE.top_tokens(distinct, k, tokens_of), (columns, k)
     with pytest.raises(ValueError, match="k must be"):
-        native.top_tokens(torch.zeros(2, 7), 8, None)
+        built.top_tokens(torch.zeros(2, 7), 8)
 
 
-def test_top_k_distributions_equal_the_python_ones(built, monkeypatch):
-    """Sampling.distributions in C++ against its Python code (the processed distribution over the vocabulary): the
+def test_the_cpp_kernels_check_what_they_are_handed(built):
+    """Logits the C++ loops cannot read are refused at the boundary with what they are, never read as raw memory."""
+    for wrong in (torch.zeros(4, 6, dtype=torch.bfloat16), torch.zeros(6, 4).T, torch.zeros(3, 4, 5), torch.zeros(5)):
+        with pytest.raises(ValueError, match="contiguous float32 rows in CPU memory"):
+            built.top_tokens(wrong, 1)
+        with pytest.raises(ValueError, match="contiguous float32 rows in CPU memory"):
+            built.sample_match(Tree.rooted(0), Target(wrong, Sampling()), None)
+
+
+def test_top_k_distributions_equal_the_portable_ones(built):
+    """Top-k distributions in C++ against the portable code (the processed distribution over the vocabulary): the
     same support, likeliest first, the same probabilities up to float32 rounding, ties at the k-th value kept (the
     bfloat16 logits tie often) and -inf logits left out."""
     torch.manual_seed(0)
@@ -148,10 +143,8 @@ def test_top_k_distributions_equal_the_python_ones(built, monkeypatch):
     for sampling in (Sampling(1.0, top_k=50), Sampling(0.7, top_k=8), Sampling(1.3, top_k=100, top_p=0.9),
                      Sampling(2.0, top_k=1), Sampling(1.0, top_k=256, top_p=0.5)):
         for tokens_of in (None, shortlist):
-            fast = sampling.distributions(logits, rows, tokens_of)
-            monkeypatch.setattr(native, "takes", lambda logits: False)
-            slow = sampling.distributions(logits, rows, tokens_of)
-            monkeypatch.undo()
+            fast = built.distributions(logits, rows, sampling, tokens_of)
+            slow = REFERENCE.distributions(logits, rows, sampling, tokens_of)
             for row, a, b in zip(rows, fast, slow):
                 values = list(a.values())
                 assert values == sorted(values, reverse=True) and sum(values) == pytest.approx(1), (sampling, row)
@@ -164,16 +157,13 @@ def test_top_k_distributions_equal_the_python_ones(built, monkeypatch):
     odd = (torch.randn(3, 1001) * 2).bfloat16().float()  # a last block of 9 columns; its best value the row's
     odd[:, -1] = odd.max() + 1
     for sampling in (Sampling(1.0, top_k=8), Sampling(1.0, top_k=50)):
-        fast = sampling.distributions(odd)
-        monkeypatch.setattr(native, "takes", lambda logits: False)
-        slow = sampling.distributions(odd)
-        monkeypatch.undo()
+        fast, slow = built.distributions(odd, [0, 1, 2], sampling), REFERENCE.distributions(odd, [0, 1, 2], sampling)
         assert [list(a) for a in fast] == [list(b) for b in slow]
         assert [list(a.values()) for a in fast] == [pytest.approx(list(b.values()), rel=1e-5) for b in slow]
     with pytest.raises(ValueError, match="must be positive"):
-        native.distributions(logits, [0], Sampling(0.0, top_k=5), None)
+        built.distributions(logits, [0], Sampling(0.0, top_k=5))
     with pytest.raises(ValueError, match="outside the logits"):
-        native.distributions(logits, [6], Sampling(1.0, top_k=5), None)
+        built.distributions(logits, [6], Sampling(1.0, top_k=5))
 
 
 def drawn_tree(rng: random.Random, draft: torch.Tensor, sampling: Sampling, generator: Uniforms) -> Tree:
@@ -185,7 +175,7 @@ def drawn_tree(rng: random.Random, draft: torch.Tensor, sampling: Sampling, gene
             break
         count = min(rng.choice([0, 1, 1, 2, 3]), len(draft) - len(tree))
         if count:
-            [tokens], [q] = ranking.draw_children(sampling, draft, count, generator, rows=[node])
+            [tokens], [q] = ranking.draw_children(REFERENCE, sampling, draft, count, generator, rows=[node])
             tree.child_dists[node] = q
             for token in tokens:
                 tree.add(node, token)
@@ -193,27 +183,27 @@ def drawn_tree(rng: random.Random, draft: torch.Tensor, sampling: Sampling, gene
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_draws_equal_the_python_draws(built, seed):
+def test_draws_equal_the_portable_draws(built, seed):
     """draw_children under a top-k setting, in one C++ call: the same tokens and distributions as drawing from
-    Sampling.distributions in Python, with the same uniform draws."""
+    the distributions one by one (`Sparse.draw`), with the same uniform draws."""
     torch.manual_seed(seed)
     logits = (torch.randn(5, 2048) * 3).bfloat16().float()
     shortlist = Shortlist(random.Random(seed).sample(range(3000), 2048), 3000)
     for sampling in (Sampling(1.0, top_k=50), Sampling(0.7, top_k=8, top_p=0.8), Sampling(1.5, top_k=1)):
         for tokens_of in (None, shortlist):
             fast, slow = Uniforms(torch.Generator().manual_seed(seed)), Uniforms(torch.Generator().manual_seed(seed))
-            drawn, qs = ranking.draw_children(sampling, logits, 3, fast, tokens_of, rows=[4, 0, 2])
-            expected = sampling.distributions(logits, [4, 0, 2], tokens_of)
+            drawn, qs = ranking.draw_children(built, sampling, logits, 3, fast, tokens_of, rows=[4, 0, 2])
+            expected = built.distributions(logits, [4, 0, 2], sampling, tokens_of)
             assert qs == expected and all(isinstance(q, Sparse) for q in qs), sampling
             assert drawn == [[q.draw(u) for u in slow.take(3)] for q in expected], sampling
             assert fast.take(1) == slow.take(1)  # as many draws read
     with pytest.raises(ValueError, match="count draws per listed row"):
-        native.draws(logits, [0, 1], 2, Sampling(1.0, top_k=5), None, [0.5] * 3)
+        built.draws(logits, [0, 1], 2, Sampling(1.0, top_k=5), None, [0.5] * 3)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_rejection_walk_equals_multi_draft_rejection(built, monkeypatch, seed):
-    """Multi-draft rejection under a top-k setting in one C++ call against its Python code, given the same oracle
+    """Multi-draft rejection under a top-k setting in one C++ call against the portable rule, given the same oracle
     distributions: the same path, the same following token, and the same number of uniform draws read, on trees of
     one to three draws a node whose walks accept, reject and resample."""
     rng = random.Random(seed)
@@ -225,12 +215,11 @@ def test_rejection_walk_equals_multi_draft_rejection(built, monkeypatch, seed):
         oracle = (draft + torch.randn(16, 300) * rng.choice([0.3, 1.0])).bfloat16().float()
         tree = drawn_tree(rng, draft, sampling, Uniforms(torch.Generator().manual_seed(case)))
         fast, slow = Uniforms(torch.Generator().manual_seed(case)), Uniforms(torch.Generator().manual_seed(case))
-        path, following = multi_draft_rejection(tree, Target(oracle, sampling), fast)
-        with monkeypatch.context() as python:  # the Python walk over the same p, read in C++
-            python.setattr(native, "takes", lambda logits: False)
-            python.setattr(Target, "probs", lambda target, node: native.distributions(target.logits, [node],
-                                                                                      target.sampling, None, Sparse)[0])
-            assert (path, following) == multi_draft_rejection(tree, Target(oracle, sampling), slow), (seed, case)
+        path, following = built.multi_draft_rejection(tree, Target(oracle, sampling), fast)
+        with monkeypatch.context() as same_p:  # the portable walk over the same p, read in C++
+            same_p.setattr(Target, "probs", lambda target, node: built.distributions(target.logits, [node],
+                                                                                     target.sampling)[0])
+            assert (path, following) == REFERENCE.multi_draft_rejection(tree, Target(oracle, sampling), slow), (seed, case)
         assert fast.take(1) == slow.take(1), (seed, case)
         depths.append(len(path))
         rejected += bool(tree.children[path[-1]])
@@ -238,20 +227,37 @@ def test_rejection_walk_equals_multi_draft_rejection(built, monkeypatch, seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_continuations_equal_the_python_indexs_as_the_sequence_grows(built, monkeypatch, seed):
-    monkeypatch.setattr(native, "module", lambda: None)  # ContextIndex in Python: its index, updated token by token
+def test_continuations_equal_the_portable_ones_as_the_sequence_grows(built, seed):
     rng = random.Random(seed)
     found = set()
     for case in range(12):
         period, max_ngram = rng.randrange(1, 9), rng.choice([1, 2, 3, 4])
-        tokens, index = [rng.randrange(6) for _ in range(period)], ContextIndex(max_ngram)
+        tokens = [rng.randrange(6) for _ in range(period)]
         while len(tokens) < 100:  # a few tokens: repeats of every order, and periods running into the end
             tokens.append(tokens[-period] if rng.random() < 0.7 else rng.randrange(6))
             length, branches = rng.choice([1, 3, 10]), rng.choice([1, 2, 4])
-            expected = index.continuations(tokens, length, branches)
+            expected = REFERENCE.continuations(tokens, max_ngram, length, branches)
             assert built.continuations(tokens, max_ngram, length, branches) == expected, (seed, case, len(tokens))
             found.add(len(expected))
     assert found == {0, 1, 2, 3, 4}  # none, and up to four different continuations
+
+
+class Counted:
+    """The C++ module, counting the calls of the named loops."""
+
+    def __init__(self, module, names):
+        self.module, self.calls = module, dict.fromkeys(names, 0)
+
+    def __getattr__(self, name):
+        inner = getattr(self.module, name)
+        if name not in self.calls:
+            return inner
+
+        def counted(*args):
+            self.calls[name] += 1
+            return inner(*args)
+
+        return counted
 
 
 def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monkeypatch, tmp_path):
@@ -259,18 +265,16 @@ def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monk
     oracle = GPT2Engine.load(oracle_dir)
     draft = GPT2Engine.load(tiny_gpt2(tmp_path / "draft", seed=1, noise_from=oracle_dir, noise=0.005))
     table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle_dir) / "successors.npz")
-    calls = {"staged_selection": 0, "greedy_walk": 0, "top_tokens": 0, "continuations": 0}
-    for name in calls:
-        inner = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *args, inner=inner, name=name: calls.__setitem__(name, calls[name] + 1)
-                            or inner(*args))
+    counted = Counted(native.module(), ["staged_selection", "greedy_walk", "top_tokens", "continuations", "trigram_tree"])
+    monkeypatch.setattr(native, "module", lambda: counted)
+    assert isinstance(kernels_for(oracle.device), NativeKernels)
     staged = StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], context=LookupDrafter())
     for prompt in ([4, 9, 17], [11, 12, 13, 14, 11, 12]):
         prompt = torch.tensor(prompt)
         expected = baseline(oracle, prompt, 32, Sampling(), eos_id=0).tokens
         out = tree_speculative(oracle, prompt, 32, Sampling(), eos_id=0, drafter=staged)
         assert out.tokens == expected
-    assert all(calls.values()), calls  # top_tokens: the baseline's argmax
+    assert all(counted.calls.values()), counted.calls  # top_tokens: the baseline's argmax
 
 
 def needs_cpp_forward(dtype: str) -> None:
@@ -458,7 +462,7 @@ def test_a_chain_drafted_in_one_cpp_call_equals_the_chain_drafted_a_forward_at_a
                [(t.tokens, t.parents, t.child_dists) if isinstance(t, Tree) else t for t in made[False]]
 
 
-def test_without_a_compiler_decoding_says_so_once_and_goes_on_in_python(monkeypatch, caplog):
+def test_without_a_compiler_decoding_says_so_once_and_goes_on_with_the_portable_kernels(monkeypatch, caplog):
     from torch.utils import cpp_extension
 
     def no_compiler(*args, **kwargs):
@@ -469,7 +473,7 @@ def test_without_a_compiler_decoding_says_so_once_and_goes_on_in_python(monkeypa
     try:
         assert native.module() is None and native.module() is None
         assert caplog.text.count("note: the decoding step's C++ loops could not be built (Ninja is required") == 1
-        assert not native.takes(torch.zeros(2, 3))
+        assert isinstance(kernels_for("cpu"), PortableKernels) and not isinstance(kernels_for("cpu"), NativeKernels)
         monkeypatch.setenv("STAGED_SPECULATIVE_NATIVE", "0")
         native.module.cache_clear()
         caplog.clear()

@@ -13,11 +13,11 @@ says what a drafter does).
 """
 from decode.drafting.base import Drafter
 from decode.drafting.chain import ChainDrafter
-from decode.drafting.context import ContextIndex, LookupDrafter
+from decode.drafting.context import LookupDrafter
 from decode.drafting.staged import StagedDrafter
 from decode.drafting.staged_shape import StagedShapeDrafter
 from decode.drafting.trees import ShapedTreeDrafter, TreeDrafter
 from decode.drafting.trigram import NgramDrafter, TrigramTrees
 
-__all__ = ["ChainDrafter", "ContextIndex", "Drafter", "LookupDrafter", "NgramDrafter", "ShapedTreeDrafter",
+__all__ = ["ChainDrafter", "Drafter", "LookupDrafter", "NgramDrafter", "ShapedTreeDrafter",
            "StagedDrafter", "StagedShapeDrafter", "TreeDrafter", "TrigramTrees"]

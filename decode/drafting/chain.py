@@ -1,8 +1,8 @@
 """Standard speculative decoding's drafter: a chain of the draft model's tokens."""
 from decode.drafting.base import ModelDrafter
-from decode.drafting.ranking import draw_children
 from decode.models.cached_lm import CachedLM
-from decode.sampling import Sampling, row_argmax
+from decode.ranking import draw_children
+from decode.sampling import Sampling
 from decode.tree import Tree
 
 
@@ -27,9 +27,9 @@ class ChainDrafter(ModelDrafter):
         for _ in range(steps):
             logits = self.draft.score(tree, [node], repeats=node)  # every step's tree is a chain
             if draws:
-                [[token]], [q] = draw_children(sampling, logits, 1, generator, self.draft.shortlist)
+                [[token]], [q] = draw_children(self.kernels, sampling, logits, 1, generator, self.draft.shortlist)
                 tree.child_dists[node] = q
             else:
-                token = row_argmax(logits, self.draft.shortlist)[0]
+                token = self.kernels.row_argmax(logits, self.draft.shortlist)[0]
             node = tree.add(node, token)
         return tree

@@ -1,29 +1,21 @@
 """Staged speculative decoding's drafter: the trigram (and the context) draft for the draft model, which drafts the
 oracle's tree."""
-import numpy as np
 import torch
 
-from decode import native
 from decode.drafting.base import ModelDrafter
 from decode.drafting.context import LookupDrafter
-from decode.drafting import ranking
-from decode.drafting.ranking import best_first, draw_below, ranked_children, ranked_children_arrays, ranking_scores
 from decode.drafting.trigram import TrigramTrees
 from decode.models.cached_lm import CachedLM
-from decode.sampling import Sampling, row_argmax
+from decode.ranking import draw_below
+from decode.sampling import Sampling
 from decode.tree import Tree
 
 
 class TrigramStage:
     """What a staged drafter adds to a model drafter: the trigram (`trigram`) and the context drafter (`context`,
-    or None) that draft for the draft model, reset and timed with it."""
+    or None) that draft for the draft model, timed with it."""
     trigram: TrigramTrees
     context: LookupDrafter | None
-
-    def reset(self) -> None:
-        super().reset()
-        if self.context is not None:
-            self.context.reset()
 
     def forget(self) -> None:
         self.trigram.forget()
@@ -64,42 +56,10 @@ class StagedDrafter(TrigramStage, ModelDrafter):
         super().__init__(model, sampled)
         self.trigram, self.budget, self.draft_children = TrigramTrees(table, widths), budget, draft_children
         self.context, self.depth, self.draft_calls = context, depth, draft_calls
-        # greedy with one draft child, the selection runs in C++ where the draft's logits are in CPU memory; else it
-        # ranks by array code when its largest tree (the trigram's and the context's continuations) is past ARRAY_NODES
-        self.native_selection = ((draft_children or 1) == 1 and model.device.type == "cpu" and native.module() is not None)
-        largest = len(self.trigram.shape(len(self.trigram.widths))) + (context.length * context.branches if context else 0)
-        self.arrays = largest > ranking.ARRAY_NODES
 
     def describe(self) -> dict:
         return {"widths": self.trigram.widths, "budget": self.budget, "draft_calls": self.draft_calls,
                 "sampled": self.sampled, "context": self.context is not None}
-
-    @staticmethod
-    def draft_leaves(tree: Tree, tokens: list[list[int]], weights: list[list[float]],
-                     max_depth: int) -> tuple[list[int], list[int], list[float]]:
-        """The draft's best children (`ranked_children`) of every node above `max_depth` that the trigram
-        did not propose: (parents, tokens, weights). `draft_leaves_arrays` computes the same in numpy."""
-        proposed = set(zip(tree.parents, tree.tokens))
-        parents, leaf_tokens, leaf_weights = [], [], []
-        for node, depth in enumerate(tree.depths):
-            if depth < max_depth:
-                for token, w in zip(tokens[node], weights[node]):
-                    if (node, token) not in proposed:
-                        parents.append(node)
-                        leaf_tokens.append(token)
-                        leaf_weights.append(w)
-        return parents, leaf_tokens, leaf_weights
-
-    @staticmethod
-    def draft_leaves_arrays(tree: Tree, tokens: np.ndarray, weights: np.ndarray,
-                            max_depth: int) -> tuple[list[int], list[int], list[float]]:
-        above = np.flatnonzero(np.array(tree.depths) < max_depth)
-        parents, tokens, weights = np.repeat(above, tokens.shape[1]), tokens[above].ravel(), weights[above].ravel()
-        vocab = 1 + max(int(tokens.max(initial=0)), max(tree.tokens))
-        keys = parents * vocab + tokens  # (parent, token) as one number; the trigram's own children likewise:
-        proposed = np.sort(np.array(tree.parents, np.int64) * vocab + np.array(tree.tokens, np.int64))
-        fresh = proposed[np.searchsorted(proposed, keys, side="right") - 1] != keys  # the root's key is below all
-        return parents[fresh].tolist(), tokens[fresh].tolist(), weights[fresh].tolist()
 
     def sampled_tree(self, tree: Tree, logits: torch.Tensor, max_depth: int, sampling: Sampling, generator) -> Tree:
         """When sampling: `draft_children` independent draws from the draft's q below the root and below every draw,
@@ -121,7 +81,7 @@ class StagedDrafter(TrigramStage, ModelDrafter):
                 part = self.draft.score(tree, unscored)
                 later.update((n, (part, row)) for row, n in enumerate(unscored))
             below_level = []
-            drawn, qs = draw_below(sampling, [(logits, n) if n < first else later[n] for _, n in level], count,
+            drawn, qs = draw_below(self.kernels, sampling, [(logits, n) if n < first else later[n] for _, n in level], count,
                                    generator, self.draft.shortlist)
             for (node, scored), tokens, q in zip(level, drawn, qs):
                 out.child_dists[node] = q
@@ -153,11 +113,10 @@ class StagedDrafter(TrigramStage, ModelDrafter):
         logits = self.draft.score(tree, order)
         if self.draft_calls > 1:
             logits = self.extended(tree, order, logits, max_depth)
-        if sampling.greedy and self.native_selection:
-            tokens, parents, self.kept = native.staged_selection(logits, order, tree.parents, tree.tokens, tree.depths,
-                                                                 copied, self.draft.shortlist, max_depth, self.budget)
-            return Tree.of(tokens, parents)
-        tree, self.kept = self.selection(tree, logits, order, copied, max_depth, sampling)
+        # the `budget` candidates of highest cumulative draft weight among the tree's nodes and the draft's own best
+        # children, the copied nodes first (decode.ranking.staged_selection)
+        tree, self.kept = self.kernels.staged_selection(tree, logits, order, copied, max_depth, self.budget,
+                                                        self.draft_children or 1, sampling, self.draft.shortlist)
         return tree
 
     def extended(self, tree: Tree, order: list[int], logits: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -166,7 +125,7 @@ class StagedDrafter(TrigramStage, ModelDrafter):
         trigram's tree below it, and one call scores them. Stops once the path's next token would sit at
         `max_depth` (the selection adds it as the draft's leaf). Grows `tree` and `order`; returns the logits of
         every scored node, row i after order[i]."""
-        best = dict(zip(order, row_argmax(logits, self.draft.shortlist)))
+        best = dict(zip(order, self.kernels.row_argmax(logits, self.draft.shortlist)))
         parts, node = [logits], 0
         for _ in range(self.draft_calls - 1):
             while (child := next((c for c in tree.children[node] if tree.tokens[c] == best[node]), None)) is not None:
@@ -177,26 +136,7 @@ class StagedDrafter(TrigramStage, ModelDrafter):
             node = tree.add(node, token)
             new = self.guess(tree, node, [tree.tokens[tree.parents[node]], token], max_depth - tree.depths[node])
             part = self.draft.score(tree, new)
-            best.update(zip(new, row_argmax(part, self.draft.shortlist)))
+            best.update(zip(new, self.kernels.row_argmax(part, self.draft.shortlist)))
             parts.append(part)
             order += new
         return torch.cat(parts) if len(parts) > 1 else logits
-
-    def selection(self, tree: Tree, logits: torch.Tensor, order: list[int], copied: set[int], max_depth: int,
-                  sampling: Sampling) -> tuple[Tree, list[int]]:
-        """The oracle's tree from the trigram's (and the context's) and the draft's logits after its nodes (row i
-        after node order[i]): the `budget` candidates of highest cumulative draft weight among the tree's nodes
-        and the draft's own best children, the `copied` nodes first; and for each node, the candidate it came from
-        (n + i: the draft's leaf i). Greedy with one draft child, decode/native/step.cpp computes the same."""
-        rank, leaves = ((ranked_children_arrays, self.draft_leaves_arrays) if self.arrays
-                        else (ranked_children, self.draft_leaves))
-        edges, best, best_weights = rank(ranking_scores(logits, sampling), tree, self.draft_children or 1,
-                                         sampling.greedy, order, self.draft.shortlist)
-        cumulative = tree.cumulative(edges)
-        leaf_parents, leaf_tokens, leaf_weights = leaves(tree, best, best_weights, max_depth)
-        candidates = cumulative + [cumulative[parent] * w for parent, w in zip(leaf_parents, leaf_weights)]
-        if copied:  # the context's continuations go first, with the root above them
-            for node in copied | {0}:
-                candidates[node] += 1.0
-        chosen = best_first(candidates, self.budget)  # candidate n + i is the draft's leaf i
-        return Tree.chosen(tree.tokens + leaf_tokens, tree.parents + leaf_parents, chosen, candidates)

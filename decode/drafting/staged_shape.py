@@ -1,12 +1,12 @@
 """Staged speculative decoding on a planned tree: Sequoia's shape filled by the draft model, as `ShapedTreeDrafter`
 fills it, with the Katz trigram drafting for the draft."""
 from decode.drafting.context import LookupDrafter
-from decode.drafting.ranking import draw_below, ranking_scores
 from decode.drafting.staged import TrigramStage
 from decode.drafting.trees import ShapedTreeDrafter
 from decode.drafting.trigram import TrigramTrees
 from decode.models.cached_lm import CachedLM
-from decode.sampling import Sampling, ranked_tokens
+from decode.ranking import draw_below, ranking_scores
+from decode.sampling import Sampling
 from decode.tree import Tree
 
 
@@ -54,10 +54,10 @@ class StagedShapeDrafter(TrigramStage, ShapedTreeDrafter):
                 if draws:
                     known.update((s, (logits, row)) for row, s in enumerate(fed))
                 else:
-                    known.update(zip(fed, ranked_tokens(ranking_scores(logits, sampling), self.ranks_read,
-                                                        self.draft.shortlist)))
+                    known.update(zip(fed, self.kernels.top_tokens(ranking_scores(logits, sampling), self.ranks_read,
+                                                                   self.draft.shortlist)))
             if draws:  # each node's children are as many draws from its q (a node with fewer leaves the rest)
-                drawn, qs = draw_below(sampling, [known[s] for s in at], draws_most, generator, self.draft.shortlist)
+                drawn, qs = draw_below(self.kernels, sampling, [known[s] for s in at], draws_most, generator, self.draft.shortlist)
                 out.child_dists.update(zip(nodes, qs))
             for child, row, place, rank in children:
                 s = at[row]

@@ -3,9 +3,9 @@ per draft call (`ShapedTreeDrafter`, Sequoia)."""
 import torch
 
 from decode.drafting.base import ModelDrafter
-from decode.drafting.ranking import best_first, draw_children, ranking_scores, relative
 from decode.models.cached_lm import CachedLM
-from decode.sampling import Sampling, ranked_tokens, tokens_at
+from decode.ranking import best_first, draw_children, ranking_scores, relative
+from decode.sampling import Sampling, tokens_at
 from decode.tree import Tree
 
 
@@ -27,7 +27,7 @@ class TreeDrafter(ModelDrafter):
     def _children(self, tree: Tree, cumulative: list[float], nodes: list[int], logits: torch.Tensor, sampling: Sampling,
                   generator) -> None:
         if self.draws(sampling):
-            drawn, q = draw_children(sampling, logits, self.branch, generator, self.draft.shortlist)
+            drawn, q = draw_children(self.kernels, sampling, logits, self.branch, generator, self.draft.shortlist)
             for node, tokens, row in zip(nodes, drawn, q):
                 tree.child_dists[node] = row
                 for token in tokens:
@@ -117,12 +117,12 @@ class ShapedTreeDrafter(ModelDrafter):
         for level, (nodes, widest, draws, children) in enumerate(levels):
             logits = self.draft.score(tree, nodes, repeats=(len(levels), level))
             if self.draws(sampling):  # child j of a node is its j-th independent draw
-                drawn, q = draw_children(sampling, logits, draws, generator, self.draft.shortlist)
+                drawn, q = draw_children(self.kernels, sampling, logits, draws, generator, self.draft.shortlist)
                 tree.child_dists.update(zip(nodes, q))
                 for node, row, place, _ in children:
                     tree.tokens[node] = drawn[row][place]
             else:  # child j is the draft's rank-ranks[j] token
-                ranked = ranked_tokens(ranking_scores(logits, sampling), widest, self.draft.shortlist)
+                ranked = self.kernels.top_tokens(ranking_scores(logits, sampling), widest, self.draft.shortlist)
                 for node, row, _, rank in children:
                     tree.tokens[node] = ranked[row][rank]
         return tree

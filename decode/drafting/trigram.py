@@ -1,11 +1,10 @@
 """The Katz trigram's trees below a context (`TrigramTrees`), and the drafter that proposes them alone."""
 import numpy as np
 
-from decode import native
 from decode.drafting.base import ModelFreeDrafter
 from decode.drafting.draft_cache import remember
-from decode.drafting import ranking
-from decode.drafting.ranking import best_first
+from decode.kernels import kernels_for
+from decode.ranking import best_first
 from decode.sampling import Sampling
 from decode.tree import Tree
 
@@ -20,7 +19,7 @@ class TrigramTrees:
     def __init__(self, table, widths, size: int = 1 << 14):
         self.table, self.widths, self.size, self.shapes = table, list(widths), size, {}
         self.built, self.selected = {}, {}
-        self.native = native.trigram_source(table)  # None: `build` in Python
+        self.read = kernels_for().trigram_reader(table)
 
     def forget(self) -> None:
         """Drop every remembered tree: drafting then costs what it does in a new decoder."""
@@ -46,11 +45,7 @@ class TrigramTrees:
         return Tree.chosen(node_tokens, self.shape(key[2]).parents, best_first(cumulative, budget), cumulative)[0]
 
     def cumulative(self, probs: list[float], depth: int):
-        """`Tree.cumulative` on the shape `depth` levels deep; past ARRAY_NODES nodes a level at a time in
-        numpy (the same products in the same order)."""
-        shape = self.shape(depth)
-        if len(shape) <= ranking.ARRAY_NODES:
-            return shape.cumulative(probs)
+        """`Tree.cumulative` on the shape `depth` levels deep, a level at a time."""
         values, above = np.array(probs), slice(0, 1)
         for width in self.widths[:depth]:
             level = slice(above.stop, above.stop + (above.stop - above.start) * width)
@@ -75,19 +70,8 @@ class TrigramTrees:
         return self.shapes[depth]
 
     def build(self, before_root: int, root: int, depth: int) -> tuple[list[int], list[float]]:
-        """The tokens and probabilities of the tree's nodes, in the shape's order: one search for the root's
-        row of the successor table, then a gather a level (each successor names the row after it);
-        decode/native/step.cpp reads the same rows where it can."""
-        if self.native is not None:
-            return native.trigram_tree(self.native, before_root, root, self.widths[:depth])
-        tokens, probs = [root], [1.0]
-        rows = self.table.rows_after(np.array([before_root]), np.array([root]))
-        for width in self.widths[:depth]:
-            level = self.table.successors[rows, :width].ravel()
-            tokens += level["token"].tolist()
-            probs += level["prob"].tolist()
-            rows = level["next"]
-        return tokens, probs
+        """The tokens and probabilities of the tree's nodes, in the shape's order (StepKernels.trigram_reader)."""
+        return self.read(before_root, root, self.widths[:depth])
 
 
 class NgramDrafter(ModelFreeDrafter):

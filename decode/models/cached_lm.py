@@ -22,7 +22,6 @@ class Shortlist:
         self.tokens = np.unique(np.asarray(tokens, np.int64))  # column -> token, ascending
         self.column = np.full(vocab_size, -1, np.int64)  # token -> column, -1 off the list
         self.column[self.tokens] = np.arange(len(self.tokens))
-        self.column_list = self.column.tolist()  # the same, read one token at a time (sampling.values_list)
         self.on_device = {}
 
     @classmethod

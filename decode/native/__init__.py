@@ -1,17 +1,15 @@
-"""A decoding step's loops over trees in C++ (decode/native/step.cpp): the trigram's tree below a new context, the
-staged drafter's greedy selection of the oracle's tree from the draft's logits, sample-match verification under
-greedy decoding and multi-draft rejection under top-k sampling, each row's best tokens and (top-k sampling) processed
-distribution and draws from it, the continuations a context repeats (prompt lookup) and a commit's moves in a CPU
-cache; and a model's forward over a few rows (decode/native/forward.cpp, `Blocks`), built for AVX-512 (AVX-512 BF16
-for a bfloat16 model) or for AVX2 with FMA, whichever this CPU runs.
-Right after a forward, each of the tens of torch, numpy and list operations these take in Python pays for caches the
-forward evicted; one call pays once (docs/decoding.md and docs/profiling.md).
+"""C++ for the work around a model's forwards and for the forwards themselves: a decoding step's loops over trees
+and logits (decode/native/step.cpp, which decode.kernels.NativeKernels calls: the trigram's tree below a new context,
+the staged drafter's greedy selection, sample-match and multi-draft rejection, each row's best tokens, top-k
+distributions and draws, the continuations a context repeats) and a commit's moves in a CPU cache; and a model's
+forward over a few rows (decode/native/forward.cpp, `Blocks`), built for AVX-512 (AVX-512 BF16 for a bfloat16 model)
+or for AVX2 with FMA, whichever this CPU runs.
 
 torch's extension builder compiles the file on first use (a few seconds; cached under ~/.cache/torch_extensions in a
 directory named by the hash of the source and its headers, so checkouts of different versions neither rebuild in
-turn nor replace a module another process has loaded). Where it cannot (no C++ compiler or ninja), or the data are
-not laid out as the loops read them (logits not float32 rows in CPU memory), decoding takes the Python code, which
-gives the same trees and paths. STAGED_SPECULATIVE_NATIVE=0 turns the C++ off.
+turn nor replace a module another process has loaded). Where it cannot (no C++ compiler or ninja), decoding runs
+the portable loops (decode.kernels.PortableKernels), which give the same trees and paths.
+STAGED_SPECULATIVE_NATIVE=0 turns the C++ off.
 """
 import functools
 import hashlib
@@ -19,7 +17,6 @@ import logging
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from data.errors import first_line
@@ -59,8 +56,8 @@ def module():
     try:
         return build(SOURCE)
     except Exception as err:  # no compiler, no ninja, a failed build: decoding goes on in Python
-        log.warning("note: the decoding step's C++ loops could not be built (%s); decoding uses their Python code, which "
-                    "gives the same output a little slower (STAGED_SPECULATIVE_NATIVE=0 silences this)", first_line(err))
+        log.warning("note: the decoding step's C++ loops could not be built (%s); decoding uses their portable code, "
+                    "which gives the same output a little slower (STAGED_SPECULATIVE_NATIVE=0 silences this)", first_line(err))
         return None
 
 
@@ -110,72 +107,6 @@ def loops(device: str) -> str:
     return "C++" if torch.device(device).type == "cpu" else "C++ for the trees, Python for the GPU's logits"
 
 
-def takes(logits: torch.Tensor) -> bool:
-    """Whether the C++ loops can read these logits: float32 rows, contiguous, in CPU memory. (`is_cpu`, not
-    `device.type`: right after a forward on a CPU, making the device object took 21 us, reading is_cpu 4.)"""
-    return logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous() and module() is not None
-
-
-def trigram_source(table) -> tuple | None:
-    """What `trigram_tree` reads of a successor table (ngram/successors.py), or None where the C++ loops cannot
-    read it. The caller keeps the table: the loops read its arrays in place."""
-    histories, successors = table.histories, table.successors
-    if (module() is None or histories.dtype != np.int64 or successors.dtype.itemsize != 12
-            or not histories.flags.c_contiguous or not successors.flags.c_contiguous):
-        return None
-    return (histories.__array_interface__["data"][0], histories.size, successors.__array_interface__["data"][0],
-            successors.shape[1], table.vocab_size)
-
-
-def trigram_tree(source: tuple, before_root: int, root: int, widths: list[int]) -> tuple[list[int], list[float]]:
-    """TrigramTrees.build's tokens and probabilities, from a `trigram_source`."""
-    return module().trigram_tree(*source, before_root, root, widths)
-
-
-def staged_selection(logits: torch.Tensor, order: list[int], parents: list[int], tokens: list[int], depths: list[int],
-                     copied, shortlist, max_depth: int, budget: int) -> tuple[list[int], list[int], list[int]]:
-    """StagedDrafter.selection's tree as (tokens, parents) and its `kept` (greedy, one draft child per node)."""
-    columns = (None, None) if shortlist is None else (shortlist.tokens, shortlist.column)
-    return module().staged_selection(logits.data_ptr(), logits.shape[0], logits.shape[1], order, parents, tokens,
-                                     depths, list(copied), *columns, max_depth, budget)
-
-
-def greedy_walk(logits: torch.Tensor, tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
-    """sample_match's path and following token under greedy decoding."""
-    return module().greedy_walk(logits.data_ptr(), logits.shape[0], logits.shape[1], tokens, parents)
-
-
-def top_tokens(logits: torch.Tensor, k: int, shortlist) -> list[list[int]]:
-    """sampling.ranked_tokens: each row's k best tokens, best first."""
-    return module().top_tokens(logits.data_ptr(), logits.shape[0], logits.shape[1], k,
-                               None if shortlist is None else shortlist.tokens)
-
-
-def sparse_setting(logits: torch.Tensor, sampling, shortlist) -> tuple:
-    """The leading arguments of the loops that read top-k distributions off logits (step.cpp's SparseRows)."""
-    return (logits.data_ptr(), logits.shape[0], logits.shape[1], sampling.top_k, float(sampling.temperature),
-            float(sampling.top_p), None if shortlist is None else shortlist.tokens)
-
-
-def distributions(logits: torch.Tensor, rows: list[int], sampling, shortlist, mapping=dict) -> list[dict[int, float]]:
-    """Sampling.distributions of the listed rows (a top-k setting), each made as `mapping()` (a dict type)."""
-    return module().draws(*sparse_setting(logits, sampling, shortlist), rows, mapping, 0, [])[1]
-
-
-def draws(logits: torch.Tensor, rows: list[int], count: int, sampling, shortlist, uniforms: list[float],
-          mapping=dict) -> tuple[list[list[int]], list[dict[int, float]]]:
-    """ranking.draw_children under a top-k setting: `count` draws from each listed row's distribution, row i's at
-    uniforms[i * count:(i + 1) * count], and the distributions (made as `mapping()`)."""
-    return module().draws(*sparse_setting(logits, sampling, shortlist), rows, mapping, count, uniforms)
-
-
-def rejection_walk(logits: torch.Tensor, tree, sampling, uniforms: list[float]) -> tuple[list[int], int, int]:
-    """verify.multi_draft_rejection under a top-k setting, with the draws it would take next (at least one a node of
-    `tree`): its path, the token that follows, and how many of the draws it read."""
-    return module().rejection_walk(*sparse_setting(logits, sampling, None), tree.tokens, tree.parents,
-                                   tree.child_dists, uniforms)
-
-
 def slot_mover(kv_cache: torch.Tensor):
     """GPT2Engine.commit's moves for a contiguous (..., capacity, head_dim) CPU cache: a function of (length, keep)
     under which, in each plane, slot length + i takes slot length + keep[i]; None without the C++ loops. The cache's
@@ -185,11 +116,6 @@ def slot_mover(kv_cache: torch.Tensor):
     capacity, head_dim = kv_cache.shape[-2:]
     return functools.partial(module().commit_slots, kv_cache.data_ptr(), kv_cache.numel() // (capacity * head_dim),
                              capacity, head_dim * kv_cache.element_size())
-
-
-def continuations(tokens: list[int], max_ngram: int, length: int, branches: int) -> list[list[int]]:
-    """ContextIndex.continuations, from a scan of the sequence instead of an index."""
-    return module().continuations(tokens, max_ngram, length, branches)
 
 
 def pack_for_products(in_out: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 // What decode/native's modules read off a row of float32 logits (step.cpp's loops over trees, forward.cpp's chain of
 // draft forwards): its best columns, under a top-k setting its processed distribution and a draw from it, and the
 // Python values they are handed over as. Each follows its Python code step for step, ties included
-// (decode/sampling.py, decode/drafting/ranking.py).
+// (decode/sampling.py, decode/ranking.py).
 #pragma once
 
 #define PY_SSIZE_T_CLEAN

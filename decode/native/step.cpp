@@ -1,12 +1,12 @@
-// A decoding step's loops over trees, in C++ for decode/native: the trigram's tree below a new context
-// (TrigramTrees.build in decode/drafting), the staged drafter's greedy ranking of the draft's logits and its choice
-// of the oracle's tree (StagedDrafter.selection), sample-match verification under greedy decoding and multi-draft
-// rejection under top-k sampling (decode/verify.py), each row's best tokens and, under top-k sampling, its processed
-// distribution and draws from it (decode/sampling.py's ranked_tokens, row_argmax and Sampling.distributions,
-// decode/drafting/ranking.py's draw_children), the continuations a context repeats
-// (decode/drafting/context.py's ContextIndex), and a commit's moves in a CPU cache (GPT2Engine.commit). Each follows
-// its Python code step for step, ties included (torch's top-k, which a row's k > 1 best tokens take in Python, orders
-// ties as it likes; here the lower column comes first), and tests/test_native.py compares the two. After a forward,
+// A decoding step's loops over trees, in C++: decode/kernels/cpp.py's NativeKernels, one call per rule of the
+// StepKernels interface (decode/kernels/base.py): the trigram's tree below a new context (trigram_reader), the
+// staged drafter's greedy ranking of the draft's logits and its choice of the oracle's tree (staged_selection),
+// sample-match verification under greedy decoding and multi-draft rejection under top-k sampling, each row's best
+// tokens (top_tokens) and, under top-k sampling, its processed distribution and draws from it (distributions,
+// draws), the continuations a context repeats (continuations); and a commit's moves in a CPU cache
+// (GPT2Engine.commit). Each follows the portable code (decode/kernels/portable.py) step for step, ties included
+// (torch's top-k, which a row's k > 1 best tokens take there, orders ties as it likes; here the lower column comes
+// first), and tests/test_native.py compares the two. After a forward,
 // every torch, numpy or list operation of a step pays for caches that the forward evicted; one call here replaces
 // tens of them. What is read off a row of logits is rows.h's, which forward.cpp's chain of draft forwards reads too.
 #define PY_SSIZE_T_CLEAN
@@ -146,7 +146,7 @@ PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 
 // top_tokens(logits_address, rows, columns, k, shortlist_tokens) -> [tokens of each row]
 // Each row's k best tokens, best first (through the shortlist's column -> token array, when not None):
-// sampling.ranked_tokens, and row_argmax's argmax with k = 1.
+// StepKernels.top_tokens (and row_argmax with k = 1).
 PyObject *top_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (!takes_arguments("top_tokens", nargs, 5)) return nullptr;
     const Logits logits(args);
@@ -378,9 +378,9 @@ PyObject *trigram_tree(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 // continuations(tokens, max_ngram, length, branches) -> chains
-// ContextIndex.continuations without its index: for the longest suffix of at most max_ngram tokens that occurred
+// StepKernels.continuations: for the longest suffix of at most max_ngram tokens that occurred
 // before, the `length` tokens after its occurrences, latest first, up to `branches` different ones; a chain that
-// runs into the end of the sequence repeats its period. A scan of the sequence costs less than updating the index.
+// runs into the end of the sequence repeats its period.
 PyObject *continuations(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (!takes_arguments("continuations", nargs, 4)) return nullptr;
     std::vector<int64_t> tokens;
