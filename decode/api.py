@@ -25,9 +25,8 @@ from decode.healing import Prompt, TokenHealer
 from decode.methods import METHODS
 from decode.models.cached_lm import CachedLM
 from decode.models.loading import check_same_vocabulary, load_draft, load_model, load_trigram, pretrained_dir
-from decode.models.precision import auto_dtype
 from decode.options import DecoderOptions, check_number, check_tree_shape, sampling_of
-from decode.planning.plan_file import plan_name, run_plan, with_plan
+from decode.resolution import Resolved, resolve
 from decode.sampling import Sampling
 
 log = logging.getLogger("decode")
@@ -61,31 +60,17 @@ class DecoderBusy(RuntimeError):
     """A second generate or stream on a decoder that is still decoding: its models hold one sequence's caches."""
 
 
-@dataclass(frozen=True)
-class SettingPlans:
-    """Where each sampling setting finds its plan: the run's plan for that setting (plan_name) when it was made for
-    these models and settings, else none (the method's defaults for the device), as decode.run and decode.bench
-    choose; `base` are the options before any plan, `given` the fields the caller set, which win over every plan."""
-
-    run: Path
-    base: DecoderOptions
-    given: frozenset[str]
-
-    def options(self, sampling: Sampling) -> DecoderOptions:
-        return with_plan(self.base, run_plan(self.run, self.base, sampling)[0], self.given)
-
-
 class SpeculativeDecoder:
     """One method over one set of models; `generate` and `stream` decode a prompt (text or token ids).
 
-    With `plans`, a request decodes with the plan made for its sampling setting (greedy: `options`' own): each
-    setting's drafter is built on first use, over the same loaded models.
+    With `plans` (a run's, resolved: decode.resolution), a request decodes with the plan made for its sampling
+    setting (greedy: `options`' own): each setting's drafter is built on first use, over the same loaded models.
 
     One sequence at a time: the models' caches hold the sequence being decoded. A generate or stream that starts
     while another is decoding (another thread's, or an unfinished stream in this one) raises DecoderBusy at once,
     and the decoding in progress goes on unharmed. Use one decoder per thread, or take turns."""
 
-    def __init__(self, options: DecoderOptions, plans: SettingPlans | None = None):
+    def __init__(self, options: DecoderOptions, plans: Resolved | None = None):
         self.options = options.check()
         self.models = {}  # what build_decoder loaded, shared by every setting's decoder
         self.decoder, self.healer = build_decoder(self.options, self.models)
@@ -116,27 +101,22 @@ class SpeculativeDecoder:
         setting, RUN/plan.json when greedy: plan=None turns them off, plan=PATH uses that one for every call) or given
         one by one; any other DecoderOptions field (method, dtype, device, budget, widths, ...) as a keyword, which
         wins over the plan's value."""
-        if run is not None:
-            run = Path(run)
-            oracle, draft, ngram = oracle or run / "oracle", draft or run / "draft", ngram or run / "ngram"
-        if oracle is None:
+        if oracle is None and run is None:
             raise InputError("pass a run directory or oracle=DIR")
         names = {f.name for f in fields(DecoderOptions)} - {"policy"}
         unknown = sorted(set(options) - names)
         if unknown:
             raise InputError(f"unknown options {unknown}; choose from {', '.join(sorted(names - {'oracle', 'draft', 'ngram'}))}")
-        own = run is not None and "plan" not in options  # the run's own plans: each sampling setting takes its own
-        plan = options.pop("plan", run and run / plan_name())
-        if options.get("dtype", "auto") == "auto" and plan is not None:
-            options["dtype"] = auto_dtype(options.get("device", "cpu"), plan, oracle)[0]  # the plan's, where it has one
-        chosen = DecoderOptions(Path(oracle), draft and Path(draft), ngram and Path(ngram), **options).check()
-        if own:  # greedy decoding's, where it was made for these settings
-            plan, other = run_plan(run, chosen)
-            if plan is None and METHODS[chosen.method].tree:
-                log.info("%s, so %s uses a tree sized for this device (budget %d, widths %s); decode.plan plans each "
-                         "method's tree for these models", f"{run} has a plan for {', '.join(other)}" if other else
-                         f"no plan in {run}", chosen.method, chosen.budget, chosen.widths)
-        return cls(with_plan(chosen, plan, frozenset(options)), SettingPlans(run, chosen, frozenset(options)) if own else None)
+        named = "plan" in options  # plan=None: no plan; plan=PATH: that one for every setting; else the run's own
+        plan = options.pop("plan", None)
+        resolved = resolve(options | {"oracle": oracle, "draft": draft, "ngram": ngram}, frozenset(options),
+                           run and Path(run), plan=plan and Path(plan), plans=not named or plan is not None)
+        if (reason := resolved.without_plan()) is not None:
+            base = resolved.base
+            uses = (f"a tree sized for this device (budget {base.budget}, widths {base.widths})" if METHODS[base.method].tree
+                    else "its defaults")
+            log.info("%s, so %s uses %s; decode.plan plans each method for these models", reason, base.method, uses)
+        return cls(resolved.options(), resolved if resolved.run_plans else None)
 
     @classmethod
     def from_pretrained(cls, oracle, draft=None, ngram=None, *, tokenizer=None, method: str | None = None,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from decode.cli import agreement, bench, bench_engine, peers, profile_step, report
+from decode.cli import agreement, bench, bench_engine, explain, peers, profile_step
 from decode.cli.harness import Timer
 from decode.planning import costs
 from decode import native, timing
@@ -40,7 +40,7 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
     result = bench.main(bench_args(models, tmp_path, "--out", str(out), "--plot", str(plot)))
     summary = result["summary"]
     assert list(summary) == [m for m in bench.DEFAULT_METHODS.split(",") if m not in peers.LLAMACPP_PEERS]
-    plain = report.least_repetitive_half([r["tokens"] for r in result["records"]["baseline"]])
+    plain = explain.least_repetitive_half([r["tokens"] for r in result["records"]["baseline"]])
     for name, s in summary.items():
         assert s["same_output"]["identical"] == 3, name
         assert s["speedup"]["min"] <= s["speedup"]["median"] <= s["speedup"]["max"]
@@ -76,7 +76,7 @@ def test_the_explanation_says_why_staged_lost_and_labels_the_forecast():
             "projection": {"oracle": "gpt2-large", "predicted": {"baseline": {"ms_per_token": 45.8, "speedup": 1.0},
                                                                  "staged": {**step, "speedup": 3.2},
                                                                  "lookup": {**step, "speedup": 2.8}}}}
-    lines = report.explain(summary, plan, greedy=False)
+    lines = explain.explain(summary, plan, greedy=False)
     assert "planned staged decoding ran at 250 tokens/s, 0.50x the baseline's 500 tokens/s." in lines[1]
     assert lines[2].startswith("Why slower: an oracle call costs only 2.00 ms here, and a staged step took 12.00 ms "
                                "for 3.00 tokens (planned: the oracle's forward over the tree 2.50 ms, the draft and "
@@ -84,42 +84,42 @@ def test_the_explanation_says_why_staged_lost_and_labels_the_forecast():
     assert lines[3].startswith("Forecast, not a measurement: with a gpt2-large-sized oracle on this machine (46 ms per "
                                "token alone) and these drafters, the plan predicts staged 3.20x")
     assert lines[3].endswith("the plan predicts staged 3.20x (python -m decode.plan --project-oracle).")
-    assert report.explain({"baseline": summary["baseline"]}, plan, greedy=True)[-1].endswith("(python -m decode.plan --project-oracle).")
-    assert not any("Why slower" in line for line in report.explain({**summary, "staged": {
+    assert explain.explain({"baseline": summary["baseline"]}, plan, greedy=True)[-1].endswith("(python -m decode.plan --project-oracle).")
+    assert not any("Why slower" in line for line in explain.explain({**summary, "staged": {
         "tokens_per_second": 900.0, "tokens_per_oracle_call": 3.0}}, None, greedy=False))
 
 
 def test_looping_completions_are_called_out():
     loop, code = [7, 9] * 64, list(range(128))
-    assert report.looping([code, code]) is None
-    assert report.looping([loop] + [code] * 9) is None  # one prompt in ten: the table stands
-    assert report.looping([loop, loop] + [code] * 8).startswith("Note: 2 of 10")
-    assert report.looping([loop, code, [3] * 128]).startswith("Note: 2 of 3 of the oracle's completions end in a loop "
+    assert explain.looping([code, code]) is None
+    assert explain.looping([loop] + [code] * 9) is None  # one prompt in ten: the table stands
+    assert explain.looping([loop, loop] + [code] * 8).startswith("Note: 2 of 10")
+    assert explain.looping([loop, code, [3] * 128]).startswith("Note: 2 of 3 of the oracle's completions end in a loop "
                                                               "of at most 32 tokens")
 
 
 def test_a_loop_is_a_repeating_tail_of_half_the_completion_and_the_least_repetitive_half_leaves_loops_out():
     code = list(range(100, 228))
     line = list(range(20))  # a loop of a 20-token line after 60 tokens of code: 68 of 128 tokens repeat it
-    assert report.loop_period(code[:60] + (line * 4)[:68]) == 20
-    assert report.loop_period(code[:80] + line * 2 + [5] * 8) is None  # two lines, then something else
-    assert report.loop_period(code) is None and report.loop_period([3] * 128) == 1
-    assert report.repetition(code) == 0 and report.repetition([3] * 128) == pytest.approx(124 / 125)
+    assert explain.loop_period(code[:60] + (line * 4)[:68]) == 20
+    assert explain.loop_period(code[:80] + line * 2 + [5] * 8) is None  # two lines, then something else
+    assert explain.loop_period(code) is None and explain.loop_period([3] * 128) == 1
+    assert explain.repetition(code) == 0 and explain.repetition([3] * 128) == pytest.approx(124 / 125)
     completions = [[3] * 128, code, [7, 9] * 64, code[:64] * 2]  # the last repeats a stretch too long for a loop
-    assert report.least_repetitive_half(completions) == [1, 3]
+    assert explain.least_repetitive_half(completions) == [1, 3]
     summary = {"staged": {"speedup": {"median": 3.0, "least_repetitive_half": 2.0}}}
-    assert report.loops_line(completions, summary) == ("Loops: 2 of 4 of the baseline's completions end in a loop of at "
+    assert explain.loops_line(completions, summary) == ("Loops: 2 of 4 of the baseline's completions end in a loop of at "
                                                        "most 32 tokens; staged's median speedup on the least repetitive "
                                                        "half of the prompts 2.00x (3.00x on all).")
 
 
 def test_a_looping_completion_is_shown_abridged():
     loop = "    return x\n" + '    """\n' * 40
-    assert report.abridged(loop) == ("    return x" + '\n    """' * 3 +  # the repeating stretch starts at x's newline
+    assert explain.abridged(loop) == ("    return x" + '\n    """' * 3 +  # the repeating stretch starts at x's newline
                                      "\n... (297 more characters repeating the last 8: this oracle loops)")
-    assert report.abridged("x" + "ab\n" * 40).endswith("ab\nab\nab\n... (111 more characters repeating the last 3: this oracle loops)")
+    assert explain.abridged("x" + "ab\n" * 40).endswith("ab\nab\nab\n... (111 more characters repeating the last 3: this oracle loops)")
     code = "    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\n\n"
-    assert report.abridged(code) == code
+    assert explain.abridged(code) == code
 
 
 class OffByOneAtToken5(Decoder):

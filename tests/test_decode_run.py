@@ -95,7 +95,7 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
 
 
 def test_agreement_reports_identical_outputs_and_explains_divergences(models, tmp_path):
-    from decode.cli import agreement
+    from decode.cli import agreement, near_ties
     from decode.models.engine import GPT2Engine
     from decode.healing import Prompt
 
@@ -106,28 +106,28 @@ def test_agreement_reports_identical_outputs_and_explains_divergences(models, tm
     for method in ("speculative", "tree", "staged", "ngram"):
         assert report[method]["identical"] == 4 and not report[method]["differences"] and not report[method]["near_ties"]
     oracle = GPT2Engine.load(models["oracle"])
-    wrong = agreement.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6, 7], [5, 8, 7])
+    wrong = near_ties.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6, 7], [5, 8, 7])
     oracle.reset()
     logits = oracle.extend(torch.tensor([3, 4, 5]))[-1]
     assert wrong["position"] == 1 and wrong["got"] == 8 and wrong["gap"] == pytest.approx(float(logits[6] - logits[8]), abs=1e-5)
     assert wrong["noise"] < 1e-4 < abs(wrong["gap"]) and not wrong["near_tie"]  # float32 rounding cannot flip this gap
-    assert agreement.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6], [5, 6]) is None
-    stopped = agreement.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6, 0], [5, 6])
+    assert near_ties.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6], [5, 6]) is None
+    stopped = near_ties.divergence(oracle, Prompt(torch.tensor([3, 4])), [5, 6, 0], [5, 6])
     assert stopped["position"] == 2 and not stopped["near_tie"]
     # bfloat16: a gap inside what the forward size moves it by is a near-tie, one outside is not
     bf16 = GPT2Engine.load(models["oracle"], "bfloat16")
     context = [3, 4, 5, 9, 11, 2, 7]
     bf16.reset()
     ranked = bf16.extend(torch.tensor(context))[-1].float().argsort(descending=True).tolist()
-    rows = agreement.replayed_logits(bf16, context, 2)
+    rows = near_ties.replayed_logits(bf16, context, 2)
     for b in ranked[1:]:
         measured = (rows[:, ranked[0]] - rows[:, b]).tolist()
-        assert measured == agreement.gaps_by_shape(bf16, context, ranked[0], b, 2)
-        diff = agreement.divergence(bf16, Prompt(torch.tensor(context[:2])), context[2:] + [ranked[0]], context[2:] + [b])
+        assert measured == near_ties.gaps_by_shape(bf16, context, ranked[0], b, 2)
+        diff = near_ties.divergence(bf16, Prompt(torch.tensor(context[:2])), context[2:] + [ranked[0]], context[2:] + [b])
         assert diff["gap"] == measured[0]
-        assert diff["noise"] == agreement.rounding_noise(rows, measured, ranked[0], b) >= max(measured) - min(measured)
+        assert diff["noise"] == near_ties.rounding_noise(rows, measured, ranked[0], b) >= max(measured) - min(measured)
         assert diff["near_tie"] == (abs(measured[0]) <= diff["noise"])
-    assert not all(d["near_tie"] for d in [agreement.divergence(bf16, Prompt(torch.tensor(context[:2])), context[2:] + [ranked[0]],
+    assert not all(d["near_tie"] for d in [near_ties.divergence(bf16, Prompt(torch.tensor(context[:2])), context[2:] + [ranked[0]],
                                                                 context[2:] + [ranked[-1]])])
 
 
@@ -136,7 +136,7 @@ def test_rounding_noise_is_the_largest_of_the_gaps_spread_the_best_tokens_spread
     is within rounding (what bfloat16 on a CPU with AMX showed: docs/exactness.md); a unit is counted at each logit's own
     magnitude; tokens outside the best do not count; and a single unit at the pair's magnitude is always within
     rounding (the last rounding of the logits alone makes it), in the precision the logits were computed in."""
-    from decode.cli.agreement import TOP, last_place, rounding_noise
+    from decode.cli.near_ties import TOP, last_place, rounding_noise
 
     first = torch.tensor([10.6875, 10.5625, 9.0, 6.0] + [2.0] * (TOP - 4) + [-5.0, -6.0])  # TOP + 2 tokens, bfloat16-exact
     assert last_place(first)[:4].tolist() == [0.0625, 0.0625, 0.0625, 0.03125]
@@ -163,17 +163,17 @@ def test_rounding_noise_is_the_largest_of_the_gaps_spread_the_best_tokens_spread
 def test_own_rows_are_the_rows_that_chose_each_token(models, method, extra):
     """Decoded again with a recording verifier, a method gives the same tokens, and the row recorded for each
     is the one that chose it (its argmax) and the baseline's row at that prefix (float32: to rounding)."""
-    from decode.cli import agreement
+    from decode.cli import near_ties
     from decode.api import SpeculativeDecoder
 
     dec = SpeculativeDecoder.from_run(oracle=models["oracle"], draft=models["draft"], ngram=models["ngram"],
                                       method=method, **extra)
     prompt = dec.prompt([3, 4, 5, 9], 20)
-    tokens, rows = agreement.own_rows(dec.decoder, prompt, 20, 0)
+    tokens, rows = near_ties.own_rows(dec.decoder, prompt, 20, 0)
     assert tokens == dec.decoder(prompt, 20, 0, Sampling()).tokens and rows.shape == (20, dec.decoder.oracle.vocab_size)
     assert rows.argmax(-1).tolist() == tokens
     for at in (0, 7, 19):
-        replayed = agreement.replayed_logits(dec.decoder.oracle, prompt.ids.tolist() + tokens[:at], len(prompt.ids))
+        replayed = near_ties.replayed_logits(dec.decoder.oracle, prompt.ids.tolist() + tokens[:at], len(prompt.ids))
         assert torch.allclose(rows[at], replayed[0], atol=1e-4)
 
 
@@ -202,33 +202,33 @@ def test_a_methods_own_forward_makes_a_near_tie_only_when_it_moved_no_best_logit
     by the replays alone. The method's own row that chose the other token settles it: the pair moved a unit
     each and nothing else moved, a near-tie; a third best token moved by three units (a row computed over
     something else), or the pair four units apart, or a re-decode that does not give the same output, not."""
-    from decode.cli import agreement
+    from decode.cli import near_ties
     from decode.healing import Prompt
 
     base = torch.tensor([10.6875, 10.5625, 9.0, 6.0] + [2.0] * 8 + [-5.0, -6.0])  # bfloat16-exact
-    monkeypatch.setattr(agreement, "replayed_logits", lambda oracle, context, n: base.expand(4, -1).clone())
+    monkeypatch.setattr(near_ties, "replayed_logits", lambda oracle, context, n: base.expand(4, -1).clone())
     prompt, expected, got = Prompt(torch.tensor([3, 4])), [2, 0, 5], [2, 1, 5]
 
     def judged(own_row, tokens=got):
-        return agreement.divergence(None, prompt, expected, got, own=lambda: (tokens, torch.stack([base, own_row, base])))
+        return near_ties.divergence(None, prompt, expected, got, own=lambda: (tokens, torch.stack([base, own_row, base])))
 
     flipped = base.clone()
     flipped[:2] += torch.tensor([-0.0625, 0.0625])  # a tie at 10.625, which the method's forward broke the other way
-    assert not agreement.divergence(None, prompt, expected, got)["near_tie"]  # the replays alone: 0.125 > 0.0625
+    assert not near_ties.divergence(None, prompt, expected, got)["near_tie"]  # the replays alone: 0.125 > 0.0625
     tie = judged(flipped)
     assert tie["near_tie"] and tie["own_moved"] == 0.0625 and tie["noise"] == 0.0625
     moved = flipped.clone()
     moved[2] += 0.1875
     assert not judged(moved)["near_tie"] and judged(moved)["own_moved"] == 0.1875
-    assert "own forward moved the best logits by 0.188" in agreement.describe(judged(moved))
+    assert "own forward moved the best logits by 0.188" in near_ties.describe(judged(moved))
     other = judged(flipped, tokens=[2, 0, 5])  # decoded again, the method gave the baseline's token: no evidence
     assert not other["near_tie"] and "own_moved" not in other
     far = base.clone()
     far[0] = 10.8125  # four units above token 1: a one-unit move of each cannot flip it
-    monkeypatch.setattr(agreement, "replayed_logits", lambda oracle, context, n: far.expand(4, -1).clone())
+    monkeypatch.setattr(near_ties, "replayed_logits", lambda oracle, context, n: far.expand(4, -1).clone())
     own = far.clone()
     own[:2] += torch.tensor([-0.0625, 0.0625])
-    assert not agreement.divergence(None, prompt, expected, got, own=lambda: (got, torch.stack([far, own, far])))["near_tie"]
+    assert not near_ties.divergence(None, prompt, expected, got, own=lambda: (got, torch.stack([far, own, far])))["near_tie"]
 
 
 @pytest.mark.filterwarnings("error::FutureWarning")  # e.g. transformers' renamed `past_key_values`: it goes in 5.40
@@ -238,15 +238,15 @@ def test_a_peers_difference_is_judged_with_its_own_models_logits_too(models):
     perturbed copy, standing in for kernels that round otherwise) made a near-tie, not a bug."""
     from transformers import AutoModelForCausalLM
 
-    from decode.cli import agreement
+    from decode.cli import near_ties
     from decode.models.engine import GPT2Engine
     from decode.healing import Prompt
 
     oracle = GPT2Engine.load(models["oracle"])
     hf = AutoModelForCausalLM.from_pretrained(models["oracle"]).eval()
     context, (a, b) = [3, 4, 5, 9, 11, 2, 7], (6, 8)
-    ours = agreement.gaps_by_shape(oracle, context, a, b, 2)
-    assert agreement.peer_gaps(hf, context, a, b, 2) == pytest.approx(ours[: 1 + len(agreement.CHUNKS)], abs=1e-4)
+    ours = near_ties.gaps_by_shape(oracle, context, a, b, 2)
+    assert near_ties.peer_gaps(hf, context, a, b, 2) == pytest.approx(ours[: 1 + len(near_ties.CHUNKS)], abs=1e-4)
 
     torch.manual_seed(0)
     with torch.no_grad():
@@ -262,9 +262,9 @@ def test_a_peers_difference_is_judged_with_its_own_models_logits_too(models):
             break
     assert ours != theirs
     expected, got = tail + [ours], tail + [theirs]
-    assert not agreement.divergence(oracle, prompt, expected, got)["near_tie"]
-    peer = SimpleNamespace(gaps=lambda *context_and_pair: agreement.peer_gaps(hf, *context_and_pair))
-    assert agreement.divergence(oracle, prompt, expected, got, peer=peer)["near_tie"]
+    assert not near_ties.divergence(oracle, prompt, expected, got)["near_tie"]
+    peer = SimpleNamespace(gaps=lambda *context_and_pair: near_ties.peer_gaps(hf, *context_and_pair))
+    assert near_ties.divergence(oracle, prompt, expected, got, peer=peer)["near_tie"]
 
 
 @pytest.mark.processes

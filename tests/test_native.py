@@ -398,14 +398,14 @@ def test_a_rows_logits_in_cpp_are_the_same_bits_alone_and_anywhere_in_a_call_of_
 
 
 def test_the_near_tie_checker_replays_a_cpp_forward_in_torch_too(blocks_here, tmp_path):
-    from decode.cli import agreement
+    from decode.cli import near_ties
 
     engine = GPT2Engine.load(tiny_gpt2(tmp_path / "model", seed=3, n_embd=64, n_head=2), "bfloat16",
                              native_blocks=True)
     context = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
-    rows = agreement.replayed_logits(engine, context, 3)
+    rows = near_ties.replayed_logits(engine, context, 3)
     engine.native_rows, native_rows = 0, engine.native_rows
-    in_torch = agreement.replayed_logits(engine, context, 3)
+    in_torch = near_ties.replayed_logits(engine, context, 3)
     engine.native_rows = native_rows
     half = len(in_torch)
     assert len(rows) == 2 * half and torch.equal(rows[half:], in_torch)

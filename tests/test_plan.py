@@ -575,7 +575,7 @@ def test_paper_tree_is_one_flag_away_and_refused_beside_a_typed_tree(models):
             "--prompt", "t1"]
     assert (run.parse(args).options.budget, run.parse(args).options.widths) == (12, [3, 2, 1])
     paper = run.parse(args + ["--paper-tree"])
-    assert (paper.options.budget, paper.options.widths) == (36, [12, 7, 4, 1, 1, 1]) and {"budget", "widths"} <= paper.flags.typed
+    assert (paper.options.budget, paper.options.widths) == (36, [12, 7, 4, 1, 1, 1]) and {"budget", "widths"} <= paper.flags.given
     with pytest.raises(SystemExit):
         run.parse(args + ["--paper-tree", "--budget", "16"])
 

@@ -35,7 +35,7 @@ from data.atomic import FILE, atomic_output, check_output, write_json
 from data.errors import InputError, exits_on_input_error
 from decode import native
 from decode.api import SpeculativeDecoder
-from decode.cli import agreement, report
+from decode.cli import explain, near_ties
 from decode.cli.harness import compare_with_baseline, decode_in_turns, warm_up
 from decode.cli.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
 from decode.cli.settings import Settings, encode_prompts, parse_settings
@@ -55,7 +55,7 @@ def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[d
     decoders, ours = {}, []
     for name in (n for n in names if n not in PEERS):
         options = (replace(base, method="staged", widths=list(PAPER_WIDTHS), budget=PAPER_BUDGET) if name == "staged-paper"
-                   else settings.flags.options(name))
+                   else settings.options_of(name))
         ours.append(SpeculativeDecoder(options))
         decoders[name] = ours[-1].decoder
     oracle = decoders["baseline"].oracle
@@ -98,13 +98,13 @@ def timed_runs(decoders: dict, prompts: list, settings: Settings) -> dict[str, l
 def check_outputs(records: dict[str, list[dict]], prompts: list, decoders: dict, settings: Settings) -> dict[str, dict]:
     """Greedy: per method, prompts whose output equals the baseline's, near-ties, and differences that are not.
     A peer's difference is judged with its own model's logits too (transformers' kernels round otherwise), one
-    of ours with the rows its own forwards computed (`agreement.own_rows`, decoded again with the run's seed)."""
+    of ours with the rows its own forwards computed (`near_ties.own_rows`, decoded again with the run's seed)."""
     n, seed = settings.max_new_tokens, settings.seed
 
     def judge(name, i, prompt, expected, got):
         peer = decoders[name] if name in PEERS else None
-        own = None if name in PEERS else lambda: agreement.own_rows(decoders[name], prompt, n, seed + i)
-        return agreement.divergence(decoders["baseline"].oracle, prompt, expected, got, peer, own)
+        own = None if name in PEERS else lambda: near_ties.own_rows(decoders[name], prompt, n, seed + i)
+        return near_ties.divergence(decoders["baseline"].oracle, prompt, expected, got, peer, own)
 
     outputs = {name: [row["tokens"] for row in rows] for name, rows in records.items()}
     return compare_with_baseline(outputs, [prompt for _, prompt in prompts], [r["task_id"] for r, _ in prompts], judge)
@@ -122,7 +122,7 @@ RIVALS = ("speculative", "hf-assisted", "hf-lookup")  # what staged must also be
 def summarise(records: dict[str, list[dict]], checks: dict | None) -> dict[str, dict]:
     ms_per_token = {name: np.array([1e3 * r["seconds"] / len(r["tokens"]) for r in rows]) for name, rows in records.items()}
     base_ms = ms_per_token["baseline"]
-    plain = report.least_repetitive_half([r["tokens"] for r in records["baseline"]])
+    plain = explain.least_repetitive_half([r["tokens"] for r in records["baseline"]])
     summary = {}
     for name, rows in records.items():
         tokens = sum(len(r["tokens"]) for r in rows)
@@ -173,7 +173,7 @@ def print_table(summary: dict[str, dict], greedy: bool) -> None:
     for name, s in summary.items():
         for d in s.get("same_output", {}).get("differences", []):
             print(f"  {name} differs from baseline on {d['task_id']} at token {d['position']} "
-                  f"({agreement.describe(d)})")
+                  f"({near_ties.describe(d)})")
 
 
 def check_plot_path(path: Path, overwrite: bool, reads: dict) -> None:
@@ -255,7 +255,7 @@ def describe_methods(decoders: dict, summary: dict, sampling) -> tuple[dict, dic
 def main(argv=None) -> dict:
     known, names, settings = parse(argv)
     decoders, ours = build_methods(names, settings, chosen=known.methods is not None)
-    options, sampling, plan_path = settings.flags.base, settings.sampling, settings.flags.plan
+    options, sampling, plan_path = settings.flags.base, settings.sampling, settings.plan
     prompts = encode_prompts(settings, ours)
     mode, loops, healing = sampling.describe(), native.loops(options.device), "on" if options.token_healing else "off"
     print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
@@ -268,13 +268,13 @@ def main(argv=None) -> dict:
         summary[name]["predicted"] = plan["predicted"][name]
     shown = next((n for n in ("staged", *names) if n in records and n != "baseline"), "baseline")
     record, prompt = prompts[0]
-    report.show_sample(record["prompt"], prompt.completion(ours[0].tokenizer, records[shown][0]["tokens"],
+    explain.show_sample(record["prompt"], prompt.completion(ours[0].tokenizer, records[shown][0]["tokens"],
                                                            decoders["baseline"].eos_id), shown)
     print_table(summary, sampling.greedy)
     sizing, drafts = describe_methods(decoders, summary, sampling)
-    print("\n".join(report.explain(summary, plan, sampling.greedy)))
-    print(report.loops_line([r["tokens"] for r in records["baseline"]], summary))
-    warning = report.looping([r["tokens"] for r in records["baseline"]]) if sampling.greedy else None
+    print("\n".join(explain.explain(summary, plan, sampling.greedy)))
+    print(explain.loops_line([r["tokens"] for r in records["baseline"]], summary))
+    warning = explain.looping([r["tokens"] for r in records["baseline"]]) if sampling.greedy else None
     if warning:
         print(warning)
     device = decoders["baseline"].oracle.device

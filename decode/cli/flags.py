@@ -1,18 +1,17 @@
 """The flags every tool that builds a decoder shares (decode.run, decode.serve, the benchmarks), and how they become
-DecoderOptions: the flags parsed, the run's parts and plan found, and the plan's policy for a method under the flags
-that were typed (`DecoderFlags.options`)."""
+DecoderOptions: the flags parsed and resolved as the library resolves its arguments (decode.resolution)."""
 import argparse
 import functools
 import sys
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 from data.errors import InputError
 from decode.methods import METHODS
 from decode.models.loading import model_dir
-from decode.models.precision import PINNED, auto_dtype
+from decode.models.precision import PINNED
 from decode.options import CPU_BUDGET, CPU_WIDTHS, PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
-from decode.planning.plan_file import describe, plan_name, replan_command, run_plan, with_plan
+from decode.planning.plan_file import describe, replan_command
+from decode.resolution import Resolved, resolve
 from decode.sampling import Sampling
 
 # Flags a plan fills in unless typed: their parser default is None, DecoderOptions holds the value used otherwise
@@ -93,33 +92,16 @@ def add_decoder_flags(p: argparse.ArgumentParser) -> None:
                         "the oracle's (default: the plan's choice, else 0: every token)")
 
 
-@dataclass
-class DecoderFlags:
-    """The decoder flags, resolved: the options they set (every method's), the plan to fill in the rest, and which
-    flags were typed (a typed flag wins over the plan)."""
-
-    base: DecoderOptions
-    plan: Path | None
-    typed: frozenset[str]
-
-    def options(self, method: str | None = None) -> DecoderOptions:
-        """The options for `method` (default: --method's), its plan's policy filling in what was not typed."""
-        return with_plan(replace(self.base, method=method or self.base.method), self.plan, self.typed)
-
-
 def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, sampling: Sampling,
-                  dtype_from_plan: bool = True) -> DecoderFlags:
-    """The flags `add_decoder_flags` parsed, resolved: the run's parts, the tree, the dtype and the run's plan for
-    `sampling` (plan_name). `--dtype auto` takes the run's plan's dtype (even with --no-plan, so that a benchmark's
-    methods share one) unless `dtype_from_plan` is off (the planner, which measures afresh)."""
+                  dtype_from_plan: bool = True) -> Resolved:
+    """The flags `add_decoder_flags` parsed, resolved (decode.resolution): the run's parts, the tree, the dtype and
+    the run's plan for `sampling` (plan_name); `.options(sampling, method)` gives a method's options. `--dtype auto`
+    takes the run's plan's dtype (even with --no-plan, so that a benchmark's methods share one) unless
+    `dtype_from_plan` is off (the planner, which measures afresh)."""
     run = args.run
     args.oracle = args.oracle and model_dir(args.oracle, "--oracle")  # a hub name typed: its files in the hub's cache
     args.draft = args.draft and model_dir(args.draft, "--draft")
-    if run is not None:
-        args.oracle = args.oracle or run / "oracle"
-        args.draft = args.draft or run / "draft"
-        args.ngram = args.ngram or run / "ngram"
-    if args.oracle is None:
+    if args.oracle is None and run is None:
         p.error("pass --oracle DIR (or --run RUN)")
     if args.paper_tree:
         if args.widths is not None or args.budget is not None:
@@ -130,27 +112,21 @@ def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, sampling
             args.widths = [int(w) for w in args.widths.split(",")]
         except ValueError:
             p.error(f"--widths takes comma-separated integers, e.g. 3,2,1 (got {args.widths!r})")
-    plan = None if args.no_plan else args.plan or (run / plan_name(sampling) if run is not None else None)
-    if args.dtype == "auto":
-        args.dtype, why = auto_dtype(args.device, (args.plan or run and run / "plan.json") if dtype_from_plan else None,
-                                     args.oracle, calibrate=not dtype_from_plan)  # the planner calibrates
-        if PINNED not in why:  # pinned by the environment: the user chose it
-            announce(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)")
     typed = frozenset(name for name in PLANNED_FLAGS if getattr(args, name) is not None)
     try:
-        base = DecoderOptions(**{name: getattr(args, name) for name in OTHER_FLAGS + tuple(typed)}).check()
+        resolved = resolve({name: getattr(args, name) for name in OTHER_FLAGS + tuple(typed)}, typed, run,
+                           plan=args.plan, plans=not args.no_plan, calibrate=not dtype_from_plan)
     except InputError as err:
         p.error(str(err))
-    if run is not None and args.plan is None and plan is not None:
-        plan, other = run_plan(run, base, sampling)
-        if other:
-            announce(f"note: {run / plan_name(sampling)} was planned for {', '.join(other)}; using the flags' trees "
-                     f"(re-plan with `{replan_command(run, base, sampling)}`)")
-        elif plan is None and METHODS[base.method].tree and not {"widths", "budget"} & typed:
-            announce(f"note: no plan for this setting in {run} ({plan_name(sampling)}), so {base.method} uses a tree "
-                     f"sized for this device (--budget {base.budget}, --widths {','.join(map(str, base.widths))}); "
-                     f"`{replan_command(run, base, sampling)}` plans each method's tree for these models")
-    return DecoderFlags(base, plan, typed)
+    base = resolved.base
+    if resolved.dtype_reason is not None and PINNED not in resolved.dtype_reason:  # pinned: the user chose it
+        announce(f"dtype: {base.dtype} ({resolved.dtype_reason}; --dtype float32 or bfloat16 to choose)")
+    if (reason := resolved.without_plan(sampling)) is not None:
+        tree = (f"a tree sized for this device (--budget {base.budget}, --widths {','.join(map(str, base.widths))})"
+                if METHODS[base.method].tree else "the flags' values")
+        announce(f"note: {reason}, so {base.method} uses {tree}; `{replan_command(run, base, sampling)}` plans each "
+                 f"method for these models")
+    return resolved
 
 
 def announce_plan(options: DecoderOptions) -> None:

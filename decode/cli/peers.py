@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from decode.cli.agreement import CHUNKS, peer_gaps
+from decode.cli.near_ties import CHUNKS, peer_gaps
 from decode.healing import Prompt, constrain_first
 from decode.loop import Generation
 from decode.models.engine import attention_kernels

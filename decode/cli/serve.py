@@ -16,7 +16,7 @@ import time
 
 from data.cli import HelpFormatter
 from data.errors import InputError, exits_on_input_error
-from decode.api import SettingPlans, SpeculativeDecoder
+from decode.api import SpeculativeDecoder
 from decode.cli.flags import add_decoder_flags, decoder_flags
 from decode.sampling import Sampling
 from decode.serving.app import create_app
@@ -47,8 +47,7 @@ def parse(argv=None) -> argparse.Namespace:
     args.oracle_name = given.resolve().name if given is not None and given.is_dir() else str(given)
     flags = decoder_flags(p, args, Sampling())
     args.options = flags.options()
-    own = args.run is not None and args.plan is None and not args.no_plan
-    args.plans = SettingPlans(args.run, flags.base, flags.typed) if own else None  # a request's setting: its own plan
+    args.plans = flags if flags.run_plans else None  # a request's setting: its own plan
     return args
 
 

@@ -8,8 +8,9 @@ from data.cli import HelpFormatter
 from data.errors import InputError
 from data.prompts import load_prompts
 from decode.api import SpeculativeDecoder
-from decode.cli.flags import DecoderFlags, add_decoder_flags, decoder_flags
+from decode.cli.flags import add_decoder_flags, decoder_flags
 from decode.healing import Prompt
+from decode.resolution import Resolved
 from decode.options import DecoderOptions, sampling_of
 from decode.sampling import Sampling
 
@@ -18,7 +19,7 @@ from decode.sampling import Sampling
 class Settings:
     """decode.run's flags, parsed and checked: what every decoding command shares."""
 
-    flags: DecoderFlags
+    flags: Resolved
     sampling: Sampling
     prompt: str | None
     prompts: str | None
@@ -35,13 +36,22 @@ class Settings:
         the tokenizer), the trigram, the plan and the prompts file."""
         base = self.flags.base
         prompts = Path(self.prompts) if self.prompts not in (None, "humaneval") else None
-        return {"oracle": base.oracle, "draft": base.draft, "trigram": base.ngram, "plan": self.flags.plan,
+        return {"oracle": base.oracle, "draft": base.draft, "trigram": base.ngram, "plan": self.plan,
                 "prompts": prompts}
+
+    @property
+    def plan(self) -> Path | None:
+        """The plan this sampling setting decodes with (None: none)."""
+        return self.flags.plan_for(self.sampling)[0]
+
+    def options_of(self, method: str | None = None) -> DecoderOptions:
+        """The options of `method` (default: --method's), with its plan's policy for this sampling setting."""
+        return self.flags.options(self.sampling, method)
 
     @property
     def options(self) -> DecoderOptions:
         """The options of --method, with its plan's policy."""
-        return self.flags.options()
+        return self.options_of()
 
 
 def parse_settings(argv, prog: str, description: str, dtype_from_plan: bool = True) -> Settings:

@@ -1,0 +1,76 @@
+"""From what a caller names to the options a decoder runs with: a run's parts, the dtype "auto" stands for, and the
+run's plan for each sampling setting, whose policy fills in what the caller did not set. The library
+(`SpeculativeDecoder.from_run`) and the commands (decode/cli/flags.py) resolve through `resolve` alike."""
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from decode.methods import METHODS
+from decode.models.precision import auto_dtype
+from decode.options import DecoderOptions
+from decode.planning.plan_file import plan_name, run_plan, with_plan
+from decode.sampling import Sampling
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Options before any plan (`base`, checked), the fields the caller set (`given`, which win over every plan),
+    and where plans come from: `plan`, one file for every setting (None: none), unless `run_plans`, when each sampling
+    setting takes the run's own plan for it (plan_name) where that was made for these models and settings."""
+
+    base: DecoderOptions
+    given: frozenset[str]
+    run: Path | None = None
+    plan: Path | None = None
+    run_plans: bool = False
+    dtype_reason: str | None = None  # why "auto" stood for base.dtype (None: the caller chose the dtype)
+    found: dict = field(default_factory=dict, compare=False)  # sampling setting -> (its plan, what a refused one was made for)
+
+    def plan_for(self, sampling: Sampling = GREEDY) -> tuple[Path | None, list[str]]:
+        """The plan a decoder with this sampling follows, and (when the run's plan for it does not fit these settings)
+        the settings that one was planned for."""
+        if not self.run_plans:
+            return self.plan, []
+        if sampling not in self.found:
+            self.found[sampling] = run_plan(self.run, self.base, sampling)
+        return self.found[sampling]
+
+    def options(self, sampling: Sampling = GREEDY, method: str | None = None) -> DecoderOptions:
+        """The options for `method` (default: the base's) under this sampling, its plan's policy filling in what the
+        caller did not set."""
+        base = self.base if method is None else replace(self.base, method=method)
+        return with_plan(base, self.plan_for(sampling)[0], self.given)
+
+    def without_plan(self, sampling: Sampling = GREEDY) -> str | None:
+        """Why the method decodes without the run's plan under this sampling, in words: the run's plan for it was made
+        for other settings, or (a tree method whose tree the caller did not size) there is none. None otherwise."""
+        if not self.run_plans:
+            return None
+        plan, other = self.plan_for(sampling)
+        if other:
+            return f"{self.run / plan_name(sampling)} was planned for {', '.join(other)}"
+        if plan is None and METHODS[self.base.method].tree and not {"widths", "budget"} & self.given:
+            return f"no plan for this setting in {self.run} ({plan_name(sampling)})"
+        return None
+
+
+def resolve(fields: dict, given: frozenset[str], run: Path | None = None, *, plan: Path | None = None,
+            plans: bool = True, calibrate: bool = False) -> Resolved:
+    """`fields`: DecoderOptions' fields as the caller has them (oracle, draft and ngram default to the run's parts;
+    dtype "auto" or absent: the dtype the run's greedy plan, or `plan`, was planned in on this device, else the
+    oracle's calibrated one, measured now with `calibrate`: the planner's, which measures afresh); `given`: the ones
+    the caller set. `plan`: one plan file for every setting; `plans=False`: none at all."""
+    fields = dict(fields)
+    if run is not None:
+        for part in ("oracle", "draft", "ngram"):
+            fields[part] = fields.get(part) or run / part
+    for part in ("oracle", "draft", "ngram"):
+        fields[part] = fields.get(part) and Path(fields[part])
+    reason = None
+    if fields.get("dtype", "auto") == "auto":
+        planned = None if calibrate else plan or (run and run / plan_name())
+        fields["dtype"], reason = auto_dtype(fields.get("device", "cpu"), planned, fields.get("oracle"), calibrate)
+    base = DecoderOptions(**fields).check()
+    run_plans = plans and plan is None and run is not None
+    return Resolved(base, frozenset(given), run and Path(run), plan if plans else None, run_plans, reason)
