@@ -18,6 +18,7 @@ COMMANDS = [  # (what a user types, how to run it here)
     ("python -m data.prepare", ["-m", "data.prepare"]),
     ("python train/finetune_oracle.py", ["train/finetune_oracle.py"]),
     ("python train/distill_draft.py", ["train/distill_draft.py"]),
+    ("python -m train.bf16", ["-m", "train.bf16"]),
     ("python ngram/build_katz.py", ["ngram/build_katz.py"]),
     ("python -m ngram.bench_lookup", ["-m", "ngram.bench_lookup"]),
     ("python -m decode.run", ["-m", "decode.run"]),

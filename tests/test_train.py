@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import write_corpus
-from data import prepare
+from data import machine as data_machine, prepare
 from data.pretrained import FUSED_GELU
 from data.shards import TOKEN_COUNTS, open_split
 from train import distill_draft, finetune_oracle, teacher_init
@@ -501,22 +501,25 @@ def test_targets_from_another_run_are_copied_not_computed_and_refused_when_its_s
     assert not list(tmp_path.glob("bad*"))
 
 
-def test_unset_bf16_is_measured_once_and_kept_on_resume(run, tmp_path, monkeypatch, capsys):
+def test_unset_bf16_is_the_calibrated_choice_and_kept_on_resume(run, tmp_path, monkeypatch, capsys):
     import dataclasses
 
-    from train import loop, presets
+    from train import bf16, loop, presets
 
-    faster, timings = loop.bf16_is_faster(width=64, rows=128, repeats=2, cache_dir=tmp_path / "bf16")
+    kept = tmp_path / "bf16"
+    unmeasured, why = bf16.bf16_choice(width=64, rows=128, cache_dir=kept)  # nothing timed: the CPU's instructions
+    assert unmeasured == any(name in data_machine.cpu_features() for name in ("BF16", "AMX"))
+    assert "not calibrated: `python -m train.bf16 --width 64` times both" in why and not list(kept.glob("*"))
+    faster, timings = bf16.calibrate(width=64, rows=128, repeats=2, cache_dir=kept)
     assert isinstance(faster, bool) and "ms with bf16 autocast" in timings and "ms in float32" in timings
-    assert timings.endswith("measured now")
-    again = loop.bf16_is_faster(width=64, rows=128, repeats=2, cache_dir=tmp_path / "bf16")  # per CPU, read back
-    assert again == (faster, timings.replace("measured now", "measured earlier on this CPU"))
+    assert bf16.bf16_choice(width=64, rows=128, cache_dir=kept) == (faster, timings + ", calibrated on this CPU")
+    assert bf16.bf16_choice(width=96, rows=128, cache_dir=kept)[1].endswith("times both")  # per width
     monkeypatch.setitem(presets.ORACLE_PRESETS, "tiny", dataclasses.replace(presets.ORACLE_PRESETS["tiny"], bf16=None))
-    monkeypatch.setattr(loop, "bf16_is_faster", lambda *size: (False, "timed"))
+    monkeypatch.setattr(loop, "bf16_choice", lambda *size: (False, "calibrated"))
     argv = ["--data", str(run[0] / "data"), "--out", str(tmp_path / "oracle"), "--max-steps", "12"]
     finetune_oracle.main(argv + ["--stop-after-steps", "6"])
-    assert "bf16 autocast off" in capsys.readouterr().out
-    monkeypatch.setattr(loop, "bf16_is_faster", lambda *size: (True, "timed"))  # the resumed run keeps its own
+    assert "bf16 autocast off (calibrated; --bf16 True or False to choose)" in capsys.readouterr().out
+    monkeypatch.setattr(loop, "bf16_choice", lambda *size: (True, "calibrated"))  # the resumed run keeps its own
     finetune_oracle.main(argv + ["--resume"])
     assert json.loads((tmp_path / "oracle" / "training_args.json").read_text())["bf16"] is False
 

@@ -24,7 +24,7 @@ from data.errors import InputError, first_line, written
 from data.pretrained import FUSED_GELU, load_causal_lm
 from data.shards import TOKEN_COUNTS, open_split, read_meta, token_counts
 from data.tokenizer import load_tokenizer
-from train.bf16 import bf16_is_faster
+from train.bf16 import bf16_choice
 from train.presets import TrainArgs
 from train.tracking import JSONLinesTracker
 from train.work_dir import (CHECKPOINT_PREFIX, MODEL, check_checkpoint, check_output, checkpoints, read_saved_args,
@@ -258,13 +258,13 @@ def start_run(args: TrainArgs) -> Run:
     state = processes()
     if args.bf16 is None and args.resume:  # a resumed run keeps its run's choice
         args.bf16 = read_saved_args(work_dir)["bf16"]
-    elif args.bf16 is None:  # measured once per run, on the model's width, by the first process for all
+    elif args.bf16 is None:  # the calibrated choice for the model's width (train/bf16.py), the first process's for all
         from accelerate.utils import broadcast_object_list
 
-        measured = [bf16_is_faster(args.n_embd) if state.is_main_process else None]
-        args.bf16, timings = broadcast_object_list(measured)[0]
+        chosen = [bf16_choice(args.n_embd) if state.is_main_process else None]
+        args.bf16, why = broadcast_object_list(chosen)[0]
         if state.is_main_process:
-            print(f"bf16 autocast {'on' if args.bf16 else 'off'} ({timings}; --bf16 True or False to choose)")
+            print(f"bf16 autocast {'on' if args.bf16 else 'off'} ({why}; --bf16 True or False to choose)")
     set_seed(args.seed)
     keep_freed_memory()
     return Run(args, work_dir, make_accelerator(args, work_dir), tokenizer, train_tokens, val_tokens)

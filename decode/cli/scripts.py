@@ -1,7 +1,7 @@
 """The console scripts pip installs (pyproject.toml's [project.scripts]): each runs a command's `main` and exits 0,
 whatever the main returns for the tests and the Python callers (a console script exits with a main's return value).
 
-    staged-prepare, staged-finetune-oracle, staged-distill-draft, staged-build-katz,
+    staged-prepare, staged-finetune-oracle, staged-distill-draft, staged-calibrate-training, staged-build-katz,
     staged-run, staged-serve, staged-bench, staged-plan, staged-profile-step, staged-bench-engine,
     staged-agreement, staged-report, staged-export, staged-calibrate
 
@@ -11,6 +11,7 @@ import importlib
 
 COMMANDS = {
     "prepare": "data.prepare", "finetune-oracle": "train.finetune_oracle", "distill-draft": "train.distill_draft",
+    "calibrate-training": "train.bf16",
     "build-katz": "ngram.build_katz", "run": "decode.cli.run", "serve": "decode.cli.serve", "bench": "decode.cli.bench",
     "plan": "decode.cli.plan", "profile-step": "decode.cli.profile_step", "bench-engine": "decode.cli.bench_engine",
     "agreement": "decode.cli.agreement", "report": "decode.cli.report", "export": "decode.cli.export",
@@ -25,6 +26,7 @@ def command(name: str) -> None:
 def prepare(): command("prepare")
 def finetune_oracle(): command("finetune-oracle")
 def distill_draft(): command("distill-draft")
+def calibrate_training(): command("calibrate-training")
 def build_katz(): command("build-katz")
 def run(): command("run")
 def serve(): command("serve")
