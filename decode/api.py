@@ -86,6 +86,8 @@ class SpeculativeDecoder:
             return self.options
         if sampling not in self.settings:
             self.settings[sampling] = self.plans.options(sampling).check()
+            if (borrowed := self.plans.borrowed(sampling)) is not None:
+                log.info("%s decodes with the plan %s", sampling.describe(), borrowed)
         return self.settings[sampling]
 
     def decoder_for(self, sampling: Sampling) -> "Decoder":
@@ -111,6 +113,8 @@ class SpeculativeDecoder:
         plan = options.pop("plan", None)
         resolved = resolve(options | {"oracle": oracle, "draft": draft, "ngram": ngram}, frozenset(options),
                            run and Path(run), plan=plan and Path(plan), plans=not named or plan is not None)
+        if (borrowed := resolved.borrowed()) is not None:
+            log.info("greedy decoding uses the plan %s", borrowed)
         if (reason := resolved.without_plan()) is not None:
             base = resolved.base
             uses = (f"a tree sized for this device (budget {base.budget}, widths {base.widths})" if METHODS[base.method].tree

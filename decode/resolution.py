@@ -7,7 +7,7 @@ from pathlib import Path
 from decode.methods import METHODS
 from decode.models.precision import auto_dtype
 from decode.options import DecoderOptions
-from decode.planning.plan_file import plan_name, run_plan, with_plan
+from decode.planning.plan_file import nearest_run_plan, plan_name, setting_of, with_plan
 from decode.sampling import Sampling
 
 GREEDY = Sampling()
@@ -28,13 +28,24 @@ class Resolved:
     found: dict = field(default_factory=dict, compare=False)  # sampling setting -> (its plan, what a refused one was made for)
 
     def plan_for(self, sampling: Sampling = GREEDY) -> tuple[Path | None, list[str]]:
-        """The plan a decoder with this sampling follows, and (when the run's plan for it does not fit these settings)
-        the settings that one was planned for."""
+        """The plan a decoder with this sampling follows (the run's for this setting, else the nearest setting's:
+        `nearest_run_plan`), and (when the run's plan for it does not fit these settings) the settings that one was
+        planned for."""
         if not self.run_plans:
             return self.plan, []
         if sampling not in self.found:
-            self.found[sampling] = run_plan(self.run, self.base, sampling)
+            self.found[sampling] = nearest_run_plan(self.run, self.base, sampling)
         return self.found[sampling]
+
+    def borrowed(self, sampling: Sampling = GREEDY) -> str | None:
+        """Which plan this sampling setting borrows when it follows another setting's, in words (None: its own, or
+        none). A plan chooses trees only: what is accepted is the oracle's either way."""
+        plan = self.plan_for(sampling)[0]
+        made_for = setting_of(plan.name) if plan is not None and self.run_plans else None
+        if made_for is None or made_for == sampling:
+            return None
+        return (f"{plan} (planned for {made_for.describe()}, the nearest planned setting to {sampling.describe()}; "
+                f"`python -m decode.plan` with this setting plans its own)")
 
     def options(self, sampling: Sampling = GREEDY, method: str | None = None) -> DecoderOptions:
         """The options for `method` (default: the base's) under this sampling, its plan's policy filling in what the
@@ -48,7 +59,7 @@ class Resolved:
         if not self.run_plans:
             return None
         plan, other = self.plan_for(sampling)
-        if other:
+        if other and plan is None:
             return f"{self.run / plan_name(sampling)} was planned for {', '.join(other)}"
         if plan is None and METHODS[self.base.method].tree and not {"widths", "budget"} & self.given:
             return f"no plan for this setting in {self.run} ({plan_name(sampling)})"

@@ -78,17 +78,24 @@ fi
 # "Calibration")
 dtype=$("$py" -c "import sys; from decode.models.precision import auto_dtype; print(auto_dtype('cpu', None, sys.argv[1], calibrate=True)[0])" "$run/oracle")
 
-stage "== 5/6 plan each method's tree for these models on this CPU ($dtype) -> $run/plan.json"
-current_plan() {  # a plan of this version, in this dtype
+stage "== 5/6 plan each method's tree for these models on this CPU ($dtype), greedy and top-k 50 -> $run/plan*.json"
+current_plan() {  # a plan of this version, in this dtype, newer than the models
     "$py" -c "import json, sys; from decode.planning.plan_file import PLAN_VERSION; plan = json.load(open(sys.argv[1]));
-sys.exit(plan.get('version') != PLAN_VERSION or plan['identity']['dtype'] != sys.argv[2])" "$1" "$dtype" 2>/dev/null
+sys.exit(plan.get('version') != PLAN_VERSION or plan['identity']['dtype'] != sys.argv[2])" "$1" "$dtype" 2>/dev/null \
+        && [ "$1" -nt "$run/oracle/model.safetensors" ] && [ "$1" -nt "$run/draft/model.safetensors" ] \
+        && [ "$1" -nt "$run/ngram/successors.npz" ]
 }
-if current_plan "$run/plan.json" && [ "$run/plan.json" -nt "$run/oracle/model.safetensors" ] \
-        && [ "$run/plan.json" -nt "$run/draft/model.safetensors" ] && [ "$run/plan.json" -nt "$run/ngram/successors.npz" ]; then
-    echo "   already planned for these models in $dtype by this version (remove $run/plan.json to re-plan)"
-else
-    "$py" -m decode.plan --run "$run" --dtype "$dtype" --calibration 16 --screen 4 --project-oracle gpt2-large --overwrite
-fi
+# greedy decoding's plan, and sampling's at T = 1, top-k 50 (a request at another setting borrows the nearer one)
+for setting in "plan.json" "plan-t1-k50-p1.json:--temperature 1 --top-k 50"; do
+    file="${setting%%:*}" flags=()
+    [ "$file" != "$setting" ] && read -r -a flags <<< "${setting#*:}"
+    if current_plan "$run/$file"; then
+        echo "   $file: already planned for these models in $dtype by this version (remove it to re-plan)"
+    else
+        "$py" -m decode.plan --run "$run" --dtype "$dtype" --calibration 16 --screen 4 --project-oracle gpt2-large \
+            "${flags[@]}" --overwrite
+    fi
+done
 
 stage "== 6/6 benchmark: greedy, $limit prompts x 128 new tokens"
 mkdir -p "$run/bench"

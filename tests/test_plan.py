@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -567,7 +568,6 @@ def test_a_sampling_setting_is_planned_by_decoding_into_its_own_file_which_runs_
     options = run.parse(["--run", str(run_dir), *prompts, *setting, "--method", "staged"]).options
     assert options.plan == path and options.policy == written["policies"]["staged"]  # a shape or budget and widths:
     # which one the plan chose follows this machine's timing
-    assert run.parse(["--run", str(run_dir), *prompts, "--method", "staged"]).options.plan is None  # greedy: no plan.json
 
 
 def test_paper_tree_is_one_flag_away_and_refused_beside_a_typed_tree(models):
@@ -602,9 +602,45 @@ def test_auto_dtype_is_the_plans_on_this_device_else_the_devices_native_one(plan
     assert precision.auto_dtype("cpu", planned["path"])[0] == "bfloat16"
 
 
+def test_each_setting_takes_its_own_plan_else_the_nearest_and_says_which(planned, models, tmp_path, capsys, caplog):
+    """Which plan a sampling setting decodes with: its own; else the nearest planned setting's, said in a line; else
+    none (the method's defaults). On a run with a greedy plan only, with a top-k plan only, with both, with none."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    plan_json = json.loads(planned["path"].read_text())
+    greedy, top_k, top_k_far = Sampling(), Sampling(1.0, 20), Sampling(1.0, 50)
+    prompts = ["--prompts", planned["args"][planned["args"].index("--prompts") + 1]]
+    plans = {greedy: run_dir / "plan.json", top_k_far: run_dir / "plan-t1-k50-p1.json"}
+
+    def chosen(sampling: Sampling) -> Path | None:
+        flags = ["--temperature", str(sampling.temperature), "--top-k", str(sampling.top_k)] if not sampling.greedy else []
+        from_command = run.parse(["--run", str(run_dir), *prompts, "--method", "staged", *flags]).options.plan
+        from_library = SpeculativeDecoder.from_run(run_dir, method="staged").options_for(sampling).plan
+        assert from_command == from_library
+        return from_command
+
+    assert chosen(greedy) is None and chosen(top_k) is None  # no plan at all: the defaults
+    plans[greedy].write_text(json.dumps(plan_json))
+    capsys.readouterr()
+    assert chosen(top_k) == plans[greedy]  # a greedy plan only: the sampled setting borrows it, and says so
+    assert f"using {plans[greedy]} (planned for greedy, the nearest planned setting to T=1.0 top-k 20 top-p 1.0" in \
+        capsys.readouterr().err
+    plans[top_k_far].write_text(json.dumps(plan_json | {"sampling": top_k_far.describe()}))
+    with caplog.at_level(logging.INFO, logger="decode"):
+        assert chosen(top_k) == plans[top_k_far] and chosen(greedy) == plans[greedy]  # both: each its nearest
+    assert f"T=1.0 top-k 20 top-p 1.0 decodes with the plan {plans[top_k_far]} (planned for T=1.0 top-k 50" in caplog.text
+    plans[greedy].unlink()
+    assert chosen(greedy) == plans[top_k_far] and chosen(Sampling(1.0, 50)) == plans[top_k_far]  # a top-k plan only
+    elsewhere = json.loads(plans[top_k_far].read_text())
+    plans[top_k_far].write_text(json.dumps(elsewhere | {"identity": elsewhere["identity"] | {"device": "another"}}))
+    assert chosen(top_k) is None  # a plan for another device is never borrowed
+
+
 def test_each_call_decodes_with_its_sampling_settings_plan_over_the_same_models(planned, models, tmp_path):
     """A run with plans for greedy decoding and for top-k 20: from_run's decoder (and the server's) decodes each call
-    with its setting's plan, a setting without one with the method's defaults, every decoder over the models loaded
+    with its setting's plan, a setting without one with the nearest setting's, every decoder over the models loaded
     once; a keyword wins over every plan, plan=None turns them all off and a plan named is used for every call."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -617,7 +653,7 @@ def test_each_call_decodes_with_its_sampling_settings_plan_over_the_same_models(
     dec = SpeculativeDecoder.from_run(run_dir, method="staged")
     sampled, other = Sampling(1.0, 20), Sampling(0.7)
     assert dec.decoder.drafter.budget == 6 and dec.decoder_for(Sampling()) is dec.decoder
-    assert dec.options_for(other).plan is None and dec.options_for(other).policy is None  # no plan of its own
+    assert dec.options_for(other).plan == run_dir / "plan.json"  # no plan of its own: the nearest, greedy's
     result = dec.generate("t3 t9", max_new_tokens=16, do_sample=True, temperature=1.0, top_k=20, seed=3)
     assert len(result.token_ids) == 16 and set(dec.decoders) == {run_dir / "plan.json", run_dir / "plan-t1-k20-p1.json"}
     own = dec.decoder_for(sampled)

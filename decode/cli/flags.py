@@ -121,6 +121,8 @@ def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, sampling
     base = resolved.base
     if resolved.dtype_reason is not None and PINNED not in resolved.dtype_reason:  # pinned: the user chose it
         announce(f"dtype: {base.dtype} ({resolved.dtype_reason}; --dtype float32 or bfloat16 to choose)")
+    if (borrowed := resolved.borrowed(sampling)) is not None:
+        announce(f"note: no plan for this setting in {run}; using {borrowed}")
     if (reason := resolved.without_plan(sampling)) is not None:
         tree = (f"a tree sized for this device (--budget {base.budget}, --widths {','.join(map(str, base.widths))})"
                 if METHODS[base.method].tree else "the flags' values")

@@ -8,6 +8,7 @@ Ctrl-C finishes the request being decoded, refuses the others and exits. Endpoin
 GET /v1/models, GET /health (and POST /v1/chat/completions, which answers 400: chat is not served).
 """
 import argparse
+import logging
 import signal
 import socket
 import sys
@@ -66,6 +67,9 @@ def main(argv=None) -> None:
 
     args = parse(argv)
     check_address(args.host, args.port)
+    notes = logging.getLogger("decode")  # which plan each request's sampling setting decodes with, on stderr
+    notes.setLevel(logging.INFO)
+    notes.addHandler(logging.StreamHandler())
     decoder = SpeculativeDecoder(args.options, args.plans)
     name = args.model_name or args.oracle_name
     app = create_app(decoder, name, args.api_key, args.queue_size, args.max_body_bytes, args.read_timeout)

@@ -1,6 +1,7 @@
 """The plan (RUN/plan.json, or a sampling setting's own file): the policy with the best predicted ms per token for
 each method, and what it was measured with (the models, the device, the dtype), which it must match to be used."""
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -59,6 +60,39 @@ def plan_name(sampling: Sampling = GREEDY) -> str:
     if sampling.greedy:
         return "plan.json"
     return f"plan-t{sampling.temperature:g}-k{sampling.top_k}-p{sampling.top_p:g}.json"
+
+
+PLAN_FILE = re.compile(r"plan(?:-t(\d+(?:\.\d+)?)-k(\d+)-p(\d+(?:\.\d+)?))?\.json")
+
+
+def setting_of(name: str) -> Sampling | None:
+    """The sampling setting a run's plan file is named for (plan_name's inverse), or None for another name."""
+    named = PLAN_FILE.fullmatch(name)
+    if named is None:
+        return None
+    return GREEDY if named[1] is None else Sampling(float(named[1]), int(named[2]), float(named[3]))
+
+
+def setting_distance(a: Sampling, b: Sampling) -> float:
+    """How far apart two sampling settings are when a plan made for one serves the other: their temperatures (greedy:
+    0), top-k (50 tokens count as 1; none: the whole vocabulary, counted as 200) and top-p apart, summed."""
+    k = lambda s: s.top_k if 0 < s.top_k <= 200 else 200
+    return abs(a.temperature - b.temperature) + abs(k(a) - k(b)) / 50 + abs(a.top_p - b.top_p)
+
+
+def nearest_run_plan(run: Path, options, sampling: Sampling = GREEDY) -> tuple[Path | None, list[str]]:
+    """The run's plan for `sampling` (`run_plan`); where it has none that fits these settings, the plan of the nearest
+    setting that does (`setting_distance`; a plan only chooses trees, never what is accepted), else None. Also what
+    the setting's own plan was made for, when it exists and does not fit."""
+    own, other = run_plan(run, options, sampling)
+    if own is not None:
+        return own, other
+    settings = {path: setting_of(path.name) for path in Path(run).glob("plan*.json")}
+    for path in sorted((p for p, s in settings.items() if s is not None and s != sampling),
+                       key=lambda p: (setting_distance(settings[p], sampling), p.name)):
+        if (fits := run_plan(run, options, settings[path])[0]) is not None:
+            return fits, other
+    return None, other
 
 
 def run_plan(run: Path, options, sampling: Sampling = GREEDY) -> tuple[Path | None, list[str]]:
