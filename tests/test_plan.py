@@ -131,7 +131,8 @@ def test_replay_counts_the_oracle_calls_real_greedy_decoding_makes(models, short
 
 
 def test_predict_adds_the_prefill_and_per_step_the_oracle_the_drafting_and_the_loop():
-    replayed = replay.Replay(prompts=1, steps=2, tokens=6, drafting_seconds=0.003, nodes=[4, 8], accepted=[2, 2])
+    replayed = replay.Replay(prompts=1, steps=2, tokens=6, drafting_seconds=0.003, nodes=[4, 8], accepted=[2, 2],
+                             step_prompts=[0, 0], prompt_tokens=[6])
     oracle_ms = torch.arange(0, 10, dtype=torch.float64)  # q nodes cost q ms
     got = replay.predict(replayed, oracle_ms, loop_ms=0.5, prefill_ms=2.0)
     assert got["tokens_per_call"] == 2  # the prefill is an oracle call, as decode.bench counts it
@@ -139,12 +140,35 @@ def test_predict_adds_the_prefill_and_per_step_the_oracle_the_drafting_and_the_l
     assert replayed.accepted_by_depth(3) == [1.0, 1.0, 0.0]
 
 
+def test_the_forecast_interval_spans_the_calibration_prompts_speedups():
+    """On a clock where q nodes cost q ms and the baseline 1 ms a token: prompts alike give an interval that is the
+    point; prompts whose speedups differ give one that holds the point and lies within their extremes."""
+    baseline = {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}
+    oracle_ms = torch.arange(0, 20, dtype=torch.float64)
+
+    def forecast(steps_per_prompt: list[int]) -> dict:  # 24 tokens a prompt in that many steps of 2 nodes
+        steps = sum(steps_per_prompt)
+        replayed = replay.Replay(prompts=len(steps_per_prompt), steps=steps, tokens=24 * len(steps_per_prompt),
+                                 nodes=[2] * steps, accepted=[1] * steps, prompt_tokens=[24] * len(steps_per_prompt),
+                                 step_prompts=[i for i, n in enumerate(steps_per_prompt) for _ in range(n)])
+        return search.forecast({"chain": [{"policy": {}, "replay": replayed}]}, oracle_ms, baseline,
+                               {"chain": {"oracle": 1.0, "loop_ms": 0.0, "drafting": 1.0}})["chain"][0]
+
+    alike = forecast([6] * 8)  # each prompt: a 1 ms prefill and 6 steps of 2 ms against 24 ms
+    assert alike["speedup"] == pytest.approx(24 / 13) and alike["speedup_interval"] == pytest.approx([24 / 13] * 2)
+    mixed = forecast([3, 12, 4, 8, 6, 10, 5, 7])
+    low, high = mixed["speedup_interval"]
+    assert 24 / 25 < low < mixed["speedup"] < high < 24 / 7  # within the slowest and the fastest prompt's speedups
+    assert forecast([3, 12, 4, 8, 6, 10, 5, 7])["speedup_interval"] == [low, high]  # reproducible
+
+
 def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to_one_measured_faster(monkeypatch):
     """The in-loop costs are measured per policy: a method's best policy under the costs of the first one measured is
     measured too, and the plan keeps the faster of the two, each priced with its own costs."""
     replays = {"tree": [{"policy": {"nodes": n}, "drafter": f"drafter {n}",
                          "replay": replay.Replay(prompts=1, steps=steps, tokens=40, drafting_seconds=seconds,
-                                                 nodes=[n] * steps, accepted=[40 // steps - 1] * steps)}
+                                                 nodes=[n] * steps, accepted=[40 // steps - 1] * steps,
+                                                 step_prompts=[0] * steps, prompt_tokens=[40])}
                         for n, steps, seconds in ((8, 4, 0.0008), (4, 10, 0.0002))]}  # 0.2 and 0.02 ms a step
     in_loop_drafting_ms = {"drafter 8": 5.0, "drafter 4": 0.3}  # the 8-node tree's drafting is slow in the loop
     measured_drafters = []
@@ -169,7 +193,8 @@ def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to
 def test_staged_may_take_a_shape_measured_for_the_tree_as_its_own_with_no_stage_below_the_draft():
     shape = {"parents": [-1, 0, 1], "ranks": [0, 0, 0], "nodes": 3, "depth": 2}
     candidate = lambda policy, steps: {"policy": policy, "drafter": None, "replay": replay.Replay(
-        prompts=1, steps=steps, tokens=40, drafting_seconds=0.0, nodes=[3] * steps, accepted=[1] * steps)}
+        prompts=1, steps=steps, tokens=40, drafting_seconds=0.0, nodes=[3] * steps, accepted=[1] * steps,
+        step_prompts=[0] * steps, prompt_tokens=[40])}
     factors = {"oracle": 1.0, "loop_ms": 0.0, "drafting": 1.0}
     measured = {"tree": [(candidate(shape, 10), factors)],
                 "staged": [(candidate({"widths": [2, 1], "budget": 8}, 20), factors)]}

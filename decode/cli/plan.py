@@ -245,9 +245,10 @@ def replayer(decoder, prompts: list, sequences: list, settings) -> Callable:
 
 def print_forecast(title: str, predicted: dict) -> None:
     print(title)
-    print(f"  {'method':<12} {'tokens/call':>11} {'ms/token':>9} {'speedup':>8}  policy")
+    print(f"  {'method':<12} {'tokens/call':>11} {'ms/token':>9} {'speedup':>8} {'90% interval':>13}  policy")
     for method, p in predicted.items():
-        print(f"  {method:<12} {p['tokens_per_call']:11.2f} {p['ms_per_token']:9.3f} {p['speedup']:7.2f}x  "
+        spread = "{:.2f}-{:.2f}x".format(*p["speedup_interval"]) if "speedup_interval" in p else ""
+        print(f"  {method:<12} {p['tokens_per_call']:11.2f} {p['ms_per_token']:9.3f} {p['speedup']:7.2f}x {spread:>13}  "
               + describe(p.get("policy", {})))
 
 

@@ -136,7 +136,7 @@ def forecast(replays: dict, oracle_ms: torch.Tensor, baseline: dict, in_loop: di
     for method, group in replays.items():
         f = in_loop[method]
         predicted[method] = replay.ranked(group, f["oracle"] * oracle_ms, f["loop_ms"], baseline["prefill"],
-                                            baseline_ms, f["drafting"])[:keep]
+                                            baseline_ms, f["drafting"], baseline)[:keep]
     return predicted
 
 
