@@ -18,6 +18,7 @@ from data.shards import TOKEN_COUNTS
 from decode import SpeculativeDecoder
 from decode.methods import METHODS
 from decode.planning import costs, plan_file, replay, search, shapes
+from decode.tree import Tree
 from decode.cli import bench, plan, run, serve
 from decode.models.cached_lm import Shortlist
 from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
@@ -132,24 +133,56 @@ def test_replay_counts_the_oracle_calls_real_greedy_decoding_makes(models, short
 
 def test_predict_adds_the_prefill_and_per_step_the_oracle_the_drafting_and_the_loop():
     replayed = replay.Replay(prompts=1, steps=2, tokens=6, drafting_seconds=0.003, nodes=[4, 8], accepted=[2, 2],
-                             step_prompts=[0, 0], prompt_tokens=[6])
-    oracle_ms = torch.arange(0, 10, dtype=torch.float64)  # q nodes cost q ms
+                             cached=[100, 103], step_prompts=[0, 0], prompt_tokens=[6])
+    oracle_ms = costs.ContextCosts.flat(torch.arange(0, 10, dtype=torch.float64))  # q nodes cost q ms
     got = replay.predict(replayed, oracle_ms, loop_ms=0.5, prefill_ms=2.0)
     assert got["tokens_per_call"] == 2  # the prefill is an oracle call, as decode.bench counts it
     assert got["ms_per_token"] == pytest.approx((2 + 12 + 3 + 1) / 6)
     assert replayed.accepted_by_depth(3) == [1.0, 1.0, 0.0]
 
 
+def test_a_forward_is_priced_at_its_own_cached_length():
+    """Costs measured after 128 and 256 cached positions: a step is priced between them by its cached length, past
+    the longer one on the same line (attention over the cache grows linearly), before the shorter one as after it."""
+    q = torch.arange(0, 10, dtype=torch.float64)
+    oracle_ms = costs.ContextCosts({128: q, 256: 2 * q})  # q ms after 128 cached positions, 2q ms after 256
+    assert oracle_ms.at([4, 4, 4, 4, 8], [0, 128, 192, 256, 384]).tolist() == [4, 4, 6, 8, 24]
+    replayed = replay.Replay(prompts=1, steps=2, tokens=6, nodes=[4, 8], accepted=[2, 2], cached=[100, 384],
+                             step_prompts=[0, 0], prompt_tokens=[6])
+    assert replay.predict(replayed, oracle_ms, loop_ms=0.0, prefill_ms=0.0)["oracle_ms_per_call"] == (4 + 24) / 2
+    assert (3 * oracle_ms).at([8], [384]).tolist() == [72]  # an in-loop factor scales every length alike
+    assert replay.replay(FixedChain(), [([1, 2, 3], [4, 5, 6, 7])]).cached == [2, 5]  # all but each step's root
+
+
+class FixedChain:
+    """A drafter that proposes the next two tokens of the continuation 4, 5, 6, 7 (steps accept two, then one)."""
+
+    def forget(self):
+        pass
+
+    def reset(self):
+        pass
+
+    def accept(self, path):
+        pass
+
+    def propose(self, tokens, max_depth, sampling, generator):
+        tree = Tree.rooted(tokens[-1])
+        tree.add_path([t for t in (4, 5, 6, 7) if t > tokens[-1]][:2])
+        return tree
+
+
 def test_the_forecast_interval_spans_the_calibration_prompts_speedups():
     """On a clock where q nodes cost q ms and the baseline 1 ms a token: prompts alike give an interval that is the
     point; prompts whose speedups differ give one that holds the point and lies within their extremes."""
     baseline = {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}
-    oracle_ms = torch.arange(0, 20, dtype=torch.float64)
+    oracle_ms = costs.ContextCosts.flat(torch.arange(0, 20, dtype=torch.float64))
 
     def forecast(steps_per_prompt: list[int]) -> dict:  # 24 tokens a prompt in that many steps of 2 nodes
         steps = sum(steps_per_prompt)
         replayed = replay.Replay(prompts=len(steps_per_prompt), steps=steps, tokens=24 * len(steps_per_prompt),
                                  nodes=[2] * steps, accepted=[1] * steps, prompt_tokens=[24] * len(steps_per_prompt),
+                                 cached=[128] * steps,
                                  step_prompts=[i for i, n in enumerate(steps_per_prompt) for _ in range(n)])
         return search.forecast({"chain": [{"policy": {}, "replay": replayed}]}, oracle_ms, baseline,
                                {"chain": {"oracle": 1.0, "loop_ms": 0.0, "drafting": 1.0}})["chain"][0]
@@ -168,7 +201,7 @@ def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to
     replays = {"tree": [{"policy": {"nodes": n}, "drafter": f"drafter {n}",
                          "replay": replay.Replay(prompts=1, steps=steps, tokens=40, drafting_seconds=seconds,
                                                  nodes=[n] * steps, accepted=[40 // steps - 1] * steps,
-                                                 step_prompts=[0] * steps, prompt_tokens=[40])}
+                                                 cached=[128] * steps, step_prompts=[0] * steps, prompt_tokens=[40])}
                         for n, steps, seconds in ((8, 4, 0.0008), (4, 10, 0.0002))]}  # 0.2 and 0.02 ms a step
     in_loop_drafting_ms = {"drafter 8": 5.0, "drafter 4": 0.3}  # the 8-node tree's drafting is slow in the loop
     measured_drafters = []
@@ -180,7 +213,7 @@ def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to
             for name, drafter in drafters.items()}
 
     monkeypatch.setattr(plan, "loop_costs", loop_costs)
-    oracle_ms = torch.arange(0, 20, dtype=torch.float64) * 0.1  # q nodes cost q / 10 ms
+    oracle_ms = costs.ContextCosts.flat(torch.arange(0, 20, dtype=torch.float64) * 0.1)  # q nodes cost q / 10 ms
     measured, baseline_costs = plan.calibrate_in_loop(None, replays, [], None, oracle_ms)
     assert measured_drafters[1:] == [["drafter 8"], ["drafter 4"]]  # after the context drafter's round
     predicted, factors = search.measured_forecast(measured, oracle_ms, baseline_costs)
@@ -194,12 +227,13 @@ def test_staged_may_take_a_shape_measured_for_the_tree_as_its_own_with_no_stage_
     shape = {"parents": [-1, 0, 1], "ranks": [0, 0, 0], "nodes": 3, "depth": 2}
     candidate = lambda policy, steps: {"policy": policy, "drafter": None, "replay": replay.Replay(
         prompts=1, steps=steps, tokens=40, drafting_seconds=0.0, nodes=[3] * steps, accepted=[1] * steps,
-        step_prompts=[0] * steps, prompt_tokens=[40])}
+        cached=[128] * steps, step_prompts=[0] * steps, prompt_tokens=[40])}
     factors = {"oracle": 1.0, "loop_ms": 0.0, "drafting": 1.0}
     measured = {"tree": [(candidate(shape, 10), factors)],
                 "staged": [(candidate({"widths": [2, 1], "budget": 8}, 20), factors)]}
     baseline_costs = {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}
-    predicted, _ = search.measured_forecast(search.with_tree_shapes(measured), torch.arange(0, 20.0), baseline_costs)
+    predicted, _ = search.measured_forecast(search.with_tree_shapes(measured), costs.ContextCosts.flat(torch.arange(0, 20.0)),
+                                            baseline_costs)
     assert predicted["staged"]["policy"] == shape | {"widths": []}
     assert predicted["staged"]["ms_per_token"] == predicted["tree"]["ms_per_token"]
 

@@ -132,11 +132,11 @@ def oracle_outputs(decoder, prompts, max_new_tokens: int) -> list[tuple[list[int
                                            allowed=p.allowed).tokens) for p in prompts]
 
 
-def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: torch.Tensor) -> dict:
+def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: costs.ContextCosts) -> dict:
     """Decoding for real under the settings' sampling with the baseline and each of `drafters`, in turns per prompt
     after a warm-up, as decode.bench runs them (each slows the others' next forwards by evicting their weights from
-    the caches). Per drafter: the oracle's forward as a multiple of its isolated cost for the same node counts
-    (`oracle_ms`), the drafting's ms per step and the rest of a step's ms (masks, verification, commits); for
+    the caches). Per drafter: the oracle's forward as a multiple of its isolated cost for the same node counts and
+    cached lengths (`oracle_ms`), the drafting's ms per step and the rest of a step's ms (masks, verification, commits); for
     "baseline", its baseline_costs."""
     timers = {name: Timer(decoder.oracle.device) for name in ["baseline", *drafters]}
     oracle, eos_id, n, sampling = decoder.oracle, decoder.eos_id, settings.max_new_tokens, settings.sampling
@@ -157,8 +157,9 @@ def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: torch.Tens
     measured = {"baseline": baseline_costs(timers["baseline"].forwards, seconds["baseline"], tokens["baseline"])}
     for name in drafters:
         calls, proposing = timers[name].forwards, timers[name].seconds["propose"]
-        steps, forwards = steps_of(calls), sum(s for _, _, s in calls)
-        measured[name] = {"oracle": sum(s for _, s in steps) / float(sum(oracle_ms[q] for q, _ in steps) / 1e3),
+        steps, forwards = [(q, cached) for q, cached, _ in calls if cached > 0], sum(s for _, _, s in calls)
+        isolated = float(oracle_ms.at(*zip(*steps)).sum()) / 1e3
+        measured[name] = {"oracle": sum(s for _, s in steps_of(calls)) / isolated,
                           "drafting_ms": 1e3 * proposing / len(steps),
                           "loop_ms": 1e3 * (seconds[name] - forwards - proposing) / len(steps)}
     return measured
@@ -204,7 +205,7 @@ def draft_variants(sizes: list[int], options, vocab_size: int) -> dict[tuple[int
             for n in [0, *sizes] for dtype in dtypes if (n, dtype) != (0, base_dtype(options))}
 
 
-def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: torch.Tensor) -> tuple[dict, dict]:
+def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: costs.ContextCosts) -> tuple[dict, dict]:
     """Each method's costs in a real decoding loop, beside the baseline's: first with the context drafter (no draft
     model) standing for every method, then with each method's best policy under the costs measured so far, which
     gives that policy its own factors (the draft's and the oracle's forwards evict each other from the caches, by
@@ -258,8 +259,8 @@ def projected_costs(spec: str, options, sequences, max_budget: int) -> dict:
     n_layer, n_embd, vocab = costs.projection_shape(spec)
     big_costs = timing.forward_costs(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device), repeats=5)
     prompt_length = round(sum(len(p) for p, _ in sequences) / len(sequences))
-    big_ms = costs.cost_curve(big_costs, max(2 * max_budget, prompt_length))
-    return {"ms": big_ms, "baseline": {"prefill": float(big_ms[prompt_length]), "one_token": big_costs[1], "loop": 0.0},
+    big_ms = costs.ContextCosts.flat(costs.cost_curve(big_costs, max(2 * max_budget, prompt_length)))
+    return {"ms": big_ms, "baseline": {"prefill": float(big_ms.curve()[prompt_length]), "one_token": big_costs[1], "loop": 0.0},
             "oracle": spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs}
 
 
@@ -277,8 +278,10 @@ def main(argv=None) -> dict:
     prompts = calibration_prompts(settings, known, dec)
     print(f"calibrating on {len(prompts)} prompts x {settings.max_new_tokens} tokens, {options.dtype} on "
           f"{timing.device_name(oracle.device)}")
-    oracle_costs, _ = costs.measured_costs(options.oracle, oracle, options.dtype)
-    isolated_ms = costs.cost_curve(oracle_costs, 2 * known.max_budget)
+    tables = {cached: costs.measured_costs(options.oracle, oracle, options.dtype, prefix=cached)[0]
+              for cached in costs.context_lengths(oracle.max_length)}
+    oracle_costs = next(iter(tables.values()))  # after 128 cached positions
+    isolated_ms = costs.ContextCosts({cached: costs.cost_curve(t, 2 * known.max_budget) for cached, t in tables.items()})
     sequences = oracle_outputs(decoder, prompts, settings.max_new_tokens)
     p_draft = shapes.acceptance([shapes.ranks(draft, p, c) for p, c in sequences], RANKS, known.max_depth)
     p_trigram = shapes.acceptance([shapes.trigram_ranks(table, p, c) for p, c in sequences], min(RANKS, table.k),
@@ -302,7 +305,8 @@ def main(argv=None) -> dict:
                             "max_new_tokens": settings.max_new_tokens, "token_healing": options.token_healing},
             "policies": {m: p["policy"] for m, p in predicted.items() if m != "baseline"}, "predicted": predicted,
             "acceptance": {"draft": p_draft, "trigram": p_trigram, "sampled": sampled},
-            "costs": {"oracle_ms": oracle_costs, "baseline_in_loop_ms": baseline, "in_loop": in_loop}}
+            "costs": {"oracle_ms": oracle_costs, "oracle_ms_after": tables, "baseline_in_loop_ms": baseline,
+                      "in_loop": in_loop}}
     if sampled is not None:
         print(f"sampling ({sampled['setting']}): a sampled draft chain's first d tokens are accepted with probability "
               + ", ".join(f"{a:.2f}" for a in sampled["draft_chain"]) + " (d = 1, 2, ...)")

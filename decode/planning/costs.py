@@ -1,7 +1,9 @@
 """What a forward pass costs on this device, measured: the input to sizing speculative trees.
 
-`measured_costs` times a model's forwards (decode.timing.forward_costs) once per model, device, dtype and thread
-count and keeps the table in a cache file, so later runs read it. `cost_curve` interpolates the table to every q.
+`measured_costs` times a model's forwards (decode.timing.forward_costs) after a number of cached positions, once
+per model, device, dtype, thread count and that number, and keeps the table in a cache file, so later runs read it.
+`cost_curve` interpolates a table to every q; `ContextCosts` holds curves measured after several cached lengths and
+prices a forward of q nodes after any number of them.
 """
 from pathlib import Path
 
@@ -14,12 +16,58 @@ from decode.timing import CACHE_DIR, NODE_COUNTS, by_count, cache_key, forward_c
 
 
 def measured_costs(model_dir, model: CachedLM, dtype: str, counts=NODE_COUNTS,
-                   cache_dir: Path | None = None) -> tuple[dict[int, float], bool]:
-    """The forward-cost table of this model on this device, from the cache or measured now; and
-    whether it came from the cache."""
-    path = Path(cache_dir or CACHE_DIR) / f"{cache_key(model_dir, model, dtype)}-{max(counts)}.json"
-    costs, read = kept(path, lambda: forward_costs(model, counts=counts))
+                   cache_dir: Path | None = None, prefix: int = 128) -> tuple[dict[int, float], bool]:
+    """The forward-cost table of this model on this device after `prefix` cached positions, from the cache or
+    measured now; and whether it came from the cache."""
+    suffix = "" if prefix == 128 else f"-after-{prefix}"
+    path = Path(cache_dir or CACHE_DIR) / f"{cache_key(model_dir, model, dtype)}-{max(counts)}{suffix}.json"
+    costs, read = kept(path, lambda: forward_costs(model, prefix=prefix, counts=counts))
     return by_count(costs), read
+
+
+def context_lengths(max_length: int) -> tuple[int, int]:
+    """The cached lengths a model's costs are measured after for planning: 128, and half its context (at least 256),
+    between which (and past which) attention's cost grows linearly."""
+    return 128, max(256, max_length // 2)
+
+
+class ContextCosts:
+    """Milliseconds of a forward of q nodes after c cached positions: the cost curves (`cost_curve`) measured after
+    a few cached lengths, interpolated linearly in c between them and extrapolated linearly past the longest (the
+    attention over the cache is the part that grows, linearly); below the shortest, that one's curve."""
+
+    def __init__(self, curves: dict[int, torch.Tensor]):
+        self.lengths = sorted(curves)
+        self.curves = torch.stack([curves[c].double() for c in self.lengths])  # (lengths, q)
+
+    @classmethod
+    def flat(cls, curve: torch.Tensor) -> "ContextCosts":
+        """One curve for every cached length."""
+        return cls({0: curve})
+
+    def __mul__(self, factor: float) -> "ContextCosts":
+        return ContextCosts({c: curve * factor for c, curve in zip(self.lengths, self.curves)})
+
+    __rmul__ = __mul__
+
+    def __len__(self) -> int:
+        return self.curves.shape[1]
+
+    def curve(self, cached: int | None = None) -> torch.Tensor:
+        """The costs of 0 .. q nodes after `cached` positions (None: the shortest length measured)."""
+        return self.at(list(range(len(self))), [self.lengths[0] if cached is None else cached] * len(self))
+
+    def at(self, nodes: list[int], cached: list[int]) -> torch.Tensor:
+        """The cost of each forward of nodes[i] nodes after cached[i] positions."""
+        q = torch.tensor(nodes, dtype=torch.long)
+        if len(self.lengths) == 1:
+            return self.curves[0, q]
+        c = torch.tensor(cached, dtype=torch.float64).clamp_min(self.lengths[0])
+        lengths = torch.tensor(self.lengths, dtype=torch.float64)
+        upper = torch.searchsorted(lengths, c, right=True).clamp(1, len(self.lengths) - 1)  # the segment c lies in
+        lower = upper - 1
+        weight = (c - lengths[lower]) / (lengths[upper] - lengths[lower])
+        return self.curves[lower, q] + weight * (self.curves[upper, q] - self.curves[lower, q])
 
 
 def non_decreasing(values) -> np.ndarray:

@@ -18,6 +18,7 @@ import torch
 from decode import loop
 from decode.drafting import Drafter
 from decode.loop import Hooks
+from decode.planning.costs import ContextCosts
 from decode.sampling import Sampling
 
 GREEDY = Sampling()
@@ -33,6 +34,7 @@ class Replay:
     drafting_seconds: float = 0.0  # proposing and committing, measured
     nodes: list[int] = field(default_factory=list)  # the oracle's batch per step
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per step
+    cached: list[int] = field(default_factory=list)  # the oracle's cached positions before each step's forward
     step_prompts: list[int] = field(default_factory=list)  # the prompt of each step (its index)
     prompt_tokens: list[int] = field(default_factory=list)  # the tokens of each prompt's output
 
@@ -67,6 +69,7 @@ def replay(drafter: Drafter, sequences: list[tuple[list[int], list[int]]]) -> Re
             done += len(path)
             out.steps += 1
             out.nodes.append(len(tree))
+            out.cached.append(len(tokens) - len(path) - 1)  # the oracle had seen all but the step's root
             out.accepted.append(len(path) - 1)
             out.step_prompts.append(out.prompts)
         out.tokens += len(continuation)
@@ -96,7 +99,7 @@ def sampled(drafter: Drafter, oracle, prompts: list, max_new_tokens: int, sampli
     oracle's forwards are counted here, and costed by `predict` as a replay's are."""
     drafter.forget()
     out = Replay()
-    hooks = Hooks(on_forward=lambda nodes, cached, seconds: cached and (out.nodes.append(nodes),
+    hooks = Hooks(on_forward=lambda nodes, cached, seconds: cached and (out.nodes.append(nodes), out.cached.append(cached),
                                                                         out.step_prompts.append(out.prompts)),
                   on_propose=lambda seconds: setattr(out, "drafting_seconds", out.drafting_seconds + seconds),
                   device=oracle.device)
@@ -112,15 +115,15 @@ def sampled(drafter: Drafter, oracle, prompts: list, max_new_tokens: int, sampli
     return out
 
 
-def predict(replayed: Replay, oracle_ms: torch.Tensor, loop_ms: float, prefill_ms: float,
+def predict(replayed: Replay, oracle_ms: ContextCosts, loop_ms: float, prefill_ms: float,
             drafting_factor: float = 1.0) -> dict:
     """Tokens per oracle call and ms per token: per prompt, the prefill (`prefill_ms`: one oracle call
     over the prompt, which yields no token when a tree follows); per step, the oracle's forward over
-    the tree (`oracle_ms[q]`, measured for q nodes), the drafting measured in the replay (times
+    the tree (`oracle_ms`, measured for q nodes after several cached lengths: priced at the step's own), the drafting measured in the replay (times
     `drafting_factor`: in a decoding loop the oracle's forwards evict the draft from the caches) and
     the rest of the loop (`loop_ms`, measured). `prompt_ms`: the same time, prompt by prompt (the drafting
     shared by steps)."""
-    step_ms = oracle_ms[torch.tensor(replayed.nodes, dtype=torch.long)].double().numpy()
+    step_ms = oracle_ms.at(replayed.nodes, replayed.cached).numpy()
     oracle = float(step_ms.sum())
     drafting = 1e3 * replayed.drafting_seconds * drafting_factor
     total = prefill_ms * replayed.prompts + oracle + drafting + loop_ms * replayed.steps
@@ -148,7 +151,7 @@ def baseline_prompt_ms(replayed: Replay, baseline: dict) -> np.ndarray:
     return baseline["prefill"] + (outputs - 1) * baseline["one_token"] + outputs * baseline["loop"]
 
 
-def ranked(candidates: list[dict], oracle_ms: torch.Tensor, loop_ms: float, prefill_ms: float, baseline_ms: float,
+def ranked(candidates: list[dict], oracle_ms: ContextCosts, loop_ms: float, prefill_ms: float, baseline_ms: float,
            drafting_factor: float = 1.0, baseline: dict | None = None) -> list[dict]:
     """The candidate policies with their predictions, least predicted ms per token first; with the baseline's costs
     (`baseline_prompt_ms`), each speedup's interval over the calibration prompts (`interval`)."""

@@ -8,11 +8,11 @@ real decoding loop adds, and ranks them. decode.plan (decode/cli/plan.py) measur
 from dataclasses import replace
 from typing import Callable
 
-import torch
 from tqdm import tqdm
 
 from decode.methods import METHODS
 from decode.planning import replay, shapes
+from decode.planning.costs import ContextCosts
 from decode.planning.plan_file import with_policy
 from decode.sampling import Sampling
 
@@ -122,9 +122,9 @@ def unique_best(group: list[dict], forecasts: list[dict], method: str) -> list[d
     return [c for c in group if c["policy"] in wanted]
 
 
-def forecast(replays: dict, oracle_ms: torch.Tensor, baseline: dict, in_loop: dict, keep: int = 1) -> dict:
+def forecast(replays: dict, oracle_ms: ContextCosts, baseline: dict, in_loop: dict, keep: int = 1) -> dict:
     """Per method, its `keep` best policies with their predictions under these oracle costs, best
-    first: a tree step of q nodes costs oracle_ms[q] times the method's in-loop factor, plus its
+    first: a tree step of q nodes costs oracle_ms's price of it times the method's in-loop factor, plus its
     drafting (times its factor) and loop (`in_loop[method]`); the baseline's prefill, one-token
     forward and loop are `baseline`'s (its first call per prompt is the prefill, which yields the
     first token)."""
@@ -153,7 +153,7 @@ def with_tree_shapes(measured: dict) -> dict:
                                                        for c, f in measured["tree"] if c["policy"]["depth"] > 1]}
 
 
-def measured_forecast(measured: dict, oracle_ms: torch.Tensor, baseline: dict) -> tuple[dict, dict]:
+def measured_forecast(measured: dict, oracle_ms: ContextCosts, baseline: dict) -> tuple[dict, dict]:
     """Per method, the best of its policies measured in the loop, each priced with its own factors (`forecast`);
     and the factors that priced each method's best."""
     predicted, factors = {}, {}
