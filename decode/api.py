@@ -60,11 +60,17 @@ class DecoderBusy(RuntimeError):
     """A second generate or stream on a decoder that is still decoding: its models hold one sequence's caches."""
 
 
+def drafting(options: DecoderOptions) -> tuple:
+    """What tells two decoders' drafting apart: the plan and the policy they follow."""
+    return options.plan, repr(options.policy)
+
+
 class SpeculativeDecoder:
     """One method over one set of models; `generate` and `stream` decode a prompt (text or token ids).
 
-    With `plans` (a run's, resolved: decode.resolution), a request decodes with the plan made for its sampling
-    setting (greedy: `options`' own): each setting's drafter is built on first use, over the same loaded models.
+    With `plans` (resolved: decode.resolution), a request decodes with the plan made for its sampling setting, or the
+    method's default for it (greedy: `options`' own): each setting's drafter is built on first use, over the same
+    loaded models.
 
     One sequence at a time: the models' caches hold the sequence being decoded. A generate or stream that starts
     while another is decoding (another thread's, or an unfinished stream in this one) raises DecoderBusy at once,
@@ -76,7 +82,7 @@ class SpeculativeDecoder:
         self.decoder, self.healer = build_decoder(self.options, self.models)
         self.tokenizer = self.healer.tokenizer
         self.plans, self.settings = plans, {}  # sampling setting -> its options (with `plans`)
-        self.decoders = {self.options.plan: self.decoder}  # the plan a decoder follows (None: none) -> the decoder
+        self.decoders = {drafting(self.options): self.decoder}  # what a decoder drafts with -> the decoder
         self.busy = threading.Lock()
         self.materialized = []  # temporary directories from_pretrained saved loaded models into
 
@@ -93,9 +99,9 @@ class SpeculativeDecoder:
     def decoder_for(self, sampling: Sampling) -> "Decoder":
         """The decoder for this sampling setting, built on first use."""
         options = self.options_for(sampling)
-        if options.plan not in self.decoders:
-            self.decoders[options.plan] = build_decoder(options, self.models)[0]
-        return self.decoders[options.plan]
+        if drafting(options) not in self.decoders:
+            self.decoders[drafting(options)] = build_decoder(options, self.models)[0]
+        return self.decoders[drafting(options)]
 
     @classmethod
     def from_run(cls, run: str | Path | None = None, *, oracle=None, draft=None, ngram=None, **options) -> "SpeculativeDecoder":
@@ -116,11 +122,9 @@ class SpeculativeDecoder:
         if (borrowed := resolved.borrowed()) is not None:
             log.info("greedy decoding uses the plan %s", borrowed)
         if (reason := resolved.without_plan()) is not None:
-            base = resolved.base
-            uses = (f"a tree sized for this device (budget {base.budget}, widths {base.widths})" if METHODS[base.method].tree
-                    else "its defaults")
-            log.info("%s, so %s uses %s; decode.plan plans each method for these models", reason, base.method, uses)
-        return cls(resolved.options(), resolved if resolved.run_plans else None)
+            log.info("%s, so %s uses %s; decode.plan plans each method for these models", reason, resolved.base.method,
+                     resolved.unplanned())
+        return cls(resolved.options(), resolved)
 
     @classmethod
     def from_pretrained(cls, oracle, draft=None, ngram=None, *, tokenizer=None, method: str | None = None,

@@ -7,7 +7,7 @@ from pathlib import Path
 from decode.methods import METHODS
 from decode.models.precision import auto_dtype
 from decode.options import DecoderOptions
-from decode.planning.plan_file import nearest_run_plan, plan_name, setting_of, with_plan
+from decode.planning.plan_file import default_policy, nearest_run_plan, plan_name, setting_of, with_plan
 from decode.sampling import Sampling
 
 GREEDY = Sampling()
@@ -51,7 +51,7 @@ class Resolved:
         """The options for `method` (default: the base's) under this sampling, its plan's policy filling in what the
         caller did not set."""
         base = self.base if method is None else replace(self.base, method=method)
-        return with_plan(base, self.plan_for(sampling)[0], self.given)
+        return with_plan(base, self.plan_for(sampling)[0], self.given, sampling)
 
     def without_plan(self, sampling: Sampling = GREEDY) -> str | None:
         """Why the method decodes without the run's plan under this sampling, in words: the run's plan for it was made
@@ -64,6 +64,15 @@ class Resolved:
         if plan is None and METHODS[self.base.method].tree and not {"widths", "budget"} & self.given:
             return f"no plan for this setting in {self.run} ({plan_name(sampling)})"
         return None
+
+    def unplanned(self, sampling: Sampling = GREEDY) -> str:
+        """What the method drafts without a plan under this sampling setting, in words."""
+        base, policy = self.base, default_policy(self.base, self.given, sampling)
+        if policy is not None:
+            return f"the draft's chain of {policy['depth']} tokens, the shape plans choose on a CPU"
+        if METHODS[base.method].tree:
+            return f"a tree sized for this device (budget {base.budget}, widths {','.join(map(str, base.widths))})"
+        return "its defaults"
 
 
 def resolve(fields: dict, given: frozenset[str], run: Path | None = None, *, plan: Path | None = None,

@@ -327,7 +327,7 @@ def test_staged_on_the_trees_planned_shape_decodes_and_benches_as_planned(planne
     result = bench.main(args + ["--methods", "baseline,staged", "--limit", "2", "--out", str(tmp_path / "b.json")])
     nodes = len(shape["parents"])
     assert result["settings"]["tree_sizes"]["staged"]["nodes"] == nodes
-    assert f"the planned shape of {nodes} nodes" in capsys.readouterr().out
+    assert f"a fixed shape of {nodes} nodes" in capsys.readouterr().out
     assert result["summary"]["staged"]["same_output"]["identical"] == 2
 
 
@@ -357,7 +357,7 @@ def test_staged_on_a_planned_shape_without_guesses_drafts_the_trees_shape_and_is
     assert typed.drafter.budget == 7 and typed.drafter.trigram.widths == list(CPU_WIDTHS)  # the flags' tree, its widths
     capsys.readouterr()
     result = bench.main(args + ["--methods", "baseline,tree,staged", "--limit", "2", "--out", str(tmp_path / "b.json")])
-    assert "staged: no stage below the draft, the planned shape of 4 nodes" in capsys.readouterr().out
+    assert "staged: no stage below the draft, a fixed shape of 4 nodes" in capsys.readouterr().out
     assert result["summary"]["staged"]["same_output"]["identical"] == 2
     with pytest.raises(SystemExit) as exit_info:  # typed, a staged tree needs the trigram's widths
         SpeculativeDecoder(run.parse(without(planned["args"], "--widths") + ["--method", "staged", "--widths", ""]).options)
@@ -561,24 +561,34 @@ def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models
     assert "cuda_graphs True" in capsys.readouterr().err
 
 
-def test_tree_methods_without_a_plan_say_their_tree_is_sized_for_the_device(planned, models, tmp_path, capsys, caplog):
+def test_tree_methods_without_a_plan_say_what_they_draft_on_this_device(planned, models, tmp_path, capsys, caplog):
+    """Without a plan on a CPU, staged drafts the draft's chain (the shape plans choose there) and the tree method a
+    tree sized for a CPU; both say so, with the command that plans them. A tree sized by hand stays as typed."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for part in ("oracle", "draft", "ngram"):
         (run_dir / part).symlink_to(models[part])
     prompts = ["--prompts", planned["args"][planned["args"].index("--prompts") + 1]]
     options = run.parse(["--run", str(run_dir), *prompts]).options
-    assert options.plan is None and (options.budget, options.widths) == (12, [3, 2, 1])  # a CPU's, not the paper's
+    chain = list(range(-1, plan_file.CPU_CHAIN))
+    assert options.plan is None and options.tree_shape.parents == chain and options.widths == []
     note = capsys.readouterr().err
-    assert "no plan for this setting in" in note and "sized for this device (--budget 12, --widths 3,2,1)" in note
+    assert "no plan for this setting in" in note and f"the draft's chain of {plan_file.CPU_CHAIN} tokens" in note
     assert f"python -m decode.plan --run {run_dir}" in note
+    drafter = SpeculativeDecoder(options).decoder.drafter
+    assert type(drafter) is ShapedTreeDrafter and drafter.is_chain and drafter.parents == chain
+    tree = run.parse(["--run", str(run_dir), *prompts, "--method", "tree"]).options
+    assert (tree.tree_shape, tree.budget) == (None, 12)  # a CPU's, not the paper's
+    assert "sized for this device (budget 12, widths 3,2,1)" in capsys.readouterr().err
+    typed = run.parse(["--run", str(run_dir), *prompts, "--budget", "16"]).options
+    assert (typed.tree_shape, typed.budget, typed.widths) == (None, 16, [3, 2, 1])
     for quiet in (["--widths", "4,2,1", "--budget", "16"], ["--budget", "36"], ["--paper-tree"], ["--method", "lookup"],
                   ["--no-plan"]):
         run.parse(["--run", str(run_dir), *prompts, *quiet])
         assert "note:" not in capsys.readouterr().err
     with caplog.at_level(logging.INFO, logger="decode"):  # the library logs it; the commands print it
         SpeculativeDecoder.from_run(run_dir, method="staged")
-    assert "sized for this device" in caplog.text
+    assert "the draft's chain of" in caplog.text
 
 
 def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(planned, tmp_path, capsys):
@@ -632,7 +642,7 @@ def test_a_sampling_setting_is_planned_by_decoding_into_its_own_file_which_runs_
 def test_paper_tree_is_one_flag_away_and_refused_beside_a_typed_tree(models):
     args = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
             "--prompt", "t1"]
-    assert (run.parse(args).options.budget, run.parse(args).options.widths) == (12, [3, 2, 1])
+    assert run.parse(args).options.tree_shape.parents == list(range(-1, plan_file.CPU_CHAIN))  # a CPU's default
     paper = run.parse(args + ["--paper-tree"])
     assert (paper.options.budget, paper.options.widths) == (36, [12, 7, 4, 1, 1, 1]) and {"budget", "widths"} <= paper.flags.given
     with pytest.raises(SystemExit):
@@ -714,7 +724,8 @@ def test_each_call_decodes_with_its_sampling_settings_plan_over_the_same_models(
     assert dec.decoder.drafter.budget == 6 and dec.decoder_for(Sampling()) is dec.decoder
     assert dec.options_for(other).plan == run_dir / "plan.json"  # no plan of its own: the nearest, greedy's
     result = dec.generate("t3 t9", max_new_tokens=16, do_sample=True, temperature=1.0, top_k=20, seed=3)
-    assert len(result.token_ids) == 16 and set(dec.decoders) == {run_dir / "plan.json", run_dir / "plan-t1-k20-p1.json"}
+    assert len(result.token_ids) == 16 and {plan for plan, _ in dec.decoders} == {run_dir / "plan.json",
+                                                                                   run_dir / "plan-t1-k20-p1.json"}
     own = dec.decoder_for(sampled)
     assert (own.drafter.budget, own.drafter.trigram.widths, len(own.draft.shortlist)) == (3, [1, 1], 64)
     assert own.oracle is dec.decoder.oracle and dec.decoder.draft.shortlist is None  # one oracle; each draft layer
@@ -722,10 +733,12 @@ def test_each_call_decodes_with_its_sampling_settings_plan_over_the_same_models(
         result.token_ids and dec.decoder_for(sampled) is own
     typed = SpeculativeDecoder.from_run(run_dir, method="staged", budget=5)
     assert (typed.decoder_for(sampled).drafter.budget, typed.decoder_for(sampled).drafter.trigram.widths) == (5, [1, 1])
-    unplanned = SpeculativeDecoder.from_run(run_dir, method="staged", plan=None)
-    assert unplanned.decoder_for(sampled) is unplanned.decoder and unplanned.options.plan is None
+    unplanned = SpeculativeDecoder.from_run(run_dir, method="staged", plan=None)  # each setting: the CPU's default
+    assert unplanned.options.plan is None and unplanned.decoder.drafter.parents == list(range(-1, plan_file.CPU_CHAIN))
+    assert unplanned.decoder_for(sampled).drafter.parents == list(range(-1, plan_file.CPU_SAMPLED_CHAIN))
+    assert unplanned.decoder_for(Sampling(0.5, 20)) is unplanned.decoder_for(sampled)  # the same drafting: one decoder
     named = SpeculativeDecoder.from_run(run_dir, method="staged", plan=run_dir / "plan.json")  # one plan for every call
     assert named.decoder_for(sampled) is named.decoder and named.decoder.drafter.budget == 6
     served = serve.parse(["--run", str(run_dir), "--method", "staged"])
     assert served.plans.options(sampled).policy == top_k and served.options.policy == greedy
-    assert serve.parse(["--run", str(run_dir), "--method", "staged", "--no-plan"]).plans is None
+    assert serve.parse(["--run", str(run_dir), "--method", "staged", "--no-plan"]).plans.plan_for(sampled) == (None, [])

@@ -242,7 +242,7 @@ def describe_methods(decoders: dict, summary: dict, sampling) -> tuple[dict, dic
               for n, d in decoders.items() if n.startswith("staged")}
     for name, size in sizing.items():
         over = ", ".join(f"{x:.2f}x over {rival}" for rival, x in summary[name].get("median_speedup_over", {}).items())
-        tree = (f"oracle tree of {size['budget']} nodes" if "budget" in size else f"the planned shape of {size['nodes']} nodes")
+        tree = (f"oracle tree of {size['budget']} nodes" if "budget" in size else f"a fixed shape of {size['nodes']} nodes")
         tree += ", draws from the draft" if size["children"] == "sampled" else ""
         stages = f"trigram widths {size['widths']}" if size.get("widths") else "no stage below the draft"
         print(f"  {name}: {stages}, {tree}" + (f"; median {over}" if over else ""))

@@ -10,7 +10,7 @@ from decode.methods import METHODS
 from decode.models.loading import model_dir
 from decode.models.precision import PINNED
 from decode.options import CPU_BUDGET, CPU_WIDTHS, PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
-from decode.planning.plan_file import describe, replan_command
+from decode.planning.plan_file import CPU_CHAIN, CPU_SAMPLED_CHAIN, describe, replan_command
 from decode.resolution import Resolved, resolve
 from decode.sampling import Sampling
 
@@ -37,7 +37,8 @@ def add_decoder_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, help="speculative: tokens the draft proposes per oracle call (default: the plan's, else 4)")
     p.add_argument("--budget", type=int,
                    help=f"tree methods: nodes in the oracle's tree (default: the plan's; without one {CPU_BUDGET} on a CPU, "
-                        f"{PAPER_BUDGET} on a GPU)")
+                        f"{PAPER_BUDGET} on a GPU; unplanned staged on a CPU drafts the draft's chain of {CPU_CHAIN} tokens, "
+                        f"{CPU_SAMPLED_CHAIN} when sampling, unless a tree flag is typed)")
     p.add_argument("--depth", type=int, help="tree methods: deepest drafted level (default: the plan's, else 8)")
     p.add_argument("--widths",
                    help=f"staged/ngram: trigram children per node at each level (default: the plan's; without one "
@@ -124,15 +125,13 @@ def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, sampling
     if (borrowed := resolved.borrowed(sampling)) is not None:
         announce(f"note: no plan for this setting in {run}; using {borrowed}")
     if (reason := resolved.without_plan(sampling)) is not None:
-        tree = (f"a tree sized for this device (--budget {base.budget}, --widths {','.join(map(str, base.widths))})"
-                if METHODS[base.method].tree else "the flags' values")
-        announce(f"note: {reason}, so {base.method} uses {tree}; `{replan_command(run, base, sampling)}` plans each "
-                 f"method for these models")
+        announce(f"note: {reason}, so {base.method} uses {resolved.unplanned(sampling)}; `{replan_command(run, base, sampling)}` "
+                 f"plans each method for these models")
     return resolved
 
 
 def announce_plan(options: DecoderOptions) -> None:
     """Which plan's policy a decoder uses, and how to decode without it."""
-    if options.policy is not None:
+    if options.plan is not None and options.policy is not None:
         announce(f"plan {options.plan}: {options.method} with {describe(options.policy)} (a flag you type wins; "
                  "--no-plan for the flags' defaults)")

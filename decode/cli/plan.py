@@ -268,7 +268,7 @@ def projected_costs(spec: str, options, sequences, max_budget: int) -> dict:
 def main(argv=None) -> dict:
     known, settings = parse(argv)
     check_output(known.out, FILE, known.overwrite, "--out", settings.reads())
-    options = settings.options
+    options = settings.flags.base  # the flags as typed: the candidates start from them, not from a default policy
     for role, what in calibrate(options).items():  # what the plan's measurements, and later decoding, run with
         print(f"calibrated the {role}: {what}")
     dec = SpeculativeDecoder(options)

@@ -48,7 +48,7 @@ def parse(argv=None) -> argparse.Namespace:
     args.oracle_name = given.resolve().name if given is not None and given.is_dir() else str(given)
     flags = decoder_flags(p, args, Sampling())
     args.options = flags.options()
-    args.plans = flags if flags.run_plans else None  # a request's setting: its own plan
+    args.plans = flags  # a request's setting: its own plan, or its own default
     return args
 
 

@@ -143,12 +143,34 @@ def with_policy(options, policy: dict):
     return replace(options, **fields, policy=policy)
 
 
-def with_plan(options, path: Path | None, given=frozenset()):
+# Without a plan on a CPU, staged drafts the draft's own chain, with no stage below the draft: the shape decode.plan
+# chose there for the presets (docs/planning.md), of 7 tokens when greedy, and when sampling of the speculative
+# method's 4 (the presets' top-k plans chose 3 and 7: acceptance falls with depth when sampling). Whether a tree or
+# the trigram's stage pays on a CPU depends on its forward of many rows, which the planner measures.
+CPU_CHAIN, CPU_SAMPLED_CHAIN = 7, 4
+SIZING_FLAGS = ("budget", "depth", "branch", "widths", "draft_calls")  # typed, the caller sizes the tree
+
+
+def default_policy(options, given=frozenset(), sampling: Sampling = GREEDY) -> dict | None:
+    """The policy a method decodes with where no plan applies: on a CPU, staged's is the draft's chain (CPU_CHAIN
+    tokens, CPU_SAMPLED_CHAIN when sampling) unless the caller sized the tree; else None, the flags' defaults
+    (decode.options.default_tree)."""
+    if options.method != "staged" or torch.device(options.device).type != "cpu" or set(SIZING_FLAGS) & set(given):
+        return None
+    n = CPU_CHAIN if sampling.greedy else CPU_SAMPLED_CHAIN
+    return {"parents": list(range(-1, n)), "ranks": [0] * (n + 1), "expected": 0.0, "nodes": n + 1, "depth": n,
+            "widths": []}
+
+
+def with_plan(options, path: Path | None, given=frozenset(), sampling: Sampling = GREEDY):
     """The DecoderOptions with the plan's policy for their method in place of every field the caller did not set
     (`given`): the plan fills in the tree, and what the caller set wins. The plan must have been measured for these
-    models and settings (load_plan)."""
-    if path is None or not METHODS[options.method].planned:
+    models and settings (load_plan). Without a plan, the method's `default_policy` for this sampling setting."""
+    if not METHODS[options.method].planned:
         return options
+    if path is None:
+        policy = default_policy(options, given, sampling)
+        return with_policy(options, policy) if policy else options
     policy = load_plan(path, options).get(options.method)
     policy = policy and unless_given(policy, given)
     return with_policy(replace(options, plan=Path(path)), policy) if policy else options
