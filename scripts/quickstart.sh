@@ -85,8 +85,9 @@ sys.exit(plan.get('version') != PLAN_VERSION or plan['identity']['dtype'] != sys
         && [ "$1" -nt "$run/oracle/model.safetensors" ] && [ "$1" -nt "$run/draft/model.safetensors" ] \
         && [ "$1" -nt "$run/ngram/successors.npz" ]
 }
-# greedy decoding's plan, and sampling's at T = 1, top-k 50 (a request at another setting borrows the nearer one)
-for setting in "plan.json" "plan-t1-k50-p1.json:--temperature 1 --top-k 50"; do
+# greedy decoding's plan, and sampling's at T = 1, top-k 50 (a request at another setting borrows the nearer one);
+# sampled plans choose chains on a CPU, so trees of up to 16 nodes are screened for it (64 took twice as long)
+for setting in "plan.json" "plan-t1-k50-p1.json:--temperature 1 --top-k 50 --max-budget 16"; do
     file="${setting%%:*}" flags=()
     [ "$file" != "$setting" ] && read -r -a flags <<< "${setting#*:}"
     if current_plan "$run/$file"; then
