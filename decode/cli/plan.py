@@ -259,8 +259,9 @@ def projected_costs(spec: str, options, sequences, max_budget: int) -> dict:
     n_layer, n_embd, vocab = costs.projection_shape(spec)
     big_costs = timing.forward_costs(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device), repeats=5)
     prompt_length = round(sum(len(p) for p, _ in sequences) / len(sequences))
-    big_ms = costs.ContextCosts.flat(costs.cost_curve(big_costs, max(2 * max_budget, prompt_length)))
-    return {"ms": big_ms, "baseline": {"prefill": float(big_ms.curve()[prompt_length]), "one_token": big_costs[1], "loop": 0.0},
+    big_ms = costs.cost_curve(big_costs, max(2 * max_budget, prompt_length))
+    return {"ms": costs.ContextCosts.flat(big_ms),
+            "baseline": {"prefill": float(big_ms[prompt_length]), "one_token": big_costs[1], "loop": 0.0},
             "oracle": spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs}
 
 

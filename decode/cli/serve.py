@@ -69,7 +69,8 @@ def main(argv=None) -> None:
     check_address(args.host, args.port)
     notes = logging.getLogger("decode")  # which plan each request's sampling setting decodes with, on stderr
     notes.setLevel(logging.INFO)
-    notes.addHandler(logging.StreamHandler())
+    if not notes.handlers:
+        notes.addHandler(logging.StreamHandler())
     decoder = SpeculativeDecoder(args.options, args.plans)
     name = args.model_name or args.oracle_name
     app = create_app(decoder, name, args.api_key, args.queue_size, args.max_body_bytes, args.read_timeout)

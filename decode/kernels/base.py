@@ -68,7 +68,7 @@ class StepKernels(ABC):
         """A function of (the token before the root, the root, the widths per level) that gives the tokens and
         probabilities of the trigram's tree below that context, level by level, each parent's children by rank:
         one search for the root's row of the successor table (ngram/successors.py), then a gather a level (each
-        successor names the row after it). Made once per table."""
+        successor names the row after it). Made once per table, which the caller keeps."""
 
     def row_argmax(self, logits: torch.Tensor, shortlist: Shortlist | None = None) -> list[int]:
         """The argmax token of each row (`top_tokens` with k = 1)."""

@@ -3,6 +3,8 @@ each of the tens of torch, numpy and list operations a loop takes in Python pays
 call pays once. Each call checks what it is handed (float32 rows in CPU memory, in one block) before the C++ reads it.
 Settings the C++ loops do not cover (sampling without a top-k, several draft children a node in the staged
 selection) run the portable code."""
+import functools
+
 import numpy as np
 import torch
 
@@ -84,12 +86,7 @@ class NativeKernels(PortableKernels):
                 or not successors.flags.c_contiguous):
             raise ValueError("the C++ loops read a successor table as ngram/successors.py lays it out: int64 histories "
                              "and 12-byte successors, each in one block")
-        # the reader keeps the table: the loops read its arrays in place
+        # the loops read the table's arrays in place: the caller keeps the table (TrigramTrees.table)
         source = (histories.__array_interface__["data"][0], histories.size, successors.__array_interface__["data"][0],
                   successors.shape[1], table.vocab_size)
-        module = self.module
-
-        def read(before_root: int, root: int, widths: list[int], table=table) -> tuple[list[int], list[float]]:
-            return module.trigram_tree(*source, before_root, root, widths)
-
-        return read
+        return functools.partial(self.module.trigram_tree, *source)

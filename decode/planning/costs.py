@@ -50,13 +50,6 @@ class ContextCosts:
 
     __rmul__ = __mul__
 
-    def __len__(self) -> int:
-        return self.curves.shape[1]
-
-    def curve(self, cached: int | None = None) -> torch.Tensor:
-        """The costs of 0 .. q nodes after `cached` positions (None: the shortest length measured)."""
-        return self.at(list(range(len(self))), [self.lengths[0] if cached is None else cached] * len(self))
-
     def at(self, nodes: list[int], cached: list[int]) -> torch.Tensor:
         """The cost of each forward of nodes[i] nodes after cached[i] positions."""
         q = torch.tensor(nodes, dtype=torch.long)
