@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 
 from tqdm.auto import tqdm
 
-from data.errors import InputError, first_line
+from decode.errors import InputError, first_line
 
 STACK_DATASETS = ("bigcode/the-stack-dedup", "bigcode/the-stack")
 STACK_DATA_DIR = "data/python"

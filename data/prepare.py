@@ -15,10 +15,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from data import corpus, prompts, shards, tokenizer as tok
-from data.atomic import FILE, Kind, atomic_outputs, check_not_input, check_output
-from data.cli import HelpFormatter
-from data.errors import InputError, exits_on_input_error
+from data import corpus, harvest, shards, tokenizer as tok
+from decode.atomic import FILE, Kind, atomic_outputs, check_not_input, check_output
+from decode.cli.help import HelpFormatter
+from decode.errors import InputError, exits_on_input_error
+from decode.prompts import write_jsonl
+from decode.tokenizer import load_tokenizer
 
 ENCODE_BATCH = 256
 
@@ -121,7 +123,7 @@ def main(argv=None) -> None:
         tok.check_vocab_size(args.vocab_size)
         tokenizer = None  # trained on the training split once it is read
     else:
-        tokenizer = tok.load_tokenizer(args.tokenizer)  # before the corpus, so a hub error comes at once
+        tokenizer = load_tokenizer(args.tokenizer)  # before the corpus, so a hub error comes at once
 
     skipped: Counter = Counter()
     splits = read_corpus(args, skipped)
@@ -133,11 +135,11 @@ def main(argv=None) -> None:
     def fits(prompt: str) -> bool:
         return len(tok.encode_documents(tokenizer, [prompt])[0]) <= args.max_prompt_tokens
 
-    harvested = prompts.harvest(splits["val"], args.num_prompts, fits=fits)
+    harvested = harvest.harvest(splits["val"], args.num_prompts, fits=fits)
 
     with atomic_outputs(outputs(run), args.overwrite) as (tokenizer_dir, prompts_file, data_dir):
         tokenizer.save_pretrained(tokenizer_dir)
-        prompts.write_jsonl(harvested, prompts_file)
+        write_jsonl(harvested, prompts_file)
         data_dir.mkdir()
         counts = {name: write_split(data_dir / f"{name}.bin", docs, tokenizer, dtype) for name, docs in splits.items()}
         meta = {

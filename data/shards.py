@@ -7,11 +7,10 @@ from typing import Iterable
 
 import numpy as np
 
-from data.atomic import write_json
-from data.errors import InputError
+from decode.atomic import write_json
+from decode.errors import InputError
 
 META = "meta.json"
-TOKEN_COUNTS = "token_counts.npy"  # beside a trained model: its training split's count of each token id
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -1,16 +1,14 @@
 """Tokenizers: a pretrained one by name (GPT-2's, the paper's) or a byte-level BPE trained here.
 
-Both are saved so that `AutoTokenizer.from_pretrained(RUN/tokenizer)` loads them, and both
-round-trip source text exactly (byte-level, no normalisation, no clean-up of spaces on decode).
+Both are saved so that `AutoTokenizer.from_pretrained(RUN/tokenizer)` loads them (`decode.tokenizer`), and
+both round-trip source text exactly (byte-level, no normalisation, no clean-up of spaces on decode).
 """
-from pathlib import Path
 from typing import Sequence
 
-from data.errors import InputError, first_line
+from decode.errors import InputError
 
 END_OF_TEXT = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # the 256 byte symbols plus the end-of-text token
-PROBE = "def f(x):\n    return x\n"  # text every usable code tokenizer turns into tokens
 
 
 def check_vocab_size(vocab_size: int) -> None:
@@ -45,29 +43,6 @@ def train_bpe(texts: Sequence[str], vocab_size: int, min_frequency: int = 2):
         unk_token=END_OF_TEXT,
         clean_up_tokenization_spaces=False,
     )
-
-
-def load_tokenizer(name_or_path):
-    """Load a tokenizer from a directory or the hub, with a one-line error when that fails."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
-    except Exception as err:  # hub or file errors of many kinds
-        where = "directory" if Path(str(name_or_path)).exists() else "hub name"
-        reason = first_line(err)
-        raise InputError(
-            f"cannot load the tokenizer from {where} '{name_or_path}' ({reason}); pass a directory written "
-            f"by `python -m data.prepare`, or a hub name when online"
-        ) from None
-    if tokenizer.eos_token_id is None:
-        raise InputError(f"tokenizer '{name_or_path}' has no end-of-text token; documents could not be separated")
-    if not tokenizer(PROBE, add_special_tokens=False).input_ids:  # a directory without its tokenizer files can load
-        raise InputError(f"the tokenizer in '{name_or_path}' turns text into no tokens: its tokenizer files "
-                         f"(tokenizer.json or vocab.json and merges.txt) are missing or empty; copy them from the run's "
-                         f"tokenizer/ directory")
-    tokenizer.clean_up_tokenization_spaces = False
-    return tokenizer
 
 
 def encode_documents(tokenizer, texts: Sequence[str]) -> list[list[int]]:

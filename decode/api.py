@@ -17,8 +17,8 @@ from typing import Callable, Generator, Iterator
 
 import torch
 
-from data.errors import InputError
-from data.tokenizer import load_tokenizer
+from decode.errors import InputError
+from decode.tokenizer import load_tokenizer
 from decode import generation, loop, native
 from decode.drafting import Drafter
 from decode.healing import Prompt, TokenHealer

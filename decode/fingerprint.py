@@ -12,7 +12,7 @@ import struct
 import zipfile
 from pathlib import Path
 
-from data.errors import InputError
+from decode.errors import InputError
 
 CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "staged-speculative"
 DIGESTS = CACHE_ROOT / "digests"

@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Callable, Generator, Iterator
 
-from data.errors import InputError
+from decode.errors import InputError
 from decode.options import check_number
 from decode.sampling import Sampling
 

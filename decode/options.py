@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.errors import InputError
+from decode.errors import InputError
 from decode.models.engine import SPECULATIVE_SLOTS
 from decode.models.precision import auto_dtype
 from decode.planning.shapes import Shape

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from data.atomic import write_json
-from data.machine import cpu_features, cpu_name
+from decode.atomic import write_json
+from decode.machine import cpu_features, cpu_name
 from decode import native
 from decode.fingerprint import CACHE_ROOT, fingerprint
 from decode.tensors import synchronize

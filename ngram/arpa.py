@@ -2,7 +2,7 @@
 SRILM and most n-gram tools read. Words are token ids as decimal strings plus <s>, </s>, <unk>."""
 import numpy as np
 
-from data.atomic import atomic_output
+from decode.atomic import atomic_output
 from ngram.katz import LOG10_ZERO, KatzModel
 
 

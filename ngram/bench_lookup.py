@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
-from data.cli import HelpFormatter
-from data.errors import exits_on_input_error
-from ngram.successors import SuccessorTable
+from decode.cli.help import HelpFormatter
+from decode.errors import exits_on_input_error
+from decode.models.successors import SuccessorTable
 
 
 def lookup_cost_us(table: SuccessorTable, batch: int = 64, seconds: float = 0.2) -> float:

@@ -10,14 +10,17 @@ Writes OUT/model.arpa (kenlm.Model loads it), OUT/successors.npz and OUT/meta.js
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by its path: the repository's folders import
+
 import numpy as np
 
-from data.atomic import Kind, atomic_output, check_output
-from data.cli import HelpFormatter
-from data.errors import InputError, exits_on_input_error
+from decode.atomic import Kind, atomic_output, check_output
+from decode.cli.help import HelpFormatter
+from decode.errors import InputError, exits_on_input_error
 from data.shards import open_split, read_meta, split_documents
 from ngram import counts as ngram_counts, katz, successors
 from ngram.arpa import write_arpa

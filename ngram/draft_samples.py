@@ -6,9 +6,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from data.errors import InputError
-from data.pretrained import load_causal_lm
-from data.tokenizer import load_tokenizer
+from decode.errors import InputError
+from decode.models.pretrained import load_causal_lm
+from decode.tokenizer import load_tokenizer
 
 
 def check_draft_tokenizer(model_dir, data_tokenizer_dir) -> None:

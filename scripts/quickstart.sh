@@ -63,7 +63,7 @@ train "$run/draft" train/distill_draft.py --teacher "$run/oracle"
 
 stage "== 4/6 Katz trigram -> $run/ngram"
 table_loads() {  # a table of this version (an earlier version's is refused with the command that rebuilds it)
-    "$py" -c "import sys; from ngram.successors import SuccessorTable; SuccessorTable.load(sys.argv[1])" "$1" 2>/dev/null
+    "$py" -c "import sys; from decode.models.successors import SuccessorTable; SuccessorTable.load(sys.argv[1])" "$1" 2>/dev/null
 }
 if [ -f "$run/ngram/successors.npz" ] && table_loads "$run/ngram/successors.npz"; then
     echo "   already built (remove $run/ngram to rebuild)"

@@ -62,7 +62,7 @@ def corpus_dir(tmp_path):
 def bpe_run(tmp_path_factory):
     """A run with a byte-level BPE tokenizer trained on a small corpus, tiny random models and a trigram."""
     from data import prepare
-    from data.tokenizer import load_tokenizer
+    from decode.tokenizer import load_tokenizer
     from decode_models import PROMPTS, tiny_gpt2
     from ngram import build_katz
 

@@ -6,7 +6,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from data.shards import TOKEN_COUNTS
+from decode.models.loading import TOKEN_COUNTS
 
 # Prompts for a byte-level BPE run (see conftest.bpe_run): three end in a bare newline token.
 PROMPTS = ['def scale_1(values, factor=1):\n    """Multiply every value by 1 and return the list."""\n',

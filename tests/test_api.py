@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from data.errors import InputError
+from decode.errors import InputError
 from decode import SpeculativeDecoder
 from decode.cli import run
 

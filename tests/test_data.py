@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from data import corpus, prepare, prompts, shards
-from data.errors import InputError
+from data import corpus, harvest, prepare, shards
+from decode import prompts
+from decode.errors import InputError
 from data.tokenizer import END_OF_TEXT, train_bpe
 
 
@@ -142,7 +143,7 @@ def test_harvest_keeps_only_top_level_functions_with_docstring_and_body():
         'class K:\n    def method(self):\n        """Doc."""\n        return 2\n\n'
         'def _helper(x):\n    """Private helpers count."""\n    return x\n'
     ))
-    assert [p["entry_point"] for p in prompts.harvest_file(doc)] == ["_helper"]
+    assert [p["entry_point"] for p in harvest.harvest_file(doc)] == ["_helper"]
 
 
 def test_humaneval_jsonl_and_gz_load(tmp_path):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from data.pretrained import FUSED_GELU, load_causal_lm
+from decode.models.pretrained import FUSED_GELU, load_causal_lm
 from decode.models.cached_lm import Shortlist
 from decode.kernels import kernels_for
 from decode.ranking import draw_below, draw_children, ranked_children

@@ -11,7 +11,7 @@ from decode.sampling import Sampling, Uniforms, sample
 from decode.tree import Tree
 from decode.verify import Target, sample_match
 from decode_models import tiny_gpt2, tiny_trigram
-from ngram.successors import SuccessorTable
+from decode.models.successors import SuccessorTable
 
 
 def example_tree() -> Tree:

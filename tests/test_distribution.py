@@ -28,7 +28,7 @@ from decode.sampling import Sampling, sample
 from decode.verify import Target, sample_match
 from decode_models import tiny_gpt2, tiny_trigram
 from exactness import Z_LIMIT, chi_square_z, exact_distribution
-from ngram.successors import SuccessorTable
+from decode.models.successors import SuccessorTable
 
 pytestmark = pytest.mark.statistical
 

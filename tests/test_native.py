@@ -22,7 +22,7 @@ from decode.sampling import Sampling, Sparse, Uniforms
 from decode.tree import Tree
 from decode.verify import Target
 from decode_models import tiny_gpt2, tiny_trigram
-from ngram.successors import SuccessorTable
+from decode.models.successors import SuccessorTable
 
 REFERENCE = PortableKernels()
 

@@ -9,7 +9,7 @@ from data import prepare
 from ngram import build_katz
 from ngram.counts import Vocabulary, count
 from ngram.katz import estimate, good_turing_discounts
-from ngram.successors import SuccessorTable
+from decode.models.successors import SuccessorTable
 
 V = 400
 UNUSED = 10  # the top ids never occur in training: unseen tokens

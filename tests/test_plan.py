@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from data.errors import InputError
-from data.shards import TOKEN_COUNTS
+from decode.errors import InputError
+from decode.models.loading import TOKEN_COUNTS
 
 from decode import SpeculativeDecoder
 from decode.methods import METHODS
@@ -28,7 +28,7 @@ from decode.options import CPU_WIDTHS
 from decode.loop import baseline, tree_speculative
 from decode.sampling import Sampling, Uniforms
 from decode_models import run_models
-from ngram.successors import SuccessorTable
+from decode.models.successors import SuccessorTable
 
 
 def rank_trees(nodes: int, depth: int, width: int):

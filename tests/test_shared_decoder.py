@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from data.errors import InputError
-from data.prompts import load_prompts
-from data.tokenizer import load_tokenizer
+from decode.errors import InputError
+from decode.prompts import load_prompts
+from decode.tokenizer import load_tokenizer
 from decode import DecoderBusy, SpeculativeDecoder
 from decode.models import precision
 from decode.cli import flags, run

@@ -10,9 +10,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import write_corpus
-from data import machine as data_machine, prepare
-from data.pretrained import FUSED_GELU
-from data.shards import TOKEN_COUNTS, open_split
+from data import prepare
+from decode import machine
+from decode.models.pretrained import FUSED_GELU
+from data.shards import open_split
+from decode.models.loading import TOKEN_COUNTS
 from train import distill_draft, finetune_oracle, teacher_init
 from train.presets import DIVERGENCES
 
@@ -163,7 +165,7 @@ def test_teacher_windows_end_with_the_teachers_greedy_continuation(run, tmp_path
 
 def test_prompt_prefixes_end_with_a_training_file_prompt_after_an_end_of_text(run):
     from data.shards import open_split
-    from data.tokenizer import load_tokenizer
+    from decode.tokenizer import load_tokenizer
     from train.continuations import prompt_prefixes
 
     root, _ = run
@@ -508,7 +510,7 @@ def test_unset_bf16_is_the_calibrated_choice_and_kept_on_resume(run, tmp_path, m
 
     kept = tmp_path / "bf16"
     unmeasured, why = bf16.bf16_choice(width=64, rows=128, cache_dir=kept)  # nothing timed: the CPU's instructions
-    assert unmeasured == any(name in data_machine.cpu_features() for name in ("BF16", "AMX"))
+    assert unmeasured == any(name in machine.cpu_features() for name in ("BF16", "AMX"))
     assert "not calibrated: `python -m train.bf16 --width 64` times both" in why and not list(kept.glob("*"))
     faster, timings = bf16.calibrate(width=64, rows=128, repeats=2, cache_dir=kept)
     assert isinstance(faster, bool) and "ms with bf16 autocast" in timings and "ms in float32" in timings

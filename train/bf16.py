@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.atomic import write_json
-from data.cli import HelpFormatter
-from data.machine import cpu_features, cpu_name
+from decode.atomic import write_json
+from decode.cli.help import HelpFormatter
+from decode.machine import cpu_features, cpu_name
 
 BF16_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "staged-speculative" / "bf16"
 PROG = "python -m train.bf16"

@@ -14,15 +14,18 @@ acceptance in speculative decoding. The first and the last are reported twice: o
 and on the teacher's greedy continuations of validation prefixes ("..._on_teacher_output").
 """
 import math
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by its path: the repository's folders import
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data.errors import InputError, exits_on_input_error
-from data.pretrained import load_causal_lm
-from data.tokenizer import load_tokenizer
+from decode.errors import InputError, exits_on_input_error
+from decode.models.pretrained import load_causal_lm
+from decode.tokenizer import load_tokenizer
 from train.continuations import (POOL_FILE, PoolWindows, build_pool, prompt_prefixes, random_prefixes,
                                  teacher_continuations)
 from train.loop import (PackedWindows, build_model, check_same_tokenizer, eval_windows, next_token_loss, report, start_run,

@@ -7,9 +7,14 @@ from a preset's config (offline), on the packed token shards of a prepared run.
 
 Multi-GPU and multi-node runs come from `accelerate config` (DDP, FSDP); nothing here changes.
 """
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by its path: the repository's folders import
+
 from train.loop import build_model, language_model_loss, report, start_run, train
 from train.presets import ORACLE_PRESETS, TrainArgs, parse_args
-from data.errors import exits_on_input_error
+from decode.errors import exits_on_input_error
 
 
 @exits_on_input_error

@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from data.atomic import atomic_output
-from data.errors import InputError, first_line, written
-from data.pretrained import FUSED_GELU, load_causal_lm
-from data.shards import TOKEN_COUNTS, open_split, read_meta, token_counts
-from data.tokenizer import load_tokenizer
+from decode.atomic import atomic_output
+from decode.errors import InputError, first_line, written
+from decode.models.pretrained import FUSED_GELU, load_causal_lm
+from data.shards import open_split, read_meta, token_counts
+from decode.models.loading import TOKEN_COUNTS
+from decode.tokenizer import load_tokenizer
 from train.bf16 import bf16_choice
 from train.presets import TrainArgs
 from train.tracking import JSONLinesTracker

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from data.errors import InputError
+from decode.errors import InputError
 
 DIVERGENCES = ("forward", "reverse", "tv")  # --kd-loss: train/distill_draft.py's divergence()
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from data.errors import InputError
+from decode.errors import InputError
 
 
 def principal_directions(teacher, student) -> tuple[torch.Tensor, float]:

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from data.atomic import atomic_output
-from data.errors import InputError
+from decode.atomic import atomic_output
+from decode.errors import InputError
 from train.continuations import POOL_FILE
 from train.work_dir import changed_args, load_or_build_arrays, read_saved_args
 

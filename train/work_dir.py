@@ -8,8 +8,8 @@ from typing import Callable
 
 import numpy as np
 
-from data.atomic import Kind, atomic_output, check_output as check_output_path
-from data.errors import InputError, first_line
+from decode.atomic import Kind, atomic_output, check_output as check_output_path
+from decode.errors import InputError, first_line
 from train.presets import TrainArgs
 
 CHECKPOINT_PREFIX = "step-"

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data.cli import HelpFormatter
-from data.atomic import FILE, check_output, write_json
-from data.errors import exits_on_input_error
+from decode.cli.help import HelpFormatter
+from decode.atomic import FILE, check_output, write_json
+from decode.errors import exits_on_input_error
 from decode.api import SpeculativeDecoder
 from decode.cli.harness import compare_with_baseline
 from decode.cli.near_ties import describe, divergence, own_rows

@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.cli import HelpFormatter
-from data.atomic import FILE, atomic_output, check_output, write_json
-from data.errors import InputError, exits_on_input_error
+from decode.cli.help import HelpFormatter
+from decode.atomic import FILE, atomic_output, check_output, write_json
+from decode.errors import InputError, exits_on_input_error
 from decode import native
 from decode.api import SpeculativeDecoder
 from decode.cli import explain, near_ties

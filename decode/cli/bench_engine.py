@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from data.atomic import FILE, check_output, write_json
-from data.cli import HelpFormatter
-from data.errors import exits_on_input_error
-from data.prompts import load_prompts
-from data.tokenizer import load_tokenizer
+from decode.atomic import FILE, check_output, write_json
+from decode.cli.help import HelpFormatter
+from decode.errors import exits_on_input_error
+from decode.prompts import load_prompts
+from decode.tokenizer import load_tokenizer
 from decode.options import check_device
 from decode.planning.costs import PROJECTIONS, projection_shape, random_gpt2
 from decode.planning.roofline import ForwardShape, knee, measure_machine

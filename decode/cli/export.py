@@ -10,9 +10,9 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from data.atomic import FILE, atomic_outputs, check_output
-from data.cli import HelpFormatter
-from data.errors import InputError, exits_on_input_error
+from decode.atomic import FILE, atomic_outputs, check_output
+from decode.cli.help import HelpFormatter
+from decode.errors import InputError, exits_on_input_error
 from decode.models.gguf_export import GGUF_DTYPES, write_gguf
 from decode.models.loading import model_dir
 

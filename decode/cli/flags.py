@@ -5,7 +5,7 @@ import functools
 import sys
 from pathlib import Path
 
-from data.errors import InputError
+from decode.errors import InputError
 from decode.methods import METHODS
 from decode.models.loading import model_dir
 from decode.models.precision import PINNED

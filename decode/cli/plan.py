@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from data.cli import HelpFormatter
-from data.atomic import FILE, check_output
-from data.errors import exits_on_input_error
-from data.prompts import load_prompts
-from data.shards import TOKEN_COUNTS
+from decode.cli.help import HelpFormatter
+from decode.atomic import FILE, check_output
+from decode.errors import exits_on_input_error
+from decode.prompts import load_prompts
+from decode.models.loading import TOKEN_COUNTS
 from decode import loop, timing
 from decode.api import SpeculativeDecoder
 from decode.cli.harness import Timer, decode_in_turns, warm_up

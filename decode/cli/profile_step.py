@@ -20,7 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from data.errors import exits_on_input_error
+from decode.errors import exits_on_input_error
 from decode import native, timing
 from decode.api import SpeculativeDecoder
 from decode.cli.harness import Timer

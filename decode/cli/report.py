@@ -12,8 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
-from data.cli import HelpFormatter
-from data.errors import InputError, exits_on_input_error
+from decode.cli.help import HelpFormatter
+from decode.errors import InputError, exits_on_input_error
 from decode.cli.explain import loop_share
 
 PROG = "python -m decode.report"

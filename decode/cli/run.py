@@ -6,8 +6,8 @@
 """
 import json
 
-from data.atomic import FILE, atomic_output, check_output
-from data.errors import exits_on_input_error
+from decode.atomic import FILE, atomic_output, check_output
+from decode.errors import exits_on_input_error
 from decode.api import SpeculativeDecoder, drain
 from decode.cli.flags import announce_plan
 from decode.cli.settings import Settings, encode_prompts, parse_settings

@@ -5,9 +5,17 @@ whatever the main returns for the tests and the Python callers (a console script
     staged-run, staged-serve, staged-bench, staged-plan, staged-profile-step, staged-bench-engine,
     staged-agreement, staged-report, staged-export, staged-calibrate
 
-`python -m decode.run` and the other module and script paths keep working.
+`python -m decode.run` and the other module and script paths keep working. The training pipelines (data/, train/,
+ngram/) are the repository's folders rather than installed packages: their scripts run where the installed decode
+package is a clone's (an editable install), and elsewhere exit 2 saying so.
 """
 import importlib
+import sys
+from pathlib import Path
+
+from decode.errors import InputError, exits_on_input_error
+
+PIPELINES = ("data", "train", "ngram")
 
 COMMANDS = {
     "prepare": "data.prepare", "finetune-oracle": "train.finetune_oracle", "distill-draft": "train.distill_draft",
@@ -19,8 +27,27 @@ COMMANDS = {
 }
 
 
+def repository() -> Path:
+    """The clone this decode package belongs to, whose folders hold the training pipelines."""
+    root = Path(__file__).resolve().parents[2]
+    if not all((root / folder / "__init__.py").is_file() for folder in PIPELINES):
+        raise InputError("the training pipelines (data/, train/, ngram/) run from a clone of the repository: clone it "
+                         "and install it with `bash scripts/setup.sh` (or `pip install -e .`) there")
+    return root
+
+
+@exits_on_input_error
+def load_command(name: str):
+    module = COMMANDS[name]
+    if module.split(".")[0] in PIPELINES:
+        root = str(repository())
+        if root not in sys.path:
+            sys.path.insert(0, root)
+    return importlib.import_module(module)
+
+
 def command(name: str) -> None:
-    importlib.import_module(COMMANDS[name]).main()
+    load_command(name).main()
 
 
 def prepare(): command("prepare")

@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 
-from data.cli import HelpFormatter
-from data.errors import InputError, exits_on_input_error
+from decode.cli.help import HelpFormatter
+from decode.errors import InputError, exits_on_input_error
 from decode.api import SpeculativeDecoder
 from decode.cli.flags import add_decoder_flags, decoder_flags
 from decode.sampling import Sampling

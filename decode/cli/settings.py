@@ -4,9 +4,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.cli import HelpFormatter
-from data.errors import InputError
-from data.prompts import load_prompts
+from decode.cli.help import HelpFormatter
+from decode.errors import InputError
+from decode.prompts import load_prompts
 from decode.api import SpeculativeDecoder
 from decode.cli.flags import add_decoder_flags, decoder_flags
 from decode.healing import Prompt

@@ -67,7 +67,7 @@ class StepKernels(ABC):
     def trigram_reader(self, table) -> TrigramReader:
         """A function of (the token before the root, the root, the widths per level) that gives the tokens and
         probabilities of the trigram's tree below that context, level by level, each parent's children by rank:
-        one search for the root's row of the successor table (ngram/successors.py), then a gather a level (each
+        one search for the root's row of the successor table (decode/models/successors.py), then a gather a level (each
         successor names the row after it). Made once per table, which the caller keeps."""
 
     def row_argmax(self, logits: torch.Tensor, shortlist: Shortlist | None = None) -> list[int]:

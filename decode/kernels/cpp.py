@@ -84,7 +84,7 @@ class NativeKernels(PortableKernels):
         histories, successors = table.histories, table.successors
         if (histories.dtype != np.int64 or successors.dtype.itemsize != 12 or not histories.flags.c_contiguous
                 or not successors.flags.c_contiguous):
-            raise ValueError("the C++ loops read a successor table as ngram/successors.py lays it out: int64 histories "
+            raise ValueError("the C++ loops read a successor table as decode/models/successors.py lays it out: int64 histories "
                              "and 12-byte successors, each in one block")
         # the loops read the table's arrays in place: the caller keeps the table (TrigramTrees.table)
         source = (histories.__array_interface__["data"][0], histories.size, successors.__array_interface__["data"][0],

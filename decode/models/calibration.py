@@ -6,7 +6,7 @@ every other command reads what was kept, and uses each choice's documented defau
 """
 from pathlib import Path
 
-from data.errors import InputError
+from decode.errors import InputError
 from decode.models.loading import load_model
 
 

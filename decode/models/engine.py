@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from data.errors import InputError
-from data.pretrained import FUSED_GELU, RETRAIN, load_safetensors
+from decode.errors import InputError
+from decode.models.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode import native
 from decode.models.cached_lm import CachedLM, Shortlist
 from decode.tensors import Ids, as_tensor

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data.errors import InputError
-from data.pretrained import load_safetensors
-from data.tokenizer import load_tokenizer
+from decode.errors import InputError
+from decode.models.pretrained import load_safetensors
+from decode.tokenizer import load_tokenizer
 from decode.models.engine import is_lean_compatible, read_config
 
 GGUF_DTYPES = ("float32", "bfloat16")  # the matrices' dtype in the file; norms and biases stay float32

@@ -5,7 +5,7 @@ import inspect
 
 import torch
 
-from data.pretrained import load_causal_lm
+from decode.models.pretrained import load_causal_lm
 from decode.models.cached_lm import CachedLM, Shortlist
 from decode.tensors import Ids, as_tensor
 from decode.models.engine import DTYPES, attention_kernels

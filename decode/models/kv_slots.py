@@ -2,7 +2,7 @@
 commit keeps or drops."""
 import torch
 
-from data.errors import InputError
+from decode.errors import InputError
 from decode import native
 
 

@@ -5,13 +5,15 @@ from pathlib import Path
 
 import numpy as np
 
-from data.errors import InputError, first_line
-from data.shards import TOKEN_COUNTS
-from data.tokenizer import load_tokenizer
+from decode.errors import InputError, first_line
+from decode.tokenizer import load_tokenizer
 from decode.models.cached_lm import CachedLM, Shortlist
 from decode.models.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.models.hf_backend import HFEngine
 from decode.models.native_rows import native_forward
+from decode.models.successors import SuccessorTable
+
+TOKEN_COUNTS = "token_counts.npy"  # beside a trained model: its training split's count of each token id
 
 
 def pretrained_dir(model, tokenizer, keep: list, name: str) -> Path:
@@ -57,7 +59,6 @@ def model_dir(model: str | Path, name: str) -> Path:
 
 
 def load_trigram(options, vocab_size: int, eos_id: int):
-    from ngram.successors import SuccessorTable
 
     if options.ngram is None:
         raise InputError(f"--method {options.method} needs the Katz trigram; pass --ngram DIR (python ngram/build_katz.py)")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from decode import native
-from data.machine import cpu_features
+from decode.machine import cpu_features
 from decode.fingerprint import fingerprint
 from decode.timing import CACHE_DIR, by_count, device_name, forward_costs, kept, read_kept
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from data.errors import first_line
-from data.machine import cpu_flags
+from decode.errors import first_line
+from decode.machine import cpu_flags
 from decode.tensors import Ids, as_list
 
 log = logging.getLogger("decode.native")  # notes a user sees on stderr without any logging set up (warnings)

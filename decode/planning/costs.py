@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.errors import InputError
+from decode.errors import InputError
 from decode.models.cached_lm import CachedLM
 from decode.timing import CACHE_DIR, NODE_COUNTS, by_count, cache_key, forward_costs, kept
 

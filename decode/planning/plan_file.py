@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from data.atomic import write_json
-from data.errors import InputError
+from decode.atomic import write_json
+from decode.errors import InputError
 from decode.methods import METHODS
 from decode.fingerprint import TABLES, WEIGHTS, fingerprint
 from decode.timing import device_name

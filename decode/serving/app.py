@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from data.errors import InputError
+from decode.errors import InputError
 from decode.api import SpeculativeDecoder
 from decode.serving.request import SCHEMA, Completion, RequestError, parse_completion
 

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from data.errors import InputError
+from decode.errors import InputError
 from decode.api import SpeculativeDecoder
 from decode.generation import SEED_RANGE
 from decode.options import MIN_TEMPERATURE, sampling_of

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.errors import InputError, written
+from decode.errors import InputError, written
 
 
 @dataclass(frozen=True)

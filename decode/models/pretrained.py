@@ -2,7 +2,7 @@
 what to do, instead of a traceback from deep inside transformers or safetensors."""
 from pathlib import Path
 
-from data.errors import InputError, first_line
+from decode.errors import InputError, first_line
 
 RETRAIN = "pass a directory written by save_pretrained, or train it again if its files are damaged"
 # GPT-2's GELU, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as transformers computes it in one torch kernel;

@@ -14,7 +14,7 @@ class InputError(Exception):
         self.field = field
 
 
-written: list = []  # paths the running command's outputs were renamed into (data.atomic), for an honest interrupt message
+written: list = []  # paths the running command's outputs were renamed into (decode.atomic), for an honest interrupt message
 
 
 class Terminated(KeyboardInterrupt):
