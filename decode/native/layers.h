@@ -1,0 +1,350 @@
+// The parts of forward.cpp's layers that run a row at a time: layer norm, attention of the new rows over the cache
+// (its heads split over torch's threads, a tree's mask for what each row sees) and GELU, in float32 a vector at a
+// time. A row's attention adds its terms by the rank of the slots it sees, not by where they lie in the cache.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "products.h"
+#include "vectors.h"
+
+namespace {
+
+// Layer norm of each row of x (rows x n, n a multiple of 16) into out in the model's dtype, the next product's input.
+template <typename T>
+VECTOR_TARGET void layer_norm(const float *x, const float *weight, const float *bias, T *out, int64_t rows, int64_t n,
+                              float epsilon) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        Vec total = zeros();
+        for (int64_t i = 0; i < n; i += LANES) total = add(total, load(row + i));
+        const Vec mean = splat(sum(total) / n);
+        Vec square = zeros();
+        for (int64_t i = 0; i < n; i += LANES) {
+            const Vec centred = sub(load(row + i), mean);
+            square = fma(centred, centred, square);
+        }
+        const Vec scale = splat(1.0f / std::sqrt(sum(square) / n + epsilon));
+        for (int64_t i = 0; i < n; i += LANES) {
+            const Vec normal = mul(sub(load(row + i), mean), scale);
+            store(out + r * n + i, fma(normal, load(weight + i), load(bias + i)));
+        }
+    }
+}
+
+template <typename T>
+struct Cache {  // GPT2Engine.kv_cache: (2, layers, heads, capacity, head_dim), keys at [0], values at [1]
+    T *data;
+    int64_t layers, heads, capacity, head_dim;
+    T *at(int64_t kind, int64_t layer, int64_t head, int64_t slot) const {
+        return data + (((kind * layers + layer) * heads + head) * capacity + slot) * head_dim;
+    }
+};
+
+// Which slots row r sees: every slot before `end - columns`, then the mask's row over the last `columns` (a
+// chain without a mask: every slot up to its own, start + r).
+struct Visibility {
+    const uint8_t *mask;
+    int64_t columns, start, end;
+    int64_t open(int64_t r) const { return mask ? end - columns : start + r + 1; }  // slots 0..open(r) all seen
+    bool sees(int64_t r, int64_t slot) const { return slot < open(r) || (mask && mask[r * columns + slot - (end - columns)]); }
+};
+
+// Scores (rows x end) of each row's query against every cached key of one head, times `scale`, in float32 one by
+// one: for head sizes the vector code below does not take.
+template <typename T>
+VECTOR_TARGET void scores_one_by_one(const float *queries, int64_t stride, const T *keys, int64_t rows, int64_t end,
+                                   int64_t dim, float scale, float *scores) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t slot = 0; slot < end; slot++) {
+            float dot = 0.0f;
+            for (int64_t d = 0; d < dim; d++) dot += queries[r * stride + d] * to_float(keys[slot * dim + d]);
+            scores[r * end + slot] = dot * scale;
+        }
+}
+
+// sums (rows x dim) = weights (rows x end) @ values (end x dim) of one head, in float32 one by one: for head sizes
+// the vector code below does not take.
+template <typename T>
+VECTOR_TARGET void weighted_one_by_one(const float *weights, const T *values, int64_t rows, int64_t end, int64_t dim,
+                                     float *sums) {
+    std::fill(sums, sums + rows * dim, 0.0f);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t slot = 0; slot < end; slot++)
+            for (int64_t d = 0; d < dim; d++) sums[r * dim + d] += weights[r * end + slot] * to_float(values[slot * dim + d]);
+}
+
+#ifdef FORWARD_AVX512
+// Sixteen rows of 16 32-bit elements (16 slots' keys, 16 of their elements each) transposed in place: row j then
+// holds element j of every slot, what a dot product across the slots reads. Shuffles within 128-bit lanes, then of
+// whole lanes: 64 of them, where gathering each element across the slots took several times as long.
+VECTOR_TARGET inline void transpose16(__m512i rows[16]) {
+    __m512i pairs[16];
+    for (int i = 0; i < 16; i += 2) {  // elements 4k + c of rows i, i + 1 side by side
+        pairs[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+        pairs[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    __m512i fours[16];  // fours[4g + c], lane k: element 4k + c of rows 4g..4g + 3
+    for (int g = 0; g < 16; g += 4)
+        for (int h = 0; h < 2; h++) {
+            fours[g + 2 * h] = _mm512_unpacklo_epi64(pairs[g + h], pairs[g + 2 + h]);
+            fours[g + 2 * h + 1] = _mm512_unpackhi_epi64(pairs[g + h], pairs[g + 2 + h]);
+        }
+    for (int c = 0; c < 4; c++) {  // element 4k + c: lane k of fours[c], fours[4 + c], fours[8 + c], fours[12 + c]
+        const __m512i even_low = _mm512_shuffle_i32x4(fours[c], fours[4 + c], 0x88),
+                      odd_low = _mm512_shuffle_i32x4(fours[c], fours[4 + c], 0xdd),
+                      even_high = _mm512_shuffle_i32x4(fours[8 + c], fours[12 + c], 0x88),
+                      odd_high = _mm512_shuffle_i32x4(fours[8 + c], fours[12 + c], 0xdd);
+        rows[c] = _mm512_shuffle_i32x4(even_low, even_high, 0x88);
+        rows[8 + c] = _mm512_shuffle_i32x4(even_low, even_high, 0xdd);
+        rows[4 + c] = _mm512_shuffle_i32x4(odd_low, odd_high, 0x88);
+        rows[12 + c] = _mm512_shuffle_i32x4(odd_low, odd_high, 0xdd);
+    }
+}
+
+// Up to 16 consecutive slots' elements (`count` slots of `width` 32-bit elements each, width a multiple of 16) across
+// the slots: out[t], lane s: element t of slot s (0 past `count`).
+VECTOR_TARGET inline void across_slots(const void *slots, int64_t count, int64_t width, __m512i *out) {
+    const auto *elements = static_cast<const int32_t *>(slots);
+    for (int64_t t0 = 0; t0 < width; t0 += 16) {
+        __m512i *rows = out + t0;
+        for (int64_t s = 0; s < 16; s++)
+            rows[s] = s < count ? _mm512_loadu_si512(elements + s * width + t0) : _mm512_setzero_si512();
+        transpose16(rows);
+    }
+}
+
+// R rows' scores against C chunks of 16 slots' keys, over `width` steps: a key column (float32) or column pair
+// (bfloat16) a step, one vector each (chunk c's at keys[c * KEY_WIDTH]), and the rows' query elements (or element
+// pairs, as int32) `stride` apart; `count` slots from the first are stored. Every row sums its terms in the same order
+// whatever R and C, so a row's scores do not depend on the rows beside it; the R x C chains of multiply-adds overlap
+// where one would wait on each step.
+constexpr int64_t KEY_WIDTH = 128;  // the most steps: a head of 128 float32 elements
+
+template <typename T, int R, int C>
+VECTOR_TARGET void key_dots(const void *queries, int64_t stride, const __m512i *keys, int64_t width, float *scores,
+                          int64_t end, int64_t count, float scale) {
+    __m512 dots[R][C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) dots[r][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < width; t++)
+        for (int r = 0; r < R; r++) {
+            if constexpr (std::is_same_v<T, bf16>) {
+                const auto query = (__m512bh)_mm512_set1_epi32(static_cast<const int32_t *>(queries)[r * stride + t]);
+                for (int c = 0; c < C; c++) dots[r][c] = _mm512_dpbf16_ps(dots[r][c], query, (__m512bh)keys[c * KEY_WIDTH + t]);
+            } else {
+                const __m512 query = _mm512_set1_ps(static_cast<const float *>(queries)[r * stride + t]);
+                for (int c = 0; c < C; c++)
+                    dots[r][c] = _mm512_fmadd_ps(query, _mm512_castsi512_ps(keys[c * KEY_WIDTH + t]), dots[r][c]);
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C && 16 * c < count; c++) {
+            const __mmask16 present = first_lanes(count - 16 * c);
+            if constexpr (std::is_same_v<T, bf16>)  // the bfloat16 queries carry the scale already
+                _mm512_mask_storeu_ps(scores + r * end + 16 * c, present, dots[r][c]);
+            else
+                _mm512_mask_storeu_ps(scores + r * end + 16 * c, present, _mm512_mul_ps(dots[r][c], _mm512_set1_ps(scale)));
+        }
+}
+
+using KeyDots = void (*)(const void *, int64_t, const __m512i *, int64_t, float *, int64_t, int64_t, float);
+// KEY_DOTS<T>[R - 1]: R rows at a time against the chunks that make four chains with them (a row alone: four chunks)
+template <typename T>
+constexpr KeyDots KEY_DOTS[4] = {key_dots<T, 1, 4>, key_dots<T, 2, 2>, key_dots<T, 3, 1>, key_dots<T, 4, 1>};
+constexpr int64_t KEY_CHUNKS[4] = {4, 2, 1, 1};
+
+// Scores (rows x end) of each row's query (`stride` apart) against every cached key of one head, `width` 32-bit
+// steps a key (head_dim float32 elements, or head_dim / 2 bfloat16 pairs: a multiple of 16), 64 slots at a time laid
+// across the slots (`across_slots`) for `key_dots`.
+template <typename T>
+VECTOR_TARGET void scores_across_slots(const void *queries, int64_t stride, const T *keys, int64_t rows, int64_t end,
+                                     int64_t dim, int64_t width, float scale, float *scores) {
+    __m512i key_vectors[4 * KEY_WIDTH];
+    for (int64_t first = 0; first < end; first += 64) {
+        const int64_t count = end - first, chunks = std::min<int64_t>(4, (count + 15) / 16);
+        for (int64_t c = 0; c < 4; c++)  // chunks past the last slot: zeros, never stored
+            if (c < chunks)
+                across_slots(keys + (first + 16 * c) * dim, count - 16 * c, width, key_vectors + c * KEY_WIDTH);
+            else
+                std::fill(key_vectors + c * KEY_WIDTH, key_vectors + c * KEY_WIDTH + width, _mm512_setzero_si512());
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const int64_t r = std::min<int64_t>(4, rows - r0);
+            for (int64_t c = 0; c < chunks; c += KEY_CHUNKS[r - 1])
+                KEY_DOTS<T>[r - 1](static_cast<const int32_t *>(queries) + r0 * stride, stride,
+                                   key_vectors + c * KEY_WIDTH, width, scores + r0 * end + first + 16 * c, end,
+                                   count - 16 * c, scale);
+        }
+    }
+}
+
+// The same with head_dim a multiple of 32: AVX-512 BF16 dot products over the query rounded to bfloat16.
+VECTOR_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *keys, int64_t rows, int64_t end, int64_t dim,
+                           float scale, float *scores) {
+    if (dim % 32 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
+    std::vector<bf16> rounded(rows * dim);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = 0; d < dim; d++) rounded[r * dim + d] = to_bf16(queries[r * stride + d] * scale);
+    scores_across_slots(rounded.data(), dim / 2, keys, rows, end, dim, dim / 2, scale, scores);
+}
+
+// The same over float32 keys with head_dim a multiple of 16: fused multiply-adds.
+VECTOR_TARGET void scores_of(const float *queries, int64_t stride, const float *keys, int64_t rows, int64_t end,
+                           int64_t dim, float scale, float *scores) {
+    if (dim % 16 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
+    scores_across_slots(queries, stride, keys, rows, end, dim, dim, scale, scores);
+}
+
+#else
+// Eight vectors' sums: lane s holds the sum of v[s]'s lanes.
+VECTOR_TARGET inline __m256 sums_of_eight(const __m256 v[8]) {
+    const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3])),
+                 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    // low: v[0..3]'s first four lanes' sums, then their last four's; high the same for v[4..7]
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// Scores (rows x end) of each row's query (`stride` apart) against every cached float32 key of one head (head_dim a
+// multiple of 8), times `scale`: 8 slots at a time, each row's 8 dot products summed across their lanes at once.
+VECTOR_TARGET void scores_of(const float *queries, int64_t stride, const float *keys, int64_t rows, int64_t end,
+                             int64_t dim, float scale, float *scores) {
+    if (dim % 8 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
+    for (int64_t first = 0; first < end; first += 8) {
+        const float *slots[8];  // past the last slot: the last one again, never stored
+        for (int64_t s = 0; s < 8; s++) slots[s] = keys + std::min(first + s, end - 1) * dim;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *query = queries + r * stride;
+            __m256 dots[8];
+            for (int s = 0; s < 8; s++) dots[s] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < dim; d += 8) {
+                const __m256 q = _mm256_loadu_ps(query + d);
+                for (int s = 0; s < 8; s++) dots[s] = _mm256_fmadd_ps(q, _mm256_loadu_ps(slots[s] + d), dots[s]);
+            }
+            store(scores + r * end + first, _mm256_mul_ps(sums_of_eight(dots), _mm256_set1_ps(scale)), end - first);
+        }
+    }
+}
+
+// The same over bfloat16 keys: widened to float32 first.
+VECTOR_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *keys, int64_t rows, int64_t end,
+                             int64_t dim, float scale, float *scores) {
+    if (dim % 8 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
+    static thread_local std::vector<float> widened;
+    widened.resize(end * dim);
+    widen(keys, widened.data(), end * dim);
+    scores_of(queries, stride, widened.data(), rows, end, dim, scale, scores);
+}
+#endif
+
+// Rows a pass of weighted_values takes, their sums in registers: AVX-512 4 x up to 8 of 32, AVX2 up to 16 of 16
+constexpr int64_t VALUE_ROWS = LANES == 16 ? 4 : 1;
+
+// The same over float32 values with dim a multiple of LANES: fused multiply-adds, slot by slot.
+VECTOR_TARGET void weighted_values(const float *weights, const float *values, int64_t rows, int64_t end, int64_t dim,
+                                   float *sums) {
+    if (dim % LANES || dim > 128) return weighted_one_by_one(weights, values, rows, end, dim, sums);
+    const int64_t chunks = dim / LANES;
+    for (int64_t r0 = 0; r0 < rows; r0 += VALUE_ROWS) {
+        const int64_t rn = std::min<int64_t>(VALUE_ROWS, rows - r0);
+        Vec acc[VALUE_ROWS][128 / LANES];
+        for (int64_t r = 0; r < VALUE_ROWS; r++)
+            for (int64_t c = 0; c < chunks; c++) acc[r][c] = zeros();
+        for (int64_t slot = 0; slot < end; slot++)
+            for (int64_t c = 0; c < chunks; c++) {
+                const Vec value = load(values + slot * dim + LANES * c);
+                for (int64_t r = 0; r < rn; r++) acc[r][c] = fma(splat(weights[(r0 + r) * end + slot]), value, acc[r][c]);
+            }
+        for (int64_t r = 0; r < rn; r++)
+            for (int64_t c = 0; c < chunks; c++) store(sums + (r0 + r) * dim + LANES * c, acc[r][c]);
+    }
+}
+
+// The same over bfloat16 values: widened to float32 first, so that a row's sums add its slots one at a time in order
+// (dot products over pairs of slots would pair a slot with whichever comes next in the cache, which differs between a
+// tree and the same tokens decoded one by one).
+VECTOR_TARGET void weighted_values(const float *weights, const bf16 *values, int64_t rows, int64_t end, int64_t dim,
+                                   float *sums) {
+    if (dim % LANES || dim > 128) return weighted_one_by_one(weights, values, rows, end, dim, sums);
+    static thread_local std::vector<float> widened;
+    widened.resize(end * dim);
+    widen(values, widened.data(), end * dim);
+    weighted_values(weights, widened.data(), rows, end, dim, sums);
+}
+
+// The softmax of row r's scores over the slots it sees (the others set to -inf), in place. Its sum adds the weights
+// in lanes by their rank among the slots the row sees, not by their slots: the same sum, bit for bit, for a node of a
+// tree (its ancestors scattered among other nodes' slots) and for the same token decoded after its ancestors.
+VECTOR_TARGET void softmax(float *row, const Visibility &visible, int64_t r) {
+    const int64_t end = visible.end, open = visible.open(r);  // slots 0..open all seen, past it those the mask shows
+    const Vec minus_infinity = splat(-INFINITY);
+    Vec best = minus_infinity;
+    for (int64_t slot = 0; slot < end; slot += LANES) best = max(best, load(row + slot, end - slot, minus_infinity));
+    const Vec most = splat(largest(best));
+    Vec total = zeros();  // the weights of slots 0..open, lane by slot (their rank)
+    for (int64_t slot = 0; slot < end; slot += LANES) {  // masked both ways: the row may end at the end of its memory
+        const Vec score = load(row + slot, end - slot);
+        store(row + slot, where_seen(score, exp(sub(score, most)), end - slot), end - slot);
+        if (slot < open) total = add(total, load(row + slot, open - slot));
+    }
+    if (open < end) {
+        alignas(64) float lanes[LANES];
+        store(lanes, total);
+        for (int64_t slot = open, rank = open; slot < end; slot++)
+            if (visible.sees(r, slot)) lanes[rank++ % LANES] += row[slot];
+        total = load(lanes);
+    }
+    const Vec inverse = splat(1.0f / sum(total));
+    for (int64_t slot = 0; slot < end; slot += LANES) store(row + slot, mul(load(row + slot, end - slot), inverse), end - slot);
+}
+
+// Attention of each row's query over the slots it sees through one head, into its columns of out (rows x n_embd) in
+// the model's dtype; scores (rows x end) and sums (rows x head_dim) are room to work in.
+template <typename T>
+VECTOR_TARGET void head_attention(const float *qkv, const Cache<T> &cache, int64_t layer, int64_t head,
+                                  const Visibility &visible, T *out, int64_t rows, int64_t n_embd, float *scores,
+                                  float *sums) {
+    const int64_t dim = cache.head_dim, end = visible.end;
+    scores_of(qkv + head * dim, 3 * n_embd, cache.at(0, layer, head, 0), rows, end, dim,
+              1.0f / std::sqrt(static_cast<float>(dim)), scores);
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = scores + r * end;
+        for (int64_t slot = visible.open(r); slot < end; slot++)
+            if (!visible.sees(r, slot)) row[slot] = -INFINITY;
+        softmax(row, visible, r);
+    }
+    weighted_values(scores, cache.at(1, layer, head, 0), rows, end, dim, sums);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = 0; d < dim; d += LANES)
+            store(out + r * n_embd + head * dim + d, load(sums + r * dim + d, dim - d), dim - d);
+}
+
+// Attention over every head, the heads split among torch's threads where the work pays for waking them.
+template <typename T>
+void attention(const float *qkv, const Cache<T> &cache, int64_t layer, const Visibility &visible, T *out, int64_t rows,
+               int64_t n_embd) {
+    const int64_t heads = cache.heads, grain = 2 * rows * visible.end * n_embd >= PARALLEL_WORK ? 1 : heads;
+    at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
+        std::vector<float> scores(rows * visible.end), sums(rows * cache.head_dim);
+        for (int64_t h = first; h < last; h++)
+            head_attention(qkv, cache, layer, h, visible, out, rows, n_embd, scores.data(), sums.data());
+    });
+}
+
+// GPT-2's tanh GELU: x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)), in the model's dtype for the next product (n a
+// multiple of 16).
+template <typename T>
+VECTOR_TARGET void gelu(const float *x, T *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += LANES) {
+        const Vec v = load(x + i);
+        const Vec cubic = mul(mul(v, v), splat(0.044715f));
+        const Vec inner = mul(fma(cubic, v, v), splat(-1.5957691216f));
+        store(out + i, div(v, add(splat(1.0f), exp(inner))));
+    }
+}
+
+}  // namespace
