@@ -5,6 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from native_built import built  # noqa: F401  (the C++ kernels' tests' fixture: the kernels built here)
+from plan_fixtures import planned  # noqa: F401  (the plan tests' fixture: a plan decode.plan made on their models)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -6,7 +6,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from decode.loop import baseline
+from decode.models.engine import GPT2Engine
 from decode.models.loading import TOKEN_COUNTS
+from decode.sampling import Sampling
 
 # Prompts for a byte-level BPE run (see conftest.bpe_run): three end in a bare newline token.
 PROMPTS = ['def scale_1(values, factor=1):\n    """Multiply every value by 1 and return the list."""\n',
@@ -73,3 +76,24 @@ def run_models(root) -> dict:
         "other_vocab": other,
         "other_ngram": tiny_trigram(root / "other_ngram", other, documents=20),
     }
+
+
+def tree_models(root) -> dict:
+    """An oracle, a draft close to it (good), an unrelated one (bad) and the oracle's trigram."""
+    oracle = tiny_gpt2(root / "oracle", seed=0)
+    return {
+        "oracle": oracle, "good": tiny_gpt2(root / "good", seed=1, noise_from=oracle, noise=0.005),
+        "bad": tiny_gpt2(root / "bad", seed=2), "ngram": tiny_trigram(root / "ngram", oracle),
+    }
+
+
+SHAPE = {"parents": [-1, 0, 0, 1, 1, 2, 3, 6], "ranks": [0, 0, 1, 0, 1, 0, 0, 0]}  # branches, then a chain
+
+
+def oracle_contexts(models, count: int) -> list[list[int]]:
+    """Prompts, each with the oracle's greedy continuation: text the trigram and the good draft often guess."""
+    oracle = GPT2Engine.load(models["oracle"])
+    rng = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 97, (int(torch.randint(1, 8, (), generator=rng)),), generator=rng) for _ in range(count)]
+    return [p.tolist() + baseline(oracle, p, int(torch.randint(0, 12, (), generator=rng)), Sampling(), None).tokens
+            for p in prompts]

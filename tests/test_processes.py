@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import child_env
-from test_train import prepared_run
+from train_runs import prepared_run
 
 pytestmark = pytest.mark.processes
 

@@ -1,0 +1,153 @@
+"""Plans the commands set aside or refuse, each in one line: a plan for other models, settings, a dtype or CUDA
+graphs, a damaged copy, and a plan file decode.plan did not write."""
+import dataclasses
+import json
+import logging
+import shutil
+
+import pytest
+from decode.errors import InputError
+
+from decode import SpeculativeDecoder
+from decode.planning import plan_file
+from decode.cli import plan, run
+from decode.drafting import (ShapedTreeDrafter)
+from decode_models import run_models
+
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return run_models(tmp_path_factory.mktemp("plan"))
+
+
+def test_a_plan_for_other_models_or_settings_is_refused_in_one_line(planned, models, capsys):
+    path, args = planned["path"], planned["args"]
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(args + ["--plan", str(path), "--method", "staged", "--dtype", "bfloat16", "--limit", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "dtype" in err and "decode.plan" in err and "--no-plan" in err
+    weights = models["draft"] / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # the draft was retrained: one weight differs
+    try:
+        with pytest.raises(SystemExit):
+            run.main(args + ["--plan", str(path), "--method", "speculative", "--limit", "1"])
+        assert "draft changed" in capsys.readouterr().err
+    finally:
+        weights.write_bytes(original)
+    path.write_text("{}")
+    with pytest.raises(SystemExit):
+        run.main(args + ["--plan", str(path), "--method", "lookup", "--limit", "1"])
+    assert "not a plan" in capsys.readouterr().err
+
+
+def test_a_copied_run_keeps_its_plan_and_a_damaged_copy_names_the_damage(planned, models, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    for part in ("oracle", "draft", "ngram"):
+        shutil.copytree(models[part], copy / part)  # new paths, new modification times, the same bytes
+    (copy / "plan.json").write_text(planned["path"].read_text())
+    prompts = planned["args"][planned["args"].index("--prompts") + 1]
+    assert run.parse(["--run", str(copy), "--prompts", prompts]).options.plan == copy / "plan.json"
+    weights = copy / "draft" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a copy cut short
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--run", str(copy), "--prompts", prompts, "--method", "speculative", "--limit", "1"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and f"{weights} is damaged" in err and "plan" not in err
+    shutil.copy(models["draft"] / "model.safetensors", weights)
+    shutil.rmtree(copy / "ngram")
+    with pytest.raises(SystemExit):
+        run.main(["--run", str(copy), "--plan", str(copy / "plan.json"), "--method", "ngram", "--prompts", prompts])
+    assert f"the ngram at {copy / 'ngram'}, which does not exist" in capsys.readouterr().err
+
+
+def test_a_run_plan_for_another_dtype_is_set_aside_with_a_note(planned, models, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    (run_dir / "plan.json").write_text(planned["path"].read_text())
+    prompts = planned["args"][planned["args"].index("--prompts") + 1]
+    same = run.parse(["--run", str(run_dir), "--prompts", prompts])
+    assert same.options.plan == run_dir / "plan.json" and not capsys.readouterr().err
+    other = run.parse(["--run", str(run_dir), "--prompts", prompts, "--dtype", "bfloat16"])
+    note = capsys.readouterr().err
+    assert other.options.plan is None and "dtype 'float32'" in note and "--dtype bfloat16" in note
+    assert SpeculativeDecoder.from_run(run_dir, method="lookup").options.plan == run_dir / "plan.json"
+    assert SpeculativeDecoder.from_run(run_dir, method="lookup", dtype="bfloat16").options.plan is None
+
+
+def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models, tmp_path, capsys, monkeypatch):
+    path, args = planned["path"], planned["args"]
+    on_cpu = run.parse(args + ["--plan", str(path)]).options  # graphs by default, which change nothing on a CPU
+    assert on_cpu.cuda_graphs and plan_file.identity(on_cpu) == planned["plan"]["identity"]
+    assert plan_file.load_plan(path, on_cpu) == planned["plan"]["policies"]
+    monkeypatch.setattr(plan_file, "device_name", lambda device: planned["plan"]["identity"]["device"])
+    on_gpu = dataclasses.replace(on_cpu, device="cuda")  # as a GPU would see it
+    assert plan_file.identity(on_gpu) == planned["plan"]["identity"] | {"cuda_graphs": True}
+    with pytest.raises(InputError, match=r"cuda_graphs False \(now True\)") as refused:
+        plan_file.load_plan(path, on_gpu)
+    assert "python -m decode.plan --run" in str(refused.value) and "--no-cuda-graphs" not in str(refused.value)
+    graphless = run.parse(args + ["--plan", str(path), "--no-cuda-graphs"]).options
+    assert plan_file.load_plan(path, dataclasses.replace(graphless, device="cuda")) == planned["plan"]["policies"]
+    assert "--no-cuda-graphs" in plan_file.replan_command(path.parent, graphless)
+    older = json.loads(path.read_text())
+    del older["identity"]["cuda_graphs"]  # a plan written before the setting
+    older["identity"]["draft_vocab"] = 0  # nor does a shortlist recorded there by an older decode.plan count
+    path.write_text(json.dumps(older))
+    assert plan_file.load_plan(path, on_cpu) == planned["plan"]["policies"]
+    graphed = json.loads(path.read_text())
+    graphed["identity"]["cuda_graphs"] = True  # the plan a GPU run writes (with graphs, the default)
+    path.write_text(json.dumps(graphed))
+    with pytest.raises(InputError, match=r"cuda_graphs True \(now False\)"):
+        plan_file.load_plan(path, run.parse(args + ["--plan", str(path)]).options)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    (run_dir / "plan.json").write_text(path.read_text())
+    prompts = args[args.index("--prompts") + 1]
+    assert run.parse(["--run", str(run_dir), "--prompts", prompts]).options.plan is None
+    assert "cuda_graphs True" in capsys.readouterr().err
+
+
+def test_tree_methods_without_a_plan_say_what_they_draft_on_this_device(planned, models, tmp_path, capsys, caplog):
+    """Without a plan on a CPU, staged drafts the draft's chain (the shape plans choose there) and the tree method a
+    tree sized for a CPU; both say so, with the command that plans them. A tree sized by hand stays as typed."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    prompts = ["--prompts", planned["args"][planned["args"].index("--prompts") + 1]]
+    options = run.parse(["--run", str(run_dir), *prompts]).options
+    chain = list(range(-1, plan_file.CPU_CHAIN))
+    assert options.plan is None and options.tree_shape.parents == chain and options.widths == []
+    note = capsys.readouterr().err
+    assert "no plan for this setting in" in note and f"the draft's chain of {plan_file.CPU_CHAIN} tokens" in note
+    assert f"python -m decode.plan --run {run_dir}" in note
+    drafter = SpeculativeDecoder(options).decoder.drafter
+    assert type(drafter) is ShapedTreeDrafter and drafter.is_chain and drafter.parents == chain
+    tree = run.parse(["--run", str(run_dir), *prompts, "--method", "tree"]).options
+    assert (tree.tree_shape, tree.budget) == (None, 12)  # a CPU's, not the paper's
+    assert "sized for this device (budget 12, widths 3,2,1)" in capsys.readouterr().err
+    typed = run.parse(["--run", str(run_dir), *prompts, "--budget", "16"]).options
+    assert (typed.tree_shape, typed.budget, typed.widths) == (None, 16, [3, 2, 1])
+    for quiet in (["--widths", "4,2,1", "--budget", "16"], ["--budget", "36"], ["--paper-tree"], ["--method", "lookup"],
+                  ["--no-plan"]):
+        run.parse(["--run", str(run_dir), *prompts, *quiet])
+        assert "note:" not in capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="decode"):  # the library logs it; the commands print it
+        SpeculativeDecoder.from_run(run_dir, method="staged")
+    assert "the draft's chain of" in caplog.text
+
+
+def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(planned, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(planned["args"] + ["--out", str(planned["path"])])
+    assert exit_info.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(planned["args"] + ["--out", str(tmp_path / "x.json"), "--project-oracle", "12,100,50"])
+    assert exit_info.value.code == 2 and "multiple of 64" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,234 @@
+"""decode.planning: the tree optimiser against brute force, the replay against real decoding, the forecast and its
+interval, and the search's choice between policies."""
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from decode.models.loading import TOKEN_COUNTS
+
+from decode.planning import costs, replay, search, shapes
+from decode.tree import Tree
+from decode.cli import plan
+from decode.models.cached_lm import Shortlist
+from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter)
+from decode.models.engine import GPT2Engine
+from decode.loop import baseline, tree_speculative
+from decode.sampling import Sampling
+from decode_models import run_models
+from decode.models.successors import SuccessorTable
+
+def rank_trees(nodes: int, depth: int, width: int):
+    """Every tree of ranks with `nodes` nodes below the root and at most `depth` levels, as a set of
+    rank paths (a node is the tuple of ranks from the root)."""
+    def below(prefix, m, level):
+        if m == 0:
+            yield ()
+            return
+        if level == depth:
+            return
+        for sizes in itertools.product(range(m + 1), repeat=width):  # nodes per rank's subtree
+            if sum(sizes) != m:
+                continue
+            parts = [[()] if s == 0 else [((prefix + (k,)),) + sub for sub in below(prefix + (k,), s - 1, level + 1)]
+                     for k, s in enumerate(sizes)]
+            for combo in itertools.product(*parts):
+                yield tuple(node for part in combo for node in part)
+    yield from below((), nodes, 0)
+
+
+def value(tree_paths, p) -> float:
+    return sum(torch.tensor([p[d][k] for d, k in enumerate(path)]).prod().item() for path in tree_paths)
+
+
+def shape_paths(shape: shapes.Shape) -> set[tuple]:
+    paths = {0: ()}
+    for node, (parent, rank) in enumerate(zip(shape.parents[1:], shape.ranks[1:]), 1):
+        paths[node] = paths[parent] + (rank,)
+    return set(paths.values()) - {()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_shapes_are_the_optimum_found_by_brute_force(seed):
+    rng = random.Random(seed)
+    depth, width = 3, 3
+    p = []
+    for _ in range(depth):  # rates per depth that need not fall with rank
+        row = [rng.random() for _ in range(width)]
+        p.append([x / sum(row) * rng.uniform(0.3, 1.0) for x in row])
+    found = shapes.best_shapes(p, 7, depth)
+    for n in range(1, 8):
+        best = max(value(t, p) for t in rank_trees(n - 1, depth, width))
+        assert found[n].expected == pytest.approx(best)
+        assert len(found[n].parents) == n and len(shape_paths(found[n])) == n - 1
+        assert value(shape_paths(found[n]), p) == pytest.approx(best)  # the tree returned is worth its value
+        assert max((len(path) for path in shape_paths(found[n])), default=0) <= depth
+
+
+def test_best_shapes_know_when_no_tree_fits_and_prefer_a_chain_when_the_top_rank_is_sure():
+    best = shapes.best_shapes([[0.5, 0.3]], 4, 1)
+    assert best[3].ranks == [0, 0, 1] and best[4] is None  # one level of two ranks holds 2 nodes
+    chain = shapes.best_shapes([[0.9, 0.05]] * 4, 5, 4)[5]
+    assert chain.parents == [-1, 0, 1, 2, 3] and chain.ranks == [0] * 5
+    assert chain.expected == pytest.approx(0.9 + 0.81 + 0.729 + 0.6561)
+
+
+def test_acceptance_counts_ranks_where_a_tree_can_reach():
+    # ranks of five tokens; width 2: rank 2 is out of every tree, so nothing below it is reachable
+    p = shapes.acceptance([[0, 1, 2, 0, 0]], width=2, depth=2)
+    assert p[0] == pytest.approx([3 / 5, 1 / 5])
+    # depth 2 is reached from starts 0, 1, 3 (the token above it within rank 2): ranks 1, 2, 0
+    assert p[1] == pytest.approx([1 / 3, 1 / 3])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return run_models(tmp_path_factory.mktemp("plan"))
+
+
+@pytest.mark.parametrize("shortlisted", [False, True])
+def test_replay_counts_the_oracle_calls_real_greedy_decoding_makes(models, shortlisted):
+    shortlist = Shortlist.most_frequent(np.load(models["draft"] / TOKEN_COUNTS), 64) if shortlisted else None
+    oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["draft"], shortlist=shortlist)
+    table = SuccessorTable.load(models["ngram"] / "successors.npz")
+    shape = shapes.best_shapes([[0.6, 0.2, 0.1]] * 3, 8, 3)[8]
+    greedy = Sampling()
+    drafters = {"chain": ChainDrafter(draft, 3), "shape": ShapedTreeDrafter(draft, shape.parents, shape.ranks),
+                "staged": StagedDrafter(draft, table, 10, [3, 2, 1], context=LookupDrafter(4), depth=4),
+                "lookup": LookupDrafter(5)}
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (int(torch.randint(2, 9, (), generator=rng)),), generator=rng) for _ in range(6)]
+    sequences = [(p.tolist(), baseline(oracle, p, 30, greedy, eos_id=0).tokens) for p in prompts]
+    for name, drafter in drafters.items():
+        replayed = replay.replay(drafter, sequences)
+        calls = nodes = 0
+        for p, (_, expected) in zip(prompts, sequences):
+            out = tree_speculative(oracle, p, 30, greedy, eos_id=0, drafter=drafter)
+            assert out.tokens == expected, name  # the shaped tree is exact too
+            calls, nodes = calls + out.oracle_calls - (len(p) > 1), nodes + out.oracle_nodes
+        assert replayed.steps == calls and sum(replayed.nodes) == nodes, name
+        assert replayed.tokens == sum(len(c) for _, c in sequences)
+    if shortlisted:  # the planner's ranks: among the shortlist's tokens, and past all of them for a token off it
+        whole = GPT2Engine.load(models["draft"])
+        prompt, continuation = sequences[0]
+        logits = whole.extend(torch.tensor(prompt + continuation[:-1]))[len(prompt) - 1 :][:, torch.from_numpy(shortlist.tokens)]
+        target = torch.tensor([float(row[shortlist.column[t]]) if shortlist.column[t] >= 0 else math.inf
+                               for row, t in zip(logits, continuation)])
+        assert shapes.ranks(draft, prompt, continuation) == (logits > target[:, None]).sum(1).where(
+            target < math.inf, torch.tensor(64)).tolist()
+
+
+def test_predict_adds_the_prefill_and_per_step_the_oracle_the_drafting_and_the_loop():
+    replayed = replay.Replay(prompts=1, steps=2, tokens=6, drafting_seconds=0.003, nodes=[4, 8], accepted=[2, 2],
+                             cached=[100, 103], step_prompts=[0, 0], prompt_tokens=[6])
+    oracle_ms = costs.ContextCosts.flat(torch.arange(0, 10, dtype=torch.float64))  # q nodes cost q ms
+    got = replay.predict(replayed, oracle_ms, loop_ms=0.5, prefill_ms=2.0)
+    assert got["tokens_per_call"] == 2  # the prefill is an oracle call, as decode.bench counts it
+    assert got["ms_per_token"] == pytest.approx((2 + 12 + 3 + 1) / 6)
+    assert replayed.accepted_by_depth(3) == [1.0, 1.0, 0.0]
+
+
+def test_a_forward_is_priced_at_its_own_cached_length():
+    """Costs measured after 128 and 256 cached positions: a step is priced between them by its cached length, past
+    the longer one on the same line (attention over the cache grows linearly), before the shorter one as after it."""
+    q = torch.arange(0, 10, dtype=torch.float64)
+    oracle_ms = costs.ContextCosts({128: q, 256: 2 * q})  # q ms after 128 cached positions, 2q ms after 256
+    assert oracle_ms.at([4, 4, 4, 4, 8], [0, 128, 192, 256, 384]).tolist() == [4, 4, 6, 8, 24]
+    replayed = replay.Replay(prompts=1, steps=2, tokens=6, nodes=[4, 8], accepted=[2, 2], cached=[100, 384],
+                             step_prompts=[0, 0], prompt_tokens=[6])
+    assert replay.predict(replayed, oracle_ms, loop_ms=0.0, prefill_ms=0.0)["oracle_ms_per_call"] == (4 + 24) / 2
+    assert (3 * oracle_ms).at([8], [384]).tolist() == [72]  # an in-loop factor scales every length alike
+    assert replay.replay(FixedChain(), [([1, 2, 3], [4, 5, 6, 7])]).cached == [2, 5]  # all but each step's root
+
+
+class FixedChain:
+    """A drafter that proposes the next two tokens of the continuation 4, 5, 6, 7 (steps accept two, then one)."""
+
+    def forget(self):
+        pass
+
+    def reset(self):
+        pass
+
+    def accept(self, path):
+        pass
+
+    def propose(self, tokens, max_depth, sampling, generator):
+        tree = Tree.rooted(tokens[-1])
+        tree.add_path([t for t in (4, 5, 6, 7) if t > tokens[-1]][:2])
+        return tree
+
+
+def test_the_forecast_interval_spans_the_calibration_prompts_speedups():
+    """On a clock where q nodes cost q ms and the baseline 1 ms a token: prompts alike give an interval that is the
+    point; prompts whose speedups differ give one that holds the point and lies within their extremes."""
+    baseline = {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}
+    oracle_ms = costs.ContextCosts.flat(torch.arange(0, 20, dtype=torch.float64))
+
+    def forecast(steps_per_prompt: list[int]) -> dict:  # 24 tokens a prompt in that many steps of 2 nodes
+        steps = sum(steps_per_prompt)
+        replayed = replay.Replay(prompts=len(steps_per_prompt), steps=steps, tokens=24 * len(steps_per_prompt),
+                                 nodes=[2] * steps, accepted=[1] * steps, prompt_tokens=[24] * len(steps_per_prompt),
+                                 cached=[128] * steps,
+                                 step_prompts=[i for i, n in enumerate(steps_per_prompt) for _ in range(n)])
+        return search.forecast({"chain": [{"policy": {}, "replay": replayed}]}, oracle_ms, baseline,
+                               {"chain": {"oracle": 1.0, "loop_ms": 0.0, "drafting": 1.0}})["chain"][0]
+
+    alike = forecast([6] * 8)  # each prompt: a 1 ms prefill and 6 steps of 2 ms against 24 ms
+    assert alike["speedup"] == pytest.approx(24 / 13) and alike["speedup_interval"] == pytest.approx([24 / 13] * 2)
+    mixed = forecast([3, 12, 4, 8, 6, 10, 5, 7])
+    low, high = mixed["speedup_interval"]
+    assert 24 / 25 < low < mixed["speedup"] < high < 24 / 7  # within the slowest and the fastest prompt's speedups
+    assert forecast([3, 12, 4, 8, 6, 10, 5, 7])["speedup_interval"] == [low, high]  # reproducible
+
+
+def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to_one_measured_faster(monkeypatch):
+    """The in-loop costs are measured per policy: a method's best policy under the costs of the first one measured is
+    measured too, and the plan keeps the faster of the two, each priced with its own costs."""
+    replays = {"tree": [{"policy": {"nodes": n}, "drafter": f"drafter {n}",
+                         "replay": replay.Replay(prompts=1, steps=steps, tokens=40, drafting_seconds=seconds,
+                                                 nodes=[n] * steps, accepted=[40 // steps - 1] * steps,
+                                                 cached=[128] * steps, step_prompts=[0] * steps, prompt_tokens=[40])}
+                        for n, steps, seconds in ((8, 4, 0.0008), (4, 10, 0.0002))]}  # 0.2 and 0.02 ms a step
+    in_loop_drafting_ms = {"drafter 8": 5.0, "drafter 4": 0.3}  # the 8-node tree's drafting is slow in the loop
+    measured_drafters = []
+
+    def loop_costs(decoder, drafters, *rest):
+        measured_drafters.append(list(drafters.values()))
+        return {"baseline": {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}} | {
+            name: {"oracle": 1.0, "loop_ms": 0.0, "drafting_ms": in_loop_drafting_ms.get(drafter, 0.0)}
+            for name, drafter in drafters.items()}
+
+    monkeypatch.setattr(plan, "loop_costs", loop_costs)
+    oracle_ms = costs.ContextCosts.flat(torch.arange(0, 20, dtype=torch.float64) * 0.1)  # q nodes cost q / 10 ms
+    measured, baseline_costs = plan.calibrate_in_loop(None, replays, [], None, oracle_ms)
+    assert measured_drafters[1:] == [["drafter 8"], ["drafter 4"]]  # after the context drafter's round
+    predicted, factors = search.measured_forecast(measured, oracle_ms, baseline_costs)
+    assert predicted["tree"]["policy"] == {"nodes": 4}
+    assert factors["tree"]["drafting"] == pytest.approx(0.3 / 0.02)  # its own: 0.3 ms in the loop, 0.02 replayed
+    assert predicted["tree"]["ms_per_token"] == pytest.approx((1.0 + 10 * (0.4 + 0.3)) / 40)
+    assert predicted["baseline"]["ms_per_token"] == pytest.approx(1.0)
+
+
+def test_staged_may_take_a_shape_measured_for_the_tree_as_its_own_with_no_stage_below_the_draft():
+    shape = {"parents": [-1, 0, 1], "ranks": [0, 0, 0], "nodes": 3, "depth": 2}
+    candidate = lambda policy, steps: {"policy": policy, "drafter": None, "replay": replay.Replay(
+        prompts=1, steps=steps, tokens=40, drafting_seconds=0.0, nodes=[3] * steps, accepted=[1] * steps,
+        cached=[128] * steps, step_prompts=[0] * steps, prompt_tokens=[40])}
+    factors = {"oracle": 1.0, "loop_ms": 0.0, "drafting": 1.0}
+    measured = {"tree": [(candidate(shape, 10), factors)],
+                "staged": [(candidate({"widths": [2, 1], "budget": 8}, 20), factors)]}
+    baseline_costs = {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}
+    predicted, _ = search.measured_forecast(search.with_tree_shapes(measured), costs.ContextCosts.flat(torch.arange(0, 20.0)),
+                                            baseline_costs)
+    assert predicted["staged"]["policy"] == shape | {"widths": []}
+    assert predicted["staged"]["ms_per_token"] == predicted["tree"]["ms_per_token"]
+
+
+def test_the_prompts_screened_on_come_from_across_the_calibration_prompts():
+    order = plan.spread(list(range(100)), 16)
+    assert sorted(order) == list(range(100))
+    assert order[:16] == list(range(0, 96, 6))  # evenly spaced, in order, not the first 16
+    assert plan.spread(list(range(5)), 16) == list(range(5))
