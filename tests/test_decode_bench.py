@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from decode.cli import agreement, bench, bench_engine, explain, peers, profile_step
+from decode.cli import agreement, bench, bench_engine, explain, llama_server, peers, profile_step
 from decode.cli.harness import Timer
 from decode.planning import costs
 from decode import native, timing
@@ -39,7 +39,7 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
     out, plot = tmp_path / "results.json", tmp_path / "speedup.png"
     result = bench.main(bench_args(models, tmp_path, "--out", str(out), "--plot", str(plot)))
     summary = result["summary"]
-    assert list(summary) == [m for m in bench.DEFAULT_METHODS.split(",") if m not in peers.LLAMACPP_PEERS]
+    assert list(summary) == [m for m in bench.DEFAULT_METHODS.split(",") if m not in peers.LLAMACPP_PEERS + llama_server.SERVER_PEERS]
     plain = explain.least_repetitive_half([r["tokens"] for r in result["records"]["baseline"]])
     for name, s in summary.items():
         assert s["same_output"]["identical"] == 3, name
@@ -323,3 +323,34 @@ def test_bench_engine_refuses_a_shape_it_cannot_make_in_one_line(models, capsys)
         bench_engine.main(["--model", str(models["oracle"]), "--prompts", "humaneval", "--shape", "7,100,50"])
     errors = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(errors) == 1 and "--shape '7,100,50'" in errors[0]
+
+
+def test_llamacpps_speculation_without_its_server_is_skipped_in_a_line_and_refused_when_named(models, tmp_path, capsys,
+                                                                                              monkeypatch):
+    monkeypatch.setenv(llama_server.SERVER_VARIABLE, str(tmp_path / "no-llama-server"))
+    _, names, _ = bench.parse(bench_args(models, tmp_path))
+    assert not set(names) & set(llama_server.SERVER_PEERS)
+    skipped = [line for line in capsys.readouterr().out.splitlines() if "llamacpp-draft" in line]
+    assert len(skipped) == 1 and skipped[0].startswith("skipping") and "cmake" in skipped[0]
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse(bench_args(models, tmp_path, "--methods", "baseline,llamacpp-ngram"))
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "llamacpp-ngram" in error and "cmake --build build --target llama-server" in error
+
+
+@pytest.mark.processes
+def test_llamacpps_own_speculation_decodes_the_baselines_tokens(bpe_run, tmp_path, capsys):
+    """llama.cpp's draft-model and n-gram speculation through llama-server, each at the setting that ran fastest
+    on the first prompts (said in a line), give the baseline's greedy tokens, healed prompts included."""
+    if llama_server.server_binary() is None:
+        pytest.skip(f"no llama-server here: {llama_server.missing_reason()}")
+    result = bench.main(["--run", str(bpe_run["run"]), "--prompts", str(bpe_run["prompts"]), "--limit", "4",
+                         "--max-new-tokens", "16", "--dtype", "float32", "--methods",
+                         "baseline," + ",".join(llama_server.SERVER_PEERS)])
+    printed = capsys.readouterr().out
+    for name in llama_server.SERVER_PEERS:
+        same = result["summary"][name]["same_output"]
+        assert same["identical"] + len(same["near_ties"]) == 4 and not same["differences"], (name, same)
+        flags = result["settings"]["llamacpp_flags"][name]
+        assert f"{name}: {flags} (fastest on" in printed
+        assert flags in {" ".join(f) for f in llama_server.CANDIDATES[name]}

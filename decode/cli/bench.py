@@ -11,7 +11,10 @@ near-ties gets no speedup, and the prompts are named. The peers: `hf-generate` (
 generate on the oracle), `hf-assisted` (generate with the draft as assistant model), `hf-lookup`
 (generate with prompt lookup, `--lookup-tokens` per draft), and llama.cpp on the oracle exported to
 GGUF in the run's dtype, on as many threads as ours: `llamacpp` (plain) and `llamacpp-lookup` (its
-prompt-lookup draft), skipped with a note without llama-cpp-python (pip install -e ".[llamacpp]").
+prompt-lookup draft), skipped with a note without llama-cpp-python (pip install -e ".[llamacpp]"); and
+llama.cpp's own speculation through its llama-server binary (on PATH, or LLAMA_SERVER): `llamacpp-draft` (its
+draft-model speculation with our draft, at the --spec-draft-n-max that ran fastest on the first prompts) and
+`llamacpp-ngram` (the fastest of its n-gram drafters), skipped with a note without the binary.
 `lookup` is ours: the same idea as a drafter.
 With the run's plan for the sampling setting (python -m decode.plan, with the same --temperature,
 --top-k and --top-p) every method of ours runs its planned policy and the table puts the plan's
@@ -37,8 +40,10 @@ from decode import native
 from decode.api import SpeculativeDecoder
 from decode.cli import explain, near_ties
 from decode.cli.harness import compare_with_baseline, decode_in_turns, warm_up
+from decode.cli.llama_server import SERVER_PEERS, TUNING_PROMPTS, LlamaCppSpeculative, missing_reason, server_binary
 from decode.cli.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
 from decode.cli.settings import Settings, encode_prompts, parse_settings
+from decode.models.engine import read_config
 from decode.models.loading import check_same_vocabulary
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS
 from decode.timing import device_name, machine_name
@@ -59,12 +64,16 @@ def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[d
         ours.append(SpeculativeDecoder(options))
         decoders[name] = ours[-1].decoder
     oracle = decoders["baseline"].oracle
-    for name in (n for n in names if n in LLAMACPP_PEERS):
+    dtype, threads, eos_id = str(oracle.dtype).removeprefix("torch."), torch.get_num_threads(), decoders["baseline"].eos_id
+    for name in (n for n in names if n in LLAMACPP_PEERS + SERVER_PEERS):
         try:
             if oracle.device.type != "cpu":
                 raise InputError(f"{name} runs llama.cpp on the CPU, not on {oracle.device.type}")
-            decoders[name] = LlamaCpp(base.oracle, settings.sampling, decoders["baseline"].eos_id,
-                                      str(oracle.dtype).removeprefix("torch."), torch.get_num_threads(),
+            if name in SERVER_PEERS:
+                decoders[name] = LlamaCppSpeculative(name, base.oracle, base.draft, settings.sampling, eos_id, dtype, threads,
+                                                     read_config(base.oracle)["n_positions"])
+                continue
+            decoders[name] = LlamaCpp(base.oracle, settings.sampling, eos_id, dtype, threads,
                                       base.lookup_tokens if name == "llamacpp-lookup" else None)
         except InputError as e:
             if chosen:
@@ -87,6 +96,8 @@ def timed_runs(decoders: dict, prompts: list, settings: Settings) -> dict[str, l
     n, seed, sampling = settings.max_new_tokens, settings.seed, settings.sampling
     runs = {name: decoder if name in PEERS else partial(decoder, sampling=sampling) for name, decoder in decoders.items()}
     runs = {name: (lambda prompt, i, tokens, decode=decode: decode(prompt, tokens, seed + i)) for name, decode in runs.items()}
+    for decoder in (d for d in decoders.values() if isinstance(d, LlamaCppSpeculative)):
+        print(decoder.choose([prompt for _, prompt in prompts[:TUNING_PROMPTS]], n))
     warm_up(runs, prompts[0][1], n)
     records = decode_in_turns(runs, [prompt for _, prompt in prompts], n, progress="prompts")
     for rows in records.values():
@@ -228,6 +239,11 @@ def parse(argv) -> tuple[argparse.Namespace, list[str], Settings]:
             p.error(f"{', '.join(n for n in names if n in LLAMACPP_PEERS)}: {LLAMACPP_MISSING}")
         print(f"skipping {', '.join(LLAMACPP_PEERS)}: {LLAMACPP_MISSING}")
         names = [n for n in names if n not in LLAMACPP_PEERS]
+    if server_binary() is None and set(names) & set(SERVER_PEERS):
+        if known.methods:
+            p.error(f"{', '.join(n for n in names if n in SERVER_PEERS)}: {missing_reason()}")
+        print(f"skipping {', '.join(SERVER_PEERS)}: {missing_reason()}")
+        names = [n for n in names if n not in SERVER_PEERS]
     settings = parse_settings(rest, PROG, __doc__.split("\n\n")[0])
     if known.out:
         check_output(known.out, FILE, known.overwrite, "--out", settings.reads())
@@ -263,8 +279,12 @@ def main(argv=None) -> dict:
     print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
           f"token healing {healing}, step loops in {loops}; methods: {', '.join(decoders)}; "
           + (f"plan {plan_path}" if plan_path else "no plan (python -m decode.plan writes one)"))
-    records = timed_runs(decoders, prompts, settings)
-    summary = summarise(records, check_outputs(records, prompts, decoders, settings) if sampling.greedy else None)
+    try:
+        records = timed_runs(decoders, prompts, settings)
+        summary = summarise(records, check_outputs(records, prompts, decoders, settings) if sampling.greedy else None)
+    finally:
+        for decoder in (d for d in decoders.values() if isinstance(d, LlamaCppSpeculative)):
+            decoder.close()  # its server
     plan = json.loads(Path(plan_path).read_text()) if plan_path is not None else None
     for name in (n for n in names if plan is not None and n in plan["predicted"] and n != "baseline"):
         summary[name]["predicted"] = plan["predicted"][name]
@@ -285,7 +305,8 @@ def main(argv=None) -> dict:
                            "command": f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}",
                            "prompts": len(prompts), "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing,
                            "drafts": drafts, "plan": plan_path and str(plan_path),
-                           "token_healing": options.token_healing, "step_loops": loops},
+                           "token_healing": options.token_healing, "step_loops": loops,
+                           "llamacpp_flags": {n: " ".join(d.flags) for n, d in decoders.items() if n in SERVER_PEERS}},
               "summary": summary, "records": records}
     if known.out:
         write_json(known.out, result, known.overwrite, indent=1)

@@ -2,7 +2,8 @@
 (`hf-generate`), assisted generation with the draft as assistant (`hf-assisted`, transformers'
 default schedule) and prompt lookup (`hf-lookup`: `generate(prompt_lookup_num_tokens=...)`, drafts
 copied from the context); llama.cpp through llama-cpp-python on the oracle exported to GGUF, plain
-(`llamacpp`) and with its prompt-lookup draft (`llamacpp-lookup`). Each returns a Generation, with the
+(`llamacpp`) and with its prompt-lookup draft (`llamacpp-lookup`); llama.cpp's own speculation through its
+server binary (decode/cli/llama_server.py). Each returns a Generation, with the
 oracle's forward calls counted, and heals a prompt's last token as our methods do (the same
 first-token constraint, as a logits processor). Each can say its own logit gap between two tokens
 after a context, for the bench's near-tie check (`gaps`)."""
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from decode.cli.llama_server import SERVER_PEERS
 from decode.cli.near_ties import CHUNKS, peer_gaps
 from decode.healing import Prompt, constrain_first
 from decode.loop import Generation
@@ -25,7 +27,7 @@ from decode.sampling import Sampling
 
 HF_PEERS = ("hf-generate", "hf-assisted", "hf-lookup")
 LLAMACPP_PEERS = ("llamacpp", "llamacpp-lookup")
-PEERS = HF_PEERS + LLAMACPP_PEERS
+PEERS = HF_PEERS + LLAMACPP_PEERS + SERVER_PEERS
 LLAMACPP_MISSING = 'llama-cpp-python and gguf are not installed (pip install -e ".[llamacpp]")'
 
 

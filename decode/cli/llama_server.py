@@ -1,0 +1,187 @@
+"""llama.cpp's own speculative decoding as peers of the bench, through its server binary (`llama-server`, found on
+PATH or named by LLAMA_SERVER) on the oracle and the draft exported to GGUF in the run's dtype, on as many threads as
+ours: `llamacpp-draft` (its draft-model speculation, `--spec-type draft-simple`, at the `--spec-draft-n-max` that
+ran fastest on the first prompts) and `llamacpp-ngram` (the fastest of its n-gram drafters). Prompts go in and
+tokens come out as token ids, so outputs compare token for token; a healed prompt's first token is decoded alone,
+limited to the tokens that extend its tail, and the rest continues from the cached prompt."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from decode.errors import InputError
+from decode.healing import Prompt
+from decode.loop import Generation
+from decode.models.gguf_export import write_gguf
+from decode.sampling import Sampling
+
+SERVER_PEERS = ("llamacpp-draft", "llamacpp-ngram")
+SERVER_VARIABLE = "LLAMA_SERVER"
+BUILD = ("cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server -j in the llama.cpp source "
+         "(the llama-cpp-python sdist carries it in vendor/llama.cpp; docs/installation.md), then put build/bin on PATH "
+         f"or set {SERVER_VARIABLE} to build/bin/llama-server")
+# The settings each peer tries on the first prompts, keeping the fastest: llama-server's own flags
+CANDIDATES = {
+    "llamacpp-draft": [["--spec-type", "draft-simple", "--spec-draft-n-max", str(n)] for n in (2, 4, 8, 16)],
+    "llamacpp-ngram": [["--spec-type", kind] for kind in ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")],
+}
+TUNING_PROMPTS = 3
+STARTUP_SECONDS = 120
+
+
+def server_binary() -> str | None:
+    """The llama-server to run: LLAMA_SERVER's, else the one on PATH, else None."""
+    named = os.environ.get(SERVER_VARIABLE)
+    if named:
+        return named if os.access(named, os.X_OK) else None
+    return shutil.which("llama-server")
+
+
+def missing_reason() -> str:
+    named = os.environ.get(SERVER_VARIABLE)
+    where = f"{SERVER_VARIABLE}={named} is not an executable" if named else f"no llama-server on PATH and {SERVER_VARIABLE} unset"
+    return f"{where}; build it: {BUILD}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """One llama-server process over the exported oracle (and the draft), with llama.cpp's flags `flags`."""
+
+    def __init__(self, models: dict[str, Path], flags: list[str], threads: int, context: int):
+        self.port = free_port()
+        self.log = tempfile.TemporaryFile()
+        command = [server_binary() or "llama-server", "-m", str(models["oracle"]), "--host", "127.0.0.1",
+                   "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1",
+                   "-ngl", "0", *(["-md", str(models["draft"]), "-ngld", "0"] if "draft" in models else []), *flags]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while not self.healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise InputError(f"llama-server {' '.join(flags)} did not start: {self.log_tail()}")
+            time.sleep(0.2)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def log_tail(self) -> str:
+        self.log.seek(0)
+        lines = self.log.read().decode(errors="replace").strip().splitlines()
+        return " / ".join(lines[-3:]) or "no output"
+
+    def complete(self, request: dict) -> dict:
+        """llama-server's /completion for `request` (token ids in, token ids out)."""
+        body = json.dumps({"return_tokens": True, "stream": False, **request}).encode()
+        post = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(post, timeout=600) as reply:
+                return json.loads(reply.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+            raise InputError(f"llama-server failed a completion ({err}): {self.log_tail()}") from None
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+def sampler(sampling: Sampling) -> dict:
+    """llama-server's sampling fields for ours: its defaults (min-p 0.05, top-p 0.95, repetition penalties) off."""
+    neutral = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "temperature": 0.0}
+    if sampling.greedy:
+        return neutral
+    return neutral | {"temperature": sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p}
+
+
+class LlamaCppSpeculative:
+    """A peer: llama.cpp's speculative decoding at the fastest of `CANDIDATES[name]` on the first prompts."""
+
+    def __init__(self, name: str, oracle_dir, draft_dir, sampling: Sampling, eos_id: int, dtype: str, threads: int,
+                 context: int):
+        self.server = None
+        self.folder = tempfile.TemporaryDirectory(prefix="llamacpp-gguf-")  # removed with this object
+        self.models = {"oracle": Path(self.folder.name) / "oracle.gguf"}
+        write_gguf(oracle_dir, self.models["oracle"], dtype)
+        if name == "llamacpp-draft":
+            self.models["draft"] = Path(self.folder.name) / "draft.gguf"
+            write_gguf(draft_dir, self.models["draft"], dtype)
+        self.name, self.sampling, self.eos_id, self.threads, self.context = name, sampling, eos_id, threads, context
+        self.flags = CANDIDATES[name][0]
+
+    def choose(self, prompts: list[Prompt], max_new_tokens: int) -> str:
+        """Runs each candidate setting on `prompts` and keeps the fastest; what was measured, in a line."""
+        timed = []
+        for flags in CANDIDATES[self.name]:
+            self.start(flags)
+            self(prompts[0], max_new_tokens, 0)  # warm-up
+            start = time.perf_counter()
+            tokens = sum(len(self(prompt, max_new_tokens, i).tokens) for i, prompt in enumerate(prompts))
+            timed.append((tokens / (time.perf_counter() - start), flags))
+        best = max(timed, key=lambda t: t[0])[1]
+        self.start(best)
+        shown = ", ".join(f"{' '.join(flags[1:])}: {speed:.0f} tok/s" for speed, flags in timed)
+        return f"{self.name}: {' '.join(best)} (fastest on {len(prompts)} prompts; {shown})"
+
+    def start(self, flags: list[str]) -> None:
+        self.close()
+        self.server, self.flags = LlamaServer(self.models, flags, self.threads, self.context), flags
+
+    def __call__(self, prompt: Prompt, max_new_tokens: int, seed: int) -> Generation:
+        if self.server is None:
+            self.start(self.flags)
+        ids, generation = prompt.ids.tolist(), Generation()
+        request = {"prompt": ids, "n_predict": max_new_tokens, "seed": seed, "cache_prompt": False, **sampler(self.sampling)}
+        if prompt.allowed is not None:  # the healed first token alone, then the rest after the cached prompt
+            banned = (~prompt.allowed).nonzero().flatten().tolist()
+            first = self.server.complete({**request, "n_predict": 1, "logit_bias": [[t, False] for t in banned]})
+            if generation.add(first["tokens"] or [self.eos_id], max_new_tokens, self.eos_id):
+                generation.oracle_calls = 1
+                return generation
+            request = {**request, "prompt": ids + generation.tokens, "n_predict": max_new_tokens - 1,
+                       "seed": seed + 1, "cache_prompt": True}
+            generation.oracle_calls = 1
+        reply = self.server.complete(request)
+        tokens = reply["tokens"] + ([self.eos_id] if reply.get("stop_type") == "eos" else [])
+        generation.add(tokens, max_new_tokens, self.eos_id)
+        timings = reply.get("timings", {})
+        accepted = timings.get("draft_n_accepted", 0)
+        generation.oracle_calls += max(1, timings.get("predicted_n", len(reply["tokens"])) - accepted)
+        return generation
+
+    def gaps(self, context: list[int], a: int, b: int, prompt_length: int) -> list[float]:
+        """logit[a] - logit[b] after `context` as llama.cpp computes it (the context in one forward), where both are
+        among its 20 best tokens there (their log-probabilities' difference); none otherwise."""
+        if self.server is None:
+            self.start(self.flags)
+        reply = self.server.complete({"prompt": context, "n_predict": 1, "n_probs": 20, "cache_prompt": False,
+                                      **sampler(Sampling())})
+        best = {entry["id"]: entry["logprob"] for entry in reply["completion_probabilities"][0]["top_logprobs"]}
+        return [best[a] - best[b]] if a in best and b in best else []
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def __del__(self):
+        self.close()
