@@ -1,5 +1,6 @@
 """Regenerates what the docs hold that a command prints: docs/cli.md from every command's --help, and each block
-between `<!-- generated: COMMAND -->` and `<!-- end generated -->` in docs/*.md from that command's output.
+between `<!-- generated: COMMAND -->` and `<!-- end generated -->` in README.md and docs/*.md from that command's
+output.
 
     python scripts/make_docs.py           # rewrite what is out of date
     python scripts/make_docs.py --check   # exit 1, naming the files, when any is out of date
@@ -65,7 +66,7 @@ def with_blocks(text: str) -> str:
 
 def expected() -> dict[Path, str]:
     files = {DOCS / "cli.md": cli_reference()}
-    for path in sorted(DOCS.glob("*.md")):
+    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
         if path.name != "cli.md" and BLOCK.search(path.read_text()):
             files[path] = with_blocks(path.read_text())
     return files

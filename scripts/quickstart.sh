@@ -2,7 +2,7 @@
 # The whole pipeline on the embedded default (this Python's standard library as the corpus), then the
 # benchmark against plain decoding and the transformers peers:
 #   bash scripts/quickstart.sh [--preset quick|cpu] [--out RUN] [--limit N]
-# quick (default): minutes of training, about 17 minutes in all on 2 AVX2 cores, set-up included;
+# quick (default): minutes of training, 13-28 minutes in all on 2 cores by CPU, set-up included;
 # cpu: the README's headline models (about 2 hours of training). Re-running reuses every finished step.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

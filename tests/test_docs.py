@@ -61,6 +61,44 @@ def test_the_diary_markers_catch_what_they_must():
     assert not [text for text in kept if DIARY.search(text)]
 
 
+# A figure: a number with a unit of speed, time, size or share ("2.65x", "640.8 tok/s", "11 minutes", "99%")
+FIGURE = re.compile(r"(?<![\w.,])\d[\d,]*(?:\.\d+)?(?:-\d[\d,]*(?:\.\d+)?)?(?:x\b|\s?(?:tok/s|tokens/s|tokens a second|GB/s|"
+                    r"GMAC/s|ms|us|µs|s|seconds?|min|minutes?|hours?|GB|MB|GiB|MiB|%)(?![\w/]))")
+GENERATED = re.compile(r"<!-- generated: .*? -->.*?<!-- end generated -->", re.S)
+# The pages whose figures come from results through generated blocks, and the figures their prose may hold: how long
+# a step takes to set up or run, defaults and a test's power, not measurements of the software
+ALLOWED_PROSE = {
+    "README.md": ["13-28 minutes", "11 minutes", "70 seconds"],
+    "docs/README.md": [],
+    "docs/data.md": [],
+    "docs/decoding.md": [],
+    "docs/exactness.md": ["8 minutes", "99%"],
+    "docs/installation.md": ["70 seconds", "10 minutes", "11 minutes"],
+    "docs/serving.md": ["1 MiB", "30 seconds", "5 seconds"],
+    "docs/trigram.md": [],
+}
+
+
+def figures_outside_generated_blocks(text: str) -> list[str]:
+    return FIGURE.findall(GENERATED.sub("", text))
+
+
+def test_figures_come_from_generated_blocks():
+    stray = {page: sorted(set(figures_outside_generated_blocks((ROOT / page).read_text())) - set(allowed))
+             for page, allowed in ALLOWED_PROSE.items()}
+    assert not any(stray.values()), f"figures typed by hand; generate them from docs/results or remove them: {stray}"
+
+
+def test_the_figure_finder_catches_what_it_must():
+    text = ("staged ran at 2.65x, 1,622.0 tok/s and 5,475-6,948 tokens/s; a step of 8.0 ms, 63-65 ms in all, 0.2-0.4 us "
+            "a context; 25 s, 11 minutes, 172 MB, 36.6 GB/s, 74.8 GMAC/s, 7-17% <!-- generated: x -->9.9x<!-- end generated -->")
+    assert figures_outside_generated_blocks(text) == [
+        "2.65x", "1,622.0 tok/s", "5,475-6,948 tokens/s", "8.0 ms", "63-65 ms", "0.2-0.4 us", "25 s", "11 minutes",
+        "172 MB", "36.6 GB/s", "74.8 GMAC/s", "7-17%"]
+    assert not figures_outside_generated_blocks("a 2 x 128 draft, 16 nodes, 5.3M parameters, the 3rd of 50 prompts, "
+                                                "--top-k 50, at 2 threads, 12 rows, vectors.h, 0x1023")
+
+
 def test_the_readme_is_short_and_its_links_resolve():
     assert len(README.splitlines()) <= 250
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:

@@ -5,8 +5,10 @@ numbers, and when the oracle's completions loop a warning that they flatter ever
 
     python -m decode.report greedy.json                      # decode.bench's table again, from its JSON
     python -m decode.report greedy.json topk.json --markdown # one Markdown table, a column group per run
+    python -m decode.report greedy.json topk.json --markdown --brief --methods baseline,staged,llamacpp
 
-The benchmark guide's tables are made by the second form, so no figure there is typed by hand.
+The benchmark guide's tables are made by the second form and the README's by the third (the median speedup alone,
+the rows chosen), so no figure there is typed by hand.
 """
 import argparse
 import json
@@ -45,42 +47,55 @@ def describe_run(result: dict) -> str:
     return line + (f". `{s['command']}`" if "command" in s else "")
 
 
-def markdown_table(results: list[dict]) -> str:
-    """The runs' methods as rows, each run's tokens/s, median speedup (mean, min-max), tokens per oracle call and,
-    when greedy, outputs equal to the baseline's, as column groups."""
-    methods = list(dict.fromkeys(name for result in results for name in result["summary"]))
+def columns_of(result: dict, brief: bool) -> list[str]:
+    greedy = result["settings"]["mode"] == "greedy"
+    speedup = "speedup" if brief else "speedup median (mean, min-max)"
+    return (["tok/s", speedup, "least repetitive half"] + ([] if brief else ["tokens/call"])
+            + (["same output"] if greedy else []))
+
+
+def cells(summary: dict | None, greedy: bool, brief: bool) -> list[str]:
+    """One method's cells in one run's column group."""
+    if summary is None:
+        return ["-"] * (3 + (not brief) + greedy)
+    sp = summary.get("speedup")
+    if not sp:
+        speed = "refused: output differs"
+    else:
+        speed = f"{sp['median']:.2f}x" + ("" if brief else f" ({sp['mean']:.2f}, {sp['min']:.2f}-{sp['max']:.2f})")
+    plain = f"{sp['least_repetitive_half']:.2f}x" if sp and "least_repetitive_half" in sp else "-"
+    row = [f"{summary['tokens_per_second']:.1f}", speed, plain] + ([] if brief else [f"{summary['tokens_per_oracle_call']:.2f}"])
+    if greedy:
+        same = summary["same_output"]
+        n = same["identical"] + len(same["near_ties"]) + len(same["differences"])
+        row.append(f"{same['identical']}/{n}" + (f" + {len(same['near_ties'])} ties" if same["near_ties"] else ""))
+    return row
+
+
+def markdown_table(results: list[dict], methods: list[str] | None = None, brief: bool = False) -> str:
+    """The runs' methods (`methods`, in that order; default: every one) as rows, each run's tokens/s, median speedup
+    (with its mean, min-max unless `brief`), over the least repetitive half, tokens per oracle call (unless `brief`)
+    and, when greedy, outputs equal to the baseline's, as column groups."""
+    methods = methods or list(dict.fromkeys(name for result in results for name in result["summary"]))
     header, rule = ["method"], ["---"]
     for result in results:
-        greedy = result["settings"]["mode"] == "greedy"
-        columns = (["tok/s", "speedup median (mean, min-max)", "least repetitive half", "tokens/call"]
-                   + (["same output"] if greedy else []))
-        header += [f"{'greedy' if greedy else 'sampled'}: {columns[0]}"] + columns[1:]
+        columns = columns_of(result, brief)
+        mode = "greedy" if result["settings"]["mode"] == "greedy" else "sampled"
+        header += [f"{mode}: {columns[0]}"] + columns[1:]
         rule += ["---:"] * len(columns)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
     for name in methods:
         row = [name]
         for result in results:
-            greedy = result["settings"]["mode"] == "greedy"
-            s = result["summary"].get(name)
-            if s is None:
-                row += ["-"] * (5 if greedy else 4)
-                continue
-            sp = s.get("speedup")
-            speed = (f"{sp['median']:.2f}x ({sp['mean']:.2f}, {sp['min']:.2f}-{sp['max']:.2f})" if sp
-                     else "refused: output differs")
-            plain = f"{sp['least_repetitive_half']:.2f}x" if sp and "least_repetitive_half" in sp else "-"
-            row += [f"{s['tokens_per_second']:.1f}", speed, plain, f"{s['tokens_per_oracle_call']:.2f}"]
-            if greedy:
-                same = s["same_output"]
-                n = same["identical"] + len(same["near_ties"]) + len(same["differences"])
-                row.append(f"{same['identical']}/{n}" + (f" + {len(same['near_ties'])} ties" if same["near_ties"] else ""))
+            row += cells(result["summary"].get(name), result["settings"]["mode"] == "greedy", brief)
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def markdown(results: list[dict]) -> str:
+def markdown(results: list[dict], methods: list[str] | None = None, brief: bool = False) -> str:
     """The runs described one per line, then their table."""
-    return "\n".join(f"- {describe_run(result)}" for result in results) + "\n\n" + markdown_table(results)
+    return ("\n".join(f"- {describe_run(result)}" for result in results) + "\n\n"
+            + markdown_table(results, methods, brief))
 
 
 @exits_on_input_error
@@ -88,10 +103,17 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description="Print a decode.bench result (its --out JSON) as a table.", formatter_class=HelpFormatter)
     p.add_argument("results", nargs="+", type=Path, metavar="RESULT.json", help="decode.bench --out files, one table")
     p.add_argument("--markdown", action="store_true", help="a Markdown table, the runs' settings listed above it")
+    p.add_argument("--brief", action="store_true", help="with --markdown: the median speedup alone, no tokens per call")
+    p.add_argument("--methods", help="with --markdown: these rows, comma-separated, in this order (default: every method)")
     args = p.parse_args(argv)
     results = [load_result(path) for path in args.results]
+    methods = args.methods.split(",") if args.methods else None
+    unknown = [m for m in methods or [] if not any(m in result["summary"] for result in results)]
+    if unknown:
+        raise InputError(f"--methods {','.join(unknown)}: not in these results; they hold "
+                         f"{', '.join(dict.fromkeys(m for result in results for m in result['summary']))}")
     if args.markdown:
-        print(markdown(results))
+        print(markdown(results, methods, args.brief))
         return
     from decode.cli.bench import print_table
 
