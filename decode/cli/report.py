@@ -44,6 +44,8 @@ def describe_run(result: dict) -> str:
     plan = "planned" if s.get("plan") else "no plan"
     line = (f"{s['mode']}: {s['prompts']} prompts x {s['max_new_tokens']} tokens, {s['dtype']}, {plan}, on {where}{when}; "
             f"{loops} of {n} baseline completions end in a loop")
+    if s.get("llamacpp_flags"):
+        line += "; llama.cpp's settings: " + ", ".join(f"{name} `{flags}`" for name, flags in s["llamacpp_flags"].items())
     return line + (f". `{s['command']}`" if "command" in s else "")
 
 

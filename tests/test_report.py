@@ -1,0 +1,41 @@
+"""decode.report: a benchmark's JSON as a table again, and as the Markdown the docs generate from it."""
+from pathlib import Path
+
+import pytest
+
+from decode.cli import report
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+GREEDY, TOPK = RESULTS / "avx2-quick-llamacpp-greedy.json", RESULTS / "avx2-quick-llamacpp-topk.json"
+
+
+def table_rows(printed: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in printed.splitlines() if line.startswith("|")]
+
+
+def test_brief_markdown_keeps_the_chosen_rows_in_order_and_the_median_alone(capsys):
+    report.main([str(GREEDY), str(TOPK), "--markdown", "--brief", "--methods", "staged,baseline,llamacpp-ngram"])
+    printed = capsys.readouterr().out
+    header, _, *rows = table_rows(printed)
+    assert header == ["method", "greedy: tok/s", "speedup", "least repetitive half", "same output",
+                      "sampled: tok/s", "speedup", "least repetitive half"]
+    assert [row[0] for row in rows] == ["staged", "baseline", "llamacpp-ngram"]
+    result = report.load_result(GREEDY)
+    staged = result["summary"]["staged"]
+    assert rows[0][1:3] == [f"{staged['tokens_per_second']:.1f}", f"{staged['speedup']['median']:.2f}x"]
+    flags = result["settings"]["llamacpp_flags"]["llamacpp-draft"]
+    assert f"llamacpp-draft `{flags}`" in printed  # the setting llama.cpp's peer ran at, named above the table
+
+
+def test_full_markdown_has_every_method_with_its_spread_and_tokens_per_call(capsys):
+    report.main([str(GREEDY), "--markdown"])
+    header, _, *rows = table_rows(capsys.readouterr().out)
+    assert "tokens/call" in header and [row[0] for row in rows] == list(report.load_result(GREEDY)["summary"])
+    assert all(" (" in row[2] for row in rows)  # median (mean, min-max)
+
+
+def test_a_method_the_results_do_not_hold_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(GREEDY), "--markdown", "--methods", "staged,medusa"])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(errors) == 1 and "medusa" in errors[0] and "llamacpp-draft" in errors[0]
