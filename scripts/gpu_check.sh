@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Checks a CUDA machine, in stages of under 10 minutes each:
+# Checks a CUDA machine, in stages that each stand alone:
 #   bash scripts/gpu_check.sh tests            # the whole suite, CUDA tests included
 #   bash scripts/gpu_check.sh train RUN        # GPT-2-small-sized oracle, draft, trigram (RUN/data prepared)
 #   bash scripts/gpu_check.sh decode RUN       # exactness on CUDA, sampling, engine costs, plan, bench
-#   bash scripts/gpu_check.sh brief RUN        # all three, shorter, in about 9 minutes: the suite beside a shorter
+#   bash scripts/gpu_check.sh brief RUN        # all three, shorter, in one command: the suite beside a shorter
 #                                              # training, exactness, then CUDA graphs' speed
-#   bash scripts/gpu_check.sh plan RUN         # what brief leaves, in one command of about 9 minutes: a shorter
+#   bash scripts/gpu_check.sh plan RUN         # what brief leaves, in one command: a shorter
 #                                              # training (and `--compile`'s beside the draft's), the planner on the
 #                                              # GPU, then the bench with the plan's policies and the transformers peers,
 #                                              # and a plan and a bench at top-k 50

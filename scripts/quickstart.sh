@@ -3,7 +3,8 @@
 # benchmark against plain decoding and the transformers peers:
 #   bash scripts/quickstart.sh [--preset quick|cpu] [--out RUN] [--limit N]
 # quick (default): minutes of training, 13-28 minutes in all on 2 cores by CPU, set-up included;
-# cpu: the README's headline models (about 2 hours of training). Re-running reuses every finished step.
+# cpu: the README's headline models (80-120 minutes of training on 2 AVX-512 cores, about twice that with AVX2
+# alone). Re-running reuses every finished step.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 preset=quick
@@ -14,7 +15,7 @@ while [ $# -gt 0 ]; do
         --preset) preset="$2"; shift 2 ;;
         --out) run="$2"; shift 2 ;;
         --limit) limit="$2"; shift 2 ;;
-        -h|--help) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "error: unknown argument $1; see bash scripts/quickstart.sh --help" >&2; exit 2 ;;
     esac
 done

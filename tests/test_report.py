@@ -39,3 +39,30 @@ def test_a_method_the_results_do_not_hold_is_a_one_line_error(capsys):
         report.main([str(GREEDY), "--markdown", "--methods", "staged,medusa"])
     errors = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(errors) == 1 and "medusa" in errors[0] and "llamacpp-draft" in errors[0]
+
+
+def test_the_forecast_table_puts_each_planned_methods_forecast_beside_its_measurement(capsys):
+    report.main([str(GREEDY), "--markdown", "--forecast"])
+    _, _, *rows = table_rows(capsys.readouterr().out)
+    summary = report.load_result(GREEDY)["summary"]
+    planned = [name for name, s in summary.items() if "predicted" in s]
+    assert [row[0] for row in rows] == planned and planned
+    staged = dict(zip(planned, rows))["staged"]
+    measured = summary["staged"]["tokens_per_second"] / summary["baseline"]["tokens_per_second"]
+    assert staged[1:] == [f"{summary['staged']['predicted']['tokens_per_call']:.2f}",
+                          f"{summary['staged']['tokens_per_oracle_call']:.2f}",
+                          f"{summary['staged']['predicted']['speedup']:.2f}x", f"{measured:.2f}x"]
+
+
+def test_an_engine_result_is_its_cost_curves_against_the_roofline(capsys):
+    engine = RESULTS / "avx2-bench-engine.json"
+    report.main([str(engine), "--markdown"])
+    printed = capsys.readouterr().out
+    curves = report.load_result(engine)["roofline"]["curves"]
+    assert printed.count("| q | 1 | 2 | 4 | 8 | 16 | 32 | 64 |") == len(curves)
+    first = next(iter(curves.values()))
+    engine_ms = next(row for row in table_rows(printed) if row[0] == "engine ms")
+    assert engine_ms[1:] == [f"{ms:.2f}" for ms in first["ms"]["engine"].values()]
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(engine), str(GREEDY), "--markdown"])
+    assert exit_.value.code == 2

@@ -19,7 +19,7 @@ DIVERGENCES = ("forward", "reverse", "tv")  # --kd-loss: train/distill_draft.py'
 @dataclass
 class TrainArgs:
     preset: str = field(default="tiny", metadata={"help": "tiny (seconds, tests), quick (minutes, the quickstart), "
-                                                          "cpu (about an hour on 2 cores), paper (GPT-2-L, GPUs)"})
+                                                          "cpu (80-120 minutes on 2 AVX-512 cores, oracle and draft), paper (GPT-2-L, GPUs)"})
     data: str = field(default="runs/default/data", metadata={"help": "prepared data directory (python -m data.prepare)"})
     out: str = field(default="runs/default/oracle", metadata={"help": "where the final model goes (save_pretrained layout)"})
     work_dir: Optional[str] = field(default=None, metadata={"help": "checkpoints and logs (default: OUT-train)"})
@@ -145,7 +145,7 @@ ORACLE_PRESETS = {
     "tiny": TrainArgs(),
     # about 5M parameters: a few minutes on 2 cores, for the quickstart
     "quick": TrainArgs(**_SHARED["quick"], n_layer=4, n_head=4, n_embd=256, batch_size=8, max_steps=300, learning_rate=2e-3),
-    # about 23M parameters with an 8192 vocabulary: about an hour on 2 cores (see README)
+    # about 23M parameters with an 8192 vocabulary: its training times are docs/training.md's preset table
     "cpu": TrainArgs(**_SHARED["cpu"], n_layer=6, n_head=8, n_embd=512, batch_size=8, grad_accum=2, max_steps=1300,
                      learning_rate=1e-3),
     "paper": TrainArgs(**_SHARED["paper"], init="gpt2-large", max_steps=10000, learning_rate=5e-5, out="runs/paper/oracle"),

@@ -173,16 +173,15 @@ def print_table(summary: dict[str, dict], greedy: bool) -> None:
             n = same["identical"] + len(same["near_ties"]) + len(same["differences"])
             line += f" {same['identical']:>5}/{n}" + (f" +{len(same['near_ties'])} ties" if same["near_ties"] else "")
         print(line)
-    planned = {name: s for name, s in summary.items() if "predicted" in s}
+    planned = explain.forecast_rows(summary)
     if planned:
-        base = summary["baseline"]["tokens_per_second"]
         print(f"planned (the run's plan) against measured: {'method':<12} {'tokens/call':>19} {'speedup (tokens/s)':>19}"
               "  (the plan's 90% interval over its calibration prompts)")
-        for name, s in planned.items():
-            p = s["predicted"]
-            spread = " ({:.2f}-{:.2f}x)".format(*p["speedup_interval"]) if "speedup_interval" in p else ""
-            print(f"{'':<42} {name:<12} {p['tokens_per_call']:8.2f} vs {s['tokens_per_oracle_call']:5.2f}"
-                  f"    {p['speedup']:6.2f}x vs {s['tokens_per_second'] / base:5.2f}x{spread}")
+        for row in planned:
+            spread = " ({:.2f}-{:.2f}x)".format(*row["interval"]) if row["interval"] else ""
+            (tokens, measured_tokens), (speedup, measured) = row["tokens_per_call"], row["speedup"]
+            print(f"{'':<42} {row['method']:<12} {tokens:8.2f} vs {measured_tokens:5.2f}"
+                  f"    {speedup:6.2f}x vs {measured:5.2f}x{spread}")
     for name, s in summary.items():
         for d in s.get("same_output", {}).get("differences", []):
             print(f"  {name} differs from baseline on {d['task_id']} at token {d['position']} "

@@ -18,6 +18,9 @@
     python -m decode.bench_engine --model RUN/oracle --prompts RUN/prompts.jsonl --shape 6,512,8192 --shape gpt2-large
 """
 import argparse
+import datetime
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -30,8 +33,8 @@ from decode.prompts import load_prompts
 from decode.tokenizer import load_tokenizer
 from decode.options import check_device
 from decode.planning.costs import PROJECTIONS, projection_shape, random_gpt2
-from decode.planning.roofline import ForwardShape, knee, measure_machine
-from decode.timing import NODE_COUNTS, device_name, forward_costs, host_work_after_forward
+from decode.planning.roofline import ForwardShape, Machine, knee, measure_machine
+from decode.timing import NODE_COUNTS, device_name, forward_costs, host_work_after_forward, machine_name
 from decode.models.loading import model_dir
 from decode.models.engine import GPT2Engine
 from decode.models.projection import LAYOUTS, onednn_packs
@@ -102,44 +105,60 @@ def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[i
             "forward_ms_with_cuda_graphs": graphed}
 
 
+PROG = "python -m decode.bench_engine"
 CURVE_PREFIXES = (128, 480)  # cached positions: a prompt's, and a long context's
 
 
 def roofline_tables(args, models: dict) -> dict:
     """Measurement 7: each model's forward costs after CURVE_PREFIXES cached positions, as the engine runs them and in
-    torch's operations, against the roofline of this machine."""
-    machine = measure_machine(models[args.model].dtype)
-    print(f"\nthis machine: memory read {machine.bandwidth / 1e9:.1f} GB/s (sums over 256 MB), peak "
-          f"{machine.macs / 1e9:.1f} GMAC/s ({machine.peak_dtype} square products in torch), "
-          f"{torch.get_num_threads()} threads")
-    result = {"bandwidth_gb_s": machine.bandwidth / 1e9, "peak_gmac_s": machine.macs / 1e9,
-              "peak_dtype": machine.peak_dtype, "curves": {}}
+    torch's operations, against the roofline of this machine: its bandwidth and peak measured before the curves and
+    after them, the faster of each kept (a shared machine's speed drifts while the curves run)."""
+    before = measure_machine(models[args.model].dtype)
+    measured = {}
     for name, model in models.items():
-        shape = ForwardShape.of(model)
         ways = {"engine": model.native_rows} | ({"torch": 0} if model.native_rows else {})
         for prefix in CURVE_PREFIXES:
-            roof = {q: shape.roofline_ms(machine, q, prefix) for q in NODE_COUNTS}
             ms = {}
             for way, rows in ways.items():
-                before, model.native_rows = model.native_rows, rows
+                kept, model.native_rows = model.native_rows, rows
                 ms[way] = forward_costs(model, prefix, args.repeats)
-                model.native_rows = before
-            print(f"\n{name}: c(q)/c(1) after {prefix} cached positions (the engine: the C++ call up to "
-                  f"{model.native_rows} rows; the roofline's knee at {knee(shape, machine, prefix)} rows)")
-            print(f"{'':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
-            for way, row in ms.items():
-                print(table_row(f"{way} ms", row))
-                print(table_row(f"  {way} c(q)/c(1)", {q: t / row[1] for q, t in row.items()}))
-            print(table_row("roofline ms", roof))
-            print(table_row("  roofline c(q)/c(1)", {q: t / roof[1] for q, t in roof.items()}))
-            for way, row in ms.items():
-                print(table_row(f"  {way}'s share of the roofline", {q: roof[q] / t for q, t in row.items()}))
-            result["curves"][f"{name} @ {prefix}"] = {"ms": ms, "roofline_ms": roof}
+                model.native_rows = kept
+            measured[name, prefix] = ms
+    after = measure_machine(models[args.model].dtype)
+    machine = Machine(max(before.bandwidth, after.bandwidth), max(before.macs, after.macs),
+                      (before if before.macs >= after.macs else after).peak_dtype)
+    print(f"\nthis machine: memory read {machine.bandwidth / 1e9:.1f} GB/s (sums over 256 MB), peak "
+          f"{machine.macs / 1e9:.1f} GMAC/s ({machine.peak_dtype} square products in torch), "
+          f"{torch.get_num_threads()} threads (the faster of before and after the curves)")
+    result = {"bandwidth_gb_s": machine.bandwidth / 1e9, "peak_gmac_s": machine.macs / 1e9,
+              "peak_dtype": machine.peak_dtype, "curves": {}}
+    for (name, prefix), ms in measured.items():
+        model, shape = models[name], ForwardShape.of(models[name])
+        roof = {q: shape.roofline_ms(machine, q, prefix) for q in NODE_COUNTS}
+        print(f"\n{name}: c(q)/c(1) after {prefix} cached positions (the engine: the C++ call up to "
+              f"{model.native_rows} rows; the roofline's knee at {knee(shape, machine, prefix)} rows)")
+        result["curves"][f"{name} @ {prefix}"] = curve = {"ms": ms, "roofline_ms": roof}
+        print(f"{'':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
+        for label, row in curve_rows(curve):
+            print(table_row(label, row))
     return result
 
 
+def curve_rows(curve: dict) -> list[tuple[str, dict[int, float]]]:
+    """A cost curve's rows, labelled: each way's milliseconds and c(q)/c(1), the roofline's, and each way's share of
+    the roofline (its time over the measured one). Node counts as ints, from a result or from its JSON."""
+    as_ints = lambda row: {int(q): t for q, t in row.items()}
+    roof, rows = as_ints(curve["roofline_ms"]), []
+    ways = {way: as_ints(row) for way, row in curve["ms"].items()}
+    for way, row in ways.items():
+        rows += [(f"{way} ms", row), (f"  {way} c(q)/c(1)", {q: t / row[1] for q, t in row.items()})]
+    rows += [("roofline ms", roof), ("  roofline c(q)/c(1)", {q: t / roof[1] for q, t in roof.items()})]
+    rows += [(f"  {way}'s share of the roofline", {q: roof[q] / t for q, t in row.items()}) for way, row in ways.items()]
+    return rows
+
+
 def parse(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m decode.bench_engine", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="a GPT-2 checkpoint: a directory (e.g. RUN/oracle) or a hub name")
     p.add_argument("--prompts", required=True, help="a .jsonl[.gz] prompt file or 'humaneval'")
@@ -211,7 +230,10 @@ def main(argv=None) -> dict:
     print(f"  speedup {latency['speedup']:.2f}x, identical outputs {latency['identical_outputs']}")
 
     engine = GPT2Engine.load(args.model, args.dtype, args.device, native_blocks=True)
-    result = {"generation": latency, "dtype": args.dtype, "device": device_name(torch.device(args.device))}
+    device = torch.device(args.device)
+    result = {"generation": latency, "dtype": args.dtype, "device": device_name(device), "machine": machine_name(device),
+              "threads": torch.get_num_threads(), "date": datetime.date.today().isoformat(),
+              "command": f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"}
     models = {args.model: engine} | shaped_models(args)
     result |= forward_tables(args, models)
     if not engine.on_gpu:

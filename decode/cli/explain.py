@@ -136,3 +136,13 @@ def looping(completions: list[list[int]], share: float = 0.2) -> str | None:
     return (f"Note: {loops} of {n} of the oracle's completions end in a loop of at most {LONGEST_LOOP} tokens (an "
             f"oracle this small loops); drafters that copy a loop accept long runs on it, so an oracle that loops less "
             f"gives fewer tokens per call than this table; the column 'least repetitive half' leaves the loops out.")
+
+
+def forecast_rows(summary: dict) -> list[dict]:
+    """Each planned method's forecast beside its measurement: tokens per oracle call, and the speedup in tokens/s
+    over the baseline's, with the plan's 90% interval where it has one."""
+    base = summary["baseline"]["tokens_per_second"]
+    return [{"method": name, "tokens_per_call": (s["predicted"]["tokens_per_call"], s["tokens_per_oracle_call"]),
+             "speedup": (s["predicted"]["speedup"], s["tokens_per_second"] / base),
+             "interval": s["predicted"].get("speedup_interval")}
+            for name, s in summary.items() if "predicted" in s]

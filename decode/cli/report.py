@@ -6,6 +6,8 @@ numbers, and when the oracle's completions loop a warning that they flatter ever
     python -m decode.report greedy.json                      # decode.bench's table again, from its JSON
     python -m decode.report greedy.json topk.json --markdown # one Markdown table, a column group per run
     python -m decode.report greedy.json topk.json --markdown --brief --methods baseline,staged,llamacpp
+    python -m decode.report greedy.json --markdown --forecast # the plan's forecast beside the measurement
+    python -m decode.report engine.json --markdown           # decode.bench_engine's cost curves against the roofline
 
 The benchmark guide's tables are made by the second form and the README's by the third (the median speedup alone,
 the rows chosen), so no figure there is typed by hand.
@@ -16,23 +18,48 @@ from pathlib import Path
 
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
-from decode.cli.explain import loop_share
+from decode.cli.bench_engine import curve_rows
+from decode.cli.explain import forecast_rows, loop_share
 
 PROG = "python -m decode.report"
 
 
+WHAT = "pass the JSON that python -m decode.bench (or decode.bench_engine) --out wrote"
+
+
 def load_result(path: Path) -> dict:
-    """decode.bench's JSON (--out), checked for what a table needs."""
+    """decode.bench's JSON (--out), or decode.bench_engine's, checked for what a table needs."""
     try:
         result = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise InputError(f"{path}: no such file; pass the JSON that python -m decode.bench --out wrote") from None
+        raise InputError(f"{path}: no such file; {WHAT}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path}: not a benchmark result ({e}); pass the JSON that python -m decode.bench --out wrote") from None
-    if not isinstance(result, dict) or not {"settings", "summary", "records"} <= result.keys():
-        raise InputError(f"{path}: not a benchmark result (no settings, summary and records); "
-                         f"pass the JSON that python -m decode.bench --out wrote")
+        raise InputError(f"{path}: not a benchmark result ({e}); {WHAT}") from None
+    if not isinstance(result, dict) or not ({"settings", "summary", "records"} <= result.keys() or is_engine(result)):
+        raise InputError(f"{path}: not a benchmark result (neither decode.bench's settings, summary and records nor "
+                         f"decode.bench_engine's roofline); {WHAT}")
     return result
+
+
+def is_engine(result: dict) -> bool:
+    return {"roofline", "machine", "command"} <= result.keys()
+
+
+def engine_markdown(result: dict) -> str:
+    """decode.bench_engine's cost curves: the machine's roofline in a line, then a table per model and cached length
+    of each way's milliseconds, c(q)/c(1), the roofline's and each way's share of it."""
+    roofline = result["roofline"]
+    lines = [f"- {result['dtype']} on {result['machine']}, {result['date']}: memory "
+             f"{roofline['bandwidth_gb_s']:.1f} GB/s, peak {roofline['peak_gmac_s']:.1f} GMAC/s ({roofline['peak_dtype']} "
+             f"products). `{result['command']}`"]
+    for name, curve in roofline["curves"].items():
+        rows = curve_rows(curve)
+        counts = list(rows[0][1])
+        model, prefix = name.rsplit(" @ ", 1)
+        lines += ["", f"{model}, after {prefix} cached positions:", "",
+                  "| q | " + " | ".join(str(q) for q in counts) + " |", "|---|" + "---:|" * len(counts)]
+        lines += [f"| {label.strip()} | " + " | ".join(f"{row[q]:.2f}" for q in counts) + " |" for label, row in rows]
+    return "\n".join(lines)
 
 
 def describe_run(result: dict) -> str:
@@ -49,17 +76,17 @@ def describe_run(result: dict) -> str:
     return line + (f". `{s['command']}`" if "command" in s else "")
 
 
-def columns_of(result: dict, brief: bool) -> list[str]:
+def columns_of(result: dict, brief: bool, over: str | None) -> list[str]:
     greedy = result["settings"]["mode"] == "greedy"
     speedup = "speedup" if brief else "speedup median (mean, min-max)"
     return (["tok/s", speedup, "least repetitive half"] + ([] if brief else ["tokens/call"])
-            + (["same output"] if greedy else []))
+            + (["same output"] if greedy else []) + ([f"over {over}, per prompt"] if over else []))
 
 
-def cells(summary: dict | None, greedy: bool, brief: bool) -> list[str]:
+def cells(summary: dict | None, greedy: bool, brief: bool, over: str | None) -> list[str]:
     """One method's cells in one run's column group."""
     if summary is None:
-        return ["-"] * (3 + (not brief) + greedy)
+        return ["-"] * (3 + (not brief) + greedy + bool(over))
     sp = summary.get("speedup")
     if not sp:
         speed = "refused: output differs"
@@ -71,17 +98,22 @@ def cells(summary: dict | None, greedy: bool, brief: bool) -> list[str]:
         same = summary["same_output"]
         n = same["identical"] + len(same["near_ties"]) + len(same["differences"])
         row.append(f"{same['identical']}/{n}" + (f" + {len(same['near_ties'])} ties" if same["near_ties"] else ""))
+    if over:
+        ratio = summary.get("median_speedup_over", {}).get(over)
+        row.append(f"{ratio:.2f}x" if ratio is not None else "-")
     return row
 
 
-def markdown_table(results: list[dict], methods: list[str] | None = None, brief: bool = False) -> str:
+def markdown_table(results: list[dict], methods: list[str] | None = None, brief: bool = False,
+                   over: str | None = None) -> str:
     """The runs' methods (`methods`, in that order; default: every one) as rows, each run's tokens/s, median speedup
-    (with its mean, min-max unless `brief`), over the least repetitive half, tokens per oracle call (unless `brief`)
-    and, when greedy, outputs equal to the baseline's, as column groups."""
+    (with its mean, min-max unless `brief`), over the least repetitive half, tokens per oracle call (unless `brief`),
+    when greedy outputs equal to the baseline's, and with `over` the median per prompt over that method where the
+    benchmark recorded it, as column groups."""
     methods = methods or list(dict.fromkeys(name for result in results for name in result["summary"]))
     header, rule = ["method"], ["---"]
     for result in results:
-        columns = columns_of(result, brief)
+        columns = columns_of(result, brief, over)
         mode = "greedy" if result["settings"]["mode"] == "greedy" else "sampled"
         header += [f"{mode}: {columns[0]}"] + columns[1:]
         rule += ["---:"] * len(columns)
@@ -89,33 +121,59 @@ def markdown_table(results: list[dict], methods: list[str] | None = None, brief:
     for name in methods:
         row = [name]
         for result in results:
-            row += cells(result["summary"].get(name), result["settings"]["mode"] == "greedy", brief)
+            row += cells(result["summary"].get(name), result["settings"]["mode"] == "greedy", brief, over)
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def markdown(results: list[dict], methods: list[str] | None = None, brief: bool = False) -> str:
+def forecast_markdown(results: list[dict]) -> str:
+    """Each run's planned methods, the plan's forecast beside the measurement: tokens per oracle call, and the
+    speedup in tokens/s over the baseline's (with the plan's 90% interval where it has one)."""
+    lines = []
+    for result in results:
+        lines += [f"- {describe_run(result)}", "", "| method | tokens/call: forecast | measured | speedup: forecast "
+                  "| measured |", "|---|---:|---:|---:|---:|"]
+        for row in forecast_rows(result["summary"]):
+            spread = " ({:.2f}-{:.2f}x)".format(*row["interval"]) if row["interval"] else ""
+            (tokens, measured_tokens), (speedup, measured) = row["tokens_per_call"], row["speedup"]
+            lines.append(f"| {row['method']} | {tokens:.2f} | {measured_tokens:.2f} | {speedup:.2f}x{spread} | {measured:.2f}x |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def markdown(results: list[dict], methods: list[str] | None = None, brief: bool = False, over: str | None = None) -> str:
     """The runs described one per line, then their table."""
     return ("\n".join(f"- {describe_run(result)}" for result in results) + "\n\n"
-            + markdown_table(results, methods, brief))
+            + markdown_table(results, methods, brief, over))
 
 
 @exits_on_input_error
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog=PROG, description="Print a decode.bench result (its --out JSON) as a table.", formatter_class=HelpFormatter)
-    p.add_argument("results", nargs="+", type=Path, metavar="RESULT.json", help="decode.bench --out files, one table")
+    p = argparse.ArgumentParser(prog=PROG, description="Print a decode.bench result (its --out JSON) as a table, or a "
+                                "decode.bench_engine result's cost curves as Markdown.", formatter_class=HelpFormatter)
+    p.add_argument("results", nargs="+", type=Path, metavar="RESULT.json",
+                   help="decode.bench --out files, one table (or one decode.bench_engine --out file, with --markdown)")
     p.add_argument("--markdown", action="store_true", help="a Markdown table, the runs' settings listed above it")
     p.add_argument("--brief", action="store_true", help="with --markdown: the median speedup alone, no tokens per call")
     p.add_argument("--methods", help="with --markdown: these rows, comma-separated, in this order (default: every method)")
+    p.add_argument("--over", metavar="METHOD", help="with --markdown: a column of each method's median speedup per "
+                                                    "prompt over METHOD, where the benchmark recorded it")
+    p.add_argument("--forecast", action="store_true", help="with --markdown: the plan's forecast beside the measurement, "
+                                                             "for each planned method")
     args = p.parse_args(argv)
     results = [load_result(path) for path in args.results]
+    if any(is_engine(result) for result in results):
+        if len(results) > 1 or not args.markdown:
+            raise InputError("a decode.bench_engine result is shown alone, with --markdown")
+        print(engine_markdown(results[0]))
+        return
     methods = args.methods.split(",") if args.methods else None
     unknown = [m for m in methods or [] if not any(m in result["summary"] for result in results)]
     if unknown:
         raise InputError(f"--methods {','.join(unknown)}: not in these results; they hold "
                          f"{', '.join(dict.fromkeys(m for result in results for m in result['summary']))}")
     if args.markdown:
-        print(markdown(results, methods, args.brief))
+        print(forecast_markdown(results) if args.forecast else markdown(results, methods, args.brief, args.over))
         return
     from decode.cli.bench import print_table
 
