@@ -218,3 +218,13 @@ def test_training_flags_take_dashes_and_still_accept_underscores(capsys):
         parse_args(TrainArgs, ORACLE_PRESETS, "", ["--help"], prog="python train/finetune_oracle.py")
     shown = capsys.readouterr().out
     assert "usage: python train/finetune_oracle.py" in shown and "--max-steps MAX_STEPS, --max_steps MAX_STEPS" in shown
+
+
+def test_a_model_named_on_the_hub_that_cannot_be_had_is_a_one_line_error_that_says_how_to_get_it():
+    from decode.errors import InputError
+    from decode.models.pretrained import load_causal_lm
+
+    with pytest.raises(InputError) as refused:
+        load_causal_lm("staged-speculative/no-such-model", "--init model")
+    message = str(refused.value)
+    assert "\n" not in message and "huggingface-cli download staged-speculative/no-such-model" in message

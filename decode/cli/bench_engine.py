@@ -35,7 +35,7 @@ from decode.options import check_device
 from decode.planning.costs import PROJECTIONS, projection_shape, random_gpt2
 from decode.planning.roofline import ForwardShape, Machine, knee, measure_machine
 from decode.timing import NODE_COUNTS, device_name, forward_costs, host_work_after_forward, machine_name
-from decode.models.loading import model_dir
+from decode.models.pretrained import model_dir
 from decode.models.engine import GPT2Engine
 from decode.models.projection import LAYOUTS, onednn_packs
 from decode.loop import baseline

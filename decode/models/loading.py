@@ -5,12 +5,13 @@ from pathlib import Path
 
 import numpy as np
 
-from decode.errors import InputError, first_line
+from decode.errors import InputError
 from decode.tokenizer import load_tokenizer
 from decode.models.cached_lm import CachedLM, Shortlist
 from decode.models.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.models.hf_backend import HFEngine
 from decode.models.native_rows import native_forward
+from decode.models.pretrained import model_dir
 from decode.models.successors import SuccessorTable
 
 TOKEN_COUNTS = "token_counts.npy"  # beside a trained model: its training split's count of each token id
@@ -32,30 +33,6 @@ def pretrained_dir(model, tokenizer, keep: list, name: str) -> Path:
     if not isinstance(model, (str, Path)):
         raise InputError(f"{name} must be a directory, a hub name or a loaded transformers model (got {type(model).__name__})")
     return model_dir(model, name)
-
-
-def model_dir(model: str | Path, name: str) -> Path:
-    """A model's directory: a local directory as it is, or a hub name's files (config, tokenizer, safetensors) from
-    huggingface_hub's cache, downloaded first when online. A local path that does not exist is returned as it is, for
-    the caller's own message."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if Path(model).is_dir():
-        return Path(model)
-    try:
-        validate_repo_id(str(model))  # gpt2-large, openai-community/gpt2; not runs/quick/oracle or ./oracle
-    except HFValidationError:
-        return Path(model)
-
-    try:
-        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
-    except Exception as err:  # not found, offline, no access: many kinds
-        offline = "HF_HUB_OFFLINE is set; " if constants.HF_HUB_OFFLINE else ""
-        raise InputError(f"{name} {model} is not a directory, and the hub name is not in the local cache and could not "
-                         f"be downloaded ({offline}{first_line(err)}); download it first (huggingface-cli download "
-                         f"{model}) or pass a local directory") from None
 
 
 def load_trigram(options, vocab_size: int, eos_id: int):
