@@ -78,3 +78,26 @@ def bpe_run(tmp_path_factory):
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"task_id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
     return {"run": root / "run", "tokenizer": tokenizer, "prompts": prompts}
+
+
+# The tiny models a topic's test modules share (each was one module before it grew past 400 lines), made once
+@pytest.fixture(scope="session")
+def plan_run_models(tmp_path_factory):
+    from decode_models import run_models
+
+    return run_models(tmp_path_factory.mktemp("plan"))
+
+
+@pytest.fixture(scope="session")
+def tree_run_models(tmp_path_factory):
+    from decode_models import tree_models
+
+    return tree_models(tmp_path_factory.mktemp("tree"))
+
+
+@pytest.fixture(scope="session")
+def trained_oracle_run(tmp_path_factory):
+    """A prepared run with a trained tiny oracle, and the training's metrics."""
+    from train_runs import trained_run
+
+    return trained_run(tmp_path_factory.mktemp("train"))

@@ -13,12 +13,12 @@ from decode.sampling import Sampling, Uniforms, sample
 from decode.tree import Tree
 from decode.verify import Target, sample_match
 from decode.models.successors import SuccessorTable
-from decode_models import SHAPE, tree_models
+from decode_models import SHAPE
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tree_models(tmp_path_factory.mktemp("tree"))
+def models(tree_run_models):
+    return tree_run_models
 
 
 def example_tree() -> Tree:

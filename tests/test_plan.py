@@ -19,14 +19,13 @@ from decode.models.engine import GPT2Engine
 from decode.options import CPU_WIDTHS
 from decode.loop import baseline
 from decode.sampling import Sampling, Uniforms
-from decode_models import run_models
 
 from plan_fixtures import without
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return run_models(tmp_path_factory.mktemp("plan"))
+def models(plan_run_models):
+    return plan_run_models
 
 
 def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):

@@ -12,13 +12,12 @@ from decode import SpeculativeDecoder
 from decode.planning import plan_file
 from decode.cli import plan, run
 from decode.drafting import (ShapedTreeDrafter)
-from decode_models import run_models
 
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return run_models(tmp_path_factory.mktemp("plan"))
+def models(plan_run_models):
+    return plan_run_models
 
 
 def test_a_plan_for_other_models_or_settings_is_refused_in_one_line(planned, models, capsys):

@@ -17,7 +17,6 @@ from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, Sta
 from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative
 from decode.sampling import Sampling
-from decode_models import run_models
 from decode.models.successors import SuccessorTable
 
 def rank_trees(nodes: int, depth: int, width: int):
@@ -84,8 +83,8 @@ def test_acceptance_counts_ranks_where_a_tree_can_reach():
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return run_models(tmp_path_factory.mktemp("plan"))
+def models(plan_run_models):
+    return plan_run_models
 
 
 @pytest.mark.parametrize("shortlisted", [False, True])

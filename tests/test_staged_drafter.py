@@ -9,12 +9,12 @@ from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative
 from decode.sampling import Sampling, Uniforms
 from decode.models.successors import SuccessorTable
-from decode_models import SHAPE, oracle_contexts, tree_models
+from decode_models import SHAPE, oracle_contexts
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tree_models(tmp_path_factory.mktemp("tree"))
+def models(tree_run_models):
+    return tree_run_models
 
 
 def test_staged_sampled_children_are_draws_below_every_draw_scored_in_one_more_call_off_the_trigrams_tree(models):

@@ -7,13 +7,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from train import distill_draft, teacher_init
-from train_runs import error_of, trained_run
+from train_runs import error_of
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A prepared run with a trained tiny oracle."""
-    return trained_run(tmp_path_factory.mktemp("train"))
+def run(trained_oracle_run):
+    return trained_oracle_run
 
 
 def test_teacher_layers_at_the_teachers_shape_copy_the_teacher_exactly(run, tmp_path, capsys):

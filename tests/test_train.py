@@ -12,13 +12,12 @@ from decode.models.pretrained import FUSED_GELU
 from data.shards import open_split
 from decode.models.loading import TOKEN_COUNTS
 from train import distill_draft, finetune_oracle
-from train_runs import assert_resumed_distillation_matches, assert_same_weights, error_of, prepared_run, trained_run
+from train_runs import assert_resumed_distillation_matches, assert_same_weights, error_of, prepared_run
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A prepared run with a trained tiny oracle."""
-    return trained_run(tmp_path_factory.mktemp("train"))
+def run(trained_oracle_run):
+    return trained_oracle_run
 
 
 def test_oracle_loss_decreases_on_a_repetitive_corpus(run):

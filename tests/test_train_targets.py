@@ -12,13 +12,12 @@ from transformers import AutoModelForCausalLM
 from data.shards import open_split
 from train import distill_draft, finetune_oracle
 from train.presets import DIVERGENCES
-from train_runs import assert_resumed_distillation_matches, assert_same_weights, error_of, trained_run
+from train_runs import assert_resumed_distillation_matches, assert_same_weights, error_of
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A prepared run with a trained tiny oracle."""
-    return trained_run(tmp_path_factory.mktemp("train"))
+def run(trained_oracle_run):
+    return trained_oracle_run
 
 
 def test_sparse_targets_reproduce_the_dense_divergence(run):
