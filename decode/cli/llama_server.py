@@ -105,12 +105,13 @@ class LlamaServer:
         self.log.close()
 
 
-def sampler(sampling: Sampling) -> dict:
-    """llama-server's sampling fields for ours: its defaults (min-p 0.05, top-p 0.95, repetition penalties) off."""
-    neutral = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "temperature": 0.0}
+def sampler(sampling: Sampling, temperature: str = "temperature") -> dict:
+    """llama.cpp's sampling settings for ours, its defaults (min-p 0.05, top-p 0.95, repetition penalties) off; the
+    temperature under llama-server's name, or `temperature` (llama-cpp-python's "temp")."""
+    neutral = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, temperature: 0.0}
     if sampling.greedy:
         return neutral
-    return neutral | {"temperature": sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p}
+    return neutral | {temperature: sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p}
 
 
 class LlamaCppSpeculative:

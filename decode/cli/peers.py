@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from decode.cli.llama_server import SERVER_PEERS
+from decode.cli.llama_server import SERVER_PEERS, sampler
 from decode.cli.near_ties import CHUNKS, peer_gaps
 from decode.healing import Prompt, constrain_first
 from decode.loop import Generation
@@ -121,10 +121,8 @@ class LlamaCpp:
         self.llm.eval = counted  # generate() evaluates through it
 
     def sampler(self) -> dict:
-        """llama-cpp-python's sampling arguments for ours: its defaults (min-p 0.05, top-p 0.95) switched off."""
-        s = self.sampling
-        chosen = {"temp": 0.0} if s.greedy else {"temp": s.temperature, "top_k": s.top_k or 0, "top_p": s.top_p}
-        return {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0} | chosen
+        """llama-cpp-python's sampling arguments for ours: its defaults switched off."""
+        return sampler(self.sampling, temperature="temp")
 
     def __call__(self, prompt: Prompt, max_new_tokens: int, seed: int) -> Generation:
         from llama_cpp import LogitsProcessorList
