@@ -1,6 +1,7 @@
 import json
 import logging
 import re
+import shutil
 import types
 
 import numpy as np
@@ -354,3 +355,13 @@ def test_llamacpps_own_speculation_decodes_the_baselines_tokens(bpe_run, tmp_pat
         flags = result["settings"]["llamacpp_flags"][name]
         assert f"{name}: {flags} (fastest on" in printed
         assert flags in {" ".join(f) for f in llama_server.CANDIDATES[name]}
+
+
+def test_llamacpps_draft_peer_refuses_a_draft_of_another_vocabulary(models, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(llama_server.SERVER_VARIABLE, shutil.which("true"))  # a binary is there; the draft is wrong
+    args = bench_args(models, tmp_path, "--methods", "baseline,llamacpp-draft")
+    args[args.index("--draft") + 1] = str(models["other_vocab"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(args)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_.value.code == 2 and len(errors) == 1 and "different tokenizers" in errors[0]

@@ -53,6 +53,13 @@ DEFAULT_METHODS = ",".join(OURS + PEERS)
 PROG = "python -m decode.bench"
 
 
+def check_draft(name: str, base) -> None:
+    """A peer that drafts with our draft model: it is there, with the oracle's tokenizer."""
+    if base.draft is None or not Path(base.draft).is_dir():
+        raise InputError(f"{name} needs a draft model; pass --draft DIR (or --run RUN) (got {base.draft})")
+    check_same_vocabulary(base.oracle, base.draft, "draft")
+
+
 def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[dict, list]:
     """A decoder per method (each with its own models and caches) and our SpeculativeDecoders. A llama.cpp peer that
     cannot run here is an error when `chosen` (named in --methods), else skipped with a line."""
@@ -70,6 +77,8 @@ def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[d
             if oracle.device.type != "cpu":
                 raise InputError(f"{name} runs llama.cpp on the CPU, not on {oracle.device.type}")
             if name in SERVER_PEERS:
+                if name == "llamacpp-draft":
+                    check_draft(name, base)
                 decoders[name] = LlamaCppSpeculative(name, base.oracle, base.draft, settings.sampling, eos_id, dtype, threads,
                                                      read_config(base.oracle)["n_positions"])
                 continue
@@ -81,9 +90,7 @@ def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[d
             print(f"skipping {name}: {e}")
     for name in (n for n in names if n in HF_PEERS):
         if name == "hf-assisted":
-            if base.draft is None or not Path(base.draft).is_dir():
-                raise InputError(f"hf-assisted needs a draft model; pass --draft DIR (or --run RUN) (got {base.draft})")
-            check_same_vocabulary(base.oracle, base.draft, "draft")
+            check_draft(name, base)
         decoders[name] = HFGenerate(base.oracle, base.draft if name == "hf-assisted" else None, settings.sampling,
                                     decoders["baseline"].eos_id, base.dtype, base.device,
                                     base.lookup_tokens if name == "hf-lookup" else None)
