@@ -186,6 +186,23 @@ def test_plan_weighs_each_draft_methods_best_policy_with_the_draft_shortlist_and
     assert whole.decoder.draft.shortlist is None and whole.decoder.draft.dtype == torch.float32
 
 
+def test_a_projection_prices_a_larger_oracle_and_draft_and_says_what_it_measured_and_what_it_borrowed(planned, tmp_path,
+                                                                                                      capsys):
+    written = plan.main(planned["args"] + ["--calibration", "3", "--max-budget", "12", "--max-depth", "3",
+                                           "--draft-vocab", "64", "--out", str(tmp_path / "p.json"),
+                                           "--project-oracle", "2,128,500", "--project-draft", "1,64,500"])
+    projection = written["projection"]
+    assert projection["shape"] == [2, 128, 500] and projection["draft_shape"] == [1, 64, 500]
+    assert set(projection["draft_one_row_ms"]) == {"every token in float32", "64 tokens in float32"}
+    assert projection["sources"]["measured here, on random weights"] == ["the 2,128,500 oracle's forward costs",
+                                                                        "the 1,64,500 draft's forward costs"]
+    assert set(projection["predicted"]) == {"baseline", "speculative", "tree", "staged", "ngram", "lookup"}
+    out = capsys.readouterr().out
+    assert "PROJECTION (not a measurement)" in out and "with a 1,64,500 draft (1 x 64, vocabulary 500)" in out
+    assert "borrowed from the trained pair: the acceptance (tokens per call)" in out
+    assert json.loads((tmp_path / "p.json").read_text())["projection"]["sources"] == projection["sources"]
+
+
 def test_beside_a_bfloat16_oracle_the_plan_weighs_the_draft_in_float32_too(models):
     options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1",
                          "--dtype", "bfloat16"]).options

@@ -149,4 +149,11 @@ def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(pl
     with pytest.raises(SystemExit) as exit_info:
         plan.main(planned["args"] + ["--out", str(tmp_path / "x.json"), "--project-oracle", "12,100,50"])
     assert exit_info.value.code == 2 and "multiple of 64" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(planned["args"] + ["--out", str(tmp_path / "x.json"), "--project-draft", "draft-40m"])
+    assert exit_info.value.code == 2 and "give --project-oracle too" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(planned["args"] + ["--out", str(tmp_path / "x.json"), "--project-oracle", "gpt2-large",
+                                     "--project-draft", "draft-4m"])
+    assert exit_info.value.code == 2 and "--project-draft 'draft-4m'" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()

@@ -119,6 +119,30 @@ def test_replay_counts_the_oracle_calls_real_greedy_decoding_makes(models, short
             target < math.inf, torch.tensor(64)).tolist()
 
 
+def test_a_replay_records_each_draft_forward_which_a_projection_prices_at_another_drafts_costs(models):
+    """Every draft forward of a replay is recorded as (rows, cached positions): a chain drafter's first one reads the
+    whole prompt onto an empty cache, and each later one starts where the one before ended or where a step's accepted
+    tokens left the cache; a drafter without a draft model records none. Priced at another draft's costs, the
+    recorded forwards replace their measured time and nothing else."""
+    oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["draft"])
+    prompt = [5, 9, 2, 7]
+    sequences = [(prompt, baseline(oracle, torch.tensor(prompt), 24, Sampling(), eos_id=0).tokens)]
+    chained = replay.replay(ChainDrafter(draft, 3), sequences)
+    assert chained.draft_forwards[0] == (len(prompt), 0)
+    assert len(chained.draft_forwards) == 3 * chained.steps  # three forwards a step down the chain
+    assert all(cached > 0 for _, cached in chained.draft_forwards[1:])
+    assert 0 < chained.draft_seconds < chained.drafting_seconds
+    assert replay.replay(LookupDrafter(4), sequences).draft_forwards == []
+    rows = torch.arange(0, 4096, dtype=torch.float64)  # a forward of q rows costs q ms, after any cached length
+    own = replay.predict(chained, costs.ContextCosts.flat(rows), loop_ms=0.0, prefill_ms=0.0)
+    priced = replay.predict(chained, costs.ContextCosts.flat(rows), loop_ms=0.0, prefill_ms=0.0,
+                            draft_ms=costs.ContextCosts.flat(rows))
+    bookkeeping = 1e3 * (chained.drafting_seconds - chained.draft_seconds)
+    assert priced["drafting_ms_per_call"] == pytest.approx(
+        (bookkeeping + sum(q for q, _ in chained.draft_forwards)) / chained.steps)
+    assert priced["oracle_ms_per_call"] == own["oracle_ms_per_call"]
+
+
 def test_predict_adds_the_prefill_and_per_step_the_oracle_the_drafting_and_the_loop():
     replayed = replay.Replay(prompts=1, steps=2, tokens=6, drafting_seconds=0.003, nodes=[4, 8], accepted=[2, 2],
                              cached=[100, 103], step_prompts=[0, 0], prompt_tokens=[6])

@@ -24,6 +24,7 @@ is staged with the paper's tree (decode.run --paper-tree) and no plan.
 import argparse
 import datetime
 import json
+import resource
 import shlex
 import sys
 from dataclasses import replace
@@ -40,7 +41,7 @@ from decode import native
 from decode.api import SpeculativeDecoder
 from decode.cli import explain, near_ties
 from decode.cli.harness import compare_with_baseline, decode_in_turns, warm_up
-from decode.cli.llama_server import SERVER_PEERS, TUNING_PROMPTS, LlamaCppSpeculative, missing_reason, server_binary
+from decode.cli.llama_server import SERVER_PEERS, TUNING_PROMPTS, ServerPeer, missing_reason, server_binary
 from decode.cli.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
 from decode.cli.settings import Settings, encode_prompts, parse_settings
 from decode.models.engine import read_config
@@ -79,7 +80,7 @@ def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[d
             if name in SERVER_PEERS:
                 if name == "llamacpp-draft":
                     check_draft(name, base)
-                decoders[name] = LlamaCppSpeculative(name, base.oracle, base.draft, settings.sampling, eos_id, dtype, threads,
+                decoders[name] = ServerPeer(name, base.oracle, base.draft, settings.sampling, eos_id, dtype, threads,
                                                      read_config(base.oracle)["n_positions"])
                 continue
             decoders[name] = LlamaCpp(base.oracle, settings.sampling, eos_id, dtype, threads,
@@ -103,8 +104,10 @@ def timed_runs(decoders: dict, prompts: list, settings: Settings) -> dict[str, l
     n, seed, sampling = settings.max_new_tokens, settings.seed, settings.sampling
     runs = {name: decoder if name in PEERS else partial(decoder, sampling=sampling) for name, decoder in decoders.items()}
     runs = {name: (lambda prompt, i, tokens, decode=decode: decode(prompt, tokens, seed + i)) for name, decode in runs.items()}
-    for decoder in (d for d in decoders.values() if isinstance(d, LlamaCppSpeculative)):
-        print(decoder.choose([prompt for _, prompt in prompts[:TUNING_PROMPTS]], n))
+    for decoder in (d for d in decoders.values() if isinstance(d, ServerPeer)):
+        chosen = decoder.choose([prompt for _, prompt in prompts[:TUNING_PROMPTS]], n)
+        if chosen:
+            print(chosen)
     warm_up(runs, prompts[0][1], n)
     records = decode_in_turns(runs, [prompt for _, prompt in prompts], n, progress="prompts")
     for rows in records.values():
@@ -275,6 +278,17 @@ def describe_methods(decoders: dict, summary: dict, sampling) -> tuple[dict, dic
     return sizing, drafts
 
 
+def peak_memory(decoders: dict) -> dict[str, float]:
+    """The peak resident memory (MiB) of each llama-server peer's server, where it could be read."""
+    return {name: d.peak_rss for name, d in decoders.items() if isinstance(d, ServerPeer) and d.peak_rss}
+
+
+def process_peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (Linux reports kilobytes, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 1024)
+
+
 @exits_on_input_error
 def main(argv=None) -> dict:
     known, names, settings = parse(argv)
@@ -289,8 +303,11 @@ def main(argv=None) -> dict:
         records = timed_runs(decoders, prompts, settings)
         summary = summarise(records, check_outputs(records, prompts, decoders, settings) if sampling.greedy else None)
     finally:
-        for decoder in (d for d in decoders.values() if isinstance(d, LlamaCppSpeculative)):
+        for decoder in (d for d in decoders.values() if isinstance(d, ServerPeer)):
             decoder.close()  # its server
+    memory = peak_memory(decoders)
+    for name, mib in memory.items():
+        summary[name]["peak_rss_mb"] = mib
     plan = json.loads(Path(plan_path).read_text()) if plan_path is not None else None
     for name in (n for n in names if plan is not None and n in plan["predicted"] and n != "baseline"):
         summary[name]["predicted"] = plan["predicted"][name]
@@ -306,12 +323,16 @@ def main(argv=None) -> dict:
     if warning:
         print(warning)
     device = decoders["baseline"].oracle.device
+    print(f"peak resident memory: this process {process_peak_rss_mb():.0f} MiB (all of our methods' models together"
+          + (", and the GGUF export" if memory else "") + ")"
+          + "".join(f"; {name}'s server {mib:.0f} MiB" for name, mib in memory.items()))
     result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device, "machine": machine_name(device),
                            "date": datetime.date.today().isoformat(),
                            "command": f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}",
                            "prompts": len(prompts), "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing,
                            "drafts": drafts, "plan": plan_path and str(plan_path),
                            "token_healing": options.token_healing, "step_loops": loops,
+                           "peak_rss_mb": process_peak_rss_mb(),
                            "llamacpp_flags": {n: " ".join(d.flags) for n, d in decoders.items() if n in SERVER_PEERS}},
               "summary": summary, "records": records}
     if known.out:

@@ -1,9 +1,10 @@
-"""llama.cpp's own speculative decoding as peers of the bench, through its server binary (`llama-server`, found on
-PATH or named by LLAMA_SERVER) on the oracle and the draft exported to GGUF in the run's dtype, on as many threads as
-ours: `llamacpp-draft` (its draft-model speculation, `--spec-type draft-simple`, at the `--spec-draft-n-max` that
-ran fastest on the first prompts) and `llamacpp-ngram` (the fastest of its n-gram drafters). Prompts go in and
-tokens come out as token ids, so outputs compare token for token; a healed prompt's first token is decoded alone,
-limited to the tokens that extend its tail, and the rest continues from the cached prompt."""
+"""llama.cpp as peers of the bench through its server binary (`llama-server`, found on PATH or named by LLAMA_SERVER),
+on the oracle (and the draft) exported to GGUF in the run's dtype, on as many threads as ours: `llamacpp-server` (its
+plain decoding), `llamacpp-draft` (its draft-model speculation, `--spec-type draft-simple`, at the
+`--spec-draft-n-max` that ran fastest on the first prompts) and `llamacpp-ngram` (the fastest of its n-gram
+drafters). Prompts go in and tokens come out as token ids, so outputs compare token for token; a healed prompt's first
+token is decoded alone, limited to the tokens that extend its tail, and the rest continues from the cached prompt.
+Each server's peak resident memory is read when it stops."""
 import json
 import os
 import shutil
@@ -21,13 +22,14 @@ from decode.loop import Generation
 from decode.models.gguf_export import write_gguf
 from decode.sampling import Sampling
 
-SERVER_PEERS = ("llamacpp-draft", "llamacpp-ngram")
+SERVER_PEERS = ("llamacpp-server", "llamacpp-draft", "llamacpp-ngram")
 SERVER_VARIABLE = "LLAMA_SERVER"
 BUILD = ("cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server -j in the llama.cpp source "
          "(the llama-cpp-python sdist carries it in vendor/llama.cpp; docs/installation.md), then put build/bin on PATH "
          f"or set {SERVER_VARIABLE} to build/bin/llama-server")
 # The settings each peer tries on the first prompts, keeping the fastest: llama-server's own flags
 CANDIDATES = {
+    "llamacpp-server": [[]],
     "llamacpp-draft": [["--spec-type", "draft-simple", "--spec-draft-n-max", str(n)] for n in (2, 4, 8, 16)],
     "llamacpp-ngram": [["--spec-type", kind] for kind in ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")],
 }
@@ -94,6 +96,14 @@ class LlamaServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
             raise InputError(f"llama-server failed a completion ({err}): {self.log_tail()}") from None
 
+    def peak_rss_mb(self) -> float | None:
+        """The server's peak resident memory so far (Linux's VmHWM), in MiB; None where it cannot be read."""
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return None
+        return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM:")), None)
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -114,8 +124,8 @@ def sampler(sampling: Sampling, temperature: str = "temperature") -> dict:
     return neutral | {temperature: sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p}
 
 
-class LlamaCppSpeculative:
-    """A peer: llama.cpp's speculative decoding at the fastest of `CANDIDATES[name]` on the first prompts."""
+class ServerPeer:
+    """A peer: llama.cpp's decoding through llama-server at the fastest of `CANDIDATES[name]` on the first prompts."""
 
     def __init__(self, name: str, oracle_dir, draft_dir, sampling: Sampling, eos_id: int, dtype: str, threads: int,
                  context: int):
@@ -127,10 +137,13 @@ class LlamaCppSpeculative:
             self.models["draft"] = Path(self.folder.name) / "draft.gguf"
             write_gguf(draft_dir, self.models["draft"], dtype)
         self.name, self.sampling, self.eos_id, self.threads, self.context = name, sampling, eos_id, threads, context
-        self.flags = CANDIDATES[name][0]
+        self.flags, self.peak_rss = CANDIDATES[name][0], None
 
-    def choose(self, prompts: list[Prompt], max_new_tokens: int) -> str:
-        """Runs each candidate setting on `prompts` and keeps the fastest; what was measured, in a line."""
+    def choose(self, prompts: list[Prompt], max_new_tokens: int) -> str | None:
+        """Runs each candidate setting on `prompts` and keeps the fastest; what was measured, in a line (None: one
+        setting, nothing to choose)."""
+        if len(CANDIDATES[self.name]) == 1:
+            return None
         timed = []
         for flags in CANDIDATES[self.name]:
             self.start(flags)
@@ -181,6 +194,7 @@ class LlamaCppSpeculative:
 
     def close(self) -> None:
         if self.server is not None:
+            self.peak_rss = max(self.peak_rss or 0.0, self.server.peak_rss_mb() or 0.0) or None
             self.server.close()
             self.server = None
 

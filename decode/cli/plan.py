@@ -19,7 +19,9 @@ measure its own costs inside a decoding loop (a policy those costs make best is 
 policies measured, the one with the least predicted ms per token is written to the run's plan, which
 decode.run and decode.bench then use at the same setting.
 --project-oracle repeats the choice with the forward costs of a larger oracle shape measured
-here on random weights: a projection, not a measurement.
+here on random weights, and --project-draft with a larger draft's too (its forwards priced at that shape's costs):
+a projection, not a measurement. The acceptance, the drafting's bookkeeping and the loop's costs are the trained
+pair's, borrowed.
 """
 import argparse
 import math
@@ -46,7 +48,7 @@ from decode.models.loading import load_draft, load_trigram
 from decode.options import MIN_DRAFT_VOCAB
 from decode.planning import costs, replay, shapes
 from decode.planning.search import (RANKS, base_dtype, best, forecast, measured_forecast, replay_policies,
-                                    with_tree_shapes)
+                                    variant_name, with_tree_shapes)
 from decode.planning.plan_file import PLAN_VERSION, describe, identity, plan_name, save_plan
 from decode.sampling import Sampling
 
@@ -77,6 +79,8 @@ def parse(argv):
     p.add_argument("--max-depth", type=int, default=8, help="the deepest tree level considered")
     p.add_argument("--project-oracle", help="also forecast for an oracle of this shape: gpt2, gpt2-medium, gpt2-large, "
                                             "gpt2-xl or n_layer,n_embd,vocab (costs measured here on random weights)")
+    p.add_argument("--project-draft", help="with --project-oracle, price the draft's forwards at this shape's costs: "
+                                           "draft-40m (the paper preset's draft, 4 x 512) or n_layer,n_embd,vocab")
     p.add_argument("--draft-vocab", type=shortlists, metavar="N[,N...]",
                    help="the draft shortlists (decode.run --draft-vocab) each method's best policy is replayed with, "
                         "besides the whole vocabulary; the plan keeps the fastest (default: the largest power of two up to "
@@ -93,8 +97,12 @@ def parse(argv):
     if known.out is None and settings.run is None:
         p.error("pass --out PATH (or --run RUN for the run's plan)")
     known.out = known.out or settings.run / plan_name(settings.sampling)
-    if known.project_oracle:
-        costs.projection_shape(known.project_oracle)  # a bad shape fails now, not after the calibration
+    if known.project_draft and not known.project_oracle:
+        p.error("--project-draft prices a projected oracle's drafter: give --project-oracle too")
+    if known.project_oracle:  # a bad shape fails now, not after the calibration
+        costs.projection_shape(known.project_oracle)
+    if known.project_draft:
+        costs.projection_shape(known.project_draft, "--project-draft")
     return known, settings
 
 
@@ -253,16 +261,35 @@ def print_forecast(title: str, predicted: dict) -> None:
               + describe(p.get("policy", {})))
 
 
-def projected_costs(spec: str, options, sequences, max_budget: int) -> dict:
-    """The forward costs of an oracle of shape `spec` measured here on random weights: its ms per node count, the
-    baseline's costs under them, and the shape."""
-    n_layer, n_embd, vocab = costs.projection_shape(spec)
-    big_costs = timing.forward_costs(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device), repeats=5)
+def context_curves(model: CachedLM, largest: int) -> tuple[costs.ContextCosts, dict[int, float]]:
+    """A model's ms per forward of q = 0 .. largest nodes after each of the planning's cached lengths
+    (costs.context_lengths), measured now; and its table after the first of them."""
+    tables = {cached: timing.forward_costs(model, prefix=cached, repeats=5)
+              for cached in costs.context_lengths(model.max_length)}
+    return costs.ContextCosts({c: costs.cost_curve(t, largest) for c, t in tables.items()}), next(iter(tables.values()))
+
+
+def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[tuple[int, str]], options, sequences,
+                    max_budget: int) -> dict:
+    """The forward costs of an oracle of shape `oracle_spec` measured here on random weights: its ms per node count,
+    the baseline's costs under them, and the shape; with `draft_spec`, a draft of that shape's ms per forward for
+    each of the plan's drafts (`draft_keys`: shortlist size, dtype)."""
+    n_layer, n_embd, vocab = costs.projection_shape(oracle_spec)
     prompt_length = round(sum(len(p) for p, _ in sequences) / len(sequences))
-    big_ms = costs.cost_curve(big_costs, max(2 * max_budget, prompt_length))
-    return {"ms": costs.ContextCosts.flat(big_ms),
-            "baseline": {"prefill": float(big_ms[prompt_length]), "one_token": big_costs[1], "loop": 0.0},
-            "oracle": spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs}
+    big_ms, big_costs = context_curves(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device),
+                                       max(2 * max_budget, prompt_length))
+    projected = {"ms": big_ms, "baseline": {"prefill": float(big_ms.at([prompt_length], [0])[0]),
+                                            "one_token": big_costs[1], "loop": 0.0},
+                 "oracle": oracle_spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs, "draft_ms": None}
+    if draft_spec:
+        shape = costs.projection_shape(draft_spec, "--project-draft")
+        models = {(n, dtype): costs.random_gpt2(*shape, dtype, options.device, shortlist=n) for n, dtype in draft_keys}
+        # a prompt's first draft call reads all of it
+        curves = {key: context_curves(model, model.max_length + 2 * max_budget) for key, model in models.items()}
+        projected |= {"draft": draft_spec, "draft_shape": list(shape),
+                      "draft_ms": {key: ms for key, (ms, _) in curves.items()},
+                      "draft_one_row_ms": {f"{variant_name(*key)}": table[1] for key, (_, table) in curves.items()}}
+    return projected
 
 
 @exits_on_input_error
@@ -289,9 +316,11 @@ def main(argv=None) -> dict:
                                   known.max_depth)
     sampled = None if settings.sampling.greedy else sampled_acceptance(decoder, prompts, settings, known.max_depth)
     # the projection is measured first: the finalists include the best policies for it
-    projection = known.project_oracle and projected_costs(known.project_oracle, options, sequences, known.max_budget)
-    oracle_curves = [(isolated_ms, {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0})]
-    oracle_curves += [(projection["ms"], projection["baseline"])] if projection else []
+    projection = known.project_oracle and projected_costs(known.project_oracle, known.project_draft,
+                                                          [(0, base_dtype(options)), *drafts], options, sequences,
+                                                          known.max_budget)
+    oracle_curves = [(isolated_ms, {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0}, None)]
+    oracle_curves += [(projection["ms"], projection["baseline"], projection["draft_ms"])] if projection else []
     replays = replay_policies(options, draft, table, p_draft, replayer(decoder, prompts, sequences, settings),
                               len(prompts), oracle_curves, drafts, settings.sampling, known.screen, known.max_budget,
                               known.max_depth)
@@ -319,14 +348,29 @@ def main(argv=None) -> dict:
 
 
 def project(projection: dict, replays: dict, in_loop: dict, baseline: dict) -> dict:
-    """The best policies under a projected oracle's costs, printed; the plan's record of them."""
+    """The best policies under a projected oracle's (and draft's) costs, printed with what was measured and what
+    borrowed; the plan's record of them."""
     own_costs = {method: {**f, "oracle": 1.0} for method, f in in_loop.items()}  # measured on this oracle only
-    projected = best(forecast(replays, projection["ms"], {**projection["baseline"], "loop": baseline["loop"]}, own_costs))
+    projected = best(forecast(replays, projection["ms"], {**projection["baseline"], "loop": baseline["loop"]}, own_costs,
+                              draft_ms=projection["draft_ms"]))
     n_layer, n_embd, vocab = projection["shape"]
+    draft = "these drafters"
+    sources = {"measured here, on random weights": [f"the {projection['oracle']} oracle's forward costs"],
+               "borrowed from the trained pair": ["the acceptance (tokens per call)", "the drafting's bookkeeping",
+                                                  "the decoding loop's costs"]}
+    if "draft" in projection:
+        d_layer, d_embd, d_vocab = projection["draft_shape"]
+        draft = f"a {projection['draft']} draft ({d_layer} x {d_embd}, vocabulary {d_vocab})"
+        sources["measured here, on random weights"].append(f"the {projection['draft']} draft's forward costs")
+    else:
+        sources["borrowed from the trained pair"].append("the draft's forward costs")
     print_forecast(f"PROJECTION (not a measurement) for a {projection['oracle']} oracle ({n_layer} layers x {n_embd}, "
-                   f"vocabulary {vocab}; q=1 forward {projection['oracle_ms'][1]:.1f} ms here) with these drafters' "
-                   f"acceptance:", projected)
-    return {key: projection[key] for key in ("oracle", "shape", "oracle_ms")} | {"predicted": projected}
+                   f"vocabulary {vocab}; q=1 forward {projection['oracle_ms'][1]:.1f} ms here) with {draft} and these "
+                   f"drafters' acceptance:", projected)
+    for source, parts in sources.items():
+        print(f"  {source}: {', '.join(parts)}")
+    kept = ("oracle", "shape", "oracle_ms", "draft", "draft_shape", "draft_one_row_ms")
+    return {key: projection[key] for key in kept if key in projection} | {"sources": sources, "predicted": projected}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from decode.errors import InputError
-from decode.models.cached_lm import CachedLM
+from decode.models.cached_lm import CachedLM, Shortlist
 from decode.timing import CACHE_DIR, NODE_COUNTS, by_count, cache_key, forward_costs, kept
 
 
@@ -91,8 +91,9 @@ def cost_curve(costs: dict[int, float], largest: int) -> torch.Tensor:
     return torch.tensor(curve)
 
 
+# GPT-2's sizes, and the paper preset's distilled draft (4 x 512 over GPT-2's vocabulary: 38M parameters)
 PROJECTIONS = {"gpt2": (12, 768, 50257), "gpt2-medium": (24, 1024, 50257), "gpt2-large": (36, 1280, 50257),
-               "gpt2-xl": (48, 1600, 50257)}
+               "gpt2-xl": (48, 1600, 50257), "draft-40m": (4, 512, 50257)}
 
 
 def projection_shape(spec: str, flag: str = "--project-oracle") -> tuple[int, int, int]:
@@ -110,9 +111,10 @@ def projection_shape(spec: str, flag: str = "--project-oracle") -> tuple[int, in
 
 
 def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: str, n_positions: int = 1024,
-                cuda_graphs: bool = False, native_blocks: bool = True):
+                cuda_graphs: bool = False, native_blocks: bool = True, shortlist: int = 0):
     """A GPT-2 of this shape with random weights (64-wide heads): its forward costs what a trained
-    one's does. With `native_blocks`, a forward of up to native.Blocks.ROWS rows runs as the C++ call where it can."""
+    one's does. With `native_blocks`, a forward of up to native.Blocks.ROWS rows runs as the C++ call where it can;
+    with a `shortlist`, its output layer covers that many tokens (decode.run --draft-vocab)."""
     from decode.models.engine import GPT2Engine
 
     e = n_embd
@@ -126,4 +128,6 @@ def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: 
             "attn.c_proj.bias": (e,), "mlp.c_fc.weight": (e, 4 * e), "mlp.c_fc.bias": (4 * e,),
             "mlp.c_proj.weight": (4 * e, e), "mlp.c_proj.bias": (e,)}.items()}
     weights = {name: 0.02 * torch.randn(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
-    return GPT2Engine.build(config, weights, dtype, device, cuda_graphs=cuda_graphs, native_blocks=native_blocks)
+    tokens = Shortlist(torch.arange(shortlist), vocab_size) if shortlist else None
+    return GPT2Engine.build(config, weights, dtype, device, cuda_graphs=cuda_graphs, native_blocks=native_blocks,
+                            shortlist=tokens)

@@ -6,10 +6,11 @@ tokens it would have accepted are counted, step by step, as decoding would.
                  drafting time per step (measured here) and the oracle's batch per step
     sampled      the same figures when sampling, whose acceptance is random: from decoding for real
     predict      tokens per call, ms per token and speedup, from a replay and the oracle's forward
-                 costs (its own, or a larger shape's for a projection), with the speedup's interval over the
-                 calibration prompts (`interval`)
+                 costs (its own, or a larger shape's for a projection; the draft's forwards too can be priced
+                 at a larger shape's costs), with the speedup's interval over the calibration prompts (`interval`)
 """
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,7 @@ from decode.drafting import Drafter
 from decode.loop import Hooks
 from decode.planning.costs import ContextCosts
 from decode.sampling import Sampling
+from decode.tensors import synchronize
 
 GREEDY = Sampling()
 
@@ -37,6 +39,8 @@ class Replay:
     cached: list[int] = field(default_factory=list)  # the oracle's cached positions before each step's forward
     step_prompts: list[int] = field(default_factory=list)  # the prompt of each step (its index)
     prompt_tokens: list[int] = field(default_factory=list)  # the tokens of each prompt's output
+    draft_forwards: list[tuple[int, int]] = field(default_factory=list)  # each draft forward's (rows, cached positions)
+    draft_seconds: float = 0.0  # the part of drafting_seconds spent in the draft model's forwards
 
     def accepted_by_depth(self, depth: int) -> list[float]:
         """Share of steps that accept at least d drafted tokens, d = 1 .. depth."""
@@ -44,38 +48,87 @@ class Replay:
         return [float((a >= d).mean()) for d in range(1, depth + 1)]
 
 
+class RecordedDraft:
+    """A draft model whose forwards are recorded into a Replay: the rows and cached positions of each, and the time
+    they take (the device synchronised), so that a projection can price them at another model's costs."""
+
+    def __init__(self, model, out: Replay):
+        self.model, self.out = model, out
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def timed(self, run, rows: list[int]):
+        cached = self.model.length + self.model.pending
+        synchronize(self.model.device)
+        start = time.perf_counter()
+        result = run()
+        synchronize(self.model.device)
+        self.out.draft_seconds += time.perf_counter() - start
+        self.out.draft_forwards += [(n, cached + sum(rows[:i])) for i, n in enumerate(rows)]
+        return result
+
+    def forward(self, token_ids, position_ids, mask, last=None):
+        return self.timed(lambda: self.model.forward(token_ids, position_ids, mask, last), [len(token_ids)])
+
+    def chain(self, token_ids, position_ids, steps: int, sampling, uniforms, mapping=dict):
+        """One call, `steps` forwards: the first over the new tokens, each later one over one token."""
+        return self.timed(lambda: self.model.chain(token_ids, position_ids, steps, sampling, uniforms, mapping),
+                          [len(token_ids)] + [1] * (steps - 1))
+
+
+@contextmanager
+def recording(drafter: Drafter, out: Replay):
+    """While in the block, the forwards of the drafter's draft model (if it has one) are recorded into `out`."""
+    cache = getattr(drafter, "draft", None)
+    if cache is None:
+        yield
+        return
+    model, cache.model = cache.model, RecordedDraft(cache.model, out)
+    try:
+        yield
+    finally:
+        cache.model = model
+
+
 def replay(drafter: Drafter, sequences: list[tuple[list[int], list[int]]]) -> Replay:
     """Decode each (prompt, continuation) as greedy speculative decoding would, with the oracle's
     answer taken from the continuation: the accepted path is the longest branch that spells it. The
     drafter starts as a new decoder's does, with no trigram trees remembered."""
-    drafter.forget()
     out = Replay()
-    for prompt, continuation in sequences:
-        drafter.reset()
-        tokens, done = list(prompt), 0
-        while done < len(continuation):
-            start = time.perf_counter()
-            tree = drafter.propose(tokens, len(continuation) - done - 1, GREEDY, None)
-            path = [0]
-            while done + len(path) < len(continuation):
-                want = continuation[done + len(path) - 1]
-                child = next((c for c in tree.children[path[-1]] if tree.tokens[c] == want), None)
-                if child is None:
-                    break
-                path.append(child)
-            drafter.accept(path)
-            out.drafting_seconds += time.perf_counter() - start
-            tokens += continuation[done : done + len(path)]  # the accepted nodes and the oracle's next token
-            done += len(path)
-            out.steps += 1
-            out.nodes.append(len(tree))
-            out.cached.append(len(tokens) - len(path) - 1)  # the oracle had seen all but the step's root
-            out.accepted.append(len(path) - 1)
-            out.step_prompts.append(out.prompts)
-        out.tokens += len(continuation)
-        out.prompt_tokens.append(len(continuation))
-        out.prompts += 1
+    with recording(drafter, out):
+        drafter.forget()
+        for prompt, continuation in sequences:
+            replay_prompt(drafter, prompt, continuation, out)
     return out
+
+
+def replay_prompt(drafter: Drafter, prompt: list[int], continuation: list[int], out: Replay) -> None:
+    """`replay` on one prompt, its steps added to `out`."""
+    drafter.reset()
+    tokens, done = list(prompt), 0
+    while done < len(continuation):
+        start = time.perf_counter()
+        tree = drafter.propose(tokens, len(continuation) - done - 1, GREEDY, None)
+        path = [0]
+        while done + len(path) < len(continuation):
+            want = continuation[done + len(path) - 1]
+            child = next((c for c in tree.children[path[-1]] if tree.tokens[c] == want), None)
+            if child is None:
+                break
+            path.append(child)
+        drafter.accept(path)
+        out.drafting_seconds += time.perf_counter() - start
+        tokens += continuation[done : done + len(path)]  # the accepted nodes and the oracle's next token
+        done += len(path)
+        out.steps += 1
+        out.nodes.append(len(tree))
+        out.cached.append(len(tokens) - len(path) - 1)  # the oracle had seen all but the step's root
+        out.accepted.append(len(path) - 1)
+        out.step_prompts.append(out.prompts)
+    out.tokens += len(continuation)
+    out.prompt_tokens.append(len(continuation))
+    out.prompts += 1
 
 
 class Recorded:
@@ -97,35 +150,40 @@ def sampled(drafter: Drafter, oracle, prompts: list, max_new_tokens: int, sampli
     """What a drafter does when sampling, from decoding each prompt (a healed Prompt) for real: prompt i draws with
     seed + i, as decode.bench does. Sampled acceptance is random, so no replay along one output stands for it; the
     oracle's forwards are counted here, and costed by `predict` as a replay's are."""
-    drafter.forget()
     out = Replay()
     hooks = Hooks(on_forward=lambda nodes, cached, seconds: cached and (out.nodes.append(nodes), out.cached.append(cached),
                                                                         out.step_prompts.append(out.prompts)),
                   on_propose=lambda seconds: setattr(out, "drafting_seconds", out.drafting_seconds + seconds),
                   device=oracle.device)
     recorded = Recorded(drafter, out.accepted)
-    for i, prompt in enumerate(prompts):
-        generator = torch.Generator(oracle.device).manual_seed(seed + i)
-        generation = loop.tree_speculative(oracle, prompt.ids, max_new_tokens, sampling, eos_id, generator=generator,
-                                           drafter=recorded, allowed=prompt.allowed, hooks=hooks)
-        out.tokens += len(generation.tokens)
-        out.prompt_tokens.append(len(generation.tokens))
-        out.prompts += 1
+    with recording(drafter, out):
+        drafter.forget()
+        for i, prompt in enumerate(prompts):
+            generator = torch.Generator(oracle.device).manual_seed(seed + i)
+            generation = loop.tree_speculative(oracle, prompt.ids, max_new_tokens, sampling, eos_id, generator=generator,
+                                               drafter=recorded, allowed=prompt.allowed, hooks=hooks)
+            out.tokens += len(generation.tokens)
+            out.prompt_tokens.append(len(generation.tokens))
+            out.prompts += 1
     out.steps = len(out.nodes)
     return out
 
 
 def predict(replayed: Replay, oracle_ms: ContextCosts, loop_ms: float, prefill_ms: float,
-            drafting_factor: float = 1.0) -> dict:
+            drafting_factor: float = 1.0, draft_ms: ContextCosts | None = None) -> dict:
     """Tokens per oracle call and ms per token: per prompt, the prefill (`prefill_ms`: one oracle call
     over the prompt, which yields no token when a tree follows); per step, the oracle's forward over
     the tree (`oracle_ms`, measured for q nodes after several cached lengths: priced at the step's own), the drafting measured in the replay (times
     `drafting_factor`: in a decoding loop the oracle's forwards evict the draft from the caches) and
-    the rest of the loop (`loop_ms`, measured). `prompt_ms`: the same time, prompt by prompt (the drafting
-    shared by steps)."""
+    the rest of the loop (`loop_ms`, measured). With `draft_ms` (another draft's ms per forward of q rows after c
+    cached positions), the draft's recorded forwards are priced at it instead of their measured time. `prompt_ms`:
+    the same time, prompt by prompt (the drafting shared by steps)."""
     step_ms = oracle_ms.at(replayed.nodes, replayed.cached).numpy()
     oracle = float(step_ms.sum())
     drafting = 1e3 * replayed.drafting_seconds * drafting_factor
+    if draft_ms is not None and replayed.draft_forwards:
+        priced = float(draft_ms.at(*zip(*replayed.draft_forwards)).sum())
+        drafting += priced - 1e3 * replayed.draft_seconds * drafting_factor
     total = prefill_ms * replayed.prompts + oracle + drafting + loop_ms * replayed.steps
     per_step = step_ms + (drafting / max(replayed.steps, 1) + loop_ms)
     prompt_ms = prefill_ms + np.bincount(replayed.step_prompts, per_step, minlength=replayed.prompts)
@@ -144,6 +202,14 @@ def interval(baseline_ms: np.ndarray, method_ms: np.ndarray, share: float = 0.9,
     return [float(v) for v in np.quantile(speedups, [(1 - share) / 2, (1 + share) / 2])]
 
 
+def draft_costs(draft_ms: dict | None, policy: dict) -> ContextCosts | None:
+    """A projected draft's costs for this policy's draft: `draft_ms` is keyed by (shortlist size, dtype), as the
+    policy's draft_vocab and draft_dtype say (None: the policy has no draft model, or nothing is projected)."""
+    if draft_ms is None or "draft_vocab" not in policy:
+        return None
+    return draft_ms[policy["draft_vocab"] or 0, policy["draft_dtype"]]
+
+
 def baseline_prompt_ms(replayed: Replay, baseline: dict) -> np.ndarray:
     """The baseline's time on each prompt of a replay, from its costs (`baseline`: prefill, one_token and loop ms):
     the prefill yields the first token, one forward each yields the others."""
@@ -152,12 +218,13 @@ def baseline_prompt_ms(replayed: Replay, baseline: dict) -> np.ndarray:
 
 
 def ranked(candidates: list[dict], oracle_ms: ContextCosts, loop_ms: float, prefill_ms: float, baseline_ms: float,
-           drafting_factor: float = 1.0, baseline: dict | None = None) -> list[dict]:
+           drafting_factor: float = 1.0, baseline: dict | None = None, draft_ms: dict | None = None) -> list[dict]:
     """The candidate policies with their predictions, least predicted ms per token first; with the baseline's costs
-    (`baseline_prompt_ms`), each speedup's interval over the calibration prompts (`interval`)."""
+    (`baseline_prompt_ms`), each speedup's interval over the calibration prompts (`interval`). With `draft_ms`, the
+    draft's forwards of each policy priced at the costs it holds for the policy's draft (`draft_costs`)."""
     out = []
     for c in candidates:
-        p = predict(c["replay"], oracle_ms, loop_ms, prefill_ms, drafting_factor)
+        p = predict(c["replay"], oracle_ms, loop_ms, prefill_ms, drafting_factor, draft_costs(draft_ms, c["policy"]))
         prompt_ms = p.pop("prompt_ms")
         spread = {} if baseline is None else {
             "speedup_interval": interval(baseline_prompt_ms(c["replay"], baseline), prompt_ms)}

@@ -108,12 +108,12 @@ def replay_policies(options, draft, table, p_draft, run_replay: Callable, prompt
 
 def leaders(replays: dict, keep: int, oracle_curves: list[tuple]) -> list[tuple[str, dict, object]]:
     """(method, policy, drafter) for each method's `keep` best policies of `replays` under each of
-    `oracle_curves` (the oracle's ms per node count, and the baseline's costs), with drafting and
-    the loop as measured outside a decoding loop."""
+    `oracle_curves` (the oracle's ms per node count, the baseline's costs, and a projected draft's costs or None),
+    with drafting and the loop as measured outside a decoding loop."""
     plain = {method: {"oracle": 1.0, "drafting": 1.0, "loop_ms": 0.0} for method in replays}
     return [(method, c["policy"], c["drafter"]) for method, group in replays.items()
-            for c in unique_best(group, [forecast({method: group}, ms, baseline, plain, keep) for ms, baseline in oracle_curves],
-                                 method)]
+            for c in unique_best(group, [forecast({method: group}, ms, baseline, plain, keep, draft_ms)
+                                         for ms, baseline, draft_ms in oracle_curves], method)]
 
 
 def unique_best(group: list[dict], forecasts: list[dict], method: str) -> list[dict]:
@@ -122,12 +122,13 @@ def unique_best(group: list[dict], forecasts: list[dict], method: str) -> list[d
     return [c for c in group if c["policy"] in wanted]
 
 
-def forecast(replays: dict, oracle_ms: ContextCosts, baseline: dict, in_loop: dict, keep: int = 1) -> dict:
+def forecast(replays: dict, oracle_ms: ContextCosts, baseline: dict, in_loop: dict, keep: int = 1,
+             draft_ms: dict | None = None) -> dict:
     """Per method, its `keep` best policies with their predictions under these oracle costs, best
     first: a tree step of q nodes costs oracle_ms's price of it times the method's in-loop factor, plus its
     drafting (times its factor) and loop (`in_loop[method]`); the baseline's prefill, one-token
     forward and loop are `baseline`'s (its first call per prompt is the prefill, which yields the
-    first token)."""
+    first token). With `draft_ms` (replay.draft_costs), the draft's forwards are priced at a projected draft's."""
     any_replay = next(iter(replays.values()))[0]["replay"]
     prompts, tokens = any_replay.prompts, any_replay.tokens
     baseline_ms = (prompts * baseline["prefill"] + (tokens - prompts) * baseline["one_token"]
@@ -136,7 +137,7 @@ def forecast(replays: dict, oracle_ms: ContextCosts, baseline: dict, in_loop: di
     for method, group in replays.items():
         f = in_loop[method]
         predicted[method] = replay.ranked(group, f["oracle"] * oracle_ms, f["loop_ms"], baseline["prefill"],
-                                            baseline_ms, f["drafting"], baseline)[:keep]
+                                            baseline_ms, f["drafting"], baseline, draft_ms)[:keep]
     return predicted
 
 
