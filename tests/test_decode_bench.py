@@ -343,8 +343,9 @@ def test_llamacpps_speculation_without_its_server_is_skipped_in_a_line_and_refus
 
 @pytest.mark.processes
 def test_llamacpps_own_speculation_decodes_the_baselines_tokens(bpe_run, tmp_path, capsys):
-    """llama.cpp's draft-model and n-gram speculation through llama-server, each at the setting that ran fastest
-    on the first prompts (said in a line), give the baseline's greedy tokens, healed prompts included."""
+    """llama.cpp's plain decoding, draft-model and n-gram speculation through llama-server, each speculation at the
+    setting that ran fastest on the first prompts (said in a line), give the baseline's greedy tokens, healed prompts
+    included; each server's peak resident memory is reported beside this process's."""
     if llama_server.server_binary() is None:
         pytest.skip(f"no llama-server here: {llama_server.missing_reason()}")
     result = bench.main(["--run", str(bpe_run["run"]), "--prompts", str(bpe_run["prompts"]), "--limit", "4",
@@ -355,6 +356,8 @@ def test_llamacpps_own_speculation_decodes_the_baselines_tokens(bpe_run, tmp_pat
         same = result["summary"][name]["same_output"]
         assert same["identical"] + len(same["near_ties"]) == 4 and not same["differences"], (name, same)
         flags = result["settings"]["llamacpp_flags"][name]
-        assert f"{name}: {flags} (fastest on" in printed
         assert flags in {" ".join(f) for f in llama_server.CANDIDATES[name]}
+        assert (f"{name}: {flags} (fastest on" in printed) == (len(llama_server.CANDIDATES[name]) > 1)
+        assert result["summary"][name]["peak_rss_mb"] > 0 and f"{name}'s server" in printed
+    assert result["settings"]["peak_rss_mb"] > 0 and "peak resident memory: this process" in printed
 

@@ -12,9 +12,10 @@ generate on the oracle), `hf-assisted` (generate with the draft as assistant mod
 (generate with prompt lookup, `--lookup-tokens` per draft), and llama.cpp on the oracle exported to
 GGUF in the run's dtype, on as many threads as ours: `llamacpp` (plain) and `llamacpp-lookup` (its
 prompt-lookup draft), skipped with a note without llama-cpp-python (pip install -e ".[llamacpp]"); and
-llama.cpp's own speculation through its llama-server binary (on PATH, or LLAMA_SERVER): `llamacpp-draft` (its
-draft-model speculation with our draft, at the --spec-draft-n-max that ran fastest on the first prompts) and
-`llamacpp-ngram` (the fastest of its n-gram drafters), skipped with a note without the binary.
+llama.cpp through its llama-server binary (on PATH, or LLAMA_SERVER): `llamacpp-server` (its plain decoding),
+`llamacpp-draft` (its draft-model speculation with our draft, at the --spec-draft-n-max that ran fastest on the first
+prompts) and `llamacpp-ngram` (the fastest of its n-gram drafters), skipped with a note without the binary. The
+peak resident memory of this process and of each llama-server is printed and kept in the JSON.
 `lookup` is ours: the same idea as a drafter.
 With the run's plan for the sampling setting (python -m decode.plan, with the same --temperature,
 --top-k and --top-p) every method of ours runs its planned policy and the table puts the plan's
@@ -234,7 +235,7 @@ def parse(argv) -> tuple[argparse.Namespace, list[str], Settings]:
                                 epilog="Every other flag is decode.run's (--run, --prompts, --limit, --max-new-tokens, "
                                        "--temperature, --top-k, --budget, --widths, --dtype, ...).")
     p.add_argument("--methods", help=f"comma-separated, from {', '.join(OURS + PEERS)} (default: all; the llama.cpp peers "
-                                     f"where llama-cpp-python is installed)")
+                                     f"where llama-cpp-python or llama-server is found)")
     p.add_argument("--out", type=Path, help="write the figures and per-prompt records as JSON here")
     p.add_argument("--plot", type=Path, help="write the per-prompt speedup distribution per method here (.png, .svg)")
     p.add_argument("--overwrite", action="store_true", help="replace existing --out and --plot files")
