@@ -27,6 +27,7 @@ class Kind:
 
 
 FILE = Kind("file")
+MODEL = Kind("model directory", "config.json")  # a save_pretrained directory
 
 
 

@@ -76,3 +76,38 @@ def test_bench_without_llama_cpp_skips_its_peers_with_a_line_or_refuses_them_whe
     assert not set(names) & set(peers.LLAMACPP_PEERS)
     skipped = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipping llamacpp, ")]
     assert skipped == [f"skipping llamacpp, llamacpp-lookup: {peers.LLAMACPP_MISSING}"]
+
+
+def test_a_shaped_checkpoint_has_the_shape_and_the_tokenizers_vocabulary_decodes_and_refuses_what_it_did_not_write(
+        bpe_run, tmp_path, capsys):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from decode.cli import shaped
+    from decode.models.engine import GPT2Engine
+
+    out = shaped.main(["--shape", "2,128,50257", "--tokenizer", str(bpe_run["run"] / "tokenizer"),
+                       "--out", str(tmp_path / "shaped"), "--dtype", "float32"])
+    config = AutoConfig.from_pretrained(out)
+    vocab = len(bpe_run["tokenizer"])
+    assert (config.n_layer, config.n_embd, config.n_head, config.vocab_size) == (2, 128, 2, vocab)
+    assert config.random_weights and "Its tokens are noise" in (out / "README.md").read_text()
+    assert "vocabulary %d (the tokenizer's)" % vocab in capsys.readouterr().out
+    ours = SpeculativeDecoder.from_run(None, oracle=out, method="baseline", dtype="float32", token_healing=False)
+    ids = ours.tokenizer(PROMPTS[0], add_special_tokens=False).input_ids
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()  # the same weights as transformers reads them
+    assert ours.generate(PROMPTS[0], max_new_tokens=8).token_ids == hf.generate(
+        torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert GPT2Engine.load(out).vocab_size == vocab
+    for bad in (["--shape", "gpt2-huge"], ["--shape", "2,100,50"]):
+        with pytest.raises(SystemExit) as refused:
+            shaped.main(bad + ["--tokenizer", str(bpe_run["run"] / "tokenizer"), "--out", str(tmp_path / "x")])
+        assert refused.value.code == 2 and "--shape" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("keep")
+    with pytest.raises(SystemExit) as refused:
+        shaped.main(["--shape", "2,128,5", "--tokenizer", str(bpe_run["run"] / "tokenizer"), "--out", str(tmp_path / "notes")])
+    assert refused.value.code == 2 and (tmp_path / "notes" / "mine.txt").read_text() == "keep"
+    with pytest.raises(SystemExit) as refused:
+        shaped.main(["--shape", "2,128,5", "--tokenizer", str(bpe_run["run"] / "tokenizer"), "--out", str(out)])
+    assert refused.value.code == 2 and "--overwrite" in capsys.readouterr().err

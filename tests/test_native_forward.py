@@ -59,8 +59,8 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
     monkeypatch.setattr(in_cpp, "blocks", lambda *args: rows.append(len(args[0])) or inner(*args))
     rng = random.Random(0)
     tree = random_tree(rng, 15, 97)
-    forwards = [  # a prompt past the C++ call's rows (torch's), one within them, a tree under a mask, a chain after
-        # the commit, one node
+    forwards = [  # a prompt past the C++ call's rows (in calls of its rows), one within them, a tree under a mask, a
+        # chain after the commit, one node
         lambda m: m.extend(torch.tensor([rng.randrange(97) for _ in range(native.Blocks.ROWS + 8)]), last=5),
         lambda m: m.extend(torch.tensor([rng.randrange(97) for _ in range(20)]), last=5),
         lambda m: m.forward(tree.tokens, tree.positions(m.length), tree.mask()),
@@ -87,7 +87,7 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
         assert ((in_cpp.kv_cache[..., :slots, :].float() - exact_cache).abs().max()
                 <= 2 * (cached - exact_cache).abs().max() + slack * exact_cache.abs().max())
     assert sum(agree) >= (0.9 if dtype == "bfloat16" else 1.0) * len(agree)
-    assert rows == [20, 15, 3, 1]  # every forward but the long prompt's took the C++ call
+    assert rows == [native.Blocks.ROWS, 8, 20, 15, 3, 1]  # every forward took the C++ call, the long prompt two
     with pytest.raises(IndexError, match="out of range"):  # as torch's embedding refuses them, not a read past wte
         in_cpp.forward(torch.tensor([97]), torch.tensor([in_cpp.length]), None)
 
@@ -138,6 +138,23 @@ def test_a_rows_logits_in_cpp_are_the_same_bits_alone_and_anywhere_in_a_call_of_
             logits = engine.forward(tokens, [engine.length] * q, torch.eye(q, dtype=torch.bool))
             engine.commit([])
             assert torch.equal(logits[at], alone), f"row {at} of {q}"
+
+
+@pytest.mark.parametrize("dtype, tiles", DTYPES_AND_PRODUCTS)
+def test_a_prompt_longer_than_a_cpp_call_is_read_in_calls_that_give_each_row_the_bits_it_gets_alone(built, tmp_path,
+                                                                                                 dtype, tiles):
+    engine = engine_in_cpp(tiny_gpt2(tmp_path / "model", seed=3), dtype, tiles)
+    prompt = torch.randint(0, 97, (native.Blocks.ROWS + 50,), generator=torch.Generator().manual_seed(1))
+    blocks, calls = engine.blocks, []
+    engine.blocks = lambda ids, *rest: calls.append(len(ids)) or blocks(ids, *rest)
+    together = engine.extend(prompt)
+    assert calls == [native.Blocks.ROWS, 50]
+    engine.blocks = blocks
+    engine.reset()
+    assert torch.equal(engine.extend(prompt, last=60), together[-60:])  # rows of both calls
+    engine.reset()
+    for i, token in enumerate(prompt.tolist()):
+        assert torch.equal(engine.extend(torch.tensor([token]))[0], together[i]), f"row {i}"
 
 
 def test_the_near_tie_checker_replays_a_cpp_forward_in_torch_too(blocks_here, tmp_path):

@@ -8,12 +8,11 @@ from typing import Callable
 
 import numpy as np
 
-from decode.atomic import Kind, atomic_output, check_output as check_output_path
+from decode.atomic import MODEL, Kind, atomic_output, check_output as check_output_path
 from decode.errors import InputError, first_line
 from train.presets import TrainArgs
 
 CHECKPOINT_PREFIX = "step-"
-MODEL = Kind("model directory", "config.json")
 WORK_DIR = Kind("training work directory", "args.json")
 CHECKPOINT_FILES = ("optimizer.bin", "custom_checkpoint_0.pkl")  # the optimizer's and the scheduler's state
 

@@ -110,13 +110,9 @@ def projection_shape(spec: str, flag: str = "--project-oracle") -> tuple[int, in
     return n_layer, n_embd, vocab
 
 
-def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: str, n_positions: int = 1024,
-                cuda_graphs: bool = False, native_blocks: bool = True, shortlist: int = 0):
-    """A GPT-2 of this shape with random weights (64-wide heads): its forward costs what a trained
-    one's does. With `native_blocks`, a forward of up to native.Blocks.ROWS rows runs as the C++ call where it can;
-    with a `shortlist`, its output layer covers that many tokens (decode.run --draft-vocab)."""
-    from decode.models.engine import GPT2Engine
-
+def random_weights(n_layer: int, n_embd: int, vocab_size: int, n_positions: int = 1024,
+                   dtype: torch.dtype = torch.bfloat16) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A GPT-2 config of this shape (64-wide heads) and random weights for it, named as in a checkpoint."""
     e = n_embd
     config = {"vocab_size": vocab_size, "n_positions": n_positions, "n_layer": n_layer, "n_head": e // 64,
               "n_embd": e, "layer_norm_epsilon": 1e-5}
@@ -127,7 +123,17 @@ def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: 
             "attn.c_attn.weight": (e, 3 * e), "attn.c_attn.bias": (3 * e,), "attn.c_proj.weight": (e, e),
             "attn.c_proj.bias": (e,), "mlp.c_fc.weight": (e, 4 * e), "mlp.c_fc.bias": (4 * e,),
             "mlp.c_proj.weight": (4 * e, e), "mlp.c_proj.bias": (e,)}.items()}
-    weights = {name: 0.02 * torch.randn(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+    return config, {name: 0.02 * torch.randn(shape, dtype=dtype) for name, shape in shapes.items()}
+
+
+def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: str, n_positions: int = 1024,
+                cuda_graphs: bool = False, native_blocks: bool = True, shortlist: int = 0):
+    """A GPT-2 of this shape with random weights (`random_weights`): its forward costs what a trained
+    one's does. With `native_blocks`, a forward of up to native.Blocks.ROWS rows runs as the C++ call where it can;
+    with a `shortlist`, its output layer covers that many tokens (decode.run --draft-vocab)."""
+    from decode.models.engine import GPT2Engine
+
+    config, weights = random_weights(n_layer, n_embd, vocab_size, n_positions)
     tokens = Shortlist(torch.arange(shortlist), vocab_size) if shortlist else None
     return GPT2Engine.build(config, weights, dtype, device, cuda_graphs=cuda_graphs, native_blocks=native_blocks,
                             shortlist=tokens)
