@@ -324,8 +324,9 @@ def main(argv=None) -> dict:
     if warning:
         print(warning)
     device = decoders["baseline"].oracle.device
+    in_process = [name for name in decoders if name in LLAMACPP_PEERS]
     print(f"peak resident memory: this process {process_peak_rss_mb():.0f} MiB (all of our methods' models together"
-          + (", and the GGUF export" if memory else "") + ")"
+          + (f", and {', '.join(in_process)}'s" if in_process else "") + ")"
           + "".join(f"; {name}'s server {mib:.0f} MiB" for name, mib in memory.items()))
     result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device, "machine": machine_name(device),
                            "date": datetime.date.today().isoformat(),

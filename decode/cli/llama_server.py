@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -19,7 +20,6 @@ from pathlib import Path
 from decode.errors import InputError
 from decode.healing import Prompt
 from decode.loop import Generation
-from decode.models.gguf_export import write_gguf
 from decode.sampling import Sampling
 
 SERVER_PEERS = ("llamacpp-server", "llamacpp-draft", "llamacpp-ngram")
@@ -124,6 +124,18 @@ def sampler(sampling: Sampling, temperature: str = "temperature") -> dict:
     return neutral | {temperature: sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p}
 
 
+def export_gguf(oracle_dir, draft_dir, folder: Path, dtype: str) -> dict[str, Path]:
+    """The oracle (and the draft) as GGUF files in `folder`, written by decode.export in a process of its own, so that
+    the export's reading of the weights does not count in the bench's own peak memory; by name."""
+    command = [sys.executable, "-m", "decode.export", "--oracle", str(oracle_dir), "--out", str(folder), "--dtype", dtype]
+    command += ["--draft", str(draft_dir)] if draft_dir is not None else []
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise InputError(f"the GGUF export for llama.cpp failed: {reason}")
+    return {name: folder / f"{name}.gguf" for name in ("oracle", "draft") if name == "oracle" or draft_dir is not None}
+
+
 class ServerPeer:
     """A peer: llama.cpp's decoding through llama-server at the fastest of `CANDIDATES[name]` on the first prompts."""
 
@@ -131,11 +143,8 @@ class ServerPeer:
                  context: int):
         self.server = None
         self.folder = tempfile.TemporaryDirectory(prefix="llamacpp-gguf-")  # removed with this object
-        self.models = {"oracle": Path(self.folder.name) / "oracle.gguf"}
-        write_gguf(oracle_dir, self.models["oracle"], dtype)
-        if name == "llamacpp-draft":
-            self.models["draft"] = Path(self.folder.name) / "draft.gguf"
-            write_gguf(draft_dir, self.models["draft"], dtype)
+        self.models = export_gguf(oracle_dir, draft_dir if name == "llamacpp-draft" else None, Path(self.folder.name),
+                                  dtype)
         self.name, self.sampling, self.eos_id, self.threads, self.context = name, sampling, eos_id, threads, context
         self.flags, self.peak_rss = CANDIDATES[name][0], None
 
