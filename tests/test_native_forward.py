@@ -157,6 +157,21 @@ def test_a_prompt_longer_than_a_cpp_call_is_read_in_calls_that_give_each_row_the
         assert torch.equal(engine.extend(torch.tensor([token]))[0], together[i]), f"row {i}"
 
 
+def test_an_engine_whose_forwards_run_in_cpp_makes_torchs_weights_only_when_a_torch_forward_needs_them(blocks_here,
+                                                                                                      tmp_path):
+    directory = tiny_gpt2(tmp_path / "model", seed=3)
+    engine = GPT2Engine.load(directory, "bfloat16", native_blocks=True)
+    prompt = torch.randint(0, 97, (native.Blocks.ROWS + 20,), generator=torch.Generator().manual_seed(2))
+    in_cpp = engine.extend(prompt, last=4)  # past one C++ call's rows: in two of them
+    assert engine.made_torch_weights is None
+    engine.reset()
+    engine.native_rows = 0  # as where torch measured faster: torch's forward, its weights read again from the files
+    in_torch = engine.extend(prompt, last=4)
+    assert engine.made_torch_weights is not None and torch.equal(in_torch.argmax(-1), in_cpp.argmax(-1))
+    eager = GPT2Engine.load(directory, "bfloat16")  # no C++ call: torch's weights made as it is built
+    assert torch.equal(eager.extend(prompt, last=4), in_torch)
+
+
 def test_the_near_tie_checker_replays_a_cpp_forward_in_torch_too(blocks_here, tmp_path):
     from decode.cli import near_ties
 

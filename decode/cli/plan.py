@@ -24,7 +24,9 @@ a projection, not a measurement. The acceptance, the drafting's bookkeeping and 
 pair's, borrowed.
 """
 import argparse
+import datetime
 import math
+import shlex
 import sys
 from typing import Callable
 from dataclasses import replace
@@ -280,7 +282,8 @@ def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[t
                                        max(2 * max_budget, prompt_length))
     projected = {"ms": big_ms, "baseline": {"prefill": float(big_ms.at([prompt_length], [0])[0]),
                                             "one_token": big_costs[1], "loop": 0.0},
-                 "oracle": oracle_spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs, "draft_ms": None}
+                 "oracle": oracle_spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs, "draft_ms": None,
+                 "machine": timing.machine_name(torch.device(options.device)), "date": datetime.date.today().isoformat()}
     if draft_spec:
         shape = costs.projection_shape(draft_spec, "--project-draft")
         models = {(n, dtype): costs.random_gpt2(*shape, dtype, options.device, shortlist=n) for n, dtype in draft_keys}
@@ -341,7 +344,8 @@ def main(argv=None) -> dict:
         print(f"sampling ({sampled['setting']}): a sampled draft chain's first d tokens are accepted with probability "
               + ", ".join(f"{a:.2f}" for a in sampled["draft_chain"]) + " (d = 1, 2, ...)")
     if projection:
-        plan["projection"] = project(projection, replays, in_loop, baseline)
+        command = "python -m decode.plan " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+        plan["projection"] = project(projection, replays, in_loop, baseline) | {"command": command}
     save_plan(plan, known.out, known.overwrite)
     print(f"plan: {known.out} (decode.run and decode.bench use it; --no-plan turns it off)")
     return plan
@@ -369,7 +373,7 @@ def project(projection: dict, replays: dict, in_loop: dict, baseline: dict) -> d
                    f"drafters' acceptance:", projected)
     for source, parts in sources.items():
         print(f"  {source}: {', '.join(parts)}")
-    kept = ("oracle", "shape", "oracle_ms", "draft", "draft_shape", "draft_one_row_ms")
+    kept = ("oracle", "shape", "oracle_ms", "draft", "draft_shape", "draft_one_row_ms", "machine", "date")
     return {key: projection[key] for key in kept if key in projection} | {"sources": sources, "predicted": projected}
 
 

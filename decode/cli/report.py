@@ -8,6 +8,7 @@ numbers, and when the oracle's completions loop a warning that they flatter ever
     python -m decode.report greedy.json topk.json --markdown --brief --methods baseline,staged,llamacpp
     python -m decode.report greedy.json --markdown --forecast # the plan's forecast beside the measurement
     python -m decode.report engine.json --markdown           # decode.bench_engine's cost curves against the roofline
+    python -m decode.report RUN/plan.json --markdown         # a plan's projection (decode.plan --project-oracle)
 
 The benchmark guide's tables are made by the second form and the README's by the third (the median speedup alone,
 the rows chosen), so no figure there is typed by hand.
@@ -20,11 +21,13 @@ from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
 from decode.cli.bench_engine import curve_rows
 from decode.cli.explain import forecast_rows, loop_share
+from decode.planning.plan_file import describe
 
 PROG = "python -m decode.report"
 
 
-WHAT = "pass the JSON that python -m decode.bench (or decode.bench_engine) --out wrote"
+WHAT = ("pass the JSON that python -m decode.bench (or decode.bench_engine) --out wrote, or a plan made with "
+        "decode.plan --project-oracle")
 
 
 def load_result(path: Path) -> dict:
@@ -35,14 +38,40 @@ def load_result(path: Path) -> dict:
         raise InputError(f"{path}: no such file; {WHAT}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: not a benchmark result ({e}); {WHAT}") from None
-    if not isinstance(result, dict) or not ({"settings", "summary", "records"} <= result.keys() or is_engine(result)):
-        raise InputError(f"{path}: not a benchmark result (neither decode.bench's settings, summary and records nor "
-                         f"decode.bench_engine's roofline); {WHAT}")
+    if not isinstance(result, dict) or not ({"settings", "summary", "records"} <= result.keys() or is_engine(result)
+                                            or is_projection(result)):
+        raise InputError(f"{path}: not a benchmark result (neither decode.bench's settings, summary and records, nor "
+                         f"decode.bench_engine's roofline, nor a plan's projection); {WHAT}")
     return result
 
 
 def is_engine(result: dict) -> bool:
     return {"roofline", "machine", "command"} <= result.keys()
+
+
+def is_projection(result: dict) -> bool:
+    """A plan (decode.plan's file) that holds a projection (--project-oracle)."""
+    return {"version", "identity", "predicted", "projection"} <= result.keys()
+
+
+def projection_markdown(plan: dict) -> str:
+    """A plan's projection: the shapes and where each part of it comes from in a list, then per method the projected
+    tokens per oracle call, ms per token, speedup (with its 90% interval) and policy."""
+    p = plan["projection"]
+    n_layer, n_embd, vocab = p["shape"]
+    draft = (f"a {p['draft']}-shaped draft ({p['draft_shape'][0]} x {p['draft_shape'][1]}, vocabulary "
+             f"{p['draft_shape'][2]})" if "draft" in p else "the run's draft")
+    lines = [f"- a projection, not a measurement: a {p['oracle']}-shaped oracle ({n_layer} x {n_embd}, vocabulary "
+             f"{vocab}; one-row forward {p['oracle_ms']['1']:.1f} ms) with {draft}, {plan['sampling']}, calibrated on "
+             f"{plan['calibration']['count']} prompts x {plan['calibration']['max_new_tokens']} tokens, "
+             f"{plan['identity']['dtype']}, on {p['machine']}, {p['date']}. `{p['command']}`"]
+    lines += [f"- {source}: {', '.join(parts)}" for source, parts in p.get("sources", {}).items()]
+    lines += ["", "| method | tokens/call | ms/token | speedup (90% interval) | policy |", "|---|---:|---:|---:|---|"]
+    for method, f in p["predicted"].items():
+        spread = " ({:.2f}-{:.2f}x)".format(*f["speedup_interval"]) if "speedup_interval" in f else ""
+        lines.append(f"| {method} | {f['tokens_per_call']:.2f} | {f['ms_per_token']:.1f} | {f['speedup']:.2f}x{spread} "
+                     f"| {describe(f.get('policy', {}))} |")
+    return "\n".join(lines)
 
 
 def engine_markdown(result: dict) -> str:
@@ -73,6 +102,10 @@ def describe_run(result: dict) -> str:
             f"{loops} of {n} baseline completions end in a loop")
     if s.get("llamacpp_flags"):
         line += "; llama.cpp's settings: " + ", ".join(f"{name} `{flags}`" for name, flags in s["llamacpp_flags"].items())
+    if "peak_rss_mb" in s:
+        servers = {name: m["peak_rss_mb"] for name, m in result["summary"].items() if "peak_rss_mb" in m}
+        line += (f"; peak resident memory: the bench {s['peak_rss_mb']:.0f} MiB"
+                 + "".join(f", {name}'s server {mib:.0f} MiB" for name, mib in servers.items()))
     return line + (f". `{s['command']}`" if "command" in s else "")
 
 
@@ -150,9 +183,11 @@ def markdown(results: list[dict], methods: list[str] | None = None, brief: bool 
 @exits_on_input_error
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description="Print a decode.bench result (its --out JSON) as a table, or a "
-                                "decode.bench_engine result's cost curves as Markdown.", formatter_class=HelpFormatter)
+                                "decode.bench_engine result's cost curves or a plan's projection as Markdown.",
+                                formatter_class=HelpFormatter)
     p.add_argument("results", nargs="+", type=Path, metavar="RESULT.json",
-                   help="decode.bench --out files, one table (or one decode.bench_engine --out file, with --markdown)")
+                   help="decode.bench --out files, one table (or, with --markdown, one decode.bench_engine --out file or "
+                        "one plan with a projection)")
     p.add_argument("--markdown", action="store_true", help="a Markdown table, the runs' settings listed above it")
     p.add_argument("--brief", action="store_true", help="with --markdown: the median speedup alone, no tokens per call")
     p.add_argument("--methods", help="with --markdown: these rows, comma-separated, in this order (default: every method)")
@@ -162,10 +197,10 @@ def main(argv=None) -> None:
                                                              "for each planned method")
     args = p.parse_args(argv)
     results = [load_result(path) for path in args.results]
-    if any(is_engine(result) for result in results):
+    if any(is_engine(result) or is_projection(result) for result in results):
         if len(results) > 1 or not args.markdown:
-            raise InputError("a decode.bench_engine result is shown alone, with --markdown")
-        print(engine_markdown(results[0]))
+            raise InputError("a decode.bench_engine result or a plan's projection is shown alone, with --markdown")
+        print(engine_markdown(results[0]) if is_engine(results[0]) else projection_markdown(results[0]))
         return
     methods = args.methods.split(",") if args.methods else None
     unknown = [m for m in methods or [] if not any(m in result["summary"] for result in results)]

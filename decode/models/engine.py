@@ -82,6 +82,10 @@ def is_lean_compatible(config: dict) -> bool:
     )
 
 
+# A block's matrices: their checkpoint names and the names their layouts go by
+LINEAR = {"attn.c_attn": "qkv", "attn.c_proj": "attn_out", "mlp.c_fc": "mlp_in", "mlp.c_proj": "mlp_out"}
+
+
 @dataclass
 class LayerWeights:
     """One transformer block's weights: its layer norms (weight, bias) and its four projections."""
@@ -95,9 +99,10 @@ class LayerWeights:
 
     @classmethod
     def from_checkpoint(cls, weights: dict[str, torch.Tensor], i: int, projection: Callable) -> "LayerWeights":
-        """Block i of a Hugging Face GPT-2 checkpoint's weights; `projection(in_out, bias, gelu)` makes each product."""
+        """Block i of a Hugging Face GPT-2 checkpoint's weights; `projection(in_out, bias, gelu, name)` makes each
+        product (`name`: the checkpoint's, e.g. attn.c_attn)."""
         w = lambda name: weights[f"h.{i}.{name}"]
-        linear = lambda name, gelu=False: projection(w(f"{name}.weight"), w(f"{name}.bias"), gelu)
+        linear = lambda name, gelu=False: projection(w(f"{name}.weight"), w(f"{name}.bias"), gelu, name)
         return cls((w("ln_1.weight"), w("ln_1.bias")), linear("attn.c_attn"), linear("attn.c_proj"),
                    (w("ln_2.weight"), w("ln_2.bias")), linear("mlp.c_fc", gelu=True), linear("mlp.c_proj"))
 
@@ -106,58 +111,80 @@ class LayerWeights:
 
 
 class GPT2Engine(CachedLM):
-    def __init__(self, shape: GPT2Shape, wte: torch.Tensor, wpe: torch.Tensor, layers: list[LayerWeights],
-                 ln_f: tuple[torch.Tensor, torch.Tensor], head: Projection, kv: KVSlots, max_length: int,
+    def __init__(self, shape: GPT2Shape, wte: torch.Tensor, wpe: torch.Tensor,
+                 torch_weights: Callable[[], tuple[list[LayerWeights], Projection]], layouts: dict[str, str],
+                 ln_f: tuple[torch.Tensor, torch.Tensor], kv: KVSlots, max_length: int,
                  shortlist: Shortlist | None = None, blocks: "native.Blocks | None" = None,
                  graphs: Callable[["GPT2Engine"], CUDAGraphs] | None = None):
-        """GPT-2 over its weights (`build` makes them from a checkpoint's) and a cache of `kv` slots. `head`: the
-        output projection (tied to wte; over the `shortlist`'s tokens only when there is one). The runners that
-        replace torch's forward where they apply: `blocks` runs a forward of at most `native_rows` rows in C++
-        (native.Blocks; decode.models.native_rows measures how many pay), and `graphs` makes the engine's CUDA graphs
+        """GPT-2 over its weights (`build` makes them from a checkpoint's) and a cache of `kv` slots.
+        `torch_weights()` makes the blocks' and the output projection's weights for torch's forward (the output tied
+        to wte; over the `shortlist`'s tokens only when there is one), stored in `layouts`, on that forward's first
+        use: an engine whose forwards all run in C++ never holds them. The runners that replace torch's forward where
+        they apply: `blocks` runs a forward of at most `native_rows` rows in C++ (native.Blocks;
+        decode.models.native_rows measures how many pay), and `graphs` makes the engine's CUDA graphs
         (decode.models.cuda_graphs)."""
-        self.shape, self.wte, self.wpe, self.layers, self.ln_f, self.head = shape, wte, wpe, layers, ln_f, head
+        self.shape, self.wte, self.wpe, self.ln_f = shape, wte, wpe, ln_f
+        self.make_torch_weights, self.made_torch_weights, self.layouts = torch_weights, None, layouts
         self.kv, self.max_length, self.shortlist, self.blocks = kv, max_length, shortlist, blocks
         self.native_rows = native.Blocks.ROWS if blocks is not None else 0
         self.device, self.dtype = wte.device, wte.dtype
         self.on_gpu = self.device.type == "cuda"
         self.head_dim = shape.n_embd // shape.n_head
-        self.layouts = dict(zip(("qkv", "attn_out", "mlp_in", "mlp_out"), (p.layout for p in layers[0].projections())))
-        self.layouts["head"] = head.layout
         self.mask_values = [torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf"))]
         self.graphs = graphs(self) if graphs is not None else None
+
+    def torch_weights(self) -> tuple[list[LayerWeights], Projection]:
+        if self.made_torch_weights is None:
+            self.made_torch_weights = self.make_torch_weights()
+        return self.made_torch_weights
+
+    layers = property(lambda self: self.torch_weights()[0])
+    head = property(lambda self: self.torch_weights()[1])
 
     @classmethod
     def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
               max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False,
-              shortlist: Shortlist | None = None, native_blocks: bool = False, calibrate: bool = False) -> "GPT2Engine":
+              shortlist: Shortlist | None = None, native_blocks: bool = False, calibrate: bool = False,
+              reload: Callable[[], dict[str, torch.Tensor]] | None = None) -> "GPT2Engine":
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
         stores every matrix in that layout; by default each matrix gets its shape's calibrated layout (measured now
         with `calibrate`; decode.models.projection.layout_for). On a
         GPU with `cuda_graphs`, forwards replay CUDA graphs. With a `shortlist`, the output layer computes the
         logits of its tokens only. With `native_blocks`, an engine on a CPU with AVX2 and FMA or AVX-512 runs a forward
         of a few rows (up to native.Blocks.ROWS, or `native_rows` once measured) as one C++ call (forward.cpp), which
-        rounds differently from torch's."""
+        rounds differently from torch's; `reload()` then gives the checkpoint's weights again, and the C++ call takes
+        the matrices of `weights` as it packs them, torch's forward making its own from `reload()` on its first use."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
-        weights = {k.removeprefix("transformer."): v.to(device, torch_dtype) for k, v in weights.items()}
+        converted = lambda checkpoint: {k.removeprefix("transformer."): v.to(device, torch_dtype)
+                                        for k, v in checkpoint.items()}
+        weights = converted(weights)
         pad_rows = device.type == "cpu" and torch_dtype == torch.bfloat16
-
-        def projection(in_out: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False) -> Projection:
-            return Projection(in_out, bias, layout or layout_for(torch_dtype, device, *in_out.shape, gelu, calibrate),
-                              gelu, pad_rows)
-
+        e = shape.n_embd
         wte = weights["wte.weight"]
         output = wte if shortlist is None else wte[shortlist.tokens_on(device)]
+        matrices = {"qkv": (e, 3 * e), "attn_out": (e, e), "mlp_in": (e, 4 * e), "mlp_out": (4 * e, e),
+                    "head": (e, output.shape[0])}  # (in, out)
+        layouts = {name: layout or layout_for(torch_dtype, device, *matrix, name == "mlp_in", calibrate)
+                   for name, matrix in matrices.items()}
+
+        def torch_weights(checkpoint: dict[str, torch.Tensor]) -> tuple[list[LayerWeights], Projection]:
+            projection = lambda in_out, bias, gelu, name: Projection(in_out, bias, layouts[LINEAR.get(name, name)], gelu,
+                                                                     pad_rows)
+            return ([LayerWeights.from_checkpoint(checkpoint, i, projection) for i in range(shape.n_layer)],
+                    projection(output.T, None, False, "head"))
+
         max_length = max_length or shape.n_positions  # positions: the context
         # slots: a tree's nodes share positions
         kv = KVSlots(shape.n_layer, shape.n_head, shape.n_embd // shape.n_head, max_length + SPECULATIVE_SLOTS,
                      torch_dtype, device)
         fits = native_blocks and native.Blocks.fit(shape.n_embd, torch_dtype, device)
-        return cls(shape, wte, weights["wpe.weight"],
-                   [LayerWeights.from_checkpoint(weights, i, projection) for i in range(shape.n_layer)],
-                   (weights["ln_f.weight"], weights["ln_f.bias"]), projection(output.T, None), kv, max_length, shortlist,
-                   native.Blocks(shape, weights, kv.cache, output) if fits else None,
+        lazy = fits and reload is not None
+        made = None if lazy else torch_weights(weights)
+        blocks = native.Blocks(shape, weights, kv.cache, output, consume=lazy) if fits else None
+        return cls(shape, wte, weights["wpe.weight"], (lambda: torch_weights(converted(reload()))) if lazy else lambda: made,
+                   layouts, (weights["ln_f.weight"], weights["ln_f.bias"]), kv, max_length, shortlist, blocks,
                    CUDAGraphs if cuda_graphs and device.type == "cuda" else None)
 
     @classmethod
@@ -172,7 +199,7 @@ class GPT2Engine(CachedLM):
                 f"use the transformers backend (--backend hf)"
             )
         return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs, shortlist,
-                         native_blocks, calibrate)
+                         native_blocks, calibrate, reload=lambda: load_safetensors(model_dir))
 
     # the cache's state, as CachedLM's callers read and write it
     length = property(lambda self: self.kv.length, lambda self, n: setattr(self.kv, "length", n))

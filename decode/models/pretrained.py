@@ -26,8 +26,10 @@ def load_causal_lm(name_or_dir, role: str, hint: str = RETRAIN, **kwargs):
 
 
 def load_safetensors(model_dir) -> dict:
-    """Every tensor of the *.safetensors files in a save_pretrained directory."""
-    from safetensors.torch import load_file
+    """Every tensor of the *.safetensors files in a save_pretrained directory, each read into memory of its own with
+    the file mapped only while it is read: a mapping held open keeps every page read through it resident, a second
+    copy of the weights in the process's memory."""
+    from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -35,7 +37,11 @@ def load_safetensors(model_dir) -> dict:
     weights = {}
     for f in files:
         try:
-            weights.update(load_file(f))
+            with safe_open(f, "pt") as handle:
+                names = list(handle.keys())
+            for name in names:
+                with safe_open(f, "pt") as handle:
+                    weights[name] = handle.get_tensor(name)
         except Exception as err:  # SafetensorError, OSError
             raise InputError(f"cannot read the weights {f} ({first_line(err)}); {RETRAIN}") from None
     return weights

@@ -143,10 +143,13 @@ class Blocks:
         return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and n_embd % 16 == 0
                 and forward_module(dtype) is not None)
 
-    def __init__(self, shape, weights: dict[str, torch.Tensor], kv_cache: torch.Tensor, output: torch.Tensor):
+    def __init__(self, shape, weights: dict[str, torch.Tensor], kv_cache: torch.Tensor, output: torch.Tensor,
+                 consume: bool = False):
         """`shape`: the engine's GPT2Shape; `weights`: its tensors by checkpoint name (no "transformer.");
         `kv_cache`: its (2, layers, heads, capacity, head_dim) cache; `output`: the output layer's (columns, n_embd)
-        weight (wte, or a shortlist's rows of it)."""
+        weight (wte, or a shortlist's rows of it). With `consume`, each matrix is taken out of `weights` as it is
+        packed, so that its memory goes as its packed copy comes."""
+        take = weights.pop if consume else weights.__getitem__
         self.kept = {}  # every tensor the C++ reads, by the name model() knows it under
         self.forward = forward_module(kv_cache.dtype)
         for i in range(shape.n_layer):
@@ -154,7 +157,7 @@ class Blocks:
                 prefix = f"h.{i}.{name}"
                 packs = name in self.LINEAR
                 self.kept[f"{prefix}.packed" if packs else f"{prefix}.weight"] = (
-                    pack_for_products(weights[f"{prefix}.weight"]) if packs else weights[f"{prefix}.weight"].float().contiguous())
+                    pack_for_products(take(f"{prefix}.weight")) if packs else weights[f"{prefix}.weight"].float().contiguous())
                 self.kept[f"{prefix}.bias"] = weights[f"{prefix}.bias"].float().contiguous()
         self.kept |= {f"ln_f.{part}": weights[f"ln_f.{part}"].float().contiguous() for part in ("weight", "bias")}
         self.kept |= {"wte": weights["wte.weight"].contiguous(), "wpe": weights["wpe.weight"].contiguous(),
