@@ -66,3 +66,28 @@ def test_an_engine_result_is_its_cost_curves_against_the_roofline(capsys):
     with pytest.raises(SystemExit) as exit_:
         report.main([str(engine), str(GREEDY), "--markdown"])
     assert exit_.value.code == 2
+
+
+def test_a_runs_line_gives_the_peak_memory_of_the_bench_and_of_llama_cpps_server(capsys):
+    path = RESULTS / "avx2-gpt2-large-plain-bf16.json"
+    report.main([str(path), "--markdown", "--brief"])
+    result = report.load_result(path)
+    bench, server = result["settings"]["peak_rss_mb"], result["summary"]["llamacpp-server"]["peak_rss_mb"]
+    assert (f"peak resident memory: the bench {bench:.0f} MiB, llamacpp-server's server {server:.0f} MiB"
+            in capsys.readouterr().out)
+
+
+def test_a_plans_projection_says_what_it_measured_and_borrowed_with_a_row_per_method(capsys):
+    path = RESULTS / "avx2-quick-projection.json"
+    report.main([str(path), "--markdown"])
+    printed = capsys.readouterr().out
+    projection = report.load_result(path)["projection"]
+    assert printed.startswith("- a projection, not a measurement: a gpt2-large-shaped oracle")
+    assert "- borrowed from the trained pair: the acceptance (tokens per call)" in printed
+    _, _, *rows = table_rows(printed)
+    assert [row[0] for row in rows] == list(projection["predicted"])
+    staged = next(row for row in rows if row[0] == "staged")
+    assert staged[3].startswith(f"{projection['predicted']['staged']['speedup']:.2f}x (")
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(path)])  # a projection has no plain table
+    assert exit_.value.code == 2 and "with --markdown" in capsys.readouterr().err

@@ -100,8 +100,9 @@ def describe_run(result: dict) -> str:
     plan = "planned" if s.get("plan") else "no plan"
     line = (f"{s['mode']}: {s['prompts']} prompts x {s['max_new_tokens']} tokens, {s['dtype']}, {plan}, on {where}{when}; "
             f"{loops} of {n} baseline completions end in a loop")
-    if s.get("llamacpp_flags"):
-        line += "; llama.cpp's settings: " + ", ".join(f"{name} `{flags}`" for name, flags in s["llamacpp_flags"].items())
+    flagged = {name: flags for name, flags in s.get("llamacpp_flags", {}).items() if flags}  # plain decoding has none
+    if flagged:
+        line += "; llama.cpp's settings: " + ", ".join(f"{name} `{flags}`" for name, flags in flagged.items())
     if "peak_rss_mb" in s:
         servers = {name: m["peak_rss_mb"] for name, m in result["summary"].items() if "peak_rss_mb" in m}
         line += (f"; peak resident memory: the bench {s['peak_rss_mb']:.0f} MiB"
