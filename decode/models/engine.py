@@ -153,13 +153,17 @@ class GPT2Engine(CachedLM):
         logits of its tokens only. With `native_blocks`, an engine on a CPU with AVX2 and FMA or AVX-512 runs a forward
         of a few rows (up to native.Blocks.ROWS, or `native_rows` once measured) as one C++ call (forward.cpp), which
         rounds differently from torch's; `reload()` then gives the checkpoint's weights again, and the C++ call takes
-        the matrices of `weights` as it packs them, torch's forward making its own from `reload()` on its first use."""
+        the matrices out of `weights` (read for this engine alone) as it packs them, torch's forward making its own
+        from `reload()` on its first use."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
-        converted = lambda checkpoint: {k.removeprefix("transformer."): v.to(device, torch_dtype)
-                                        for k, v in checkpoint.items()}
-        weights = converted(weights)
+        fits = native_blocks and native.Blocks.fit(shape.n_embd, torch_dtype, device)
+        lazy = fits and reload is not None
+        # taken out of a checkpoint read for this engine alone (`reload`), so that it holds no matrix the C++ packed
+        converted = lambda checkpoint, take: {k.removeprefix("transformer."): take(k).to(device, torch_dtype)
+                                              for k in list(checkpoint)}
+        weights = converted(weights, weights.pop if lazy else weights.__getitem__)
         pad_rows = device.type == "cpu" and torch_dtype == torch.bfloat16
         e = shape.n_embd
         wte = weights["wte.weight"]
@@ -179,12 +183,17 @@ class GPT2Engine(CachedLM):
         # slots: a tree's nodes share positions
         kv = KVSlots(shape.n_layer, shape.n_head, shape.n_embd // shape.n_head, max_length + SPECULATIVE_SLOTS,
                      torch_dtype, device)
-        fits = native_blocks and native.Blocks.fit(shape.n_embd, torch_dtype, device)
-        lazy = fits and reload is not None
         made = None if lazy else torch_weights(weights)
+
+        def make_torch_weights() -> tuple[list[LayerWeights], Projection]:
+            if made is not None:
+                return made
+            checkpoint = reload()
+            return torch_weights(converted(checkpoint, checkpoint.pop))
+
         blocks = native.Blocks(shape, weights, kv.cache, output, consume=lazy) if fits else None
-        return cls(shape, wte, weights["wpe.weight"], (lambda: torch_weights(converted(reload()))) if lazy else lambda: made,
-                   layouts, (weights["ln_f.weight"], weights["ln_f.bias"]), kv, max_length, shortlist, blocks,
+        return cls(shape, wte, weights["wpe.weight"], make_torch_weights, layouts,
+                   (weights["ln_f.weight"], weights["ln_f.bias"]), kv, max_length, shortlist, blocks,
                    CUDAGraphs if cuda_graphs and device.type == "cuda" else None)
 
     @classmethod

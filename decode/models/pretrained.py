@@ -26,9 +26,9 @@ def load_causal_lm(name_or_dir, role: str, hint: str = RETRAIN, **kwargs):
 
 
 def load_safetensors(model_dir) -> dict:
-    """Every tensor of the *.safetensors files in a save_pretrained directory, each read into memory of its own with
-    the file mapped only while it is read: a mapping held open keeps every page read through it resident, a second
-    copy of the weights in the process's memory."""
+    """Every tensor of the *.safetensors files in a save_pretrained directory, each mapped from its file on its own:
+    a tensor dropped (as the C++ forward drops each matrix it has packed) takes its pages with it, where one mapping
+    of the whole file would keep every page read through it resident, a second copy of the weights."""
     from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))

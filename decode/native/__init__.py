@@ -122,7 +122,9 @@ def pack_for_products(in_out: torch.Tensor) -> torch.Tensor:
     """An (in, out) weight as native/forward.cpp's products read it: blocks of 16 output columns (the last padded with
     zeros); in each, bfloat16: the two weights of every pair of input rows side by side (the operand layout of
     AVX-512 BF16's dot product; the AVX2 build widens each half to float32); float32: the weights of every input row."""
-    in_out = torch.nn.functional.pad(in_out, (0, -in_out.shape[1] % 16)).contiguous()
+    padding = -in_out.shape[1] % 16
+    # padded only where it must be: a transient copy of every matrix stays in the allocator's pools as it is freed
+    in_out = (torch.nn.functional.pad(in_out, (0, padding)) if padding else in_out).contiguous()
     rows, columns = in_out.shape
     per_step = 2 if in_out.dtype == torch.bfloat16 else 1  # input rows a 64-byte step covers
     return in_out.view(rows // per_step, per_step, columns // 16, 16).permute(2, 0, 3, 1).contiguous()
