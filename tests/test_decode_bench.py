@@ -341,6 +341,19 @@ def test_llamacpps_speculation_without_its_server_is_skipped_in_a_line_and_refus
     assert exit_.value.code == 2 and "llamacpp-ngram" in error and "cmake --build build --target llama-server" in error
 
 
+def test_a_llama_server_older_than_the_peers_flags_is_refused_in_a_line_naming_its_version(models, tmp_path, capsys,
+                                                                                            monkeypatch):
+    old = tmp_path / "llama-server"
+    old.write_text('#!/bin/sh\ncase "$1" in --version) echo "version: 1234 (deadbee)";; --help) echo "--model FNAME";; esac\n')
+    old.chmod(0o755)
+    monkeypatch.setenv(llama_server.SERVER_VARIABLE, str(old))
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(bench_args(models, tmp_path, "--methods", "baseline,llamacpp-ngram"))
+    error = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(error) == 1
+    assert "version 1234 (deadbee)" in error[0] and "lacks --spec-type" in error[0] and "cmake" in error[0]
+
+
 @pytest.mark.processes
 def test_llamacpps_own_speculation_decodes_the_baselines_tokens(bpe_run, tmp_path, capsys):
     """llama.cpp's plain decoding, draft-model and n-gram speculation through llama-server, each speculation at the

@@ -5,6 +5,7 @@ plain decoding), `llamacpp-draft` (its draft-model speculation, `--spec-type dra
 drafters). Prompts go in and tokens come out as token ids, so outputs compare token for token; a healed prompt's first
 token is decoded alone, limited to the tokens that extend its tail, and the rest continues from the cached prompt.
 Each server's peak resident memory is read when it stops."""
+import functools
 import json
 import os
 import shutil
@@ -51,6 +52,34 @@ def missing_reason() -> str:
     return f"{where}; build it: {BUILD}"
 
 
+def server_version(binary: str) -> str:
+    """What `llama-server --version` says of itself, in a line."""
+    try:
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"unreadable ({err})"
+    line = next((line for line in (done.stdout + done.stderr).splitlines() if line.startswith("version")), "")
+    return line.removeprefix("version:").strip() or "no version printed"
+
+
+@functools.cache
+def check_server(binary: str, name: str) -> None:
+    """Refuse, in one line naming the version found and what is needed, a llama-server whose flags lack what the
+    peer `name` passes it (CANDIDATES[name]): an older build than the peers were written against."""
+    wanted = {word for flags in CANDIDATES[name] for word in flags if not word.isdigit()}
+    if not wanted:
+        return
+    try:
+        usage = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+        text = usage.stdout + usage.stderr
+    except (OSError, subprocess.TimeoutExpired):
+        text = ""
+    missing = sorted(word for word in wanted if word not in text)
+    if missing:
+        raise InputError(f"{binary} (version {server_version(binary)}) lacks {', '.join(missing)}, which {name} needs: "
+                         f"a llama-server as new as the llama.cpp that llama-cpp-python 0.3.36 vendors, or newer; {BUILD}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,7 +100,9 @@ class LlamaServer:
         while not self.healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.close()
-                raise InputError(f"llama-server {' '.join(flags)} did not start: {self.log_tail()}")
+                binary = server_binary() or "llama-server"
+                raise InputError(f"llama-server {' '.join(flags)} (version {server_version(binary)}) did not start: "
+                                 f"{self.log_tail()}")
             time.sleep(0.2)
 
     def healthy(self) -> bool:
@@ -142,6 +173,7 @@ class ServerPeer:
     def __init__(self, name: str, oracle_dir, draft_dir, sampling: Sampling, eos_id: int, dtype: str, threads: int,
                  context: int):
         self.server = None
+        check_server(server_binary() or "llama-server", name)
         self.folder = tempfile.TemporaryDirectory(prefix="llamacpp-gguf-")  # removed with this object
         self.models = export_gguf(oracle_dir, draft_dir if name == "llamacpp-draft" else None, Path(self.folder.name),
                                   dtype)
