@@ -133,8 +133,8 @@ def looping(completions: list[list[int]], share: float = 0.2) -> str | None:
     loops, n = loop_share(completions)
     if not loops or loops < share * n:
         return None
-    return (f"Note: {loops} of {n} of the oracle's completions end in a loop of at most {LONGEST_LOOP} tokens (an "
-            f"oracle this small loops); drafters that copy a loop accept long runs on it, so an oracle that loops less "
+    return (f"Note: {loops} of {n} of the oracle's completions end in a loop of at most {LONGEST_LOOP} tokens (small "
+            f"and untrained oracles loop); drafters that copy a loop accept long runs on it, so an oracle that loops less "
             f"gives fewer tokens per call than this table; the column 'least repetitive half' leaves the loops out.")
 
 
