@@ -186,7 +186,7 @@ def print_table(summary: dict[str, dict], greedy: bool) -> None:
         print(line)
     planned = explain.forecast_rows(summary)
     if planned:
-        print(f"planned (the run's plan) against measured: {'method':<12} {'tokens/call':>19} {'speedup (tokens/s)':>19}"
+        print(f"{'planned against measured:':<42} {'method':<12} {'tokens/call':>19} {'speedup (tokens/s)':>19}"
               "  (the plan's 90% interval over its calibration prompts)")
         for row in planned:
             spread = " ({:.2f}-{:.2f}x)".format(*row["interval"]) if row["interval"] else ""
