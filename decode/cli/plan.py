@@ -268,7 +268,7 @@ def context_curves(model: CachedLM, largest: int) -> tuple[costs.ContextCosts, d
     (costs.context_lengths), measured now; and its table after the first of them."""
     tables = {cached: timing.forward_costs(model, prefix=cached, repeats=5)
               for cached in costs.context_lengths(model.max_length)}
-    return costs.ContextCosts({c: costs.cost_curve(t, largest) for c, t in tables.items()}), next(iter(tables.values()))
+    return costs.ContextCosts.of_tables(tables, largest), next(iter(tables.values()))
 
 
 def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[tuple[int, str]], options, sequences,
@@ -312,7 +312,7 @@ def main(argv=None) -> dict:
     tables = {cached: costs.measured_costs(options.oracle, oracle, options.dtype, prefix=cached)[0]
               for cached in costs.context_lengths(oracle.max_length)}
     oracle_costs = next(iter(tables.values()))  # after 128 cached positions
-    isolated_ms = costs.ContextCosts({cached: costs.cost_curve(t, 2 * known.max_budget) for cached, t in tables.items()})
+    isolated_ms = costs.ContextCosts.of_tables(tables, 2 * known.max_budget)
     sequences = oracle_outputs(decoder, prompts, settings.max_new_tokens)
     p_draft = shapes.acceptance([shapes.ranks(draft, p, c) for p, c in sequences], RANKS, known.max_depth)
     p_trigram = shapes.acceptance([shapes.trigram_ranks(table, p, c) for p, c in sequences], min(RANKS, table.k),

@@ -41,6 +41,11 @@ class ContextCosts:
         self.curves = torch.stack([curves[c].double() for c in self.lengths])  # (lengths, q)
 
     @classmethod
+    def of_tables(cls, tables: dict[int, dict[int, float]], largest: int) -> "ContextCosts":
+        """From cost tables measured after several cached lengths: each one's `cost_curve` up to `largest` nodes."""
+        return cls({cached: cost_curve(table, largest) for cached, table in tables.items()})
+
+    @classmethod
     def flat(cls, curve: torch.Tensor) -> "ContextCosts":
         """One curve for every cached length."""
         return cls({0: curve})
