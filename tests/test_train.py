@@ -1,6 +1,8 @@
 """Training: the oracle's loss falls, distillation raises agreement, runs resume to the same weights, saved models load
 with transformers' auto classes, and bad settings are one-line errors."""
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -11,7 +13,8 @@ from decode import machine
 from decode.models.pretrained import FUSED_GELU
 from data.shards import open_split
 from decode.models.loading import TOKEN_COUNTS
-from train import distill_draft, finetune_oracle
+from train import distill_draft, finetune_oracle, loop
+from train.work_dir import CHECKPOINT_PREFIX
 from train_runs import assert_resumed_distillation_matches, assert_same_weights, error_of, prepared_run
 
 
@@ -35,6 +38,33 @@ def test_resumed_run_ends_with_the_same_weights(run, tmp_path):
     assert finetune_oracle.main(part + ["--overwrite", "--max-steps", "12"])["step"] == 12
     finetune_oracle.main(part + ["--overwrite", "--stop-after-steps", "8"])
     finetune_oracle.main(part + ["--resume"])
+    assert_same_weights(tmp_path / "whole", tmp_path / "parts")
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_during_training_saves_the_step_it_reached_and_resume_ends_with_the_same_weights(
+        run, tmp_path, monkeypatch, capsys, signum, code):
+    data = str(run[0] / "data")
+    finetune_oracle.main(["--data", data, "--out", str(tmp_path / "whole"), "--max-steps", "12"])
+    capsys.readouterr()
+
+    class SignalledAtStep5(loop.tqdm):  # the signal arrives as step 5 is counted, after its weights changed
+        def update(self, n=1):
+            super().update(n)
+            if self.n == 5:
+                os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(loop, "tqdm", SignalledAtStep5)
+    part = ["--data", data, "--out", str(tmp_path / "parts"), "--max-steps", "12"]
+    with pytest.raises(SystemExit) as stopped:
+        finetune_oracle.main(part)
+    assert stopped.value.code == code
+    saved = tmp_path / "parts-train" / "checkpoints" / f"{CHECKPOINT_PREFIX}0000005"
+    err = capsys.readouterr().err
+    assert saved.is_dir() and "stopped at step 5 of 12" in err and "--resume" in err and str(saved) in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are back
+    monkeypatch.undo()
+    assert finetune_oracle.main(part + ["--resume"])["step"] == 12
     assert_same_weights(tmp_path / "whole", tmp_path / "parts")
 
 

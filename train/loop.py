@@ -2,13 +2,15 @@
 
 Packed fixed-length windows from the token shards, AdamW with warm-up and cosine decay, and
 accelerate for devices, processes (DDP/FSDP from `accelerate config`), bf16 autocast, gradient
-accumulation, checkpoints and exact resume (model, optimizer, scheduler, RNG and data position).
+accumulation, checkpoints and exact resume (model, optimizer, scheduler, RNG and data position). Ctrl-C or SIGTERM
+during the steps saves the step under way before stopping (train.interrupts).
 """
 import ctypes
 import json
 import math
 import platform
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from data.shards import open_split, read_meta, token_counts
 from decode.models.loading import TOKEN_COUNTS
 from decode.tokenizer import load_tokenizer
 from train.bf16 import bf16_choice
+from train.interrupts import DeferredInterrupts
 from train.presets import TrainArgs
 from train.tracking import JSONLinesTracker
 from train.work_dir import (CHECKPOINT_PREFIX, MODEL, check_checkpoint, check_output, checkpoints, read_saved_args,
@@ -319,32 +322,40 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
     bar = tqdm(total=stop, initial=step, desc=f"training {Path(args.out).name}", unit="step", disable=not accelerator.is_main_process)
     epoch, skip = divmod(step * args.grad_accum, len(loader))
     started, start_step = time.time(), step
-    while step < stop:
-        loader.set_epoch(epoch)
-        for windows in accelerator.skip_first_batches(loader, skip) if skip else loader:
-            with accelerator.accumulate(model):
-                loss, logs = loss_fn(model, windows)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if not accelerator.sync_gradients:
-                continue
-            scheduler.step()
-            step += 1
-            tokens_per_s = (step - start_step) * tokens_per_step / (time.time() - started)
-            logs = {"loss": loss.item(), "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, **logs}
-            if step % args.eval_every == 0 or step == stop:
-                logs["val_loss"] = validation_loss(accelerator, accelerator.unwrap_model(model), val_windows, args.batch_size)
-            accelerator.log(logs, step=step)
-            bar.set_postfix({k: f"{v:.3g}" for k, v in logs.items() if k in ("loss", "val_loss", "tokens_per_s")}, refresh=False)
-            bar.update(1)
-            if (args.save_every and step % args.save_every == 0) or step == stop:
-                save_checkpoint(accelerator, work_dir, step, args.keep_checkpoints)
-            if step >= stop:
-                break
-        epoch, skip = epoch + 1, 0
+    with DeferredInterrupts() as interrupts:
+        while step < stop:
+            loader.set_epoch(epoch)
+            for windows in accelerator.skip_first_batches(loader, skip) if skip else loader:
+                with accelerator.accumulate(model):
+                    loss, logs = loss_fn(model, windows)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if not accelerator.sync_gradients:
+                    continue
+                scheduler.step()
+                step += 1
+                tokens_per_s = (step - start_step) * tokens_per_step / (time.time() - started)
+                logs = {"loss": loss.item(), "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, **logs}
+                if step % args.eval_every == 0 or step == stop:
+                    logs["val_loss"] = validation_loss(accelerator, accelerator.unwrap_model(model), val_windows, args.batch_size)
+                accelerator.log(logs, step=step)
+                bar.set_postfix({k: f"{v:.3g}" for k, v in logs.items() if k in ("loss", "val_loss", "tokens_per_s")}, refresh=False)
+                bar.update(1)
+                stopping = interrupts.requested(accelerator)
+                if (args.save_every and step % args.save_every == 0) or step == stop or stopping:
+                    save_checkpoint(accelerator, work_dir, step, args.keep_checkpoints)
+                if stopping:
+                    bar.close()
+                    if accelerator.is_main_process:
+                        print(f"stopped at step {step} of {stop}, saved: the same command with --resume continues "
+                              f"from it", file=sys.stderr)
+                    raise interrupts.stop()
+                if step >= stop:
+                    break
+            epoch, skip = epoch + 1, 0
     bar.close()
     if "val_loss" not in logs:  # resumed after the last step: nothing was trained in this process
         logs["val_loss"] = validation_loss(accelerator, accelerator.unwrap_model(model), val_windows, args.batch_size)
