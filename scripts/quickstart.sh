@@ -3,8 +3,8 @@
 # benchmark against plain decoding and the transformers peers:
 #   bash scripts/quickstart.sh [--preset quick|cpu] [--out RUN] [--limit N]
 # quick (default): minutes of training, 13-28 minutes in all on 2 cores by CPU, set-up included;
-# cpu: the README's headline models (80-120 minutes of training on 2 AVX-512 cores, about twice that with AVX2
-# alone). Re-running reuses every finished step.
+# cpu: the README's headline models (80-120 minutes of training on 2 AVX-512 cores, about three times that with
+# AVX2 alone). Re-running reuses every finished step and resumes an interrupted training (Ctrl-C saves its step).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 preset=quick
