@@ -18,11 +18,17 @@ def planned(models, tmp_path, monkeypatch):
     monkeypatch.setattr(search, "STAGED_WIDTHS", ((2, 1, 1), (3, 2, 1)))
     args = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
             "--prompts", str(prompts), "--max-new-tokens", "16", "--widths", "3,2,1"]
-    out, replayed, replay_all = tmp_path / "plan.json", [], search.replay_all
-    monkeypatch.setattr(search, "replay_all", lambda candidates, *rest: replay_all(replayed.extend(candidates) or candidates, *rest))
+    out, replayed, finalists, replay_all = tmp_path / "plan.json", [], [], search.replay_all
+
+    def recorded(candidates, replayer, prompts, desc):  # every candidate; those replayed on every calibration prompt
+        replayed.extend(candidates)
+        finalists.extend(candidates if not desc.startswith("screening") else [])
+        return replay_all(candidates, replayer, prompts, desc)
+
+    monkeypatch.setattr(search, "replay_all", recorded)
     written = plan.main(args + ["--calibration", "3", "--max-budget", "12", "--max-depth", "3", "--draft-vocab", "64",
                                 "--out", str(out)])
-    return {"args": args, "path": out, "plan": written, "replayed": replayed}
+    return {"args": args, "path": out, "plan": written, "replayed": replayed, "finalists": finalists}
 
 
 def without(args: list[str], flag: str) -> list[str]:

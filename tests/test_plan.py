@@ -11,8 +11,8 @@ from decode.models.loading import TOKEN_COUNTS
 
 from decode import SpeculativeDecoder
 from decode.methods import METHODS
-from decode.planning import plan_file, replay, shapes
-from decode.cli import bench, plan, run, serve
+from decode.planning import kinds, plan_file, replay, shapes
+from decode.cli import bench, plan, report, run, serve
 from decode.drafting import (ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
                              TreeDrafter)
 from decode.models.engine import GPT2Engine
@@ -201,6 +201,21 @@ def test_a_projection_prices_a_larger_oracle_and_draft_and_says_what_it_measured
     assert "PROJECTION (not a measurement)" in out and "with a 1,64,500 draft (1 x 64, vocabulary 500)" in out
     assert "borrowed from the trained pair: the acceptance (tokens per call)" in out
     assert json.loads((tmp_path / "p.json").read_text())["projection"]["sources"] == projection["sources"]
+
+
+def test_the_plan_shows_each_kind_of_tree_at_its_best_replayed_on_every_calibration_prompt(planned, capsys):
+    made = planned["plan"]
+    screened = {kinds.kind_of(method, policy) for method, policy, _ in planned["replayed"]} - {None}
+    rows = made["kinds"]
+    assert [r["kind"] for r in rows] == [kind for kind in kinds.KINDS if kind in screened] and len(rows) == 3
+    finalists = [(method, policy) for method, policy, _ in planned["finalists"]]
+    for r in rows:  # each kind's best among the screened policies went on to the finalists
+        assert (r["method"], r["policy"]) in finalists and kinds.kind_of(r["method"], r["policy"]) == r["kind"]
+        assert r["oracle_forwards_per_call"] > 0 and r["speedup"] > 0
+    markdown = report.plan_markdown(json.loads(planned["path"].read_text()))
+    table = [line.split(" | ") for line in markdown.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [(cells[0].lstrip("| "), cells[1]) for cells in table] == [(r["kind"], r["method"]) for r in rows]
+    assert [cells[6] for cells in table] == [f"{r['speedup']:.2f}x" for r in rows]
 
 
 def test_beside_a_bfloat16_oracle_the_plan_weighs_the_draft_in_float32_too(models):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from decode.models.loading import TOKEN_COUNTS
 
-from decode.planning import costs, replay, search, shapes
+from decode.planning import costs, kinds, replay, search, shapes
 from decode.tree import Tree
 from decode.cli import plan
 from decode.models.cached_lm import Shortlist
@@ -255,3 +255,34 @@ def test_the_prompts_screened_on_come_from_across_the_calibration_prompts():
     assert sorted(order) == list(range(100))
     assert order[:16] == list(range(0, 96, 6))  # evenly spaced, in order, not the first 16
     assert plan.spread(list(range(5)), 16) == list(range(5))
+
+
+def prediction(policy: dict, ms: float, tokens: float = 4.0) -> dict:
+    return {"policy": policy, "ms_per_token": ms, "tokens_per_call": tokens, "oracle_ms_per_call": 2.0 * ms,
+            "drafting_ms_per_call": 0.1, "mean_nodes": float(len(policy.get("parents", [0] * 6))), "speedup": 1.0 / ms}
+
+
+def test_each_policy_is_a_chain_a_branching_tree_or_a_trigram_stage_and_each_kind_shows_its_fastest():
+    chain = {"parents": [-1, 0, 1, 2], "ranks": [0, 0, 0, 0]}
+    branching = {"parents": [-1, 0, 0, 1], "ranks": [0, 0, 1, 0]}
+    assert kinds.kind_of("speculative", {"k": 5}) == "chain"
+    assert kinds.kind_of("tree", chain) == "chain" and kinds.kind_of("staged", chain | {"widths": []}) == "chain"
+    assert kinds.kind_of("tree", branching) == "branching tree"
+    assert kinds.kind_of("staged", branching | {"widths": [1]}) == "trigram stage"
+    assert kinds.kind_of("staged", {"widths": [3, 2, 1], "budget": 24}) == "trigram stage"
+    assert kinds.kind_of("lookup", {"tokens": 4}) is None and kinds.kind_of("ngram", {"widths": [3], "budget": 8}) is None
+    ranked = {"speculative": [prediction({"k": 4}, 0.30), prediction({"k": 6}, 0.25)],
+              "tree": [prediction(chain, 0.28), prediction(branching, 0.40)],
+              "staged": [prediction({"widths": [3, 2, 1], "budget": 24}, 0.35), prediction(branching | {"widths": []}, 0.38)],
+              "lookup": [prediction({"tokens": 4}, 0.10)]}
+    best = kinds.best_of_each_kind(ranked)
+    assert list(best) == ["chain", "branching tree", "trigram stage"]  # lookup drafts no tree of the draft's
+    assert best["chain"] == ("speculative", ranked["speculative"][1])
+    assert best["branching tree"] == ("staged", ranked["staged"][1])
+    rows = kinds.kinds_table(ranked, one_row_ms=0.5)
+    assert rows[0]["oracle_forwards_per_call"] == pytest.approx(2 * 0.25 / 0.5) and rows[0]["speedup"] == pytest.approx(4.0)
+    # a method's choice, measured in a decoding loop, stands for its kind in that method; its other kinds stay
+    chosen = {"tree": prediction(chain, 0.29)}
+    shown = kinds.with_choices(ranked, chosen)
+    assert shown["tree"] == [chosen["tree"], ranked["tree"][1]] and shown["staged"] == ranked["staged"]
+    assert kinds.best_of_each_kind({"tree": shown["tree"]})["chain"] == ("tree", chosen["tree"])

@@ -48,7 +48,7 @@ from decode.models.cached_lm import CachedLM
 from decode.models.calibration import calibrate
 from decode.models.loading import load_draft, load_trigram
 from decode.options import MIN_DRAFT_VOCAB
-from decode.planning import costs, replay, shapes
+from decode.planning import costs, kinds, replay, shapes
 from decode.planning.search import (RANKS, base_dtype, best, forecast, measured_forecast, replay_policies,
                                     variant_name, with_tree_shapes)
 from decode.planning.plan_file import PLAN_VERSION, describe, identity, plan_name, save_plan
@@ -254,6 +254,18 @@ def replayer(decoder, prompts: list, sequences: list, settings) -> Callable:
                                              settings.sampling, decoder.eos_id, settings.seed)
 
 
+def print_kinds(rows: list[dict], one_row_ms: float) -> None:
+    """Each kind of tree at its best (planning.kinds.kinds_table), in a table: why the plan drafts the kind it does."""
+    print(f"each kind of tree at its best, priced as above (the oracle's cost of a call in one-row forwards of "
+          f"{one_row_ms:.2f} ms):")
+    print(f"  {'kind':<15} {'method':<12} {'nodes':>6} {'tokens/call':>11} {'oracle cost/call':>16} "
+          f"{'drafting ms/call':>16} {'speedup':>8}  policy")
+    for r in rows:
+        print(f"  {r['kind']:<15} {r['method']:<12} {r['nodes']:6.1f} {r['tokens_per_call']:11.2f} "
+              f"{r['oracle_forwards_per_call']:15.2f}x {r['drafting_ms_per_call']:16.3f} {r['speedup']:7.2f}x  "
+              + describe(r["policy"]))
+
+
 def print_forecast(title: str, predicted: dict) -> None:
     print(title)
     print(f"  {'method':<12} {'tokens/call':>11} {'ms/token':>9} {'speedup':>8} {'90% interval':>13}  policy")
@@ -332,11 +344,15 @@ def main(argv=None) -> dict:
     print_forecast(f"predicted for {settings.sampling.describe()} on this device (oracle q=1 forward {oracle_costs[1]:.2f} ms in isolation, "
                    f"{baseline['one_token']:.2f} ms in the baseline's loop; tokens per call count each prompt's "
                    f"prefill, as decode.bench does):", predicted)
+    every_policy = forecast(replays, isolated_ms, baseline, in_loop, len(max(replays.values(), key=len)))
+    kinds_shown = kinds.kinds_table(kinds.with_choices(every_policy, predicted), oracle_costs[1])
+    print_kinds(kinds_shown, oracle_costs[1])
     plan = {"version": PLAN_VERSION, "identity": identity(options),
             "sampling": settings.sampling.describe(),
             "calibration": {"prompts": str(settings.prompts), "count": len(prompts), "tokens": sum(len(c) for _, c in sequences),
                             "max_new_tokens": settings.max_new_tokens, "token_healing": options.token_healing},
             "policies": {m: p["policy"] for m, p in predicted.items() if m != "baseline"}, "predicted": predicted,
+            "kinds": kinds_shown,
             "acceptance": {"draft": p_draft, "trigram": p_trigram, "sampled": sampled},
             "costs": {"oracle_ms": oracle_costs, "oracle_ms_after": tables, "baseline_in_loop_ms": baseline,
                       "in_loop": in_loop}}

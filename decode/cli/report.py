@@ -8,7 +8,7 @@ numbers, and when the oracle's completions loop a warning that they flatter ever
     python -m decode.report greedy.json topk.json --markdown --brief --methods baseline,staged,llamacpp
     python -m decode.report greedy.json --markdown --forecast # the plan's forecast beside the measurement
     python -m decode.report engine.json --markdown           # decode.bench_engine's cost curves against the roofline
-    python -m decode.report RUN/plan.json --markdown         # a plan's projection (decode.plan --project-oracle)
+    python -m decode.report RUN/plan.json --markdown         # a plan's kinds of tree, and its projection
 
 The benchmark guide's tables are made by the second form and the README's by the third (the median speedup alone,
 the rows chosen), so no figure there is typed by hand.
@@ -26,8 +26,7 @@ from decode.planning.plan_file import describe
 PROG = "python -m decode.report"
 
 
-WHAT = ("pass the JSON that python -m decode.bench (or decode.bench_engine) --out wrote, or a plan made with "
-        "decode.plan --project-oracle")
+WHAT = "pass the JSON that python -m decode.bench (or decode.bench_engine) --out wrote, or a plan decode.plan wrote"
 
 
 def load_result(path: Path) -> dict:
@@ -39,9 +38,9 @@ def load_result(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: not a benchmark result ({e}); {WHAT}") from None
     if not isinstance(result, dict) or not ({"settings", "summary", "records"} <= result.keys() or is_engine(result)
-                                            or is_projection(result)):
+                                            or is_plan(result)):
         raise InputError(f"{path}: not a benchmark result (neither decode.bench's settings, summary and records, nor "
-                         f"decode.bench_engine's roofline, nor a plan's projection); {WHAT}")
+                         f"decode.bench_engine's roofline, nor a plan); {WHAT}")
     return result
 
 
@@ -49,9 +48,34 @@ def is_engine(result: dict) -> bool:
     return {"roofline", "machine", "command"} <= result.keys()
 
 
-def is_projection(result: dict) -> bool:
-    """A plan (decode.plan's file) that holds a projection (--project-oracle)."""
-    return {"version", "identity", "predicted", "projection"} <= result.keys()
+def is_plan(result: dict) -> bool:
+    """A plan (decode.plan's file)."""
+    return {"version", "identity", "predicted"} <= result.keys()
+
+
+def plan_markdown(plan: dict) -> str:
+    """A plan's table of each kind of tree at its best, and its projection where it holds one (--project-oracle)."""
+    parts = [kinds_markdown(plan)] if plan.get("kinds") else []
+    parts += [projection_markdown(plan)] if "projection" in plan else []
+    if not parts:
+        raise InputError("this plan holds neither a table of the kinds of tree nor a projection: make it again with "
+                         "this version's decode.plan (--project-oracle for a projection)")
+    return "\n\n".join(parts)
+
+
+def kinds_markdown(plan: dict) -> str:
+    """Each kind of tree at its best under the plan's costs (planning.kinds), the calibration in a line above."""
+    one_row = plan["costs"]["oracle_ms"]["1"]
+    lines = [f"- each kind of tree at its best: {plan['sampling']}, calibrated on {plan['calibration']['count']} prompts x "
+             f"{plan['calibration']['max_new_tokens']} tokens, {plan['identity']['dtype']}; the oracle's cost of a call "
+             f"in one-row forwards of {one_row:.2f} ms",
+             "", "| kind | method | nodes | tokens/call | oracle cost/call | drafting ms/call | speedup | policy |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in plan["kinds"]:
+        lines.append(f"| {r['kind']} | {r['method']} | {r['nodes']:.1f} | {r['tokens_per_call']:.2f} | "
+                     f"{r['oracle_forwards_per_call']:.2f}x | {r['drafting_ms_per_call']:.3f} | {r['speedup']:.2f}x | "
+                     f"{describe(r['policy'])} |")
+    return "\n".join(lines)
 
 
 def projection_markdown(plan: dict) -> str:
@@ -184,11 +208,12 @@ def markdown(results: list[dict], methods: list[str] | None = None, brief: bool 
 @exits_on_input_error
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description="Print a decode.bench result (its --out JSON) as a table, or a "
-                                "decode.bench_engine result's cost curves or a plan's projection as Markdown.",
+                                "decode.bench_engine result's cost curves or a plan's kinds of tree and projection as "
+                                "Markdown.",
                                 formatter_class=HelpFormatter)
     p.add_argument("results", nargs="+", type=Path, metavar="RESULT.json",
                    help="decode.bench --out files, one table (or, with --markdown, one decode.bench_engine --out file or "
-                        "one plan with a projection)")
+                        "one plan)")
     p.add_argument("--markdown", action="store_true", help="a Markdown table, the runs' settings listed above it")
     p.add_argument("--brief", action="store_true", help="with --markdown: the median speedup alone, no tokens per call")
     p.add_argument("--methods", help="with --markdown: these rows, comma-separated, in this order (default: every method)")
@@ -198,10 +223,10 @@ def main(argv=None) -> None:
                                                              "for each planned method")
     args = p.parse_args(argv)
     results = [load_result(path) for path in args.results]
-    if any(is_engine(result) or is_projection(result) for result in results):
+    if any(is_engine(result) or is_plan(result) for result in results):
         if len(results) > 1 or not args.markdown:
-            raise InputError("a decode.bench_engine result or a plan's projection is shown alone, with --markdown")
-        print(engine_markdown(results[0]) if is_engine(results[0]) else projection_markdown(results[0]))
+            raise InputError("a decode.bench_engine result or a plan is shown alone, with --markdown")
+        print(engine_markdown(results[0]) if is_engine(results[0]) else plan_markdown(results[0]))
         return
     methods = args.methods.split(",") if args.methods else None
     unknown = [m for m in methods or [] if not any(m in result["summary"] for result in results)]

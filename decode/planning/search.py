@@ -11,7 +11,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from decode.methods import METHODS
-from decode.planning import replay, shapes
+from decode.planning import kinds, replay, shapes
 from decode.planning.costs import ContextCosts
 from decode.planning.plan_file import with_policy
 from decode.sampling import Sampling
@@ -93,8 +93,9 @@ def replay_policies(options, draft, table, p_draft, run_replay: Callable, prompt
     (a cheaper draft may favour a larger tree): per method, each policy with its drafter and replay."""
     screened = replay_all(candidates(options, draft, table, p_draft, max_budget, max_depth, sampling),
                           run_replay, screen, f"screening policies on {min(screen, prompts)} prompts")
-    replays = replay_all(leaders(screened, FINALISTS, oracle_curves), run_replay, prompts,
-                         f"replaying the finalists on {prompts} prompts")
+    finalists = leaders(screened, FINALISTS, oracle_curves)
+    finalists += [f for f in kind_leaders(screened, oracle_curves[0]) if f[:2] not in [g[:2] for g in finalists]]
+    replays = replay_all(finalists, run_replay, prompts, f"replaying the finalists on {prompts} prompts")
     if drafts:
         drafted = {method: group for method, group in replays.items() if "draft_vocab" in group[0]["policy"]}
         variants = [(method, policy | {"draft_vocab": n, "draft_dtype": dtype}, drafter_for(method, policy, variant, table, options))
@@ -106,14 +107,28 @@ def replay_policies(options, draft, table, p_draft, run_replay: Callable, prompt
     return replays
 
 
+def outside_a_loop(replays: dict) -> dict:
+    """Each method's factors with drafting and the loop as measured outside a decoding loop (`forecast`'s in_loop)."""
+    return {method: {"oracle": 1.0, "drafting": 1.0, "loop_ms": 0.0} for method in replays}
+
+
 def leaders(replays: dict, keep: int, oracle_curves: list[tuple]) -> list[tuple[str, dict, object]]:
     """(method, policy, drafter) for each method's `keep` best policies of `replays` under each of
     `oracle_curves` (the oracle's ms per node count, the baseline's costs, and a projected draft's costs or None),
     with drafting and the loop as measured outside a decoding loop."""
-    plain = {method: {"oracle": 1.0, "drafting": 1.0, "loop_ms": 0.0} for method in replays}
+    plain = outside_a_loop(replays)
     return [(method, c["policy"], c["drafter"]) for method, group in replays.items()
             for c in unique_best(group, [forecast({method: group}, ms, baseline, plain, keep, draft_ms)
                                          for ms, baseline, draft_ms in oracle_curves], method)]
+
+
+def kind_leaders(replays: dict, oracle_curve: tuple) -> list[tuple[str, dict, object]]:
+    """(method, policy, drafter) of the best policy of each kind of tree (planning.kinds) among `replays` under
+    `oracle_curve`, so that the finalists hold every kind's best: the plan shows what each would give."""
+    ms, baseline, draft_ms = oracle_curve
+    ranked = forecast(replays, ms, baseline, outside_a_loop(replays), len(max(replays.values(), key=len)), draft_ms)
+    return [(method, p["policy"], next(c["drafter"] for c in replays[method] if c["policy"] == p["policy"]))
+            for method, p in kinds.best_of_each_kind(ranked).values()]
 
 
 def unique_best(group: list[dict], forecasts: list[dict], method: str) -> list[dict]:
