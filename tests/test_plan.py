@@ -218,6 +218,21 @@ def test_the_plan_shows_each_kind_of_tree_at_its_best_replayed_on_every_calibrat
     assert [cells[6] for cells in table] == [f"{r['speedup']:.2f}x" for r in rows]
 
 
+def test_the_bench_notes_prompts_much_longer_than_the_plans_calibration_prompts(planned, tmp_path, capsys):
+    calibrated = planned["plan"]["calibration"]["prompt_tokens"]
+    assert 2 <= calibrated <= 4  # the fixture's prompts: three words, a token each or two
+    args = planned["args"] + ["--plan", str(planned["path"]), "--methods", "baseline,staged", "--limit", "2"]
+    for words, noted in ((3, False), (12, True)):
+        prompts = tmp_path / f"{words}.jsonl"
+        prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": " ".join(f"t{(i + j) % 9 + 2}" for j in range(words))})
+                                   + "\n" for i in range(2)))
+        capsys.readouterr()
+        bench.main(without(args, "--prompts") + ["--prompts", str(prompts)])
+        out = capsys.readouterr().out
+        assert ("and the plan's calibration prompts" in out) == noted, out
+        assert not noted or "the speedup on longer prompts is lower than the forecast" in out
+
+
 def test_beside_a_bfloat16_oracle_the_plan_weighs_the_draft_in_float32_too(models):
     options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1",
                          "--dtype", "bfloat16"]).options

@@ -319,6 +319,9 @@ def main(argv=None) -> dict:
     print_table(summary, sampling.greedy)
     sizing, drafts = describe_methods(decoders, summary, sampling)
     print("\n".join(explain.explain(summary, plan, sampling.greedy)))
+    note = explain.calibration_length_note(plan, sum(len(prompt.ids) for _, prompt in prompts) / len(prompts))
+    if note and explain.forecast_rows(summary):
+        print(note)
     print(explain.loops_line([r["tokens"] for r in records["baseline"]], summary))
     warning = explain.looping([r["tokens"] for r in records["baseline"]]) if sampling.greedy else None
     if warning:

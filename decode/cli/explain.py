@@ -138,6 +138,23 @@ def looping(completions: list[list[int]], share: float = 0.2) -> str | None:
             f"gives fewer tokens per call than this table; the column 'least repetitive half' leaves the loops out.")
 
 
+# Prompts this many times longer (or shorter) on average than a plan's calibration prompts: reading them, which every
+# method pays alike, takes a share of the time the forecast did not price
+LENGTH_RATIO = 1.5
+
+
+def calibration_length_note(plan: dict | None, prompt_tokens: float) -> str | None:
+    """A note where the prompts (`prompt_tokens` on average) are much longer or shorter than those the plan was
+    calibrated on: its forecast priced reading prompts of their length, so it holds less well on these."""
+    calibrated = plan["calibration"].get("prompt_tokens") if plan is not None else None
+    if not calibrated or 1 / LENGTH_RATIO < prompt_tokens / calibrated < LENGTH_RATIO:
+        return None
+    return (f"Note: these prompts average {prompt_tokens:.0f} tokens and the plan's calibration prompts {calibrated:.0f}. "
+            f"Reading a prompt costs every method alike, so the speedup on {'longer' if prompt_tokens > calibrated else 'shorter'} "
+            f"prompts is {'lower' if prompt_tokens > calibrated else 'higher'} than the forecast, which priced the "
+            f"calibration's; python -m decode.plan --prompts FILE calibrates on prompts like these.")
+
+
 def forecast_rows(summary: dict) -> list[dict]:
     """Each planned method's forecast beside its measurement: tokens per oracle call, and the speedup in tokens/s
     over the baseline's, with the plan's 90% interval where it has one."""

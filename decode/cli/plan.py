@@ -350,6 +350,7 @@ def main(argv=None) -> dict:
     plan = {"version": PLAN_VERSION, "identity": identity(options),
             "sampling": settings.sampling.describe(),
             "calibration": {"prompts": str(settings.prompts), "count": len(prompts), "tokens": sum(len(c) for _, c in sequences),
+                            "prompt_tokens": sum(len(p) for p, _ in sequences) / len(sequences),
                             "max_new_tokens": settings.max_new_tokens, "token_healing": options.token_healing},
             "policies": {m: p["policy"] for m, p in predicted.items() if m != "baseline"}, "predicted": predicted,
             "kinds": kinds_shown,
