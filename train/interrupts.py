@@ -4,8 +4,6 @@ A second signal stops it at once."""
 import signal
 import threading
 
-import torch
-
 from decode.errors import Terminated
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -37,12 +35,11 @@ class DeferredInterrupts:
         self.previous = {}
 
     def requested(self, accelerator) -> bool:
-        """Whether to stop after this step: a signal reached this process or, with several, any of them (every
-        process then saves the same step)."""
-        if accelerator.num_processes == 1:
-            return self.received is not None
-        flag = torch.tensor([float(self.received is not None)], device=accelerator.device)
-        return bool(accelerator.reduce(flag, "max").item())
+        """Whether to stop after this step: a signal reached this process or another of the run's (accelerate's
+        trigger, so that every process saves the same step)."""
+        if self.received is not None:
+            accelerator.set_trigger()
+        return accelerator.check_trigger()
 
     def stop(self) -> BaseException:
         """What the command stops with: as if the signal had been acted on when it came."""
