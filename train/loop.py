@@ -344,7 +344,7 @@ def train(run: Run, model, loss_fn: LossFn, final_metrics: Callable | None = Non
                 accelerator.log(logs, step=step)
                 bar.set_postfix({k: f"{v:.3g}" for k, v in logs.items() if k in ("loss", "val_loss", "tokens_per_s")}, refresh=False)
                 bar.update(1)
-                stopping = interrupts.requested(accelerator)
+                stopping = step < stop and interrupts.requested(accelerator)  # the last step: the run ends anyway
                 if (args.save_every and step % args.save_every == 0) or step == stop or stopping:
                     save_checkpoint(accelerator, work_dir, step, args.keep_checkpoints)
                 if stopping:
