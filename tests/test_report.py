@@ -1,4 +1,5 @@
 """decode.report: a benchmark's JSON as a table again, and as the Markdown the docs generate from it."""
+import json
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,14 @@ def test_a_plans_projection_says_what_it_measured_and_borrowed_with_a_row_per_me
     with pytest.raises(SystemExit) as exit_:
         report.main([str(path)])  # a projection has no plain table
     assert exit_.value.code == 2 and "with --markdown" in capsys.readouterr().err
+
+
+def test_a_plan_with_nothing_to_show_is_a_one_line_error_that_says_how_to_make_one(tmp_path, capsys):
+    plan = json.loads((RESULTS / "avx2-quick-projection.json").read_text())
+    del plan["projection"]  # a plan of an earlier version: no table of the kinds of tree either
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(path), "--markdown"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "make it again" in err
