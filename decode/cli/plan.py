@@ -344,7 +344,7 @@ def main(argv=None) -> dict:
     print_forecast(f"predicted for {settings.sampling.describe()} on this device (oracle q=1 forward {oracle_costs[1]:.2f} ms in isolation, "
                    f"{baseline['one_token']:.2f} ms in the baseline's loop; tokens per call count each prompt's "
                    f"prefill, as decode.bench does):", predicted)
-    every_policy = forecast(replays, isolated_ms, baseline, in_loop, len(max(replays.values(), key=len)))
+    every_policy = forecast(replays, isolated_ms, baseline, in_loop, keep=None)
     kinds_shown = kinds.kinds_table(kinds.with_choices(every_policy, predicted), oracle_costs[1])
     print_kinds(kinds_shown, oracle_costs[1])
     plan = {"version": PLAN_VERSION, "identity": identity(options),

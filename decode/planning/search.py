@@ -126,7 +126,7 @@ def kind_leaders(replays: dict, oracle_curve: tuple) -> list[tuple[str, dict, ob
     """(method, policy, drafter) of the best policy of each kind of tree (planning.kinds) among `replays` under
     `oracle_curve`, so that the finalists hold every kind's best: the plan shows what each would give."""
     ms, baseline, draft_ms = oracle_curve
-    ranked = forecast(replays, ms, baseline, outside_a_loop(replays), len(max(replays.values(), key=len)), draft_ms)
+    ranked = forecast(replays, ms, baseline, outside_a_loop(replays), None, draft_ms)
     return [(method, p["policy"], next(c["drafter"] for c in replays[method] if c["policy"] == p["policy"]))
             for method, p in kinds.best_of_each_kind(ranked).values()]
 
@@ -137,9 +137,9 @@ def unique_best(group: list[dict], forecasts: list[dict], method: str) -> list[d
     return [c for c in group if c["policy"] in wanted]
 
 
-def forecast(replays: dict, oracle_ms: ContextCosts, baseline: dict, in_loop: dict, keep: int = 1,
+def forecast(replays: dict, oracle_ms: ContextCosts, baseline: dict, in_loop: dict, keep: int | None = 1,
              draft_ms: dict | None = None) -> dict:
-    """Per method, its `keep` best policies with their predictions under these oracle costs, best
+    """Per method, its `keep` best policies (None: all) with their predictions under these oracle costs, best
     first: a tree step of q nodes costs oracle_ms's price of it times the method's in-loop factor, plus its
     drafting (times its factor) and loop (`in_loop[method]`); the baseline's prefill, one-token
     forward and loop are `baseline`'s (its first call per prompt is the prefill, which yields the
