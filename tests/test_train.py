@@ -55,13 +55,15 @@ def test_a_signal_during_training_saves_the_step_it_reached_and_resume_ends_with
                 os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(loop, "tqdm", SignalledAtStep5)
-    part = ["--data", data, "--out", str(tmp_path / "parts"), "--max-steps", "12"]
+    part = ["--data", data, "--out", str(tmp_path / "parts"), "--max-steps", "12", "--save-every", "2",
+            "--keep-checkpoints", "1"]
     with pytest.raises(SystemExit) as stopped:
         finetune_oracle.main(part)
     assert stopped.value.code == code
     saved = tmp_path / "parts-train" / "checkpoints" / f"{CHECKPOINT_PREFIX}0000005"
     err = capsys.readouterr().err
     assert saved.is_dir() and "stopped at step 5 of 12" in err and "--resume" in err and str(saved) in err
+    assert f"{CHECKPOINT_PREFIX}0000004" not in err  # removed by --keep-checkpoints 1, so not named as written
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are back
     monkeypatch.undo()
     assert finetune_oracle.main(part + ["--resume"])["step"] == 12

@@ -187,6 +187,8 @@ def save_checkpoint(accelerator, work_dir: Path, step: int, keep: int) -> None:
         written.append(final)
         for old in checkpoints(work_dir)[:-keep]:
             shutil.rmtree(old)
+            if old in written:  # the interrupt message names what is there
+                written.remove(old)
     accelerator.wait_for_everyone()
 
 
