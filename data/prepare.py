@@ -132,10 +132,7 @@ def main(argv=None) -> None:
     vocab_size = len(tokenizer)
     dtype = shards.token_dtype(vocab_size)
 
-    def fits(prompt: str) -> bool:
-        return len(tok.encode_documents(tokenizer, [prompt])[0]) <= args.max_prompt_tokens
-
-    harvested = harvest.harvest(splits["val"], args.num_prompts, fits=fits)
+    harvested = harvest.harvest(splits["val"], args.num_prompts, fits=harvest.within(tokenizer, args.max_prompt_tokens))
 
     with atomic_outputs(outputs(run), args.overwrite) as (tokenizer_dir, prompts_file, data_dir):
         tokenizer.save_pretrained(tokenizer_dir)

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 COMMANDS = [  # (what a user types, how to run it here)
     ("python -m data.prepare", ["-m", "data.prepare"]),
+    ("python -m data.harvest", ["-m", "data.harvest"]),
     ("python train/finetune_oracle.py", ["train/finetune_oracle.py"]),
     ("python train/distill_draft.py", ["train/distill_draft.py"]),
     ("python -m train.bf16", ["-m", "train.bf16"]),

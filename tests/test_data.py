@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from data import corpus, harvest, prepare, shards
 from decode import prompts
 from decode.errors import InputError
+from conftest import write_corpus
 from data.tokenizer import END_OF_TEXT, train_bpe
 
 
@@ -144,6 +145,41 @@ def test_harvest_keeps_only_top_level_functions_with_docstring_and_body():
         'def _helper(x):\n    """Private helpers count."""\n    return x\n'
     ))
     assert [p["entry_point"] for p in harvest.harvest_file(doc)] == ["_helper"]
+
+
+def test_prompts_harvested_from_other_code_name_their_package_and_keep_the_limits(tmp_path, corpus_dir, capsys):
+    run = prepare_run(corpus_dir, tmp_path / "run")
+    other = write_corpus(tmp_path / "other", n_files=8)
+    out = tmp_path / "other.jsonl"
+    harvest.main([str(other), "json", "--run", str(run), "--out", str(out), "--per-file", "1", "--max-prompt-tokens", "80"])
+    records = prompts.read_jsonl(out)
+    files = [r["task_id"].split("::")[0] for r in records]
+    assert len(files) == len(set(files)) >= 8  # one a file
+    assert {f.split("/")[0] for f in files} == {"other", "json"}  # the package named, the stdlib's json by import name
+    tokenizer = AutoTokenizer.from_pretrained(run / "tokenizer")
+    assert all(len(tokenizer(r["prompt"]).input_ids) <= 80 for r in records)
+    assert "json/__init__.py" not in files  # json.dump's long docstring is over the limit
+    assert f"wrote {out}: {len(records)} prompts" in capsys.readouterr().out
+    harvest.main([str(other), "--run", str(run), "--out", str(out), "--count", "3", "--overwrite"])
+    assert len(prompts.read_jsonl(out)) == 3
+
+
+@pytest.mark.parametrize("source, out, message", [
+    ("no_such_package_here", "p.jsonl", "neither a directory nor an installed package"),
+    ("{other}", "{other}/p.jsonl", "which this command reads as its source"),
+    ("{other}", "{kept}", "already holds a file; pass --overwrite"),
+])
+def test_harvesting_bad_sources_or_outputs_is_a_one_line_error_that_writes_nothing(
+        tmp_path, corpus_dir, capsys, source, out, message):
+    run = prepare_run(corpus_dir, tmp_path / "run")
+    other, kept = write_corpus(tmp_path / "other", n_files=2), tmp_path / "kept.jsonl"
+    kept.write_text("mine\n")
+    before = sorted(p.name for p in other.iterdir())
+    paths = {"other": other, "kept": kept}
+    with pytest.raises(SystemExit) as exit:
+        harvest.main([source.format(**paths), "--run", str(run), "--out", str(tmp_path / out.format(**paths))])
+    assert exit.value.code == 2 and message in error_line(capsys)
+    assert sorted(p.name for p in other.iterdir()) == before and kept.read_text() == "mine\n"
 
 
 def test_humaneval_jsonl_and_gz_load(tmp_path):
