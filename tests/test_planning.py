@@ -207,9 +207,12 @@ def test_the_forecast_interval_spans_the_calibration_prompts_speedups():
     assert forecast([3, 12, 4, 8, 6, 10, 5, 7])["speedup_interval"] == [low, high]  # reproducible
 
 
-def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to_one_measured_faster(monkeypatch):
+@pytest.mark.parametrize("slowdown", [1.0, 1.3])
+def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to_one_measured_faster(monkeypatch,
+                                                                                                     slowdown):
     """The in-loop costs are measured per policy: a method's best policy under the costs of the first one measured is
-    measured too, and the plan keeps the faster of the two, each priced with its own costs."""
+    measured too, and the plan keeps the faster of the two, each priced with its own costs. A round run while the
+    machine was `slowdown` times slower (its baseline too) counts at the last round's speed."""
     replays = {"tree": [{"policy": {"nodes": n}, "drafter": f"drafter {n}",
                          "replay": replay.Replay(prompts=1, steps=steps, tokens=40, drafting_seconds=seconds,
                                                  nodes=[n] * steps, accepted=[40 // steps - 1] * steps,
@@ -220,14 +223,17 @@ def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to
 
     def loop_costs(decoder, drafters, *rest):
         measured_drafters.append(list(drafters.values()))
-        return {"baseline": {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}} | {
-            name: {"oracle": 1.0, "loop_ms": 0.0, "drafting_ms": in_loop_drafting_ms.get(drafter, 0.0)}
+        slow = slowdown if len(measured_drafters) == 2 else 1.0  # the 8-node tree's round
+        return {"baseline": {"prefill": slow, "one_token": slow, "loop": 0.0}} | {
+            name: {"oracle": slow, "loop_ms": 0.0, "drafting_ms": slow * in_loop_drafting_ms.get(drafter, 0.0)}
             for name, drafter in drafters.items()}
 
     monkeypatch.setattr(plan, "loop_costs", loop_costs)
     oracle_ms = costs.ContextCosts.flat(torch.arange(0, 20, dtype=torch.float64) * 0.1)  # q nodes cost q / 10 ms
     measured, baseline_costs = plan.calibrate_in_loop(None, replays, [], None, oracle_ms)
     assert measured_drafters[1:] == [["drafter 8"], ["drafter 4"]]  # after the context drafter's round
+    assert [f for _, f in measured["tree"]] == [pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 5.0 / 0.2}),
+                                                pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 0.3 / 0.02})]
     predicted, factors = search.measured_forecast(measured, oracle_ms, baseline_costs)
     assert predicted["tree"]["policy"] == {"nodes": 4}
     assert factors["tree"]["drafting"] == pytest.approx(0.3 / 0.02)  # its own: 0.3 ms in the loop, 0.02 replayed

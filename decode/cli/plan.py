@@ -57,6 +57,10 @@ from decode.sampling import Sampling
 GREEDY = Sampling()
 
 IN_LOOP_ROUNDS = 2  # rounds of decoding each method's best policy for real, while the best changes under its costs
+# a round decodes its prompts in turns again until the baseline has decoded this long (at most IN_LOOP_PASSES times):
+# on a shared machine a fraction of a second catches one moment's speed, and the costs of many rows and of one row
+# do not move together
+IN_LOOP_SECONDS, IN_LOOP_PASSES = 3.0, 10
 
 
 def shortlists(text: str) -> list[int]:
@@ -144,8 +148,8 @@ def oracle_outputs(decoder, prompts, max_new_tokens: int) -> list[tuple[list[int
 
 def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: costs.ContextCosts) -> dict:
     """Decoding for real under the settings' sampling with the baseline and each of `drafters`, in turns per prompt
-    after a warm-up, as decode.bench runs them (each slows the others' next forwards by evicting their weights from
-    the caches). Per drafter: the oracle's forward as a multiple of its isolated cost for the same node counts and
+    after a warm-up (the prompts again until the baseline has decoded for IN_LOOP_SECONDS), as decode.bench runs them
+    (each slows the others' next forwards by evicting their weights from the caches). Per drafter: the oracle's forward as a multiple of its isolated cost for the same node counts and
     cached lengths (`oracle_ms`), the drafting's ms per step and the rest of a step's ms (masks, verification, commits); for
     "baseline", its baseline_costs."""
     timers = {name: Timer(decoder.oracle.device) for name in ["baseline", *drafters]}
@@ -161,7 +165,12 @@ def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: costs.Cont
     warm_up(runs, prompts[0], n)
     for timer in timers.values():
         timer.clear()
-    records = decode_in_turns(runs, prompts, n)
+    records = {name: [] for name in runs}
+    for _ in range(IN_LOOP_PASSES):
+        for name, rows in decode_in_turns(runs, prompts, n).items():
+            records[name] += rows
+        if sum(r["seconds"] for r in records["baseline"]) >= IN_LOOP_SECONDS:
+            break
     seconds = {name: sum(r["seconds"] for r in rows) for name, rows in records.items()}
     tokens = {name: sum(len(r["tokens"]) for r in rows) for name, rows in records.items()}
     measured = {"baseline": baseline_costs(timers["baseline"].forwards, seconds["baseline"], tokens["baseline"])}
@@ -222,16 +231,20 @@ def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: co
     amounts that differ with the draft's dtype and output layer); a method whose best policy changes under its
     factors has the new one measured too, up to IN_LOOP_ROUNDS. Per method, the policies measured, each as (its
     candidate, its factors), staged's with the tree's (`with_tree_shapes`); and the baseline measured beside the last
-    of them."""
+    of them. A round's factors are scaled to the last round's speed (`at_speed`): a shared machine runs minutes apart
+    at speeds a quarter apart, and a method's costs count against the baseline's measured beside them."""
     generic = loop_costs(decoder, {"lookup": LookupDrafter()}, prompts, settings, isolated_ms)
-    in_loop = {method: {"oracle": generic["lookup"]["oracle"], "drafting": 1.0, "loop_ms": generic["lookup"]["loop_ms"]}
-               for method in replays}
-    baseline, measured = generic["baseline"], {method: [] for method in replays}
+    baseline = generic["baseline"]
+    stand_in = ({"oracle": generic["lookup"]["oracle"], "drafting": 1.0, "loop_ms": generic["lookup"]["loop_ms"]},
+                baseline["one_token"])
+    rounds = {method: [] for method in replays}  # (candidate, factors, the baseline's one-token ms beside them)
     for _ in range(IN_LOOP_ROUNDS):
+        in_loop = {method: at_speed(*(rounds[method][-1][1:] if rounds[method] else stand_in), baseline)
+                   for method in replays}
         leading = best(forecast(replays, isolated_ms, baseline, in_loop))
         chosen = {method: next(c for c in group if c["policy"] == leading[method]["policy"])
                   for method, group in replays.items()}
-        chosen = {method: c for method, c in chosen.items() if all(c is not done for done, _ in measured[method])}
+        chosen = {method: c for method, c in chosen.items() if all(c is not done for done, _, _ in rounds[method])}
         if not chosen:
             break
         costs = loop_costs(decoder, {m: c["drafter"] for m, c in chosen.items()}, prompts, settings, isolated_ms)
@@ -239,10 +252,21 @@ def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: co
         for method, c in chosen.items():
             replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps
             m = costs[method]
-            in_loop[method] = {"oracle": m["oracle"], "loop_ms": m["loop_ms"],
-                               "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}
-            measured[method].append((c, in_loop[method]))
+            factors = {"oracle": m["oracle"], "loop_ms": m["loop_ms"],
+                       "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}
+            rounds[method].append((c, factors, baseline["one_token"]))
+    measured = {method: [(c, at_speed(f, one_token, baseline)) for c, f, one_token in entries]
+                for method, entries in rounds.items()}
     return with_tree_shapes(measured), baseline
+
+
+def at_speed(factors: dict, one_token_ms: float, baseline: dict) -> dict:
+    """A method's in-loop factors, measured beside a baseline whose one-token forward took `one_token_ms`, at the
+    speed of the machine when `baseline` was measured: its oracle forwards, drafting and loop all scaled by the
+    ratio of the two baselines' one-token forwards."""
+    speed = baseline["one_token"] / one_token_ms
+    return {"oracle": factors["oracle"] * speed, "drafting": factors["drafting"] * speed,
+            "loop_ms": factors["loop_ms"] * speed}
 
 
 def replayer(decoder, prompts: list, sequences: list, settings) -> Callable:
