@@ -11,7 +11,7 @@ from decode.models.loading import TOKEN_COUNTS
 
 from decode.planning import costs, kinds, replay, search, shapes
 from decode.tree import Tree
-from decode.cli import plan
+from decode.cli import in_loop, plan
 from decode.models.cached_lm import Shortlist
 from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter)
 from decode.models.engine import GPT2Engine
@@ -228,9 +228,9 @@ def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to
             name: {"oracle": slow, "loop_ms": 0.0, "drafting_ms": slow * in_loop_drafting_ms.get(drafter, 0.0)}
             for name, drafter in drafters.items()}
 
-    monkeypatch.setattr(plan, "loop_costs", loop_costs)
+    monkeypatch.setattr(in_loop, "loop_costs", loop_costs)
     oracle_ms = costs.ContextCosts.flat(torch.arange(0, 20, dtype=torch.float64) * 0.1)  # q nodes cost q / 10 ms
-    measured, baseline_costs = plan.calibrate_in_loop(None, replays, [], None, oracle_ms)
+    measured, baseline_costs = in_loop.calibrate_in_loop(None, replays, [], None, oracle_ms)
     assert measured_drafters[1:] == [["drafter 8"], ["drafter 4"]]  # after the context drafter's round
     assert [f for _, f in measured["tree"]] == [pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 5.0 / 0.2}),
                                                 pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 0.3 / 0.02})]

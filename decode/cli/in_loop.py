@@ -1,0 +1,113 @@
+"""A plan's costs inside a decoding loop: each method's best policy decoded for real, in turns with the baseline,
+against the costs of its forwards and drafting measured alone (decode.plan)."""
+import torch
+
+from decode import loop
+from decode.cli.harness import Timer, decode_in_turns, warm_up
+from decode.drafting import LookupDrafter
+from decode.planning import costs
+from decode.planning.search import best, forecast, with_tree_shapes
+
+IN_LOOP_ROUNDS = 2  # rounds of decoding each method's best policy for real, while the best changes under its costs
+# a round decodes its prompts in turns again until the baseline has decoded this long (at most IN_LOOP_PASSES times):
+# on a shared machine a fraction of a second catches one moment's speed, and the costs of many rows and of one row
+# do not move together
+IN_LOOP_SECONDS, IN_LOOP_PASSES = 3.0, 10
+
+
+def steps_of(calls: list) -> list[tuple[int, float]]:
+    """(nodes, seconds) of the calls that are decoding steps: a prompt's prefill starts on an empty cache."""
+    return [(q, seconds) for q, cached, seconds in calls if cached > 0]
+
+
+def baseline_costs(calls: list, seconds: float, tokens: int) -> dict:
+    """A baseline loop's ms: a prompt's prefill (which yields the first token), a q=1 forward, and the
+    rest of a step."""
+    prefills = [s for q, cached, s in calls if cached == 0]
+    steps = steps_of(calls)
+    return {"prefill": 1e3 * sum(prefills) / len(prefills), "one_token": 1e3 * sum(s for _, s in steps) / len(steps),
+            "loop": 1e3 * (seconds - sum(s for _, _, s in calls)) / tokens}
+
+
+def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: costs.ContextCosts) -> dict:
+    """Decoding for real under the settings' sampling with the baseline and each of `drafters`, in turns per prompt
+    after a warm-up (the prompts again until the baseline has decoded for IN_LOOP_SECONDS), as decode.bench runs them
+    (each slows the others' next forwards by evicting their weights from the caches). Per drafter: the oracle's
+    forward as a multiple of its isolated cost for the same node counts and cached lengths (`oracle_ms`), the
+    drafting's ms per step and the rest of a step's ms (masks, verification, commits); for "baseline", its
+    baseline_costs."""
+    timers = {name: Timer(decoder.oracle.device) for name in ["baseline", *drafters]}
+    oracle, eos_id, n, sampling = decoder.oracle, decoder.eos_id, settings.max_new_tokens, settings.sampling
+    seeded = lambda i: torch.Generator(oracle.device).manual_seed(settings.seed + i)
+    runs = {"baseline": lambda prompt, i, tokens, hooks=timers["baseline"].hooks(): loop.baseline(
+        oracle, prompt.ids, tokens, sampling, eos_id, generator=seeded(i), allowed=prompt.allowed, hooks=hooks)}
+    for name, drafter in drafters.items():
+        drafter.forget()
+        runs[name] = lambda prompt, i, tokens, drafter=drafter, hooks=timers[name].hooks(): loop.tree_speculative(
+            oracle, prompt.ids, tokens, sampling, eos_id, generator=seeded(i), drafter=drafter, allowed=prompt.allowed,
+            hooks=hooks)
+    warm_up(runs, prompts[0], n)
+    for timer in timers.values():
+        timer.clear()
+    records = {name: [] for name in runs}
+    for _ in range(IN_LOOP_PASSES):
+        for name, rows in decode_in_turns(runs, prompts, n).items():
+            records[name] += rows
+        if sum(r["seconds"] for r in records["baseline"]) >= IN_LOOP_SECONDS:
+            break
+    seconds = {name: sum(r["seconds"] for r in rows) for name, rows in records.items()}
+    tokens = {name: sum(len(r["tokens"]) for r in rows) for name, rows in records.items()}
+    measured = {"baseline": baseline_costs(timers["baseline"].forwards, seconds["baseline"], tokens["baseline"])}
+    for name in drafters:
+        calls, proposing = timers[name].forwards, timers[name].seconds["propose"]
+        steps, forwards = [(q, cached) for q, cached, _ in calls if cached > 0], sum(s for _, _, s in calls)
+        isolated = float(oracle_ms.at(*zip(*steps)).sum()) / 1e3
+        measured[name] = {"oracle": sum(s for _, s in steps_of(calls)) / isolated,
+                          "drafting_ms": 1e3 * proposing / len(steps),
+                          "loop_ms": 1e3 * (seconds[name] - forwards - proposing) / len(steps)}
+    return measured
+
+
+def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: costs.ContextCosts) -> tuple[dict, dict]:
+    """Each method's costs in a real decoding loop, beside the baseline's: first with the context drafter (no draft
+    model) standing for every method, then with each method's best policy under the costs measured so far, which
+    gives that policy its own factors (the draft's and the oracle's forwards evict each other from the caches, by
+    amounts that differ with the draft's dtype and output layer); a method whose best policy changes under its
+    factors has the new one measured too, up to IN_LOOP_ROUNDS. Per method, the policies measured, each as (its
+    candidate, its factors), staged's with the tree's (`with_tree_shapes`); and the baseline measured beside the last
+    of them. A round's factors are scaled to the last round's speed (`at_speed`): a shared machine runs minutes apart
+    at speeds a quarter apart, and a method's costs count against the baseline's measured beside them."""
+    generic = loop_costs(decoder, {"lookup": LookupDrafter()}, prompts, settings, isolated_ms)
+    baseline = generic["baseline"]
+    stand_in = ({"oracle": generic["lookup"]["oracle"], "drafting": 1.0, "loop_ms": generic["lookup"]["loop_ms"]},
+                baseline["one_token"])
+    rounds = {method: [] for method in replays}  # (candidate, factors, the baseline's one-token ms beside them)
+    for _ in range(IN_LOOP_ROUNDS):
+        in_loop = {method: at_speed(*(rounds[method][-1][1:] if rounds[method] else stand_in), baseline)
+                   for method in replays}
+        leading = best(forecast(replays, isolated_ms, baseline, in_loop))
+        chosen = {method: next(c for c in group if c["policy"] == leading[method]["policy"])
+                  for method, group in replays.items()}
+        chosen = {method: c for method, c in chosen.items() if all(c is not done for done, _, _ in rounds[method])}
+        if not chosen:
+            break
+        costs = loop_costs(decoder, {m: c["drafter"] for m, c in chosen.items()}, prompts, settings, isolated_ms)
+        baseline = costs["baseline"]
+        for method, c in chosen.items():
+            replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps
+            m = costs[method]
+            factors = {"oracle": m["oracle"], "loop_ms": m["loop_ms"],
+                       "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}
+            rounds[method].append((c, factors, baseline["one_token"]))
+    measured = {method: [(c, at_speed(f, one_token, baseline)) for c, f, one_token in entries]
+                for method, entries in rounds.items()}
+    return with_tree_shapes(measured), baseline
+
+
+def at_speed(factors: dict, one_token_ms: float, baseline: dict) -> dict:
+    """A method's in-loop factors, measured beside a baseline whose one-token forward took `one_token_ms`, at the
+    speed of the machine when `baseline` was measured: its oracle forwards, drafting and loop all scaled by the
+    ratio of the two baselines' one-token forwards."""
+    speed = baseline["one_token"] / one_token_ms
+    return {"oracle": factors["oracle"] * speed, "drafting": factors["drafting"] * speed,
+            "loop_ms": factors["loop_ms"] * speed}
