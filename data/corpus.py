@@ -41,10 +41,10 @@ def local_documents(roots: Iterable[Path], skipped: Counter) -> Iterator[Documen
     files = []
     for root in map(Path, roots):
         if not root.is_dir():
-            raise InputError(f"source directory {root} does not exist or is not a directory; pass --path DIR")
+            raise InputError(f"source directory {root} does not exist or is not a directory; pass an existing directory")
         found = python_files(root)
         if not found:
-            raise InputError(f"no .py files under {root}; pass --path with a directory of Python sources")
+            raise InputError(f"no .py files under {root}; pass a directory of Python sources")
         files += [(root, f) for f in found]
     for root, path in tqdm(files, desc="reading files", unit="file"):
         try:

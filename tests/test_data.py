@@ -168,6 +168,7 @@ def test_prompts_harvested_from_other_code_name_their_package_and_keep_the_limit
     ("no_such_package_here", "p.jsonl", "neither a directory nor an installed package"),
     ("{other}", "{other}/p.jsonl", "which this command reads as its source"),
     ("{other}", "{kept}", "already holds a file; pass --overwrite"),
+    ("{empty}", "p.jsonl", "no .py files under"),
 ])
 def test_harvesting_bad_sources_or_outputs_is_a_one_line_error_that_writes_nothing(
         tmp_path, corpus_dir, capsys, source, out, message):
@@ -175,7 +176,8 @@ def test_harvesting_bad_sources_or_outputs_is_a_one_line_error_that_writes_nothi
     other, kept = write_corpus(tmp_path / "other", n_files=2), tmp_path / "kept.jsonl"
     kept.write_text("mine\n")
     before = sorted(p.name for p in other.iterdir())
-    paths = {"other": other, "kept": kept}
+    paths = {"other": other, "kept": kept, "empty": tmp_path / "empty"}
+    paths["empty"].mkdir()
     with pytest.raises(SystemExit) as exit:
         harvest.main([source.format(**paths), "--run", str(run), "--out", str(tmp_path / out.format(**paths))])
     assert exit.value.code == 2 and message in error_line(capsys)
