@@ -190,14 +190,14 @@ def test_the_forecast_interval_spans_the_calibration_prompts_speedups():
     baseline = {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}
     oracle_ms = costs.ContextCosts.flat(torch.arange(0, 20, dtype=torch.float64))
 
-    def forecast(steps_per_prompt: list[int]) -> dict:  # 24 tokens a prompt in that many steps of 2 nodes
+    def forecast(steps_per_prompt: list[int], timing: float = 0.0) -> dict:  # 24 tokens a prompt, steps of 2 nodes
         steps = sum(steps_per_prompt)
         replayed = replay.Replay(prompts=len(steps_per_prompt), steps=steps, tokens=24 * len(steps_per_prompt),
                                  nodes=[2] * steps, accepted=[1] * steps, prompt_tokens=[24] * len(steps_per_prompt),
                                  cached=[128] * steps,
                                  step_prompts=[i for i, n in enumerate(steps_per_prompt) for _ in range(n)])
         return search.forecast({"chain": [{"policy": {}, "replay": replayed}]}, oracle_ms, baseline,
-                               {"chain": {"oracle": 1.0, "loop_ms": 0.0, "drafting": 1.0}})["chain"][0]
+                               {"chain": {"oracle": 1.0, "loop_ms": 0.0, "drafting": 1.0, "timing": timing}})["chain"][0]
 
     alike = forecast([6] * 8)  # each prompt: a 1 ms prefill and 6 steps of 2 ms against 24 ms
     assert alike["speedup"] == pytest.approx(24 / 13) and alike["speedup_interval"] == pytest.approx([24 / 13] * 2)
@@ -205,6 +205,21 @@ def test_the_forecast_interval_spans_the_calibration_prompts_speedups():
     low, high = mixed["speedup_interval"]
     assert 24 / 25 < low < mixed["speedup"] < high < 24 / 7  # within the slowest and the fastest prompt's speedups
     assert forecast([3, 12, 4, 8, 6, 10, 5, 7])["speedup_interval"] == [low, high]  # reproducible
+    # a measurement whose timing may be 5% off widens it by that spread's central 90% (1.645 standard deviations)
+    timed = forecast([6] * 8, timing=0.05)
+    assert timed["speedup"] == alike["speedup"]
+    assert timed["speedup_interval"] == pytest.approx([24 / 13 * math.exp(-1.645 * 0.05), 24 / 13 * math.exp(1.645 * 0.05)],
+                                                      rel=0.01)
+
+
+def test_the_timing_spread_is_the_passes_relative_spread_of_the_speedup_counted_for_two_measurements():
+    same = [(1.0, 100), (2.0, 200), (1.5, 150)]  # the baseline, a ms a token every pass
+    assert in_loop.timing_spread(same, [(0.5, 100), (1.0, 200), (0.75, 150)]) == 0.0  # always twice as fast
+    speedups = np.array([2.0, 2.5, 1.5, 2.0])
+    method = [(b / s, t) for (b, t), s in zip(same + [(1.0, 100)], speedups)]
+    assert in_loop.timing_spread(same + [(1.0, 100)], method) == pytest.approx(
+        speedups.std(ddof=1) / speedups.mean() * math.sqrt(2 / 4))
+    assert in_loop.timing_spread(same[:1], method[:1]) == 0.0  # one pass: nothing to tell
 
 
 @pytest.mark.parametrize("slowdown", [1.0, 1.3])
@@ -225,15 +240,17 @@ def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to
         measured_drafters.append(list(drafters.values()))
         slow = slowdown if len(measured_drafters) == 2 else 1.0  # the 8-node tree's round
         return {"baseline": {"prefill": slow, "one_token": slow, "loop": 0.0}} | {
-            name: {"oracle": slow, "loop_ms": 0.0, "drafting_ms": slow * in_loop_drafting_ms.get(drafter, 0.0)}
+            name: {"oracle": slow, "loop_ms": 0.0, "drafting_ms": slow * in_loop_drafting_ms.get(drafter, 0.0),
+                   "timing": 0.02}
             for name, drafter in drafters.items()}
 
     monkeypatch.setattr(in_loop, "loop_costs", loop_costs)
     oracle_ms = costs.ContextCosts.flat(torch.arange(0, 20, dtype=torch.float64) * 0.1)  # q nodes cost q / 10 ms
     measured, baseline_costs = in_loop.calibrate_in_loop(None, replays, [], None, oracle_ms)
     assert measured_drafters[1:] == [["drafter 8"], ["drafter 4"]]  # after the context drafter's round
-    assert [f for _, f in measured["tree"]] == [pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 5.0 / 0.2}),
-                                                pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 0.3 / 0.02})]
+    assert [f for _, f in measured["tree"]] == [
+        pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 5.0 / 0.2, "timing": 0.02}),
+        pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 0.3 / 0.02, "timing": 0.02})]
     predicted, factors = search.measured_forecast(measured, oracle_ms, baseline_costs)
     assert predicted["tree"]["policy"] == {"nodes": 4}
     assert factors["tree"]["drafting"] == pytest.approx(0.3 / 0.02)  # its own: 0.3 ms in the loop, 0.02 replayed

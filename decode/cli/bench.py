@@ -187,7 +187,7 @@ def print_table(summary: dict[str, dict], greedy: bool) -> None:
     planned = explain.forecast_rows(summary)
     if planned:
         print(f"{'planned against measured:':<42} {'method':<12} {'tokens/call':>19} {'speedup (tokens/s)':>19}"
-              "  (the plan's 90% interval over its calibration prompts)")
+              "  (the plan's 90% interval: its calibration prompts and timing)")
         for row in planned:
             spread = " ({:.2f}-{:.2f}x)".format(*row["interval"]) if row["interval"] else ""
             (tokens, measured_tokens), (speedup, measured) = row["tokens_per_call"], row["speedup"]

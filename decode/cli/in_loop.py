@@ -1,5 +1,6 @@
 """A plan's costs inside a decoding loop: each method's best policy decoded for real, in turns with the baseline,
 against the costs of its forwards and drafting measured alone (decode.plan)."""
+import numpy as np
 import torch
 
 from decode import loop
@@ -49,14 +50,14 @@ def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: costs.Cont
     warm_up(runs, prompts[0], n)
     for timer in timers.values():
         timer.clear()
-    records = {name: [] for name in runs}
+    passes = []  # per pass, per run: (seconds, tokens)
     for _ in range(IN_LOOP_PASSES):
-        for name, rows in decode_in_turns(runs, prompts, n).items():
-            records[name] += rows
-        if sum(r["seconds"] for r in records["baseline"]) >= IN_LOOP_SECONDS:
+        passes.append({name: (sum(r["seconds"] for r in rows), sum(len(r["tokens"]) for r in rows))
+                       for name, rows in decode_in_turns(runs, prompts, n).items()})
+        if sum(p["baseline"][0] for p in passes) >= IN_LOOP_SECONDS:
             break
-    seconds = {name: sum(r["seconds"] for r in rows) for name, rows in records.items()}
-    tokens = {name: sum(len(r["tokens"]) for r in rows) for name, rows in records.items()}
+    seconds = {name: sum(p[name][0] for p in passes) for name in runs}
+    tokens = {name: sum(p[name][1] for p in passes) for name in runs}
     measured = {"baseline": baseline_costs(timers["baseline"].forwards, seconds["baseline"], tokens["baseline"])}
     for name in drafters:
         calls, proposing = timers[name].forwards, timers[name].seconds["propose"]
@@ -64,8 +65,19 @@ def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: costs.Cont
         isolated = float(oracle_ms.at(*zip(*steps)).sum()) / 1e3
         measured[name] = {"oracle": sum(s for _, s in steps_of(calls)) / isolated,
                           "drafting_ms": 1e3 * proposing / len(steps),
-                          "loop_ms": 1e3 * (seconds[name] - forwards - proposing) / len(steps)}
+                          "loop_ms": 1e3 * (seconds[name] - forwards - proposing) / len(steps),
+                          "timing": timing_spread([p["baseline"] for p in passes], [p[name] for p in passes])}
     return measured
+
+
+def timing_spread(baseline: list[tuple[float, int]], method: list[tuple[float, int]]) -> float:
+    """How far a measurement of a method's speedup this long may be off by timing alone: the relative spread of its
+    speedup (the baseline's seconds a token over its own) from one pass to the next (each pass (seconds, tokens)),
+    over the passes' count, counted twice (this measurement and a benchmark's of about its length); 0 from one pass."""
+    if len(method) < 2:
+        return 0.0
+    speedups = np.array([(b / bt) / (m / mt) for (b, bt), (m, mt) in zip(baseline, method)])
+    return float(speedups.std(ddof=1) / speedups.mean() * np.sqrt(2 / len(speedups)))
 
 
 def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: costs.ContextCosts) -> tuple[dict, dict]:
@@ -79,8 +91,8 @@ def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: co
     at speeds a quarter apart, and a method's costs count against the baseline's measured beside them."""
     generic = loop_costs(decoder, {"lookup": LookupDrafter()}, prompts, settings, isolated_ms)
     baseline = generic["baseline"]
-    stand_in = ({"oracle": generic["lookup"]["oracle"], "drafting": 1.0, "loop_ms": generic["lookup"]["loop_ms"]},
-                baseline["one_token"])
+    stand_in = ({"oracle": generic["lookup"]["oracle"], "drafting": 1.0, "loop_ms": generic["lookup"]["loop_ms"],
+                 "timing": generic["lookup"]["timing"]}, baseline["one_token"])
     rounds = {method: [] for method in replays}  # (candidate, factors, the baseline's one-token ms beside them)
     for _ in range(IN_LOOP_ROUNDS):
         in_loop = {method: at_speed(*(rounds[method][-1][1:] if rounds[method] else stand_in), baseline)
@@ -96,7 +108,7 @@ def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: co
         for method, c in chosen.items():
             replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps
             m = costs[method]
-            factors = {"oracle": m["oracle"], "loop_ms": m["loop_ms"],
+            factors = {"oracle": m["oracle"], "loop_ms": m["loop_ms"], "timing": m["timing"],
                        "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}
             rounds[method].append((c, factors, baseline["one_token"]))
     measured = {method: [(c, at_speed(f, one_token, baseline)) for c, f, one_token in entries]
@@ -107,7 +119,7 @@ def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: co
 def at_speed(factors: dict, one_token_ms: float, baseline: dict) -> dict:
     """A method's in-loop factors, measured beside a baseline whose one-token forward took `one_token_ms`, at the
     speed of the machine when `baseline` was measured: its oracle forwards, drafting and loop all scaled by the
-    ratio of the two baselines' one-token forwards."""
+    ratio of the two baselines' one-token forwards (the timing spread, a ratio, as it is)."""
     speed = baseline["one_token"] / one_token_ms
     return {"oracle": factors["oracle"] * speed, "drafting": factors["drafting"] * speed,
-            "loop_ms": factors["loop_ms"] * speed}
+            "loop_ms": factors["loop_ms"] * speed, "timing": factors["timing"]}

@@ -193,12 +193,15 @@ def predict(replayed: Replay, oracle_ms: ContextCosts, loop_ms: float, prefill_m
             "mean_nodes": float(np.mean(replayed.nodes)), "prompt_ms": prompt_ms}
 
 
-def interval(baseline_ms: np.ndarray, method_ms: np.ndarray, share: float = 0.9, draws: int = 2000) -> list[float]:
+def interval(baseline_ms: np.ndarray, method_ms: np.ndarray, timing: float = 0.0, share: float = 0.9,
+             draws: int = 2000) -> list[float]:
     """The speedup (the baseline's time over the method's, both summed over prompts) over other sets of prompts like
-    the calibration's: the central `share` of its values over `draws` resamplings of the prompts with replacement
-    (a fixed seed: a plan is reproducible). Prompt i took baseline_ms[i] and method_ms[i]."""
-    picks = np.random.default_rng(0).integers(0, len(method_ms), (draws, len(method_ms)))
-    speedups = baseline_ms[picks].sum(1) / method_ms[picks].sum(1)
+    the calibration's, measured with a relative timing error of spread `timing`: the central `share` of its values
+    over `draws` resamplings of the prompts with replacement, each times a draw of that error (a fixed seed: a plan is
+    reproducible). Prompt i took baseline_ms[i] and method_ms[i]."""
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(method_ms), (draws, len(method_ms)))
+    speedups = baseline_ms[picks].sum(1) / method_ms[picks].sum(1) * np.exp(rng.normal(0.0, timing, draws))
     return [float(v) for v in np.quantile(speedups, [(1 - share) / 2, (1 + share) / 2])]
 
 
@@ -218,16 +221,18 @@ def baseline_prompt_ms(replayed: Replay, baseline: dict) -> np.ndarray:
 
 
 def ranked(candidates: list[dict], oracle_ms: ContextCosts, loop_ms: float, prefill_ms: float, baseline_ms: float,
-           drafting_factor: float = 1.0, baseline: dict | None = None, draft_ms: dict | None = None) -> list[dict]:
+           drafting_factor: float = 1.0, baseline: dict | None = None, draft_ms: dict | None = None,
+           timing: float = 0.0) -> list[dict]:
     """The candidate policies with their predictions, least predicted ms per token first; with the baseline's costs
-    (`baseline_prompt_ms`), each speedup's interval over the calibration prompts (`interval`). With `draft_ms`, the
+    (`baseline_prompt_ms`), each speedup's interval over the calibration prompts and the in-loop measurement's
+    `timing` spread (`interval`). With `draft_ms`, the
     draft's forwards of each policy priced at the costs it holds for the policy's draft (`draft_costs`)."""
     out = []
     for c in candidates:
         p = predict(c["replay"], oracle_ms, loop_ms, prefill_ms, drafting_factor, draft_costs(draft_ms, c["policy"]))
         prompt_ms = p.pop("prompt_ms")
         spread = {} if baseline is None else {
-            "speedup_interval": interval(baseline_prompt_ms(c["replay"], baseline), prompt_ms)}
+            "speedup_interval": interval(baseline_prompt_ms(c["replay"], baseline), prompt_ms, timing)}
         out.append({"policy": c["policy"], **p, "speedup": baseline_ms / p["ms_per_token"], **spread,
                     "accepted_by_depth": c["replay"].accepted_by_depth(8)})
     return sorted(out, key=lambda c: c["ms_per_token"])

@@ -141,7 +141,8 @@ def forecast(replays: dict, oracle_ms: ContextCosts, baseline: dict, in_loop: di
              draft_ms: dict | None = None) -> dict:
     """Per method, its `keep` best policies (None: all) with their predictions under these oracle costs, best
     first: a tree step of q nodes costs oracle_ms's price of it times the method's in-loop factor, plus its
-    drafting (times its factor) and loop (`in_loop[method]`); the baseline's prefill, one-token
+    drafting (times its factor) and loop (`in_loop[method]`, with the spread of its timing where measured); the
+    baseline's prefill, one-token
     forward and loop are `baseline`'s (its first call per prompt is the prefill, which yields the
     first token). With `draft_ms` (replay.draft_costs), the draft's forwards are priced at a projected draft's."""
     any_replay = next(iter(replays.values()))[0]["replay"]
@@ -152,7 +153,7 @@ def forecast(replays: dict, oracle_ms: ContextCosts, baseline: dict, in_loop: di
     for method, group in replays.items():
         f = in_loop[method]
         predicted[method] = replay.ranked(group, f["oracle"] * oracle_ms, f["loop_ms"], baseline["prefill"],
-                                            baseline_ms, f["drafting"], baseline, draft_ms)[:keep]
+                                            baseline_ms, f["drafting"], baseline, draft_ms, f.get("timing", 0.0))[:keep]
     return predicted
 
 
