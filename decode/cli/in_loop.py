@@ -103,11 +103,11 @@ def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: co
         chosen = {method: c for method, c in chosen.items() if all(c is not done for done, _, _ in rounds[method])}
         if not chosen:
             break
-        costs = loop_costs(decoder, {m: c["drafter"] for m, c in chosen.items()}, prompts, settings, isolated_ms)
-        baseline = costs["baseline"]
+        now = loop_costs(decoder, {m: c["drafter"] for m, c in chosen.items()}, prompts, settings, isolated_ms)
+        baseline = now["baseline"]
         for method, c in chosen.items():
             replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps
-            m = costs[method]
+            m = now[method]
             factors = {"oracle": m["oracle"], "loop_ms": m["loop_ms"], "timing": m["timing"],
                        "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}
             rounds[method].append((c, factors, baseline["one_token"]))
