@@ -91,12 +91,11 @@ def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: co
     at speeds a quarter apart, and a method's costs count against the baseline's measured beside them."""
     generic = loop_costs(decoder, {"lookup": LookupDrafter()}, prompts, settings, isolated_ms)
     baseline = generic["baseline"]
-    stand_in = ({"oracle": generic["lookup"]["oracle"], "drafting": 1.0, "loop_ms": generic["lookup"]["loop_ms"],
-                 "timing": generic["lookup"]["timing"]}, baseline["one_token"])
+    stand_in = (None, generic["lookup"] | {"drafting": 1.0}, baseline["one_token"])  # for a method not yet measured
     rounds = {method: [] for method in replays}  # (candidate, factors, the baseline's one-token ms beside them)
     for _ in range(IN_LOOP_ROUNDS):
-        in_loop = {method: at_speed(*(rounds[method][-1][1:] if rounds[method] else stand_in), baseline)
-                   for method in replays}
+        latest = {method: (rounds[method] or [stand_in])[-1] for method in replays}
+        in_loop = {method: at_speed(f, one_token, baseline) for method, (_, f, one_token) in latest.items()}
         leading = best(forecast(replays, isolated_ms, baseline, in_loop))
         chosen = {method: next(c for c in group if c["policy"] == leading[method]["policy"])
                   for method, group in replays.items()}

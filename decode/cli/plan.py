@@ -55,6 +55,7 @@ from decode.sampling import Sampling
 
 GREEDY = Sampling()
 
+
 def shortlists(text: str) -> list[int]:
     try:
         sizes = [int(n) for n in text.split(",")]

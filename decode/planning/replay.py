@@ -225,8 +225,8 @@ def ranked(candidates: list[dict], oracle_ms: ContextCosts, loop_ms: float, pref
            timing: float = 0.0) -> list[dict]:
     """The candidate policies with their predictions, least predicted ms per token first; with the baseline's costs
     (`baseline_prompt_ms`), each speedup's interval over the calibration prompts and the in-loop measurement's
-    `timing` spread (`interval`). With `draft_ms`, the
-    draft's forwards of each policy priced at the costs it holds for the policy's draft (`draft_costs`)."""
+    `timing` spread (`interval`). With `draft_ms`, the draft's forwards of each policy priced at the costs it holds
+    for the policy's draft (`draft_costs`)."""
     out = []
     for c in candidates:
         p = predict(c["replay"], oracle_ms, loop_ms, prefill_ms, drafting_factor, draft_costs(draft_ms, c["policy"]))

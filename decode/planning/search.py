@@ -142,9 +142,8 @@ def forecast(replays: dict, oracle_ms: ContextCosts, baseline: dict, in_loop: di
     """Per method, its `keep` best policies (None: all) with their predictions under these oracle costs, best
     first: a tree step of q nodes costs oracle_ms's price of it times the method's in-loop factor, plus its
     drafting (times its factor) and loop (`in_loop[method]`, with the spread of its timing where measured); the
-    baseline's prefill, one-token
-    forward and loop are `baseline`'s (its first call per prompt is the prefill, which yields the
-    first token). With `draft_ms` (replay.draft_costs), the draft's forwards are priced at a projected draft's."""
+    baseline's prefill, one-token forward and loop are `baseline`'s (its first call per prompt is the prefill, which
+    yields the first token). With `draft_ms` (replay.draft_costs), the draft's forwards are priced at a projected draft's."""
     any_replay = next(iter(replays.values()))[0]["replay"]
     prompts, tokens = any_replay.prompts, any_replay.tokens
     baseline_ms = (prompts * baseline["prefill"] + (tokens - prompts) * baseline["one_token"]
