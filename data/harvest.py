@@ -131,7 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=Path, help="JSON-lines file to write, in decode.prompts' format")
     p.add_argument("--count", type=int, default=200, help="most prompts to keep, in a fixed shuffled order")
     p.add_argument("--per-file", type=int, default=2, help="most prompts from one file, so no file dominates")
-    p.add_argument("--max-prompt-tokens", type=int, default=400, help="longest prompt kept, in the run's tokens")
+    p.add_argument("--max-prompt-tokens", type=int, default=384,
+                   help="longest prompt kept, in the run's tokens (the default leaves room for decoding's 128 new "
+                        "tokens in the presets' 512-token context)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
     if min(args.count, args.per_file, args.max_prompt_tokens) < 1:

@@ -7,7 +7,7 @@ import pytest
 from decode.cli import report
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
-GREEDY, TOPK = RESULTS / "avx2-quick-llamacpp-greedy.json", RESULTS / "avx2-quick-llamacpp-topk.json"
+GREEDY, TOPK = RESULTS / "avx2-cpu-greedy.json", RESULTS / "avx2-cpu-topk.json"
 
 
 def table_rows(printed: str) -> list[list[str]]:
@@ -50,9 +50,10 @@ def test_the_forecast_table_puts_each_planned_methods_forecast_beside_its_measur
     assert [row[0] for row in rows] == planned and planned
     staged = dict(zip(planned, rows))["staged"]
     measured = summary["staged"]["tokens_per_second"] / summary["baseline"]["tokens_per_second"]
-    assert staged[1:] == [f"{summary['staged']['predicted']['tokens_per_call']:.2f}",
-                          f"{summary['staged']['tokens_per_oracle_call']:.2f}",
-                          f"{summary['staged']['predicted']['speedup']:.2f}x", f"{measured:.2f}x"]
+    predicted = summary["staged"]["predicted"]
+    low, high = predicted["speedup_interval"]  # the plan's 90% interval, beside its point forecast
+    assert staged[1:] == [f"{predicted['tokens_per_call']:.2f}", f"{summary['staged']['tokens_per_oracle_call']:.2f}",
+                          f"{predicted['speedup']:.2f}x ({low:.2f}-{high:.2f}x)", f"{measured:.2f}x"]
 
 
 def test_an_engine_result_is_its_cost_curves_against_the_roofline(capsys):

@@ -67,8 +67,8 @@ def kinds_markdown(plan: dict) -> str:
     """Each kind of tree at its best under the plan's costs (planning.kinds), the calibration in a line above."""
     one_row = plan["costs"]["oracle_ms"]["1"]
     lines = [f"- each kind of tree at its best: {plan['sampling']}, calibrated on {plan['calibration']['count']} prompts x "
-             f"{plan['calibration']['max_new_tokens']} tokens, {plan['identity']['dtype']}; the oracle's cost of a call "
-             f"in one-row forwards of {one_row:.2f} ms",
+             f"{plan['calibration']['max_new_tokens']} tokens, {plan['identity']['dtype']} on {plan['identity']['device']}; the "
+             f"oracle's cost of a call in one-row forwards of {one_row:.2f} ms",
              "", "| kind | method | nodes | tokens/call | oracle cost/call | drafting ms/call | speedup | policy |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in plan["kinds"]:
