@@ -189,7 +189,7 @@ def print_table(summary: dict[str, dict], greedy: bool) -> None:
         print(f"{'planned against measured:':<42} {'method':<12} {'tokens/call':>19} {'speedup (tokens/s)':>19}"
               "  (the plan's 90% interval: its calibration prompts and timing)")
         for row in planned:
-            spread = " ({:.2f}-{:.2f}x)".format(*row["interval"]) if row["interval"] else ""
+            spread = explain.interval_text(row["interval"])
             (tokens, measured_tokens), (speedup, measured) = row["tokens_per_call"], row["speedup"]
             print(f"{'':<42} {row['method']:<12} {tokens:8.2f} vs {measured_tokens:5.2f}"
                   f"    {speedup:6.2f}x vs {measured:5.2f}x{spread}")

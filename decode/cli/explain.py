@@ -155,6 +155,14 @@ def calibration_length_note(plan: dict | None, prompt_tokens: float) -> str | No
             f"calibration's; python -m decode.plan --prompts FILE calibrates on prompts like these.")
 
 
+def interval_text(interval: list[float] | None, bracketed: bool = True) -> str:
+    """A forecast's 90% interval as printed beside its speedup: " (1.20-1.40x)" (bracketed) or "1.20-1.40x"; "" for none."""
+    if not interval:
+        return ""
+    text = "{:.2f}-{:.2f}x".format(*interval)
+    return f" ({text})" if bracketed else text
+
+
 def forecast_rows(summary: dict) -> list[dict]:
     """Each planned method's forecast beside its measurement: tokens per oracle call, and the speedup in tokens/s
     over the baseline's, with the plan's 90% interval where it has one."""

@@ -41,6 +41,7 @@ from decode.prompts import load_prompts
 from decode.models.loading import TOKEN_COUNTS
 from decode import loop, timing
 from decode.api import SpeculativeDecoder
+from decode.cli.explain import interval_text
 from decode.cli.in_loop import calibrate_in_loop
 from decode.cli.settings import encode_prompts, parse_settings
 from decode.models.cached_lm import CachedLM
@@ -190,7 +191,7 @@ def print_forecast(title: str, predicted: dict) -> None:
     print(title)
     print(f"  {'method':<12} {'tokens/call':>11} {'ms/token':>9} {'speedup':>8} {'90% interval':>13}  policy")
     for method, p in predicted.items():
-        spread = "{:.2f}-{:.2f}x".format(*p["speedup_interval"]) if "speedup_interval" in p else ""
+        spread = interval_text(p.get("speedup_interval"), bracketed=False)
         print(f"  {method:<12} {p['tokens_per_call']:11.2f} {p['ms_per_token']:9.3f} {p['speedup']:7.2f}x {spread:>13}  "
               + describe(p.get("policy", {})))
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
 from decode.cli.bench_engine import curve_rows
-from decode.cli.explain import forecast_rows, loop_share
+from decode.cli.explain import forecast_rows, interval_text, loop_share
 from decode.planning.plan_file import describe
 
 PROG = "python -m decode.report"
@@ -92,7 +92,7 @@ def projection_markdown(plan: dict) -> str:
     lines += [f"- {source}: {', '.join(parts)}" for source, parts in p.get("sources", {}).items()]
     lines += ["", "| method | tokens/call | ms/token | speedup (90% interval) | policy |", "|---|---:|---:|---:|---|"]
     for method, f in p["predicted"].items():
-        spread = " ({:.2f}-{:.2f}x)".format(*f["speedup_interval"]) if "speedup_interval" in f else ""
+        spread = interval_text(f.get("speedup_interval"))
         lines.append(f"| {method} | {f['tokens_per_call']:.2f} | {f['ms_per_token']:.1f} | {f['speedup']:.2f}x{spread} "
                      f"| {describe(f.get('policy', {}))} |")
     return "\n".join(lines)
@@ -192,7 +192,7 @@ def forecast_markdown(results: list[dict]) -> str:
         lines += [f"- {describe_run(result)}", "", "| method | tokens/call: forecast | measured | speedup: forecast "
                   "| measured |", "|---|---:|---:|---:|---:|"]
         for row in forecast_rows(result["summary"]):
-            spread = " ({:.2f}-{:.2f}x)".format(*row["interval"]) if row["interval"] else ""
+            spread = interval_text(row["interval"])
             (tokens, measured_tokens), (speedup, measured) = row["tokens_per_call"], row["speedup"]
             lines.append(f"| {row['method']} | {tokens:.2f} | {measured_tokens:.2f} | {speedup:.2f}x{spread} | {measured:.2f}x |")
         lines.append("")
