@@ -35,6 +35,17 @@ def blocks_here(built):
     return native.forward_module(torch.bfloat16)
 
 
+def strays_as_far_as_torch(got: torch.Tensor, in_torch: torch.Tensor, reference: torch.Tensor, dtype: str) -> bool:
+    """Whether the C++ strays from the reference about as far as torch does in the same dtype: on average within
+    twice torch's error (bfloat16 rounds at 2^-8 relative, float32 at 2^-24), and nowhere by much more than torch's
+    largest error (in bfloat16 a rounding in the cache carries into every later forward, one way's in one place and
+    the other's in another, so the largest errors of the two differ by more than their averages)."""
+    mean_slack, max_slack = (0.01, 0.05) if dtype == "bfloat16" else (1e-5, 1e-5)
+    error, torch_error, scale = (got - reference).abs(), (in_torch - reference).abs(), reference.abs()
+    return bool(error.mean() <= 2 * torch_error.mean() + mean_slack * scale.mean()
+                and error.max() <= 2 * torch_error.max() + max_slack * scale.max())
+
+
 @pytest.mark.parametrize("n_embd, n_head, shortlist", [  # heads of 8 (float32 attention) and of 32 (BF16); output
     (32, 4, None), (64, 2, None), (32, 4, 40),  # layers of 97 columns and of a shortlist's 40: neither a multiple of 16
     (256, 4, None)])  # products large enough to be split among threads
@@ -76,16 +87,12 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
         rng.setstate(state)
         got = forward(in_cpp)
         assert got.shape == expected.shape and got.dtype == torch.float32
-        # the C++ strays from the reference about as far as torch does in the same dtype (bfloat16 rounds at 2^-8
-        # relative, float32 at 2^-24)
-        slack = 0.01 if dtype == "bfloat16" else 1e-5
-        assert (got - reference).abs().max() <= 2 * (expected - reference).abs().max() + slack * reference.abs().max()
+        assert strays_as_far_as_torch(got, expected, reference, dtype)
         agree += (got.argmax(-1) == expected.argmax(-1)).tolist()
         slots = in_torch.length + in_torch.pending
         assert in_cpp.length + in_cpp.pending == slots
         cached, exact_cache = (m.kv_cache[..., :slots, :].float() for m in (in_torch, exact))
-        assert ((in_cpp.kv_cache[..., :slots, :].float() - exact_cache).abs().max()
-                <= 2 * (cached - exact_cache).abs().max() + slack * exact_cache.abs().max())
+        assert strays_as_far_as_torch(in_cpp.kv_cache[..., :slots, :].float(), cached, exact_cache, dtype)
     assert sum(agree) >= (0.9 if dtype == "bfloat16" else 1.0) * len(agree)
     assert rows == [native.Blocks.ROWS, 8, 20, 15, 3, 1]  # every forward took the C++ call, the long prompt two
     with pytest.raises(IndexError, match="out of range"):  # as torch's embedding refuses them, not a read past wte
@@ -243,6 +250,7 @@ def test_a_forward_runs_in_cpp_up_to_the_rows_measured_faster_there_and_the_choi
 
     directory = tiny_gpt2(tmp_path / "model", seed=2)
     engine = GPT2Engine.load(directory, "bfloat16", native_blocks=True)
+    tiles_here = engine.blocks.can_tile
     monkeypatch.setattr(native.Blocks, "can_tile", True)  # both ways of the products timed, on any CPU
     timed, tiles_win = [], True
 
@@ -258,7 +266,8 @@ def test_a_forward_runs_in_cpp_up_to_the_rows_measured_faster_there_and_the_choi
 
     monkeypatch.setattr(native_rows, "forward_costs", forward_costs)
     uncalibrated = native_rows.native_forward(directory, engine, "bfloat16", tmp_path / "cache")
-    assert uncalibrated == native_rows.NativeForward(native.Blocks.ROWS, False) and not timed  # the default, untimed
+    # the default, untimed: every row count in C++, on the tiles where this CPU has them
+    assert uncalibrated == native_rows.NativeForward(native.Blocks.ROWS, tiles_here) and not timed
     for calibrate in (True, False):  # measured and kept, then read back
         assert native_rows.native_forward(directory, engine, "bfloat16", tmp_path / "cache", calibrate=calibrate) == (
             native_rows.NativeForward(64, True))

@@ -8,7 +8,7 @@ they do, depends on the CPU, its threads and the model's width. On a CPU with AM
 tiles instead of AVX-512's dot products, which pays from a few rows on. So every way is timed on the model itself
 over ROW_COUNTS new rows by calibration (decode.calibrate, decode.plan), and the choice is kept per model, code and
 device with the forward costs. Where a model was never calibrated, the C++ call runs up to native.Blocks.ROWS rows,
-its products as dot products.
+its products on the tiles where it can (native.Blocks.tiles) and as dot products elsewhere.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,7 @@ def native_forward(model_dir, engine, dtype: str, cache_dir: Path | None = None,
     """The C++ call's products on whichever way took less time over ROW_COUNTS as a whole (the geometric mean of the
     ratios), and the largest of ROW_COUNTS up to which every timed forward was faster that way than in torch (0:
     never, or no C++ forward here); timed with `calibrate` once per model, code, device and threads, then read back.
-    Never timed: the engine's own (native.Blocks.ROWS rows, dot products)."""
+    Never timed: the engine's own (native.Blocks.ROWS rows, the tiles where it can)."""
     if engine.blocks is None:
         return NativeForward(0, False)
     path = Path(cache_dir or CACHE_DIR) / f"native-rows-{cache_key(model_dir, engine, dtype)}.json"  # names the C++ too
