@@ -223,7 +223,7 @@ def test_the_timing_spread_is_the_passes_relative_spread_of_the_speedup_counted_
 
 
 @pytest.mark.parametrize("slowdown", [1.0, 1.3])
-def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to_one_measured_faster(monkeypatch,
+def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to_one_measured_faster(
                                                                                                      slowdown):
     """The in-loop costs are measured per policy: a method's best policy under the costs of the first one measured is
     measured too, and the plan keeps the faster of the two, each priced with its own costs. A round run while the
@@ -233,21 +233,21 @@ def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to
                                                  nodes=[n] * steps, accepted=[40 // steps - 1] * steps,
                                                  cached=[128] * steps, step_prompts=[0] * steps, prompt_tokens=[40])}
                         for n, steps, seconds in ((8, 4, 0.0008), (4, 10, 0.0002))]}  # 0.2 and 0.02 ms a step
-    in_loop_drafting_ms = {"drafter 8": 5.0, "drafter 4": 0.3}  # the 8-node tree's drafting is slow in the loop
-    measured_drafters = []
+    in_loop_drafting_ms = {8: 5.0, 4: 0.3}  # the 8-node tree's drafting is slow in the loop
+    measured_policies = []
 
-    def loop_costs(decoder, drafters, *rest):
-        measured_drafters.append(list(drafters.values()))
-        slow = slowdown if len(measured_drafters) == 2 else 1.0  # the 8-node tree's round
+    def measure(policies):
+        measured_policies.append(list(policies.values()))
+        slow = slowdown if len(measured_policies) == 2 else 1.0  # the 8-node tree's round
         return {"baseline": {"prefill": slow, "one_token": slow, "loop": 0.0}} | {
-            name: {"oracle": slow, "loop_ms": 0.0, "drafting_ms": slow * in_loop_drafting_ms.get(drafter, 0.0),
+            name: {"oracle": slow, "loop_ms": 0.0, "drafting_ms": slow * in_loop_drafting_ms.get(policy.get("nodes"), 0.0),
                    "timing": 0.02}
-            for name, drafter in drafters.items()}
+            for name, (_, policy) in policies.items()}
 
-    monkeypatch.setattr(in_loop, "loop_costs", loop_costs)
     oracle_ms = costs.ContextCosts.flat(torch.arange(0, 20, dtype=torch.float64) * 0.1)  # q nodes cost q / 10 ms
-    measured, baseline_costs = in_loop.calibrate_in_loop(None, replays, [], None, oracle_ms)
-    assert measured_drafters[1:] == [["drafter 8"], ["drafter 4"]]  # after the context drafter's round
+    measured, baseline_costs = in_loop.calibrate_in_loop(measure, replays, oracle_ms)
+    # the context drafter standing for every method, then each policy under its own method's name
+    assert measured_policies == [[("lookup", {})], [("tree", {"nodes": 8})], [("tree", {"nodes": 4})]]
     assert [f for _, f in measured["tree"]] == [
         pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 5.0 / 0.2, "timing": 0.02}),
         pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 0.3 / 0.02, "timing": 0.02})]

@@ -1,13 +1,24 @@
 """A plan's costs inside a decoding loop: each method's best policy decoded for real, in turns with the baseline,
-against the costs of its forwards and drafting measured alone (decode.plan)."""
+against the costs of its forwards and drafting measured alone (decode.plan).
+
+The loop runs in a process of its own, with the models loaded again (`FreshProcess`), as a benchmark runs: the
+planner's process has replayed hundreds of policies by then, and after that the same decoding runs measurably slower
+in it (its host work and its small forwards), which priced every drafting method's step too high."""
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from typing import Callable
+
 import numpy as np
 import torch
 
 from decode import loop
 from decode.cli.harness import Timer, decode_in_turns, warm_up
-from decode.drafting import LookupDrafter
 from decode.planning import costs
-from decode.planning.search import best, forecast, with_tree_shapes
+from decode.planning.search import base_dtype, best, drafter_for, forecast, with_tree_shapes
+
+# method -> (the method drafting it, its policy): what a round decodes beside the baseline
+Policies = dict[str, tuple[str, dict]]
 
 IN_LOOP_ROUNDS = 2  # rounds of decoding each method's best policy for real, while the best changes under its costs
 # a round decodes its prompts in turns again until the baseline has decoded this long (at most IN_LOOP_PASSES times):
@@ -70,6 +81,52 @@ def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: costs.Cont
     return measured
 
 
+class FreshProcess:
+    """A process of its own, with the models loaded again as the options load them (and the drafts the policies
+    name), where loop_costs decodes these prompts with each round's policies. Use it as a context manager."""
+
+    def __init__(self, options, prompts: list, settings, oracle_ms: costs.ContextCosts):
+        self.prompts, self.settings, self.oracle_ms = prompts, settings, oracle_ms
+        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=load_models,
+                                        initargs=(options, torch.get_num_threads()))
+
+    def measure(self, policies: Policies) -> dict:
+        """loop_costs of each (method, policy) beside the baseline, under the names `policies` gives them."""
+        return self.pool.submit(measure_policies, policies, self.prompts, self.settings, self.oracle_ms).result()
+
+    def __enter__(self) -> "FreshProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown()
+
+
+LOADED = {}  # in a FreshProcess: the decoder, the trigram, the options and the drafts loaded so far
+
+
+def load_models(options, threads: int) -> None:
+    from decode.api import SpeculativeDecoder
+    from decode.models.loading import load_trigram
+
+    torch.set_num_threads(threads)
+    decoder = SpeculativeDecoder(options).decoder
+    LOADED.update(decoder=decoder, options=options, drafts={(0, base_dtype(options)): decoder.draft},
+                  table=load_trigram(options, decoder.oracle.vocab_size, decoder.eos_id))
+
+
+def measure_policies(policies: Policies, prompts: list, settings, oracle_ms: costs.ContextCosts) -> dict:
+    from decode.models.loading import load_draft
+
+    decoder, options, drafts = LOADED["decoder"], LOADED["options"], LOADED["drafts"]
+    drafters = {}
+    for name, (method, policy) in policies.items():
+        key = (policy.get("draft_vocab", 0), policy.get("draft_dtype") or base_dtype(options))
+        if key not in drafts:
+            drafts[key] = load_draft(replace(options, draft_vocab=key[0], draft_dtype=key[1]), decoder.oracle.vocab_size)
+        drafters[name] = drafter_for(method, policy, drafts[key], LOADED["table"], options)
+    return loop_costs(decoder, drafters, prompts, settings, oracle_ms)
+
+
 def timing_spread(baseline: list[tuple[float, int]], method: list[tuple[float, int]]) -> float:
     """How far a measurement of a method's speedup this long may be off by timing alone: the relative spread of its
     speedup (the baseline's seconds a token over its own) from one pass to the next (each pass (seconds, tokens)),
@@ -80,16 +137,18 @@ def timing_spread(baseline: list[tuple[float, int]], method: list[tuple[float, i
     return float(speedups.std(ddof=1) / speedups.mean() * np.sqrt(2 / len(speedups)))
 
 
-def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: costs.ContextCosts) -> tuple[dict, dict]:
-    """Each method's costs in a real decoding loop, beside the baseline's: first with the context drafter (no draft
-    model) standing for every method, then with each method's best policy under the costs measured so far, which
-    gives that policy its own factors (the draft's and the oracle's forwards evict each other from the caches, by
-    amounts that differ with the draft's dtype and output layer); a method whose best policy changes under its
-    factors has the new one measured too, up to IN_LOOP_ROUNDS. Per method, the policies measured, each as (its
-    candidate, its factors), staged's with the tree's (`with_tree_shapes`); and the baseline measured beside the last
-    of them. A round's factors are scaled to the last round's speed (`at_speed`): a shared machine runs minutes apart
-    at speeds a quarter apart, and a method's costs count against the baseline's measured beside them."""
-    generic = loop_costs(decoder, {"lookup": LookupDrafter()}, prompts, settings, isolated_ms)
+def calibrate_in_loop(measure: Callable[[Policies], dict], replays: dict, isolated_ms: costs.ContextCosts
+                      ) -> tuple[dict, dict]:
+    """Each method's costs in a real decoding loop, beside the baseline's (`measure`: loop_costs of these policies,
+    as FreshProcess.measure gives them): first with the context drafter (no draft model) standing for every method,
+    then with each method's best policy under the costs measured so far, which gives that policy its own factors (the
+    draft's and the oracle's forwards evict each other from the caches, by amounts that differ with the draft's dtype
+    and output layer); a method whose best policy changes under its factors has the new one measured too, up to
+    IN_LOOP_ROUNDS. Per method, the policies measured, each as (its candidate, its factors), staged's with the tree's
+    (`with_tree_shapes`); and the baseline measured beside the last of them. A round's factors are scaled to the last
+    round's speed (`at_speed`): a shared machine runs minutes apart at speeds a quarter apart, and a method's costs
+    count against the baseline's measured beside them."""
+    generic = measure({"lookup": ("lookup", {})})
     baseline = generic["baseline"]
     stand_in = (None, generic["lookup"] | {"drafting": 1.0}, baseline["one_token"])  # for a method not yet measured
     rounds = {method: [] for method in replays}  # (candidate, factors, the baseline's one-token ms beside them)
@@ -102,7 +161,7 @@ def calibrate_in_loop(decoder, replays: dict, prompts, settings, isolated_ms: co
         chosen = {method: c for method, c in chosen.items() if all(c is not done for done, _, _ in rounds[method])}
         if not chosen:
             break
-        now = loop_costs(decoder, {m: c["drafter"] for m, c in chosen.items()}, prompts, settings, isolated_ms)
+        now = measure({method: (method, c["policy"]) for method, c in chosen.items()})
         baseline = now["baseline"]
         for method, c in chosen.items():
             replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps

@@ -42,7 +42,7 @@ from decode.models.loading import TOKEN_COUNTS
 from decode import loop, timing
 from decode.api import SpeculativeDecoder
 from decode.cli.explain import interval_text
-from decode.cli.in_loop import calibrate_in_loop
+from decode.cli.in_loop import FreshProcess, calibrate_in_loop
 from decode.cli.settings import encode_prompts, parse_settings
 from decode.models.cached_lm import CachedLM
 from decode.models.calibration import calibrate
@@ -260,7 +260,8 @@ def main(argv=None) -> dict:
     replays = replay_policies(options, draft, table, p_draft, replayer(decoder, prompts, sequences, settings),
                               len(prompts), oracle_curves, drafts, settings.sampling, known.screen, known.max_budget,
                               known.max_depth)
-    measured, baseline = calibrate_in_loop(decoder, replays, prompts[: known.screen], settings, isolated_ms)
+    with FreshProcess(options, prompts[: known.screen], settings, isolated_ms) as fresh:
+        measured, baseline = calibrate_in_loop(fresh.measure, replays, isolated_ms)
     predicted, in_loop = measured_forecast(measured, isolated_ms, baseline)
     print_forecast(f"predicted for {settings.sampling.describe()} on this device (oracle q=1 forward {oracle_costs[1]:.2f} ms in isolation, "
                    f"{baseline['one_token']:.2f} ms in the baseline's loop; tokens per call count each prompt's "
