@@ -201,9 +201,17 @@ def test_the_forecast_interval_spans_the_calibration_prompts_speedups():
 
     alike = forecast([6] * 8)  # each prompt: a 1 ms prefill and 6 steps of 2 ms against 24 ms
     assert alike["speedup"] == pytest.approx(24 / 13) and alike["speedup_interval"] == pytest.approx([24 / 13] * 2)
-    mixed = forecast([3, 12, 4, 8, 6, 10, 5, 7])
+    steps = [3, 12, 4, 8, 6, 10, 5, 7]
+    mixed = forecast(steps)
     low, high = mixed["speedup_interval"]
     assert 24 / 25 < low < mixed["speedup"] < high < 24 / 7  # within the slowest and the fastest prompt's speedups
+    # a benchmark's prompts are another draw than the calibration's: the interval is about sqrt(2) as wide as the
+    # calibration set's own spread (its speedup over resamplings of its prompts)
+    rng = np.random.default_rng(1)
+    prompt_ms = 1 + 2 * np.array(steps, dtype=float)
+    own = 24 * len(steps) / prompt_ms[rng.integers(0, len(steps), (20000, len(steps)))].sum(1)
+    own_width = np.log(np.quantile(own, 0.95) / np.quantile(own, 0.05))
+    assert np.log(high / low) / own_width == pytest.approx(math.sqrt(2), rel=0.1)
     assert forecast([3, 12, 4, 8, 6, 10, 5, 7])["speedup_interval"] == [low, high]  # reproducible
     # a measurement whose timing may be 5% off widens it by that spread's central 90% (1.645 standard deviations)
     timed = forecast([6] * 8, timing=0.05)

@@ -195,13 +195,20 @@ def predict(replayed: Replay, oracle_ms: ContextCosts, loop_ms: float, prefill_m
 
 def interval(baseline_ms: np.ndarray, method_ms: np.ndarray, timing: float = 0.0, share: float = 0.9,
              draws: int = 2000) -> list[float]:
-    """The speedup (the baseline's time over the method's, both summed over prompts) over other sets of prompts like
-    the calibration's, measured with a relative timing error of spread `timing`: the central `share` of its values
-    over `draws` resamplings of the prompts with replacement, each times a draw of that error (a fixed seed: a plan is
-    reproducible). Prompt i took baseline_ms[i] and method_ms[i]."""
+    """The speedup (the baseline's time over the method's, both summed over prompts) that a benchmark of as many
+    other prompts like the calibration's would measure, with a relative timing error of spread `timing`: the central
+    `share` of its values over `draws` draws (a fixed seed: a plan is reproducible). Each draw moves the calibration's
+    speedup twice, by two independent resamplings of its prompts with replacement (how far the calibration's set may
+    lie from the speedup of all such prompts, and how far the benchmark's set lies from that), and times a draw of the
+    timing's error. Prompt i took baseline_ms[i] and method_ms[i]."""
     rng = np.random.default_rng(0)
-    picks = rng.integers(0, len(method_ms), (draws, len(method_ms)))
-    speedups = baseline_ms[picks].sum(1) / method_ms[picks].sum(1) * np.exp(rng.normal(0.0, timing, draws))
+    speedup = baseline_ms.sum() / method_ms.sum()
+
+    def resampled() -> np.ndarray:
+        picks = rng.integers(0, len(method_ms), (draws, len(method_ms)))
+        return baseline_ms[picks].sum(1) / method_ms[picks].sum(1)
+
+    speedups = resampled() * (resampled() / speedup) * np.exp(rng.normal(0.0, timing, draws))
     return [float(v) for v in np.quantile(speedups, [(1 - share) / 2, (1 + share) / 2])]
 
 
