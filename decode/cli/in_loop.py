@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from decode import loop
+from decode.api import SpeculativeDecoder
 from decode.cli.harness import Timer, decode_in_turns, warm_up
+from decode.models.loading import load_draft, load_trigram
 from decode.planning import costs
 from decode.planning.search import base_dtype, best, drafter_for, forecast, with_tree_shapes
 
@@ -105,9 +107,7 @@ LOADED = {}  # in a FreshProcess: the decoder, the trigram, the options and the 
 
 
 def load_models(options, threads: int) -> None:
-    from decode.api import SpeculativeDecoder
-    from decode.models.loading import load_trigram
-
+    """A FreshProcess's start: torch's threads as the planner's, and the models as the options load them."""
     torch.set_num_threads(threads)
     decoder = SpeculativeDecoder(options).decoder
     LOADED.update(decoder=decoder, options=options, drafts={(0, base_dtype(options)): decoder.draft},
@@ -115,8 +115,7 @@ def load_models(options, threads: int) -> None:
 
 
 def measure_policies(policies: Policies, prompts: list, settings, oracle_ms: costs.ContextCosts) -> dict:
-    from decode.models.loading import load_draft
-
+    """In a FreshProcess: loop_costs of each (method, policy), its drafter over the draft the policy names."""
     decoder, options, drafts = LOADED["decoder"], LOADED["options"], LOADED["drafts"]
     drafters = {}
     for name, (method, policy) in policies.items():
