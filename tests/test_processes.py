@@ -32,6 +32,26 @@ def launch(script: str, args: list[str], processes: int = 2, **popen) -> subproc
                             start_new_session=True, **popen)
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process under it: accelerate's launcher starts each worker in a session of its own,
+    so killing the launcher's process group leaves the workers training on, into the same checkpoints."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree = [pid]
+    for process in tree:
+        tree += children.get(process, [])
+    for process in reversed(tree):
+        try:
+            os.kill(process, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,7 +134,7 @@ def test_a_two_process_run_killed_mid_way_resumes_on_two_processes(oracles):
     deadline = time.time() + 180
     while not any(p.name.startswith("step-") for p in checkpoints.glob("step-*")) and time.time() < deadline:
         time.sleep(0.05)
-    os.killpg(killed.pid, signal.SIGKILL)  # the launcher and both processes, mid-way
+    kill_tree(killed.pid)  # the launcher and both processes, mid-way
     killed.wait()
     assert not (root / "killed" / "model.safetensors").exists(), "the run finished before it was killed"
     finished(launch("train/finetune_oracle.py", common + ["--out", str(root / "killed"), "--resume"]))
