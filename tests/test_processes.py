@@ -33,8 +33,8 @@ def launch(script: str, args: list[str], processes: int = 2, **popen) -> subproc
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every process under it: accelerate's launcher starts each worker in a session of its own,
-    so killing the launcher's process group leaves the workers training on, into the same checkpoints."""
+    """SIGKILL a process and every process under it: accelerate's launcher starts each worker with setsid, out of its
+    own process group, so killing that group leaves the workers training on, into the same checkpoints."""
     children = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
