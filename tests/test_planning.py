@@ -9,7 +9,7 @@ import pytest
 import torch
 from decode.models.loading import TOKEN_COUNTS
 
-from decode.planning import costs, kinds, replay, search, shapes
+from decode.planning import costs, kinds, repeats, replay, search, shapes
 from decode.tree import Tree
 from decode.cli import in_loop, plan
 from decode.models.cached_lm import Shortlist
@@ -253,12 +253,13 @@ def test_a_policy_that_costs_more_in_the_loop_than_its_replay_shows_gives_way_to
             for name, (_, policy) in policies.items()}
 
     oracle_ms = costs.ContextCosts.flat(torch.arange(0, 20, dtype=torch.float64) * 0.1)  # q nodes cost q / 10 ms
-    measured, baseline_costs = in_loop.calibrate_in_loop(measure, replays, oracle_ms)
-    # the context drafter standing for every method, then each policy under its own method's name
-    assert measured_policies == [[("lookup", {})], [("tree", {"nodes": 8})], [("tree", {"nodes": 4})]]
+    measured, baseline_costs = in_loop.calibrate_in_loop(measure, measure, replays, oracle_ms)
+    # the context drafter standing for every method, then each policy under its own method's name, then the best again
+    assert measured_policies == [[("lookup", {})], [("tree", {"nodes": 8})], [("tree", {"nodes": 4})],
+                                 [("tree", {"nodes": 4})]]
     assert [f for _, f in measured["tree"]] == [
         pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 5.0 / 0.2, "timing": 0.02}),
-        pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 0.3 / 0.02, "timing": 0.02})]
+        *[pytest.approx({"oracle": 1.0, "loop_ms": 0.0, "drafting": 0.3 / 0.02, "timing": 0.02})] * 2]
     predicted, factors = search.measured_forecast(measured, oracle_ms, baseline_costs)
     assert predicted["tree"]["policy"] == {"nodes": 4}
     assert factors["tree"]["drafting"] == pytest.approx(0.3 / 0.02)  # its own: 0.3 ms in the loop, 0.02 replayed
@@ -279,6 +280,32 @@ def test_staged_may_take_a_shape_measured_for_the_tree_as_its_own_with_no_stage_
                                             baseline_costs)
     assert predicted["staged"]["policy"] == shape | {"widths": []}
     assert predicted["staged"]["ms_per_token"] == predicted["tree"]["ms_per_token"]
+
+
+def test_measurements_of_one_policy_are_pooled_and_how_far_they_lie_apart_widens_its_interval():
+    """The tree and staged with no stage below the draft draft a shape alike, so each one's measurement of it counts
+    for both: each method's forecast prices it at the two measurements' mean, not at the luckier, and its timing error
+    is how far a benchmark's measurement may lie from that mean, from how far the two lie apart."""
+    shape = {"parents": [-1, 0, 1], "ranks": [0, 0, 0], "nodes": 3, "depth": 2}
+    candidate = lambda policy, drafting_seconds: {"policy": policy, "drafter": None, "replay": replay.Replay(
+        prompts=1, steps=10, tokens=40, drafting_seconds=drafting_seconds, nodes=[3] * 10, accepted=[3] * 10,
+        cached=[128] * 10, step_prompts=[0] * 10, prompt_tokens=[40])}
+    tree = (candidate(shape, 0.001), {"oracle": 1.0, "loop_ms": 0.0, "drafting": 1.0, "timing": 0.01})
+    # staged's replay timed its drafting at 0.2 ms a step, the tree's at 0.1: both measured 0.1 ms in the loop
+    staged = (candidate(shape | {"widths": []}, 0.002), {"oracle": 1.5, "loop_ms": 0.2, "drafting": 0.5, "timing": 0.01})
+    oracle_ms, baseline_costs = costs.ContextCosts.flat(torch.arange(0, 20.0)), {"prefill": 1.0, "one_token": 1.0, "loop": 0.0}
+    predicted, factors = search.measured_forecast(search.with_tree_shapes({"tree": [tree], "staged": [staged]}),
+                                                  oracle_ms, baseline_costs)
+    assert predicted["staged"]["policy"] == shape | {"widths": []} and predicted["tree"]["policy"] == shape
+    assert predicted["staged"]["ms_per_token"] == pytest.approx(predicted["tree"]["ms_per_token"])
+    assert factors["tree"] == pytest.approx({"oracle": 1.25, "loop_ms": 0.1, "drafting": 1.0, "timing": factors["tree"]["timing"]})
+    assert factors["staged"]["drafting"] == pytest.approx(0.5)  # against staged's own replay
+    alone = [search.forecast({"tree": [c]}, oracle_ms, baseline_costs, {"tree": f})["tree"][0]["speedup"] for c, f in (tree, staged)]
+    spread = abs(math.log(alone[0] / alone[1])) / math.sqrt(2)  # the standard deviation of two, about their mean
+    assert factors["tree"]["timing"] == pytest.approx(spread * math.sqrt(1 + 1 / 2)) and spread > 0.01
+    assert factors["staged"]["timing"] == pytest.approx(factors["tree"]["timing"])
+    # measured once, and nothing measured twice: its own timing error
+    assert repeats.pooled([tree[1]], repeats.spread_between([[2.0]])) == tree[1]
 
 
 def test_the_prompts_screened_on_come_from_across_the_calibration_prompts():

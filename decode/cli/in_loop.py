@@ -17,7 +17,7 @@ from decode.api import SpeculativeDecoder
 from decode.cli.harness import Timer, decode_in_turns, warm_up
 from decode.models.loading import load_draft, load_trigram
 from decode.planning import costs
-from decode.planning.search import base_dtype, best, drafter_for, forecast, with_tree_shapes
+from decode.planning.search import base_dtype, best, drafter_for, forecast, measured_forecast, with_tree_shapes
 
 # method -> (the method drafting it, its policy): what a round decodes beside the baseline
 Policies = dict[str, tuple[str, dict]]
@@ -136,21 +136,33 @@ def timing_spread(baseline: list[tuple[float, int]], method: list[tuple[float, i
     return float(speedups.std(ddof=1) / speedups.mean() * np.sqrt(2 / len(speedups)))
 
 
-def calibrate_in_loop(measure: Callable[[Policies], dict], replays: dict, isolated_ms: costs.ContextCosts
-                      ) -> tuple[dict, dict]:
+def calibrate_in_loop(measure: Callable[[Policies], dict], remeasure: Callable[[Policies], dict], replays: dict,
+                      isolated_ms: costs.ContextCosts) -> tuple[dict, dict]:
     """Each method's costs in a real decoding loop, beside the baseline's (`measure`: loop_costs of these policies,
     as FreshProcess.measure gives them): first with the context drafter (no draft model) standing for every method,
     then with each method's best policy under the costs measured so far, which gives that policy its own factors (the
     draft's and the oracle's forwards evict each other from the caches, by amounts that differ with the draft's dtype
     and output layer); a method whose best policy changes under its factors has the new one measured too, up to
-    IN_LOOP_ROUNDS. Per method, the policies measured, each as (its candidate, its factors), staged's with the tree's
-    (`with_tree_shapes`); and the baseline measured beside the last of them. A round's factors are scaled to the last
-    round's speed (`at_speed`): a shared machine runs minutes apart at speeds a quarter apart, and a method's costs
-    count against the baseline's measured beside them."""
+    IN_LOOP_ROUNDS. Last, each method's best is measured again by `remeasure`, another process's (a benchmark runs
+    in a process of its own, minutes later): how far the two lie apart is part of the forecast's timing error
+    (search.measured_forecast). Per method, the policies measured, each as (its candidate, its factors), staged's
+    and the tree's shared (`with_tree_shapes`); and the baseline measured beside the last of them. A round's factors
+    are scaled to the last round's speed (`at_speed`): a shared machine runs minutes apart at speeds a quarter apart,
+    and a method's costs count against the baseline's measured beside them."""
     generic = measure({"lookup": ("lookup", {})})
     baseline = generic["baseline"]
     stand_in = (None, generic["lookup"] | {"drafting": 1.0}, baseline["one_token"])  # for a method not yet measured
     rounds = {method: [] for method in replays}  # (candidate, factors, the baseline's one-token ms beside them)
+
+    def record(now: dict, chosen: dict) -> dict:
+        for method, c in chosen.items():
+            replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps
+            m = now[method]
+            factors = {"oracle": m["oracle"], "loop_ms": m["loop_ms"], "timing": m["timing"],
+                       "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}
+            rounds[method].append((c, factors, now["baseline"]["one_token"]))
+        return now["baseline"]
+
     for _ in range(IN_LOOP_ROUNDS):
         latest = {method: (rounds[method] or [stand_in])[-1] for method in replays}
         in_loop = {method: at_speed(f, one_token, baseline) for method, (_, f, one_token) in latest.items()}
@@ -160,17 +172,19 @@ def calibrate_in_loop(measure: Callable[[Policies], dict], replays: dict, isolat
         chosen = {method: c for method, c in chosen.items() if all(c is not done for done, _, _ in rounds[method])}
         if not chosen:
             break
-        now = measure({method: (method, c["policy"]) for method, c in chosen.items()})
-        baseline = now["baseline"]
-        for method, c in chosen.items():
-            replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps
-            m = now[method]
-            factors = {"oracle": m["oracle"], "loop_ms": m["loop_ms"], "timing": m["timing"],
-                       "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}
-            rounds[method].append((c, factors, baseline["one_token"]))
-    measured = {method: [(c, at_speed(f, one_token, baseline)) for c, f, one_token in entries]
-                for method, entries in rounds.items()}
-    return with_tree_shapes(measured), baseline
+        baseline = record(measure({method: (method, c["policy"]) for method, c in chosen.items()}), chosen)
+    so_far = measured_at(rounds, baseline)
+    leading, _ = measured_forecast(so_far, isolated_ms, baseline)
+    chosen = {method: next(c for c, _ in so_far[method] if c["policy"] == leading[method]["policy"]) for method in replays}
+    baseline = record(remeasure({method: (method, c["policy"]) for method, c in chosen.items()}), chosen)
+    return measured_at(rounds, baseline), baseline
+
+
+def measured_at(rounds: dict, baseline: dict) -> dict:
+    """Per method, (candidate, factors) of each measurement in `rounds` at the speed of `baseline`'s, staged's and
+    the tree's shared."""
+    return with_tree_shapes({method: [(c, at_speed(f, one_token, baseline)) for c, f, one_token in entries]
+                             for method, entries in rounds.items()})
 
 
 def at_speed(factors: dict, one_token_ms: float, baseline: dict) -> dict:

@@ -260,8 +260,9 @@ def main(argv=None) -> dict:
     replays = replay_policies(options, draft, table, p_draft, replayer(decoder, prompts, sequences, settings),
                               len(prompts), oracle_curves, drafts, settings.sampling, known.screen, known.max_budget,
                               known.max_depth)
-    with FreshProcess(options, prompts[: known.screen], settings, isolated_ms) as fresh:
-        measured, baseline = calibrate_in_loop(fresh.measure, replays, isolated_ms)
+    with (FreshProcess(options, prompts[: known.screen], settings, isolated_ms) as fresh,
+          FreshProcess(options, prompts[: known.screen], settings, isolated_ms) as another):
+        measured, baseline = calibrate_in_loop(fresh.measure, another.measure, replays, isolated_ms)
     predicted, in_loop = measured_forecast(measured, isolated_ms, baseline)
     print_forecast(f"predicted for {settings.sampling.describe()} on this device (oracle q=1 forward {oracle_costs[1]:.2f} ms in isolation, "
                    f"{baseline['one_token']:.2f} ms in the baseline's loop; tokens per call count each prompt's "

@@ -11,7 +11,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from decode.methods import METHODS
-from decode.planning import kinds, replay, shapes
+from decode.planning import kinds, repeats, replay, shapes
 from decode.planning.costs import ContextCosts
 from decode.planning.plan_file import with_policy
 from decode.sampling import Sampling
@@ -161,21 +161,31 @@ def best(predicted: dict) -> dict:
 
 
 def with_tree_shapes(measured: dict) -> dict:
-    """`measured` with the tree's shapes among staged's policies, as staged with no stage below the draft (which
-    drafts the tree's shape as the tree method does: the same drafter, so the same measurements)."""
+    """`measured` with the tree's shapes shared with staged's policies that have no stage below the draft, both ways:
+    staged drafts such a shape as the tree method does (the same drafter), so a measurement of one is one of the
+    other."""
     if "staged" not in measured or "tree" not in measured:
         return measured
-    return measured | {"staged": measured["staged"] + [({**c, "policy": c["policy"] | {"widths": []}}, f)
-                                                       for c, f in measured["tree"] if c["policy"]["depth"] > 1]}
+    as_staged = [({**c, "policy": c["policy"] | {"widths": []}}, f) for c, f in measured["tree"] if c["policy"]["depth"] > 1]
+    as_tree = [({**c, "policy": {k: v for k, v in c["policy"].items() if k != "widths"}}, f)
+               for c, f in measured["staged"] if c["policy"].get("widths") == []]
+    return measured | {"staged": measured["staged"] + as_staged, "tree": measured["tree"] + as_tree}
 
 
 def measured_forecast(measured: dict, oracle_ms: ContextCosts, baseline: dict) -> tuple[dict, dict]:
-    """Per method, the best of its policies measured in the loop, each priced with its own factors (`forecast`);
-    and the factors that priced each method's best."""
+    """Per method, the best of its policies measured in the loop, each priced with its measurements pooled
+    (`repeats.pooled`: their mean, and a timing error no smaller than measurements of one policy lie apart,
+    `repeats.spread_between`); and the factors that priced each method's best."""
+    groups = {method: repeats.grouped(pairs) for method, pairs in measured.items()}
+    priced = lambda method, c, f: forecast({method: [c]}, oracle_ms, baseline, {method: f})
+    spread = repeats.spread_between([[priced(method, c, f)[method][0]["speedup"] for f in measurements]
+                                     for method, group in groups.items() for c, measurements in group
+                                     if len(measurements) > 1])
     predicted, factors = {}, {}
-    for method, pairs in measured.items():
-        priced = [(forecast({method: [c]}, oracle_ms, baseline, {method: f}), f) for c, f in pairs]
-        cheapest, factors[method] = min(priced, key=lambda p: p[0][method][0]["ms_per_token"])
+    for method, group in groups.items():
+        pools = [(c, repeats.pooled(measurements, spread)) for c, measurements in group]
+        cheapest, factors[method] = min(((priced(method, c, f), f) for c, f in pools),
+                                        key=lambda p: p[0][method][0]["ms_per_token"])
         predicted.setdefault("baseline", cheapest["baseline"][0])
         predicted[method] = cheapest[method][0]
     return predicted, factors
