@@ -16,7 +16,7 @@ from decode import loop
 from decode.api import SpeculativeDecoder
 from decode.cli.harness import Timer, decode_in_turns, warm_up
 from decode.models.loading import load_draft, load_trigram
-from decode.planning import costs
+from decode.planning import costs, repeats
 from decode.planning.search import base_dtype, best, drafter_for, forecast, measured_forecast, with_tree_shapes
 
 # method -> (the method drafting it, its policy): what a round decodes beside the baseline
@@ -156,7 +156,7 @@ def calibrate_in_loop(measure: Callable[[Policies], dict], remeasure: Callable[[
 
     def record(now: dict, chosen: dict) -> dict:
         for method, c in chosen.items():
-            replay_ms = 1e3 * c["replay"].drafting_seconds / c["replay"].steps
+            replay_ms = repeats.replayed_drafting_ms(c)
             m = now[method]
             factors = {"oracle": m["oracle"], "loop_ms": m["loop_ms"], "timing": m["timing"],
                        "drafting": m["drafting_ms"] / replay_ms if replay_ms > 0 else 1.0}

@@ -19,8 +19,9 @@ def grouped(pairs: list[tuple[dict, dict]]) -> list[tuple[dict, list[dict]]]:
     groups = {}
     for c, f in pairs:
         first, measurements = groups.setdefault(json.dumps(c["policy"], sort_keys=True), (c, []))
-        measurements.append(f | {"drafting": f["drafting"] * replayed_drafting_ms(c) / replayed_drafting_ms(first)}
-                            if c is not first and replayed_drafting_ms(first) > 0 else f)
+        first_ms = replayed_drafting_ms(first)
+        measurements.append(f | {"drafting": f["drafting"] * replayed_drafting_ms(c) / first_ms}
+                            if c is not first and first_ms > 0 else f)
     return list(groups.values())
 
 
@@ -32,12 +33,12 @@ def replayed_drafting_ms(candidate: dict) -> float:
 def spread_between(speedups: list[list[float]]) -> float | None:
     """How far one measurement's speedup lies from another's of the same policy, relatively: the standard deviation
     of the logarithms of each policy's speedups (`speedups`, per policy, one per measurement) about their mean, pooled
-    over the policies measured more than once; None where none was."""
-    repeated = [np.log(s) for s in speedups if len(s) > 1]
-    dof = sum(len(s) - 1 for s in repeated)
+    over the policies (one measured once adds nothing); None where none was measured more than once."""
+    logs = [np.log(s) for s in speedups]
+    dof = sum(len(s) - 1 for s in logs)
     if not dof:
         return None
-    return float(np.sqrt(sum(((s - s.mean()) ** 2).sum() for s in repeated) / dof))
+    return float(np.sqrt(sum(((s - s.mean()) ** 2).sum() for s in logs) / dof))
 
 
 def pooled(measurements: list[dict], spread: float | None) -> dict:
