@@ -19,7 +19,7 @@ import torch
 
 from decode.errors import InputError
 from decode.tokenizer import load_tokenizer
-from decode import generation, loop, native
+from decode import generation, loop
 from decode.drafting import Drafter
 from decode.healing import Prompt, TokenHealer
 from decode.methods import METHODS
@@ -316,8 +316,6 @@ def build_decoder(options: DecoderOptions, models: dict | None = None) -> tuple[
     if method.tree:
         check_tree_shape(options, table)
     if method.drafter is not None:
-        if torch.device(options.device).type == "cpu":
-            native.module()  # built (or found built) now, not inside the first decode's time
         drafter = method.drafter(options, draft, table)
     decoder = Decoder(options, oracle, draft, drafter, tokenizer.eos_token_id)
     return decoder, TokenHealer(tokenizer, oracle.vocab_size, options.token_healing)

@@ -15,7 +15,6 @@ import torch
 
 from decode.drafting import ChainDrafter, Drafter
 from decode.healing import constrain_first
-from decode.kernels import kernels_for
 from decode.models.cached_lm import CachedLM
 from decode.tensors import long_tensor, synchronize
 from decode.sampling import Sampling, Uniforms
@@ -96,7 +95,7 @@ def baseline_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, 
                    eos_id: int | None, *, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
                    hooks: Hooks = UNTIMED) -> Iterator[Generation]:
     """One oracle call per token. `allowed` (a healed prompt's): the tokens the first one may be."""
-    extend, uniforms, kernels = hooks.forward(oracle, oracle.extend), Uniforms(generator), kernels_for(oracle.device)
+    extend, uniforms, kernels = hooks.forward(oracle, oracle.extend), Uniforms(generator), oracle.runtime.kernels
     oracle.reset()
     logits = constrain_first(extend(prompt, last=1), allowed)[0]
     out = Generation(oracle_calls=1, oracle_nodes=1)
@@ -117,8 +116,8 @@ def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_token
     """The drafter proposes a tree, the oracle scores every node in one call, and the verifier walks it:
     sample-match for trees of ranked tokens, multi-draft rejection for drawn children. `verify`: another rule
     with their signature (decode.cli.agreement records what the oracle's forwards computed with one). The loops over
-    the oracle's logits are the kernels for its device (decode.kernels)."""
-    kernels = kernels_for(oracle.device)
+    the oracle's logits are its runtime's kernels (decode.models.runtime)."""
+    kernels = oracle.runtime.kernels
     verify = hooks.timed(verify or (kernels.multi_draft_rejection if drafter.draws(sampling) else kernels.sample_match),
                          hooks.on_verify)
     propose = hooks.timed(drafter.propose, hooks.on_propose)

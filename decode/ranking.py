@@ -4,7 +4,7 @@ import math
 import numpy as np
 import torch
 
-from decode.models.cached_lm import Shortlist
+from decode.shortlist import Shortlist
 from decode.sampling import Sampling, Sparse, Uniforms, inverse_cdf, tokens_at, top_tokens, values_at
 from decode.tree import Tree
 

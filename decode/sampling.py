@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from decode.models.cached_lm import Shortlist
+from decode.shortlist import Shortlist
 
 # Sampling with a top-k up to this many tokens holds its distributions as Sparse. Past it, reading a row's support
 # (the k largest logits, kept in order) cost more than torch's passes over the row (8,192 logits on a CPU).

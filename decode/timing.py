@@ -16,9 +16,7 @@ import torch
 
 from decode.atomic import write_json
 from decode.machine import cpu_features, cpu_name
-from decode import native
 from decode.fingerprint import CACHE_ROOT, fingerprint
-from decode.tensors import synchronize
 from decode.tree import Tree
 
 if TYPE_CHECKING:
@@ -67,10 +65,10 @@ def forward_costs(model: "CachedLM", prefix: int = 128, repeats: int = 20, count
         forwards[q] = ids, positions, mask
 
     def seconds(q: int) -> float:
-        synchronize(model.device)
+        model.runtime.synchronize()
         start = time.perf_counter()
         model.forward(*forwards[q])
-        synchronize(model.device)
+        model.runtime.synchronize()
         took = time.perf_counter() - start
         model.commit([])
         return took
@@ -106,7 +104,7 @@ def host_work_after_forward(model: "CachedLM", prefix: int = 128, repeats: int =
     after, again = [], []
     for _ in range(repeats + 1):
         model.forward(ids, positions, None)
-        synchronize(model.device)
+        model.runtime.synchronize()
         after.append(work())
         again.append(work())
         model.commit([])
@@ -132,10 +130,7 @@ def device_name(device: torch.device) -> str:
 def cache_key(model_dir, model: "CachedLM", dtype: str) -> str:
     """Model (its fingerprint), the backend's code (with the C++ forward's, where it runs one) and the timing's, weight
     layout, CUDA graphs and output shortlist, device, dtype and threads."""
-    backend = Path(inspect.getfile(type(model))).read_text() + inspect.getsource(forward_costs)
-    if getattr(model, "blocks", None) is not None:
-        backend += ("".join(source.read_text() for source in native.FORWARD_SOURCES) + native.forward_build(model.dtype)
-                    + f"{model.native_rows} {model.blocks.tiles}")
+    backend = Path(inspect.getfile(type(model))).read_text() + inspect.getsource(forward_costs) + model.runtime.key()
     layouts, graphs = getattr(model, "layouts", None), getattr(model, "graphs", None) is not None
     shortlist = None if model.shortlist is None else model.shortlist.tokens.tolist()
     digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, layouts, graphs, torch.__version__]

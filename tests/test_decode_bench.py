@@ -15,6 +15,7 @@ from decode import native, timing
 from decode.api import Decoder
 from decode.models.cached_lm import CachedLM
 from decode.models.engine import GPT2Engine
+from decode.models.runtime import Runtime
 from decode_models import run_models
 
 
@@ -194,7 +195,7 @@ def test_forward_costs_keep_a_burst_from_skewing_one_count(monkeypatch):
     clock = types.SimpleNamespace(ms=0.0, forwards=0)
 
     class Timed(CachedLM):
-        max_length, vocab_size, device = 1024, 50, torch.device("cpu")
+        max_length, vocab_size, device, runtime = 1024, 50, torch.device("cpu"), Runtime(torch.device("cpu"))
 
         def forward(self, token_ids, position_ids, mask, last=None):
             clock.forwards += 1

@@ -6,8 +6,8 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from decode.models.pretrained import FUSED_GELU, load_causal_lm
-from decode.models.cached_lm import Shortlist
-from decode.kernels import kernels_for
+from decode.models.runtime import NativeRuntime, host_kernels, torch_mover
+from decode.shortlist import Shortlist
 from decode.ranking import draw_below, draw_children, ranked_children
 from decode.models.engine import GPT2Engine
 from decode.models.projection import LAYOUTS, default_layout, layout_for, onednn_packs
@@ -132,10 +132,10 @@ def test_commit_leaves_the_cache_of_feeding_the_path_token_by_token(models, back
     for parent in parents[1:]:
         depths.append(depths[parent] + 1)
     tree = backend.load(models["oracle"])
-    if moves == "C++" and getattr(getattr(tree, "kv", None), "mover", None) is None:
+    if moves == "C++" and not isinstance(getattr(tree, "runtime", None), NativeRuntime):
         pytest.skip("the moves of a commit in C++: the lean engine on a CPU with the C++ loops built")
     if moves == "torch" and backend is GPT2Engine:
-        tree.kv.mover = None
+        tree.kv.move = torch_mover(tree.kv.cache)
     tree.extend(prefix)
     tree.forward(nodes, 5 + torch.tensor(depths), tree_mask(parents))
     tree.commit(path)
@@ -231,13 +231,13 @@ def test_proposal_is_the_processed_distribution_on_the_likeliest_tokens():
 
 def test_draw_children_draws_from_the_drafts_distribution_and_returns_it():
     logits = torch.log(torch.tensor([[0.05, 0.5, 0.1, 0.2, 0.15], [0.6, 0.1, 0.2, 0.05, 0.05]]))
-    drawn, q = draw_children(kernels_for(), Sampling(1.0, top_k=2), logits, 4000, Uniforms(torch.Generator().manual_seed(0)))
+    drawn, q = draw_children(host_kernels(), Sampling(1.0, top_k=2), logits, 4000, Uniforms(torch.Generator().manual_seed(0)))
     assert [list(row) for row in q] == [[1, 3], [0, 2]]  # top-k: Sparse, likeliest first
     assert [list(row.values()) for row in q] == [pytest.approx([5 / 7, 2 / 7]), pytest.approx([0.75, 0.25])]
     assert q[0][2] == 0.0  # off the support
     assert set(drawn[0]) == {1, 3} and set(drawn[1]) == {0, 2}
     assert abs(drawn[0].count(1) / 4000 - 5 / 7) < 0.03 and abs(drawn[1].count(0) / 4000 - 0.75) < 0.03
-    drawn, q = draw_children(kernels_for(), Sampling(1.0), logits, 4000, Uniforms(torch.Generator().manual_seed(0)))  # no top-k: the proposal
+    drawn, q = draw_children(host_kernels(), Sampling(1.0), logits, 4000, Uniforms(torch.Generator().manual_seed(0)))  # no top-k: the proposal
     assert torch.allclose(q, logits.softmax(-1), atol=1e-6)  # its cap (64 tokens) holds all 5, over the vocabulary
     assert abs(drawn[1].count(0) / 4000 - 0.6) < 0.03
 
@@ -247,9 +247,9 @@ def test_draws_below_rows_of_several_draft_calls_follow_each_rows_distribution_i
     later = torch.log(torch.tensor([[0.1, 0.1, 0.1, 0.1, 0.6]]))
     for sampling in (Sampling(1.0, top_k=2), Sampling(1.0)):
         sources = [(first, 1), (later, 0), (first, 0), (first, 0)]  # a repeated row: drawn from afresh
-        drawn, q = draw_below(kernels_for(), sampling, sources, 4000, Uniforms(torch.Generator().manual_seed(0)))
+        drawn, q = draw_below(host_kernels(), sampling, sources, 4000, Uniforms(torch.Generator().manual_seed(0)))
         for (logits, row), tokens, dist in zip(sources, drawn, q, strict=True):
-            _, [expected] = draw_children(kernels_for(), sampling, logits, 1, Uniforms(), rows=[row])  # that row's q alone
+            _, [expected] = draw_children(host_kernels(), sampling, logits, 1, Uniforms(), rows=[row])  # that row's q alone
             assert [float(dist[t]) for t in range(5)] == pytest.approx([float(expected[t]) for t in range(5)], abs=1e-6)
             best = max(range(5), key=lambda t: dist[t])
             assert abs(tokens.count(best) / 4000 - float(dist[best])) < 0.03, (sampling, row)
@@ -331,7 +331,7 @@ def test_helpers_read_a_shortlisted_models_columns_as_tokens():
     assert values.tolist() == [1.0, 2.0, float("-inf")]
     assert values_at(logits.bfloat16(), [0, 1, 1], [9, 2, 4], shortlist).tolist() == [1.0, 2.0, float("-inf")]  # in torch
     assert values_at(logits, [1, 0], [2, 1]).tolist() == [0.0, 3.0]  # no shortlist: columns are tokens
-    drawn, q = draw_children(kernels_for(), Sampling(1.0), logits, 2000, Uniforms(torch.Generator().manual_seed(0)), shortlist)
+    drawn, q = draw_children(host_kernels(), Sampling(1.0), logits, 2000, Uniforms(torch.Generator().manual_seed(0)), shortlist)
     assert q.shape == (2, 10) and torch.allclose(q[:, [2, 7, 9]], logits.softmax(-1)) and q.sum() == pytest.approx(2.0)
     assert set(drawn[0]) == {2, 7, 9} and abs(drawn[0].count(7) / 2000 - float(logits[0].softmax(-1)[1])) < 0.03
     tree = Tree.rooted(3)

@@ -8,7 +8,8 @@ from decode.drafting import (ChainDrafter, LookupDrafter, NgramDrafter, StagedDr
                              StagedShapeDrafter, TreeDrafter, TrigramTrees)
 from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative
-from decode.kernels import PortableKernels, kernels_for
+from decode.kernels import PortableKernels
+from decode.models.runtime import host_kernels
 from decode.sampling import Sampling, Uniforms, sample
 from decode.tree import Tree
 from decode.verify import Target, sample_match
@@ -117,7 +118,7 @@ def test_sample_match_walks_the_path_that_carries_the_sampled_tokens():
     assert sample(p[4], Uniforms()) == 1
 
 
-@pytest.mark.parametrize("kernels", [PortableKernels(), kernels_for()], ids=["portable", "decoding's"])
+@pytest.mark.parametrize("kernels", [PortableKernels(), host_kernels()], ids=["portable", "decoding's"])
 def test_continuations_of_a_repeated_pattern(kernels):
     tokens = [5, 6, 7, 8, 9, 1, 4, 6, 7]
     assert kernels.continuations(tokens, 3, 4) == [[8, 9, 1, 4]]  # the longest suffix seen before is (6, 7)

@@ -19,7 +19,7 @@ import functools
 import pytest
 import torch
 
-from decode.models.cached_lm import Shortlist
+from decode.shortlist import Shortlist
 from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
                              TreeDrafter)
 from decode.models.engine import GPT2Engine

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from decode import native
-from decode.kernels import NativeKernels, PortableKernels, kernels_for
-from decode.models.cached_lm import Shortlist
+from decode.kernels import NativeKernels, PortableKernels
+from decode.models.runtime import host_kernels, runtime_for
+from decode.shortlist import Shortlist
 from decode.drafting import LookupDrafter, StagedDrafter, TrigramTrees
 from decode import ranking
 from decode.models.engine import GPT2Engine
@@ -235,14 +236,16 @@ class Counted:
         return counted
 
 
-def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monkeypatch, tmp_path):
+def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monkeypatch, tmp_path, request):
+    counted = Counted(native.module(), ["staged_selection", "greedy_walk", "top_tokens", "continuations", "trigram_tree"])
+    monkeypatch.setattr(native, "module", lambda: counted)
+    host_kernels.cache_clear()  # made again over the counted module, and again after the test
+    request.addfinalizer(host_kernels.cache_clear)
     oracle_dir = tiny_gpt2(tmp_path / "oracle", seed=0)
     oracle = GPT2Engine.load(oracle_dir)
     draft = GPT2Engine.load(tiny_gpt2(tmp_path / "draft", seed=1, noise_from=oracle_dir, noise=0.005))
     table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle_dir) / "successors.npz")
-    counted = Counted(native.module(), ["staged_selection", "greedy_walk", "top_tokens", "continuations", "trigram_tree"])
-    monkeypatch.setattr(native, "module", lambda: counted)
-    assert isinstance(kernels_for(oracle.device), NativeKernels)
+    assert isinstance(oracle.runtime.kernels, NativeKernels)
     staged = StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], context=LookupDrafter())
     for prompt in ([4, 9, 17], [11, 12, 13, 14, 11, 12]):
         prompt = torch.tensor(prompt)
@@ -263,10 +266,13 @@ def test_without_a_compiler_decoding_says_so_once_and_goes_on_with_the_portable_
     try:
         assert native.module() is None and native.module() is None
         assert caplog.text.count("note: the decoding step's C++ loops could not be built (Ninja is required") == 1
-        assert isinstance(kernels_for("cpu"), PortableKernels) and not isinstance(kernels_for("cpu"), NativeKernels)
+        host_kernels.cache_clear()
+        kernels = runtime_for("cpu").kernels, host_kernels()
+        assert all(isinstance(k, PortableKernels) and not isinstance(k, NativeKernels) for k in kernels)
         monkeypatch.setenv("STAGED_SPECULATIVE_NATIVE", "0")
         native.module.cache_clear()
         caplog.clear()
         assert native.module() is None and not caplog.text  # turned off: nothing to say
     finally:
         native.module.cache_clear()
+        host_kernels.cache_clear()

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from decode import native
-from decode.models.cached_lm import Shortlist
+from decode.shortlist import Shortlist
 from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter
 from decode.models import engine as engine_module
 from decode.models.engine import GPT2Engine
+from decode.models.runtime import TORCH
 from decode.loop import baseline, tree_speculative
 from decode.sampling import Sampling
 from decode.tree import Tree
@@ -57,17 +58,17 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
     shortlist = shortlist and Shortlist(random.Random(1).sample(range(97), shortlist), 97)
     in_torch, in_cpp = (GPT2Engine.load(directory, dtype, native_blocks=cpp, shortlist=shortlist)
                         for cpp in (False, True))
-    if tiles and not in_cpp.blocks.can_tile:
+    if tiles and not in_cpp.runtime.blocks.can_tile:
         pytest.skip("no AMX-BF16 here (or the model is not one the tiles take): the products run as vector dot products")
     if dtype == "float32":  # the reference for float32 roundings is the same model in float64
         monkeypatch.setitem(engine_module.DTYPES, "float64", torch.float64)
     exact = GPT2Engine.load(directory, "float32" if dtype == "bfloat16" else "float64", shortlist=shortlist)
-    assert in_torch.blocks is None and in_cpp.blocks is not None
-    in_cpp.blocks.tiles = tiles
-    assert in_cpp.blocks.tiles == tiles
+    assert in_torch.runtime.blocks is None and in_cpp.runtime.blocks is not None
+    in_cpp.runtime.blocks.tiles = tiles
+    assert in_cpp.runtime.blocks.tiles == tiles
     rows = []
-    inner = in_cpp.blocks.__call__
-    monkeypatch.setattr(in_cpp, "blocks", lambda *args: rows.append(len(args[0])) or inner(*args))
+    inner = in_cpp.runtime.blocks.__call__
+    monkeypatch.setattr(in_cpp.runtime, "blocks", lambda *args: rows.append(len(args[0])) or inner(*args))
     rng = random.Random(0)
     tree = random_tree(rng, 15, 97)
     forwards = [  # a prompt past the C++ call's rows (in calls of its rows), one within them, a tree under a mask, a
@@ -107,9 +108,9 @@ SHAPES = [(64, 2), (32, 4)]
 def engine_in_cpp(directory, dtype: str, tiles: bool) -> GPT2Engine:
     needs_cpp_forward(dtype)
     engine = GPT2Engine.load(directory, dtype, native_blocks=True)
-    if tiles and not engine.blocks.can_tile:
+    if tiles and not engine.runtime.blocks.can_tile:
         pytest.skip("no AMX-BF16 here: the products run as vector dot products")
-    engine.blocks.tiles = tiles
+    engine.runtime.blocks.tiles = tiles
     return engine
 
 
@@ -152,11 +153,11 @@ def test_a_prompt_longer_than_a_cpp_call_is_read_in_calls_that_give_each_row_the
                                                                                                  dtype, tiles):
     engine = engine_in_cpp(tiny_gpt2(tmp_path / "model", seed=3), dtype, tiles)
     prompt = torch.randint(0, 97, (native.Blocks.ROWS + 50,), generator=torch.Generator().manual_seed(1))
-    blocks, calls = engine.blocks, []
-    engine.blocks = lambda ids, *rest: calls.append(len(ids)) or blocks(ids, *rest)
+    blocks, calls = engine.runtime.blocks, []
+    engine.runtime.blocks = lambda ids, *rest: calls.append(len(ids)) or blocks(ids, *rest)
     together = engine.extend(prompt)
     assert calls == [native.Blocks.ROWS, 50]
-    engine.blocks = blocks
+    engine.runtime.blocks = blocks
     engine.reset()
     assert torch.equal(engine.extend(prompt, last=60), together[-60:])  # rows of both calls
     engine.reset()
@@ -172,7 +173,7 @@ def test_an_engine_whose_forwards_run_in_cpp_makes_torchs_weights_only_when_a_to
     in_cpp = engine.extend(prompt, last=4)  # past one C++ call's rows: in two of them
     assert engine.made_torch_weights is None
     engine.reset()
-    engine.native_rows = 0  # as where torch measured faster: torch's forward, its weights read again from the files
+    engine.runtime.use(0, False)  # as where torch measured faster: torch's forward, its weights read again from the files
     in_torch = engine.extend(prompt, last=4)
     assert engine.made_torch_weights is not None and torch.equal(in_torch.argmax(-1), in_cpp.argmax(-1))
     eager = GPT2Engine.load(directory, "bfloat16")  # no C++ call: torch's weights made as it is built
@@ -186,9 +187,8 @@ def test_the_near_tie_checker_replays_a_cpp_forward_in_torch_too(blocks_here, tm
                              native_blocks=True)
     context = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
     rows = near_ties.replayed_logits(engine, context, 3)
-    engine.native_rows, native_rows = 0, engine.native_rows
-    in_torch = near_ties.replayed_logits(engine, context, 3)
-    engine.native_rows = native_rows
+    with engine.runtime.forced(TORCH):
+        in_torch = near_ties.replayed_logits(engine, context, 3)
     half = len(in_torch)
     assert len(rows) == 2 * half and torch.equal(rows[half:], in_torch)
     assert (rows[:half] == rows[0]).all()  # the C++ replays agree to the bit, the cache written in chunks of any size
@@ -201,8 +201,8 @@ def test_decoding_with_a_drafts_blocks_in_cpp_equals_the_baseline(blocks_here, m
                             native_blocks=True)
     table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle_dir) / "successors.npz")
     calls = []
-    inner = draft.blocks.__call__
-    monkeypatch.setattr(draft, "blocks", lambda *args: calls.append(len(args[0])) or inner(*args))
+    inner = draft.runtime.blocks.__call__
+    monkeypatch.setattr(draft.runtime, "blocks", lambda *args: calls.append(len(args[0])) or inner(*args))
     staged = StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], context=LookupDrafter())
     for prompt in ([4, 9, 17], [11, 12, 13, 14, 11, 12]):
         prompt = torch.tensor(prompt)
@@ -250,16 +250,16 @@ def test_a_forward_runs_in_cpp_up_to_the_rows_measured_faster_there_and_the_choi
 
     directory = tiny_gpt2(tmp_path / "model", seed=2)
     engine = GPT2Engine.load(directory, "bfloat16", native_blocks=True)
-    tiles_here = engine.blocks.can_tile
+    tiles_here = engine.runtime.blocks.can_tile
     monkeypatch.setattr(native.Blocks, "can_tile", True)  # both ways of the products timed, on any CPU
     timed, tiles_win = [], True
 
     def forward_costs(model, repeats, counts):  # C++ faster up to 8 rows, and again at 32: the first crossing counts
         # (one row slowed by other work in the first round only); the tiles' products faster but at one row, or slower
-        timed.append((model.native_rows, model.blocks.tiles))
-        if not model.native_rows:
+        timed.append((model.runtime.rows, model.runtime.tiles))
+        if not model.runtime.rows:
             return {q: 2.0 for q in counts}
-        if model.blocks.tiles:
+        if model.runtime.tiles:
             return {q: (1.2 if q == 1 else 0.5 if tiles_win else 1.9) for q in counts}
         burst = timed.count(timed[-1]) == 1
         return {q: (9.0 if q == 1 and burst else 1.0 if q <= 8 or q == 32 else 3.0) for q in counts}
@@ -273,7 +273,7 @@ def test_a_forward_runs_in_cpp_up_to_the_rows_measured_faster_there_and_the_choi
             native_rows.NativeForward(64, True))
     rows = max(native_rows.ROW_COUNTS)
     # timed every way in turn, native_rows.ROUNDS times, then read back
-    assert timed == [(rows, False), (rows, True), (0, engine.blocks.tiles)] * native_rows.ROUNDS
+    assert timed == [(rows, False), (rows, True), (0, engine.runtime.blocks.tiles)] * native_rows.ROUNDS
     tiles_win = False
     timed.clear()
     assert native_rows.native_forward(directory, engine, "bfloat16", tmp_path / "other", calibrate=True) == (
@@ -281,9 +281,10 @@ def test_a_forward_runs_in_cpp_up_to_the_rows_measured_faster_there_and_the_choi
     assert native_rows.native_forward(directory, GPT2Engine.load(directory, "float32"), "float32") == (
         native_rows.NativeForward(0, False))  # no C++ forward
 
-    engine.native_rows, rows = 8, []
-    inner = engine.blocks.__call__
-    monkeypatch.setattr(engine, "blocks", lambda *args: rows.append(len(args[0])) or inner(*args))
+    engine.runtime.use(8, engine.runtime.tiles)
+    rows = []
+    inner = engine.runtime.blocks.__call__
+    monkeypatch.setattr(engine.runtime, "blocks", lambda *args: rows.append(len(args[0])) or inner(*args))
     engine.extend(torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13]))
     for q in (8, 1):
         engine.forward(torch.arange(q), torch.arange(q) + engine.length, None)

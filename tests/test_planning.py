@@ -12,7 +12,7 @@ from decode.models.loading import TOKEN_COUNTS
 from decode.planning import costs, kinds, repeats, replay, search, shapes
 from decode.tree import Tree
 from decode.cli import in_loop, plan
-from decode.models.cached_lm import Shortlist
+from decode.shortlist import Shortlist
 from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter)
 from decode.models.engine import GPT2Engine
 from decode.loop import baseline, tree_speculative

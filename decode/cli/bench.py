@@ -38,7 +38,6 @@ import torch
 from decode.cli.help import HelpFormatter
 from decode.atomic import FILE, atomic_output, check_output, write_json
 from decode.errors import InputError, exits_on_input_error
-from decode import native
 from decode.api import SpeculativeDecoder
 from decode.cli import explain, near_ties
 from decode.cli.harness import compare_with_baseline, decode_in_turns, warm_up
@@ -296,7 +295,7 @@ def main(argv=None) -> dict:
     decoders, ours = build_methods(names, settings, chosen=known.methods is not None)
     options, sampling, plan_path = settings.flags.base, settings.sampling, settings.plan
     prompts = encode_prompts(settings, ours)
-    mode, loops, healing = sampling.describe(), native.loops(options.device), "on" if options.token_healing else "off"
+    mode, loops, healing = sampling.describe(), ours[0].decoder.oracle.runtime.loops(), "on" if options.token_healing else "off"
     print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
           f"token healing {healing}, step loops in {loops}; methods: {', '.join(decoders)}; "
           + (f"plan {plan_path}" if plan_path else "no plan (python -m decode.plan writes one)"))

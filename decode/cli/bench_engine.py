@@ -37,6 +37,7 @@ from decode.planning.roofline import ForwardShape, Machine, knee, measure_machin
 from decode.timing import NODE_COUNTS, device_name, forward_costs, host_work_after_forward, machine_name
 from decode.models.pretrained import model_dir
 from decode.models.engine import GPT2Engine
+from decode.models.runtime import TORCH, CudaRuntime
 from decode.models.projection import LAYOUTS, onednn_packs
 from decode.loop import baseline
 from decode.models.precision import auto_dtype
@@ -116,14 +117,11 @@ def roofline_tables(args, models: dict) -> dict:
     before = measure_machine(models[args.model].dtype)
     measured = {}
     for name, model in models.items():
-        ways = {"engine": model.native_rows} | ({"torch": 0} if model.native_rows else {})
         for prefix in CURVE_PREFIXES:
-            ms = {}
-            for way, rows in ways.items():
-                kept, model.native_rows = model.native_rows, rows
-                ms[way] = forward_costs(model, prefix, args.repeats)
-                model.native_rows = kept
-            measured[name, prefix] = ms
+            measured[name, prefix] = ms = {"engine": forward_costs(model, prefix, args.repeats)}
+            if model.runtime.rows:
+                with model.runtime.forced(TORCH):
+                    ms["torch"] = forward_costs(model, prefix, args.repeats)
     after = measure_machine(models[args.model].dtype)
     machine = Machine(max(before.bandwidth, after.bandwidth), max(before.macs, after.macs),
                       (before if before.macs >= after.macs else after).peak_dtype)
@@ -136,7 +134,7 @@ def roofline_tables(args, models: dict) -> dict:
         model, shape = models[name], ForwardShape.of(models[name])
         roof = {q: shape.roofline_ms(machine, q, prefix) for q in NODE_COUNTS}
         print(f"\n{name}: c(q)/c(1) after {prefix} cached positions (the engine: the C++ call up to "
-              f"{model.native_rows} rows; the roofline's knee at {knee(shape, machine, prefix)} rows)")
+              f"{model.runtime.rows} rows; the roofline's knee at {knee(shape, machine, prefix)} rows)")
         result["curves"][f"{name} @ {prefix}"] = curve = {"ms": ms, "roofline_ms": roof}
         print(f"{'':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
         for label, row in curve_rows(curve):
@@ -236,13 +234,13 @@ def main(argv=None) -> dict:
               "command": f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"}
     models = {args.model: engine} | shaped_models(args)
     result |= forward_tables(args, models)
-    if not engine.on_gpu:
+    if not isinstance(engine.runtime, CudaRuntime):
         result["roofline"] = roofline_tables(args, models)
     host = host_work_after_forward(engine, args.prefix, args.repeats)
     print(f"\nhost work between forwards (a 200-item Python loop, a 64-value numpy gather): {host['after a forward']:.1f} us "
           f"right after a q=1 forward, {host['again']:.1f} us again ({host['after a forward'] / host['again']:.1f}x)")
     result["host_work_us"] = host
-    if engine.on_gpu:
+    if isinstance(engine.runtime, CudaRuntime):
         result |= with_cuda_graphs(args, texts, latency, outputs, result["forward_ms"])
     if args.out:
         write_json(args.out, result, args.overwrite)

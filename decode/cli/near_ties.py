@@ -12,6 +12,7 @@ import torch
 from decode.loop import run_to_end
 from decode.healing import Prompt
 from decode.models.hf_backend import cache_keyword
+from decode.models.runtime import TORCH
 from decode.sampling import Sampling
 from decode.verify import sample_match
 
@@ -41,12 +42,9 @@ def replayed_logits(oracle, context: list[int], prompt_length: int | None = None
     so those replays agree) and a larger one in torch, the replays run again in torch's kernels: a method's tree
     past the C++ call's rows is computed there."""
     rows = shaped_replays(oracle, context, prompt_length)
-    if getattr(oracle, "native_rows", 0):
-        before, oracle.native_rows = oracle.native_rows, 0
-        try:
+    if oracle.runtime.rows:
+        with oracle.runtime.forced(TORCH):
             rows = torch.cat([rows, shaped_replays(oracle, context, prompt_length)])
-        finally:
-            oracle.native_rows = before
     return rows
 
 

@@ -20,7 +20,7 @@ from decode.cli.llama_server import SERVER_PEERS, sampler
 from decode.cli.near_ties import CHUNKS, peer_gaps
 from decode.healing import Prompt, constrain_first
 from decode.loop import Generation
-from decode.models.engine import attention_kernels
+from decode.models.runtime import runtime_for
 from decode.models.gguf_export import write_gguf
 from decode.models.hf_backend import load_hf_model
 from decode.sampling import Sampling
@@ -56,6 +56,7 @@ class HFGenerate:
         """`draft_dir` None: plain generate, or prompt lookup of `lookup_tokens`; else assisted generation
         with that assistant."""
         self.oracle = load_hf_model(oracle_dir, dtype, device)
+        self.runtime = runtime_for(device, cpp_forward=False)
         self.assistant = None if draft_dir is None else load_hf_model(draft_dir, dtype, device)
         self.sampling, self.eos_id, self.lookup_tokens = sampling, eos_id, lookup_tokens
         self.calls = {"oracle": 0, "draft": 0}
@@ -82,7 +83,7 @@ class HFGenerate:
         extra = {} if self.assistant is None else {"assistant_model": self.assistant}
         if prompt.allowed is not None:
             extra["logits_processor"] = LogitsProcessorList([FirstTokenConstraint(prompt.allowed, prompt.ids.numel())])
-        with attention_kernels(self.oracle.device):  # the attention kernels our engine runs on a GPU
+        with self.runtime.attention():  # the attention kernels our engine runs
             out = self.oracle.generate(prompt.ids[None], generation_config=self.generation_config(max_new_tokens), **extra)
         tokens = out[0, prompt.ids.numel():].tolist()
         return Generation(tokens, oracle_calls=self.calls["oracle"], draft_calls=self.calls["draft"])

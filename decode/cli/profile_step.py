@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from decode.errors import exits_on_input_error
-from decode import native, timing
+from decode import timing
 from decode.api import SpeculativeDecoder
 from decode.cli.harness import Timer
 from decode.cli.settings import encode_prompts, parse_settings
@@ -86,7 +86,7 @@ def print_profile(decoder, prompts: int, timer: Timer, timed: Pass, first: Pass,
                   one_token: list[float]) -> None:
     step_ms, one_token_ms = sum(ms.values()), statistics.median(one_token)
     reading = {name: timer.seconds.get(f"{name} prompt", 0.0) for name in ("oracle", "draft")}
-    loops = native.loops(decoder.options.device)
+    loops = decoder.oracle.runtime.loops()
     loops += " (STAGED_SPECULATIVE_NATIVE=0 or no compiler)" if loops == "Python" else ""
     print(f"{decoder.options.method}: {prompts} prompts, {timed.tokens} tokens, {timed.calls} oracle calls "
           f"({timed.tokens / timed.calls:.2f} tokens per call), {steps_of(timer, timed)} of them steps of {step_ms:.2f} "

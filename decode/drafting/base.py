@@ -15,7 +15,6 @@
 from typing import Protocol
 
 from decode.drafting.draft_cache import DraftCache
-from decode.kernels import kernels_for
 from decode.models.cached_lm import CachedLM
 from decode.sampling import Sampling, Uniforms
 from decode.tree import Tree
@@ -42,11 +41,11 @@ class Drafter(Protocol):
 class ModelDrafter:
     """A drafter that uses the draft model. `propose` builds the tree; when it prunes a larger tree,
     `kept` maps each proposed node to the node the draft model scored (None: a node it did not score). Its loops
-    over the draft's logits are the `kernels` for the model's device."""
+    over the draft's logits are the model's runtime's `kernels`."""
 
     def __init__(self, model: CachedLM, sampled: bool = False):
         self.draft, self.sampled = DraftCache(model), sampled
-        self.kernels = kernels_for(model.device)
+        self.kernels = model.runtime.kernels
         self.kept = None
 
     def draws(self, sampling: Sampling) -> bool:

@@ -4,7 +4,7 @@ identifiers, its signature and the words of its docstring, so what the context a
 the cheapest good draft.
 """
 from decode.drafting.base import ModelFreeDrafter
-from decode.kernels import kernels_for
+from decode.models.runtime import host_kernels
 from decode.sampling import Sampling
 from decode.tree import Tree
 
@@ -16,7 +16,7 @@ class LookupDrafter(ModelFreeDrafter):
 
     def __init__(self, length: int = 10, branches: int = 1, max_ngram: int = 3):
         self.length, self.branches, self.max_ngram = length, branches, max_ngram
-        self.kernels = kernels_for()
+        self.kernels = host_kernels()
 
     def describe(self) -> dict:
         return {"tokens": self.length, "branches": self.branches, "ngram": self.max_ngram}

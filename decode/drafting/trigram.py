@@ -3,7 +3,7 @@ import numpy as np
 
 from decode.drafting.base import ModelFreeDrafter
 from decode.drafting.draft_cache import remember
-from decode.kernels import kernels_for
+from decode.models.runtime import host_kernels
 from decode.ranking import best_first
 from decode.sampling import Sampling
 from decode.tree import Tree
@@ -19,7 +19,7 @@ class TrigramTrees:
     def __init__(self, table, widths, size: int = 1 << 14):
         self.table, self.widths, self.size, self.shapes = table, list(widths), size, {}
         self.built, self.selected = {}, {}
-        self.read = kernels_for().trigram_reader(table)
+        self.read = host_kernels().trigram_reader(table)
 
     def forget(self) -> None:
         """Drop every remembered tree: drafting then costs what it does in a new decoder."""

@@ -1,7 +1,7 @@
 """The loops a decoding step runs over logits and trees, as one interface with one implementation per place: the
 C++ loops (`NativeKernels`) where a model's logits are in CPU memory and the loops are built, the portable ones
-(`PortableKernels`: torch, numpy and Python, on any device) elsewhere. `decode.kernels.kernels_for` chooses once,
-when a decoder is built; every rule lives in one of the two and nowhere else, and the tests compare them.
+(`PortableKernels`: torch, numpy and Python, on any device) elsewhere. A model's runtime (decode.models.runtime) chooses
+once, when the model is built; every rule lives in one of the two and nowhere else, and the tests compare them.
 
     top_tokens(logits, k, shortlist)                     each row's k best tokens, best first
     distributions(logits, rows, sampling, shortlist)     a top-k setting's processed distributions of rows, as Sparse
@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from decode.models.cached_lm import Shortlist
+from decode.shortlist import Shortlist
 from decode.sampling import Sampling, Sparse, Uniforms, draw
 from decode.tree import Tree
 

@@ -11,7 +11,7 @@ import torch
 from decode import native
 from decode.kernels.portable import PortableKernels
 from decode.kernels.base import TrigramReader
-from decode.models.cached_lm import Shortlist
+from decode.shortlist import Shortlist
 from decode.sampling import Sampling, Sparse
 from decode.tree import Tree
 

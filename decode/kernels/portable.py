@@ -4,7 +4,7 @@ import torch
 
 from decode import ranking, verify
 from decode.kernels.base import StepKernels, TrigramReader
-from decode.models.cached_lm import Shortlist
+from decode.shortlist import Shortlist
 from decode.sampling import Sampling, Sparse, top_tokens
 from decode.tree import Tree
 

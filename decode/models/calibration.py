@@ -29,7 +29,6 @@ def describe(model, dtype: str) -> str:
     layouts = getattr(model, "layouts", None)
     if layouts is None:
         return f"{dtype}, the transformers backend (nothing to calibrate)"
-    rows = getattr(model, "native_rows", 0)
-    tiles = getattr(model, "blocks", None) is not None and model.blocks.tiles
+    rows, tiles = model.runtime.rows, model.runtime.tiles
     forward = f"the C++ forward up to {rows} rows{' on AMX tiles' if tiles else ''}" if rows else "torch's forward"
     return f"{dtype}, {forward}, layouts " + ", ".join(f"{part} {layout}" for part, layout in layouts.items())

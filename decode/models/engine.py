@@ -10,7 +10,6 @@ new nodes; committed positions are always visible), appends their keys/values to
 region, and returns their logits. `commit` keeps an ordered subset of the speculative slots (the
 accepted path) and drops the rest.
 """
-import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,30 +17,19 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from decode.errors import InputError
-from decode.models.pretrained import FUSED_GELU, RETRAIN, load_safetensors
-from decode import native
-from decode.models.cached_lm import CachedLM, Shortlist
-from decode.tensors import Ids, as_tensor
-from decode.models.cuda_graphs import CUDAGraphs
+from decode.models.cached_lm import CachedLM
 from decode.models.kv_slots import KVSlots
-from decode.models.projection import LAYOUTS, Projection, layout_for
+from decode.models.pretrained import FUSED_GELU, RETRAIN, load_safetensors
+from decode.models.projection import LAYOUTS, Projection
+from decode.models.runtime import Runtime, runtime_for
+from decode.shortlist import Shortlist
+from decode.tensors import Ids, as_tensor
 from decode.tree import rows_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SPECULATIVE_SLOTS = 2048  # cache slots beyond the context for the nodes of a speculative tree
-# cuDNN's attention builds a plan for every new shape, and each decoding call has a new cached length: measured
-# on an H100 (cpu-preset oracle, bfloat16), greedy decoding ran at 17 tokens/s with it and 260 without
-ATTENTION_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def attention_kernels(device: torch.device):
-    """A context for transformers' models (the backend, the peers): on a GPU, SDPA without cuDNN's attention, as the
-    lean engine runs (its forward checks the device itself: a context per call costs on a CPU). cuDNN's builds a plan
-    per new cached length, which made generate several times slower in a fresh process (docs/gpu.md)."""
-    return sdpa_kernel(ATTENTION_WITHOUT_CUDNN) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -113,25 +101,20 @@ class LayerWeights:
 class GPT2Engine(CachedLM):
     def __init__(self, shape: GPT2Shape, wte: torch.Tensor, wpe: torch.Tensor,
                  torch_weights: Callable[[], tuple[list[LayerWeights], Projection]], layouts: dict[str, str],
-                 ln_f: tuple[torch.Tensor, torch.Tensor], kv: KVSlots, max_length: int,
-                 shortlist: Shortlist | None = None, blocks: "native.Blocks | None" = None,
-                 graphs: Callable[["GPT2Engine"], CUDAGraphs] | None = None):
-        """GPT-2 over its weights (`build` makes them from a checkpoint's) and a cache of `kv` slots.
-        `torch_weights()` makes the blocks' and the output projection's weights for torch's forward (the output tied
-        to wte; over the `shortlist`'s tokens only when there is one), stored in `layouts`, on that forward's first
-        use: an engine whose forwards all run in C++ never holds them. The runners that replace torch's forward where
-        they apply: `blocks` runs a forward of at most `native_rows` rows in C++ (native.Blocks;
-        decode.models.native_rows measures how many pay), and `graphs` makes the engine's CUDA graphs
-        (decode.models.cuda_graphs)."""
+                 ln_f: tuple[torch.Tensor, torch.Tensor], kv: KVSlots, max_length: int, runtime: Runtime,
+                 shortlist: Shortlist | None = None):
+        """GPT-2 over its weights (`build` makes them from a checkpoint's) and a cache of `kv` slots, run by its
+        `runtime` (decode.models.runtime: the C++ forward of a few rows where it has one, CUDA graphs where it
+        replays them). `torch_weights()` makes the blocks' and the output projection's weights for torch's forward
+        (the output tied to wte; over the `shortlist`'s tokens only when there is one), stored in `layouts`, on that
+        forward's first use: an engine whose forwards all run in C++ never holds them."""
         self.shape, self.wte, self.wpe, self.ln_f = shape, wte, wpe, ln_f
         self.make_torch_weights, self.made_torch_weights, self.layouts = torch_weights, None, layouts
-        self.kv, self.max_length, self.shortlist, self.blocks = kv, max_length, shortlist, blocks
-        self.native_rows = native.Blocks.ROWS if blocks is not None else 0
+        self.kv, self.max_length, self.shortlist, self.runtime = kv, max_length, shortlist, runtime
         self.device, self.dtype = wte.device, wte.dtype
-        self.on_gpu = self.device.type == "cuda"
         self.head_dim = shape.n_embd // shape.n_head
         self.mask_values = [torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf"))]
-        self.graphs = graphs(self) if graphs is not None else None
+        self.graphs = runtime.graphs(self)
 
     def torch_weights(self) -> tuple[list[LayerWeights], Projection]:
         if self.made_torch_weights is None:
@@ -146,31 +129,32 @@ class GPT2Engine(CachedLM):
               max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False,
               shortlist: Shortlist | None = None, native_blocks: bool = False, calibrate: bool = False,
               reload: Callable[[], dict[str, torch.Tensor]] | None = None) -> "GPT2Engine":
-        """From a GPT-2 config and its weights as named in a Hugging Face checkpoint. `layout` (one of LAYOUTS)
-        stores every matrix in that layout; by default each matrix gets its shape's calibrated layout (measured now
-        with `calibrate`; decode.models.projection.layout_for). On a
-        GPU with `cuda_graphs`, forwards replay CUDA graphs. With a `shortlist`, the output layer computes the
-        logits of its tokens only. With `native_blocks`, an engine on a CPU with AVX2 and FMA or AVX-512 runs a forward
-        of a few rows (up to native.Blocks.ROWS, or `native_rows` once measured) as one C++ call (forward.cpp), which
+        """From a GPT-2 config and its weights as named in a Hugging Face checkpoint, run by the device's runtime
+        (runtime_for). `layout` (one of LAYOUTS) stores every matrix in that layout; by default each matrix gets its
+        shape's calibrated layout (measured now with `calibrate`; decode.models.projection.layout_for). On a GPU with
+        `cuda_graphs`, forwards replay CUDA graphs. With a `shortlist`, the output layer computes the logits of its
+        tokens only. With `native_blocks`, an engine on a CPU with AVX2 and FMA or AVX-512 runs a forward of a few
+        rows (up to native.Blocks.ROWS, or the runtime's `rows` once measured) as one C++ call (forward.cpp), which
         rounds differently from torch's; `reload()` then gives the checkpoint's weights again, and the C++ call takes
         the matrices out of `weights` (read for this engine alone) as it packs them, torch's forward making its own
         from `reload()` on its first use."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
-        fits = native_blocks and native.Blocks.fit(shape.n_embd, torch_dtype, device)
+        runtime = runtime_for(device, cpp_forward=native_blocks, cuda_graphs=cuda_graphs)
+        fits = runtime.loads_forward(shape.n_embd, torch_dtype)
         lazy = fits and reload is not None
         # taken out of a checkpoint read for this engine alone (`reload`), so that it holds no matrix the C++ packed
         converted = lambda checkpoint, take: {k.removeprefix("transformer."): take(k).to(device, torch_dtype)
                                               for k in list(checkpoint)}
         weights = converted(weights, weights.pop if lazy else weights.__getitem__)
-        pad_rows = device.type == "cpu" and torch_dtype == torch.bfloat16
+        pad_rows = runtime.pads_rows(torch_dtype)
         e = shape.n_embd
         wte = weights["wte.weight"]
         output = wte if shortlist is None else wte[shortlist.tokens_on(device)]
         matrices = {"qkv": (e, 3 * e), "attn_out": (e, e), "mlp_in": (e, 4 * e), "mlp_out": (4 * e, e),
                     "head": (e, output.shape[0])}  # (in, out)
-        layouts = {name: layout or layout_for(torch_dtype, device, *matrix, name == "mlp_in", calibrate)
+        layouts = {name: layout or runtime.layout(torch_dtype, *matrix, name == "mlp_in", calibrate)
                    for name, matrix in matrices.items()}
 
         def torch_weights(checkpoint: dict[str, torch.Tensor]) -> tuple[list[LayerWeights], Projection]:
@@ -182,7 +166,7 @@ class GPT2Engine(CachedLM):
         max_length = max_length or shape.n_positions  # positions: the context
         # slots: a tree's nodes share positions
         kv = KVSlots(shape.n_layer, shape.n_head, shape.n_embd // shape.n_head, max_length + SPECULATIVE_SLOTS,
-                     torch_dtype, device)
+                     torch_dtype, device, runtime.mover)
         made = None if lazy else torch_weights(weights)
 
         def make_torch_weights() -> tuple[list[LayerWeights], Projection]:
@@ -191,10 +175,10 @@ class GPT2Engine(CachedLM):
             checkpoint = reload()
             return torch_weights(converted(checkpoint, checkpoint.pop))
 
-        blocks = native.Blocks(shape, weights, kv.cache, output, consume=lazy) if fits else None
+        if fits:
+            runtime.load_forward(shape, weights, kv.cache, output, consume=lazy)
         return cls(shape, wte, weights["wpe.weight"], make_torch_weights, layouts,
-                   (weights["ln_f.weight"], weights["ln_f.bias"]), kv, max_length, shortlist, blocks,
-                   CUDAGraphs if cuda_graphs and device.type == "cuda" else None)
+                   (weights["ln_f.weight"], weights["ln_f.bias"]), kv, max_length, runtime, shortlist)
 
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
@@ -243,13 +227,13 @@ class GPT2Engine(CachedLM):
     def chains(self, rows: int, sampling) -> bool:
         """A chain's forwards run as one C++ call where each of them would run in C++ (the first of `rows` rows), greedy
         or under a top-k setting."""
-        return self.blocks is not None and rows <= self.native_rows and (sampling.greedy or sampling.sparse)
+        return rows <= self.runtime.rows and (sampling.greedy or sampling.sparse)
 
     def chain(self, token_ids: Ids, position_ids: Ids, steps: int, sampling, uniforms: list[float],
               mapping=dict) -> tuple[list[int], list[dict[int, float]] | None]:
         q = len(token_ids) + steps - 1  # the last token chosen is not fed
         start, _ = self.kv.reserve(q)
-        chosen = self.blocks.chain(token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms, mapping)
+        chosen = self.runtime.blocks.chain(token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms, mapping)
         self.kv.pending += q
         return chosen
 
@@ -258,25 +242,25 @@ class GPT2Engine(CachedLM):
         """Float32 logits of new nodes (of the `last` of them, with `last`) that write their keys/values into cache
         `slots` and attend to slots 0..end: all of them, or with a (q, k) boolean `mask`, the last k where it is
         true and every one before them."""
-        if len(token_ids) <= self.native_rows and isinstance(slots, slice):
-            return self.blocks(token_ids, position_ids, mask, slots.start, last)
-        if self.native_rows == native.Blocks.ROWS and isinstance(slots, slice) and mask is not None:
+        if len(token_ids) <= self.runtime.rows and isinstance(slots, slice):
+            return self.runtime.blocks(token_ids, position_ids, mask, slots.start, last)
+        if self.runtime.chunks and isinstance(slots, slice) and mask is not None:
             return self.chunked_logits(token_ids, position_ids, mask, slots.start, last)
         with torch.inference_mode():  # torch's forward only: entering it took 2-5 us, a C++ forward needs none of it
             return self.torch_logits(token_ids, position_ids, mask, slots, end, last)
 
     def chunked_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor, start: int,
                        last: int | None = None) -> torch.Tensor:
-        """`logits` of more rows than one C++ call takes (a prompt), as C++ calls of native_rows rows each, where the
+        """`logits` of more rows than one C++ call takes (a prompt), as C++ calls of the runtime's `rows` rows each, where the
         C++ call ran faster than torch at every row count measured: each call's rows see the slots before them as
         `mask` says (its columns: the pending slots, then the new rows), those of the calls before included. A row's
         logits do not depend on the other rows of its call (forward.cpp), so they are those of one long call."""
-        q, size = len(token_ids), self.native_rows
+        q, size, blocks = len(token_ids), self.runtime.rows, self.runtime.blocks
         pending, last = mask.shape[1] - q, q if last is None else last
         parts = []
         for a in range(0, q, size):
             b = min(a + size, q)
-            parts.append(self.blocks(token_ids[a:b], position_ids[a:b], mask[a:b, : pending + b], start + a,
+            parts.append(blocks(token_ids[a:b], position_ids[a:b], mask[a:b, : pending + b], start + a,
                                      max(0, min(b - a, last - (q - b)))))
         return torch.cat(parts)
 
@@ -289,10 +273,7 @@ class GPT2Engine(CachedLM):
         if mask is not None:  # SDPA makes a boolean mask additive in every layer (5-7 us each on a CPU): once here,
             # over the slots the mask covers, then padded with the committed slots' zeros (one op, not a copy into ones)
             mask = F.pad(torch.where(mask, *self.mask_values), (end - mask.shape[1], 0))
-        if self.on_gpu:
-            with sdpa_kernel(ATTENTION_WITHOUT_CUDNN):
-                x = self.layers_forward(x, mask, slots, end)
-        else:
+        with self.runtime.attention():
             x = self.layers_forward(x, mask, slots, end)
         if last is not None:
             x = x[x.shape[0] - last :]

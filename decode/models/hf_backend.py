@@ -6,9 +6,11 @@ import inspect
 import torch
 
 from decode.models.pretrained import load_causal_lm
-from decode.models.cached_lm import CachedLM, Shortlist
+from decode.models.cached_lm import CachedLM
+from decode.shortlist import Shortlist
 from decode.tensors import Ids, as_tensor
-from decode.models.engine import DTYPES, attention_kernels
+from decode.models.engine import DTYPES
+from decode.models.runtime import runtime_for
 
 
 def load_hf_model(model_dir, dtype: str, device: str):
@@ -31,6 +33,7 @@ class HFEngine(CachedLM):
         self.model = load_hf_model(model_dir, dtype, device)
         config = self.model.config
         self.device, self.dtype = torch.device(device), self.model.dtype
+        self.runtime = runtime_for(self.device, cpp_forward=False)  # transformers' forward; the step's loops
         self.vocab_size = config.vocab_size
         context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         self.max_length = max_length or context
@@ -62,7 +65,7 @@ class HFEngine(CachedLM):
             mask = torch.cat([torch.ones(q, self.length, dtype=torch.bool, device=self.device), mask], 1)
         dtype = self.model.dtype
         additive = torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill(~mask, torch.finfo(dtype).min)
-        with attention_kernels(self.device):
+        with self.runtime.attention():
             out = self.model(
                 input_ids=token_ids[None], position_ids=position_ids[None], attention_mask=additive[None, None],
                 use_cache=True, **{self.cache_keyword: self.cache},

@@ -7,7 +7,8 @@ import numpy as np
 
 from decode.errors import InputError
 from decode.tokenizer import load_tokenizer
-from decode.models.cached_lm import CachedLM, Shortlist
+from decode.models.cached_lm import CachedLM
+from decode.shortlist import Shortlist
 from decode.models.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.models.hf_backend import HFEngine
 from decode.models.native_rows import native_forward
@@ -70,9 +71,7 @@ def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_grap
         engine = GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
                                  native_blocks=True, calibrate=calibrate)
         forward = native_forward(directory, engine, dtype, calibrate=calibrate)
-        engine.native_rows = forward.rows
-        if engine.blocks is not None:
-            engine.blocks.tiles = forward.tiles
+        engine.runtime.use(forward.rows, forward.tiles)
         return engine
     return HFEngine.load(directory, dtype, device, shortlist=shortlist)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from decode.models.runtime import CPP, CPP_TILES, TORCH
 from decode.timing import CACHE_DIR, by_count, cache_key, forward_costs, kept, read_kept
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -23,7 +24,7 @@ REPEATS = 10
 # round, not the choice
 ROUNDS = 2
 # The C++ call's ways of running its products, by the name its timings are kept under: on AMX's tiles or not
-PRODUCTS = {"C++": False, "C++ on AMX tiles": True}
+PRODUCTS = {CPP: False, CPP_TILES: True}
 
 
 @dataclass(frozen=True)
@@ -37,35 +38,34 @@ def native_forward(model_dir, engine, dtype: str, cache_dir: Path | None = None,
     """The C++ call's products on whichever way took less time over ROW_COUNTS as a whole (the geometric mean of the
     ratios), and the largest of ROW_COUNTS up to which every timed forward was faster that way than in torch (0:
     never, or no C++ forward here); timed with `calibrate` once per model, code, device and threads, then read back.
-    Never timed: the engine's own (native.Blocks.ROWS rows, the tiles where it can)."""
-    if engine.blocks is None:
+    Never timed: the runtime's own (native.Blocks.ROWS rows, the tiles where it can)."""
+    runtime = engine.runtime
+    if runtime.ways() == [TORCH]:
         return NativeForward(0, False)
     path = Path(cache_dir or CACHE_DIR) / f"native-rows-{cache_key(model_dir, engine, dtype)}.json"  # names the C++ too
-    ways = [way for way, tiles in PRODUCTS.items() if engine.blocks.can_tile or not tiles]
+    ways = [way for way in runtime.ways() if way != TORCH]
 
     def every_way() -> dict:
-        ms, before = {}, (engine.native_rows, engine.blocks.tiles)
+        ms = {}
         for _ in range(ROUNDS):
-            for way in [*ways, "torch"]:
-                engine.native_rows = 0 if way == "torch" else max(ROW_COUNTS)
-                engine.blocks.tiles = PRODUCTS.get(way, before[1])
-                timed = forward_costs(engine, repeats=REPEATS, counts=ROW_COUNTS)
+            for way in runtime.ways():
+                with runtime.forced(way):
+                    timed = forward_costs(engine, repeats=REPEATS, counts=ROW_COUNTS)
                 ms[way] = {q: min(ms.get(way, {}).get(q, ms_now), ms_now) for q, ms_now in timed.items()}
-        engine.native_rows, engine.blocks.tiles = before
         return ms
 
     measured = kept(path, every_way)[0] if calibrate else read_kept(path)
     if measured is None:
-        return NativeForward(engine.native_rows, engine.blocks.tiles)
+        return NativeForward(runtime.rows, runtime.tiles)
     ms = {way: by_count(row) for way, row in measured.items()}
 
     def against_dot_products(way: str) -> float:  # the mean log of the way's time over the dot products'
-        return float(np.mean([np.log(ms[way][q] / ms["C++"][q]) for q in ms["C++"] if q in ms[way]]))
+        return float(np.mean([np.log(ms[way][q] / ms[CPP][q]) for q in ms[CPP] if q in ms[way]]))
 
     best = min((way for way in ways if way in ms), key=against_dot_products)
     rows = 0
     for q in ROW_COUNTS:
-        if q not in ms[best] or ms[best][q] >= ms["torch"].get(q, float("inf")):
+        if q not in ms[best] or ms[best][q] >= ms[TORCH].get(q, float("inf")):
             break
         rows = q
     return NativeForward(rows, PRODUCTS[best])

@@ -171,7 +171,7 @@ class Blocks:
             "vocabulary": weights["wte.weight"].shape[0], "positions": weights["wpe.weight"].shape[0],
             "logit_columns": output.shape[0], "element_bytes": kv_cache.element_size(),
             "epsilon": float(shape.layer_norm_epsilon)})
-        self.columns = output.shape[0]
+        self.columns, self.dtype = output.shape[0], kv_cache.dtype
         self.tiles = True
 
     @property

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from decode.errors import InputError
-from decode.models.cached_lm import CachedLM, Shortlist
+from decode.models.cached_lm import CachedLM
+from decode.shortlist import Shortlist
 from decode.timing import CACHE_DIR, NODE_COUNTS, by_count, cache_key, forward_costs, kept
 
 

@@ -1,0 +1,252 @@
+"""What runs a model on its device, chosen once as the model is built: one `Runtime` per device and model.
+
+A runtime owns every choice that depends on where the model runs, so that nothing else asks which device or
+instruction set it is on:
+
+    kernels                  the step's loops over the model's logits (decode.kernels: C++ or portable)
+    host_kernels             the loops over token lists and the trigram's tables, in CPU memory
+    blocks, rows             the C++ forward of a few rows (native.Blocks) and the most rows it runs (0: torch's forward)
+    tiles                    whether that forward's products run on AMX's tiles
+    mover(cache)             a commit's moves of KV slots
+    layout(...), pads_rows   how the weights are stored for torch's products
+    attention(), graphs()    torch's attention kernels, CUDA graphs
+    forced(way)              a context in which the forwards run one way ("torch", "C++", "C++ on AMX tiles"), for
+                             the tools that compare them
+
+Three kinds, as ggml's CPU and CUDA backends: `Runtime` (torch's operations and the portable loops on a CPU, where
+the C++ is not built), `NativeRuntime` (a CPU with the C++ loops, and the C++ forward where the instruction set and
+the model allow it) and `CudaRuntime` (a GPU: portable loops over its logits, CUDA graphs, SDPA without cuDNN).
+`runtime_for` picks one.
+"""
+import contextlib
+import functools
+from typing import Callable
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from decode import native
+from decode.kernels import NativeKernels, PortableKernels, StepKernels
+from decode.models.cuda_graphs import CUDAGraphs
+from decode.models.projection import default_layout, layout_for
+
+TORCH, CPP, CPP_TILES = "torch", "C++", "C++ on AMX tiles"  # the ways a forward of a few rows can run
+# cuDNN's attention builds a plan for every new shape, and each decoding call has a new cached length, which made
+# greedy decoding on a GPU an order of magnitude slower (docs/gpu.md)
+ATTENTION_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+Mover = Callable[[int, list[int]], None]  # (length, keep): pending slot keep[i] becomes slot length + i
+
+
+@functools.cache
+def host_kernels() -> StepKernels:
+    """The loops over data in CPU memory (token lists, the trigram's successor tables), whatever device the models are
+    on: C++ where it is built (decode.native), else the portable code."""
+    return NativeKernels() if native.module() is not None else PortableKernels()
+
+
+def torch_mover(cache: torch.Tensor) -> Mover:
+    """A commit's moves as torch copies over a (..., capacity, head_dim) cache. Slots already in place stay: drafters
+    put a tree's likeliest path first (Tree.subtree), so an accepted path is often all in place, and the rest of it,
+    numbered depth first, holds runs of consecutive slots. Each run is copied as one block, split where it would
+    overlap its destination. Right after a forward, copying slot by slot is faster than one index_select of the slots
+    (95-105 against 145-185 us a commit of the cpu preset's oracle), and blocks cut the copies further."""
+    slots = cache.dim() - 2
+
+    def move(length: int, keep: list[int]) -> None:
+        n = len(keep)
+        start = next((i for i, slot in enumerate(keep) if slot != i), n)
+        while start < n:
+            end = start + 1
+            while end < n and keep[end] == keep[end - 1] + 1 and end < keep[start]:
+                end += 1
+            cache.narrow(slots, length + start, end - start).copy_(cache.narrow(slots, length + keep[start], end - start))
+            start = end
+
+    return move
+
+
+class Runtime:
+    """torch's operations and the portable loops, on a CPU (the base of the other kinds)."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kernels: StepKernels = PortableKernels()
+        self.host_kernels = host_kernels()
+        self.blocks: native.Blocks | None = None
+        self.rows = 0
+
+    @property
+    def tiles(self) -> bool:
+        return False
+
+    @property
+    def chunks(self) -> bool:
+        """Whether a forward of more rows than one C++ call takes runs as several such calls."""
+        return False
+
+    def loads_forward(self, n_embd: int, dtype: torch.dtype) -> bool:
+        """Whether `load_forward` makes a C++ forward for a model of this width and dtype here."""
+        return False
+
+    def load_forward(self, shape, weights: dict[str, torch.Tensor], cache: torch.Tensor, output: torch.Tensor,
+                     consume: bool) -> None:
+        """Make the C++ forward over these weights (native.Blocks' arguments), where `loads_forward` says so."""
+        raise NotImplementedError(f"the {self.name} runtime has no C++ forward")
+
+    def mover(self, cache: torch.Tensor) -> Mover:
+        return torch_mover(cache)
+
+    def layout(self, dtype: torch.dtype, in_features: int, out_features: int, gelu: bool, calibrate: bool) -> str:
+        """The layout a weight matrix of this shape is stored in for torch's products (decode.models.projection)."""
+        return layout_for(dtype, self.device, in_features, out_features, gelu, calibrate)
+
+    def pads_rows(self, dtype: torch.dtype) -> bool:
+        """Whether torch's products pad a prompt's rows (oneDNN builds a kernel per row count in bfloat16 on a CPU)."""
+        return dtype == torch.bfloat16
+
+    def attention(self) -> contextlib.AbstractContextManager:
+        """The context torch's attention runs in (transformers' models too)."""
+        return contextlib.nullcontext()
+
+    def graphs(self, engine) -> CUDAGraphs | None:
+        """The engine's CUDA graphs, where the device replays them."""
+        return None
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so a timer sees it."""
+
+    def ways(self) -> list[str]:
+        """The ways a forward of a few rows can run here, torch's last."""
+        return [TORCH]
+
+    @property
+    def way(self) -> str:
+        return TORCH
+
+    @contextlib.contextmanager
+    def forced(self, way: str):
+        """Forwards of any number of rows run `way` (one of `ways()`) inside the context, as before after it."""
+        if way not in self.ways():
+            raise ValueError(f"a forward cannot run as {way!r} here; choose from {', '.join(self.ways())}")
+        yield
+
+    def use(self, rows: int, tiles: bool) -> None:
+        """What calibration measured: the C++ forward up to `rows` rows, its products on the tiles with `tiles`."""
+
+    def key(self) -> str:
+        """What a measured forward time depends on in this runtime besides the model's own code (the C++ forward's
+        source, build and use), for the caches of measurements."""
+        return ""
+
+    def loops(self) -> str:
+        """Where a step's loops run, as reports say it."""
+        return self.kernels.name
+
+
+class NativeRuntime(Runtime):
+    """A CPU with the C++ loops: a step's loops in C++, a commit's moves in C++, and, where the instruction set, dtype
+    and width allow, a forward of up to `rows` rows as one C++ call (native.Blocks)."""
+
+    name = "C++"
+
+    def __init__(self, device: torch.device, cpp_forward: bool = True):
+        super().__init__(device)
+        self.kernels = NativeKernels()
+        self.cpp_forward = cpp_forward
+
+    @property
+    def tiles(self) -> bool:
+        return self.blocks is not None and self.blocks.tiles
+
+    def loads_forward(self, n_embd: int, dtype: torch.dtype) -> bool:
+        return self.cpp_forward and native.Blocks.fit(n_embd, dtype, self.device)
+
+    def load_forward(self, shape, weights, cache, output, consume) -> None:
+        self.blocks = native.Blocks(shape, weights, cache, output, consume=consume)
+        self.rows = native.Blocks.ROWS
+
+    def mover(self, cache: torch.Tensor) -> Mover:
+        return native.slot_mover(cache) or torch_mover(cache)
+
+    def ways(self) -> list[str]:
+        if self.blocks is None:
+            return [TORCH]
+        return [CPP, *([CPP_TILES] if self.blocks.can_tile else []), TORCH]
+
+    @property
+    def way(self) -> str:
+        return TORCH if self.rows == 0 else CPP_TILES if self.tiles else CPP
+
+    @contextlib.contextmanager
+    def forced(self, way: str):
+        with super().forced(way):
+            before = self.rows, self.tiles
+            if way != TORCH:
+                self.blocks.tiles = way == CPP_TILES
+            self.rows = 0 if way == TORCH else native.Blocks.ROWS
+            try:
+                yield
+            finally:
+                self.use(*before)
+
+    def use(self, rows: int, tiles: bool) -> None:
+        self.rows = rows if self.blocks is not None else 0
+        if self.blocks is not None:
+            self.blocks.tiles = tiles
+
+    @property
+    def chunks(self) -> bool:
+        """Whether a forward of more rows than one C++ call takes runs as several (the C++ call was never measured
+        slower than torch's forward, which calibration would have shown by lowering `rows`)."""
+        return self.rows == native.Blocks.ROWS
+
+    def key(self) -> str:
+        if self.blocks is None:
+            return ""
+        return ("".join(source.read_text() for source in native.FORWARD_SOURCES) + native.forward_build(self.blocks.dtype)
+                + f"{self.rows} {self.tiles}")
+
+    def loops(self) -> str:
+        return "C++"
+
+
+class CudaRuntime(Runtime):
+    """A GPU: torch's forward (replayed as CUDA graphs where asked), its attention without cuDNN's; the portable loops
+    over the logits, which stay on the GPU; the C++ loops for the host's data where built."""
+
+    name = "CUDA"
+
+    def __init__(self, device: torch.device, cuda_graphs: bool = False):
+        super().__init__(device)
+        self.cuda_graphs = cuda_graphs
+
+    def layout(self, dtype, in_features, out_features, gelu, calibrate) -> str:
+        return default_layout(dtype)
+
+    def pads_rows(self, dtype: torch.dtype) -> bool:
+        return False
+
+    def attention(self):
+        return sdpa_kernel(ATTENTION_WITHOUT_CUDNN)
+
+    def graphs(self, engine) -> CUDAGraphs | None:
+        return CUDAGraphs(engine) if self.cuda_graphs else None
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def loops(self) -> str:
+        return f"{self.host_kernels.name} for the trees, Python for the GPU's logits"
+
+
+def runtime_for(device: torch.device | str = "cpu", cpp_forward: bool = True, cuda_graphs: bool = False) -> Runtime:
+    """The runtime of a model on `device`: on a CPU the C++ one where it is built (its forward of a few rows only with
+    `cpp_forward`), on a GPU the CUDA one (replaying CUDA graphs with `cuda_graphs`)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaRuntime(device, cuda_graphs)
+    if device.type == "cpu" and native.module() is not None:
+        return NativeRuntime(device, cpp_forward)
+    return Runtime(device)
