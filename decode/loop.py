@@ -16,7 +16,7 @@ import torch
 from decode.drafting import ChainDrafter, Drafter
 from decode.healing import constrain_first
 from decode.models.cached_lm import CachedLM
-from decode.tensors import long_tensor, synchronize
+from decode.tensors import long_tensor
 from decode.sampling import Sampling, Uniforms
 from decode.verify import Target
 
@@ -40,16 +40,16 @@ class Generation:
 @dataclass
 class Hooks:
     """Told the seconds each part of a step took: the oracle's forwards (with the nodes they scored and the slots
-    cached before them: none for a prompt's), the drafter's proposals and the verifications. On a GPU (`device`),
-    each timing waits for the kernels queued before it and for its own."""
+    cached before them: none for a prompt's), the drafter's proposals and the verifications. Each timing waits for
+    the device work queued before it and for its own (`synchronize`: the oracle's runtime's, on a GPU)."""
 
     on_forward: Callable[[int, int, float], None] | None = None
     on_propose: Callable[[float], None] | None = None
     on_verify: Callable[[float], None] | None = None
-    device: torch.device = torch.device("cpu")
+    synchronize: Callable[[], None] = lambda: None
 
     def clock(self) -> float:
-        synchronize(self.device)
+        self.synchronize()
         return time.perf_counter()
 
     def timed(self, call: Callable, report: Callable[[float], None] | None) -> Callable:

@@ -1,4 +1,4 @@
-"""Small tensor helpers every layer uses: cheap int64 tensors, a device move without a call on the CPU, a GPU wait."""
+"""Small tensor helpers every layer uses: cheap int64 tensors, a device move without a call on the CPU."""
 import numpy as np
 import torch
 
@@ -7,12 +7,6 @@ def on(tensor: torch.Tensor, device) -> torch.Tensor:
     """`tensor` (on the CPU) moved to `device`, without a call when it is the CPU: a torch call right
     after a model's forward costs tens of microseconds on a CPU (its code and data were evicted)."""
     return tensor if device is None or getattr(device, "type", device) == "cpu" else tensor.to(device)
-
-
-def synchronize(device: torch.device | None) -> None:
-    """Wait for queued GPU work, so a timer sees it."""
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def long_tensor(values: list[int], device=None) -> torch.Tensor:

@@ -6,12 +6,10 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Callable
 
-import torch
 from tqdm import tqdm
 
 from decode import loop
 from decode.healing import Prompt
-from decode.tensors import synchronize
 
 # (prompt, its index, how many tokens) -> the Generation of one decoding of it
 Run = Callable[[Prompt, int, int], loop.Generation]
@@ -21,11 +19,11 @@ WARMUP_TOKENS = 16
 class Timer:
     """Seconds and calls per label. `hooks` are the decoding loop's: they report the oracle's forwards, the
     proposals and the verifications here; `wrap` times a method of an object the loop calls into (a draft model's
-    forward, the trigram's tree builder). On a GPU (`device`) each timing waits for the kernels queued before it
-    and for its own: else a forward's time lands in whatever next reads its result."""
+    forward, the trigram's tree builder). Each timing waits for the device work queued before it and for its own
+    (`synchronize`: the oracle's runtime's, on a GPU): else a forward's time lands in whatever next reads its result."""
 
-    def __init__(self, device: torch.device = torch.device("cpu")):
-        self.device = device
+    def __init__(self, synchronize: Callable[[], None] = lambda: None):
+        self.synchronize = synchronize
         self.seconds, self.calls = defaultdict(float), defaultdict(int)
         self.forwards = []  # the oracle's forwards as (new nodes, slots cached before, seconds), with `hooks(log=True)`
 
@@ -42,7 +40,7 @@ class Timer:
             self.forwards.append((nodes, cached, seconds))
 
         return loop.Hooks(on_forward, lambda s: self.add(f"{label}propose", s), lambda s: self.add(f"{label}verification", s),
-                          self.device)
+                          self.synchronize)
 
     def wrap(self, owner, name: str, label: str | Callable[[], str]) -> None:
         """Time owner.name (an object's method) from now on; a callable `label` is asked before each call which label
@@ -51,12 +49,12 @@ class Timer:
 
         def timed(*args, **kwargs):
             counted = label if isinstance(label, str) else label()
-            synchronize(self.device)
+            self.synchronize()
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
-                synchronize(self.device)
+                self.synchronize()
                 self.add(counted, time.perf_counter() - start)
 
         setattr(owner, name, timed)

@@ -50,7 +50,7 @@ def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: costs.Cont
     forward as a multiple of its isolated cost for the same node counts and cached lengths (`oracle_ms`), the
     drafting's ms per step and the rest of a step's ms (masks, verification, commits); for "baseline", its
     baseline_costs."""
-    timers = {name: Timer(decoder.oracle.device) for name in ["baseline", *drafters]}
+    timers = {name: Timer(decoder.oracle.runtime.synchronize) for name in ["baseline", *drafters]}
     oracle, eos_id, n, sampling = decoder.oracle, decoder.eos_id, settings.max_new_tokens, settings.sampling
     seeded = lambda i: torch.Generator(oracle.device).manual_seed(settings.seed + i)
     runs = {"baseline": lambda prompt, i, tokens, hooks=timers["baseline"].hooks(): loop.baseline(

@@ -43,7 +43,7 @@ def main(argv=None) -> dict[str, float]:
     settings = parse_settings(argv, "python -m decode.profile_step", __doc__.split("\n\n")[0])
     dec = SpeculativeDecoder(settings.options)
     decoder, prompts = dec.decoder, [prompt for _, prompt in encode_prompts(settings, [dec])]
-    timer = Timer(decoder.oracle.device)
+    timer = Timer(decoder.oracle.runtime.synchronize)
     if decoder.draft is not None:  # a chain's forwards made in one call count as the draft's forwards
         for name in ("forward", "chain"):
             timer.wrap(decoder.draft, name, lambda: f"draft {'prompt' if decoder.draft.length == 0 else 'forward'}")

@@ -30,10 +30,9 @@ def default_layout(dtype: torch.dtype) -> str:
 
 def layout_for(dtype: torch.dtype, device: torch.device, in_features: int, out_features: int, gelu: bool = False,
                calibrate: bool = False, cache_dir: Path | None = None) -> str:
-    """The layout a matrix of this shape is stored in on `device`: on a CPU the calibrated one (measured now with
-    `calibrate`, by fastest_layout, and kept per CPU, threads and torch), else default_layout's."""
-    if device.type != "cpu":
-        return default_layout(dtype)
+    """The layout a matrix of this shape is stored in on `device` (a CPU: a GPU's runtime takes default_layout's): the
+    calibrated one (measured now with `calibrate`, by fastest_layout, and kept per CPU, threads and torch), else
+    default_layout's."""
     machine = "".join(c if c.isalnum() else "_" for c in f"{device_name(device)}-torch-{torch.__version__}")
     name = f"layout-{machine}-{str(dtype).removeprefix('torch.')}-{in_features}x{out_features}{'-gelu' * gelu}.json"
     path = Path(cache_dir or CACHE_DIR) / name

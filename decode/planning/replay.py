@@ -21,7 +21,6 @@ from decode.drafting import Drafter
 from decode.loop import Hooks
 from decode.planning.costs import ContextCosts
 from decode.sampling import Sampling
-from decode.tensors import synchronize
 
 GREEDY = Sampling()
 
@@ -60,10 +59,10 @@ class RecordedDraft:
 
     def timed(self, run, rows: list[int]):
         cached = self.model.length + self.model.pending
-        synchronize(self.model.device)
+        self.model.runtime.synchronize()
         start = time.perf_counter()
         result = run()
-        synchronize(self.model.device)
+        self.model.runtime.synchronize()
         self.out.draft_seconds += time.perf_counter() - start
         self.out.draft_forwards += [(n, cached + sum(rows[:i])) for i, n in enumerate(rows)]
         return result
@@ -154,7 +153,7 @@ def sampled(drafter: Drafter, oracle, prompts: list, max_new_tokens: int, sampli
     hooks = Hooks(on_forward=lambda nodes, cached, seconds: cached and (out.nodes.append(nodes), out.cached.append(cached),
                                                                         out.step_prompts.append(out.prompts)),
                   on_propose=lambda seconds: setattr(out, "drafting_seconds", out.drafting_seconds + seconds),
-                  device=oracle.device)
+                  synchronize=oracle.runtime.synchronize)
     recorded = Recorded(drafter, out.accepted)
     with recording(drafter, out):
         drafter.forget()
