@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from decode.cli import agreement, bench, bench_engine, explain, llama_server, peers, profile_step
-from decode.cli.harness import Timer
+from decode.cli import agreement, bench, bench_engine, profile_step
+from decode.benchmarking import explain, llama_server, peers, tables
+from decode.benchmarking.harness import Timer
 from decode.planning import costs
 from decode import native, timing
 from decode.api import Decoder
@@ -159,7 +160,7 @@ def test_the_plans_forecast_is_printed_beside_the_measurement(capsys):
            "speedup": {"median": 1.2, "mean": 1.2, "min": 1.0, "max": 1.4, "least_repetitive_half": 1.1}}
     summary = {"baseline": {**row, "tokens_per_second": 250.0, "tokens_per_oracle_call": 1.0},
                "staged": {**row, "predicted": {"tokens_per_call": 4.9, "speedup": 2.6}}}
-    bench.print_table(summary, greedy=False)
+    tables.print_table(summary, greedy=False)
     sampled = capsys.readouterr().out
     assert "staged           4.90 vs  2.00      2.60x vs  1.20x" in sampled
     assert "1.20x (1.20, 1.00-1.40)           1.10x" in sampled  # beside the median, the least repetitive half's

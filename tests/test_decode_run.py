@@ -95,7 +95,8 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
 
 
 def test_agreement_reports_identical_outputs_and_explains_divergences(models, tmp_path):
-    from decode.cli import agreement, near_ties
+    from decode.cli import agreement
+    from decode.benchmarking import near_ties
     from decode.models.engine import GPT2Engine
     from decode.healing import Prompt
 
@@ -136,7 +137,7 @@ def test_rounding_noise_is_the_largest_of_the_gaps_spread_the_best_tokens_spread
     is within rounding (what bfloat16 on a CPU with AMX showed: docs/exactness.md); a unit is counted at each logit's own
     magnitude; tokens outside the best do not count; and a single unit at the pair's magnitude is always within
     rounding (the last rounding of the logits alone makes it), in the precision the logits were computed in."""
-    from decode.cli.near_ties import TOP, last_place, rounding_noise
+    from decode.benchmarking.near_ties import TOP, last_place, rounding_noise
 
     first = torch.tensor([10.6875, 10.5625, 9.0, 6.0] + [2.0] * (TOP - 4) + [-5.0, -6.0])  # TOP + 2 tokens, bfloat16-exact
     assert last_place(first)[:4].tolist() == [0.0625, 0.0625, 0.0625, 0.03125]
@@ -163,7 +164,7 @@ def test_rounding_noise_is_the_largest_of_the_gaps_spread_the_best_tokens_spread
 def test_own_rows_are_the_rows_that_chose_each_token(models, method, extra):
     """Decoded again with a recording verifier, a method gives the same tokens, and the row recorded for each
     is the one that chose it (its argmax) and the baseline's row at that prefix (float32: to rounding)."""
-    from decode.cli import near_ties
+    from decode.benchmarking import near_ties
     from decode.api import SpeculativeDecoder
 
     dec = SpeculativeDecoder.from_run(oracle=models["oracle"], draft=models["draft"], ngram=models["ngram"],
@@ -202,7 +203,7 @@ def test_a_methods_own_forward_makes_a_near_tie_only_when_it_moved_no_best_logit
     by the replays alone. The method's own row that chose the other token settles it: the pair moved a unit
     each and nothing else moved, a near-tie; a third best token moved by three units (a row computed over
     something else), or the pair four units apart, or a re-decode that does not give the same output, not."""
-    from decode.cli import near_ties
+    from decode.benchmarking import near_ties
     from decode.healing import Prompt
 
     base = torch.tensor([10.6875, 10.5625, 9.0, 6.0] + [2.0] * 8 + [-5.0, -6.0])  # bfloat16-exact
@@ -238,7 +239,7 @@ def test_a_peers_difference_is_judged_with_its_own_models_logits_too(models):
     perturbed copy, standing in for kernels that round otherwise) made a near-tie, not a bug."""
     from transformers import AutoModelForCausalLM
 
-    from decode.cli import near_ties
+    from decode.benchmarking import near_ties
     from decode.models.engine import GPT2Engine
     from decode.healing import Prompt
 

@@ -3,7 +3,8 @@ exported oracle to our own greedy tokens."""
 import pytest
 
 from decode import SpeculativeDecoder
-from decode.cli import bench, export, peers
+from decode.cli import bench, export
+from decode.benchmarking import peers
 from decode_models import PROMPTS
 
 

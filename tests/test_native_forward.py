@@ -181,7 +181,7 @@ def test_an_engine_whose_forwards_run_in_cpp_makes_torchs_weights_only_when_a_to
 
 
 def test_the_near_tie_checker_replays_a_cpp_forward_in_torch_too(blocks_here, tmp_path):
-    from decode.cli import near_ties
+    from decode.benchmarking import near_ties
 
     engine = GPT2Engine.load(tiny_gpt2(tmp_path / "model", seed=3, n_embd=64, n_head=2), "bfloat16",
                              native_blocks=True)

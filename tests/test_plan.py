@@ -11,7 +11,7 @@ from decode.models.loading import TOKEN_COUNTS
 
 from decode import SpeculativeDecoder
 from decode.methods import METHODS
-from decode.planning import kinds, plan_file, replay, shapes
+from decode.planning import kinds, plan_file, planner, replay, shapes
 from decode.cli import bench, plan, report, run, serve
 from decode.drafting import (ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
                              TreeDrafter)
@@ -236,31 +236,31 @@ def test_the_bench_notes_prompts_much_longer_than_the_plans_calibration_prompts(
 def test_beside_a_bfloat16_oracle_the_plan_weighs_the_draft_in_float32_too(models):
     options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1",
                          "--dtype", "bfloat16"]).options
-    variants = plan.draft_variants([64], options, 97)
+    variants = planner.draft_variants([64], options, 97)
     assert set(variants) == {(0, "float32"), (64, "bfloat16"), (64, "float32")}  # (0, bfloat16) is the plan's own draft
     for (size, dtype), draft in variants.items():
         assert (len(draft.shortlist) if draft.shortlist else 0) == size and draft.dtype == getattr(torch, dtype)
-    chosen = plan.draft_variants([], dataclasses.replace(options, draft_dtype="float32"), 97)
+    chosen = planner.draft_variants([], dataclasses.replace(options, draft_dtype="float32"), 97)
     assert set(chosen) == set()  # a float32 draft (--draft-dtype) has no other dtype to weigh
 
 
 def test_on_a_gpu_the_plan_weighs_no_other_draft_dtype(models, monkeypatch):
-    monkeypatch.setattr(plan, "load_draft", lambda options, vocab_size: (options.draft_vocab, options.draft_dtype))
+    monkeypatch.setattr(planner, "load_draft", lambda options, vocab_size: (options.draft_vocab, options.draft_dtype))
     options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1",
                          "--dtype", "bfloat16"]).options
-    assert set(plan.draft_variants([64], dataclasses.replace(options, device="cuda"), 97)) == {(64, "bfloat16")}
-    assert set(plan.draft_variants([64], options, 97)) == {(0, "float32"), (64, "bfloat16"), (64, "float32")}
+    assert set(planner.draft_variants([64], dataclasses.replace(options, device="cuda"), 97)) == {(64, "bfloat16")}
+    assert set(planner.draft_variants([64], options, 97)) == {(0, "float32"), (64, "bfloat16"), (64, "float32")}
 
 
 def test_plan_weighs_the_largest_power_of_two_up_to_half_the_vocabulary_by_default(models, tmp_path, capsys):
     options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1"]).options
-    assert plan.shortlist_sizes(None, options, 8192) == [4096]
-    assert plan.shortlist_sizes(None, options, 50257) == [16384]
-    assert plan.shortlist_sizes(None, options, 97) == []  # too small a vocabulary to shortlist
-    assert plan.shortlist_sizes([0, 64, 96, 97, 200], options, 97) == [64, 96]
+    assert planner.shortlist_sizes(None, options, 8192) == [4096]
+    assert planner.shortlist_sizes(None, options, 50257) == [16384]
+    assert planner.shortlist_sizes(None, options, 97) == []  # too small a vocabulary to shortlist
+    assert planner.shortlist_sizes([0, 64, 96, 97, 200], options, 97) == [64, 96]
     no_counts = tmp_path / "draft"
     no_counts.mkdir()
-    assert plan.shortlist_sizes(None, dataclasses.replace(options, draft=no_counts), 8192) == []
+    assert planner.shortlist_sizes(None, dataclasses.replace(options, draft=no_counts), 8192) == []
     assert TOKEN_COUNTS in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         plan.parse(["--oracle", str(models["oracle"]), "--prompt", "t1", "--out", str(tmp_path / "p.json"), "--draft-vocab", "4096,10"])

@@ -11,7 +11,8 @@ from decode.models.loading import TOKEN_COUNTS
 
 from decode.planning import costs, kinds, repeats, replay, search, shapes
 from decode.tree import Tree
-from decode.cli import in_loop, plan
+from decode.cli import plan
+from decode.planning import in_loop
 from decode.shortlist import Shortlist
 from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter)
 from decode.models.engine import GPT2Engine

@@ -21,8 +21,8 @@ from decode.cli.help import HelpFormatter
 from decode.atomic import FILE, check_output, write_json
 from decode.errors import exits_on_input_error
 from decode.api import SpeculativeDecoder
-from decode.cli.harness import compare_with_baseline
-from decode.cli.near_ties import describe, divergence, own_rows
+from decode.benchmarking.harness import compare_with_baseline
+from decode.benchmarking.near_ties import describe, divergence, own_rows
 from decode.cli.settings import encode_prompts, parse_settings
 from decode.methods import METHODS
 

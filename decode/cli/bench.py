@@ -39,10 +39,11 @@ from decode.cli.help import HelpFormatter
 from decode.atomic import FILE, atomic_output, check_output, write_json
 from decode.errors import InputError, exits_on_input_error
 from decode.api import SpeculativeDecoder
-from decode.cli import explain, near_ties
-from decode.cli.harness import compare_with_baseline, decode_in_turns, warm_up
-from decode.cli.llama_server import SERVER_PEERS, TUNING_PROMPTS, ServerPeer, missing_reason, server_binary
-from decode.cli.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
+from decode.benchmarking import explain, near_ties
+from decode.benchmarking.harness import compare_with_baseline, decode_in_turns, warm_up
+from decode.benchmarking.tables import print_table
+from decode.benchmarking.llama_server import SERVER_PEERS, TUNING_PROMPTS, ServerPeer, missing_reason, server_binary
+from decode.benchmarking.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
 from decode.cli.settings import Settings, encode_prompts, parse_settings
 from decode.models.engine import read_config
 from decode.models.loading import check_same_vocabulary
@@ -164,38 +165,6 @@ def summarise(records: dict[str, list[dict]], checks: dict | None) -> dict[str, 
                                         for rival in RIVALS if rival in records and rival != name}
         summary[name] = s
     return summary
-
-
-def print_table(summary: dict[str, dict], greedy: bool) -> None:
-    print(f"{'method':<15} {'tokens/s':>9} {'speedup median (mean, min-max)':>31} {'least rep. half':>15} "
-          f"{'tokens/call':>11} {'calls/token':>11} {'batch':>6}" + (f" {'same output':>12}" if greedy else ""))
-    for name, s in summary.items():
-        if "speedup" in s:
-            sp = s["speedup"]
-            speed, plain = f"{sp['median']:.2f}x ({sp['mean']:.2f}, {sp['min']:.2f}-{sp['max']:.2f})", f"{sp['least_repetitive_half']:.2f}x"
-        else:
-            speed, plain = "refused: output differs", "-"
-        batch = f"{s['mean_oracle_batch']:6.1f}" if s["mean_oracle_batch"] else f"{'-':>6}"
-        line = (f"{name:<15} {s['tokens_per_second']:9.1f} {speed:>31} {plain:>15} {s['tokens_per_oracle_call']:11.2f} "
-                f"{s['oracle_calls_per_token']:11.3f} {batch}")
-        if greedy:
-            same = s["same_output"]
-            n = same["identical"] + len(same["near_ties"]) + len(same["differences"])
-            line += f" {same['identical']:>5}/{n}" + (f" +{len(same['near_ties'])} ties" if same["near_ties"] else "")
-        print(line)
-    planned = explain.forecast_rows(summary)
-    if planned:
-        print(f"{'planned against measured:':<42} {'method':<12} {'tokens/call':>19} {'speedup (tokens/s)':>19}"
-              "  (the plan's 90% interval: its calibration prompts and timing)")
-        for row in planned:
-            spread = explain.interval_text(row["interval"])
-            (tokens, measured_tokens), (speedup, measured) = row["tokens_per_call"], row["speedup"]
-            print(f"{'':<42} {row['method']:<12} {tokens:8.2f} vs {measured_tokens:5.2f}"
-                  f"    {speedup:6.2f}x vs {measured:5.2f}x{spread}")
-    for name, s in summary.items():
-        for d in s.get("same_output", {}).get("differences", []):
-            print(f"  {name} differs from baseline on {d['task_id']} at token {d['position']} "
-                  f"({near_ties.describe(d)})")
 
 
 def check_plot_path(path: Path, overwrite: bool, reads: dict) -> None:

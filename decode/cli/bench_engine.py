@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from decode.atomic import FILE, check_output, write_json
+from decode.benchmarking.tables import curve_rows, table_row
 from decode.cli.help import HelpFormatter
 from decode.errors import exits_on_input_error
 from decode.prompts import load_prompts
@@ -83,11 +84,6 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
             "speedup": (hf_s / hf_n) / (ours_s / ours_n), "identical_outputs": f"{agree}/{len(prompts)}"}, outputs
 
 
-def table_row(label: str, values: dict[int, float]) -> str:
-    """A label (its last 40 characters) and a value per node count, '-' where there is none."""
-    return f"{label[-40:]:<40}" + "".join(f"{values[q]:8.2f}" if q in values else f"{'-':>8}" for q in NODE_COUNTS)
-
-
 def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[int]], costs: dict) -> dict:
     """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph, against launching
     every kernel on its own (the first two tables)."""
@@ -140,19 +136,6 @@ def roofline_tables(args, models: dict) -> dict:
         for label, row in curve_rows(curve):
             print(table_row(label, row))
     return result
-
-
-def curve_rows(curve: dict) -> list[tuple[str, dict[int, float]]]:
-    """A cost curve's rows, labelled: each way's milliseconds and c(q)/c(1), the roofline's, and each way's share of
-    the roofline (its time over the measured one). Node counts as ints, from a result or from its JSON."""
-    as_ints = lambda row: {int(q): t for q, t in row.items()}
-    roof, rows = as_ints(curve["roofline_ms"]), []
-    ways = {way: as_ints(row) for way, row in curve["ms"].items()}
-    for way, row in ways.items():
-        rows += [(f"{way} ms", row), (f"  {way} c(q)/c(1)", {q: t / row[1] for q, t in row.items()})]
-    rows += [("roofline ms", roof), ("  roofline c(q)/c(1)", {q: t / roof[1] for q, t in roof.items()})]
-    rows += [(f"  {way}'s share of the roofline", {q: roof[q] / t for q, t in row.items()}) for way, row in ways.items()]
-    return rows
 
 
 def parse(argv) -> argparse.Namespace:

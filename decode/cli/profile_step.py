@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from decode.errors import exits_on_input_error
 from decode import timing
 from decode.api import SpeculativeDecoder
-from decode.cli.harness import Timer
+from decode.benchmarking.harness import Timer
 from decode.cli.settings import encode_prompts, parse_settings
 
 BOUNDS = {"around the forwards": 0.10, "draft forwards": 0.30}  # of an oracle q=1 forward, the step's budget

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
-from decode.cli.bench_engine import curve_rows
-from decode.cli.explain import forecast_rows, interval_text, loop_share
+from decode.benchmarking.tables import curve_rows, print_table
+from decode.benchmarking.explain import forecast_rows, interval_text, loop_share
 from decode.planning.plan_file import describe
 
 PROG = "python -m decode.report"
@@ -236,8 +236,6 @@ def main(argv=None) -> None:
     if args.markdown:
         print(forecast_markdown(results) if args.forecast else markdown(results, methods, args.brief, args.over))
         return
-    from decode.cli.bench import print_table
-
     for path, result in zip(args.results, results):
         print(f"{path}: {describe_run(result)}")
         print_table(result["summary"], result["settings"]["mode"] == "greedy")

@@ -2,7 +2,7 @@
 process minutes later): its measurements pooled into one set of factors, and the spread between measurements of one
 policy, which is how far a benchmark's own measurement may lie from them.
 
-A measurement's factors (decode/cli/in_loop.py) scale the costs measured alone: the oracle's forward, the drafting
+A measurement's factors (decode/planning/in_loop.py) scale the costs measured alone: the oracle's forward, the drafting
 (as a ratio to the drafting its candidate's replay timed) and the rest of a step (ms), with `timing`, the relative
 spread of the speedup the passes of one measurement gave."""
 import json

@@ -3,7 +3,7 @@
 default schedule) and prompt lookup (`hf-lookup`: `generate(prompt_lookup_num_tokens=...)`, drafts
 copied from the context); llama.cpp through llama-cpp-python on the oracle exported to GGUF, plain
 (`llamacpp`) and with its prompt-lookup draft (`llamacpp-lookup`); llama.cpp's own speculation through its
-server binary (decode/cli/llama_server.py). Each returns a Generation, with the
+server binary (decode/benchmarking/llama_server.py). Each returns a Generation, with the
 oracle's forward calls counted, and heals a prompt's last token as our methods do (the same
 first-token constraint, as a logits processor). Each can say its own logit gap between two tokens
 after a context, for the bench's near-tie check (`gaps`)."""
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from decode.cli.llama_server import SERVER_PEERS, sampler
-from decode.cli.near_ties import CHUNKS, peer_gaps
+from decode.benchmarking.llama_server import SERVER_PEERS, sampler
+from decode.benchmarking.near_ties import CHUNKS, peer_gaps
 from decode.healing import Prompt, constrain_first
 from decode.loop import Generation
 from decode.models.runtime import runtime_for

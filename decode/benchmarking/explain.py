@@ -2,7 +2,7 @@
 its JSON): one prompt with its completion, and after the table how many outputs matched, how many tokens an oracle
 call yielded, the measured speedup of staged decoding, the plan's forecast, when staged lost why in numbers, and when
 the oracle's completions loop a warning that they flatter every drafter."""
-from decode.cli.peers import PEERS
+from decode.benchmarking.peers import PEERS
 
 
 def show_sample(prompt_text: str, completion: str, method: str) -> None:

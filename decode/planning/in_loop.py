@@ -14,7 +14,7 @@ import torch
 
 from decode import loop
 from decode.api import SpeculativeDecoder
-from decode.cli.harness import Timer, decode_in_turns, warm_up
+from decode.benchmarking.harness import Timer, decode_in_turns, warm_up
 from decode.models.loading import load_draft, load_trigram
 from decode.planning import costs, repeats
 from decode.planning.search import base_dtype, best, drafter_for, forecast, measured_forecast, with_tree_shapes
@@ -43,16 +43,16 @@ def baseline_costs(calls: list, seconds: float, tokens: int) -> dict:
             "loop": 1e3 * (seconds - sum(s for _, _, s in calls)) / tokens}
 
 
-def loop_costs(decoder, drafters: dict, prompts, settings, oracle_ms: costs.ContextCosts) -> dict:
-    """Decoding for real under the settings' sampling with the baseline and each of `drafters`, in turns per prompt
-    after a warm-up (the prompts again until the baseline has decoded for IN_LOOP_SECONDS), as decode.bench runs them
-    (each slows the others' next forwards by evicting their weights from the caches). Per drafter: the oracle's
-    forward as a multiple of its isolated cost for the same node counts and cached lengths (`oracle_ms`), the
-    drafting's ms per step and the rest of a step's ms (masks, verification, commits); for "baseline", its
-    baseline_costs."""
+def loop_costs(decoder, drafters: dict, prompts, search, oracle_ms: costs.ContextCosts) -> dict:
+    """Decoding for real under the `search`'s sampling setting, tokens and seed (a planner.PlanSearch) with the
+    baseline and each of `drafters`, in turns per prompt after a warm-up (the prompts again until the baseline has
+    decoded for IN_LOOP_SECONDS), as decode.bench runs them (each slows the others' next forwards by evicting their
+    weights from the caches). Per drafter: the oracle's forward as a multiple of its isolated cost for the same node
+    counts and cached lengths (`oracle_ms`), the drafting's ms per step and the rest of a step's ms (masks,
+    verification, commits); for "baseline", its baseline_costs."""
     timers = {name: Timer(decoder.oracle.runtime.synchronize) for name in ["baseline", *drafters]}
-    oracle, eos_id, n, sampling = decoder.oracle, decoder.eos_id, settings.max_new_tokens, settings.sampling
-    seeded = lambda i: torch.Generator(oracle.device).manual_seed(settings.seed + i)
+    oracle, eos_id, n, sampling = decoder.oracle, decoder.eos_id, search.max_new_tokens, search.sampling
+    seeded = lambda i: torch.Generator(oracle.device).manual_seed(search.seed + i)
     runs = {"baseline": lambda prompt, i, tokens, hooks=timers["baseline"].hooks(): loop.baseline(
         oracle, prompt.ids, tokens, sampling, eos_id, generator=seeded(i), allowed=prompt.allowed, hooks=hooks)}
     for name, drafter in drafters.items():
@@ -87,14 +87,14 @@ class FreshProcess:
     """A process of its own, with the models loaded again as the options load them (and the drafts the policies
     name), where loop_costs decodes these prompts with each round's policies. Use it as a context manager."""
 
-    def __init__(self, options, prompts: list, settings, oracle_ms: costs.ContextCosts):
-        self.prompts, self.settings, self.oracle_ms = prompts, settings, oracle_ms
+    def __init__(self, options, prompts: list, search, oracle_ms: costs.ContextCosts):
+        self.prompts, self.search, self.oracle_ms = prompts, search, oracle_ms
         self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=load_models,
                                         initargs=(options, torch.get_num_threads()))
 
     def measure(self, policies: Policies) -> dict:
         """loop_costs of each (method, policy) beside the baseline, under the names `policies` gives them."""
-        return self.pool.submit(measure_policies, policies, self.prompts, self.settings, self.oracle_ms).result()
+        return self.pool.submit(measure_policies, policies, self.prompts, self.search, self.oracle_ms).result()
 
     def __enter__(self) -> "FreshProcess":
         return self
@@ -114,7 +114,7 @@ def load_models(options, threads: int) -> None:
                   table=load_trigram(options, decoder.oracle.vocab_size, decoder.eos_id))
 
 
-def measure_policies(policies: Policies, prompts: list, settings, oracle_ms: costs.ContextCosts) -> dict:
+def measure_policies(policies: Policies, prompts: list, search, oracle_ms: costs.ContextCosts) -> dict:
     """In a FreshProcess: loop_costs of each (method, policy), its drafter over the draft the policy names."""
     decoder, options, drafts = LOADED["decoder"], LOADED["options"], LOADED["drafts"]
     drafters = {}
@@ -123,7 +123,7 @@ def measure_policies(policies: Policies, prompts: list, settings, oracle_ms: cos
         if key not in drafts:
             drafts[key] = load_draft(replace(options, draft_vocab=key[0], draft_dtype=key[1]), decoder.oracle.vocab_size)
         drafters[name] = drafter_for(method, policy, drafts[key], LOADED["table"], options)
-    return loop_costs(decoder, drafters, prompts, settings, oracle_ms)
+    return loop_costs(decoder, drafters, prompts, search, oracle_ms)
 
 
 def timing_spread(baseline: list[tuple[float, int]], method: list[tuple[float, int]]) -> float:

@@ -103,7 +103,7 @@ def decode_in_turns(runs: dict[str, Run], prompts: list[Prompt], max_new_tokens:
 
 
 # (method, prompt index, the prompt, the baseline's tokens, the method's) -> None when they are the same, else where
-# and why they differ (decode.cli.near_ties.divergence)
+# and why they differ (decode.benchmarking.near_ties.divergence)
 Judge = Callable[[str, int, Prompt, list[int], list[int]], dict | None]
 
 
