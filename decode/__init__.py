@@ -2,15 +2,19 @@
 
     from decode import SpeculativeDecoder
 
-    api.py, options.py, methods.py   a decoder from its options; the methods and what each needs
+    api.py, options.py, methods.py   a decoder from its options; the methods, what each needs, their checks
+    resolution.py, plan_file.py      the options a run's flags and plans resolve to; the plan file read and written
     loop.py, tree.py, verify.py      the decoding loops, the drafted tree, and its verification
     sampling.py, healing.py          the processed distribution; token healing of a prompt's last token
-    generation.py, server.py         transformers-style settings and streams; the OpenAI-compatible server
-    models/                          the lean GPT-2 engine, its KV slots and runners, the transformers backend
+    generation.py                    transformers-style settings and streams
+    models/                          the lean GPT-2 engine, its runtime (kernels, C++ forward, KV moves), the transformers backend
+    kernels/                         the step's loops over logits and trees: C++ and portable, one interface
     drafting/                        the drafters: chain, trees, staged, trigram, context
-    native/                          the C++ of a step's loops and of a bfloat16 draft's forward
-    planning/                        acceptance rates, replays, forward costs and the plan file
-    cli/                             the commands (python -m decode.run, bench, plan, serve, ...)
+    native/                          the C++ of a step's loops and of a model's forward over a few rows
+    planning/                        the planner: acceptance rates, replays, forward costs, the in-loop measurement
+    benchmarking/                    the benchmark's harness, its peers (transformers, llama.cpp) and its tables
+    serving/                         the OpenAI-compatible server
+    cli/                             the commands (python -m decode.run, bench, plan, serve, ...), thin over the above
 """
 from decode.api import DecoderBusy, Result, SpeculativeDecoder
 from decode.options import DecoderOptions

@@ -22,10 +22,10 @@ from decode.tokenizer import load_tokenizer
 from decode import generation, loop
 from decode.drafting import Drafter
 from decode.healing import Prompt, TokenHealer
-from decode.methods import METHODS
+from decode.methods import METHODS, check_options, check_tree_shape
 from decode.models.cached_lm import CachedLM
 from decode.models.loading import check_same_vocabulary, load_draft, load_model, load_trigram, pretrained_dir
-from decode.options import DecoderOptions, check_number, check_tree_shape, sampling_of
+from decode.options import DecoderOptions, check_number, sampling_of
 from decode.resolution import Resolved, resolve
 from decode.sampling import Sampling
 
@@ -77,7 +77,7 @@ class SpeculativeDecoder:
     and the decoding in progress goes on unharmed. Use one decoder per thread, or take turns."""
 
     def __init__(self, options: DecoderOptions, plans: Resolved | None = None):
-        self.options = options.check()
+        self.options = check_options(options)
         self.models = {}  # what build_decoder loaded, shared by every setting's decoder
         self.decoder, self.healer = build_decoder(self.options, self.models)
         self.tokenizer = self.healer.tokenizer
@@ -91,7 +91,7 @@ class SpeculativeDecoder:
         if self.plans is None or sampling.greedy:
             return self.options
         if sampling not in self.settings:
-            self.settings[sampling] = self.plans.options(sampling).check()
+            self.settings[sampling] = check_options(self.plans.options(sampling))
             if (borrowed := self.plans.borrowed(sampling)) is not None:
                 log.info("%s decodes with the plan %s", sampling.describe(), borrowed)
         return self.settings[sampling]

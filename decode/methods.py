@@ -3,10 +3,14 @@ past the output a step of it may score."""
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from decode.drafting import (ChainDrafter, Drafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter,
                             StagedShapeDrafter, TreeDrafter)
 from decode.models.cached_lm import CachedLM
-from decode.options import DecoderOptions
+from decode.errors import InputError
+from decode.models.engine import SPECULATIVE_SLOTS
+from decode.options import MAX_BUDGET, MAX_DEPTH, DecoderOptions
 
 
 @dataclass(frozen=True)
@@ -58,3 +62,46 @@ METHODS = {
     "lookup": Method("continuations found in the context (prompt lookup), no model",
                      lambda o, draft, table: context_drafter(o), lambda o: o.lookup_tokens),
 }
+
+
+def check_options(options: DecoderOptions) -> DecoderOptions:
+    """`options.check()` for a method of METHODS: InputError for an unknown one."""
+    if options.method not in METHODS:
+        raise InputError(f"unknown method {options.method!r}; choose from {', '.join(METHODS)}")
+    return options.check()
+
+
+def check_tree_shape(options, table) -> None:
+    """Budget, depth and widths must describe a tree the drafters can build."""
+    if not 2 <= options.budget <= MAX_BUDGET:
+        raise InputError(f"--budget {options.budget} is out of range: the oracle's tree needs 2 to {MAX_BUDGET} nodes")
+    if not 1 <= options.depth <= MAX_DEPTH:
+        raise InputError(f"--depth {options.depth} is out of range: use 1 to {MAX_DEPTH}")
+    if options.branch is not None and options.branch < 1:
+        raise InputError(f"--branch {options.branch} must be at least 1")
+    if not 1 <= options.draft_calls <= options.depth:
+        raise InputError(f"--draft-calls {options.draft_calls} is out of range: use 1 to --depth {options.depth}")
+    if METHODS[options.method].trigram:
+        # staged on a planned shape: the trigram guesses below the shape's nodes, as deep as the shape reaches
+        shaped = options.tree_shape is not None
+        if any(w < 1 for w in options.widths) or (len(options.widths) > options.depth and not shaped) or (
+                not options.widths and not shaped):
+            raise InputError(f"--widths {options.widths} need a positive width per level and at most --depth {options.depth} levels")
+        if options.widths and max(options.widths) > table.k:
+            raise InputError(f"--widths {options.widths} ask for {max(options.widths)} trigram children but {options.ngram} keeps "
+                             f"only the top {table.k}; rebuild it with --successors {max(options.widths)} or narrow the widths")
+        if not shaped and options.widths[0] + 1 > options.budget:
+            raise InputError(f"--widths {options.widths} do not fit --budget {options.budget}: the first level alone has "
+                             f"{options.widths[0]} nodes; raise the budget or narrow the first width")
+    if options.method == "staged":  # the draft scores the trigram's whole tree, and the context's continuations, in one call
+        levels = np.cumprod(options.widths[: options.depth])
+        scored = 1 + int(levels.sum()) + (options.lookup_tokens * options.lookup_branches if options.context_drafter else 0)
+        if options.tree_shape is not None:  # at most every node of the shape scored with a trigram tree below it
+            scored += (len(options.tree_shape.parents) - 1) * (1 + int(levels.sum()))
+        else:
+            scored += (options.draft_calls - 1) * (1 + int(levels.sum()))  # each later call: a trigram tree at most
+        if scored > SPECULATIVE_SLOTS:
+            raise InputError(f"--widths {','.join(map(str, options.widths))} make a trigram tree of {1 + int(levels.sum()):,} nodes, "
+                             f"which the draft scores in one call (with the context's continuations and --draft-calls "
+                             f"{options.draft_calls}, {scored:,} nodes a step); its cache holds at most "
+                             f"{SPECULATIVE_SLOTS:,}: narrow the widths or make fewer draft calls")

@@ -4,13 +4,11 @@ import numbers
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from decode.errors import InputError
-from decode.models.engine import SPECULATIVE_SLOTS
 from decode.models.precision import auto_dtype
-from decode.planning.shapes import Shape
+from decode.tree import Shape
 from decode.sampling import Sampling
 
 MAX_BUDGET, MAX_DEPTH = 512, 64
@@ -32,7 +30,7 @@ def default_tree(device: str) -> tuple[int, list[int]]:
 @dataclass
 class DecoderOptions:
     """What a decoder is built from: the models, the method and its tree, the precision. decode.run's flags of the
-    same names; a plan's policy (decode.planning.plan_file.with_plan) fills in the tree fields."""
+    same names; a plan's policy (decode.plan_file.with_plan) fills in the tree fields."""
 
     oracle: Path
     draft: Path | None = None
@@ -62,11 +60,7 @@ class DecoderOptions:
 
     def check(self) -> "DecoderOptions":
         """Settings that cannot work, as InputError; returns the options with the device's tree and dtype in place
-        of None and auto."""
-        from decode.methods import METHODS
-
-        if self.method not in METHODS:
-            raise InputError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        of None and auto. The method-dependent checks are decode.methods' (check_options, check_tree_shape)."""
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise InputError(f"dtype must be auto, float32 or bfloat16 (got {self.dtype!r})")
         if self.draft_dtype not in (None, "float32", "bfloat16"):
@@ -124,41 +118,3 @@ def check_device(device: str) -> None:
             raise InputError(f"--device {device}: this machine has no CUDA device (or torch was built without CUDA); use --device cpu")
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
             raise InputError(f"--device {device}: there are only {torch.cuda.device_count()} CUDA devices")
-
-
-def check_tree_shape(options, table) -> None:
-    """Budget, depth and widths must describe a tree the drafters can build."""
-    if not 2 <= options.budget <= MAX_BUDGET:
-        raise InputError(f"--budget {options.budget} is out of range: the oracle's tree needs 2 to {MAX_BUDGET} nodes")
-    if not 1 <= options.depth <= MAX_DEPTH:
-        raise InputError(f"--depth {options.depth} is out of range: use 1 to {MAX_DEPTH}")
-    if options.branch is not None and options.branch < 1:
-        raise InputError(f"--branch {options.branch} must be at least 1")
-    if not 1 <= options.draft_calls <= options.depth:
-        raise InputError(f"--draft-calls {options.draft_calls} is out of range: use 1 to --depth {options.depth}")
-    from decode.methods import METHODS
-
-    if METHODS[options.method].trigram:
-        # staged on a planned shape: the trigram guesses below the shape's nodes, as deep as the shape reaches
-        shaped = options.tree_shape is not None
-        if any(w < 1 for w in options.widths) or (len(options.widths) > options.depth and not shaped) or (
-                not options.widths and not shaped):
-            raise InputError(f"--widths {options.widths} need a positive width per level and at most --depth {options.depth} levels")
-        if options.widths and max(options.widths) > table.k:
-            raise InputError(f"--widths {options.widths} ask for {max(options.widths)} trigram children but {options.ngram} keeps "
-                             f"only the top {table.k}; rebuild it with --successors {max(options.widths)} or narrow the widths")
-        if not shaped and options.widths[0] + 1 > options.budget:
-            raise InputError(f"--widths {options.widths} do not fit --budget {options.budget}: the first level alone has "
-                             f"{options.widths[0]} nodes; raise the budget or narrow the first width")
-    if options.method == "staged":  # the draft scores the trigram's whole tree, and the context's continuations, in one call
-        levels = np.cumprod(options.widths[: options.depth])
-        scored = 1 + int(levels.sum()) + (options.lookup_tokens * options.lookup_branches if options.context_drafter else 0)
-        if options.tree_shape is not None:  # at most every node of the shape scored with a trigram tree below it
-            scored += (len(options.tree_shape.parents) - 1) * (1 + int(levels.sum()))
-        else:
-            scored += (options.draft_calls - 1) * (1 + int(levels.sum()))  # each later call: a trigram tree at most
-        if scored > SPECULATIVE_SLOTS:
-            raise InputError(f"--widths {','.join(map(str, options.widths))} make a trigram tree of {1 + int(levels.sum()):,} nodes, "
-                             f"which the draft scores in one call (with the context's continuations and --draft-calls "
-                             f"{options.draft_calls}, {scored:,} nodes a step); its cache holds at most "
-                             f"{SPECULATIVE_SLOTS:,}: narrow the widths or make fewer draft calls")

@@ -4,10 +4,10 @@ run's plan for each sampling setting, whose policy fills in what the caller did 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from decode.methods import METHODS
+from decode.methods import METHODS, check_options
 from decode.models.precision import auto_dtype
 from decode.options import DecoderOptions
-from decode.planning.plan_file import default_policy, nearest_run_plan, plan_name, setting_of, with_plan
+from decode.plan_file import default_policy, nearest_run_plan, plan_name, setting_of, with_plan
 from decode.sampling import Sampling
 
 GREEDY = Sampling()
@@ -91,6 +91,6 @@ def resolve(fields: dict, given: frozenset[str], run: Path | None = None, *, pla
     if fields.get("dtype", "auto") == "auto":
         planned = None if calibrate else plan or (run and run / plan_name())
         fields["dtype"], reason = auto_dtype(fields.get("device", "cpu"), planned, fields.get("oracle"), calibrate)
-    base = DecoderOptions(**fields).check()
+    base = check_options(DecoderOptions(**fields))
     run_plans = plans and plan is None and run is not None
     return Resolved(base, frozenset(given), run and Path(run), plan if plans else None, run_plans, reason)

@@ -141,3 +141,19 @@ class Tree:
         for parent, token in zip(parents[1:], tokens[1:]):
             tree.add(parent, token)
         return tree
+
+
+@dataclass
+class Shape:
+    """A static tree of ranks: node i hangs below parents[i] as its rank-ranks[i] candidate."""
+
+    parents: list[int]
+    ranks: list[int]
+    expected: float  # accepted nodes per step predicted by the rates it was built from
+
+    @property
+    def depth(self) -> int:
+        depths = [0] * len(self.parents)
+        for node, parent in enumerate(self.parents[1:], 1):
+            depths[node] = depths[parent] + 1
+        return max(depths)

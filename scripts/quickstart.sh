@@ -81,7 +81,7 @@ dtype=$("$py" -c "import sys; from decode.models.precision import auto_dtype; pr
 
 stage "== 5/6 plan each method's tree for these models on this CPU ($dtype), greedy and top-k 50 -> $run/plan*.json"
 current_plan() {  # a plan of this version, in this dtype, newer than the models
-    "$py" -c "import json, sys; from decode.planning.plan_file import PLAN_VERSION; plan = json.load(open(sys.argv[1]));
+    "$py" -c "import json, sys; from decode.plan_file import PLAN_VERSION; plan = json.load(open(sys.argv[1]));
 sys.exit(plan.get('version') != PLAN_VERSION or plan['identity']['dtype'] != sys.argv[2])" "$1" "$dtype" 2>/dev/null \
         && [ "$1" -nt "$run/oracle/model.safetensors" ] && [ "$1" -nt "$run/draft/model.safetensors" ] \
         && [ "$1" -nt "$run/ngram/successors.npz" ]

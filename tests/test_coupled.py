@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from decode import SpeculativeDecoder
-from decode.planning.shapes import Shape
+from decode.tree import Shape
 from decode_models import PROMPTS
 
 METHODS = {"tree": {"budget": 12, "tree_children": "top"}, "staged": {"budget": 16, "widths": [4, 2, 1], "tree_children": "top"},

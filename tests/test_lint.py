@@ -17,23 +17,62 @@ def layer(module: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "decode" and len(parts) > 2 else module
 
 
-def test_no_layer_imports_a_layer_that_imports_it_back():
+MODULES = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+           for folder in ("data", "train", "ngram", "decode") for p in (ROOT / folder).rglob("*.py")}
+
+
+def imports_of(path: Path) -> list[tuple[str, int]]:
+    """The repository's modules a file imports, with the line: at its top level and inside its functions alike (an
+    import a function defers still runs), but not under `if TYPE_CHECKING:` (which never runs)."""
     import ast
 
-    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-               for folder in ("data", "train", "ngram", "decode") for p in (ROOT / folder).rglob("*.py")}
-    imports = {}  # layer -> layers its modules import at their top level
-    for name, path in modules.items():
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ImportFrom) and node.module:  # `from decode import native` imports decode.native
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
-            else:
-                targets = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            for target in targets:
-                if target in modules and layer(target) != layer(name):
-                    imports.setdefault(layer(name), set()).add(layer(target))
-    back = sorted((a, b) for a, bs in imports.items() for b in bs if a < b and a in imports.get(b, ()))
-    assert not back, f"layers that import each other: {back}"
+    found = []
+
+    def visit(node) -> None:
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.ImportFrom) and node.module:  # `from decode import native` imports decode.native
+            found.extend((f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module, node.lineno)
+                         for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.extend((a.name, node.lineno) for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return [(target, line) for target, line in found if target in MODULES]
+
+
+def test_the_layers_import_each_other_in_no_circle():
+    imports = {}  # layer -> {layer it imports: where}
+    for name, path in MODULES.items():
+        for target, line in imports_of(path):
+            if layer(target) != layer(name):
+                imports.setdefault(layer(name), {}).setdefault(layer(target), f"{name}:{line}")
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            here = todo.pop()
+            if here == goal:
+                return True
+            if here not in seen:
+                seen.add(here)
+                todo.extend(imports.get(here, ()))
+        return False
+
+    circles = sorted(f"{where} imports {b}, which imports {a} back" for a, targets in imports.items()
+                     for b, where in targets.items() if reaches(b, a))
+    assert not circles, "\n".join(circles)
+
+
+def test_no_command_imports_another():
+    """decode/cli holds thin adapters: a command's library lives in the layers below, which every command may use."""
+    commands = {name for name, path in MODULES.items()
+                if name.startswith("decode.cli.") and "def main(" in path.read_text()}
+    crossing = sorted(f"{name}:{line} imports {target}" for name in commands for target, line in imports_of(MODULES[name])
+                      if target in commands and target != name)
+    assert not crossing, crossing
 
 
 def test_no_source_file_is_over_400_lines():

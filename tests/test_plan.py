@@ -11,7 +11,8 @@ from decode.models.loading import TOKEN_COUNTS
 
 from decode import SpeculativeDecoder
 from decode.methods import METHODS
-from decode.planning import kinds, plan_file, planner, replay, shapes
+from decode.planning import kinds, planner, replay, shapes
+from decode import plan_file
 from decode.cli import bench, plan, report, run, serve
 from decode.drafting import (ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
                              TreeDrafter)

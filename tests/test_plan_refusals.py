@@ -9,7 +9,7 @@ import pytest
 from decode.errors import InputError
 
 from decode import SpeculativeDecoder
-from decode.planning import plan_file
+from decode import plan_file
 from decode.cli import plan, run
 from decode.drafting import (ShapedTreeDrafter)
 

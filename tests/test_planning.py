@@ -10,7 +10,7 @@ import torch
 from decode.models.loading import TOKEN_COUNTS
 
 from decode.planning import costs, kinds, repeats, replay, search, shapes
-from decode.tree import Tree
+from decode.tree import Shape, Tree
 from decode.cli import plan
 from decode.planning import in_loop
 from decode.shortlist import Shortlist
@@ -43,7 +43,7 @@ def value(tree_paths, p) -> float:
     return sum(torch.tensor([p[d][k] for d, k in enumerate(path)]).prod().item() for path in tree_paths)
 
 
-def shape_paths(shape: shapes.Shape) -> set[tuple]:
+def shape_paths(shape: Shape) -> set[tuple]:
     paths = {0: ()}
     for node, (parent, rank) in enumerate(zip(shape.parents[1:], shape.ranks[1:]), 1):
         paths[node] = paths[parent] + (rank,)

@@ -10,7 +10,7 @@ from decode.methods import METHODS
 from decode.models.pretrained import model_dir
 from decode.models.precision import PINNED
 from decode.options import CPU_BUDGET, CPU_WIDTHS, PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
-from decode.planning.plan_file import CPU_CHAIN, CPU_SAMPLED_CHAIN, describe, replan_command
+from decode.plan_file import CPU_CHAIN, CPU_SAMPLED_CHAIN, describe, replan_command
 from decode.resolution import Resolved, resolve
 from decode.sampling import Sampling
 

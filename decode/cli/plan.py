@@ -36,7 +36,7 @@ from decode.models.loading import TOKEN_COUNTS
 from decode.cli.settings import encode_prompts, parse_settings
 from decode.options import MIN_DRAFT_VOCAB
 from decode.planning import costs
-from decode.planning.plan_file import plan_name, save_plan
+from decode.plan_file import plan_name, save_plan
 from decode.planning.planner import PlanSearch, make_plan
 
 

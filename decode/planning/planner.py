@@ -4,7 +4,7 @@
 `make_plan` calibrates on encoded prompts: the oracle's outputs along which each candidate policy is replayed, how
 often each drafter's rank-k candidate at depth d is the oracle's token, the oracle's forward costs, and each method's
 best policies decoded for real in a fresh process (decode.planning.in_loop); it returns the plan's record
-(decode.planning.plan_file saves and reads it)."""
+(decode.plan_file saves and reads it)."""
 import datetime
 import math
 import sys
@@ -24,7 +24,7 @@ from decode.models.loading import TOKEN_COUNTS, load_draft, load_trigram
 from decode.options import MIN_DRAFT_VOCAB
 from decode.planning import costs, kinds, replay, shapes
 from decode.planning.in_loop import FreshProcess, calibrate_in_loop
-from decode.planning.plan_file import PLAN_VERSION, describe, identity
+from decode.plan_file import PLAN_VERSION, describe, identity
 from decode.planning.search import (RANKS, base_dtype, best, forecast, measured_forecast, replay_policies,
                                     variant_name)
 from decode.sampling import Sampling

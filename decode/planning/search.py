@@ -13,7 +13,7 @@ from tqdm import tqdm
 from decode.methods import METHODS
 from decode.planning import kinds, repeats, replay, shapes
 from decode.planning.costs import ContextCosts
-from decode.planning.plan_file import with_policy
+from decode.plan_file import with_policy
 from decode.sampling import Sampling
 
 GREEDY = Sampling()

@@ -6,13 +6,13 @@ Sequoia's best static tree under those rates (Chen et al. 2024).
                  expected accepted tokens under those rates
 """
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from decode.models.cached_lm import CachedLM
 from decode.tensors import long_tensor
+from decode.tree import Shape
 
 
 def ranks(model: CachedLM, prompt: list[int], continuation: list[int]) -> list[int]:
@@ -72,22 +72,6 @@ def chain_acceptance(overlap_lists: list[list[float]], depth: int) -> list[float
             totals[: len(prefix)] += prefix
             counts[: len(prefix)] += 1
     return (totals / np.maximum(counts, 1)).tolist()
-
-
-@dataclass
-class Shape:
-    """A static tree of ranks: node i hangs below parents[i] as its rank-ranks[i] candidate."""
-
-    parents: list[int]
-    ranks: list[int]
-    expected: float  # accepted nodes per step predicted by the rates it was built from
-
-    @property
-    def depth(self) -> int:
-        depths = [0] * len(self.parents)
-        for node, parent in enumerate(self.parents[1:], 1):
-            depths[node] = depths[parent] + 1
-        return max(depths)
 
 
 def best_shapes(p: list[list[float]], max_nodes: int, depth: int) -> list[Shape | None]:

@@ -12,7 +12,7 @@ from decode.errors import InputError
 from decode.methods import METHODS
 from decode.fingerprint import TABLES, WEIGHTS, fingerprint
 from decode.timing import device_name
-from decode.planning.shapes import Shape
+from decode.tree import Shape
 from decode.sampling import Sampling
 
 GREEDY = Sampling()
