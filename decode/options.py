@@ -1,7 +1,8 @@
 """What a decoder is built from (`DecoderOptions`), and the checks that turn bad settings into one-line errors."""
 import math
 import numbers
-from dataclasses import dataclass, replace
+from argparse import BooleanOptionalAction
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -27,48 +28,99 @@ def default_tree(device: str) -> tuple[int, list[int]]:
     return PAPER_BUDGET, list(PAPER_WIDTHS)
 
 
+# Without a plan on a CPU, staged drafts the draft's own chain, with no stage below the draft: the shape decode.plan
+# chose there for the presets (docs/planning.md), of 7 tokens when greedy, and when sampling of the speculative
+# method's 4 (the presets' top-k plans chose 3 and 7: acceptance falls with depth when sampling). Whether a tree or
+# the trigram's stage pays on a CPU depends on its forward of many rows, which the planner measures.
+CPU_CHAIN, CPU_SAMPLED_CHAIN = 7, 4
+DTYPES, BACKENDS, TREE_CHILDREN = ("auto", "float32", "bfloat16"), ("auto", "lean", "hf"), ("top", "sampled")
+
+
+def setting(default, help: str, planned: bool = False, **flag):
+    """A DecoderOptions field that every decoding command takes as a flag of its name (decode.cli.flags): `help` is
+    the flag's (a planned one's default is said after it where the help says none); `planned`: a plan's policy fills
+    it in unless it is typed or passed (decode.plan_file.with_plan); `flag`: argparse's other keywords (type,
+    choices, action, metavar). Choices are checked by DecoderOptions.check."""
+    return field(default=default, metadata={"help": help, "planned": planned, "flag": flag})
+
+
 @dataclass
 class DecoderOptions:
-    """What a decoder is built from: the models, the method and its tree, the precision. decode.run's flags of the
-    same names; a plan's policy (decode.plan_file.with_plan) fills in the tree fields."""
+    """What a decoder is built from: the models, the method and its tree, the precision. Each field but `policy` is a
+    flag of decode.run's and the other decoding commands' (`setting`); a plan's policy fills in the `planned` ones."""
 
-    oracle: Path
-    draft: Path | None = None
-    ngram: Path | None = None
-    method: str = "staged"
-    k: int = 4
-    budget: int | None = None  # None: sized for the device (default_tree)
-    depth: int = 8
-    widths: list[int] | None = None  # None: sized for the device
-    branch: int | None = None  # None: the drafter's default (tree: 4; staged: 1 top child, or 2 draws when sampled)
-    draft_calls: int = 1  # staged: the most draft calls a step makes to carry the draft's best path down to `depth`
-    tree_children: str = "sampled"  # when sampling: draws from the draft, or its top tokens (greedy: top, either way)
+    oracle: Path = setting(None, "the oracle: a directory (save_pretrained) or a hub name (gpt2-large)", type=Path)
+    draft: Path | None = setting(None, "the draft (for speculative methods): a directory or a hub name", type=Path)
+    ngram: Path | None = setting(None, "the Katz trigram's directory (for n-gram drafting)", type=Path)
+    method: str = setting("staged", "the decoding method")  # its choices: decode.methods.METHODS
+    k: int = setting(4, "speculative: tokens the draft proposes per oracle call", True,
+                     type=int)
+    budget: int | None = setting(  # None: sized for the device (default_tree)
+        None, f"tree methods: nodes in the oracle's tree (default: the plan's; without one {CPU_BUDGET} on a CPU, "
+              f"{PAPER_BUDGET} on a GPU; unplanned staged on a CPU drafts the draft's chain of {CPU_CHAIN} tokens, "
+              f"{CPU_SAMPLED_CHAIN} when sampling, unless a tree flag is typed)", True, type=int)
+    depth: int = setting(8, "tree methods: deepest drafted level", True, type=int)
+    widths: list[int] | None = setting(  # None: sized for the device
+        None, f"staged/ngram: trigram children per node at each level, comma-separated (default: the plan's; without one "
+              f"{','.join(map(str, CPU_WIDTHS))} on a CPU, the paper's {','.join(map(str, PAPER_WIDTHS))} on a GPU)", True)
+    branch: int | None = setting(  # None: the drafter's default
+        None, "tree: children per expanded node (default 4); staged: the draft's own top children per node (default 1, "
+              "its argmax), or with sampled --tree-children its draws per node (default 2)", True, type=int)
+    draft_calls: int = setting(
+        1, "staged, greedy or top children: the most draft forwards a step makes; past the first, each carries the "
+           "draft's own best path through the tree on towards --depth, the trigram's tree below it", True,
+        type=int)
+    tree_children: str = setting(
+        "sampled", "tree, staged, when sampling (greedy decoding always takes the draft's top tokens): the draft's top "
+                   "tokens, verified by sample-match (the same seed gives the baseline's very tokens), or draws from it, "
+                   "verified by multi-draft rejection (more tokens per call); a planned tree then draws as many children "
+                   "per node as its shape gives it", choices=TREE_CHILDREN)
     tree_shape: Shape | None = None  # the tree method's planned tree (decode.plan) in place of a best-first tree
-    context_drafter: bool = True
-    lookup_tokens: int = 10
-    lookup_branches: int = 1
-    lookup_ngram: int = 3
-    dtype: str = "auto"  # auto: bfloat16 where the device multiplies in it faster (decode.models.precision)
-    draft_dtype: str | None = None  # None: the oracle's dtype
-    device: str = "cpu"
-    backend: str = "auto"
-    cuda_graphs: bool = True  # the lean engine on a GPU: replay each forward's kernels as one graph (a CPU ignores it)
-    draft_vocab: int = 0  # the draft's logits over its N most frequent training tokens only (0: every token)
-    token_healing: bool = True
-    plan: Path | None = None  # the plan whose policy the tree fields hold (None: none)
-    policy: dict | None = None  # that policy, as applied
+    context_drafter: bool = setting(
+        True, "staged: graft onto the trigram's tree the tokens that followed earlier occurrences of the sequence's "
+              "current suffix (what the lookup method drafts); the draft ranks them with the rest",
+        action=BooleanOptionalAction)
+    lookup_tokens: int = setting(10, "lookup: tokens per continuation (staged: at most --depth)", True, type=int)
+    lookup_branches: int = setting(1, "lookup, staged: continuations from different earlier occurrences", type=int)
+    lookup_ngram: int = setting(3, "lookup, staged: longest suffix matched in the context", type=int)
+    dtype: str = setting(
+        "auto", "auto: the dtype RUN/plan.json was planned in on this device; else on a CPU the one the oracle's "
+                "forward measures faster in (timed once, then cached), on a GPU bfloat16", choices=DTYPES)
+    draft_dtype: str | None = setting(  # None: the oracle's dtype
+        None, "the draft's dtype (default: the plan's choice, else --dtype's): a draft's forward of a few rows is "
+              "per-call overhead, which differs by dtype on a CPU", True, choices=DTYPES[1:])
+    device: str = setting("cpu", "cpu or cuda")
+    backend: str = setting("auto", "lean: our GPT-2 engine; hf: any transformers causal LM; auto: lean where it applies",
+                           choices=BACKENDS)
+    cuda_graphs: bool = setting(
+        True, "the lean engine on a GPU: replay each forward as a CUDA graph, one launch instead of a dozen kernels per "
+              "layer (a CPU ignores it)", action=BooleanOptionalAction)
+    draft_vocab: int = setting(
+        0, "the draft's output layer over its N most frequent training tokens only (RUN/draft/token_counts.npy): a "
+           "fraction of its cost; it then proposes only those, and the output stays the oracle's (default: the plan's "
+           "choice, else 0: every token)", True, type=int, metavar="N")
+    token_healing: bool = setting(
+        True, "back off the prompt's last token and let the first new token be only one that extends its text (a "
+              "prompt ending in a bare newline otherwise starts where training never went); every method alike",
+        action=BooleanOptionalAction)
+    plan: Path | None = setting(
+        None, "a plan written by decode.plan: its policy for the method (k, tree shape, budget, widths, lookup tokens, "
+              "draft vocabulary and dtype) fills in those flags that you do not type (default: the run's plan for the "
+              "sampling setting, RUN/plan.json when greedy and e.g. RUN/plan-t1-k50-p1.json at --temperature 1 "
+              "--top-k 50, when it exists and was planned for this device, dtype and backend; a plan for other models "
+              "is refused)", type=Path)
+    policy: dict | None = None  # the plan's policy, as applied
 
     def check(self) -> "DecoderOptions":
         """Settings that cannot work, as InputError; returns the options with the device's tree and dtype in place
         of None and auto. The method-dependent checks are decode.methods' (check_options, check_tree_shape)."""
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise InputError(f"dtype must be auto, float32 or bfloat16 (got {self.dtype!r})")
-        if self.draft_dtype not in (None, "float32", "bfloat16"):
-            raise InputError(f"draft_dtype must be float32 or bfloat16 (got {self.draft_dtype!r})")
-        if self.backend not in ("auto", "lean", "hf"):
-            raise InputError(f"backend must be auto, lean or hf (got {self.backend!r})")
-        if self.tree_children not in ("top", "sampled"):
-            raise InputError(f"tree_children must be top or sampled (got {self.tree_children!r})")
+        if self.oracle is None:
+            raise InputError("no oracle: pass oracle=DIR (a run directory's RUN/oracle) or a hub name")
+        for f in fields(self):
+            choices = f.metadata.get("flag", {}).get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices and not (value is None and f.default is None):
+                raise InputError(f"{f.name} must be {', '.join(choices[:-1])} or {choices[-1]} (got {value!r})")
         if self.k < 0:
             raise InputError(f"--k must be at least 0 (got {self.k})")
         if min(self.lookup_tokens, self.lookup_branches, self.lookup_ngram) < 1 or self.lookup_tokens > MAX_DEPTH:

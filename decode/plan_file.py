@@ -2,7 +2,7 @@
 each method, and what it was measured with (the models, the device, the dtype), which it must match to be used."""
 import json
 import re
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -10,6 +10,7 @@ import torch
 from decode.atomic import write_json
 from decode.errors import InputError
 from decode.methods import METHODS
+from decode.options import CPU_CHAIN, CPU_SAMPLED_CHAIN, DecoderOptions
 from decode.fingerprint import TABLES, WEIGHTS, fingerprint
 from decode.timing import device_name
 from decode.tree import Shape
@@ -115,7 +116,8 @@ def run_plan(run: Path, options, sampling: Sampling = GREEDY) -> tuple[Path | No
 
 
 # A planned tree (its shape) stands for the flags of a best-first tree all at once; every other key of a policy
-# is the DecoderOptions field it fills ("tokens": lookup_tokens).
+# is the DecoderOptions field it fills ("tokens": lookup_tokens), one of those a plan may fill
+PLANNED = {f.name for f in fields(DecoderOptions) if f.metadata.get("planned")}
 TREE_SHAPE, TREE_FLAGS = ("parents", "ranks", "expected", "nodes", "depth"), ("budget", "depth", "branch")
 
 
@@ -143,11 +145,6 @@ def with_policy(options, policy: dict):
     return replace(options, **fields, policy=policy)
 
 
-# Without a plan on a CPU, staged drafts the draft's own chain, with no stage below the draft: the shape decode.plan
-# chose there for the presets (docs/planning.md), of 7 tokens when greedy, and when sampling of the speculative
-# method's 4 (the presets' top-k plans chose 3 and 7: acceptance falls with depth when sampling). Whether a tree or
-# the trigram's stage pays on a CPU depends on its forward of many rows, which the planner measures.
-CPU_CHAIN, CPU_SAMPLED_CHAIN = 7, 4
 SIZING_FLAGS = ("budget", "depth", "branch", "widths", "draft_calls")  # typed, the caller sizes the tree
 
 
@@ -204,4 +201,9 @@ def load_plan(path: Path, options) -> dict:
         what = ", ".join(f"{k} {recorded(measured, k)!r} (now {current[k]!r})" if k in SETTINGS else k
                          for k in changed)
         raise InputError(f"{path} was measured for another setting: {what} changed; {redo}")
+    unknown = sorted({key for policy in policies.values() if isinstance(policy, dict) for key in policy
+                      if key not in TREE_SHAPE and option_of(key) not in PLANNED})
+    if unknown:
+        raise InputError(f"{path} sets {', '.join(unknown)}, which no plan fills in (a plan fills "
+                         f"{', '.join(sorted(PLANNED))}); {redo}")
     return policies

@@ -17,7 +17,7 @@ from decode.cli import bench, plan, report, run, serve
 from decode.drafting import (ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
                              TreeDrafter)
 from decode.models.engine import GPT2Engine
-from decode.options import CPU_WIDTHS
+from decode.options import CPU_CHAIN, CPU_SAMPLED_CHAIN, CPU_WIDTHS
 from decode.loop import baseline
 from decode.sampling import Sampling, Uniforms
 
@@ -318,7 +318,7 @@ def test_a_sampling_setting_is_planned_by_decoding_into_its_own_file_which_runs_
 def test_paper_tree_is_one_flag_away_and_refused_beside_a_typed_tree(models):
     args = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
             "--prompt", "t1"]
-    assert run.parse(args).options.tree_shape.parents == list(range(-1, plan_file.CPU_CHAIN))  # a CPU's default
+    assert run.parse(args).options.tree_shape.parents == list(range(-1, CPU_CHAIN))  # a CPU's default
     paper = run.parse(args + ["--paper-tree"])
     assert (paper.options.budget, paper.options.widths) == (36, [12, 7, 4, 1, 1, 1]) and {"budget", "widths"} <= paper.flags.given
     with pytest.raises(SystemExit):
@@ -410,8 +410,8 @@ def test_each_call_decodes_with_its_sampling_settings_plan_over_the_same_models(
     typed = SpeculativeDecoder.from_run(run_dir, method="staged", budget=5)
     assert (typed.decoder_for(sampled).drafter.budget, typed.decoder_for(sampled).drafter.trigram.widths) == (5, [1, 1])
     unplanned = SpeculativeDecoder.from_run(run_dir, method="staged", plan=None)  # each setting: the CPU's default
-    assert unplanned.options.plan is None and unplanned.decoder.drafter.parents == list(range(-1, plan_file.CPU_CHAIN))
-    assert unplanned.decoder_for(sampled).drafter.parents == list(range(-1, plan_file.CPU_SAMPLED_CHAIN))
+    assert unplanned.options.plan is None and unplanned.decoder.drafter.parents == list(range(-1, CPU_CHAIN))
+    assert unplanned.decoder_for(sampled).drafter.parents == list(range(-1, CPU_SAMPLED_CHAIN))
     assert unplanned.decoder_for(Sampling(0.5, 20)) is unplanned.decoder_for(sampled)  # the same drafting: one decoder
     named = SpeculativeDecoder.from_run(run_dir, method="staged", plan=run_dir / "plan.json")  # one plan for every call
     assert named.decoder_for(sampled) is named.decoder and named.decoder.drafter.budget == 6

@@ -10,6 +10,7 @@ from decode.errors import InputError
 
 from decode import SpeculativeDecoder
 from decode import plan_file
+from decode.options import CPU_CHAIN
 from decode.cli import plan, run
 from decode.drafting import (ShapedTreeDrafter)
 
@@ -121,10 +122,10 @@ def test_tree_methods_without_a_plan_say_what_they_draft_on_this_device(planned,
         (run_dir / part).symlink_to(models[part])
     prompts = ["--prompts", planned["args"][planned["args"].index("--prompts") + 1]]
     options = run.parse(["--run", str(run_dir), *prompts]).options
-    chain = list(range(-1, plan_file.CPU_CHAIN))
+    chain = list(range(-1, CPU_CHAIN))
     assert options.plan is None and options.tree_shape.parents == chain and options.widths == []
     note = capsys.readouterr().err
-    assert "no plan for this setting in" in note and f"the draft's chain of {plan_file.CPU_CHAIN} tokens" in note
+    assert "no plan for this setting in" in note and f"the draft's chain of {CPU_CHAIN} tokens" in note
     assert f"python -m decode.plan --run {run_dir}" in note
     drafter = SpeculativeDecoder(options).decoder.drafter
     assert type(drafter) is ShapedTreeDrafter and drafter.is_chain and drafter.parents == chain
@@ -157,3 +158,18 @@ def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(pl
                                      "--project-draft", "draft-4m"])
     assert exit_info.value.code == 2 and "--project-draft 'draft-4m'" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_plan_that_sets_what_no_plan_fills_is_refused(planned, tmp_path, capsys):
+    """A policy fills in only the DecoderOptions fields marked as planned (decode.options.setting): a plan that sets
+    another (here the sampling temperature, which is the request's) was not written by decode.plan."""
+    written = json.loads(planned["path"].read_text())
+    method = next(iter(written["policies"]))
+    written["policies"][method]["temperature"] = 1.0
+    altered = tmp_path / "plan.json"
+    altered.write_text(json.dumps(written))
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(planned["args"] + ["--plan", str(altered), "--method", method, "--limit", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert "sets temperature, which no plan fills in" in err and "--no-plan" in err

@@ -11,6 +11,7 @@ from decode.tokenizer import load_tokenizer
 from decode import DecoderBusy, SpeculativeDecoder
 from decode.models import precision
 from decode.cli import flags, run
+from decode.methods import METHODS
 from test_outputs import one_line_error
 
 PROMPT = "def scale(values):\n"
@@ -189,3 +190,29 @@ def test_only_calibration_measures_and_the_command_line_says_what_auto_dtype_too
     settings = run.parse(argv)
     assert len(line := said()) == 1 and line[0].startswith(f"dtype: {settings.options.dtype} (measured faster here")
     assert run.parse(["--run", str(bpe_run["run"]), "--prompt", "x", "--dtype", "float32"]).options.dtype == "float32"
+
+
+def test_every_option_is_a_flag_with_its_help_and_only_the_planned_ones_wait_for_a_plan():
+    """The flags, their help and what a plan may fill come from DecoderOptions' fields (decode.options.setting)."""
+    import argparse
+    import dataclasses
+
+    from decode import plan_file
+    from decode.options import DecoderOptions
+
+    parser = argparse.ArgumentParser()
+    flags.add_decoder_flags(parser)
+    actions = {action.dest: action for action in parser._actions}
+    for field in dataclasses.fields(DecoderOptions):
+        if "help" not in field.metadata:  # what a plan or the library sets: no flag
+            assert field.name in ("tree_shape", "policy") and field.name not in actions
+            continue
+        action = actions[field.name]
+        assert action.option_strings[0] == f"--{field.name.replace('_', '-')}"
+        assert field.name == "method" or action.help.startswith(field.metadata["help"])
+        assert action.default == (None if field.metadata["planned"] else field.default)
+        assert action.choices == (list(METHODS) if field.name == "method" else field.metadata["flag"].get("choices"))
+    assert set(flags.PLANNED_FLAGS) == plan_file.PLANNED == {"k", "budget", "depth", "widths", "branch", "draft_calls",
+                                                              "lookup_tokens", "draft_dtype", "draft_vocab"}
+    with pytest.raises(InputError, match="backend must be auto, lean or hf"):
+        DecoderOptions("oracle", backend="fast").check()

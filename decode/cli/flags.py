@@ -3,21 +3,23 @@ DecoderOptions: the flags parsed and resolved as the library resolves its argume
 import argparse
 import functools
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from decode.errors import InputError
 from decode.methods import METHODS
 from decode.models.pretrained import model_dir
 from decode.models.precision import PINNED
-from decode.options import CPU_BUDGET, CPU_WIDTHS, PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
-from decode.plan_file import CPU_CHAIN, CPU_SAMPLED_CHAIN, describe, replan_command
+from decode.options import PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
+from decode.plan_file import describe, replan_command
 from decode.resolution import Resolved, resolve
 from decode.sampling import Sampling
 
-# Flags a plan fills in unless typed: their parser default is None, DecoderOptions holds the value used otherwise
-PLANNED_FLAGS = ("k", "budget", "depth", "widths", "branch", "draft_calls", "lookup_tokens", "draft_dtype", "draft_vocab")
-OTHER_FLAGS = ("oracle", "draft", "ngram", "method", "tree_children", "context_drafter", "lookup_branches",
-               "lookup_ngram", "dtype", "device", "backend", "cuda_graphs", "token_healing")
+# The flags that are DecoderOptions fields (decode.options.setting): a planned one's parser default is None (the plan
+# fills it in unless typed; DecoderOptions holds the value used otherwise); --plan goes to the resolution on its own
+FIELDS = [f for f in fields(DecoderOptions) if "help" in f.metadata]
+PLANNED_FLAGS = tuple(f.name for f in FIELDS if f.metadata["planned"])
+OTHER_FLAGS = tuple(f.name for f in FIELDS if not f.metadata["planned"] and f.name != "plan")
 
 
 @functools.cache
@@ -27,70 +29,24 @@ def announce(line: str) -> None:
 
 
 def add_decoder_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that choose the models, the method, its tree and the precision."""
+    """The flags that choose the models, the method, its tree and the precision: one per DecoderOptions field, with
+    its help (decode.options.setting), and the few that stand for several fields."""
     p.add_argument("--run", type=Path, help="run directory: defaults --oracle, --draft, --ngram and --prompts to its parts")
-    p.add_argument("--oracle", type=Path, help="the oracle: a directory (save_pretrained) or a hub name (gpt2-large)")
-    p.add_argument("--draft", type=Path, help="the draft (for speculative methods): a directory or a hub name")
-    p.add_argument("--ngram", type=Path, help="the Katz trigram's directory (for n-gram drafting)")
-    p.add_argument("--method", choices=list(METHODS), default="staged",
-                   help="; ".join(f"{name}: {m.summary}" for name, m in METHODS.items()))
-    p.add_argument("--k", type=int, help="speculative: tokens the draft proposes per oracle call (default: the plan's, else 4)")
-    p.add_argument("--budget", type=int,
-                   help=f"tree methods: nodes in the oracle's tree (default: the plan's; without one {CPU_BUDGET} on a CPU, "
-                        f"{PAPER_BUDGET} on a GPU; unplanned staged on a CPU drafts the draft's chain of {CPU_CHAIN} tokens, "
-                        f"{CPU_SAMPLED_CHAIN} when sampling, unless a tree flag is typed)")
-    p.add_argument("--depth", type=int, help="tree methods: deepest drafted level (default: the plan's, else 8)")
-    p.add_argument("--widths",
-                   help=f"staged/ngram: trigram children per node at each level (default: the plan's; without one "
-                        f"{','.join(map(str, CPU_WIDTHS))} on a CPU, the paper's {','.join(map(str, PAPER_WIDTHS))} on a GPU)")
+    for f in FIELDS:
+        flag = dict(f.metadata["flag"])
+        if f.name == "method":
+            flag["choices"] = list(METHODS)
+            help = "; ".join(f"{name}: {m.summary}" for name, m in METHODS.items())
+        else:
+            help = f.metadata["help"]
+        if f.metadata["planned"] and f.default is not None and "default" not in help:
+            help += f" (default: the plan's, else {f.default})"
+        p.add_argument(f"--{f.name.replace('_', '-')}", default=None if f.metadata["planned"] else f.default, help=help,
+                       **flag)
     p.add_argument("--paper-tree", action="store_true",
                    help=f"staged/ngram: the paper's tree, --widths {','.join(map(str, PAPER_WIDTHS))} --budget {PAPER_BUDGET} "
                         "(sized for a GPU: the draft scores up to 1,441 nodes a step)")
-    p.add_argument("--branch", type=int,
-                   help="tree: children per expanded node (default 4); staged: the draft's own top children per node "
-                        "(default 1, its argmax), or with sampled --tree-children its draws per node (default 2)")
-    p.add_argument("--draft-calls", type=int,
-                   help="staged, greedy or top children: the most draft forwards a step makes; past the first, each "
-                        "carries the draft's own best path through the tree on towards --depth, the trigram's tree "
-                        "below it (default: the plan's, else 1)")
-    p.add_argument("--tree-children", choices=["top", "sampled"], default="sampled",
-                   help="tree, staged, when sampling (greedy decoding always takes the draft's top tokens): the draft's "
-                        "top tokens, verified by sample-match (the same seed gives the baseline's very tokens), or draws "
-                        "from it, verified by multi-draft rejection (more tokens per call); a planned tree then draws as "
-                        "many children per node as its shape gives it")
-    p.add_argument("--context-drafter", action=argparse.BooleanOptionalAction, default=True,
-                   help="staged: graft onto the trigram's tree the tokens that followed earlier occurrences of the "
-                        "sequence's current suffix (what the lookup method drafts); the draft ranks them with the rest")
-    p.add_argument("--lookup-tokens", type=int,
-                   help="lookup: tokens per continuation (staged: at most --depth) (default: the plan's, else 10)")
-    p.add_argument("--lookup-branches", type=int, default=1, help="lookup, staged: continuations from different earlier occurrences")
-    p.add_argument("--lookup-ngram", type=int, default=3, help="lookup, staged: longest suffix matched in the context")
-    p.add_argument("--plan", type=Path,
-                   help="a plan written by decode.plan: its policy for the method (k, tree shape, budget, widths, lookup "
-                        "tokens, draft vocabulary and dtype) fills in those flags that you do not type (default: the run's plan "
-                        "for the sampling setting, RUN/plan.json when greedy and e.g. RUN/plan-t1-k50-p1.json at "
-                        "--temperature 1 --top-k 50, when it exists and was planned for this device, dtype and backend; a "
-                        "plan for other models is refused)")
     p.add_argument("--no-plan", action="store_true", help="use the flags' defaults even when the run has a plan")
-    p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
-                   help="back off the prompt's last token and let the first new token be only one that extends its text "
-                        "(a prompt ending in a bare newline otherwise starts where training never went); every method alike")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="auto: the dtype RUN/plan.json was planned in on this device; else on a CPU the one the oracle's "
-                        "forward measures faster in (timed once, then cached), on a GPU bfloat16")
-    p.add_argument("--draft-dtype", choices=["float32", "bfloat16"],
-                   help="the draft's dtype (default: the plan's choice, else --dtype's): a draft's forward of a few rows "
-                        "is per-call overhead, which differs by dtype on a CPU")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--backend", choices=["auto", "lean", "hf"], default="auto",
-                   help="lean: our GPT-2 engine; hf: any transformers causal LM; auto: lean where it applies")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="the lean engine on a GPU: replay each forward as a CUDA graph, one launch instead of a dozen "
-                        "kernels per layer (a CPU ignores it)")
-    p.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="the draft's output layer over its N most frequent training tokens only (RUN/draft/"
-                        "token_counts.npy): a fraction of its cost; it then proposes only those, and the output stays "
-                        "the oracle's (default: the plan's choice, else 0: every token)")
 
 
 def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, sampling: Sampling,
