@@ -5,6 +5,7 @@ node, on random contexts, trees, logits and sequences, ties included; decoding t
 built, decoding says so once and goes on with the portable ones."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,9 +101,9 @@ def test_top_tokens_equal_the_portable_ranking(built):
 def test_the_cpp_kernels_check_what_they_are_handed(built):
     """Logits the C++ loops cannot read are refused at the boundary with what they are, never read as raw memory."""
     for wrong in (torch.zeros(4, 6, dtype=torch.bfloat16), torch.zeros(6, 4).T, torch.zeros(3, 4, 5), torch.zeros(5)):
-        with pytest.raises(ValueError, match="contiguous float32 rows in CPU memory"):
+        with pytest.raises(TypeError, match="logits must be contiguous float32 rows in CPU memory"):
             built.top_tokens(wrong, 1)
-        with pytest.raises(ValueError, match="contiguous float32 rows in CPU memory"):
+        with pytest.raises(TypeError, match="logits must be contiguous float32 rows in CPU memory"):
             built.sample_match(Tree.rooted(0), Target(wrong, Sampling()), None)
 
 
@@ -229,9 +230,9 @@ class Counted:
         if name not in self.calls:
             return inner
 
-        def counted(*args):
+        def counted(*args, **kwargs):
             self.calls[name] += 1
-            return inner(*args)
+            return inner(*args, **kwargs)
 
         return counted
 
@@ -276,3 +277,30 @@ def test_without_a_compiler_decoding_says_so_once_and_goes_on_with_the_portable_
     finally:
         native.module.cache_clear()
         host_kernels.cache_clear()
+
+
+def test_the_cpp_loops_take_named_arguments_and_check_the_arrays_they_read(built, tmp_path):
+    """Each entry point takes its arguments by name, and checks an array's element type, dimensions and contiguity
+    before reading it: a wrong array is a TypeError, never a read of the wrong bytes."""
+    module, logits = built.module, torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    assert module.top_tokens(logits=logits.numpy(), k=2, shortlist_tokens=None) == REFERENCE.top_tokens(logits, 2)
+    with pytest.raises(TypeError, match="by name"):
+        module.top_tokens(logits.numpy(), 2, None)
+    with pytest.raises(TypeError, match="shortlist_tokens is missing"):
+        module.top_tokens(logits=logits.numpy(), k=2)
+    with pytest.raises(TypeError, match="unexpected or repeated argument row"):
+        module.top_tokens(logits=logits.numpy(), k=2, shortlist_tokens=None, row=0)
+    wrong = {"float64": logits.double().numpy(), "one row": logits[0].numpy(), "transposed": logits.T.numpy()}
+    for what, array in wrong.items():
+        with pytest.raises(TypeError, match="logits must be contiguous float32 rows"):
+            module.top_tokens(logits=array, k=2, shortlist_tokens=None)
+    with pytest.raises(TypeError, match="shortlist tokens must be"):  # int32 where the shortlist is int64
+        module.top_tokens(logits=logits.numpy(), k=2, shortlist_tokens=np.arange(8, dtype=np.int32))
+    table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", tiny_gpt2(tmp_path / "oracle", seed=0)) / "successors.npz")
+    read = built.trigram_reader(table)
+    assert read(5, 7, [2, 1]) == REFERENCE.trigram_reader(table)(5, 7, [2, 1])
+    with pytest.raises(TypeError, match="histories must be"):
+        module.trigram_tree(histories=table.histories.astype(np.int32), successors=table.successors,
+                            vocab_size=table.vocab_size, before_root=5, root=7, widths=[1])
+    with pytest.raises(ValueError, match="a width past the table's successors"):
+        read(5, 7, [table.k + 1])

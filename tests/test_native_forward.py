@@ -290,3 +290,22 @@ def test_a_forward_runs_in_cpp_up_to_the_rows_measured_faster_there_and_the_choi
         engine.forward(torch.arange(q), torch.arange(q) + engine.length, None)
         engine.commit([])
     assert rows == [8, 1]  # the nine-row prompt ran in torch
+
+
+def test_the_cpp_forward_refuses_a_tensor_of_another_element_type_or_an_output_of_another_shape(blocks_here, tmp_path):
+    engine = GPT2Engine.load(tiny_gpt2(tmp_path / "model", seed=3), "bfloat16", native_blocks=True)
+    blocks = engine.runtime.blocks
+    address, elements, _ = blocks.spec["wte"]
+    with pytest.raises(TypeError, match="wte has 4-byte elements where the model reads 2-byte ones"):
+        blocks.forward.model(blocks.spec | {"wte": (address, elements, 4)})
+    with pytest.raises(TypeError, match="ln_f.weight has 2-byte elements where the model reads 4-byte ones"):
+        blocks.forward.model(blocks.spec | {"ln_f.weight": (*blocks.spec["ln_f.weight"][:2], 2)})
+    rows = {"model": blocks.model, "ids": [1, 2], "positions": [0, 1], "start": 0, "mask": None, "last": 2}
+    blocks.forward.blocks(**rows, out=torch.empty(2, blocks.columns).numpy())
+    with pytest.raises(ValueError, match="out must be"):
+        blocks.forward.blocks(**rows, out=torch.empty(1, blocks.columns).numpy())
+    with pytest.raises(TypeError, match="out must be"):
+        blocks.forward.blocks(**rows, out=torch.empty(2, blocks.columns, dtype=torch.float64).numpy())
+    with pytest.raises(TypeError, match="mask must be"):  # a mask of bytes, not of booleans
+        blocks.forward.blocks(**rows | {"mask": torch.ones(2, 2, dtype=torch.uint8).numpy()},
+                              out=torch.empty(2, blocks.columns).numpy())

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from decode.models.cached_lm import CachedLM
-from decode.sampling import Sampling, Sparse, Uniforms
+from decode.sampling import Sampling, Uniforms
 from decode.tree import Tree, rows_mask
 
 
@@ -88,7 +88,7 @@ class DraftCache:
             return None
         run, length = self.unseen, self.model.length
         uniforms = [] if sampling.greedy else generator.take(steps)
-        chosen = self.model.chain(run, list(range(length, length + len(run))), steps, sampling, uniforms, Sparse)
+        chosen = self.model.chain(run, list(range(length, length + len(run))), steps, sampling, uniforms)
         root = len(run) - 1
         self.slots = {node: root + node for node in range(steps)}
         self.sees = {node: (2 << slot) - 1 for node, slot in self.slots.items()}

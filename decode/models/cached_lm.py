@@ -3,13 +3,14 @@ committed positions followed by `pending` speculative ones.
 
     forward(token_ids, position_ids, mask[, last]) -> logits   score new nodes, append them as pending
     commit(keep)                                               keep these pending slots (increasing), in order; drop the rest
-    chain(token_ids, position_ids, steps, sampling, uniforms, mapping) -> (tokens, distributions)
+    chain(token_ids, position_ids, steps, sampling, uniforms) -> (tokens, distributions)
                                                                a chain drafter's forwards as one call, where
                                                                chains(rows, sampling) says the backend has one
 """
 import torch
 
 from decode.models.runtime import Runtime
+from decode.sampling import Sparse
 from decode.shortlist import Shortlist
 from decode.tensors import Ids
 
@@ -41,12 +42,12 @@ class CachedLM:
         """Whether `chain` runs here for a first forward of `rows` nodes under this sampling setting."""
         return False
 
-    def chain(self, token_ids: Ids, position_ids: Ids, steps: int, sampling, uniforms: list[float],
-              mapping=dict) -> tuple[list[int], list[dict[int, float]] | None]:
+    def chain(self, token_ids: Ids, position_ids: Ids, steps: int, sampling, uniforms: list[float]
+              ) -> tuple[list[int], list[Sparse] | None]:
         """`steps` forwards down a chain, appended as pending: the first over the new nodes (the last of them a
         tree's root), each later one over the token chosen after the one before, a position further: greedy, each
         row's argmax; under a top-k setting, a draw at each of `uniforms` from its processed distribution. Returns the
-        tokens and, when sampling, their distributions (each made as `mapping()`). The tokens and distributions a
+        tokens and, when sampling, their distributions. The tokens and distributions a
         chain drafter gets from `forward` one call at a time; only where `chains` says so."""
         raise NotImplementedError
 

@@ -24,6 +24,7 @@ from decode.models.kv_slots import KVSlots
 from decode.models.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode.models.projection import LAYOUTS, Projection
 from decode.models.runtime import Runtime, runtime_for
+from decode.sampling import Sparse
 from decode.shortlist import Shortlist
 from decode.tensors import Ids, as_tensor
 from decode.tree import rows_mask
@@ -229,11 +230,11 @@ class GPT2Engine(CachedLM):
         or under a top-k setting."""
         return rows <= self.runtime.rows and (sampling.greedy or sampling.sparse)
 
-    def chain(self, token_ids: Ids, position_ids: Ids, steps: int, sampling, uniforms: list[float],
-              mapping=dict) -> tuple[list[int], list[dict[int, float]] | None]:
+    def chain(self, token_ids: Ids, position_ids: Ids, steps: int, sampling, uniforms: list[float]
+              ) -> tuple[list[int], list[Sparse] | None]:
         q = len(token_ids) + steps - 1  # the last token chosen is not fed
         start, _ = self.kv.reserve(q)
-        chosen = self.runtime.blocks.chain(token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms, mapping)
+        chosen = self.runtime.blocks.chain(token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms)
         self.kv.pending += q
         return chosen
 

@@ -168,7 +168,7 @@ class NativeRuntime(Runtime):
         self.rows = native.Blocks.ROWS
 
     def mover(self, cache: torch.Tensor) -> Mover:
-        return native.slot_mover(cache) or torch_mover(cache)
+        return native.SlotMover(cache)
 
     def ways(self) -> list[str]:
         if self.blocks is None:

@@ -21,6 +21,7 @@ import torch
 
 from decode.errors import first_line
 from decode.machine import cpu_flags
+from decode.sampling import Sparse
 from decode.tensors import Ids, as_list
 
 log = logging.getLogger("decode.native")  # notes a user sees on stderr without any logging set up (warnings)
@@ -54,7 +55,7 @@ def module():
     if os.environ.get("STAGED_SPECULATIVE_NATIVE", "1") == "0":
         return None
     try:
-        return build(SOURCE)
+        return distributions_as_sparse(build(SOURCE))
     except Exception as err:  # no compiler, no ninja, a failed build: decoding goes on in Python
         log.warning("note: the decoding step's C++ loops could not be built (%s); decoding uses their portable code, "
                     "which gives the same output a little slower (STAGED_SPECULATIVE_NATIVE=0 silences this)", first_line(err))
@@ -92,7 +93,13 @@ def forward_module(dtype: torch.dtype):
 
 @functools.lru_cache(maxsize=None)
 def _forward_build(name: str):
-    return build(FORWARD_SOURCE, tuple(FORWARD_BUILDS[name][0]))
+    return distributions_as_sparse(build(FORWARD_SOURCE, tuple(FORWARD_BUILDS[name][0])))
+
+
+def distributions_as_sparse(compiled):
+    """A built module, told to return its distributions as sampling.Sparse."""
+    compiled.set_distribution_type(Sparse)
+    return compiled
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,15 +114,21 @@ def loops(device: str) -> str:
     return "C++" if torch.device(device).type == "cpu" else "C++ for the trees, Python for the GPU's logits"
 
 
-def slot_mover(kv_cache: torch.Tensor):
-    """GPT2Engine.commit's moves for a contiguous (..., capacity, head_dim) CPU cache: a function of (length, keep)
-    under which, in each plane, slot length + i takes slot length + keep[i]; None without the C++ loops. The cache's
-    address and shape are read once here: right after a forward, reading them per commit took 10-15 us."""
-    if module() is None or kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
-        return None
-    capacity, head_dim = kv_cache.shape[-2:]
-    return functools.partial(module().commit_slots, kv_cache.data_ptr(), kv_cache.numel() // (capacity * head_dim),
-                             capacity, head_dim * kv_cache.element_size())
+class SlotMover:
+    """A commit's moves in C++ over a contiguous (..., capacity, head_dim) CPU cache, as a function of (length, keep)
+    under which, in each plane, slot length + i takes slot length + keep[i]. It holds the cache, whose address and
+    shape it reads once: right after a forward, reading them per commit took 10-15 us."""
+
+    def __init__(self, kv_cache: torch.Tensor):
+        if not (kv_cache.is_cpu and kv_cache.is_contiguous()):
+            raise ValueError("the C++ moves take a contiguous cache in CPU memory")
+        self.cache, self.commit_slots = kv_cache, module().commit_slots
+        capacity, head_dim = kv_cache.shape[-2:]
+        self.layout = {"cache": kv_cache.data_ptr(), "planes": kv_cache.numel() // (capacity * head_dim),
+                       "capacity": capacity, "slot_bytes": head_dim * kv_cache.element_size()}
+
+    def __call__(self, length: int, keep: list[int]) -> None:
+        self.commit_slots(**self.layout, length=length, keep=keep)
 
 
 def pack_for_products(in_out: torch.Tensor) -> torch.Tensor:
@@ -152,7 +165,7 @@ class Blocks:
         weight (wte, or a shortlist's rows of it). With `consume`, each matrix is taken out of `weights` as it is
         packed, so that its memory goes as its packed copy comes."""
         take = weights.pop if consume else weights.__getitem__
-        self.kept = {}  # every tensor the C++ reads, by the name model() knows it under
+        self.kept = {}  # every tensor the C++ reads, by the name model() knows it under (`spec`: as it reads them)
         self.forward = forward_module(kv_cache.dtype)
         for i in range(shape.n_layer):
             for name in ("ln_1", "ln_2", *self.LINEAR):
@@ -165,12 +178,13 @@ class Blocks:
         self.kept |= {"wte": weights["wte.weight"].contiguous(), "wpe": weights["wpe.weight"].contiguous(),
                       "output.packed": pack_for_products(output.T), "output.bias": torch.zeros(-(-output.shape[0] // 16) * 16),
                       "cache": kv_cache}
-        fields = {name: (tensor.data_ptr(), tensor.numel()) for name, tensor in self.kept.items()}
-        self.model = self.forward.model(fields | {
+        fields = {name: (tensor.data_ptr(), tensor.numel(), tensor.element_size()) for name, tensor in self.kept.items()}
+        self.spec = fields | {
             "n_embd": shape.n_embd, "heads": shape.n_head, "layers": shape.n_layer, "capacity": kv_cache.shape[3],
             "vocabulary": weights["wte.weight"].shape[0], "positions": weights["wpe.weight"].shape[0],
             "logit_columns": output.shape[0], "element_bytes": kv_cache.element_size(),
-            "epsilon": float(shape.layer_norm_epsilon)})
+            "epsilon": float(shape.layer_norm_epsilon)}
+        self.model = self.forward.model(self.spec)
         self.columns, self.dtype = output.shape[0], kv_cache.dtype
         self.tiles = True
 
@@ -178,7 +192,7 @@ class Blocks:
     def can_tile(self) -> bool:
         """Whether this model's products can run on AMX's tiles here (a bfloat16 model, n_embd a multiple of 32, a
         CPU with AMX-BF16)."""
-        return self.forward.tiles(self.model, None)
+        return self.forward.tiles(model=self.model, on=None)
 
     @property
     def tiles(self) -> bool:
@@ -190,7 +204,7 @@ class Blocks:
     @tiles.setter
     def tiles(self, on: bool):
         self._tiles = bool(on) and self.can_tile
-        self.forward.tiles(self.model, self._tiles)  # which the C++ takes only where the CPU has them
+        self.forward.tiles(model=self.model, on=self._tiles)  # which the C++ takes only where the CPU has them
 
     def __call__(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int,
                  last: int | None = None) -> torch.Tensor:
@@ -199,17 +213,17 @@ class Blocks:
         ids, positions = as_list(token_ids), as_list(position_ids)
         last = len(ids) if last is None else last
         out = torch.empty(last, self.columns)
-        mask = None if mask is None else mask.contiguous()
-        self.forward.blocks(self.model, ids, positions, start, 0 if mask is None else mask.data_ptr(),
-                            0 if mask is None else mask.shape[1], last, out.data_ptr(), out.numel())
+        self.forward.blocks(model=self.model, ids=ids, positions=positions, start=start,
+                            mask=None if mask is None else mask.contiguous().numpy(), last=last, out=out.numpy())
         return out
 
     def chain(self, token_ids: Ids, position_ids: Ids, start: int, steps: int, sampling, shortlist,
-              uniforms: list[float], mapping=dict) -> tuple[list[int], list[dict[int, float]] | None]:
+              uniforms: list[float]) -> tuple[list[int], list[Sparse] | None]:
         """A chain drafter's `steps` forwards as one C++ call (forward.cpp's chain): the first over the new nodes in
         cache slots from `start` (the last of them the root), each later one over the token chosen after the one
         before, a position and a slot further. Returns the chosen tokens (greedy: each row's argmax; a top-k setting:
-        a draw at each of `uniforms`) and, when sampling, each one's distribution (made as `mapping()`)."""
-        return self.forward.chain(self.model, as_list(token_ids), as_list(position_ids), start, steps, sampling.top_k,
-                                  float(sampling.temperature), float(sampling.top_p),
-                                  None if shortlist is None else shortlist.tokens, uniforms, mapping)
+        a draw at each of `uniforms`) and, when sampling, each one's distribution."""
+        return self.forward.chain(model=self.model, ids=as_list(token_ids), positions=as_list(position_ids),
+                                  start=start, steps=steps, top_k=sampling.top_k,
+                                  temperature=float(sampling.temperature), top_p=float(sampling.top_p),
+                                  shortlist_tokens=None if shortlist is None else shortlist.tokens, uniforms=uniforms)

@@ -22,24 +22,40 @@ struct Successor {
 };
 static_assert(sizeof(Successor) == 12, "SUCCESSOR is 12 bytes");
 
-// trigram_tree(histories_address, histories, successors_address, successors_width, vocab_size, before_root, root,
-//              widths) -> (tokens, probs)
+// trigram_tree(histories, successors, vocab_size, before_root, root, widths) -> (tokens, probs)
 // The tokens and probabilities of the tree below the context (before_root, root), level by level: the row after
 // the context (its trigram history's when seen, else the root's own), then each level's rows by the `next` of the
-// level above, widths[d] successors of each.
-PyObject *trigram_tree(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("trigram_tree", nargs, 8)) return nullptr;
-    const auto *histories = static_cast<const int64_t *>(PyLong_AsVoidPtr(args[0]));
-    const int64_t history_count = PyLong_AsLongLong(args[1]);
-    const auto *successors = static_cast<const Successor *>(PyLong_AsVoidPtr(args[2]));
-    const int64_t width = PyLong_AsLongLong(args[3]), vocab_size = PyLong_AsLongLong(args[4]);
-    const int64_t before_root = PyLong_AsLongLong(args[5]), root = PyLong_AsLongLong(args[6]);
+// level above, widths[d] successors of each. histories: the successor table's sorted int64 keys; successors: its
+// (rows, width) array of 12-byte Successor records (decode/models/successors.py).
+const char *const TRIGRAM_TREE[] = {"histories", "successors", "vocab_size", "before_root", "root", "widths"};
+PyObject *trigram_tree(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(TRIGRAM_TREE);
+    Array history_array, successor_array;
     std::vector<int64_t> widths;
-    if (PyErr_Occurred() || !read_ints(args[7], widths, "widths")) return nullptr;
+    if (!named.open("trigram_tree", args, nargs, kwnames) ||
+        !history_array.open(named["histories"], "histories", "ql", 8, 1) ||
+        !successor_array.open(named["successors"], "successors", "", sizeof(Successor), 2) ||
+        !read_ints(named["widths"], widths, "widths"))
+        return nullptr;
+    const auto *histories = history_array.data<const int64_t>();
+    const int64_t history_count = history_array.count(), width = successor_array.size(1);
+    const auto *successors = successor_array.data<const Successor>();
+    const int64_t vocab_size = PyLong_AsLongLong(named["vocab_size"]);
+    const int64_t before_root = PyLong_AsLongLong(named["before_root"]), root = PyLong_AsLongLong(named["root"]);
+    if (PyErr_Occurred()) return nullptr;
+    for (const int64_t level_width : widths)
+        if (level_width < 0 || level_width > width) {
+            PyErr_SetString(PyExc_ValueError, "trigram_tree: a width past the table's successors");
+            return nullptr;
+        }
+    if (root < 0 || root >= vocab_size || successor_array.size(0) < history_count + vocab_size) {
+        PyErr_SetString(PyExc_ValueError, "trigram_tree: the root outside the vocabulary, or a table without a row "
+                                          "for each history and each token");
+        return nullptr;
+    }
     const int64_t key = before_root * (vocab_size + 2) + root;  // SuccessorTable.rows_after
-    const int64_t found = std::min<int64_t>(std::lower_bound(histories, histories + history_count, key) - histories,
-                                            history_count - 1);
-    std::vector<int64_t> rows{histories[found] == key ? found : history_count + root}, below;
+    const int64_t found = std::lower_bound(histories, histories + history_count, key) - histories;
+    std::vector<int64_t> rows{found < history_count && histories[found] == key ? found : history_count + root}, below;
     std::vector<int64_t> tokens{root};
     std::vector<double> probs{1.0};
     for (const int64_t level_width : widths) {
@@ -62,12 +78,14 @@ PyObject *trigram_tree(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 // StepKernels.continuations: for the longest suffix of at most max_ngram tokens that occurred
 // before, the `length` tokens after its occurrences, latest first, up to `branches` different ones; a chain that
 // runs into the end of the sequence repeats its period.
-PyObject *continuations(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("continuations", nargs, 4)) return nullptr;
+const char *const CONTINUATIONS[] = {"tokens", "max_ngram", "length", "branches"};
+PyObject *continuations(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(CONTINUATIONS);
     std::vector<int64_t> tokens;
-    if (!read_ints(args[0], tokens, "tokens")) return nullptr;
-    const int64_t max_ngram = PyLong_AsLongLong(args[1]), length = PyLong_AsLongLong(args[2]);
-    const int64_t branches = PyLong_AsLongLong(args[3]);
+    if (!named.open("continuations", args, nargs, kwnames) || !read_ints(named["tokens"], tokens, "tokens"))
+        return nullptr;
+    const int64_t max_ngram = PyLong_AsLongLong(named["max_ngram"]), length = PyLong_AsLongLong(named["length"]);
+    const int64_t branches = PyLong_AsLongLong(named["branches"]);
     if (PyErr_Occurred()) return nullptr;
     const int64_t size = static_cast<int64_t>(tokens.size());
     std::vector<std::vector<int64_t>> chains;

@@ -106,7 +106,8 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
     product(normed.data(), linear<T>(m.output, m.output_bias, n_embd, m.logit_columns), a.out, a.last, tiles);
 }
 
-// A field of model()'s dict: an int, or a tensor as (address, elements) whose element count must be `elements`.
+// A field of model()'s dict: an int, or a tensor as (address, elements, element_bytes) whose element count must be
+// `elements` and whose elements `bytes` bytes each (the model's element_bytes, or 4 for a float32 layer norm or bias).
 bool field(PyObject *spec, const char *name, int64_t &value) {
     PyObject *item = PyDict_GetItemString(spec, name);
     if (!item) {
@@ -118,18 +119,24 @@ bool field(PyObject *spec, const char *name, int64_t &value) {
 }
 
 template <typename P>
-bool tensor(PyObject *spec, const char *name, int64_t elements, P &address) {
+bool tensor(PyObject *spec, const char *name, int64_t elements, int64_t bytes, P &address) {
     PyObject *item = PyDict_GetItemString(spec, name);
-    if (!item || !PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
-        PyErr_Format(PyExc_KeyError, "model: field %s must be (address, elements)", name);
+    if (!item || !PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+        PyErr_Format(PyExc_KeyError, "model: field %s must be (address, elements, element_bytes)", name);
         return false;
     }
     const long long got = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 1));
+    const long long got_bytes = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 2));
     address = static_cast<P>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(item, 0)));
     if (PyErr_Occurred()) return false;
     if (got != elements || !address) {
         PyErr_Format(PyExc_ValueError, "model: %s holds %lld elements where the shape needs %lld", name, got,
                      static_cast<long long>(elements));
+        return false;
+    }
+    if (got_bytes != bytes) {
+        PyErr_Format(PyExc_TypeError, "model: %s has %lld-byte elements where the model reads %lld-byte ones", name,
+                     got_bytes, static_cast<long long>(bytes));
         return false;
     }
     return true;
@@ -141,7 +148,7 @@ Model *model_of(PyObject *capsule) { return static_cast<Model *>(PyCapsule_GetPo
 
 // model(spec) -> a capsule: the model forward() and chain() run, read from a dict of named fields. Ints: n_embd,
 // heads, layers, capacity (the cache's slots), vocabulary, positions, logit_columns, element_bytes (2: bfloat16, 4:
-// float32); epsilon (a float); tensors, each as (address, elements): wte, wpe, cache, ln_f.weight, ln_f.bias,
+// float32); epsilon (a float); tensors, each as (address, elements, element_bytes): wte, wpe, cache, ln_f.weight, ln_f.bias,
 // output.packed, output.bias, and per layer i "h.{i}.ln_1.weight" (and .bias, ln_2 likewise, float32) and
 // "h.{i}.attn.c_attn.packed" (and .bias; attn.c_proj, mlp.c_fc and mlp.c_proj likewise: decode/native's
 // pack_for_products, float32 biases padded to 16 columns).
@@ -173,11 +180,12 @@ PyObject *model(PyObject *, PyObject *spec) {
     const int64_t columns = (m->logit_columns + 15) / 16 * 16, per_pair = m->element_bytes == 2 ? 2 : 1;
     // a packed (in, out) weight: out padded to 16 columns, and in bfloat16 in to pairs of rows
     auto packed = [&](int64_t in, int64_t out) { return (in + per_pair - 1) / per_pair * per_pair * ((out + 15) / 16 * 16); };
-    if (!tensor(spec, "wte", m->vocabulary * n, m->wte) || !tensor(spec, "wpe", m->positions * n, m->wpe)
-        || !tensor(spec, "cache", 2 * m->layers * m->capacity * n, m->cache)
-        || !tensor(spec, "ln_f.weight", n, m->ln_f[0]) || !tensor(spec, "ln_f.bias", n, m->ln_f[1])
-        || !tensor(spec, "output.packed", packed(n, m->logit_columns), m->output)
-        || !tensor(spec, "output.bias", columns, m->output_bias))
+    const int64_t bytes = m->element_bytes;  // of the model's own tensors; layer norms and biases are float32
+    if (!tensor(spec, "wte", m->vocabulary * n, bytes, m->wte) || !tensor(spec, "wpe", m->positions * n, bytes, m->wpe)
+        || !tensor(spec, "cache", 2 * m->layers * m->capacity * n, bytes, m->cache)
+        || !tensor(spec, "ln_f.weight", n, 4, m->ln_f[0]) || !tensor(spec, "ln_f.bias", n, 4, m->ln_f[1])
+        || !tensor(spec, "output.packed", packed(n, m->logit_columns), bytes, m->output)
+        || !tensor(spec, "output.bias", columns, 4, m->output_bias))
         return nullptr;
     const char *linear_names[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
     const int64_t ins[4] = {n, n, n, 4 * n}, outs[4] = {3 * n, n, 4 * n, n};
@@ -188,15 +196,15 @@ PyObject *model(PyObject *, PyObject *spec) {
         for (int side = 0; side < 2; side++) {
             const char *part = side ? "bias" : "weight";
             snprintf(name, sizeof name, "h.%lld.ln_1.%s", static_cast<long long>(l), part);
-            if (!tensor(spec, name, n, b.ln_1[side])) return nullptr;
+            if (!tensor(spec, name, n, 4, b.ln_1[side])) return nullptr;
             snprintf(name, sizeof name, "h.%lld.ln_2.%s", static_cast<long long>(l), part);
-            if (!tensor(spec, name, n, b.ln_2[side])) return nullptr;
+            if (!tensor(spec, name, n, 4, b.ln_2[side])) return nullptr;
         }
         for (int p = 0; p < 4; p++) {
             snprintf(name, sizeof name, "h.%lld.%s.packed", static_cast<long long>(l), linear_names[p]);
-            if (!tensor(spec, name, packed(ins[p], outs[p]), b.packed[p])) return nullptr;
+            if (!tensor(spec, name, packed(ins[p], outs[p]), bytes, b.packed[p])) return nullptr;
             snprintf(name, sizeof name, "h.%lld.%s.bias", static_cast<long long>(l), linear_names[p]);
-            if (!tensor(spec, name, outs[p], b.bias[p])) return nullptr;
+            if (!tensor(spec, name, outs[p], 4, b.bias[p])) return nullptr;
         }
     }
     PyObject *capsule = PyCapsule_New(m.get(), "forward.Model", free_model);
@@ -226,64 +234,73 @@ bool forward_checked(const Model &m, const Rows &a, const char *function) {
     return true;
 }
 
-// A capsule from model() and the rows' tokens and positions: a call's first three arguments.
-Model *read_rows(PyObject *const *args, Rows &a) {
-    Model *m = model_of(args[0]);
-    if (!m || !read_ints(args[1], a.ids, "ids") || !read_ints(args[2], a.positions, "positions")) return nullptr;
+// The named arguments model (a capsule from model()), ids and positions (the rows' tokens and positions).
+template <typename Arguments>
+Model *read_rows(const Arguments &named, Rows &a) {
+    Model *m = model_of(named["model"]);
+    if (!m || !read_ints(named["ids"], a.ids, "ids") || !read_ints(named["positions"], a.positions, "positions"))
+        return nullptr;
     return m;
 }
 
-// blocks(model, ids, positions, start, mask, columns, last, out, out_elements)
+// blocks(model, ids, positions, start, mask, last, out)
 //   model: a capsule from model(); ids, positions: lists of the new rows' tokens and positions (a list costs less to
-//   make than a tensor), whose keys and values go to cache slots start..start + rows; mask: a bool (rows x columns)
-//   address over the last `columns` slots, or 0 for a chain; out: the address of float32 logits (last x logit
-//   columns, `out_elements` in all) of the last `last` rows.
-PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("blocks", nargs, 9)) return nullptr;
+//   make than a tensor), whose keys and values go to cache slots start..start + rows; mask: a bool (rows, columns)
+//   array over the last `columns` slots, or None for a chain; out: the float32 (last, logit columns) array the
+//   logits of the last `last` rows are written to.
+const char *const BLOCKS[] = {"model", "ids", "positions", "start", "mask", "last", "out"};
+PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(BLOCKS);
     Rows a;
-    const Model *m = read_rows(args, a);
-    if (!m) return nullptr;
-    a.start = PyLong_AsLongLong(args[3]);
+    Array mask, out;
+    if (!named.open("blocks", args, nargs, kwnames)) return nullptr;
+    const Model *m = read_rows(named, a);
+    if (!m || !mask.open(named["mask"], "mask", "?", 1, 2, true) || !out.open(named["out"], "out", "f", 4, 2, false, true))
+        return nullptr;
+    a.start = PyLong_AsLongLong(named["start"]);
     a.end = a.start + static_cast<int64_t>(a.ids.size());
-    const int64_t columns = PyLong_AsLongLong(args[5]);
-    a.visible = Visibility{static_cast<const uint8_t *>(PyLong_AsVoidPtr(args[4])), columns, a.start, a.end};
-    a.last = PyLong_AsLongLong(args[6]);
-    a.out = static_cast<float *>(PyLong_AsVoidPtr(args[7]));
-    const long long out_elements = PyLong_AsLongLong(args[8]);
+    const int64_t columns = mask.size(1);
+    a.visible = Visibility{mask.data<const uint8_t>(), columns, a.start, a.end};
+    a.last = PyLong_AsLongLong(named["last"]);
+    a.out = out.data<float>();
     if (PyErr_Occurred()) return nullptr;
-    if (out_elements != a.last * m->logit_columns || (!a.out && a.last) || columns < 0 || columns > a.end
-        || (a.visible.mask && columns < static_cast<int64_t>(a.ids.size()))) {
-        PyErr_SetString(PyExc_ValueError, "blocks: out must hold last x logit columns floats, and a mask cover the new "
-                                          "rows within the cache's slots");
+    if (out.size(0) != a.last || out.size(1) != m->logit_columns || columns > a.end
+        || (a.visible.mask && (columns < static_cast<int64_t>(a.ids.size()) || mask.size(0) != static_cast<int64_t>(a.ids.size())))) {
+        PyErr_SetString(PyExc_ValueError, "blocks: out must be (last, logit columns), and a mask one row a new row over "
+                                          "the new rows and slots before them within the cache's");
         return nullptr;
     }
     if (!forward_checked(*m, a, "blocks")) return nullptr;
     Py_RETURN_NONE;
 }
 
-// chain(model, ids, positions, start, steps, top_k, temperature, top_p, shortlist_tokens, uniforms, mapping)
+// chain(model, ids, positions, start, steps, top_k, temperature, top_p, shortlist_tokens, uniforms)
 //   -> (tokens, distributions or None)
 // A chain drafter's `steps` draft forwards as one call (ChainDrafter.propose): the first over the new rows (from
 // slot `start`, the last of them the tree's root), each later one over the token drawn after the row before, one
 // position further; after each, the token that follows: the argmax when greedy (temperature 0; as row_argmax), else
 // under the top-k setting a draw at the next of `uniforms` from the processed distribution (TopK.read, draw_at), each
-// distribution made as `mapping()`. shortlist_tokens: the logits' column -> token array, or None.
-PyObject *chain(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("chain", nargs, 11)) return nullptr;
+// distribution a distribution_dict. shortlist_tokens: the logits' column -> token array, or None.
+const char *const CHAIN[] = {"model", "ids", "positions", "start", "steps", "top_k", "temperature", "top_p",
+                             "shortlist_tokens", "uniforms"};
+PyObject *chain(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(CHAIN);
     Rows a;
-    const Model *m = read_rows(args, a);
+    if (!named.open("chain", args, nargs, kwnames)) return nullptr;
+    const Model *m = read_rows(named, a);
     if (!m) return nullptr;
-    a.start = PyLong_AsLongLong(args[3]);
-    const int64_t steps = PyLong_AsLongLong(args[4]);
+    a.start = PyLong_AsLongLong(named["start"]);
+    const int64_t steps = PyLong_AsLongLong(named["steps"]);
     TopK setting;
-    setting.k = PyLong_AsLongLong(args[5]);
-    setting.temperature = PyFloat_AsDouble(args[6]);
-    setting.top_p = PyFloat_AsDouble(args[7]);
+    setting.k = PyLong_AsLongLong(named["top_k"]);
+    setting.temperature = PyFloat_AsDouble(named["temperature"]);
+    setting.top_p = PyFloat_AsDouble(named["top_p"]);
     Int64Array column_token;
-    PyObject *uniforms = args[9], *mapping = args[10];
+    PyObject *uniforms = named["uniforms"];
     const bool greedy = setting.temperature == 0;
     const int64_t columns = m->logit_columns;
-    if (PyErr_Occurred() || !column_token.open(args[8], "shortlist tokens") || (!greedy && !setting.check("chain")))
+    if (PyErr_Occurred() || !column_token.open(named["shortlist_tokens"], "shortlist tokens") ||
+        (!greedy && !setting.check("chain")))
         return nullptr;
     if ((column_token.data && column_token.size != columns) || a.ids.empty() || steps < 0
         || !PyList_Check(uniforms) || PyList_GET_SIZE(uniforms) != (greedy ? 0 : steps)) {
@@ -313,7 +330,7 @@ PyObject *chain(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         } else {
             setting.read(logits.data(), columns, column_token.data, distribution);
             token = draw_at(distribution, PyFloat_AsDouble(PyList_GET_ITEM(uniforms, step)));
-            PyObject *made = distribution_dict(distribution, mapping);
+            PyObject *made = distribution_dict(distribution);
             if (!made || PyList_Append(distributions, made) < 0) Py_CLEAR(distributions);
             Py_XDECREF(made);
         }
@@ -343,13 +360,15 @@ PyObject *supported(PyObject *, PyObject *bytes) {
 
 // tiles(model, on) -> whether the model's products now run on AMX's tiles: asked for (on) and possible here (a
 // bfloat16 model, n_embd a multiple of 32, a CPU with AMX-BF16); None for `on` only asks.
-PyObject *tiles(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("tiles", nargs, 2)) return nullptr;
-    Model *m = model_of(args[0]);
+const char *const TILES_ARGUMENTS[] = {"model", "on"};
+PyObject *tiles(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(TILES_ARGUMENTS);
+    if (!named.open("tiles", args, nargs, kwnames)) return nullptr;
+    Model *m = model_of(named["model"]);
     if (!m) return nullptr;
     const bool possible = m->element_bytes == 2 && m->n_embd % 32 == 0 && tiles_granted();
-    if (args[1] == Py_None) return PyBool_FromLong(possible);
-    const int on = PyObject_IsTrue(args[1]);
+    if (named["on"] == Py_None) return PyBool_FromLong(possible);
+    const int on = PyObject_IsTrue(named["on"]);
     if (on < 0) return nullptr;
     m->tiles = on && possible;
     return PyBool_FromLong(m->tiles);
@@ -357,12 +376,13 @@ PyObject *tiles(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 
 PyMethodDef methods[] = {
     {"model", model, METH_O, "A model's shape and tensors, read and checked once, as a capsule."},
-    {"blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(blocks)), METH_FASTCALL,
+    {"blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(blocks)), METH_FASTCALL | METH_KEYWORDS,
      "A GPT-2's forward over a few new rows."},
-    {"chain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(chain)), METH_FASTCALL,
+    {"chain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(chain)), METH_FASTCALL | METH_KEYWORDS,
      "A chain drafter's draft forwards and the tokens each chooses, as one call."},
+    {"set_distribution_type", set_distribution_type, METH_O, "The dict subclass the distributions are returned as."},
     {"supported", supported, METH_O, "Whether this CPU runs this build's forward of a model with elements of this many bytes."},
-    {"tiles", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tiles)), METH_FASTCALL,
+    {"tiles", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tiles)), METH_FASTCALL | METH_KEYWORDS,
      "Sets (or, with None, asks) whether a bfloat16 model's products run on AMX's tiles."},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -1,6 +1,6 @@
 // What decode/native's modules read off a row of float32 logits (step.cpp's loops over trees, forward.cpp's chain of
 // draft forwards): its best columns, under a top-k setting its processed distribution and a draw from it, and the
-// Python values they are handed over as. Each follows its Python code step for step, ties included
+// Python values they are handed over as (arguments.h). Each follows its Python code step for step, ties included
 // (decode/sampling.py, decode/ranking.py).
 #pragma once
 
@@ -13,6 +13,8 @@
 #include <functional>
 #include <utility>
 #include <vector>
+
+#include "arguments.h"
 
 namespace {
 
@@ -133,23 +135,6 @@ struct TopK {
     }
 };
 
-// A distribution as a new `mapping()` (a dict or a subclass of it) filled in place.
-PyObject *distribution_dict(const std::vector<std::pair<int64_t, double>> &distribution, PyObject *mapping) {
-    PyObject *out = PyObject_CallNoArgs(mapping);
-    if (out && !PyDict_Check(out)) {
-        PyErr_SetString(PyExc_TypeError, "mapping must make dicts");
-        Py_CLEAR(out);
-    }
-    for (size_t j = 0; out && j < distribution.size(); j++) {
-        PyObject *token = PyLong_FromLongLong(distribution[j].first);
-        PyObject *probability = PyFloat_FromDouble(distribution[j].second);
-        if (!token || !probability || PyDict_SetItem(out, token, probability) < 0) Py_CLEAR(out);
-        Py_XDECREF(token);
-        Py_XDECREF(probability);
-    }
-    return out;
-}
-
 // The token at `uniform` (in [0, 1)) of a distribution's cumulative probabilities, in its order (sampling.Sparse.draw).
 int64_t draw_at(const std::vector<std::pair<int64_t, double>> &distribution, double uniform) {
     for (const auto &[token, probability] : distribution) {
@@ -158,49 +143,5 @@ int64_t draw_at(const std::vector<std::pair<int64_t, double>> &distribution, dou
     }
     return distribution.back().first;  // rounding left the sum a hair under `uniform`: the last token
 }
-
-bool read_ints(PyObject *list, std::vector<int64_t> &out, const char *name) {
-    if (!PyList_Check(list)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a list of ints", name);
-        return false;
-    }
-    const Py_ssize_t n = PyList_GET_SIZE(list);
-    out.resize(n);
-    for (Py_ssize_t i = 0; i < n; i++) out[i] = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
-    return !PyErr_Occurred();
-}
-
-bool takes_arguments(const char *function, Py_ssize_t nargs, Py_ssize_t expected) {
-    if (nargs == expected) return true;
-    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", function, expected);
-    return false;
-}
-
-PyObject *int_list(const std::vector<int64_t> &values) {
-    PyObject *list = PyList_New(values.size());
-    for (size_t i = 0; list && i < values.size(); i++) PyList_SET_ITEM(list, i, PyLong_FromLongLong(values[i]));
-    return list;
-}
-
-// An int64 array passed by the buffer protocol (a shortlist's numpy arrays), or none.
-struct Int64Array {
-    Py_buffer view{};
-    const int64_t *data = nullptr;
-    Py_ssize_t size = 0;
-    bool open(PyObject *object, const char *name) {
-        if (object == Py_None) return true;
-        if (PyObject_GetBuffer(object, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return false;
-        if (view.itemsize != 8 || view.format == nullptr || (view.format[0] != 'q' && view.format[0] != 'l')) {
-            PyErr_Format(PyExc_TypeError, "%s must be a contiguous int64 array", name);
-            return false;
-        }
-        data = static_cast<const int64_t *>(view.buf);
-        size = view.len / 8;
-        return true;
-    }
-    ~Int64Array() {
-        if (view.obj) PyBuffer_Release(&view);
-    }
-};
 
 }  // namespace

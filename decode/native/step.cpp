@@ -24,34 +24,26 @@
 
 namespace {
 
-// Float32 logits passed as (address, rows, columns): a contiguous tensor's data_ptr() and shape.
-struct Logits {
-    const float *data;
-    int64_t rows, columns;
-    explicit Logits(PyObject *const *args)
-        : data(static_cast<const float *>(PyLong_AsVoidPtr(args[0]))),
-          rows(PyLong_AsLongLong(args[1])),
-          columns(PyLong_AsLongLong(args[2])) {}
-    const float *row(int64_t i) const { return data + i * columns; }
-};
-
-// staged_selection(logits_address, rows, columns, order, parents, tokens, depths, copied, shortlist_tokens,
-//                  shortlist_columns, max_depth, budget) -> (tokens, parents, kept)
+// staged_selection(logits, order, parents, tokens, depths, copied, shortlist_tokens, shortlist_columns, max_depth,
+//                  budget) -> (tokens, parents, kept)
 // logits: float32 (rows, columns), row i the draft's logits after node order[i]; the shortlist's arrays (or None):
 // column -> token and token -> column (-1 off it). Returns the oracle's tree, numbered as Tree.chosen numbers it,
 // and for each of its nodes the candidate it came from (n + i: the draft's leaf i).
-PyObject *staged_selection(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("staged_selection", nargs, 12)) return nullptr;
-    const Logits logits(args);
-    const int64_t rows = logits.rows, columns = logits.columns;
+const char *const STAGED_SELECTION[] = {"logits", "order", "parents", "tokens", "depths", "copied",
+                                        "shortlist_tokens", "shortlist_columns", "max_depth", "budget"};
+PyObject *staged_selection(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(STAGED_SELECTION);
+    Logits logits;
     std::vector<int64_t> order, parents, tokens, depths, copied;
     Int64Array column_token, token_column;
-    if (!read_ints(args[3], order, "order") || !read_ints(args[4], parents, "parents") ||
-        !read_ints(args[5], tokens, "tokens") || !read_ints(args[6], depths, "depths") ||
-        !read_ints(args[7], copied, "copied") || !column_token.open(args[8], "shortlist tokens") ||
-        !token_column.open(args[9], "shortlist columns"))
+    if (!named.open("staged_selection", args, nargs, kwnames) || !logits.open(named["logits"]) ||
+        !read_ints(named["order"], order, "order") || !read_ints(named["parents"], parents, "parents") ||
+        !read_ints(named["tokens"], tokens, "tokens") || !read_ints(named["depths"], depths, "depths") ||
+        !read_ints(named["copied"], copied, "copied") || !column_token.open(named["shortlist_tokens"], "shortlist tokens") ||
+        !token_column.open(named["shortlist_columns"], "shortlist columns"))
         return nullptr;
-    const int64_t max_depth = PyLong_AsLongLong(args[10]), budget = PyLong_AsLongLong(args[11]);
+    const int64_t rows = logits.rows, columns = logits.columns;
+    const int64_t max_depth = PyLong_AsLongLong(named["max_depth"]), budget = PyLong_AsLongLong(named["budget"]);
     const int64_t n = static_cast<int64_t>(parents.size());
     if (PyErr_Occurred()) return nullptr;
     if (n == 0 || rows != n || static_cast<int64_t>(order.size()) != n || static_cast<int64_t>(tokens.size()) != n ||
@@ -118,16 +110,18 @@ PyObject *staged_selection(PyObject *, PyObject *const *args, Py_ssize_t nargs) 
     return Py_BuildValue("(NNN)", int_list(out_tokens), int_list(out_parents), int_list(kept));
 }
 
-// greedy_walk(logits_address, rows, columns, tokens, parents) -> (path, following)
+// greedy_walk(logits, tokens, parents) -> (path, following)
 // sample_match under greedy decoding: from the root, follow the child that carries the oracle's argmax (row i:
 // the oracle's logits after node i), else stop; the accepted nodes and the argmax that follows them.
-PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("greedy_walk", nargs, 5)) return nullptr;
-    const Logits logits(args);
-    const int64_t rows = logits.rows, columns = logits.columns;
+const char *const GREEDY_WALK[] = {"logits", "tokens", "parents"};
+PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(GREEDY_WALK);
+    Logits logits;
     std::vector<int64_t> tokens, parents;
-    if (PyErr_Occurred() || !read_ints(args[3], tokens, "tokens") || !read_ints(args[4], parents, "parents"))
+    if (!named.open("greedy_walk", args, nargs, kwnames) || !logits.open(named["logits"]) ||
+        !read_ints(named["tokens"], tokens, "tokens") || !read_ints(named["parents"], parents, "parents"))
         return nullptr;
+    const int64_t rows = logits.rows, columns = logits.columns;
     const int64_t n = static_cast<int64_t>(tokens.size());
     if (n == 0 || rows < n || static_cast<int64_t>(parents.size()) != n) {
         PyErr_SetString(PyExc_ValueError, "greedy_walk: the tree's lists and the logits' rows disagree");
@@ -145,15 +139,19 @@ PyObject *greedy_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     }
 }
 
-// top_tokens(logits_address, rows, columns, k, shortlist_tokens) -> [tokens of each row]
+// top_tokens(logits, k, shortlist_tokens) -> [tokens of each row]
 // Each row's k best tokens, best first (through the shortlist's column -> token array, when not None):
 // StepKernels.top_tokens (and row_argmax with k = 1).
-PyObject *top_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("top_tokens", nargs, 5)) return nullptr;
-    const Logits logits(args);
-    const int64_t rows = logits.rows, columns = logits.columns, k = PyLong_AsLongLong(args[3]);
+const char *const TOP_TOKENS[] = {"logits", "k", "shortlist_tokens"};
+PyObject *top_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(TOP_TOKENS);
+    Logits logits;
     Int64Array column_token;
-    if (PyErr_Occurred() || !column_token.open(args[4], "shortlist tokens")) return nullptr;
+    if (!named.open("top_tokens", args, nargs, kwnames) || !logits.open(named["logits"]) ||
+        !column_token.open(named["shortlist_tokens"], "shortlist tokens"))
+        return nullptr;
+    const int64_t rows = logits.rows, columns = logits.columns, k = PyLong_AsLongLong(named["k"]);
+    if (PyErr_Occurred()) return nullptr;
     if (column_token.data && column_token.size != columns) {
         PyErr_SetString(PyExc_ValueError, "top_tokens: the shortlist and the logits' columns disagree");
         return nullptr;
@@ -176,19 +174,19 @@ PyObject *top_tokens(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 // The processed distribution after rows of float32 logits under a top-k setting (sampling.Sampling.probs over a
-// row's support), read from the arguments (logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens):
-// the logits as Logits reads them, then the setting and the shortlist's column -> token array (or None).
+// row's support), read from the named arguments logits, top_k, temperature, top_p and shortlist_tokens (the
+// shortlist's column -> token array, or None).
 struct SparseRows : Logits {
     TopK setting;
     Int64Array column_token;
 
-    explicit SparseRows(PyObject *const *args) : Logits(args) {}
-
-    bool open(PyObject *const *args, const char *function) {
-        setting.k = PyLong_AsLongLong(args[3]);
-        setting.temperature = PyFloat_AsDouble(args[4]);
-        setting.top_p = PyFloat_AsDouble(args[5]);
-        if (PyErr_Occurred() || !column_token.open(args[6], "shortlist tokens")) return false;
+    template <typename Arguments>
+    bool open(const Arguments &named, const char *function) {
+        if (!Logits::open(named["logits"])) return false;
+        setting.k = PyLong_AsLongLong(named["top_k"]);
+        setting.temperature = PyFloat_AsDouble(named["temperature"]);
+        setting.top_p = PyFloat_AsDouble(named["top_p"]);
+        if (PyErr_Occurred() || !column_token.open(named["shortlist_tokens"], "shortlist tokens")) return false;
         if (column_token.data && column_token.size != columns) {
             PyErr_Format(PyExc_ValueError, "%s: the shortlist and the logits' columns disagree", function);
             return false;
@@ -212,18 +210,21 @@ bool read_rows(PyObject *list, const SparseRows &logits, std::vector<int64_t> &r
     return true;
 }
 
-// draws(logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens, row_list, mapping, count,
-//       uniforms) -> ([the drawn tokens of each listed row], [its distribution])
-// ranking.draw_children under top-k sampling: each listed row's distribution (SparseRows.read), made as `mapping()`,
-// and `count` draws from it, row i's draw j at uniforms[i * count + j] (Sparse.draw). With count 0:
-// Sampling.distributions.
-PyObject *draws(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("draws", nargs, 11)) return nullptr;
-    SparseRows logits(args);
+// draws(logits, top_k, temperature, top_p, shortlist_tokens, rows, count, uniforms)
+//   -> ([the drawn tokens of each listed row], [its distribution])
+// ranking.draw_children under top-k sampling: each listed row's distribution (SparseRows.read, as a
+// distribution_dict), and `count` draws from it, row i's draw j at uniforms[i * count + j] (Sparse.draw). With count
+// 0: Sampling.distributions.
+const char *const DRAWS[] = {"logits", "top_k", "temperature", "top_p", "shortlist_tokens", "rows", "count", "uniforms"};
+PyObject *draws(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(DRAWS);
+    SparseRows logits;
     std::vector<int64_t> listed;
-    if (!logits.open(args, "draws") || !read_rows(args[7], logits, listed, "draws")) return nullptr;
-    const int64_t count = PyLong_AsLongLong(args[9]);
-    PyObject *uniforms = args[10];
+    if (!named.open("draws", args, nargs, kwnames) || !logits.open(named, "draws") ||
+        !read_rows(named["rows"], logits, listed, "draws"))
+        return nullptr;
+    const int64_t count = PyLong_AsLongLong(named["count"]);
+    PyObject *uniforms = named["uniforms"];
     if (PyErr_Occurred()) return nullptr;
     if (!PyList_Check(uniforms) || PyList_GET_SIZE(uniforms) != static_cast<Py_ssize_t>(listed.size() * count)) {
         PyErr_SetString(PyExc_ValueError, "draws: uniforms must be a list of count draws per listed row");
@@ -236,7 +237,7 @@ PyObject *draws(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         logits.read(listed[i], distribution);
         for (int64_t j = 0; j < count; j++)
             drawn[j] = draw_at(distribution, PyFloat_AsDouble(PyList_GET_ITEM(uniforms, i * count + j)));
-        PyObject *made = distribution_dict(distribution, args[8]), *row_tokens = int_list(drawn);
+        PyObject *made = distribution_dict(distribution), *row_tokens = int_list(drawn);
         if (!made || !row_tokens || PyErr_Occurred()) {
             Py_XDECREF(made);
             Py_XDECREF(row_tokens);
@@ -254,21 +255,23 @@ PyObject *draws(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return Py_BuildValue("(NN)", tokens, dists);
 }
 
-// rejection_walk(logits_address, rows, columns, top_k, temperature, top_p, shortlist_tokens, tokens, parents,
-//                child_dists, uniforms) -> (path, following, uniforms used)
+// rejection_walk(logits, top_k, temperature, top_p, shortlist_tokens, tokens, parents, child_dists, uniforms)
+//   -> (path, following, uniforms used)
 // verify.multi_draft_rejection under top-k sampling, step for step: the oracle's p at a node is SparseRows.read of
 // its row (row i: after node i); the children of a node (after it, in order) were drawn from child_dists[node], a
 // {token: probability} dict. Child x is accepted when u * q[x] < r[x], r starting as p and becoming
 // normalise(max(r - q, 0)) (verify.remainder) after each rejection; with every child rejected, the token drawn from
 // r follows. The uniforms are read in order, one a child tried and one for the last draw: at most one a node.
-PyObject *rejection_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("rejection_walk", nargs, 11)) return nullptr;
-    SparseRows logits(args);
+const char *const REJECTION_WALK[] = {"logits", "top_k", "temperature", "top_p", "shortlist_tokens", "tokens",
+                                      "parents", "child_dists", "uniforms"};
+PyObject *rejection_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(REJECTION_WALK);
+    SparseRows logits;
     std::vector<int64_t> tokens, parents;
-    if (!logits.open(args, "rejection_walk") || !read_ints(args[7], tokens, "tokens") ||
-        !read_ints(args[8], parents, "parents"))
+    if (!named.open("rejection_walk", args, nargs, kwnames) || !logits.open(named, "rejection_walk") ||
+        !read_ints(named["tokens"], tokens, "tokens") || !read_ints(named["parents"], parents, "parents"))
         return nullptr;
-    PyObject *child_dists = args[9], *uniforms = args[10];
+    PyObject *child_dists = named["child_dists"], *uniforms = named["uniforms"];
     const int64_t n = static_cast<int64_t>(tokens.size());
     if (n == 0 || logits.rows < n || static_cast<int64_t>(parents.size()) != n || !PyDict_Check(child_dists) ||
         !PyList_Check(uniforms) || PyList_GET_SIZE(uniforms) < n) {
@@ -334,17 +337,20 @@ PyObject *rejection_walk(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     }
 }
 
-// commit_slots(cache_address, planes, capacity, slot_bytes, length, keep)
+// commit_slots(cache, planes, capacity, slot_bytes, length, keep)
 // GPT2Engine.commit's moves over its cache of `planes` planes (keys and values of each layer's heads) of `capacity`
-// slots of `slot_bytes` bytes: slot length + i takes slot length + keep[i]. `keep` increases, so a slot is read
+// slots of `slot_bytes` bytes at address `cache` (a bfloat16 cache has no buffer to pass: decode/native's SlotMover holds
+// the tensor): slot length + i takes slot length + keep[i]. `keep` increases, so a slot is read
 // before any move writes it, and a move never overlaps its source.
-PyObject *commit_slots(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (!takes_arguments("commit_slots", nargs, 6)) return nullptr;
-    auto *cache = static_cast<char *>(PyLong_AsVoidPtr(args[0]));
-    const int64_t planes = PyLong_AsLongLong(args[1]), capacity = PyLong_AsLongLong(args[2]);
-    const int64_t slot_bytes = PyLong_AsLongLong(args[3]), length = PyLong_AsLongLong(args[4]);
+const char *const COMMIT_SLOTS[] = {"cache", "planes", "capacity", "slot_bytes", "length", "keep"};
+PyObject *commit_slots(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(COMMIT_SLOTS);
+    if (!named.open("commit_slots", args, nargs, kwnames)) return nullptr;
+    auto *cache = static_cast<char *>(PyLong_AsVoidPtr(named["cache"]));
+    const int64_t planes = PyLong_AsLongLong(named["planes"]), capacity = PyLong_AsLongLong(named["capacity"]);
+    const int64_t slot_bytes = PyLong_AsLongLong(named["slot_bytes"]), length = PyLong_AsLongLong(named["length"]);
     std::vector<int64_t> keep;
-    if (PyErr_Occurred() || !read_ints(args[5], keep, "keep")) return nullptr;
+    if (PyErr_Occurred() || !read_ints(named["keep"], keep, "keep")) return nullptr;
     for (size_t i = 0; i < keep.size(); i++)
         if (keep[i] < static_cast<int64_t>(i) || (i > 0 && keep[i] <= keep[i - 1]) || length + keep[i] >= capacity) {
             PyErr_SetString(PyExc_ValueError, "commit_slots: keep must increase and stay inside the cache");
@@ -360,22 +366,23 @@ PyObject *commit_slots(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 PyMethodDef methods[] = {
-    {"top_tokens", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(top_tokens)), METH_FASTCALL,
+    {"top_tokens", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(top_tokens)), METH_FASTCALL | METH_KEYWORDS,
      "Each row's k best tokens."},
-    {"draws", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(draws)), METH_FASTCALL,
+    {"draws", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(draws)), METH_FASTCALL | METH_KEYWORDS,
      "Each listed row's processed distribution over its support, and draws from it."},
-    {"rejection_walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rejection_walk)), METH_FASTCALL,
+    {"rejection_walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rejection_walk)), METH_FASTCALL | METH_KEYWORDS,
      "Multi-draft rejection verification under top-k sampling."},
-    {"trigram_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(trigram_tree)), METH_FASTCALL,
+    {"trigram_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(trigram_tree)), METH_FASTCALL | METH_KEYWORDS,
      "The trigram's tree below a context."},
-    {"staged_selection", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(staged_selection)), METH_FASTCALL,
+    {"staged_selection", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(staged_selection)), METH_FASTCALL | METH_KEYWORDS,
      "The staged drafter's greedy selection of the oracle's tree."},
-    {"greedy_walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(greedy_walk)), METH_FASTCALL,
+    {"greedy_walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(greedy_walk)), METH_FASTCALL | METH_KEYWORDS,
      "Sample-match verification under greedy decoding."},
-    {"continuations", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(continuations)), METH_FASTCALL,
+    {"continuations", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(continuations)), METH_FASTCALL | METH_KEYWORDS,
      "The continuations of the context's longest repeated suffix."},
-    {"commit_slots", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(commit_slots)), METH_FASTCALL,
+    {"commit_slots", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(commit_slots)), METH_FASTCALL | METH_KEYWORDS,
      "A cache's kept slots moved into place."},
+    {"set_distribution_type", set_distribution_type, METH_O, "The dict subclass the distributions are returned as."},
     {nullptr, nullptr, 0, nullptr}};
 
 // torch's extension builder names the module (TORCH_EXTENSION_NAME: decode/native adds the source's hash)

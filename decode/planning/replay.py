@@ -70,9 +70,9 @@ class RecordedDraft:
     def forward(self, token_ids, position_ids, mask, last=None):
         return self.timed(lambda: self.model.forward(token_ids, position_ids, mask, last), [len(token_ids)])
 
-    def chain(self, token_ids, position_ids, steps: int, sampling, uniforms, mapping=dict):
+    def chain(self, token_ids, position_ids, steps: int, sampling, uniforms):
         """One call, `steps` forwards: the first over the new tokens, each later one over one token."""
-        return self.timed(lambda: self.model.chain(token_ids, position_ids, steps, sampling, uniforms, mapping),
+        return self.timed(lambda: self.model.chain(token_ids, position_ids, steps, sampling, uniforms),
                           [len(token_ids)] + [1] * (steps - 1))
 
 
