@@ -8,9 +8,9 @@ import hashlib
 import itertools
 import sysconfig
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from tqdm.auto import tqdm
 

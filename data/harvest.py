@@ -13,8 +13,8 @@ import ast
 import hashlib
 import importlib.util
 from collections import Counter
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from data import tokenizer as tok
 from data.corpus import Document, local_documents

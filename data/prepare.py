@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from data import corpus, harvest, shards, tokenizer as tok
+from data import corpus, harvest, shards
+from data import tokenizer as tok
 from decode.atomic import FILE, Kind, atomic_outputs, check_not_input, check_output
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error

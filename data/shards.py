@@ -2,8 +2,8 @@
 numpy memmap, plus meta.json describing them.
 """
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 

@@ -3,7 +3,7 @@
 Both are saved so that `AutoTokenizer.from_pretrained(RUN/tokenizer)` loads them (`decode.tokenizer`), and
 both round-trip source text exactly (byte-level, no normalisation, no clean-up of spaces on decode).
 """
-from typing import Sequence
+from collections.abc import Sequence
 
 from decode.errors import InputError
 

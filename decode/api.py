@@ -11,23 +11,23 @@ Bad settings raise the one-line InputError the command-line tools print.
 import logging
 import threading
 import time
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, Generator, Iterator
 
 import torch
 
-from decode.errors import InputError
-from decode.tokenizer import load_tokenizer
 from decode import generation, loop
 from decode.drafting import Drafter
+from decode.errors import InputError
 from decode.healing import Prompt, TokenHealer
 from decode.methods import METHODS, check_options, check_tree_shape
 from decode.models.cached_lm import CachedLM
 from decode.models.loading import check_same_vocabulary, load_draft, load_model, load_trigram, pretrained_dir
 from decode.options import DecoderOptions, check_number, sampling_of
 from decode.resolution import Resolved, resolve
-from decode.sampling import Sampling
+from decode.sampling import GREEDY, Sampling
+from decode.tokenizer import load_tokenizer
 
 log = logging.getLogger("decode")
 
@@ -164,7 +164,7 @@ class SpeculativeDecoder:
                              f"which is not text; pass valid Unicode", "prompt") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def lookahead(self, sampling: Sampling = Sampling()) -> int:
+    def lookahead(self, sampling: Sampling = GREEDY) -> int:
         """Positions past the output a step may score when decoding with this sampling setting (its drafted depth)."""
         options = self.options_for(sampling)
         return METHODS[options.method].lookahead(options)
@@ -193,13 +193,13 @@ class SpeculativeDecoder:
         transformers' (decode.generation): a GenerationConfig and/or max_new_tokens, do_sample, temperature, top_k,
         top_p, eos_token_id, stop_strings, seed. A transformers streamer (TextStreamer, TextIteratorStreamer) gets
         the prompt's ids, then the new tokens as the oracle accepts them, then its end."""
-        request = generation.resolve(generation_config, settings, sampling_of)
+        request = generation.request_of(generation_config, settings, sampling_of)
         return drain(self.decoding(prompt, request, pieces=False, streamer=streamer))
 
     def stream(self, prompt: str | list[int], generation_config=None, **settings) -> generation.Stream:
         """The completion's text in pieces, as the oracle accepts tokens; they join to `generate`'s text, and the
         stream's `result` is generate's Result once the last piece is out. The settings are generate's."""
-        return generation.Stream(self.decoding(prompt, generation.resolve(generation_config, settings, sampling_of),
+        return generation.Stream(self.decoding(prompt, generation.request_of(generation_config, settings, sampling_of),
                                                pieces=True))
 
     def decoding(self, prompt, request: generation.Request, pieces: bool, streamer=None) -> Generator[str, None, Result]:

@@ -11,8 +11,8 @@ As in transformers: `do_sample=False` is greedy whatever the temperature; a Gene
 string, and keeps it. Without a seed each sampled call draws fresh randomness; with one it is reproducible.
 """
 import secrets
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Callable, Generator, Iterator
 
 from decode.errors import InputError
 from decode.options import check_number
@@ -50,7 +50,7 @@ class Request:
         return None
 
 
-def resolve(generation_config=None, settings: dict | None = None, check: Callable | None = None) -> Request:
+def request_of(generation_config=None, settings: dict | None = None, check: Callable | None = None) -> Request:
     """A Request from a transformers GenerationConfig (or any object with those attributes) and keyword settings,
     the keywords winning; `check(temperature, top_k, top_p)` makes the Sampling. Unknown settings are InputErrors."""
     settings = dict(settings or {})

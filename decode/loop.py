@@ -8,16 +8,16 @@ hear how long each part of a step took (the tools that time decoding pass them; 
 Both read their random draws from the `generator` they are given through one `Uniforms`, a block at a time.
 """
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
 from decode.drafting import ChainDrafter, Drafter
 from decode.healing import constrain_first
 from decode.models.cached_lm import CachedLM
-from decode.tensors import long_tensor
 from decode.sampling import Sampling, Uniforms
+from decode.tensors import long_tensor
 from decode.verify import Target
 
 
@@ -86,9 +86,8 @@ UNTIMED = Hooks()
 
 def run_to_end(steps: Iterator[Generation]) -> Generation:
     """A generation loop's last Generation."""
-    for out in steps:
-        pass
-    return out
+    *_, last = steps
+    return last
 
 
 def baseline_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,

@@ -1,14 +1,13 @@
 """The decoding methods, one entry each: what a method needs, how its drafter is built from the options, and how far
 past the output a step of it may score."""
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from decode.drafting import (ChainDrafter, Drafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter,
-                            StagedShapeDrafter, TreeDrafter)
-from decode.models.cached_lm import CachedLM
+from decode.drafting import ChainDrafter, Drafter, LookupDrafter, NgramDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter, TreeDrafter
 from decode.errors import InputError
+from decode.models.cached_lm import CachedLM
 from decode.models.engine import SPECULATIVE_SLOTS
 from decode.options import MAX_BUDGET, MAX_DEPTH, DecoderOptions
 

@@ -9,8 +9,8 @@ import torch
 
 from decode.errors import InputError
 from decode.models.precision import auto_dtype
-from decode.tree import Shape
 from decode.sampling import Sampling
+from decode.tree import Shape
 
 MAX_BUDGET, MAX_DEPTH = 512, 64
 MIN_DRAFT_VOCAB = 64  # a shortlist holds every draft's top children and a sampled proposal's 64 tokens

@@ -9,14 +9,12 @@ import torch
 
 from decode.atomic import write_json
 from decode.errors import InputError
+from decode.fingerprint import TABLES, WEIGHTS, fingerprint
 from decode.methods import METHODS
 from decode.options import CPU_CHAIN, CPU_SAMPLED_CHAIN, DecoderOptions
-from decode.fingerprint import TABLES, WEIGHTS, fingerprint
+from decode.sampling import GREEDY, Sampling
 from decode.timing import device_name
 from decode.tree import Shape
-from decode.sampling import Sampling
-
-GREEDY = Sampling()
 
 PLAN_VERSION = 2  # 2: models named by their files' contents, not their paths
 

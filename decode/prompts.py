@@ -6,8 +6,8 @@ run harvests from its held-out source files.
 import gzip
 import json
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from decode.errors import InputError, first_line
 

@@ -4,8 +4,8 @@ import math
 import numpy as np
 import torch
 
-from decode.shortlist import Shortlist
 from decode.sampling import Sampling, Sparse, Uniforms, inverse_cdf, tokens_at, top_tokens, values_at
+from decode.shortlist import Shortlist
 from decode.tree import Tree
 
 

@@ -8,9 +8,7 @@ from decode.methods import METHODS, check_options
 from decode.models.precision import auto_dtype
 from decode.options import DecoderOptions
 from decode.plan_file import default_policy, nearest_run_plan, plan_name, setting_of, with_plan
-from decode.sampling import Sampling
-
-GREEDY = Sampling()
+from decode.sampling import GREEDY, Sampling
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 Temperature 0 means greedy: the distribution is a point mass on the argmax, so the same exact
 verification rules serve greedy decoding (they reduce to "accept while the token is the argmax").
 """
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -31,7 +31,6 @@ class Sparse(dict):
             if uniform < 0:
                 return token
         return token  # rounding left the sum a hair under `uniform`: the last token
-
 
 
 @dataclass(frozen=True)
@@ -91,6 +90,9 @@ class Sampling:
         if self.top_p == 1.0 and not self.greedy:  # top-k over K <= top_k values keeps them all: what probs does
             return (top.values / self.temperature).softmax(-1), top.indices
         return self.probs(top.values), top.indices
+
+
+GREEDY = Sampling()  # greedy decoding, the default setting
 
 
 def top_tokens(logits: torch.Tensor, k: int = 1, shortlist: Shortlist | None = None) -> np.ndarray:

@@ -8,15 +8,16 @@ import hashlib
 import inspect
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from decode.atomic import write_json
-from decode.machine import cpu_features, cpu_name
 from decode.fingerprint import CACHE_ROOT, fingerprint
+from decode.machine import cpu_features, cpu_name
 from decode.tree import Tree
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ after the last drafted token sample a bonus token from p. With point masses (gre
 rules reduce to: follow the child that carries the oracle's argmax, then emit the argmax.
 """
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -18,11 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by its path:
 
 import numpy as np
 
+from data.shards import open_split, read_meta, split_documents
 from decode.atomic import Kind, atomic_output, check_output
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
-from data.shards import open_split, read_meta, split_documents
-from ngram import counts as ngram_counts, katz, successors
+from ngram import counts as ngram_counts
+from ngram import katz, successors
 from ngram.arpa import write_arpa
 from ngram.bench_lookup import lookup_cost_us
 

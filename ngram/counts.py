@@ -4,8 +4,8 @@ Symbols: token ids 0..V-1, then BOS = V (`<s>`) and EOS = V + 1 (`</s>`). Each d
 as `<s> w1 ... wn </s>`; an n-gram never crosses a document boundary. An n-gram is one int64 key in
 base V + 2 (history first), so counting is a sort: no per-token Python on the hot path.
 """
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 from tqdm.auto import tqdm

@@ -1,6 +1,6 @@
 """Training text for the trigram sampled from the draft model (the paper: 120M tokens at T = 1.5),
 so the trigram learns what the draft proposes rather than what the corpus says."""
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch

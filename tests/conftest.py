@@ -4,7 +4,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from native_built import built  # noqa: F401  (the C++ kernels' tests' fixture: the kernels built here)
 from plan_fixtures import planned  # noqa: F401  (the plan tests' fixture: a plan decode.plan made on their models)
 
@@ -64,9 +63,10 @@ def corpus_dir(tmp_path):
 @pytest.fixture(scope="session")
 def bpe_run(tmp_path_factory):
     """A run with a byte-level BPE tokenizer trained on a small corpus, tiny random models and a trigram."""
+    from decode_models import PROMPTS, tiny_gpt2
+
     from data import prepare
     from decode.tokenizer import load_tokenizer
-    from decode_models import PROMPTS, tiny_gpt2
     from ngram import build_katz
 
     root = tmp_path_factory.mktemp("bpe")

@@ -3,8 +3,8 @@ little noise) and a bad one (independent weights). A large init range makes thei
 depend on the context, so drafts really disagree with the oracle."""
 import numpy as np
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from decode.loop import baseline
 from decode.models.engine import GPT2Engine
@@ -42,8 +42,8 @@ def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positio
 
 def tiny_trigram(path, oracle_dir, documents=150, length=40, seed=0):
     """A Katz trigram over text sampled from the oracle, so it predicts the oracle somewhat."""
-    from decode.models.engine import GPT2Engine
     from decode.loop import baseline
+    from decode.models.engine import GPT2Engine
     from decode.sampling import Sampling
     from ngram import build_katz
 

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from decode.errors import InputError
 from decode import SpeculativeDecoder
 from decode.cli import run
+from decode.errors import InputError
 
 METHODS = {"baseline": {}, "speculative": {}, "tree": {"budget": 12}, "staged": {"budget": 16, "widths": [4, 2, 1]},
            "ngram": {"budget": 16, "widths": [4, 2, 1]}, "lookup": {}}

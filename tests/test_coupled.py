@@ -11,10 +11,10 @@ category boundary, which these fixed seeds do not hit; a wrong rule shifts whole
 once). The distribution tests (test_decode_tree, test_decode_engine) keep one case per rule."""
 import pytest
 import torch
+from decode_models import PROMPTS
 
 from decode import SpeculativeDecoder
 from decode.tree import Shape
-from decode_models import PROMPTS
 
 METHODS = {"tree": {"budget": 12, "tree_children": "top"}, "staged": {"budget": 16, "widths": [4, 2, 1], "tree_children": "top"},
            "staged-no-context": {"method": "staged", "budget": 16, "widths": [4, 2, 1], "context_drafter": False,

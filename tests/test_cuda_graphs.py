@@ -3,13 +3,13 @@ the engine's own forward. On a CPU they run without graphs (the padding, the mas
 tested); with CUDA they are also captured and replayed."""
 import pytest
 import torch
-
-from decode.models.cuda_graphs import NODE_BUCKETS, CUDAGraphs
-from decode.drafting import TreeDrafter
-from decode.models.engine import GPT2Engine
-from decode.loop import baseline, speculative, tree_speculative
-from decode.sampling import Sampling
 from decode_models import tiny_gpt2
+
+from decode.drafting import TreeDrafter
+from decode.loop import baseline, speculative, tree_speculative
+from decode.models.cuda_graphs import NODE_BUCKETS, CUDAGraphs
+from decode.models.engine import GPT2Engine
+from decode.sampling import Sampling
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 

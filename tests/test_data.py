@@ -5,13 +5,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import write_corpus
 from transformers import AutoTokenizer
 
 from data import corpus, harvest, prepare, shards
+from data.tokenizer import END_OF_TEXT, train_bpe
 from decode import prompts
 from decode.errors import InputError
-from conftest import write_corpus
-from data.tokenizer import END_OF_TEXT, train_bpe
 
 
 def error_line(capsys) -> str:

@@ -7,17 +7,17 @@ import types
 import numpy as np
 import pytest
 import torch
+from decode_models import run_models
 
-from decode.cli import agreement, bench, bench_engine, profile_step
-from decode.benchmarking import explain, llama_server, peers, tables
-from decode.benchmarking.harness import Timer
-from decode.planning import costs
 from decode import native, timing
 from decode.api import Decoder
+from decode.benchmarking import explain, llama_server, peers, tables
+from decode.benchmarking.harness import Timer
+from decode.cli import agreement, bench, bench_engine, profile_step
 from decode.models.cached_lm import CachedLM
 from decode.models.engine import GPT2Engine
 from decode.models.runtime import Runtime
-from decode_models import run_models
+from decode.planning import costs
 
 
 @pytest.fixture(scope="module")

@@ -3,20 +3,20 @@ import math
 import numpy as np
 import pytest
 import torch
+from decode_models import tiny_gpt2
 from transformers import GPT2LMHeadModel
 
-from decode.models.pretrained import FUSED_GELU, load_causal_lm
-from decode.models.runtime import NativeRuntime, host_kernels, torch_mover
-from decode.shortlist import Shortlist
-from decode.ranking import draw_below, draw_children, ranked_children
-from decode.models.engine import GPT2Engine
-from decode.models.projection import LAYOUTS, default_layout, layout_for, onednn_packs
 from decode.loop import baseline, speculative
+from decode.models.engine import GPT2Engine
 from decode.models.hf_backend import HFEngine
+from decode.models.pretrained import FUSED_GELU, load_causal_lm
+from decode.models.projection import LAYOUTS, default_layout, layout_for, onednn_packs
+from decode.models.runtime import NativeRuntime, host_kernels, torch_mover
+from decode.ranking import draw_below, draw_children, ranked_children
 from decode.sampling import Sampling, Sparse, Uniforms, argmax_of_rows, sample, top_tokens, values_at
+from decode.shortlist import Shortlist
 from decode.tree import Tree
 from decode.verify import remainder
-from decode_models import tiny_gpt2
 
 BACKENDS = [GPT2Engine, HFEngine]
 

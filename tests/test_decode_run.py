@@ -5,10 +5,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from decode_models import run_models
 
 from decode.cli import run
 from decode.sampling import Sampling
-from decode_models import run_models
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +95,10 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
 
 
 def test_agreement_reports_identical_outputs_and_explains_divergences(models, tmp_path):
-    from decode.cli import agreement
     from decode.benchmarking import near_ties
-    from decode.models.engine import GPT2Engine
+    from decode.cli import agreement
     from decode.healing import Prompt
+    from decode.models.engine import GPT2Engine
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i} t{i + 5}"}) + "\n" for i in range(4)))
@@ -164,8 +164,8 @@ def test_rounding_noise_is_the_largest_of_the_gaps_spread_the_best_tokens_spread
 def test_own_rows_are_the_rows_that_chose_each_token(models, method, extra):
     """Decoded again with a recording verifier, a method gives the same tokens, and the row recorded for each
     is the one that chose it (its argmax) and the baseline's row at that prefix (float32: to rounding)."""
-    from decode.benchmarking import near_ties
     from decode.api import SpeculativeDecoder
+    from decode.benchmarking import near_ties
 
     dec = SpeculativeDecoder.from_run(oracle=models["oracle"], draft=models["draft"], ngram=models["ngram"],
                                       method=method, **extra)
@@ -240,8 +240,8 @@ def test_a_peers_difference_is_judged_with_its_own_models_logits_too(models):
     from transformers import AutoModelForCausalLM
 
     from decode.benchmarking import near_ties
-    from decode.models.engine import GPT2Engine
     from decode.healing import Prompt
+    from decode.models.engine import GPT2Engine
 
     oracle = GPT2Engine.load(models["oracle"])
     hf = AutoModelForCausalLM.from_pretrained(models["oracle"]).eval()

@@ -3,18 +3,17 @@ match, the context's continuations, best-first ranking and the trigram's trees."
 import numpy as np
 import pytest
 import torch
+from decode_models import SHAPE
 
-from decode.drafting import (ChainDrafter, LookupDrafter, NgramDrafter, StagedDrafter,
-                             StagedShapeDrafter, TreeDrafter, TrigramTrees)
-from decode.models.engine import GPT2Engine
-from decode.loop import baseline, tree_speculative
+from decode.drafting import ChainDrafter, LookupDrafter, NgramDrafter, StagedDrafter, StagedShapeDrafter, TreeDrafter, TrigramTrees
 from decode.kernels import PortableKernels
+from decode.loop import baseline, tree_speculative
+from decode.models.engine import GPT2Engine
 from decode.models.runtime import host_kernels
+from decode.models.successors import SuccessorTable
 from decode.sampling import Sampling, Uniforms, sample
 from decode.tree import Tree
 from decode.verify import Target, sample_match
-from decode.models.successors import SuccessorTable
-from decode_models import SHAPE
 
 
 @pytest.fixture(scope="module")

@@ -18,17 +18,16 @@ import functools
 
 import pytest
 import torch
-
-from decode.shortlist import Shortlist
-from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
-                             TreeDrafter)
-from decode.models.engine import GPT2Engine
-from decode.loop import tree_speculative
-from decode.sampling import Sampling, sample
-from decode.verify import Target, sample_match
 from decode_models import tiny_gpt2, tiny_trigram
 from exactness import Z_LIMIT, chi_square_z, exact_distribution
+
+from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter, TreeDrafter
+from decode.loop import tree_speculative
+from decode.models.engine import GPT2Engine
 from decode.models.successors import SuccessorTable
+from decode.sampling import Sampling, sample
+from decode.shortlist import Shortlist
+from decode.verify import Target, sample_match
 
 pytestmark = pytest.mark.statistical
 

@@ -1,11 +1,11 @@
 """The GGUF export: both models written under llama.cpp's names, nothing lost on a refusal, and llama.cpp decoding the
 exported oracle to our own greedy tokens."""
 import pytest
+from decode_models import PROMPTS
 
 from decode import SpeculativeDecoder
-from decode.cli import bench, export
 from decode.benchmarking import peers
-from decode_models import PROMPTS
+from decode.cli import bench, export
 
 
 def test_export_writes_the_oracle_and_the_draft_and_refuses_to_replace_them(bpe_run, tmp_path, capsys):
@@ -93,7 +93,7 @@ def test_a_shaped_checkpoint_has_the_shape_and_the_tokenizers_vocabulary_decodes
     vocab = len(bpe_run["tokenizer"])
     assert (config.n_layer, config.n_embd, config.n_head, config.vocab_size) == (2, 128, 2, vocab)
     assert config.random_weights and "Its tokens are noise" in (out / "README.md").read_text()
-    assert "vocabulary %d (the tokenizer's)" % vocab in capsys.readouterr().out
+    assert f"vocabulary {vocab} (the tokenizer's)" in capsys.readouterr().out
     ours = SpeculativeDecoder.from_run(None, oracle=out, method="baseline", dtype="float32", token_healing=False)
     ids = ours.tokenizer(PROMPTS[0], add_special_tokens=False).input_ids
     hf = AutoModelForCausalLM.from_pretrained(out).eval()  # the same weights as transformers reads them

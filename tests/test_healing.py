@@ -2,11 +2,11 @@
 token must extend its text, and every method gives the baseline's output under that constraint."""
 import pytest
 import torch
+from decode_models import PROMPTS
 from transformers import GPT2LMHeadModel
 
 from decode.cli import run
 from decode.healing import TokenHealer
-from decode_models import PROMPTS
 
 
 def test_a_trailing_newline_is_backed_off_and_only_its_extensions_may_follow(bpe_run):

@@ -8,22 +8,20 @@ import random
 import numpy as np
 import pytest
 import torch
-
-from decode import native
-from decode.kernels import NativeKernels, PortableKernels
-from decode.models.runtime import host_kernels, runtime_for
-from decode.shortlist import Shortlist
-from decode.drafting import LookupDrafter, StagedDrafter, TrigramTrees
-from decode import ranking
-from decode.models.engine import GPT2Engine
-from decode.loop import baseline, tree_speculative
-from decode.sampling import Sampling, Sparse, Uniforms
-from decode.tree import Tree
-from decode.verify import Target
 from decode_models import tiny_gpt2, tiny_trigram
-from decode.models.successors import SuccessorTable
 from native_built import random_tree
 
+from decode import native, ranking
+from decode.drafting import LookupDrafter, StagedDrafter, TrigramTrees
+from decode.kernels import NativeKernels, PortableKernels
+from decode.loop import baseline, tree_speculative
+from decode.models.engine import GPT2Engine
+from decode.models.runtime import host_kernels, runtime_for
+from decode.models.successors import SuccessorTable
+from decode.sampling import Sampling, Sparse, Uniforms
+from decode.shortlist import Shortlist
+from decode.tree import Tree
+from decode.verify import Target
 
 REFERENCE = PortableKernels()
 
@@ -291,7 +289,7 @@ def test_the_cpp_loops_take_named_arguments_and_check_the_arrays_they_read(built
     with pytest.raises(TypeError, match="unexpected or repeated argument row"):
         module.top_tokens(logits=logits.numpy(), k=2, shortlist_tokens=None, row=0)
     wrong = {"float64": logits.double().numpy(), "one row": logits[0].numpy(), "transposed": logits.T.numpy()}
-    for what, array in wrong.items():
+    for array in wrong.values():
         with pytest.raises(TypeError, match="logits must be contiguous float32 rows"):
             module.top_tokens(logits=array, k=2, shortlist_tokens=None)
     with pytest.raises(TypeError, match="shortlist tokens must be"):  # int32 where the shortlist is int64

@@ -6,19 +6,19 @@ import random
 
 import pytest
 import torch
+from decode_models import tiny_gpt2, tiny_trigram
+from native_built import random_tree
 
 from decode import native
-from decode.shortlist import Shortlist
 from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter
+from decode.loop import baseline, tree_speculative
 from decode.models import engine as engine_module
 from decode.models.engine import GPT2Engine
 from decode.models.runtime import TORCH
-from decode.loop import baseline, tree_speculative
-from decode.sampling import Sampling
-from decode.tree import Tree
-from decode_models import tiny_gpt2, tiny_trigram
 from decode.models.successors import SuccessorTable
-from native_built import random_tree
+from decode.sampling import Sampling
+from decode.shortlist import Shortlist
+from decode.tree import Tree
 
 
 def needs_cpp_forward(dtype: str) -> None:
@@ -231,9 +231,10 @@ def test_a_chain_drafted_in_one_cpp_call_equals_the_chain_drafted_a_forward_at_a
         propose = drafter.propose
         for one_call in (True, False):
             made[one_call], calls[one_call] = [], []
-            monkeypatch.setattr(draft, "chains", lambda rows, setting: one_call and fits(rows, setting))
+            monkeypatch.setattr(draft, "chains", lambda rows, setting, one_call=one_call: one_call and fits(rows, setting))
             monkeypatch.setattr(draft, "chain", lambda *args, seen=calls[one_call]: seen.append(args) or inner(*args))
-            monkeypatch.setattr(drafter, "propose", lambda *args, seen=made[one_call]: seen.append(propose(*args)) or seen[-1])
+            monkeypatch.setattr(drafter, "propose", lambda *args, seen=made[one_call], propose=propose:
+                                seen.append(propose(*args)) or seen[-1])
             for seed, prompt in enumerate(([4, 9, 17], [11, 12, 13, 14, 11, 12] * 3)):
                 out = tree_speculative(oracle, torch.tensor(prompt), 40, sampling, eos_id=None, drafter=drafter,
                                        generator=torch.Generator().manual_seed(seed))

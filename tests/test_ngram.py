@@ -1,15 +1,15 @@
 import json
 from collections import Counter
 
-from nltk.util import ngrams
 import numpy as np
 import pytest
+from nltk.util import ngrams
 
 from data import prepare
+from decode.models.successors import SuccessorTable
 from ngram import build_katz
 from ngram.counts import Vocabulary, count
 from ngram.katz import estimate, good_turing_discounts
-from decode.models.successors import SuccessorTable
 
 V = 400
 UNUSED = 10  # the top ids never occur in training: unseen tokens

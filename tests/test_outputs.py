@@ -7,12 +7,12 @@ import signal
 import numpy as np
 import pytest
 import torch
+from conftest import write_corpus
+from decode_models import run_models
 from safetensors.torch import load_file
 
-from conftest import write_corpus
 from data import prepare
 from decode.cli import agreement, bench, bench_engine, export, run
-from decode_models import run_models
 from ngram import build_katz
 from train import distill_draft, finetune_oracle
 

@@ -7,21 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from decode.models.loading import TOKEN_COUNTS
-
-from decode import SpeculativeDecoder
-from decode.methods import METHODS
-from decode.planning import kinds, planner, replay, shapes
-from decode import plan_file
-from decode.cli import bench, plan, report, run, serve
-from decode.drafting import (ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter,
-                             TreeDrafter)
-from decode.models.engine import GPT2Engine
-from decode.options import CPU_CHAIN, CPU_SAMPLED_CHAIN, CPU_WIDTHS
-from decode.loop import baseline
-from decode.sampling import Sampling, Uniforms
-
 from plan_fixtures import without
+
+from decode import SpeculativeDecoder, plan_file
+from decode.cli import bench, plan, report, run, serve
+from decode.drafting import ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter, TreeDrafter
+from decode.loop import baseline
+from decode.methods import METHODS
+from decode.models.engine import GPT2Engine
+from decode.models.loading import TOKEN_COUNTS
+from decode.options import CPU_CHAIN, CPU_SAMPLED_CHAIN, CPU_WIDTHS
+from decode.planning import kinds, planner, replay, shapes
+from decode.sampling import Sampling, Uniforms
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,12 @@ import logging
 import shutil
 
 import pytest
-from decode.errors import InputError
 
-from decode import SpeculativeDecoder
-from decode import plan_file
-from decode.options import CPU_CHAIN
+from decode import SpeculativeDecoder, plan_file
 from decode.cli import plan, run
-from decode.drafting import (ShapedTreeDrafter)
-
+from decode.drafting import ShapedTreeDrafter
+from decode.errors import InputError
+from decode.options import CPU_CHAIN
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,18 @@ import random
 import numpy as np
 import pytest
 import torch
-from decode.models.loading import TOKEN_COUNTS
 
-from decode.planning import costs, kinds, repeats, replay, search, shapes
-from decode.tree import Shape, Tree
 from decode.cli import plan
-from decode.planning import in_loop
-from decode.shortlist import Shortlist
-from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter)
-from decode.models.engine import GPT2Engine
+from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter
 from decode.loop import baseline, tree_speculative
-from decode.sampling import Sampling
+from decode.models.engine import GPT2Engine
+from decode.models.loading import TOKEN_COUNTS
 from decode.models.successors import SuccessorTable
+from decode.planning import costs, in_loop, kinds, repeats, replay, search, shapes
+from decode.sampling import Sampling
+from decode.shortlist import Shortlist
+from decode.tree import Shape, Tree
+
 
 def rank_trees(nodes: int, depth: int, width: int):
     """Every tree of ranks with `nodes` nodes below the root and at most `depth` levels, as a set of

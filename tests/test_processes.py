@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
 from conftest import child_env
+from safetensors.torch import load_file
 from train_runs import prepared_run
 
 pytestmark = pytest.mark.processes

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from conftest import child_env
+
 from decode.api import SpeculativeDecoder
 from decode.cli import run
 

@@ -4,15 +4,15 @@ import shutil
 import threading
 
 import pytest
+from test_outputs import one_line_error
 
+from decode import DecoderBusy, SpeculativeDecoder
+from decode.cli import flags, run
 from decode.errors import InputError
+from decode.methods import METHODS
+from decode.models import precision
 from decode.prompts import load_prompts
 from decode.tokenizer import load_tokenizer
-from decode import DecoderBusy, SpeculativeDecoder
-from decode.models import precision
-from decode.cli import flags, run
-from decode.methods import METHODS
-from test_outputs import one_line_error
 
 PROMPT = "def scale(values):\n"
 

@@ -2,14 +2,13 @@
 trigram's tree, budgets, the draft's cache left on the accepted tokens, and a shape's tree in fewer draft calls."""
 import pytest
 import torch
-
-from decode.drafting import (ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter,
-                             StagedShapeDrafter)
-from decode.models.engine import GPT2Engine
-from decode.loop import baseline, tree_speculative
-from decode.sampling import Sampling, Uniforms
-from decode.models.successors import SuccessorTable
 from decode_models import SHAPE, oracle_contexts
+
+from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter
+from decode.loop import baseline, tree_speculative
+from decode.models.engine import GPT2Engine
+from decode.models.successors import SuccessorTable
+from decode.sampling import Sampling, Uniforms
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,7 @@ def test_staged_sampled_trees_stop_at_the_budget_at_the_first_nodes_of_a_level(m
         return out
 
     assert max(len(tree) for tree, _ in trees(10_000)) > 100  # the multiplication the budget is for
-    for tree, kept in trees(10):
+    for tree, _ in trees(10):
         assert len(tree) <= 10
         for depth in range(max(tree.depths)):
             drawable = [n for n in range(len(tree)) if tree.depths[n] == depth]
@@ -166,9 +165,11 @@ def test_remembered_draft_calls_feed_the_draft_what_fresh_ones_do(models, monkey
     for remembered in (True, False):
         draft = GPT2Engine.load(models["good"])
         table = SuccessorTable.load(models["ngram"] / "successors.npz")
-        drafter = {"chain": lambda: ChainDrafter(draft, k=3),
-                   "tree": lambda: ShapedTreeDrafter(draft, parents=[-1, 0, 0, 1, 1, 2, 3], ranks=[0, 0, 1, 0, 1, 0, 0]),
-                   "staged": lambda: StagedShapeDrafter(draft, table, **SHAPE, widths=[2, 1], context=LookupDrafter(4))
+        drafter = {"chain": lambda draft=draft: ChainDrafter(draft, k=3),
+                   "tree": lambda draft=draft: ShapedTreeDrafter(draft, parents=[-1, 0, 0, 1, 1, 2, 3],
+                                                                ranks=[0, 0, 1, 0, 1, 0, 0]),
+                   "staged": lambda draft=draft, table=table: StagedShapeDrafter(draft, table, **SHAPE, widths=[2, 1],
+                                                                                 context=LookupDrafter(4))
                    }[shape]()
         calls, forward, score = fed.setdefault(remembered, []), draft.forward, drafter.draft.score
 

@@ -4,10 +4,10 @@ copy, and shapes the teacher cannot start refused."""
 import numpy as np
 import pytest
 import torch
+from train_runs import error_of
 from transformers import AutoModelForCausalLM
 
 from train import distill_draft, teacher_init
-from train_runs import error_of
 
 
 @pytest.fixture(scope="module")

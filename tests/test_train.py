@@ -7,15 +7,15 @@ import signal
 import numpy as np
 import pytest
 import torch
+from train_runs import assert_resumed_distillation_matches, assert_same_weights, error_of, prepared_run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from decode import machine
-from decode.models.pretrained import FUSED_GELU
 from data.shards import open_split
+from decode import machine
 from decode.models.loading import TOKEN_COUNTS
+from decode.models.pretrained import FUSED_GELU
 from train import distill_draft, finetune_oracle, loop
 from train.work_dir import CHECKPOINT_PREFIX
-from train_runs import assert_resumed_distillation_matches, assert_same_weights, error_of, prepared_run
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ import platform
 import numpy as np
 import pytest
 import torch
+from train_runs import assert_resumed_distillation_matches, assert_same_weights, error_of
 from transformers import AutoModelForCausalLM
 
 from data.shards import open_split
 from train import distill_draft, finetune_oracle
 from train.presets import DIVERGENCES
-from train_runs import assert_resumed_distillation_matches, assert_same_weights, error_of
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, GenerationConfig, TextIteratorStreamer, TextStreamer
 
+from decode import SpeculativeDecoder
 from decode.errors import InputError
 from decode.models.pretrained import load_causal_lm
-from decode import SpeculativeDecoder
 
 PROMPT = "def scale(values):\n    return"  # ends inside a line: no token to heal, so transformers sees the same ids
 

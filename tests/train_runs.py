@@ -1,9 +1,9 @@
 """Prepared runs and trained tiny oracles for the training tests, and the checks those tests share."""
 import pytest
 import torch
+from conftest import write_corpus
 from safetensors.torch import load_file
 
-from conftest import write_corpus
 from data import prepare
 from train import distill_draft, finetune_oracle
 

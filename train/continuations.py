@@ -14,8 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from data.corpus import Document
-from decode.errors import InputError
 from data.harvest import harvest_file
+from decode.errors import InputError
 
 POOL_FILE = "teacher_windows.npz"
 

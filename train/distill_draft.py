@@ -26,14 +26,11 @@ import torch.nn.functional as F
 from decode.errors import InputError, exits_on_input_error
 from decode.models.pretrained import load_causal_lm
 from decode.tokenizer import load_tokenizer
-from train.continuations import (POOL_FILE, PoolWindows, build_pool, prompt_prefixes, random_prefixes,
-                                 teacher_continuations)
-from train.loop import (PackedWindows, build_model, check_same_tokenizer, eval_windows, next_token_loss, report, start_run,
-                        train)
+from train.continuations import POOL_FILE, PoolWindows, build_pool, prompt_prefixes, random_prefixes, teacher_continuations
+from train.loop import PackedWindows, build_model, check_same_tokenizer, eval_windows, next_token_loss, report, start_run, train
 from train.presets import DRAFT_PRESETS, DistillArgs, parse_args
 from train.teacher_init import copy_teacher_embeddings, copy_teacher_layers, principal_directions
-from train.teacher_targets import (TargetWindows, check_targets_from, copy_targets, load_or_build_targets, sparse_terms,
-                                   top_k_targets)
+from train.teacher_targets import TargetWindows, check_targets_from, copy_targets, load_or_build_targets, sparse_terms, top_k_targets
 from train.work_dir import load_or_build_arrays
 
 

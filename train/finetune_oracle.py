@@ -12,9 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by its path: the repository's folders import
 
+from decode.errors import exits_on_input_error
 from train.loop import build_model, language_model_loss, report, start_run, train
 from train.presets import ORACLE_PRESETS, TrainArgs, parse_args
-from decode.errors import exits_on_input_error
 
 
 @exits_on_input_error

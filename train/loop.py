@@ -12,28 +12,26 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from data.shards import open_split, read_meta, token_counts
 from decode.atomic import atomic_output
 from decode.errors import InputError, first_line, written
-from decode.models.pretrained import FUSED_GELU, load_causal_lm
-from data.shards import open_split, read_meta, token_counts
 from decode.models.loading import TOKEN_COUNTS
+from decode.models.pretrained import FUSED_GELU, load_causal_lm
 from decode.tokenizer import load_tokenizer
 from train.bf16 import bf16_choice
 from train.interrupts import DeferredInterrupts
 from train.presets import TrainArgs
 from train.tracking import JSONLinesTracker
-from train.work_dir import (CHECKPOINT_PREFIX, MODEL, check_checkpoint, check_output, checkpoints, read_saved_args,
-                            start_work_dir)
-
+from train.work_dir import CHECKPOINT_PREFIX, MODEL, check_checkpoint, check_output, checkpoints, read_saved_args, start_work_dir
 
 
 class PackedWindows(torch.utils.data.Dataset):

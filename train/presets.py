@@ -9,7 +9,6 @@ import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
 
 from decode.errors import InputError
 
@@ -22,8 +21,8 @@ class TrainArgs:
                                                           "cpu (80-120 minutes on 2 AVX-512 cores, oracle and draft), paper (GPT-2-L, GPUs)"})
     data: str = field(default="runs/default/data", metadata={"help": "prepared data directory (python -m data.prepare)"})
     out: str = field(default="runs/default/oracle", metadata={"help": "where the final model goes (save_pretrained layout)"})
-    work_dir: Optional[str] = field(default=None, metadata={"help": "checkpoints and logs (default: OUT-train)"})
-    init: Optional[str] = field(default=None, metadata={"help": "start from this hub checkpoint or directory instead of a config (e.g. gpt2-large)"})
+    work_dir: str | None = field(default=None, metadata={"help": "checkpoints and logs (default: OUT-train)"})
+    init: str | None = field(default=None, metadata={"help": "start from this hub checkpoint or directory instead of a config (e.g. gpt2-large)"})
     n_layer: int = field(default=2, metadata={"help": "transformer blocks (ignored with --init)"})
     n_head: int = field(default=2, metadata={"help": "attention heads (ignored with --init)"})
     n_embd: int = field(default=64, metadata={"help": "hidden size (ignored with --init)"})
@@ -32,7 +31,7 @@ class TrainArgs:
     batch_size: int = field(default=8, metadata={"help": "sequences per micro-batch and process"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     max_steps: int = field(default=60, metadata={"help": "optimizer steps; the learning-rate schedule spans them"})
-    stop_after_steps: Optional[int] = field(default=None, metadata={"help": "checkpoint and stop at this step (continue later with --resume)"})
+    stop_after_steps: int | None = field(default=None, metadata={"help": "checkpoint and stop at this step (continue later with --resume)"})
     learning_rate: float = field(default=3e-3, metadata={"help": "peak learning rate"})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "cosine decay ends at this fraction of the peak"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warm-up steps"})
@@ -43,7 +42,7 @@ class TrainArgs:
     eval_batches: int = field(default=4, metadata={"help": "micro-batches of validation windows per evaluation"})
     save_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0: at the end only)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept in the work directory"})
-    bf16: Optional[bool] = field(default=False, metadata={"help": "bf16 autocast: True, False, or unset (the quick, cpu and "
+    bf16: bool | None = field(default=False, metadata={"help": "bf16 autocast: True, False, or unset (the quick, cpu and "
                                  "paper presets): on where it measures faster than float32 (GPUs with bf16, CPUs with AMX or "
                                  "AVX-512 BF16; a CPU with AVX2 alone emulates it, several times slower)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (inductor)"})

@@ -2,13 +2,14 @@
 generated before training), checked before a run starts so that runs never mix and nothing not a run's is replaced."""
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from decode.atomic import MODEL, Kind, atomic_output, check_output as check_output_path
+from decode.atomic import MODEL, Kind, atomic_output
+from decode.atomic import check_output as check_output_path
 from decode.errors import InputError, first_line
 from train.presets import TrainArgs
 

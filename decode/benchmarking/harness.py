@@ -3,8 +3,8 @@ decode.agreement): one way to time the parts of a step, the methods taking turns
 of each method's greedy output with the baseline's."""
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 from tqdm import tqdm
 

@@ -5,12 +5,12 @@ differently than a single-token one). A near-tie's gap lies within how far round
 itself, or the logit of any of the oracle's best tokens (`rounding_noise`). Where the replays do not settle it, the
 method decodes the prompt again recording its own forwards: the row that chose the other token is a near-tie when
 it holds every one of the oracle's best logits within that rounding of the baseline's (`own_moved`)."""
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from decode.loop import run_to_end
 from decode.healing import Prompt
+from decode.loop import run_to_end
 from decode.models.hf_backend import cache_keyword
 from decode.models.runtime import TORCH
 from decode.sampling import Sampling

@@ -20,9 +20,9 @@ from decode.benchmarking.llama_server import SERVER_PEERS, sampler
 from decode.benchmarking.near_ties import CHUNKS, peer_gaps
 from decode.healing import Prompt, constrain_first
 from decode.loop import Generation
-from decode.models.runtime import runtime_for
 from decode.models.gguf_export import write_gguf
 from decode.models.hf_backend import load_hf_model
+from decode.models.runtime import runtime_for
 from decode.sampling import Sampling
 
 HF_PEERS = ("hf-generate", "hf-assisted", "hf-lookup")

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from decode.cli.help import HelpFormatter
-from decode.atomic import FILE, check_output, write_json
-from decode.errors import exits_on_input_error
 from decode.api import SpeculativeDecoder
+from decode.atomic import FILE, check_output, write_json
 from decode.benchmarking.harness import compare_with_baseline
 from decode.benchmarking.near_ties import describe, divergence, own_rows
+from decode.cli.help import HelpFormatter
 from decode.cli.settings import encode_prompts, parse_settings
+from decode.errors import exits_on_input_error
 from decode.methods import METHODS
 
 PROG = "python -m decode.agreement"

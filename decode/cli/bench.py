@@ -35,16 +35,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decode.cli.help import HelpFormatter
-from decode.atomic import FILE, atomic_output, check_output, write_json
-from decode.errors import InputError, exits_on_input_error
 from decode.api import SpeculativeDecoder
+from decode.atomic import FILE, atomic_output, check_output, write_json
 from decode.benchmarking import explain, near_ties
 from decode.benchmarking.harness import compare_with_baseline, decode_in_turns, warm_up
-from decode.benchmarking.tables import print_table
 from decode.benchmarking.llama_server import SERVER_PEERS, TUNING_PROMPTS, ServerPeer, missing_reason, server_binary
 from decode.benchmarking.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
+from decode.benchmarking.tables import print_table
+from decode.cli.help import HelpFormatter
 from decode.cli.settings import Settings, encode_prompts, parse_settings
+from decode.errors import InputError, exits_on_input_error
 from decode.models.engine import read_config
 from decode.models.loading import check_same_vocabulary
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS

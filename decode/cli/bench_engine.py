@@ -30,19 +30,19 @@ from decode.atomic import FILE, check_output, write_json
 from decode.benchmarking.tables import curve_rows, table_row
 from decode.cli.help import HelpFormatter
 from decode.errors import exits_on_input_error
-from decode.prompts import load_prompts
-from decode.tokenizer import load_tokenizer
+from decode.loop import baseline
+from decode.models.engine import GPT2Engine
+from decode.models.precision import auto_dtype
+from decode.models.pretrained import model_dir
+from decode.models.projection import LAYOUTS, onednn_packs
+from decode.models.runtime import TORCH, CudaRuntime
 from decode.options import check_device
 from decode.planning.costs import PROJECTIONS, projection_shape, random_gpt2
 from decode.planning.roofline import ForwardShape, Machine, knee, measure_machine
-from decode.timing import NODE_COUNTS, device_name, forward_costs, host_work_after_forward, machine_name
-from decode.models.pretrained import model_dir
-from decode.models.engine import GPT2Engine
-from decode.models.runtime import TORCH, CudaRuntime
-from decode.models.projection import LAYOUTS, onednn_packs
-from decode.loop import baseline
-from decode.models.precision import auto_dtype
+from decode.prompts import load_prompts
 from decode.sampling import Sampling
+from decode.timing import NODE_COUNTS, device_name, forward_costs, host_work_after_forward, machine_name
+from decode.tokenizer import load_tokenizer
 
 
 def encoded(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:

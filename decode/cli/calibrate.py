@@ -10,9 +10,9 @@ Without a calibration, commands use the documented defaults (docs/decoding.md, "
 """
 import argparse
 
+from decode.cli.flags import add_decoder_flags, decoder_flags
 from decode.cli.help import HelpFormatter
 from decode.errors import exits_on_input_error
-from decode.cli.flags import add_decoder_flags, decoder_flags
 from decode.models.calibration import calibrate
 from decode.sampling import Sampling
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from decode.errors import InputError
 from decode.methods import METHODS
-from decode.models.pretrained import model_dir
 from decode.models.precision import PINNED
+from decode.models.pretrained import model_dir
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
 from decode.plan_file import describe, replan_command
 from decode.resolution import Resolved, resolve

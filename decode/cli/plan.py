@@ -28,16 +28,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from decode.cli.help import HelpFormatter
 from decode.atomic import FILE, check_output
-from decode.errors import exits_on_input_error
-from decode.prompts import load_prompts
-from decode.models.loading import TOKEN_COUNTS
+from decode.cli.help import HelpFormatter
 from decode.cli.settings import encode_prompts, parse_settings
+from decode.errors import exits_on_input_error
+from decode.models.loading import TOKEN_COUNTS
 from decode.options import MIN_DRAFT_VOCAB
-from decode.planning import costs
 from decode.plan_file import plan_name, save_plan
+from decode.planning import costs
 from decode.planning.planner import PlanSearch, make_plan
+from decode.prompts import load_prompts
 
 
 def shortlists(text: str) -> list[int]:

@@ -20,11 +20,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from decode.errors import exits_on_input_error
 from decode import timing
 from decode.api import SpeculativeDecoder
 from decode.benchmarking.harness import Timer
 from decode.cli.settings import encode_prompts, parse_settings
+from decode.errors import exits_on_input_error
 
 BOUNDS = {"around the forwards": 0.10, "draft forwards": 0.30}  # of an oracle q=1 forward, the step's budget
 
@@ -47,8 +47,8 @@ def main(argv=None) -> dict[str, float]:
     if decoder.draft is not None:  # a chain's forwards made in one call count as the draft's forwards
         for name in ("forward", "chain"):
             timer.wrap(decoder.draft, name, lambda: f"draft {'prompt' if decoder.draft.length == 0 else 'forward'}")
-    for label, (owner, name) in (decoder.drafter.parts() if decoder.drafter is not None else {}).items():
-        timer.wrap(owner, name, label)
+    if (trigram := getattr(decoder.drafter, "trigram", None)) is not None:  # drafting.base: a trigram's trees
+        timer.wrap(trigram, "build", "trigram trees")
     with timer.paused():
         first = timed_pass(decoder, prompts, settings, timer)
     if decoder.drafter is not None:  # its remembered trigram trees: new contexts then cost what they do

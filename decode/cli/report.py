@@ -17,10 +17,10 @@ import argparse
 import json
 from pathlib import Path
 
+from decode.benchmarking.explain import forecast_rows, interval_text, loop_share
+from decode.benchmarking.tables import curve_rows, print_table
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
-from decode.benchmarking.tables import curve_rows, print_table
-from decode.benchmarking.explain import forecast_rows, interval_text, loop_share
 from decode.plan_file import describe
 
 PROG = "python -m decode.report"

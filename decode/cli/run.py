@@ -6,13 +6,12 @@
 """
 import json
 
-from decode.atomic import FILE, atomic_output, check_output
-from decode.errors import exits_on_input_error
 from decode.api import SpeculativeDecoder, drain
+from decode.atomic import FILE, atomic_output, check_output
 from decode.cli.flags import announce_plan
 from decode.cli.settings import Settings, encode_prompts, parse_settings
+from decode.errors import exits_on_input_error
 from decode.generation import Request
-
 
 PROG = "python -m decode.run"
 

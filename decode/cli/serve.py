@@ -15,10 +15,10 @@ import sys
 import threading
 import time
 
-from decode.cli.help import HelpFormatter
-from decode.errors import InputError, exits_on_input_error
 from decode.api import SpeculativeDecoder
 from decode.cli.flags import add_decoder_flags, decoder_flags
+from decode.cli.help import HelpFormatter
+from decode.errors import InputError, exits_on_input_error
 from decode.sampling import Sampling
 from decode.serving.app import create_app
 from decode.serving.connections import protocol

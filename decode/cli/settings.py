@@ -4,14 +4,14 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from decode.cli.help import HelpFormatter
-from decode.errors import InputError
-from decode.prompts import load_prompts
 from decode.api import SpeculativeDecoder
 from decode.cli.flags import add_decoder_flags, decoder_flags
+from decode.cli.help import HelpFormatter
+from decode.errors import InputError
 from decode.healing import Prompt
-from decode.resolution import Resolved
 from decode.options import DecoderOptions, sampling_of
+from decode.prompts import load_prompts
+from decode.resolution import Resolved
 from decode.sampling import Sampling
 
 

@@ -9,8 +9,9 @@
     calls                                       the draft model's forwards since the last reset
     forget()                                    drop what it remembers across sequences (the trigram's trees)
     describe()                                  what it drafts with, for reports
-    parts()                                     the work inside a proposal a profile may time: label -> (object,
-                                                the name of its method that does it)
+
+A drafter that drafts with the Katz trigram holds its trees as `trigram` (drafting.trigram.TrigramTrees), whose
+`build` a profile times.
 """
 from typing import Protocol
 
@@ -35,8 +36,6 @@ class Drafter(Protocol):
 
     def describe(self) -> dict: ...
 
-    def parts(self) -> dict[str, tuple[object, str]]: ...
-
 
 class ModelDrafter:
     """A drafter that uses the draft model. `propose` builds the tree; when it prunes a larger tree,
@@ -58,9 +57,6 @@ class ModelDrafter:
 
     def forget(self) -> None:
         pass
-
-    def parts(self) -> dict[str, tuple[object, str]]:
-        return {}
 
     @property
     def calls(self) -> int:
@@ -99,9 +95,6 @@ class ModelFreeDrafter:
 
     def forget(self) -> None:
         pass
-
-    def parts(self) -> dict[str, tuple[object, str]]:
-        return {}
 
     def accept(self, path: list[int]) -> None:
         pass

@@ -5,7 +5,8 @@ with the accepted tokens the draft has not seen (the oracle's last token, the ro
 the step's first forward feeds them together with the first tree nodes, so a staged step costs one
 draft call. `accept` commits them and the accepted nodes the draft scored.
 """
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

@@ -20,9 +20,6 @@ class TrigramStage:
     def forget(self) -> None:
         self.trigram.forget()
 
-    def parts(self) -> dict[str, tuple[object, str]]:
-        return {"trigram trees": (self.trigram, "build")}
-
     def guess(self, tree: Tree, node: int, context: list[int], levels: int) -> list[int]:
         """Graft the trigram's tree below `node` of `tree` (at most `levels` deep; `context` ends with the node's
         token); returns `node` and the grafted nodes."""

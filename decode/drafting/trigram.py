@@ -86,8 +86,5 @@ class NgramDrafter(ModelFreeDrafter):
     def forget(self) -> None:
         self.trigram.forget()
 
-    def parts(self) -> dict[str, tuple[object, str]]:
-        return {"trigram trees": (self.trigram, "build")}
-
     def describe(self) -> dict:
         return {"widths": self.trigram.widths, "budget": self.budget}

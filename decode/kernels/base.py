@@ -13,12 +13,12 @@ once, when the model is built; every rule lives in one of the two and nowhere el
     trigram_reader(table)                                the trigram's tree below a context, from a successor table
 """
 from abc import ABC, abstractmethod
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from decode.shortlist import Shortlist
 from decode.sampling import Sampling, Sparse, Uniforms, draw
+from decode.shortlist import Shortlist
 from decode.tree import Tree
 
 TrigramReader = Callable[[int, int, list[int]], tuple[list[int], list[float]]]  # (before_root, root, widths) -> tree

@@ -4,8 +4,8 @@ import torch
 
 from decode import ranking, verify
 from decode.kernels.base import StepKernels, TrigramReader
-from decode.shortlist import Shortlist
 from decode.sampling import Sampling, Sparse, top_tokens
+from decode.shortlist import Shortlist
 from decode.tree import Tree
 
 

@@ -11,9 +11,9 @@ region, and returns their logits. `commit` keeps an ordered subset of the specul
 accepted path) and drops the rest.
 """
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

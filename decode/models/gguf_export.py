@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 
 from decode.errors import InputError
+from decode.models.engine import is_lean_compatible, read_config
 from decode.models.pretrained import load_safetensors
 from decode.tokenizer import load_tokenizer
-from decode.models.engine import is_lean_compatible, read_config
 
 GGUF_DTYPES = ("float32", "bfloat16")  # the matrices' dtype in the file; norms and biases stay float32
 # Hugging Face's GPT-2 names (after "transformer.") -> llama.cpp's; the Conv1D matrices are stored (in, out)

@@ -5,12 +5,12 @@ import inspect
 
 import torch
 
-from decode.models.pretrained import load_causal_lm
 from decode.models.cached_lm import CachedLM
+from decode.models.engine import DTYPES
+from decode.models.pretrained import load_causal_lm
+from decode.models.runtime import runtime_for
 from decode.shortlist import Shortlist
 from decode.tensors import Ids, as_tensor
-from decode.models.engine import DTYPES
-from decode.models.runtime import runtime_for
 
 
 def load_hf_model(model_dir, dtype: str, device: str):

@@ -1,6 +1,6 @@
 """A KV cache of slots: `length` committed positions, then `pending` speculative ones that a tree's nodes fill and a
 commit keeps or drops."""
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -6,14 +6,14 @@ from pathlib import Path
 import numpy as np
 
 from decode.errors import InputError
-from decode.tokenizer import load_tokenizer
 from decode.models.cached_lm import CachedLM
-from decode.shortlist import Shortlist
 from decode.models.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.models.hf_backend import HFEngine
 from decode.models.native_rows import native_forward
 from decode.models.pretrained import model_dir
 from decode.models.successors import SuccessorTable
+from decode.shortlist import Shortlist
+from decode.tokenizer import load_tokenizer
 
 TOKEN_COUNTS = "token_counts.npy"  # beside a trained model: its training split's count of each token id
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from decode import native
-from decode.machine import cpu_features
 from decode.fingerprint import fingerprint
+from decode.machine import cpu_features
 from decode.timing import CACHE_DIR, by_count, device_name, forward_costs, kept, read_kept
 
 DTYPES = ("float32", "bfloat16")

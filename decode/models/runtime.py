@@ -20,7 +20,7 @@ the model allow it) and `CudaRuntime` (a GPU: portable loops over its logits, CU
 """
 import contextlib
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel

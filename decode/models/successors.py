@@ -14,7 +14,6 @@ import numpy as np
 from decode.atomic import atomic_output
 from decode.errors import InputError, first_line
 
-
 # One successor: a token, its probability, and the row of the table that follows it. Side by side, a
 # row's first tokens lie in one or two cache lines: a new context's tree reads a few dozen rows of a
 # table of tens of megabytes, and each row read is a cache miss.

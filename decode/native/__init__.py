@@ -49,7 +49,7 @@ def build(source: Path, defines: tuple[str, ...] = ()):
     return cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module():
     """The compiled module, or None (said once on stderr, with why) where it cannot be built."""
     if os.environ.get("STAGED_SPECULATIVE_NATIVE", "1") == "0":
@@ -71,7 +71,7 @@ def forward_build(dtype: torch.dtype) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def forward_module(dtype: torch.dtype):
     """The compiled forward of decode/native/forward.cpp that runs a model in `dtype` here, or None: no C++ loops
     (module() said why), a CPU with neither AVX2 nor AVX-512, or a failed build (each said once)."""
@@ -91,7 +91,7 @@ def forward_module(dtype: torch.dtype):
     return compiled if compiled.supported(dtype.itemsize) else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_build(name: str):
     return distributions_as_sparse(build(FORWARD_SOURCE, tuple(FORWARD_BUILDS[name][0])))
 
@@ -102,7 +102,7 @@ def distributions_as_sparse(compiled):
     return compiled
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def note_once(text: str) -> None:
     log.warning("note: %s", text)
 

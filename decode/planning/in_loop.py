@@ -5,9 +5,9 @@ The loop runs in a process of its own, with the models loaded again (`FreshProce
 planner's process has replayed hundreds of policies by then, and after that the same decoding runs measurably slower
 in it (its host work and its small forwards), which priced every drafting method's step too high."""
 import multiprocessing
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from typing import Callable
 
 import numpy as np
 import torch
@@ -53,13 +53,18 @@ def loop_costs(decoder, drafters: dict, prompts, search, oracle_ms: costs.Contex
     timers = {name: Timer(decoder.oracle.runtime.synchronize) for name in ["baseline", *drafters]}
     oracle, eos_id, n, sampling = decoder.oracle, decoder.eos_id, search.max_new_tokens, search.sampling
     seeded = lambda i: torch.Generator(oracle.device).manual_seed(search.seed + i)
-    runs = {"baseline": lambda prompt, i, tokens, hooks=timers["baseline"].hooks(): loop.baseline(
-        oracle, prompt.ids, tokens, sampling, eos_id, generator=seeded(i), allowed=prompt.allowed, hooks=hooks)}
+
+    def run(name: str, drafter=None):  # how `name` decodes a prompt (the baseline without a drafter)
+        hooks = timers[name].hooks()
+        speculative = {} if drafter is None else {"drafter": drafter}
+        decode = loop.baseline if drafter is None else loop.tree_speculative
+        return lambda prompt, i, tokens: decode(oracle, prompt.ids, tokens, sampling, eos_id, generator=seeded(i),
+                                                allowed=prompt.allowed, hooks=hooks, **speculative)
+
+    runs = {"baseline": run("baseline")}
     for name, drafter in drafters.items():
         drafter.forget()
-        runs[name] = lambda prompt, i, tokens, drafter=drafter, hooks=timers[name].hooks(): loop.tree_speculative(
-            oracle, prompt.ids, tokens, sampling, eos_id, generator=seeded(i), drafter=drafter, allowed=prompt.allowed,
-            hooks=hooks)
+        runs[name] = run(name, drafter)
     warm_up(runs, prompts[0], n)
     for timer in timers.values():
         timer.clear()

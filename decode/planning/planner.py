@@ -8,9 +8,9 @@ best policies decoded for real in a fresh process (decode.planning.in_loop); it 
 import datetime
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -22,14 +22,11 @@ from decode.models.cached_lm import CachedLM
 from decode.models.calibration import calibrate
 from decode.models.loading import TOKEN_COUNTS, load_draft, load_trigram
 from decode.options import MIN_DRAFT_VOCAB
+from decode.plan_file import PLAN_VERSION, describe, identity
 from decode.planning import costs, kinds, replay, shapes
 from decode.planning.in_loop import FreshProcess, calibrate_in_loop
-from decode.plan_file import PLAN_VERSION, describe, identity
-from decode.planning.search import (RANKS, base_dtype, best, forecast, measured_forecast, replay_policies,
-                                    variant_name)
-from decode.sampling import Sampling
-
-GREEDY = Sampling()
+from decode.planning.search import RANKS, base_dtype, best, forecast, measured_forecast, replay_policies, variant_name
+from decode.sampling import GREEDY, Sampling
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,7 @@ from decode import loop
 from decode.drafting import Drafter
 from decode.loop import Hooks
 from decode.planning.costs import ContextCosts
-from decode.sampling import Sampling
-
-GREEDY = Sampling()
+from decode.sampling import GREEDY, Sampling
 
 
 @dataclass

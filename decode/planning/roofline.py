@@ -39,7 +39,7 @@ def measure_machine(dtype: torch.dtype, repeats: int = 10) -> Machine:
     for kind in {torch.float32, dtype}:
         for size in PEAK_SIZES:
             a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)
-            rate = 4 * size**3 / best_seconds(lambda: [torch.mm(a, b) for _ in range(4)], repeats)
+            rate = 4 * size**3 / best_seconds(lambda a=a, b=b: [torch.mm(a, b) for _ in range(4)], repeats)
             rates[kind] = max(rates.get(kind, 0.0), rate)
     fastest = max(rates, key=rates.get)
     return Machine(bandwidth, rates[fastest], str(fastest).removeprefix("torch."))

@@ -5,18 +5,16 @@ acceptance, staged's trees over trigram widths, lookup lengths); `replay_policie
 (a cheap screen, then the finalists on all); `forecast` prices each replay under an oracle cost curve and the costs a
 real decoding loop adds, and ranks them. decode.plan (decode/cli/plan.py) measures those costs and writes the plan.
 """
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 from tqdm import tqdm
 
 from decode.methods import METHODS
+from decode.plan_file import with_policy
 from decode.planning import kinds, repeats, replay, shapes
 from decode.planning.costs import ContextCosts
-from decode.plan_file import with_policy
-from decode.sampling import Sampling
-
-GREEDY = Sampling()
+from decode.sampling import GREEDY, Sampling
 
 BUDGETS = (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 # Six trigram levels, and three (the draft's best children add a fourth): shallow and wide was the cpu preset's best

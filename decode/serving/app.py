@@ -26,8 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from decode.errors import InputError
 from decode.api import SpeculativeDecoder
+from decode.errors import InputError
 from decode.serving.request import SCHEMA, Completion, RequestError, parse_completion
 
 log = logging.getLogger("decode.serve")

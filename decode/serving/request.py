@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from decode.errors import InputError
 from decode.api import SpeculativeDecoder
+from decode.errors import InputError
 from decode.generation import SEED_RANGE
 from decode.options import MIN_TEMPERATURE, sampling_of
 
