@@ -196,7 +196,7 @@ def test_forward_costs_keep_a_burst_from_skewing_one_count(monkeypatch):
     clock = types.SimpleNamespace(ms=0.0, forwards=0)
 
     class Timed(CachedLM):
-        max_length, vocab_size, device, runtime = 1024, 50, torch.device("cpu"), Runtime(torch.device("cpu"))
+        max_length, vocab_size, device, runtime = 1024, 50, torch.device("cpu"), Runtime(torch.device("cpu"), torch.float32)
 
         def forward(self, token_ids, position_ids, mask, last=None):
             clock.forwards += 1

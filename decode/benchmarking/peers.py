@@ -56,7 +56,7 @@ class HFGenerate:
         """`draft_dir` None: plain generate, or prompt lookup of `lookup_tokens`; else assisted generation
         with that assistant."""
         self.oracle = load_hf_model(oracle_dir, dtype, device)
-        self.runtime = runtime_for(device, cpp_forward=False)
+        self.runtime = runtime_for(device, self.oracle.dtype, cpp_forward=False)
         self.assistant = None if draft_dir is None else load_hf_model(draft_dir, dtype, device)
         self.sampling, self.eos_id, self.lookup_tokens = sampling, eos_id, lookup_tokens
         self.calls = {"oracle": 0, "draft": 0}

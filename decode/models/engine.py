@@ -142,20 +142,20 @@ class GPT2Engine(CachedLM):
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
-        runtime = runtime_for(device, cpp_forward=native_blocks, cuda_graphs=cuda_graphs)
-        fits = runtime.loads_forward(shape.n_embd, torch_dtype)
+        runtime = runtime_for(device, torch_dtype, cpp_forward=native_blocks, cuda_graphs=cuda_graphs)
+        fits = runtime.loads_forward(shape.n_embd)
         lazy = fits and reload is not None
         # taken out of a checkpoint read for this engine alone (`reload`), so that it holds no matrix the C++ packed
         converted = lambda checkpoint, take: {k.removeprefix("transformer."): take(k).to(device, torch_dtype)
                                               for k in list(checkpoint)}
         weights = converted(weights, weights.pop if lazy else weights.__getitem__)
-        pad_rows = runtime.pads_rows(torch_dtype)
+        pad_rows = runtime.pads_rows()
         e = shape.n_embd
         wte = weights["wte.weight"]
         output = wte if shortlist is None else wte[shortlist.tokens_on(device)]
         matrices = {"qkv": (e, 3 * e), "attn_out": (e, e), "mlp_in": (e, 4 * e), "mlp_out": (4 * e, e),
                     "head": (e, output.shape[0])}  # (in, out)
-        layouts = {name: layout or runtime.layout(torch_dtype, *matrix, name == "mlp_in", calibrate)
+        layouts = {name: layout or runtime.layout(*matrix, name == "mlp_in", calibrate)
                    for name, matrix in matrices.items()}
 
         def torch_weights(checkpoint: dict[str, torch.Tensor]) -> tuple[list[LayerWeights], Projection]:

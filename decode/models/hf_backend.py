@@ -33,7 +33,7 @@ class HFEngine(CachedLM):
         self.model = load_hf_model(model_dir, dtype, device)
         config = self.model.config
         self.device, self.dtype = torch.device(device), self.model.dtype
-        self.runtime = runtime_for(self.device, cpp_forward=False)  # transformers' forward; the step's loops
+        self.runtime = runtime_for(self.device, self.dtype, cpp_forward=False)  # transformers' forward; the step's loops
         self.vocab_size = config.vocab_size
         context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         self.max_length = max_length or context

@@ -5,6 +5,7 @@ instruction set it is on:
 
     kernels                  the step's loops over the model's logits (decode.kernels: C++ or portable)
     host_kernels             the loops over token lists and the trigram's tables, in CPU memory
+    dtype                    the weights' format (bfloat16 or float32)
     blocks, rows             the C++ forward of a few rows (native.Blocks) and the most rows it runs (0: torch's forward)
     tiles                    whether that forward's products run on AMX's tiles
     mover(cache)             a commit's moves of KV slots
@@ -70,8 +71,8 @@ class Runtime:
 
     name = "torch"
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
         self.kernels: StepKernels = PortableKernels()
         self.host_kernels = host_kernels()
         self.blocks: native.Blocks | None = None
@@ -86,8 +87,8 @@ class Runtime:
         """Whether a forward of more rows than one C++ call takes runs as several such calls."""
         return False
 
-    def loads_forward(self, n_embd: int, dtype: torch.dtype) -> bool:
-        """Whether `load_forward` makes a C++ forward for a model of this width and dtype here."""
+    def loads_forward(self, n_embd: int) -> bool:
+        """Whether `load_forward` makes a C++ forward for a model of this width here."""
         return False
 
     def load_forward(self, shape, weights: dict[str, torch.Tensor], cache: torch.Tensor, output: torch.Tensor,
@@ -98,13 +99,13 @@ class Runtime:
     def mover(self, cache: torch.Tensor) -> Mover:
         return torch_mover(cache)
 
-    def layout(self, dtype: torch.dtype, in_features: int, out_features: int, gelu: bool, calibrate: bool) -> str:
+    def layout(self, in_features: int, out_features: int, gelu: bool, calibrate: bool) -> str:
         """The layout a weight matrix of this shape is stored in for torch's products (decode.models.projection)."""
-        return layout_for(dtype, self.device, in_features, out_features, gelu, calibrate)
+        return layout_for(self.dtype, self.device, in_features, out_features, gelu, calibrate)
 
-    def pads_rows(self, dtype: torch.dtype) -> bool:
+    def pads_rows(self) -> bool:
         """Whether torch's products pad a prompt's rows (oneDNN builds a kernel per row count in bfloat16 on a CPU)."""
-        return dtype == torch.bfloat16
+        return self.dtype == torch.bfloat16
 
     def attention(self) -> contextlib.AbstractContextManager:
         """The context torch's attention runs in (transformers' models too)."""
@@ -151,8 +152,8 @@ class NativeRuntime(Runtime):
 
     name = "C++"
 
-    def __init__(self, device: torch.device, cpp_forward: bool = True):
-        super().__init__(device)
+    def __init__(self, device: torch.device, dtype: torch.dtype, cpp_forward: bool = True):
+        super().__init__(device, dtype)
         self.kernels = NativeKernels()
         self.cpp_forward = cpp_forward
 
@@ -160,8 +161,8 @@ class NativeRuntime(Runtime):
     def tiles(self) -> bool:
         return self.blocks is not None and self.blocks.tiles
 
-    def loads_forward(self, n_embd: int, dtype: torch.dtype) -> bool:
-        return self.cpp_forward and native.Blocks.fit(n_embd, dtype, self.device)
+    def loads_forward(self, n_embd: int) -> bool:
+        return self.cpp_forward and native.Blocks.fit(n_embd, self.dtype, self.device)
 
     def load_forward(self, shape, weights, cache, output, consume) -> None:
         self.blocks = native.Blocks(shape, weights, cache, output, consume=consume)
@@ -205,7 +206,7 @@ class NativeRuntime(Runtime):
     def key(self) -> str:
         if self.blocks is None:
             return ""
-        return ("".join(source.read_text() for source in native.FORWARD_SOURCES) + native.forward_build(self.blocks.dtype)
+        return ("".join(source.read_text() for source in native.FORWARD_SOURCES) + native.forward_build(self.dtype)
                 + f"{self.rows} {self.tiles}")
 
     def loops(self) -> str:
@@ -218,14 +219,14 @@ class CudaRuntime(Runtime):
 
     name = "CUDA"
 
-    def __init__(self, device: torch.device, cuda_graphs: bool = False):
-        super().__init__(device)
+    def __init__(self, device: torch.device, dtype: torch.dtype, cuda_graphs: bool = False):
+        super().__init__(device, dtype)
         self.cuda_graphs = cuda_graphs
 
-    def layout(self, dtype, in_features, out_features, gelu, calibrate) -> str:
-        return default_layout(dtype)
+    def layout(self, in_features, out_features, gelu, calibrate) -> str:
+        return default_layout(self.dtype)
 
-    def pads_rows(self, dtype: torch.dtype) -> bool:
+    def pads_rows(self) -> bool:
         return False
 
     def attention(self):
@@ -241,12 +242,13 @@ class CudaRuntime(Runtime):
         return f"{self.host_kernels.name} for the trees, Python for the GPU's logits"
 
 
-def runtime_for(device: torch.device | str = "cpu", cpp_forward: bool = True, cuda_graphs: bool = False) -> Runtime:
-    """The runtime of a model on `device`: on a CPU the C++ one where it is built (its forward of a few rows only with
-    `cpp_forward`), on a GPU the CUDA one (replaying CUDA graphs with `cuda_graphs`)."""
+def runtime_for(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, cpp_forward: bool = True,
+                cuda_graphs: bool = False) -> Runtime:
+    """The runtime of a model on `device` with weights in `dtype`: on a CPU the C++ one where it is built (its forward
+    of a few rows only with `cpp_forward`), on a GPU the CUDA one (replaying CUDA graphs with `cuda_graphs`)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return CudaRuntime(device, cuda_graphs)
+        return CudaRuntime(device, dtype, cuda_graphs)
     if device.type == "cpu" and native.module() is not None:
-        return NativeRuntime(device, cpp_forward)
-    return Runtime(device)
+        return NativeRuntime(device, dtype, cpp_forward)
+    return Runtime(device, dtype)

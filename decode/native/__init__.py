@@ -185,7 +185,7 @@ class Blocks:
             "logit_columns": output.shape[0], "element_bytes": kv_cache.element_size(),
             "epsilon": float(shape.layer_norm_epsilon)}
         self.model = self.forward.model(self.spec)
-        self.columns, self.dtype = output.shape[0], kv_cache.dtype
+        self.columns = output.shape[0]
         self.tiles = True
 
     @property
