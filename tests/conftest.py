@@ -101,3 +101,14 @@ def trained_oracle_run(tmp_path_factory):
     from train_runs import trained_run
 
     return trained_run(tmp_path_factory.mktemp("train"))
+
+
+# Fixtures that train a model or run the whole planner: a test that uses one is a pipeline test, which the fast tier
+# (bash scripts/test.sh --fast) leaves out
+PIPELINE_FIXTURES = {"trained_oracle_run", "planned"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.pipeline)
