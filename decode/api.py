@@ -78,13 +78,14 @@ class SpeculativeDecoder:
 
     def __init__(self, options: DecoderOptions, plans: Resolved | None = None):
         self.options = check_options(options)
-        self.models = {}  # what build_decoder loaded, shared by every setting's decoder
+        self.models: dict = {}  # what build_decoder loaded, shared by every setting's decoder
         self.decoder, self.healer = build_decoder(self.options, self.models)
         self.tokenizer = self.healer.tokenizer
-        self.plans, self.settings = plans, {}  # sampling setting -> its options (with `plans`)
+        self.plans = plans
+        self.settings: dict[Sampling, DecoderOptions] = {}  # sampling setting -> its options (with `plans`)
         self.decoders = {drafting(self.options): self.decoder}  # what a decoder drafts with -> the decoder
         self.busy = threading.Lock()
-        self.materialized = []  # temporary directories from_pretrained saved loaded models into
+        self.materialized: list = []  # temporary directories from_pretrained saved loaded models into
 
     def options_for(self, sampling: Sampling) -> DecoderOptions:
         """The options a request with this sampling decodes with."""
@@ -133,7 +134,7 @@ class SpeculativeDecoder:
         name, or a model already loaded (with its `tokenizer`, which both models share); `ngram` a trigram
         directory (python ngram/build_katz.py). The method defaults to staged with all three, speculative with a
         draft, else baseline; every other DecoderOptions field is a keyword (dtype="auto" by default)."""
-        keep = []  # temporary directories of models handed over loaded, kept as long as the decoder
+        keep: list = []  # temporary directories of models handed over loaded, kept as long as the decoder
         oracle_dir = pretrained_dir(oracle, tokenizer, keep, "oracle")
         draft_dir = draft if draft is None else pretrained_dir(draft, tokenizer, keep, "draft")
         method = method or ("staged" if draft is not None and ngram is not None else

@@ -33,7 +33,7 @@ class TokenHealer:
         # Byte-level pieces: one character per byte, so a text prefix is a piece prefix.
         pieces = tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))
         self.pieces = [None if i in special else piece for i, piece in enumerate(pieces)]
-        self._allowed = {}
+        self._allowed: dict[int, torch.Tensor] = {}
 
     def allowed(self, token: int) -> torch.Tensor:
         """(vocab,) bool: the tokens whose text starts with `token`'s (`token` among them)."""

@@ -99,7 +99,7 @@ def draw_below(kernels, sampling: Sampling, sources: list[tuple[torch.Tensor, in
     """`draw_children` after rows of several draft calls' logits, `sources[i]` = (logits, row), a repeated source drawn
     from afresh: one `draw_children` per logits tensor, so a level of a tree costs one read of its distributions, a
     transfer on a GPU (there, reads node by node were most of a sampled step's time)."""
-    groups = {}  # id(logits) -> (logits, [(i, row)])
+    groups: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}  # id(logits) -> (logits, [(i, row)])
     for i, (logits, row) in enumerate(sources):
         groups.setdefault(id(logits), (logits, []))[1].append((i, row))
     drawn, qs = [None] * len(sources), [None] * len(sources)

@@ -145,7 +145,8 @@ class Uniforms:
 
     def __init__(self, generator: torch.Generator | None = None):
         self.generator = generator
-        self.values, self.next = [], 0
+        self.values: list[float] = []
+        self.next = 0
 
     def take(self, count: int) -> list[float]:
         """The next `count` draws."""

@@ -14,7 +14,7 @@ class Shortlist:
         self.tokens = np.unique(np.asarray(tokens, np.int64))  # column -> token, ascending
         self.column = np.full(vocab_size, -1, np.int64)  # token -> column, -1 off the list
         self.column[self.tokens] = np.arange(len(self.tokens))
-        self.on_device = {}
+        self.on_device: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
     def most_frequent(cls, counts: np.ndarray, size: int) -> "Shortlist":

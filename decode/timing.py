@@ -74,7 +74,7 @@ def forward_costs(model: "CachedLM", prefix: int = 128, repeats: int = 20, count
         model.commit([])
         return took
 
-    times = {q: [] for q in forwards}
+    times: dict[int, list[float]] = {q: [] for q in forwards}
     for round_ in range(rounds):
         for q in forwards:
             settled = time.perf_counter() + SETTLE_SECONDS

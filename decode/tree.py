@@ -119,7 +119,7 @@ class Tree:
     def chosen(tokens: list[int], parents: list[int], nodes, scores=None) -> tuple["Tree", list[int]]:
         """`subtree` of the tree that node i's token and parent, tokens[i] and parents[i], describe: a
         drafter's candidates can be chosen from without first being added to a tree."""
-        below = {}
+        below: dict[int, list[int]] = {}
         for node in sorted(nodes)[1:]:  # children in their order, as `add` numbered them
             below.setdefault(parents[node], []).append(node)
         keep, stack = [], [0]

@@ -22,7 +22,7 @@ class Target:
 
     def __init__(self, logits: torch.Tensor, sampling: Sampling):
         self.logits, self.sampling = logits, sampling
-        self._probs = {}
+        self._probs: dict[int, torch.Tensor | Sparse] = {}
 
     @functools.cached_property
     def argmax(self) -> Callable[[int], int] | None:

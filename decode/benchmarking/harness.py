@@ -24,8 +24,9 @@ class Timer:
 
     def __init__(self, synchronize: Callable[[], None] = lambda: None):
         self.synchronize = synchronize
-        self.seconds, self.calls = defaultdict(float), defaultdict(int)
-        self.forwards = []  # the oracle's forwards as (new nodes, slots cached before, seconds), with `hooks(log=True)`
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: defaultdict[str, int] = defaultdict(int)
+        self.forwards: list[tuple[int, int, float]] = []  # the oracle's forwards as (new nodes, slots cached before, seconds), with `hooks(log=True)`
 
     def add(self, label: str, seconds: float) -> None:
         self.seconds[label] += seconds
@@ -91,7 +92,7 @@ def decode_in_turns(runs: dict[str, Run], prompts: list[Prompt], max_new_tokens:
     """Every method on every prompt for `max_new_tokens`, in turns (`in_turns`); per method a record per prompt: the
     tokens, the seconds, the oracle's calls and the nodes it scored. `progress`: a progress bar over the prompts, so
     described."""
-    records = {name: [] for name in runs}
+    records: dict[str, list[dict]] = {name: [] for name in runs}
     for i, prompt in enumerate(tqdm(prompts, desc=progress, unit="prompt", disable=progress is None)):
         for name in in_turns(list(runs), i):
             start = time.perf_counter()

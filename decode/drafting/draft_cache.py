@@ -43,8 +43,8 @@ class DraftCache:
         self.model = model
         self.shortlist = model.shortlist  # the tokens of the draft's logits' columns (None: every token)
         self.calls = 0
-        self.slots = {}
-        self.known = {}  # (a call's `repeats` key, unseen tokens, pending slots) -> its Call
+        self.slots: dict[int, int] = {}
+        self.known: dict[tuple, Call] = {}  # (a call's `repeats` key, unseen tokens, pending slots) -> its Call
 
     def reset(self) -> None:
         self.model.reset()
@@ -54,7 +54,7 @@ class DraftCache:
         """A new step: the accepted tokens past the draft's cache, the root last, are fed with the first score."""
         self.unseen = tokens[self.model.length :]
         self.slots = {}  # tree node -> pending slot
-        self.sees = {}  # tree node -> the pending slots it attends to, as bits
+        self.sees: dict[int, int] = {}  # tree node -> the pending slots it attends to, as bits
 
     def score(self, tree: Tree, nodes: list[int], repeats=None) -> torch.Tensor:
         """Logits after each of `nodes`, in one forward pass. Their ancestors must be scored already or

@@ -69,7 +69,7 @@ class StagedDrafter(TrigramStage, ModelDrafter):
         count = self.draft_children or 2
         out, self.kept = Tree.rooted(tree.tokens[0]), [0]
         first = len(tree)  # the nodes the step's first draft call scored: row i of `logits` is node i's
-        later = {}  # each node scored by a later call: (that call's logits, its row)
+        later: dict = {}  # each node scored by a later call: (that call's logits, its row)
         level = [(0, 0)]  # (node of `out`, the node of `tree` it stands for): their children are drawn next
         while level := [(node, scored) for node, scored in level if out.depths[node] < max_depth][
                 : (self.budget - len(out)) // count]:

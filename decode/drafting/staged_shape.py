@@ -36,12 +36,12 @@ class StagedShapeDrafter(TrigramStage, ShapedTreeDrafter):
         self.kept = [0] * len(out)  # node of `out` -> the node of `scored` it stands for
         self.draft.start(tokens)
         scored = self.scored = Tree.rooted(tokens[-1])
-        known = {}  # node of `scored` -> what its draft logits give: (logits, row) for draws, else its ranked tokens
+        known: dict = {}  # node of `scored` -> what its draft logits give: (logits, row) for draws, else its ranked tokens
         calls = ()  # the step's draft calls so far, as the structure they fed: names a call's layout (`repeats`)
         for nodes, _, draws_most, children in levels:
             at = [self.kept[node] for node in nodes]
             if unknown := list(dict.fromkeys(s for s in at if s not in known)):  # a repeated draw's node: once
-                fed = []
+                fed: list[int] = []
                 for s in unknown:  # the trigram's guesses below, where their own children are in the tree
                     below = min(len(self.trigram.widths), depth - scored.depths[s] - 1)
                     context = tokens if s == 0 else [scored.tokens[scored.parents[s]], scored.tokens[s]]

@@ -75,12 +75,12 @@ class ShapedTreeDrafter(ModelDrafter):
                  sampled: bool = False):
         super().__init__(model, sampled)
         self.parents, self.ranks = list(parents), list(ranks)
-        self.below = [[] for _ in self.parents]  # shape node -> its children in the shape
+        self.below: list[list[int]] = [[] for _ in self.parents]  # shape node -> its children in the shape
         for node, parent in enumerate(self.parents[1:], 1):
             self.below[parent].append(node)
         # shape node -> how many of the draft's ranked tokens its children read
         self.widest = [1 + max((self.ranks[c] for c in children), default=-1) for children in self.below]
-        self.layouts = {}
+        self.layouts: dict = {}
         # one child a node, the best or a draw: the chain drafter's tree, which the draft model may make in one call
         self.is_chain = all(len(children) <= 1 for children in self.below) and not any(self.ranks)
 

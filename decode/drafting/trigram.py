@@ -17,8 +17,10 @@ class TrigramTrees:
     contexts. Callers get a copy to grow; `best`, the trigram's own selection, is remembered too."""
 
     def __init__(self, table, widths, size: int = 1 << 14):
-        self.table, self.widths, self.size, self.shapes = table, list(widths), size, {}
-        self.built, self.selected = {}, {}
+        self.table, self.widths, self.size = table, list(widths), size
+        self.shapes: dict[int, Tree] = {}
+        self.built: dict[tuple, tuple[list[int], list[float]]] = {}
+        self.selected: dict[tuple, Tree] = {}
         self.read = host_kernels().trigram_reader(table)
 
     def forget(self) -> None:

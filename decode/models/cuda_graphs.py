@@ -66,7 +66,8 @@ class CUDAGraphs:
     device: what the tests compare with the engine's own forward)."""
 
     def __init__(self, engine, capture: bool = True):
-        self.engine, self.capture, self.buckets = engine, capture, {}
+        self.engine, self.capture = engine, capture
+        self.buckets: dict[tuple[int, int], BucketForward] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def get(self, q: int, start: int, end: int) -> BucketForward | None:

@@ -46,7 +46,7 @@ def native_forward(model_dir, engine, dtype: str, cache_dir: Path | None = None,
     ways = [way for way in runtime.ways() if way != TORCH]
 
     def every_way() -> dict:
-        ms = {}
+        ms: dict[str, dict[int, float]] = {}
         for _ in range(ROUNDS):
             for way in runtime.ways():
                 with runtime.forced(way):

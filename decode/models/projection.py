@@ -97,7 +97,7 @@ def fastest_layout(dtype: torch.dtype, in_features: int, out_features: int, gelu
     bias = torch.zeros(out_features, dtype=dtype)
     cases = [(layout, Projection(weight, bias, layout, gelu), torch.ones(rows, in_features, dtype=dtype))
              for layout in LAYOUTS if layout != "packed" or onednn_packs(dtype) for rows in (1, 16)]
-    samples = [[] for _ in cases]
+    samples: list[list[float]] = [[] for _ in cases]
     for _, projection, x in cases:
         projection(x)
     for _ in range(12):
@@ -105,7 +105,7 @@ def fastest_layout(dtype: torch.dtype, in_features: int, out_features: int, gelu
             start = time.perf_counter()
             projection(x)
             timings.append(time.perf_counter() - start)
-    times = {}
+    times: dict[str, float] = {}
     for (layout, _, _), timings in zip(cases, samples):
         times[layout] = times.get(layout, 0.0) + sorted(timings)[len(timings) // 2]
     return min(times, key=times.get)

@@ -108,7 +108,7 @@ class FreshProcess:
         self.pool.shutdown()
 
 
-LOADED = {}  # in a FreshProcess: the decoder, the trigram, the options and the drafts loaded so far
+LOADED: dict = {}  # in a FreshProcess: the decoder, the trigram, the options and the drafts loaded so far
 
 
 def load_models(options, threads: int) -> None:
@@ -157,7 +157,7 @@ def calibrate_in_loop(measure: Callable[[Policies], dict], remeasure: Callable[[
     generic = measure({"lookup": ("lookup", {})})
     baseline = generic["baseline"]
     stand_in = (None, generic["lookup"] | {"drafting": 1.0}, baseline["one_token"])  # for a method not yet measured
-    rounds = {method: [] for method in replays}  # (candidate, factors, the baseline's one-token ms beside them)
+    rounds: dict[str, list] = {method: [] for method in replays}  # (candidate, factors, the baseline's one-token ms beside them)
 
     def record(now: dict, chosen: dict) -> dict:
         for method, c in chosen.items():

@@ -22,7 +22,7 @@ def kind_of(method: str, policy: dict) -> str | None:
 def best_of_each_kind(ranked: dict[str, list[dict]]) -> dict[str, tuple[str, dict]]:
     """kind -> (method, prediction) of the least predicted ms per token among `ranked` (per method, its
     policies' predictions, as planning.search.forecast gives them), for each kind any policy is of."""
-    best = {}
+    best: dict[str, tuple[str, dict]] = {}
     for method, predictions in ranked.items():
         for p in predictions:
             kind = kind_of(method, p.get("policy", {}))

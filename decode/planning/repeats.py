@@ -16,7 +16,7 @@ FACTORS = ("oracle", "drafting", "loop_ms")
 def grouped(pairs: list[tuple[dict, dict]]) -> list[tuple[dict, list[dict]]]:
     """One method's (candidate, factors) pairs gathered per policy: its first candidate, and every measurement's
     factors with the drafting's ratio taken to that candidate's replay."""
-    groups = {}
+    groups: dict[str, tuple[dict, list[dict]]] = {}
     for c, f in pairs:
         first, measurements = groups.setdefault(json.dumps(c["policy"], sort_keys=True), (c, []))
         first_ms = replayed_drafting_ms(first)

@@ -35,7 +35,7 @@ def measure_machine(dtype: torch.dtype, repeats: int = 10) -> Machine:
     fastest of float32's and `dtype`'s square products of PEAK_SIZES in torch, 4 a timing, `repeats` timings)."""
     data = torch.ones(BANDWIDTH_BYTES // 4)
     bandwidth = BANDWIDTH_BYTES / best_seconds(data.sum, repeats)
-    rates = {}
+    rates: dict[torch.dtype, float] = {}
     for kind in {torch.float32, dtype}:
         for size in PEAK_SIZES:
             a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)

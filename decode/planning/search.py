@@ -78,7 +78,7 @@ def variant_name(size: int, dtype: str) -> str:
 def replay_all(candidates: list, replayer: Callable, prompts: int, desc: str) -> dict:
     """Per method, each candidate policy with its drafter and its replay on the first `prompts` calibration prompts
     (`replayer(drafter, prompts)`)."""
-    replays = {}
+    replays: dict[str, list[dict]] = {}
     for method, policy, drafter in tqdm(candidates, desc=desc, unit="policy"):
         replays.setdefault(method, []).append({"policy": policy, "drafter": drafter, "replay": replayer(drafter, prompts)})
     return replays
@@ -179,7 +179,8 @@ def measured_forecast(measured: dict, oracle_ms: ContextCosts, baseline: dict) -
     spread = repeats.spread_between([[priced(method, c, f)[method][0]["speedup"] for f in measurements]
                                      for method, group in groups.items() for c, measurements in group
                                      if len(measurements) > 1])
-    predicted, factors = {}, {}
+    predicted: dict[str, dict] = {}
+    factors: dict[str, dict] = {}
     for method, group in groups.items():
         pools = [(c, repeats.pooled(measurements, spread)) for c, measurements in group]
         cheapest, factors[method] = min(((priced(method, c, f), f) for c, f in pools),
