@@ -13,6 +13,7 @@ string, and keeps it. Without a seed each sampled call draws fresh randomness; w
 import secrets
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from decode.errors import InputError
 from decode.options import check_number
@@ -50,14 +51,14 @@ class Request:
         return None
 
 
-def request_of(generation_config=None, settings: dict | None = None, check: Callable | None = None) -> Request:
+def request_of(generation_config, settings: dict | None, check: Callable[[float, int, float], Sampling]) -> Request:
     """A Request from a transformers GenerationConfig (or any object with those attributes) and keyword settings,
     the keywords winning; `check(temperature, top_k, top_p)` makes the Sampling. Unknown settings are InputErrors."""
     settings = dict(settings or {})
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
         raise InputError(f"unknown generation settings {unknown}; this decoder takes {', '.join(SETTINGS)}")
-    values = {}
+    values: dict[str, Any] = {}
     if generation_config is not None:
         values = {name: getattr(generation_config, name, None) for name in SETTINGS}
         values = {name: value for name, value in values.items() if value is not None}

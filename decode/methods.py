@@ -15,7 +15,7 @@ from decode.options import MAX_BUDGET, MAX_DEPTH, DecoderOptions
 @dataclass(frozen=True)
 class Method:
     summary: str
-    drafter: Callable[[DecoderOptions, CachedLM | None, object], Drafter] | None  # (options, draft, trigram); None: plain
+    drafter: Callable[..., Drafter] | None  # (options, draft, trigram) of checked options; None: plain decoding
     lookahead: Callable[[DecoderOptions], int]  # positions past the output a step may score
     draft: bool = False  # uses the draft model
     trigram: bool = False  # uses the Katz trigram
@@ -27,11 +27,19 @@ def context_drafter(o: DecoderOptions) -> LookupDrafter:
     return LookupDrafter(o.lookup_tokens, o.lookup_branches, o.lookup_ngram)
 
 
+def budget(o: DecoderOptions) -> int:
+    """The tree's budget of checked options (DecoderOptions.check sizes it for the device where it was None)."""
+    assert o.budget is not None, "the options are checked before a drafter is built"
+    return o.budget
+
+
 def tree_drafter(o: DecoderOptions, draft: CachedLM, table) -> Drafter:
     sampled = o.tree_children == "sampled"
     if o.tree_shape is not None:
         return ShapedTreeDrafter(draft, o.tree_shape.parents, o.tree_shape.ranks, sampled)
-    return TreeDrafter(draft, o.budget, o.depth, *([o.branch] if o.branch is not None else []), sampled=sampled)
+    if o.branch is None:
+        return TreeDrafter(draft, budget(o), o.depth, sampled=sampled)
+    return TreeDrafter(draft, budget(o), o.depth, o.branch, sampled=sampled)
 
 
 def staged_drafter(o: DecoderOptions, draft: CachedLM, table) -> Drafter:
@@ -41,7 +49,7 @@ def staged_drafter(o: DecoderOptions, draft: CachedLM, table) -> Drafter:
     if o.tree_shape is not None:
         return StagedShapeDrafter(draft, table, o.tree_shape.parents, o.tree_shape.ranks, o.widths, context,
                                   sampled=o.tree_children == "sampled")
-    return StagedDrafter(draft, table, o.budget, o.widths, o.branch, context, o.depth,
+    return StagedDrafter(draft, table, budget(o), o.widths, o.branch, context, o.depth,
                          sampled=o.tree_children == "sampled", draft_calls=o.draft_calls)
 
 
@@ -56,7 +64,7 @@ METHODS = {
     "tree": Method("trees of the draft's tokens", tree_drafter, depth, draft=True, tree=True),
     "staged": Method("trigram (and context) -> draft -> oracle trees", staged_drafter, depth, draft=True, trigram=True,
                      tree=True),
-    "ngram": Method("trigram trees", lambda o, draft, table: NgramDrafter(table, o.budget, o.widths), depth,
+    "ngram": Method("trigram trees", lambda o, draft, table: NgramDrafter(table, budget(o), o.widths), depth,
                     trigram=True, tree=True),
     "lookup": Method("continuations found in the context (prompt lookup), no model",
                      lambda o, draft, table: context_drafter(o), lambda o: o.lookup_tokens),

@@ -102,7 +102,8 @@ def draw_below(kernels, sampling: Sampling, sources: list[tuple[torch.Tensor, in
     groups: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}  # id(logits) -> (logits, [(i, row)])
     for i, (logits, row) in enumerate(sources):
         groups.setdefault(id(logits), (logits, []))[1].append((i, row))
-    drawn, qs = [None] * len(sources), [None] * len(sources)
+    drawn: list = [None] * len(sources)
+    qs: list = [None] * len(sources)
     for logits, members in groups.values():
         tokens, q = draw_children(kernels, sampling, logits, count, generator, shortlist, [row for _, row in members])
         for (i, _), row_tokens, row_q in zip(members, tokens, q):

@@ -18,7 +18,7 @@ import torch
 from decode.tensors import on
 
 
-def unpack_rows(rows: list[int], width: int) -> np.ndarray:
+def unpack_rows(rows: list[int] | tuple[int, ...], width: int) -> np.ndarray:
     """(len(rows), width) bool: bit j of rows[i] at [i, j]."""
     nbytes = (width + 7) // 8
     packed = np.frombuffer(b"".join(bits.to_bytes(nbytes, "little") for bits in rows), np.uint8)

@@ -60,9 +60,10 @@ def remainder(residual: torch.Tensor | Sparse, q: torch.Tensor | Sparse) -> torc
         left = {token: r - q[token] for token, r in residual.items() if r > q[token]}
         total = sum(left.values())
         return Sparse({token: r / total for token, r in left.items()}) if total > 0 else residual
-    left = (residual - q).clamp_min(0)
-    total = left.sum()
-    return left / total if total > 0 else residual
+    assert isinstance(q, torch.Tensor), "a dense residual's draft distribution is dense too"
+    dense = (residual - q).clamp_min(0)
+    total = dense.sum()
+    return dense / total if total > 0 else residual
 
 
 def multi_draft_rejection(tree, target: Target, generator: Uniforms) -> tuple[list[int], int]:

@@ -67,7 +67,7 @@ def test_bucketed_forwards_give_the_engines_logits_and_cache(models, device):
     assert torch.allclose(bucketed.kv_cache[..., :length, :], plain.kv_cache[..., :length, :], atol=1e-5)
     assert sorted(bucketed.graphs.buckets) == [(1, 256), (2, 256), (4, 256), (8, 256), (16, 256)]
     if device == "cuda":
-        assert all(bucket.graph is not None for bucket in bucketed.graphs.buckets.values())
+        assert all(bucket.recorded is not None for bucket in bucketed.graphs.buckets.values())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,4 +10,4 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
             return text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""

@@ -22,7 +22,8 @@ from decode.tree import Tree
 
 
 class Drafter(Protocol):
-    calls: int
+    @property
+    def calls(self) -> int: ...
 
     def reset(self) -> None: ...
 
@@ -45,7 +46,7 @@ class ModelDrafter:
     def __init__(self, model: CachedLM, sampled: bool = False):
         self.draft, self.sampled = DraftCache(model), sampled
         self.kernels = model.runtime.kernels
-        self.kept = None
+        self.kept: list[int] | None = None
 
     def draws(self, sampling: Sampling) -> bool:
         """Children drawn from the draft, verified by multi-draft rejection, rather than its top tokens,

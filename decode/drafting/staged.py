@@ -67,7 +67,8 @@ class StagedDrafter(TrigramStage, ModelDrafter):
         below; the budget stops a level at its first nodes, in their order, so which nodes get draws depends on
         the count of draws only, never on the tokens drawn."""
         count = self.draft_children or 2
-        out, self.kept = Tree.rooted(tree.tokens[0]), [0]
+        out, kept = Tree.rooted(tree.tokens[0]), [0]
+        self.kept = kept
         first = len(tree)  # the nodes the step's first draft call scored: row i of `logits` is node i's
         later: dict = {}  # each node scored by a later call: (that call's logits, its row)
         level = [(0, 0)]  # (node of `out`, the node of `tree` it stands for): their children are drawn next
@@ -87,7 +88,7 @@ class StagedDrafter(TrigramStage, ModelDrafter):
                     if token not in below:  # a draw the trigram did not propose: a node of `tree` to score
                         below[token] = tree.add(scored, token)
                     child = out.add(node, token)
-                    self.kept.append(below[token])
+                    kept.append(below[token])
                     below_level.append((child, below[token]))
             level = below_level
         return out

@@ -33,13 +33,13 @@ class StagedShapeDrafter(TrigramStage, ShapedTreeDrafter):
         shape, levels = self.layout(max_depth)
         depth, draws = len(levels), self.draws(sampling)
         out = shape.copy([tokens[-1]] + shape.tokens[1:])
-        self.kept = [0] * len(out)  # node of `out` -> the node of `scored` it stands for
+        kept = self.kept = [0] * len(out)  # node of `out` -> the node of `scored` it stands for
         self.draft.start(tokens)
         scored = self.scored = Tree.rooted(tokens[-1])
         known: dict = {}  # node of `scored` -> what its draft logits give: (logits, row) for draws, else its ranked tokens
-        calls = ()  # the step's draft calls so far, as the structure they fed: names a call's layout (`repeats`)
+        calls: tuple = ()  # the step's draft calls so far, as the structure they fed: names a call's layout (`repeats`)
         for nodes, _, draws_most, children in levels:
-            at = [self.kept[node] for node in nodes]
+            at = [kept[node] for node in nodes]
             if unknown := list(dict.fromkeys(s for s in at if s not in known)):  # a repeated draw's node: once
                 fed: list[int] = []
                 for s in unknown:  # the trigram's guesses below, where their own children are in the tree
@@ -63,5 +63,5 @@ class StagedShapeDrafter(TrigramStage, ShapedTreeDrafter):
                 s = at[row]
                 token = out.tokens[child] = drawn[row][place] if draws else known[s][rank]
                 guessed = next((c for c in scored.children[s] if scored.tokens[c] == token), None)
-                self.kept[child] = scored.add(s, token) if guessed is None else guessed
+                kept[child] = scored.add(s, token) if guessed is None else guessed
         return out

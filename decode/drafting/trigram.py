@@ -65,7 +65,7 @@ class TrigramTrees:
     def shape(self, depth: int) -> Tree:
         """The shape of every tree `depth` levels deep: nodes level by level, each parent's children by rank."""
         if depth not in self.shapes:
-            tree, level = Tree.rooted(0), [0]
+            tree, level = Tree.rooted(0), range(1)  # the root
             for width in self.widths[:depth]:
                 level = tree.add_level([n for n in level for _ in range(width)], [0] * (len(level) * width))
             self.shapes[depth] = tree

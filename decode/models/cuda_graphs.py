@@ -20,12 +20,12 @@ class BucketForward:
 
     def __init__(self, engine, nodes: int, slots: int, capture: bool, pool):
         device = engine.device
-        self.engine, self.capture, self.pool, self.graph = engine, capture, pool, None
+        self.engine, self.capture, self.pool = engine, capture, pool
+        self.recorded: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # the graph and its output
         self.token_ids = torch.zeros(nodes, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(nodes, dtype=torch.long, device=device)
         self.slots = torch.zeros(nodes, dtype=torch.long, device=device)
         self.mask = torch.zeros(nodes, slots, dtype=torch.bool, device=device)
-        self.logits = None
 
     def run(self) -> torch.Tensor:
         return self.engine.logits(self.token_ids, self.position_ids, self.mask, self.slots, self.mask.shape[1])
@@ -45,20 +45,23 @@ class BucketForward:
             self.mask[:q, end - mask.shape[1] : end] = mask
         if not self.capture:
             return self.run()[:q]
-        if self.graph is None:
-            self.record()
-        self.graph.replay()
-        return self.logits[:q].clone()  # the next replay writes over the graph's output
+        if self.recorded is None:
+            self.recorded = self.record()
+        graph, logits = self.recorded
+        graph.replay()
+        return logits[:q].clone()  # the next replay writes over the graph's output
 
-    def record(self) -> None:
+    def record(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of this bucket's forward, captured now, and the logits it writes."""
         side = torch.cuda.Stream(self.engine.device)
         side.wait_stream(torch.cuda.current_stream(self.engine.device))
         with torch.cuda.stream(side):  # warm-up outside the graph: first calls allocate workspaces
             self.run()  # writes the slots this call is about to write anyway
         torch.cuda.current_stream(self.engine.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
-            self.logits = self.run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.run()
+        return graph, logits
 
 
 class CUDAGraphs:

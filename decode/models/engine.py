@@ -71,6 +71,12 @@ def is_lean_compatible(config: dict) -> bool:
     )
 
 
+def layer_norm(x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor], epsilon: float) -> torch.Tensor:
+    """F.layer_norm over the last dimension with a (weight, bias) pair."""
+    weight, bias = weight_bias
+    return F.layer_norm(x, weight.shape, weight, bias, epsilon)
+
+
 # A block's matrices: their checkpoint names and the names their layouts go by
 LINEAR = {"attn.c_attn": "qkv", "attn.c_proj": "attn_out", "mlp.c_fc": "mlp_in", "mlp.c_proj": "mlp_out"}
 
@@ -110,11 +116,12 @@ class GPT2Engine(CachedLM):
         (the output tied to wte; over the `shortlist`'s tokens only when there is one), stored in `layouts`, on that
         forward's first use: an engine whose forwards all run in C++ never holds them."""
         self.shape, self.wte, self.wpe, self.ln_f = shape, wte, wpe, ln_f
-        self.make_torch_weights, self.made_torch_weights, self.layouts = torch_weights, None, layouts
+        self.make_torch_weights, self.layouts = torch_weights, layouts
+        self.made_torch_weights: tuple[list[LayerWeights], Projection] | None = None
         self.kv, self.max_length, self.shortlist, self.runtime = kv, max_length, shortlist, runtime
-        self.device, self.dtype = wte.device, wte.dtype
+        self.device, self.dtype, self.vocab_size = wte.device, wte.dtype, shape.vocab_size
         self.head_dim = shape.n_embd // shape.n_head
-        self.mask_values = [torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf"))]
+        self.seen, self.unseen = (torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf")))
         self.graphs = runtime.graphs(self)
 
     def torch_weights(self) -> tuple[list[LayerWeights], Projection]:
@@ -126,7 +133,7 @@ class GPT2Engine(CachedLM):
     head = property(lambda self: self.torch_weights()[1])
 
     @classmethod
-    def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
+    def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str | torch.device = "cpu",
               max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False,
               shortlist: Shortlist | None = None, native_blocks: bool = False, calibrate: bool = False,
               reload: Callable[[], dict[str, torch.Tensor]] | None = None) -> "GPT2Engine":
@@ -173,6 +180,7 @@ class GPT2Engine(CachedLM):
         def make_torch_weights() -> tuple[list[LayerWeights], Projection]:
             if made is not None:
                 return made
+            assert reload is not None  # lazy: the C++ took the matrices out, torch's are read again
             checkpoint = reload()
             return torch_weights(converted(checkpoint, checkpoint.pop))
 
@@ -200,10 +208,6 @@ class GPT2Engine(CachedLM):
     pending = property(lambda self: self.kv.pending, lambda self, n: setattr(self.kv, "pending", n))
     capacity = property(lambda self: self.kv.capacity)
     kv_cache = property(lambda self: self.kv.cache)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.shape.vocab_size
 
     def forward(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                 last: int | None = None) -> torch.Tensor:
@@ -234,7 +238,9 @@ class GPT2Engine(CachedLM):
               ) -> tuple[list[int], list[Sparse] | None]:
         q = len(token_ids) + steps - 1  # the last token chosen is not fed
         start, _ = self.kv.reserve(q)
-        chosen = self.runtime.blocks.chain(token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms)
+        blocks = self.runtime.blocks
+        assert blocks is not None  # `chains` says so only where the runtime has a C++ forward
+        chosen = blocks.chain(token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms)
         self.kv.pending += q
         return chosen
 
@@ -243,8 +249,9 @@ class GPT2Engine(CachedLM):
         """Float32 logits of new nodes (of the `last` of them, with `last`) that write their keys/values into cache
         `slots` and attend to slots 0..end: all of them, or with a (q, k) boolean `mask`, the last k where it is
         true and every one before them."""
-        if len(token_ids) <= self.runtime.rows and isinstance(slots, slice):
-            return self.runtime.blocks(token_ids, position_ids, mask, slots.start, last)
+        blocks = self.runtime.blocks  # run up to `rows` rows (none without a C++ forward)
+        if len(token_ids) <= self.runtime.rows and isinstance(slots, slice) and blocks is not None:
+            return blocks(token_ids, position_ids, mask, slots.start, last)
         if self.runtime.chunks and isinstance(slots, slice) and mask is not None:
             return self.chunked_logits(token_ids, position_ids, mask, slots.start, last)
         with torch.inference_mode():  # torch's forward only: entering it took 2-5 us, a C++ forward needs none of it
@@ -257,12 +264,13 @@ class GPT2Engine(CachedLM):
         `mask` says (its columns: the pending slots, then the new rows), those of the calls before included. A row's
         logits do not depend on the other rows of its call (forward.cpp), so they are those of one long call."""
         q, size, blocks = len(token_ids), self.runtime.rows, self.runtime.blocks
+        assert blocks is not None  # the runtime `chunks` only with a C++ forward
         pending, last = mask.shape[1] - q, q if last is None else last
         parts = []
         for a in range(0, q, size):
             b = min(a + size, q)
             parts.append(blocks(token_ids[a:b], position_ids[a:b], mask[a:b, : pending + b], start + a,
-                                     max(0, min(b - a, last - (q - b)))))
+                                max(0, min(b - a, last - (q - b)))))
         return torch.cat(parts)
 
     def torch_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
@@ -273,12 +281,12 @@ class GPT2Engine(CachedLM):
         x = F.embedding(token_ids, self.wte) + F.embedding(position_ids, self.wpe)
         if mask is not None:  # SDPA makes a boolean mask additive in every layer (5-7 us each on a CPU): once here,
             # over the slots the mask covers, then padded with the committed slots' zeros (one op, not a copy into ones)
-            mask = F.pad(torch.where(mask, *self.mask_values), (end - mask.shape[1], 0))
+            mask = F.pad(torch.where(mask, self.seen, self.unseen), (end - mask.shape[1], 0))
         with self.runtime.attention():
             x = self.layers_forward(x, mask, slots, end)
         if last is not None:
             x = x[x.shape[0] - last :]
-        x = F.layer_norm(x, (self.shape.n_embd,), *self.ln_f, self.shape.layer_norm_epsilon)
+        x = layer_norm(x, self.ln_f, self.shape.layer_norm_epsilon)
         return self.head(x).float()
 
     def layers_forward(self, x: torch.Tensor, mask: torch.Tensor | None, slots: slice | torch.Tensor, end: int
@@ -286,7 +294,7 @@ class GPT2Engine(CachedLM):
         """The transformer blocks over q new nodes, writing their keys/values into cache `slots`."""
         s, q = self.shape, x.shape[0]
         for layer, cache in zip(self.layers, self.kv.layers):
-            h = F.layer_norm(x, (s.n_embd,), *layer.ln_1, s.layer_norm_epsilon)
+            h = layer_norm(x, layer.ln_1, s.layer_norm_epsilon)
             qkv = layer.qkv(h)
             qkv = qkv.view(q, 3, s.n_head, self.head_dim).permute(1, 2, 0, 3)
             cache[:, :, slots] = qkv[1:]
@@ -294,7 +302,7 @@ class GPT2Engine(CachedLM):
             # a batch dimension and a contiguous query let torch pick its fused attention kernel
             att = F.scaled_dot_product_attention(qkv[0].contiguous()[None], keys, values, attn_mask=mask)[0]
             x = x + layer.attn_out(att.transpose(0, 1).reshape(q, s.n_embd))
-            h = F.layer_norm(x, (s.n_embd,), *layer.ln_2, s.layer_norm_epsilon)
+            h = layer_norm(x, layer.ln_2, s.layer_norm_epsilon)
             x = x + layer.mlp_out(layer.mlp_in(h))  # mlp_in applies the GELU
         return x
 

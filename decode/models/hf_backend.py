@@ -77,10 +77,10 @@ class HFEngine(CachedLM):
 
     @torch.inference_mode()
     def commit(self, keep: list[int]) -> None:
-        keep = torch.tensor(keep, dtype=torch.long, device=self.device)
-        index = torch.cat([torch.arange(self.length, device=self.device), self.length + keep])
+        kept = torch.tensor(keep, dtype=torch.long, device=self.device)
+        index = torch.cat([torch.arange(self.length, device=self.device), self.length + kept])
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
-        self.length += keep.numel()
+            layer.keys = layer.keys.index_select(-2, index)  # type: ignore[union-attr]  # a causal LM's attention cache
+            layer.values = layer.values.index_select(-2, index)  # type: ignore[union-attr]
+        self.length += len(keep)
         self.pending = 0

@@ -73,13 +73,13 @@ def measured_dtype(oracle: Path, device: str, cache_dir: Path | None = None, cal
     name = device_name(torch.device(device))
     code = hashlib.sha256(b"".join(source.read_bytes() for source in native.FORWARD_SOURCES)).hexdigest()[:8]
     path = Path(cache_dir or CACHE_DIR) / f"dtype-{fingerprint(oracle)}-{code}-{''.join(c if c.isalnum() else '_' for c in name)}.json"
-    if calibrate:
-        measured, _ = kept(path, lambda: {dtype: time_forwards(oracle, dtype, device) for dtype in DTYPES})
-    elif (measured := read_kept(path)) is None:
+    measured = (kept(path, lambda: {dtype: time_forwards(oracle, dtype, device) for dtype in DTYPES})[0] if calibrate
+                else read_kept(path))
+    if measured is None:
         return None
     ms = {dtype: by_count(row) for dtype, row in measured.items()}
     total = {dtype: sum(ms[dtype].values()) for dtype in DTYPES}
-    chosen = min(DTYPES, key=total.get)  # float32 on a tie
+    chosen = min(DTYPES, key=total.__getitem__)  # float32 on a tie
     timings = ", ".join(f"{dtype} {' + '.join(f'{ms[dtype][q]:.2f}' for q in TIMED)} ms" for dtype in DTYPES)
     return chosen, f"measured faster here: the oracle's forward of {' and '.join(map(str, TIMED))} nodes took {timings}"
 

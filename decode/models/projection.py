@@ -108,4 +108,4 @@ def fastest_layout(dtype: torch.dtype, in_features: int, out_features: int, gelu
     times: dict[str, float] = {}
     for (layout, _, _), timings in zip(cases, samples):
         times[layout] = times.get(layout, 0.0) + sorted(timings)[len(timings) // 2]
-    return min(times, key=times.get)
+    return min(times, key=times.__getitem__)

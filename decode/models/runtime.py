@@ -184,7 +184,7 @@ class NativeRuntime(Runtime):
     def forced(self, way: str):
         with super().forced(way):
             before = self.rows, self.tiles
-            if way != TORCH:
+            if way != TORCH and self.blocks is not None:  # (a way but torch's is one only with a C++ forward)
                 self.blocks.tiles = way == CPP_TILES
             self.rows = 0 if way == TORCH else native.Blocks.ROWS
             try:
@@ -206,7 +206,7 @@ class NativeRuntime(Runtime):
     def key(self) -> str:
         if self.blocks is None:
             return ""
-        return ("".join(source.read_text() for source in native.FORWARD_SOURCES) + native.forward_build(self.dtype)
+        return ("".join(source.read_text() for source in native.FORWARD_SOURCES) + (native.forward_build(self.dtype) or "")
                 + f"{self.rows} {self.tiles}")
 
     def loops(self) -> str:

@@ -41,7 +41,7 @@ def measure_machine(dtype: torch.dtype, repeats: int = 10) -> Machine:
             a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)
             rate = 4 * size**3 / best_seconds(lambda a=a, b=b: [torch.mm(a, b) for _ in range(4)], repeats)
             rates[kind] = max(rates.get(kind, 0.0), rate)
-    fastest = max(rates, key=rates.get)
+    fastest = max(rates, key=rates.__getitem__)
     return Machine(bandwidth, rates[fastest], str(fastest).removeprefix("torch."))
 
 

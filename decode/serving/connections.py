@@ -5,6 +5,7 @@ time, or never finishes them, holds it for ever. Here the headers of each reques
 read timeout of the connection's start (or of the previous response's end), or the connection is closed. The body's
 own deadline is the app's (a 408 answer).
 """
+import asyncio
 import functools
 
 import h11
@@ -16,7 +17,8 @@ class HeadersDeadline(H11Protocol):
 
     def __init__(self, *args, read_timeout: float, **kwargs):
         super().__init__(*args, **kwargs)
-        self.read_timeout, self.deadline = read_timeout, None
+        self.read_timeout = read_timeout
+        self.deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
