@@ -84,8 +84,8 @@ class Sampling:
     def proposal(self, logits: torch.Tensor, cap: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
         """A draft's distribution as a proposal that is cheap to draw from: the processed distribution over
         each row's K likeliest tokens (K: top_k, at most `cap`), renormalised. Rejection sampling stays exact
-        for any proposal it checks against, and this one skips the passes over the whole vocabulary
-        (torch's top-k, mask and softmax over 8192 logits cost ~30 us a row on a CPU). (probs, tokens), (..., K)."""
+        for any proposal it checks against, and this one skips the passes over the whole vocabulary (torch's top-k,
+        mask and softmax, each a pass over every logit of a row). (probs, tokens), (..., K)."""
         top = logits.float().topk(min(self.top_k or cap, cap, logits.shape[-1]), dim=-1)
         if self.top_p == 1.0 and not self.greedy:  # top-k over K <= top_k values keeps them all: what probs does
             return (top.values / self.temperature).softmax(-1), top.indices
@@ -97,8 +97,8 @@ GREEDY = Sampling()  # greedy decoding, the default setting
 
 def top_tokens(logits: torch.Tensor, k: int = 1, shortlist: Shortlist | None = None) -> np.ndarray:
     """(rows, k): each row's k largest tokens, best first (with a shortlist, the logits' columns are its tokens).
-    The argmax on CPU goes through numpy: torch's CPU argmax over a vocabulary is ~10x slower (measured: 110-290
-    us vs 12 us for 30 x 8192 float32). Ties go to the first index for k = 1."""
+    The argmax on CPU goes through numpy, whose argmax over a vocabulary runs several times faster than torch's CPU
+    argmax. Ties go to the first index for k = 1."""
     if k == 1 and logits.is_cpu and logits.dtype == torch.float32:
         best = logits.numpy().argmax(1)[:, None]
     else:
@@ -126,8 +126,8 @@ def tokens_at(columns: torch.Tensor, shortlist: Shortlist | None) -> torch.Tenso
 
 def argmax_of_rows(logits: torch.Tensor) -> Callable[[int], int]:
     """row -> the argmax of that row of `logits`. On CPU a row is read when asked for (verification
-    visits a few of a tree's rows, and right after the forward that wrote them each read is slow:
-    16 x 8192 float32 logits took 110-150 us against 20 us warm); elsewhere every row at once, one transfer."""
+    visits a few of a tree's rows, and right after the forward that wrote them reading a row pays for caches the
+    forward evicted); elsewhere every row at once, one transfer."""
     if logits.is_cpu and logits.dtype == torch.float32:
         rows = logits.numpy()
         return lambda row: int(rows[row].argmax())
@@ -174,8 +174,8 @@ def draw(probs: torch.Tensor | Sparse, generator: Uniforms) -> int:
 
 
 def sample(probs: torch.Tensor, generator: Uniforms) -> int:
-    """One token from a distribution (`inverse_cdf` at a uniform draw). torch.multinomial draws one exponential per
-    token: 220 us over 8192 tokens on a CPU, against 21 us for this, and the baseline samples every token this way."""
+    """One token from a distribution (`inverse_cdf` at a uniform draw): torch.multinomial draws one exponential per
+    token of the vocabulary, and the baseline samples every token this way."""
     return int(inverse_cdf(probs, generator.take(1)[0]))
 
 

@@ -5,7 +5,7 @@ forward measured in the same run (before each prompt; the median): the cost a sp
 Reading the prompt (each model's forward at an empty cache: the oracle's prompt, the draft's prompt with
 the first tree) happens once per prompt and is reported apart, per prompt. The prompts are decoded once untimed
 first: in bfloat16 on a CPU, oneDNN builds a kernel the first time a matrix is multiplied with a new number of
-rows (2-4 ms each), a cost paid once per process and tree size, not per step; the first pass's extra time is
+rows, a cost paid once per process and tree size, not per step; the first pass's extra time is
 reported apart. The trigram's remembered trees are forgotten after it, so new contexts cost what they do.
 
     python -m decode.profile_step --run RUN --method staged --limit 10 --dtype bfloat16

@@ -60,8 +60,8 @@ class DraftCache:
         """Logits after each of `nodes`, in one forward pass. Their ancestors must be scored already or
         among them; the step's first call scores the root (node 0, first in `nodes`) with the unseen accepted tokens.
         A drafter whose steps repeat the same calls on trees of one shape names each call's place (`repeats`, any
-        hashable key): its slots, mask and positions are then worked out once per number of unseen tokens (3-4 us a
-        call saved on a CPU, where this runs cold after the draft's previous forward)."""
+        hashable key): its slots, mask and positions are then worked out once per number of unseen tokens (on a CPU
+        this runs cold, right after the draft's previous forward)."""
         model, pending = self.model, self.model.pending
         run = self.unseen if not self.slots else []
         if run and nodes[0] != 0:

@@ -91,7 +91,7 @@ class ShapedTreeDrafter(ModelDrafter):
         """The tree a step grows at most `max_depth` levels deep (its tokens to be filled in) and, per level, the
         nodes the draft scores, the most ranked tokens and the most draws a row's children take, and each child as
         (node, its parent's row, its place among its siblings, its rank). Every step grows the same tree, so it is
-        laid out once: growing it node by node took 5-6 us a level right after a draft forward on a CPU."""
+        laid out once: growing it node by node a level at a time, right after a draft forward, cost every step."""
         depth = min(max_depth, len(self.parents))
         if depth not in self.layouts:
             tree, level, levels = Tree.rooted(0), [(0, 0)], []  # level: (tree node, the shape node it fills)

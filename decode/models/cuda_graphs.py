@@ -1,7 +1,7 @@
 """CUDA graphs for the lean engine: a forward replayed as one launch instead of a dozen kernels per layer.
 
-At batch one a GPU spends a small model's forward launching kernels: on an H100 one token through 12
-layers of 768 took 2.5 ms, of which the arithmetic is a few microseconds. A graph records the launches
+At batch one a GPU spends a small model's forward launching kernels, a dozen a layer, each taking longer to
+launch than its arithmetic takes to run (docs/gpu.md). A graph records the launches
 once and replays them, but it needs fixed shapes and fixed addresses. So a forward of q new nodes after
 `start` cached slots is padded to a bucket: q up to the next of NODE_BUCKETS, the attended slots 0..end
 up to a multiple of SLOT_BLOCK (or the whole cache). The padding nodes see only slot 0, write their keys and values into the

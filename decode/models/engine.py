@@ -254,7 +254,7 @@ class GPT2Engine(CachedLM):
             return blocks(token_ids, position_ids, mask, slots.start, last)
         if self.runtime.chunks and isinstance(slots, slice) and mask is not None:
             return self.chunked_logits(token_ids, position_ids, mask, slots.start, last)
-        with torch.inference_mode():  # torch's forward only: entering it took 2-5 us, a C++ forward needs none of it
+        with torch.inference_mode():  # torch's forward only: entering it costs, and a C++ forward needs none of it
             return self.torch_logits(token_ids, position_ids, mask, slots, end, last)
 
     def chunked_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor, start: int,
@@ -277,9 +277,9 @@ class GPT2Engine(CachedLM):
                      slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
         """`logits` through torch's operations."""
         token_ids, position_ids = as_tensor(token_ids, self.device), as_tensor(position_ids, self.device)
-        # F.embedding (an index_select) took 7 us for 16 rows where indexing the matrices took 17 (AMX CPU, bfloat16)
+        # F.embedding (an index_select) runs faster than indexing the matrices
         x = F.embedding(token_ids, self.wte) + F.embedding(position_ids, self.wpe)
-        if mask is not None:  # SDPA makes a boolean mask additive in every layer (5-7 us each on a CPU): once here,
+        if mask is not None:  # SDPA would make a boolean mask additive in every layer: once here,
             # over the slots the mask covers, then padded with the committed slots' zeros (one op, not a copy into ones)
             mask = F.pad(torch.where(mask, self.seen, self.unseen), (end - mask.shape[1], 0))
         with self.runtime.attention():

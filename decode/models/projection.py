@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 from decode.timing import CACHE_DIR, device_name, kept, read_kept
 
-# On a CPU in bfloat16, oneDNN builds a kernel for every new number of rows a matrix is multiplied with: 1-4 ms a
-# matrix, a first prompt of a new length cost 8 ms more than a second on the cpu preset's oracle (5 on its draft;
-# AMX CPU). Products of more than PAD_ABOVE rows (prompts; the trees a step scores are smaller) are padded to a
-# multiple of ROW_BLOCK, so prompts of any length share a few kernels.
+# On a CPU in bfloat16, oneDNN builds a kernel for every new number of rows a matrix is multiplied with, which made
+# each first prompt of a new length cost more than the next of that length. Products of more than PAD_ABOVE rows
+# (prompts; the trees a step scores are smaller) are padded to a multiple of ROW_BLOCK, so prompts of any length
+# share a few kernels.
 PAD_ABOVE, ROW_BLOCK = 64, 32
 
 
@@ -58,8 +58,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 class Projection:
     """x @ weight + bias, the (in, out) weight stored in one of LAYOUTS, then GPT-2's tanh GELU when `gelu`; the
     product is picked once, not per call. Prepacked, oneDNN applies the GELU to the product's float32 accumulator
-    as it writes it out: one pass fewer over the MLP's widest activations (on an AMX CPU in bfloat16, 16 rows by
-    512 x 2048 took 47 us against 73 for the product and F.gelu; in float32 about 10% less). The separate GELU
+    as it writes it out: one pass fewer over the MLP's widest activations. The separate GELU
     rounds the product to the dtype first, so the two can differ in the last place."""
 
     def __init__(self, in_out: torch.Tensor, bias: torch.Tensor | None, layout: str, gelu: bool = False,

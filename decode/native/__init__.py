@@ -117,7 +117,7 @@ def loops(device: str) -> str:
 class SlotMover:
     """A commit's moves in C++ over a contiguous (..., capacity, head_dim) CPU cache, as a function of (length, keep)
     under which, in each plane, slot length + i takes slot length + keep[i]. It holds the cache, whose address and
-    shape it reads once: right after a forward, reading them per commit took 10-15 us."""
+    shape it reads once: right after a forward, each torch call to read them again pays for evicted caches."""
 
     def __init__(self, kv_cache: torch.Tensor):
         if not (kv_cache.is_cpu and kv_cache.is_contiguous()):

@@ -147,8 +147,8 @@ def draft_variants(sizes: list[int], options, vocab_size: int) -> dict[tuple[int
     """The drafts besides the plan's own (whole vocabulary, `base_dtype`) that each draft method's finalists are
     replayed with, by (shortlist size or 0, dtype): each of `sizes` and the whole vocabulary, in the base dtype and,
     when that is bfloat16 on a CPU, in float32. A draft's forwards of a few rows are mostly per-call overhead, which
-    on a CPU differs by dtype (on an AMX CPU, MKL's float32 products of one row took 4-12 us against oneDNN's
-    bfloat16 19-25): measured. A GPU launches the same kernels either way (not weighed there)."""
+    on a CPU differs by dtype (MKL's float32 products against oneDNN's bfloat16 ones), so it is measured. A GPU
+    launches the same kernels either way (not weighed there)."""
     on_cpu = torch.device(options.device).type == "cpu"
     dtypes = [base_dtype(options)] + ["float32"] * (base_dtype(options) != "float32" and on_cpu)
     return {(n, dtype): load_draft(replace(options, draft_vocab=n, draft_dtype=dtype), vocab_size)
