@@ -119,7 +119,8 @@ class SpeculativeDecoder:
         named = "plan" in options  # plan=None: no plan; plan=PATH: that one for every setting; else the run's own
         plan = options.pop("plan", None)
         resolved = resolve(options | {"oracle": oracle, "draft": draft, "ngram": ngram}, frozenset(options),
-                           run and Path(run), plan=plan and Path(plan), plans=not named or plan is not None)
+                           Path(run) if run else None, plan=Path(plan) if plan else None,
+                           plans=not named or plan is not None)
         if (borrowed := resolved.borrowed()) is not None:
             log.info("greedy decoding uses the plan %s", borrowed)
         if (reason := resolved.without_plan()) is not None:

@@ -86,8 +86,8 @@ def nearest_run_plan(run: Path, options, sampling: Sampling = GREEDY) -> tuple[P
     own, other = run_plan(run, options, sampling)
     if own is not None:
         return own, other
-    settings = {path: setting_of(path.name) for path in Path(run).glob("plan*.json")}
-    for path in sorted((p for p, s in settings.items() if s is not None and s != sampling),
+    settings = {path: setting for path in Path(run).glob("plan*.json") if (setting := setting_of(path.name)) is not None}
+    for path in sorted((p for p, s in settings.items() if s != sampling),
                        key=lambda p: (setting_distance(settings[p], sampling), p.name)):
         if (fits := run_plan(run, options, settings[path])[0]) is not None:
             return fits, other

@@ -32,6 +32,7 @@ class Resolved:
         if not self.run_plans:
             return self.plan, []
         if sampling not in self.found:
+            assert self.run is not None, "run_plans only with a run"
             self.found[sampling] = nearest_run_plan(self.run, self.base, sampling)
         return self.found[sampling]
 
@@ -54,7 +55,7 @@ class Resolved:
     def without_plan(self, sampling: Sampling = GREEDY) -> str | None:
         """Why the method decodes without the run's plan under this sampling, in words: the run's plan for it was made
         for other settings, or (a tree method whose tree the caller did not size) there is none. None otherwise."""
-        if not self.run_plans:
+        if not self.run_plans or self.run is None:
             return None
         plan, other = self.plan_for(sampling)
         if other and plan is None:
@@ -69,7 +70,7 @@ class Resolved:
         if policy is not None:
             return f"the draft's chain of {policy['depth']} tokens, the shape plans choose on a CPU"
         if METHODS[base.method].tree:
-            return f"a tree sized for this device (budget {base.budget}, widths {','.join(map(str, base.widths))})"
+            return f"a tree sized for this device (budget {base.budget}, widths {','.join(map(str, base.widths or []))})"
         return "its defaults"
 
 

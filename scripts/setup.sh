@@ -16,7 +16,7 @@ python="${PYTHON:-python3}"
 stamp="$venv/.installed" target="$root" modules="torch, transformers, data, fastapi, uvicorn" what="its dependencies"
 case "${1:-}" in
     "") ;;
-    --test) stamp="$venv/.installed-test" target="$root[test]" modules="$modules, pytest, kenlm, openai, httpx, schemathesis, gguf, ruff"
+    --test) stamp="$venv/.installed-test" target="$root[test]" modules="$modules, pytest, kenlm, openai, httpx, schemathesis, gguf, ruff, mypy"
             what="its dependencies and the test extra (kenlm compiles from source, about a minute)" ;;
     *) echo "error: unknown argument $1; usage: bash scripts/setup.sh [--test]" >&2; exit 2 ;;
 esac

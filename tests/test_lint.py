@@ -1,4 +1,5 @@
 """The code passes the linter with the repository's configuration (pyproject.toml's [tool.ruff])."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_ruff_finds_nothing():
     checked = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_library_type_checks():
+    """mypy over decode/ with pyproject.toml's settings (no cache: a cache from other code can hide an error)."""
+    checked = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", os.devnull], cwd=ROOT, capture_output=True,
+                             text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 

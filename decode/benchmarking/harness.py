@@ -5,6 +5,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Any
 
 from tqdm import tqdm
 
@@ -114,7 +115,7 @@ def compare_with_baseline(outputs: dict[str, list[list[int]]], prompts: list[Pro
     tie in the oracle's logits settled the other way) and the differences (a near-tie could not explain them)."""
     checks = {}
     for name, rows in outputs.items():
-        check = {"identical": 0, "near_ties": [], "differences": []}
+        check: dict[str, Any] = {"identical": 0, "near_ties": [], "differences": []}
         for i, (prompt, got, expected) in enumerate(zip(prompts, rows, outputs["baseline"])):
             diff = judge(name, i, prompt, expected, got)
             if diff is None:

@@ -29,7 +29,7 @@ BUILD = ("cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-
          "(the llama-cpp-python sdist carries it in vendor/llama.cpp; docs/installation.md), then put build/bin on PATH "
          f"or set {SERVER_VARIABLE} to build/bin/llama-server")
 # The settings each peer tries on the first prompts, keeping the fastest: llama-server's own flags
-CANDIDATES = {
+CANDIDATES: dict[str, list[list[str]]] = {
     "llamacpp-server": [[]],
     "llamacpp-draft": [["--spec-type", "draft-simple", "--spec-draft-n-max", str(n)] for n in (2, 4, 8, 16)],
     "llamacpp-ngram": [["--spec-type", kind] for kind in ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")],
@@ -172,13 +172,14 @@ class ServerPeer:
 
     def __init__(self, name: str, oracle_dir, draft_dir, sampling: Sampling, eos_id: int, dtype: str, threads: int,
                  context: int):
-        self.server = None
+        self.server: LlamaServer | None = None
         check_server(server_binary() or "llama-server", name)
         self.folder = tempfile.TemporaryDirectory(prefix="llamacpp-gguf-")  # removed with this object
         self.models = export_gguf(oracle_dir, draft_dir if name == "llamacpp-draft" else None, Path(self.folder.name),
                                   dtype)
         self.name, self.sampling, self.eos_id, self.threads, self.context = name, sampling, eos_id, threads, context
-        self.flags, self.peak_rss = CANDIDATES[name][0], None
+        self.flags = CANDIDATES[name][0]
+        self.peak_rss: float | None = None
 
     def choose(self, prompts: list[Prompt], max_new_tokens: int) -> str | None:
         """Runs each candidate setting on `prompts` and keeps the fastest; what was measured, in a line (None: one
@@ -197,25 +198,29 @@ class ServerPeer:
         shown = ", ".join(f"{' '.join(flags[1:])}: {speed:.0f} tok/s" for speed, flags in timed)
         return f"{self.name}: {' '.join(best)} (fastest on {len(prompts)} prompts; {shown})"
 
-    def start(self, flags: list[str]) -> None:
+    def start(self, flags: list[str]) -> "LlamaServer":
         self.close()
         self.server, self.flags = LlamaServer(self.models, flags, self.threads, self.context), flags
+        return self.server
+
+    def running(self) -> "LlamaServer":
+        """The server, started with the chosen flags if it is not running."""
+        return self.server if self.server is not None else self.start(self.flags)
 
     def __call__(self, prompt: Prompt, max_new_tokens: int, seed: int) -> Generation:
-        if self.server is None:
-            self.start(self.flags)
+        server = self.running()
         ids, generation = prompt.ids.tolist(), Generation()
         request = {"prompt": ids, "n_predict": max_new_tokens, "seed": seed, "cache_prompt": False, **sampler(self.sampling)}
         if prompt.allowed is not None:  # the healed first token alone, then the rest after the cached prompt
             banned = (~prompt.allowed).nonzero().flatten().tolist()
-            first = self.server.complete({**request, "n_predict": 1, "logit_bias": [[t, False] for t in banned]})
+            first = server.complete({**request, "n_predict": 1, "logit_bias": [[t, False] for t in banned]})
             if generation.add(first["tokens"] or [self.eos_id], max_new_tokens, self.eos_id):
                 generation.oracle_calls = 1
                 return generation
             request = {**request, "prompt": ids + generation.tokens, "n_predict": max_new_tokens - 1,
                        "seed": seed + 1, "cache_prompt": True}
             generation.oracle_calls = 1
-        reply = self.server.complete(request)
+        reply = server.complete(request)
         tokens = reply["tokens"] + ([self.eos_id] if reply.get("stop_type") == "eos" else [])
         generation.add(tokens, max_new_tokens, self.eos_id)
         timings = reply.get("timings", {})
@@ -226,9 +231,7 @@ class ServerPeer:
     def gaps(self, context: list[int], a: int, b: int, prompt_length: int) -> list[float]:
         """logit[a] - logit[b] after `context` as llama.cpp computes it (the context in one forward), where both are
         among its 20 best tokens there (their log-probabilities' difference); none otherwise."""
-        if self.server is None:
-            self.start(self.flags)
-        reply = self.server.complete({"prompt": context, "n_predict": 1, "n_probs": 20, "cache_prompt": False,
+        reply = self.running().complete({"prompt": context, "n_predict": 1, "n_probs": 20, "cache_prompt": False,
                                       **sampler(Sampling())})
         best = {entry["id"]: entry["logprob"] for entry in reply["completion_probabilities"][0]["top_logprobs"]}
         return [best[a] - best[b]] if a in best and b in best else []

@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import tempfile
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -38,7 +39,8 @@ class FirstTokenConstraint(LogitsProcessor):
         self.allowed, self.prompt_length = allowed, prompt_length
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        return constrain_first(scores, self.allowed) if input_ids.shape[-1] == self.prompt_length else scores
+        constrained = constrain_first(scores, self.allowed) if input_ids.shape[-1] == self.prompt_length else scores
+        return cast(torch.FloatTensor, constrained)
 
 
 def without_internal_deprecation(record: logging.LogRecord) -> bool:

@@ -14,6 +14,7 @@ per oracle call are still reported.
 """
 import argparse
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,8 @@ def main(argv=None) -> dict:
     n, seed, sampling = settings.max_new_tokens, settings.seed, settings.sampling
     outputs = {m: [dec.decoder(prompt, n, seed + i, sampling) for i, prompt in enumerate(prompts)]
                for m, dec in decoders.items()}
-    report = {m: {"tokens_per_oracle_call": [len(out.tokens) / out.oracle_calls for out in outputs[m]]} for m in methods}
+    report: dict[str, dict[str, Any]] = {
+        m: {"tokens_per_oracle_call": [len(out.tokens) / out.oracle_calls for out in outputs[m]]} for m in methods}
     if sampling.greedy:  # sampled outputs differ by method (each draws differently): only greedy ones are compared
         judge = lambda m, i, prompt, expected, got: divergence(
             decoders["baseline"].decoder.oracle, prompt, expected, got,

@@ -31,6 +31,7 @@ import sys
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,7 +67,8 @@ def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[d
     """A decoder per method (each with its own models and caches) and our SpeculativeDecoders. A llama.cpp peer that
     cannot run here is an error when `chosen` (named in --methods), else skipped with a line."""
     base = settings.flags.base
-    decoders, ours = {}, []
+    decoders: dict[str, Any] = {}  # ours (api.Decoder) and the peers: each decodes a prompt when called
+    ours: list[SpeculativeDecoder] = []
     for name in (n for n in names if n not in PEERS):
         options = (replace(base, method="staged", widths=list(PAPER_WIDTHS), budget=PAPER_BUDGET) if name == "staged-paper"
                    else settings.options_of(name))
@@ -278,8 +280,9 @@ def main(argv=None) -> dict:
     for name, mib in memory.items():
         summary[name]["peak_rss_mb"] = mib
     plan = json.loads(Path(plan_path).read_text()) if plan_path is not None else None
-    for name in (n for n in names if plan is not None and n in plan["predicted"] and n != "baseline"):
-        summary[name]["predicted"] = plan["predicted"][name]
+    if plan is not None:
+        for name in (n for n in names if n in plan["predicted"] and n != "baseline"):
+            summary[name]["predicted"] = plan["predicted"][name]
     shown = next((n for n in ("staged", *names) if n in records and n != "baseline"), "baseline")
     record, prompt = prompts[0]
     explain.show_sample(record["prompt"], prompt.completion(ours[0].tokenizer, records[shown][0]["tokens"],

@@ -64,7 +64,7 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
     from transformers import AutoModelForCausalLM
 
     engine = GPT2Engine.load(model_dir, dtype, device)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype).to(engine.device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype).to(engine.device).eval()  # type: ignore[arg-type]  # transformers' decorator hides Module.to
     tokenizer = load_tokenizer(model_dir)
     ours_s = hf_s = 0.0
     ours_n = hf_n = agree = 0
@@ -124,14 +124,15 @@ def roofline_tables(args, models: dict) -> dict:
     print(f"\nthis machine: memory read {machine.bandwidth / 1e9:.1f} GB/s (sums over 256 MB), peak "
           f"{machine.macs / 1e9:.1f} GMAC/s ({machine.peak_dtype} square products in torch), "
           f"{torch.get_num_threads()} threads (the faster of before and after the curves)")
+    curves: dict[str, dict] = {}
     result = {"bandwidth_gb_s": machine.bandwidth / 1e9, "peak_gmac_s": machine.macs / 1e9,
-              "peak_dtype": machine.peak_dtype, "curves": {}}
+              "peak_dtype": machine.peak_dtype, "curves": curves}
     for (name, prefix), ms in measured.items():
         model, shape = models[name], ForwardShape.of(models[name])
         roof = {q: shape.roofline_ms(machine, q, prefix) for q in NODE_COUNTS}
         print(f"\n{name}: c(q)/c(1) after {prefix} cached positions (the engine: the C++ call up to "
               f"{model.runtime.rows} rows; the roofline's knee at {knee(shape, machine, prefix)} rows)")
-        result["curves"][f"{name} @ {prefix}"] = curve = {"ms": ms, "roofline_ms": roof}
+        curves[f"{name} @ {prefix}"] = curve = {"ms": ms, "roofline_ms": roof}
         print(f"{'':<40}" + "".join(f"{q:>8}" for q in NODE_COUNTS))
         for label, row in curve_rows(curve):
             print(table_row(label, row))
@@ -174,8 +175,9 @@ def parse(argv) -> argparse.Namespace:
 
 def shaped_models(args, cuda_graphs: bool = False) -> dict:
     """The --shape models, random weights in the run's dtype, by a label that says so."""
-    return {f"{spec}-shaped (random weights)": random_gpt2(*shape, args.dtype, args.device, cuda_graphs=cuda_graphs)
-            for spec, shape in args.shapes}
+    return {f"{spec}-shaped (random weights)": random_gpt2(n_layer, n_embd, vocab, args.dtype, args.device,
+                                                           cuda_graphs=cuda_graphs)
+            for spec, (n_layer, n_embd, vocab) in args.shapes}
 
 
 def forward_tables(args, models: dict) -> dict:

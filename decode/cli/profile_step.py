@@ -44,9 +44,9 @@ def main(argv=None) -> dict[str, float]:
     dec = SpeculativeDecoder(settings.options)
     decoder, prompts = dec.decoder, [prompt for _, prompt in encode_prompts(settings, [dec])]
     timer = Timer(decoder.oracle.runtime.synchronize)
-    if decoder.draft is not None:  # a chain's forwards made in one call count as the draft's forwards
+    if (draft := decoder.draft) is not None:  # a chain's forwards made in one call count as the draft's forwards
         for name in ("forward", "chain"):
-            timer.wrap(decoder.draft, name, lambda: f"draft {'prompt' if decoder.draft.length == 0 else 'forward'}")
+            timer.wrap(draft, name, lambda: f"draft {'prompt' if draft.length == 0 else 'forward'}")
     if (trigram := getattr(decoder.drafter, "trigram", None)) is not None:  # drafting.base: a trigram's trees
         timer.wrap(trigram, "build", "trigram trees")
     with timer.paused():

@@ -94,6 +94,7 @@ def encode_prompts(settings: Settings, decoders: list[SpeculativeDecoder], recor
     if records is None and settings.prompt is not None:
         records = [{"task_id": "prompt", "prompt": settings.prompt}]
     elif records is None:
+        assert settings.prompts is not None, "parse_settings asks for --prompt or --prompts"
         records = load_prompts(settings.prompts, settings.limit)
     first = min(decoders, key=lambda d: d.decoder.context())
     lookahead = max(d.decoder.lookahead() for d in decoders)

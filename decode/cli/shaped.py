@@ -52,7 +52,8 @@ def main(argv=None) -> Path:
     from safetensors.torch import save_file
     from transformers import GPT2Config
 
-    gpt2 = GPT2Config(**config, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+    # a config keeps the keys it does not know (random_weights, torch_dtype) as attributes
+    gpt2 = GPT2Config(**config, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,  # type: ignore[call-arg]
                       architectures=["GPT2LMHeadModel"], random_weights=True, torch_dtype=args.dtype)
     parameters = sum(w.numel() for w in weights.values())
     print(f"{args.shape}: {args.n_layer} layers x {args.n_embd}, vocabulary {vocab} (the tokenizer's), "

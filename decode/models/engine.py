@@ -166,8 +166,9 @@ class GPT2Engine(CachedLM):
                    for name, matrix in matrices.items()}
 
         def torch_weights(checkpoint: dict[str, torch.Tensor]) -> tuple[list[LayerWeights], Projection]:
-            projection = lambda in_out, bias, gelu, name: Projection(in_out, bias, layouts[LINEAR.get(name, name)], gelu,
-                                                                     pad_rows)
+            def projection(in_out: torch.Tensor, bias: torch.Tensor | None, gelu: bool, name: str) -> Projection:
+                return Projection(in_out, bias, layouts[LINEAR.get(name, name)], gelu, pad_rows)
+
             return ([LayerWeights.from_checkpoint(checkpoint, i, projection) for i in range(shape.n_layer)],
                     projection(output.T, None, False, "head"))
 

@@ -27,7 +27,7 @@ def merges_of(tokenizer, model_dir: Path) -> list[str]:
     return [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
 
 
-def vocabulary(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
+def vocabulary(tokenizer, vocab_size: int) -> tuple[list[str], list]:
     """Every token id's string and GGUF token type, padded to the model's `vocab_size` with unused entries."""
     import gguf
 

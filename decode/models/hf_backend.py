@@ -35,8 +35,8 @@ class HFEngine(CachedLM):
         self.device, self.dtype = torch.device(device), self.model.dtype
         self.runtime = runtime_for(self.device, self.dtype, cpp_forward=False)  # transformers' forward; the step's loops
         self.vocab_size = config.vocab_size
-        context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-        self.max_length = max_length or context
+        # GPT-2's context is n_positions, the others' max_position_embeddings
+        self.max_length = max_length or getattr(config, "max_position_embeddings", None) or config.n_positions
         self._new_cache = DynamicCache
         self.cache_keyword = cache_keyword(self.model)
         self.cache = DynamicCache()

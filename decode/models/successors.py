@@ -8,6 +8,7 @@ A batch of contexts is one searchsorted and a gather. `</s>` is returned as the 
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,8 @@ class SuccessorTable:
     def save(self, path) -> None:
         with atomic_output(path) as tmp:
             with open(tmp, "wb") as f:
-                np.savez(f, **{name: np.asarray(getattr(self, name)) for name in self.field_names()})
+                arrays: dict[str, Any] = {name: np.asarray(getattr(self, name)) for name in self.field_names()}
+                np.savez(f, **arrays)
 
     @classmethod
     def load(cls, path) -> "SuccessorTable":
@@ -75,4 +77,5 @@ class SuccessorTable:
         if set(fields) != expected:
             raise InputError(f"{path} is not a successor table of this version (fields {sorted(fields)}); rebuild it with "
                              f"`python ngram/build_katz.py --out {path.parent} --overwrite`")
-        return cls(**{k: (int(v) if v.ndim == 0 else v) for k, v in fields.items()})
+        values: dict[str, Any] = {k: (int(v) if v.ndim == 0 else v) for k, v in fields.items()}
+        return cls(**values)

@@ -5,6 +5,7 @@ per model, device, dtype, thread count and that number, and keeps the table in a
 `cost_curve` interpolates a table to every q; `ContextCosts` holds curves measured after several cached lengths and
 prices a forward of q nodes after any number of them.
 """
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,7 @@ class ContextCosts:
 
     __rmul__ = __mul__
 
-    def at(self, nodes: list[int], cached: list[int]) -> torch.Tensor:
+    def at(self, nodes: Sequence[int], cached: Sequence[int]) -> torch.Tensor:
         """The cost of each forward of nodes[i] nodes after cached[i] positions."""
         q = torch.tensor(nodes, dtype=torch.long)
         if len(self.lengths) == 1:
@@ -74,11 +75,11 @@ def non_decreasing(values) -> np.ndarray:
     order are replaced by their mean until none is."""
     pools = []  # [mean, count]
     for value in values:
-        pools.append([float(value), 1])
+        pools.append([float(value), 1.0])
         while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
             (mean, count), (last, last_count) = pools[-2], pools.pop()
             pools[-1] = [(mean * count + last * last_count) / (count + last_count), count + last_count]
-    return np.repeat([mean for mean, _ in pools], [count for _, count in pools])
+    return np.repeat([mean for mean, _ in pools], [int(count) for _, count in pools])
 
 
 def cost_curve(costs: dict[int, float], largest: int) -> torch.Tensor:

@@ -68,6 +68,7 @@ def make_plan(options, calibration_prompts: Callable[[object], list[Prompt]], se
     oracle_costs = next(iter(tables.values()))  # after 128 cached positions
     isolated_ms = costs.ContextCosts.of_tables(tables, 2 * search.max_budget)
     sequences = oracle_outputs(decoder, prompts, search.max_new_tokens)
+    assert draft is not None, "the planner plans staged, which needs a draft (the options were checked)"
     p_draft = shapes.acceptance([shapes.ranks(draft, p, c) for p, c in sequences], RANKS, search.max_depth)
     p_trigram = shapes.acceptance([shapes.trigram_ranks(table, p, c) for p, c in sequences], min(RANKS, table.k),
                                   search.max_depth)

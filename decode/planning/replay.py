@@ -20,7 +20,7 @@ from decode import loop
 from decode.drafting import Drafter
 from decode.loop import Hooks
 from decode.planning.costs import ContextCosts
-from decode.sampling import GREEDY, Sampling
+from decode.sampling import GREEDY, Sampling, Uniforms
 
 
 @dataclass
@@ -106,7 +106,7 @@ def replay_prompt(drafter: Drafter, prompt: list[int], continuation: list[int], 
     tokens, done = list(prompt), 0
     while done < len(continuation):
         start = time.perf_counter()
-        tree = drafter.propose(tokens, len(continuation) - done - 1, GREEDY, None)
+        tree = drafter.propose(tokens, len(continuation) - done - 1, GREEDY, Uniforms())
         path = [0]
         while done + len(path) < len(continuation):
             want = continuation[done + len(path) - 1]
@@ -148,8 +148,14 @@ def sampled(drafter: Drafter, oracle, prompts: list, max_new_tokens: int, sampli
     seed + i, as decode.bench does. Sampled acceptance is random, so no replay along one output stands for it; the
     oracle's forwards are counted here, and costed by `predict` as a replay's are."""
     out = Replay()
-    hooks = Hooks(on_forward=lambda nodes, cached, seconds: cached and (out.nodes.append(nodes), out.cached.append(cached),
-                                                                        out.step_prompts.append(out.prompts)),
+
+    def on_forward(nodes: int, cached: int, seconds: float) -> None:
+        if cached:  # a step's forward, not a prompt's
+            out.nodes.append(nodes)
+            out.cached.append(cached)
+            out.step_prompts.append(out.prompts)
+
+    hooks = Hooks(on_forward=on_forward,
                   on_propose=lambda seconds: setattr(out, "drafting_seconds", out.drafting_seconds + seconds),
                   synchronize=oracle.runtime.synchronize)
     recorded = Recorded(drafter, out.accepted)

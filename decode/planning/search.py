@@ -64,7 +64,9 @@ def candidates(options, draft, table, p_draft, max_budget: int, max_depth: int,
 
 def drafter_for(method: str, policy: dict, draft, table, options):
     """The drafter that drafts `method`'s `policy` with this draft model."""
-    return METHODS[method].drafter(with_policy(replace(options, method=method), policy), draft, table)
+    make = METHODS[method].drafter
+    assert make is not None, "a planned method drafts"
+    return make(with_policy(replace(options, method=method), policy), draft, table)
 
 
 def base_dtype(options) -> str:

@@ -41,7 +41,6 @@ def acceptance(rank_lists: list[list[int]], width: int, depth: int) -> list[list
     hits = np.zeros((depth, width))
     reached = np.zeros(depth)
     for r in rank_lists:
-        r = np.asarray(r)
         for start in range(len(r)):
             for d in range(min(depth, len(r) - start)):
                 reached[d] += 1
@@ -96,7 +95,7 @@ def best_shapes(p: list[list[float]], max_nodes: int, depth: int) -> list[Shape 
                             best[m], choice[m] = value, s
             split[d, k], rest = choice, best
         below[d] = rest
-    shapes = [None]
+    shapes: list[Shape | None] = [None]
     for n in range(1, max_nodes + 1):
         if below[0][n - 1] == -math.inf:  # more nodes than `depth` levels of `width` children hold
             shapes.append(None)

@@ -77,7 +77,7 @@ class Worker:
     """What decodes: takes jobs from a bounded queue in turn, in `run`, until `stop`."""
 
     def __init__(self, decoder: SpeculativeDecoder, queue_size: int):
-        self.decoder, self.jobs = decoder, queue.Queue[Job](maxsize=queue_size)
+        self.decoder, self.jobs = decoder, queue.Queue[Job | None](maxsize=queue_size)
         self.decoding, self.draining = False, False
         self.completed = self.cancelled = 0
 
