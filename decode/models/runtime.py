@@ -1,7 +1,7 @@
 """What runs a model on its device, chosen once as the model is built: one `Runtime` per device and model.
 
-A runtime owns every choice that depends on where the model runs, so that nothing else asks which device or
-instruction set it is on:
+A runtime owns every choice that depends on where a loaded model runs, so that the models, the drafters, the loops
+and the tools never ask which device or instruction set they are on:
 
     kernels                  the step's loops over the model's logits (decode.kernels: C++ or portable)
     host_kernels             the loops over token lists and the trigram's tables, in CPU memory
