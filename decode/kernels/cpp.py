@@ -13,7 +13,7 @@ from decode.shortlist import Shortlist
 from decode.tree import Tree
 
 
-def rows(logits: torch.Tensor):
+def logit_array(logits: torch.Tensor):
     """Logits as the C++ reads them: a numpy array over the tensor's memory (which the C++ checks is float32 rows,
     in one block)."""
     try:
@@ -29,7 +29,7 @@ def shortlist_tokens(shortlist: Shortlist | None):
 
 def sparse_setting(logits: torch.Tensor, sampling: Sampling, shortlist: Shortlist | None) -> dict:
     """The arguments of the loops that read top-k distributions off logits (step.cpp's SparseRows)."""
-    return {"logits": rows(logits), "top_k": sampling.top_k, "temperature": float(sampling.temperature),
+    return {"logits": logit_array(logits), "top_k": sampling.top_k, "temperature": float(sampling.temperature),
             "top_p": float(sampling.top_p), "shortlist_tokens": shortlist_tokens(shortlist)}
 
 
@@ -53,7 +53,7 @@ class NativeKernels(PortableKernels):
         self.module = module or native.module()
 
     def top_tokens(self, logits: torch.Tensor, k: int, shortlist: Shortlist | None = None) -> list[list[int]]:
-        return self.module.top_tokens(logits=rows(logits), k=k, shortlist_tokens=shortlist_tokens(shortlist))
+        return self.module.top_tokens(logits=logit_array(logits), k=k, shortlist_tokens=shortlist_tokens(shortlist))
 
     def distributions(self, logits: torch.Tensor, rows: list[int], sampling: Sampling,
                       shortlist: Shortlist | None = None) -> list[Sparse]:
@@ -67,7 +67,7 @@ class NativeKernels(PortableKernels):
     def sample_match(self, tree: Tree, target, generator) -> tuple[list[int], int]:
         if not target.sampling.greedy:
             return super().sample_match(tree, target, generator)
-        return self.module.greedy_walk(logits=rows(target.logits), tokens=tree.tokens, parents=tree.parents)
+        return self.module.greedy_walk(logits=logit_array(target.logits), tokens=tree.tokens, parents=tree.parents)
 
     def multi_draft_rejection(self, tree: Tree, target, generator) -> tuple[list[int], int]:
         if not target.sampling.sparse:
@@ -85,7 +85,7 @@ class NativeKernels(PortableKernels):
             return super().staged_selection(tree, logits, order, copied, max_depth, budget, children, sampling,
                                             shortlist)
         tokens, parents, kept = self.module.staged_selection(
-            logits=rows(logits), order=order, parents=tree.parents, tokens=tree.tokens, depths=tree.depths,
+            logits=logit_array(logits), order=order, parents=tree.parents, tokens=tree.tokens, depths=tree.depths,
             copied=list(copied), shortlist_tokens=shortlist_tokens(shortlist),
             shortlist_columns=None if shortlist is None else shortlist.column, max_depth=max_depth, budget=budget)
         return Tree.of(tokens, parents), kept

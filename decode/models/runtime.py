@@ -4,7 +4,6 @@ A runtime owns every choice that depends on where a loaded model runs, so that t
 and the tools never ask which device or instruction set they are on:
 
     kernels                  the step's loops over the model's logits (decode.kernels: C++ or portable)
-    host_kernels             the loops over token lists and the trigram's tables, in CPU memory
     dtype                    the weights' format (bfloat16 or float32)
     blocks, rows             the C++ forward of a few rows (native.Blocks) and the most rows it runs (0: torch's forward)
     tiles                    whether that forward's products run on AMX's tiles
@@ -13,6 +12,8 @@ and the tools never ask which device or instruction set they are on:
     attention(), graphs()    torch's attention kernels, CUDA graphs
     forced(way)              a context in which the forwards run one way ("torch", "C++", "C++ on AMX tiles"), for
                              the tools that compare them
+
+The loops over token lists and the trigram's tables run in CPU memory whatever the device: `host_kernels()`.
 
 Three kinds, as ggml's CPU and CUDA backends: `Runtime` (torch's operations and the portable loops on a CPU, where
 the C++ is not built), `NativeRuntime` (a CPU with the C++ loops, and the C++ forward where the instruction set and
@@ -74,7 +75,6 @@ class Runtime:
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
         self.kernels: StepKernels = PortableKernels()
-        self.host_kernels = host_kernels()
         self.blocks: native.Blocks | None = None
         self.rows = 0
 
@@ -121,10 +121,6 @@ class Runtime:
     def ways(self) -> list[str]:
         """The ways a forward of a few rows can run here, torch's last."""
         return [TORCH]
-
-    @property
-    def way(self) -> str:
-        return TORCH
 
     @contextlib.contextmanager
     def forced(self, way: str):
@@ -176,10 +172,6 @@ class NativeRuntime(Runtime):
             return [TORCH]
         return [CPP, *([CPP_TILES] if self.blocks.can_tile else []), TORCH]
 
-    @property
-    def way(self) -> str:
-        return TORCH if self.rows == 0 else CPP_TILES if self.tiles else CPP
-
     @contextlib.contextmanager
     def forced(self, way: str):
         with super().forced(way):
@@ -209,9 +201,6 @@ class NativeRuntime(Runtime):
         return ("".join(source.read_text() for source in native.FORWARD_SOURCES) + (native.forward_build(self.dtype) or "")
                 + f"{self.rows} {self.tiles}")
 
-    def loops(self) -> str:
-        return "C++"
-
 
 class CudaRuntime(Runtime):
     """A GPU: torch's forward (replayed as CUDA graphs where asked), its attention without cuDNN's; the portable loops
@@ -239,7 +228,7 @@ class CudaRuntime(Runtime):
         torch.cuda.synchronize(self.device)
 
     def loops(self) -> str:
-        return f"{self.host_kernels.name} for the trees, Python for the GPU's logits"
+        return f"{host_kernels().name} for the trees, Python for the GPU's logits"
 
 
 def runtime_for(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, cpp_forward: bool = True,

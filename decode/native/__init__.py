@@ -123,12 +123,13 @@ class SlotMover:
         if not (kv_cache.is_cpu and kv_cache.is_contiguous()):
             raise ValueError("the C++ moves take a contiguous cache in CPU memory")
         self.cache, self.commit_slots = kv_cache, module().commit_slots
-        capacity, head_dim = kv_cache.shape[-2:]
-        self.layout = {"cache": kv_cache.data_ptr(), "planes": kv_cache.numel() // (capacity * head_dim),
-                       "capacity": capacity, "slot_bytes": head_dim * kv_cache.element_size()}
+        self.capacity, head_dim = kv_cache.shape[-2:]
+        self.address, self.planes = kv_cache.data_ptr(), kv_cache.numel() // (self.capacity * head_dim)
+        self.slot_bytes = head_dim * kv_cache.element_size()
 
     def __call__(self, length: int, keep: list[int]) -> None:
-        self.commit_slots(**self.layout, length=length, keep=keep)
+        self.commit_slots(cache=self.address, planes=self.planes, capacity=self.capacity, slot_bytes=self.slot_bytes,
+                          length=length, keep=keep)
 
 
 def pack_for_products(in_out: torch.Tensor) -> torch.Tensor:
