@@ -23,6 +23,7 @@ from decode.models.cached_lm import CachedLM
 from decode.models.kv_slots import KVSlots
 from decode.models.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode.models.projection import LAYOUTS, Projection
+from decode.models.quantized import QuantizedMatrix, format_of, split_checkpoint
 from decode.models.runtime import Runtime, runtime_for
 from decode.sampling import Sparse
 from decode.shortlist import Shortlist
@@ -105,6 +106,11 @@ class LayerWeights:
         return self.qkv, self.attn_out, self.mlp_in, self.mlp_out
 
 
+def dequantized_matrices(quantized: dict[str, QuantizedMatrix]) -> dict[str, torch.Tensor]:
+    """A quantized GPT-2's block matrices in float32, (in, out) as its Conv1D layers hold them."""
+    return {name: matrix.dequantize().T for name, matrix in quantized.items() if name != "wte.weight"}
+
+
 class GPT2Engine(CachedLM):
     def __init__(self, shape: GPT2Shape, wte: torch.Tensor, wpe: torch.Tensor,
                  torch_weights: Callable[[], tuple[list[LayerWeights], Projection]], layouts: dict[str, str],
@@ -136,7 +142,8 @@ class GPT2Engine(CachedLM):
     def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str | torch.device = "cpu",
               max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False,
               shortlist: Shortlist | None = None, native_blocks: bool = False, calibrate: bool = False,
-              reload: Callable[[], dict[str, torch.Tensor]] | None = None) -> "GPT2Engine":
+              reload: Callable[[], dict[str, torch.Tensor]] | None = None,
+              quantized: dict[str, QuantizedMatrix] | None = None) -> "GPT2Engine":
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint, run by the device's runtime
         (runtime_for). `layout` (one of LAYOUTS) stores every matrix in that layout; by default each matrix gets its
         shape's calibrated layout (measured now with `calibrate`; decode.models.projection.layout_for). On a GPU with
@@ -145,7 +152,10 @@ class GPT2Engine(CachedLM):
         rows (up to native.Blocks.ROWS, or the runtime's `rows` once measured) as one C++ call (forward.cpp), which
         rounds differently from torch's; `reload()` then gives the checkpoint's weights again, and the C++ call takes
         the matrices out of `weights` (read for this engine alone) as it packs them, torch's forward making its own
-        from `reload()` on its first use."""
+        from `reload()` on its first use. A quantized model's matrices come in `quantized` (wte and the blocks'
+        four, by checkpoint name), the rest in `weights`: the C++ forward computes with their blocks, torch's forward
+        with them dequantized to `dtype` (`reload()` then gives the dequantized checkpoint), and the embeddings are
+        looked up in wte dequantized."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
@@ -155,6 +165,10 @@ class GPT2Engine(CachedLM):
         # taken out of a checkpoint read for this engine alone (`reload`), so that it holds no matrix the C++ packed
         converted = lambda checkpoint, take: {k.removeprefix("transformer."): take(k).to(device, torch_dtype)
                                               for k in list(checkpoint)}
+        if quantized:
+            weights = weights | {"wte.weight": quantized["wte.weight"].dequantize()}
+            if not lazy:  # torch's forward computes with every matrix dequantized
+                weights |= dequantized_matrices(quantized)
         weights = converted(weights, weights.pop if lazy else weights.__getitem__)
         pad_rows = runtime.pads_rows()
         e = shape.n_embd
@@ -185,7 +199,13 @@ class GPT2Engine(CachedLM):
             checkpoint = reload()
             return torch_weights(converted(checkpoint, checkpoint.pop))
 
-        if fits:
+        if fits and quantized:  # (lazy: the matrices leave `quantized` as the C++ packs them)
+            take_matrix = quantized.pop if lazy else quantized.__getitem__
+            head = take_matrix("wte.weight")
+            head = head if shortlist is None else head.rows(shortlist.tokens_on(device))
+            runtime.load_forward(shape, weights | {name: take_matrix(name) for name in list(quantized)}, kv.cache, head,
+                                 consume=lazy)
+        elif fits:
             runtime.load_forward(shape, weights, kv.cache, output, consume=lazy)
         return cls(shape, wte, weights["wpe.weight"], make_torch_weights, layouts,
                    (weights["ln_f.weight"], weights["ln_f.bias"]), kv, max_length, runtime, shortlist)
@@ -201,8 +221,23 @@ class GPT2Engine(CachedLM):
                 f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
                 f"use the transformers backend (--backend hf)"
             )
-        return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs, shortlist,
-                         native_blocks, calibrate, reload=lambda: load_safetensors(model_dir))
+        fmt = format_of(config, model_dir)
+        if fmt is None:
+            return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
+                             shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir))
+
+        def dequantized() -> dict[str, torch.Tensor]:
+            dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
+            return dense | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
+
+        dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
+        missing = sorted({"wte.weight", *(f"h.{i}.{name}.weight" for i in range(config["n_layer"]) for name in LINEAR)}
+                         - set(quantized))
+        if missing:
+            raise InputError(f"{model_dir} is a {fmt.name} checkpoint without quantized {', '.join(missing[:3])}"
+                             f"{' ...' if len(missing) > 3 else ''}; quantize the 16-bit model again (python -m decode.quantize)")
+        return cls.build(config, dense, dtype, device, max_length, layout, cuda_graphs, shortlist, native_blocks,
+                         calibrate, reload=dequantized, quantized=quantized)
 
     # the cache's state, as CachedLM's callers read and write it
     length = property(lambda self: self.kv.length, lambda self, n: setattr(self.kv, "length", n))

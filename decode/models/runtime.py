@@ -91,7 +91,7 @@ class Runtime:
         """Whether `load_forward` makes a C++ forward for a model of this width here."""
         return False
 
-    def load_forward(self, shape, weights: dict[str, torch.Tensor], cache: torch.Tensor, output: torch.Tensor,
+    def load_forward(self, shape, weights: dict, cache: torch.Tensor, output: "torch.Tensor | native.QuantizedWeight",
                      consume: bool) -> None:
         """Make the C++ forward over these weights (native.Blocks' arguments), where `loads_forward` says so."""
         raise NotImplementedError(f"the {self.name} runtime has no C++ forward")

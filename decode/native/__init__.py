@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -144,6 +145,44 @@ def pack_for_products(in_out: torch.Tensor) -> torch.Tensor:
     return in_out.view(rows // per_step, per_step, columns // 16, 16).permute(2, 0, 3, 1).contiguous()
 
 
+def pack_quantized(matrix: "QuantizedWeight") -> torch.Tensor:
+    """The blocks as native/forward.cpp's quantized products read them: output columns in blocks of 16 (the last
+    padded with zero scales), and in each, for every 32 inputs, the 16 columns' float16 scales (32 bytes) then their
+    quants input by input (quantized.h): Q8_0, 32 lines of the 16 columns' int8; Q4_0, 16 lines of 16 bytes, line k holding input k
+    (low nibble) and input k + 16 (high nibble) of each column, as each column's llama.cpp block does."""
+    out, in_features = matrix.shape
+    padding = -out % 16
+    quants = matrix.quants.view(torch.uint8)
+    scales = matrix.scales.view(torch.uint8).reshape(out, -1, 2)
+    if padding:
+        quants = torch.cat([quants, quants.new_zeros(padding, quants.shape[1])])
+        scales = torch.cat([scales, scales.new_zeros(padding, *scales.shape[1:])])
+    groups, columns = in_features // 32, (out + padding) // 16
+    lines = quants.reshape(columns, 16, groups, -1).permute(0, 2, 3, 1)  # (block, group, line, column)
+    scales = scales.reshape(columns, 16, groups, 2).permute(0, 2, 1, 3)  # (block, group, column, byte)
+    return torch.cat([scales.reshape(columns, groups, 32), lines.reshape(columns, groups, -1)], dim=-1).contiguous()
+
+
+class QuantizedWeight(Protocol):
+    """An (out, in) matrix in a block format, as decode.models.quantized.QuantizedMatrix holds it: `quants` (int8 or
+    packed 4-bit values), float16 `scales` (out, in / 32), and its format's `code` as forward.cpp numbers it."""
+
+    quants: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
+
+    @property
+    def code(self) -> int: ...
+
+
+def packed(weight: "torch.Tensor | QuantizedWeight") -> torch.Tensor:
+    """A linear layer's weight as the products read it: an (in, out) tensor in the model's dtype, or a quantized
+    (out, in) matrix."""
+    return pack_for_products(weight) if isinstance(weight, torch.Tensor) else pack_quantized(weight)
+
+
 class Blocks:
     """A bfloat16 or float32 GPT-2's forward over a few new rows as one C++ call (decode/native/forward.cpp):
     embeddings, blocks, final layer norm and output layer. Its keys and values go to the engine's cache as torch's
@@ -159,12 +198,13 @@ class Blocks:
         return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and n_embd % 16 == 0
                 and forward_module(dtype) is not None)
 
-    def __init__(self, shape, weights: dict[str, torch.Tensor], kv_cache: torch.Tensor, output: torch.Tensor,
+    def __init__(self, shape, weights: dict, kv_cache: torch.Tensor, output: "torch.Tensor | QuantizedWeight",
                  consume: bool = False):
-        """`shape`: the engine's GPT2Shape; `weights`: its tensors by checkpoint name (no "transformer.");
-        `kv_cache`: its (2, layers, heads, capacity, head_dim) cache; `output`: the output layer's (columns, n_embd)
-        weight (wte, or a shortlist's rows of it). With `consume`, each matrix is taken out of `weights` as it is
-        packed, so that its memory goes as its packed copy comes."""
+        """`shape`: the engine's GPT2Shape; `weights`: its tensors by checkpoint name (no "transformer."), the
+        blocks' four matrices (in, out) in the model's dtype or, in a quantized model, all four QuantizedWeight (out,
+        in); `kv_cache`: its (2, layers, heads, capacity, head_dim) cache; `output`: the output layer's (columns,
+        n_embd) weight (wte, or a shortlist's rows of it), quantized in a quantized model. With `consume`, each matrix
+        is taken out of `weights` as it is packed, so that its memory goes as its packed copy comes."""
         take = weights.pop if consume else weights.__getitem__
         self.kept = {}  # every tensor the C++ reads, by the name model() knows it under (`spec`: as it reads them)
         self.forward = forward_module(kv_cache.dtype)
@@ -173,18 +213,18 @@ class Blocks:
                 prefix = f"h.{i}.{name}"
                 packs = name in self.LINEAR
                 self.kept[f"{prefix}.packed" if packs else f"{prefix}.weight"] = (
-                    pack_for_products(take(f"{prefix}.weight")) if packs else weights[f"{prefix}.weight"].float().contiguous())
+                    packed(take(f"{prefix}.weight")) if packs else weights[f"{prefix}.weight"].float().contiguous())
                 self.kept[f"{prefix}.bias"] = weights[f"{prefix}.bias"].float().contiguous()
         self.kept |= {f"ln_f.{part}": weights[f"ln_f.{part}"].float().contiguous() for part in ("weight", "bias")}
         self.kept |= {"wte": weights["wte.weight"].contiguous(), "wpe": weights["wpe.weight"].contiguous(),
-                      "output.packed": pack_for_products(output.T), "output.bias": torch.zeros(-(-output.shape[0] // 16) * 16),
-                      "cache": kv_cache}
+                      "output.packed": packed(output.T if isinstance(output, torch.Tensor) else output),
+                      "output.bias": torch.zeros(-(-output.shape[0] // 16) * 16), "cache": kv_cache}
         fields = {name: (tensor.data_ptr(), tensor.numel(), tensor.element_size()) for name, tensor in self.kept.items()}
         self.spec = fields | {
             "n_embd": shape.n_embd, "heads": shape.n_head, "layers": shape.n_layer, "capacity": kv_cache.shape[3],
             "vocabulary": weights["wte.weight"].shape[0], "positions": weights["wpe.weight"].shape[0],
             "logit_columns": output.shape[0], "element_bytes": kv_cache.element_size(),
-            "epsilon": float(shape.layer_norm_epsilon)}
+            "epsilon": float(shape.layer_norm_epsilon), "format": 0 if isinstance(output, torch.Tensor) else output.code}
         self.model = self.forward.model(self.spec)
         self.columns = output.shape[0]
         self.tiles = True

@@ -6,9 +6,10 @@
 // weights while they are in cache, so a forward of 1 to 64 rows reads each weight from memory once. The products are a
 // bfloat16 model's AVX-512 BF16 dot products or, on a CPU with AMX, its tiles; a float32 model's AVX-512 fused
 // multiply-adds; or, in the AVX2 build (no FORWARD_AVX512), fused multiply-adds of 8 floats for either dtype, a
-// bfloat16 weight widened to float32 as it is read. Attention with the tree's mask runs its heads over the same
+// bfloat16 weight widened to float32 as it is read. A quantized model's products (Q8_0 or Q4_0 blocks, quantized.h)
+// form each weight in float32 as they read it and multiply-add over float32 rows. Attention with the tree's mask runs its heads over the same
 // threads; layer norm, softmax, GELU and the residuals run a vector at a time over the rows in place, in float32.
-// The model's dtype (`T`: bf16 or float) is that of its weights, its cache and the products' inputs. Every row adds
+// The model's dtype (`T`: bf16 or float) is that of its embeddings, its unquantized weights, its cache and the products' inputs. Every row adds
 // its terms in the same order whatever the call's other rows: a row's logits are bit for bit the same alone or beside
 // others. They differ from torch's in rounding only, as two kernels' do (docs/exactness.md).
 #define PY_SSIZE_T_CLEAN
@@ -27,6 +28,7 @@
 
 #include "layers.h"
 #include "products.h"
+#include "quantized.h"
 #include "rows.h"
 #include "vectors.h"
 
@@ -37,7 +39,8 @@ namespace {
 struct Model {
     int64_t n_embd, heads, head_dim, layers, capacity, vocabulary, positions, logit_columns, element_bytes;
     float epsilon;
-    bool tiles = false;  // a bfloat16 model's products on AMX's tiles
+    int64_t format = DENSE;  // the linear layers' weights: in the model's dtype, or in Q8_0 or Q4_0 blocks
+    bool tiles = false;      // a bfloat16 model's products on AMX's tiles
     const void *wte, *wpe;
     void *cache;  // GPT2Engine.kv_cache: (2, layers, heads, capacity, head_dim)
     struct Block {
@@ -54,6 +57,28 @@ struct Model {
 template <typename T>
 Linear<T> linear(const void *packed, const float *bias, int64_t in, int64_t out) {
     return Linear<T>{static_cast<const T *>(packed), bias, in, out};
+}
+
+// y (rows x out) = x @ W + bias for one of the model's linear layers, packed as its format says: in the model's dtype
+// (products.h, on AMX's tiles with `tiles`) or quantized (quantized.h, over the rows widened to float32).
+template <typename T>
+VECTOR_TARGET void multiply(const Model &m, const void *packed, const float *bias, const T *x, int64_t in, int64_t out,
+                            float *y, int64_t rows, bool tiles) {
+    if (m.format == DENSE) {
+        product(x, linear<T>(packed, bias, in, out), y, rows, tiles);
+        return;
+    }
+    static thread_local std::vector<float> room;
+    const float *input = nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+        input = x;
+    } else {
+        room.resize(rows * in);
+        widen(x, room.data(), rows * in);
+        input = room.data();
+    }
+    quantized_product(m.format, input, QuantizedLinear{static_cast<const uint8_t *>(packed), bias, in, out}, y, rows,
+                      PARALLEL_WORK);
 }
 
 // A forward's new rows: their tokens, positions, cache slots start..end and what each sees, and the logits asked for.
@@ -82,7 +107,7 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
     for (int64_t l = 0; l < m.layers; l++) {
         const Model::Block &b = m.blocks[l];
         layer_norm(x.data(), b.ln_1[0], b.ln_1[1], normed.data(), rows, n_embd, m.epsilon);
-        product(normed.data(), linear<T>(b.packed[0], b.bias[0], n_embd, 3 * n_embd), wide.data(), rows, tiles);  // q, k, v
+        multiply(m, b.packed[0], b.bias[0], normed.data(), n_embd, 3 * n_embd, wide.data(), rows, tiles);  // q, k, v
         for (int64_t r = 0; r < rows; r++)
             for (int64_t h = 0; h < m.heads; h++)
                 for (int64_t d = 0; d < m.head_dim; d += LANES) {
@@ -93,17 +118,17 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
                 }
         attention(wide.data(), cache, l, a.visible, normed.data(), rows, n_embd);
         std::vector<float> &projected = wide;  // the attention read its queries already
-        product(normed.data(), linear<T>(b.packed[1], b.bias[1], n_embd, n_embd), projected.data(), rows, tiles);
+        multiply(m, b.packed[1], b.bias[1], normed.data(), n_embd, n_embd, projected.data(), rows, tiles);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += projected[i];
         layer_norm(x.data(), b.ln_2[0], b.ln_2[1], normed.data(), rows, n_embd, m.epsilon);
-        product(normed.data(), linear<T>(b.packed[2], b.bias[2], n_embd, 4 * n_embd), wide.data(), rows, tiles);
+        multiply(m, b.packed[2], b.bias[2], normed.data(), n_embd, 4 * n_embd, wide.data(), rows, tiles);
         gelu(wide.data(), activated.data(), rows * 4 * n_embd);
-        product(activated.data(), linear<T>(b.packed[3], b.bias[3], 4 * n_embd, n_embd), wide.data(), rows, tiles);
+        multiply(m, b.packed[3], b.bias[3], activated.data(), 4 * n_embd, n_embd, wide.data(), rows, tiles);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += wide[i];
     }
     const int64_t first = rows - a.last;  // the rows whose logits are asked for
     layer_norm(x.data() + first * n_embd, m.ln_f[0], m.ln_f[1], normed.data(), a.last, n_embd, m.epsilon);
-    product(normed.data(), linear<T>(m.output, m.output_bias, n_embd, m.logit_columns), a.out, a.last, tiles);
+    multiply(m, m.output, m.output_bias, normed.data(), n_embd, m.logit_columns, a.out, a.last, tiles);
 }
 
 // A field of model()'s dict: an int, or a tensor as (address, elements, element_bytes) whose element count must be
@@ -151,7 +176,9 @@ Model *model_of(PyObject *capsule) { return static_cast<Model *>(PyCapsule_GetPo
 // float32); epsilon (a float); tensors, each as (address, elements, element_bytes): wte, wpe, cache, ln_f.weight, ln_f.bias,
 // output.packed, output.bias, and per layer i "h.{i}.ln_1.weight" (and .bias, ln_2 likewise, float32) and
 // "h.{i}.attn.c_attn.packed" (and .bias; attn.c_proj, mlp.c_fc and mlp.c_proj likewise: decode/native's
-// pack_for_products, float32 biases padded to 16 columns).
+// pack_for_products, float32 biases padded to 16 columns). An optional int, format: 0 (the default) for linear layers
+// in the model's dtype, 1 (Q8_0) or 2 (Q4_0) for quantized ones, their packed tensors then bytes
+// (decode/models/quantized.py's pack_quantized).
 PyObject *model(PyObject *, PyObject *spec) {
     if (!PyDict_Check(spec)) {
         PyErr_SetString(PyExc_TypeError, "model: expected a dict of named fields");
@@ -163,7 +190,15 @@ PyObject *model(PyObject *, PyObject *spec) {
         || !field(spec, "positions", m->positions) || !field(spec, "logit_columns", m->logit_columns)
         || !field(spec, "element_bytes", m->element_bytes))
         return nullptr;
+    PyObject *format = PyDict_GetItemString(spec, "format");  // absent: DENSE
+    if (format && !field(spec, "format", m->format)) return nullptr;
     const int64_t n = m->n_embd;
+    if (m->format != DENSE && (n % QUANT_BLOCK || (m->format != Q8_0 && m->format != Q4_0))) {
+        PyErr_Format(PyExc_ValueError, "model: format %lld is not one of 0 (the model's dtype), 1 (Q8_0) and 2 (Q4_0), "
+                                       "or n_embd is not a multiple of %lld", static_cast<long long>(m->format),
+                     static_cast<long long>(QUANT_BLOCK));
+        return nullptr;
+    }
     if (n <= 0 || n % 16 || m->heads <= 0 || n % m->heads || m->layers <= 0 || m->capacity <= 0
         || m->logit_columns <= 0 || (m->element_bytes != 2 && m->element_bytes != 4)) {
         PyErr_SetString(PyExc_ValueError, "model: n_embd a multiple of 16 and of heads, layers, slots and logit columns "
@@ -179,12 +214,15 @@ PyObject *model(PyObject *, PyObject *spec) {
     }
     const int64_t columns = (m->logit_columns + 15) / 16 * 16, per_pair = m->element_bytes == 2 ? 2 : 1;
     // a packed (in, out) weight: out padded to 16 columns, and in bfloat16 in to pairs of rows
-    auto packed = [&](int64_t in, int64_t out) { return (in + per_pair - 1) / per_pair * per_pair * ((out + 15) / 16 * 16); };
-    const int64_t bytes = m->element_bytes;  // of the model's own tensors; layer norms and biases are float32
+    auto packed = [&](int64_t in, int64_t out) {
+        return m->format != DENSE ? quantized_bytes(m->format, in, out) : (in + per_pair - 1) / per_pair * per_pair * ((out + 15) / 16 * 16);
+    };
+    // of the model's own tensors; layer norms and biases are float32, quantized layers bytes
+    const int64_t bytes = m->element_bytes, packed_bytes = m->format != DENSE ? 1 : bytes;
     if (!tensor(spec, "wte", m->vocabulary * n, bytes, m->wte) || !tensor(spec, "wpe", m->positions * n, bytes, m->wpe)
         || !tensor(spec, "cache", 2 * m->layers * m->capacity * n, bytes, m->cache)
         || !tensor(spec, "ln_f.weight", n, 4, m->ln_f[0]) || !tensor(spec, "ln_f.bias", n, 4, m->ln_f[1])
-        || !tensor(spec, "output.packed", packed(n, m->logit_columns), bytes, m->output)
+        || !tensor(spec, "output.packed", packed(n, m->logit_columns), packed_bytes, m->output)
         || !tensor(spec, "output.bias", columns, 4, m->output_bias))
         return nullptr;
     const char *linear_names[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
@@ -202,7 +240,7 @@ PyObject *model(PyObject *, PyObject *spec) {
         }
         for (int p = 0; p < 4; p++) {
             snprintf(name, sizeof name, "h.%lld.%s.packed", static_cast<long long>(l), linear_names[p]);
-            if (!tensor(spec, name, packed(ins[p], outs[p]), bytes, b.packed[p])) return nullptr;
+            if (!tensor(spec, name, packed(ins[p], outs[p]), packed_bytes, b.packed[p])) return nullptr;
             snprintf(name, sizeof name, "h.%lld.%s.bias", static_cast<long long>(l), linear_names[p]);
             if (!tensor(spec, name, outs[p], 4, b.bias[p])) return nullptr;
         }
@@ -366,7 +404,7 @@ PyObject *tiles(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *k
     if (!named.open("tiles", args, nargs, kwnames)) return nullptr;
     Model *m = model_of(named["model"]);
     if (!m) return nullptr;
-    const bool possible = m->element_bytes == 2 && m->n_embd % 32 == 0 && tiles_granted();
+    const bool possible = m->format == DENSE && m->element_bytes == 2 && m->n_embd % 32 == 0 && tiles_granted();
     if (named["on"] == Py_None) return PyBool_FromLong(possible);
     const int on = PyObject_IsTrue(named["on"]);
     if (on < 0) return nullptr;
