@@ -33,6 +33,7 @@ COMMANDS = [  # (what a user types, how to run it here)
     ("python -m decode.profile_step", ["-m", "decode.profile_step"]),
     ("python -m decode.bench_engine", ["-m", "decode.bench_engine"]),
     ("python -m decode.export", ["-m", "decode.export"]),
+    ("python -m decode.quantize", ["-m", "decode.quantize"]),
     ("python -m decode.shaped", ["-m", "decode.shaped"]),
 ]
 BLOCK = re.compile(r"(<!-- generated: (.+?) -->\n)(.*?)(<!-- end generated -->)", re.S)

@@ -24,6 +24,8 @@ from exactness import Z_LIMIT, chi_square_z, exact_distribution
 from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter, TreeDrafter
 from decode.loop import tree_speculative
 from decode.models.engine import GPT2Engine
+from decode.models.quantize_model import quantize_checkpoint
+from decode.models.quantized import Q4_0, Q8_0
 from decode.models.successors import SuccessorTable
 from decode.sampling import Sampling, sample
 from decode.shortlist import Shortlist
@@ -111,6 +113,31 @@ CORRECT = {  # one case per verification rule, and the chain (Chen et al.'s rule
 def test_correct_methods_sample_the_oracle_distribution(models, case):
     make, sampling = CORRECT[case]
     assert max(z_scores(models, make(models, sampling), sampling, RUNS)) < Z_LIMIT
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """A Q8_0 oracle, a Q4_0 draft of other weights, and the quantized oracle's trigram."""
+    root = tmp_path_factory.mktemp("quantized")
+    quantize_checkpoint(tiny_gpt2(root / "oracle16", vocab_size=6, seed=10), root / "oracle", Q8_0)
+    quantize_checkpoint(tiny_gpt2(root / "bad16", vocab_size=6, seed=12), root / "bad", Q4_0)
+    load = functools.partial(GPT2Engine.load, native_blocks=True)
+    return {"oracle": load(root / "oracle"), "bad": load(root / "bad"),
+            "ngram": SuccessorTable.load(tiny_trigram(root / "ngram", root / "oracle", documents=100, length=20) / "successors.npz")}
+
+
+QUANTIZED = {  # a quantized oracle is a model of its own: decoding samples its distribution
+    "chain, a Q4_0 draft for a Q8_0 oracle, rejection sampling": (lambda m: ChainDrafter(m["bad"], k=2), Sampling(1.0)),
+    "staged, a Q4_0 draft for a Q8_0 oracle, multi-draft rejection": (
+        lambda m: StagedDrafter(m["bad"], m["ngram"], widths=[3, 2, 1], context=LookupDrafter(4, 2), depth=4,
+                                sampled=True), Sampling(0.9, top_k=4)),
+}
+
+
+@pytest.mark.parametrize("case", QUANTIZED)
+def test_methods_sample_a_quantized_oracles_distribution(quantized, case):
+    make, sampling = QUANTIZED[case]
+    assert max(z_scores(quantized, make(quantized), sampling, RUNS)) < Z_LIMIT
 
 
 def wrong_rejection(renormalise=True, scale=1.0, temperature=None, resample_from_p=False):

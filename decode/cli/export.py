@@ -2,6 +2,7 @@
 
     python -m decode.export --run RUN --to gguf                      # RUN/gguf/oracle.gguf and draft.gguf
     python -m decode.export --run RUN --to gguf --dtype bfloat16 --out DIR
+    python -m decode.export --oracle RUN/oracle-q8_0 --out DIR       # a quantized model: its own blocks
     llama-server -m RUN/gguf/oracle.gguf -md RUN/gguf/draft.gguf      # speculative decoding in llama.cpp
 
 Needs the gguf package (pip install -e ".[llamacpp]").
@@ -14,7 +15,9 @@ from decode.atomic import FILE, atomic_outputs, check_output
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
 from decode.models.gguf_export import GGUF_DTYPES, write_gguf
+from decode.models.engine import read_config
 from decode.models.pretrained import model_dir
+from decode.models.quantized import format_of
 
 PROG = "python -m decode.export"
 
@@ -25,7 +28,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--oracle", type=Path, help="the oracle's directory or hub name (default: RUN/oracle)")
     p.add_argument("--draft", type=Path, help="the draft's directory or hub name (default: RUN/draft, when it exists)")
     p.add_argument("--to", choices=["gguf"], default="gguf", help="the format")
-    p.add_argument("--dtype", choices=GGUF_DTYPES, default="float32", help="the weight matrices' dtype in the files")
+    p.add_argument("--dtype", choices=GGUF_DTYPES, default="float32",
+                   help="the weight matrices' dtype in the files (a quantized model's stay in its blocks)")
     p.add_argument("--out", type=Path, help="the directory the files go into (default: RUN/gguf)")
     p.add_argument("--overwrite", action="store_true", help="replace existing files")
     args = p.parse_args(argv)
@@ -55,7 +59,8 @@ def main(argv=None) -> list[Path]:
         check_output(path, FILE, args.overwrite, "--out", models)
     with atomic_outputs([(path, FILE) for path in paths], args.overwrite) as tmps:
         for (name, directory), tmp in zip(models.items(), tmps):
-            print(f"{name}: {directory} -> {args.out / f'{name}.gguf'} ({args.dtype})")
+            fmt = format_of(read_config(directory), directory)
+            print(f"{name}: {directory} -> {args.out / f'{name}.gguf'} ({fmt.name if fmt else args.dtype})")
             write_gguf(directory, tmp, args.dtype)
     return paths
 

@@ -3,7 +3,7 @@ whatever the main returns for the tests and the Python callers (a console script
 
     staged-prepare, staged-finetune-oracle, staged-distill-draft, staged-calibrate-training, staged-build-katz,
     staged-run, staged-serve, staged-bench, staged-plan, staged-profile-step, staged-bench-engine,
-    staged-agreement, staged-report, staged-export, staged-shaped, staged-calibrate
+    staged-agreement, staged-report, staged-export, staged-quantize, staged-shaped, staged-calibrate
 
 `python -m decode.run` and the other module and script paths keep working. The training pipelines (data/, train/,
 ngram/) are the repository's folders rather than installed packages: their scripts run where the installed decode
@@ -23,6 +23,7 @@ COMMANDS = {
     "build-katz": "ngram.build_katz", "run": "decode.cli.run", "serve": "decode.cli.serve", "bench": "decode.cli.bench",
     "plan": "decode.cli.plan", "profile-step": "decode.cli.profile_step", "bench-engine": "decode.cli.bench_engine",
     "agreement": "decode.cli.agreement", "report": "decode.cli.report", "export": "decode.cli.export",
+    "quantize": "decode.cli.quantize",
     "shaped": "decode.cli.shaped", "calibrate": "decode.cli.calibrate",
 }
 
@@ -64,5 +65,6 @@ def bench_engine(): command("bench-engine")
 def agreement(): command("agreement")
 def report(): command("report")
 def export(): command("export")
+def quantize(): command("quantize")
 def shaped(): command("shaped")
 def calibrate(): command("calibrate")

@@ -11,6 +11,7 @@ from decode.models.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.models.hf_backend import HFEngine
 from decode.models.native_rows import native_forward
 from decode.models.pretrained import model_dir
+from decode.models.quantized import format_of
 from decode.models.successors import SuccessorTable
 from decode.shortlist import Shortlist
 from decode.tokenizer import load_tokenizer
@@ -67,6 +68,10 @@ def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_grap
     rows in C++ up to where that was calibrated faster, its products on AMX's tiles where those were
     (decode.models.native_rows); `calibrate` measures (and keeps) what was not yet."""
     config = read_config(directory)
+    fmt = format_of(config, directory)
+    if fmt is not None and backend == "hf":
+        raise InputError(f"{directory} is a {fmt.name} checkpoint, which runs on the lean engine, not transformers': "
+                         f"pass --backend auto (or lean)")
     if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
         engine = GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
                                  native_blocks=True, calibrate=calibrate)

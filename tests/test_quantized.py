@@ -1,0 +1,175 @@
+"""Quantized weights: llama.cpp's Q8_0 and Q4_0 blocks made bit for bit as its reference quantizer makes them, the C++
+products over them against a float64 reference of the dequantized model, a row's logits whatever the call's other
+rows, every method's greedy output equal to the quantized oracle's plain decoding, and the refusals."""
+import json
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from decode_models import run_models, tiny_gpt2
+from native_built import compiler_found
+
+from decode.cli import quantize, run
+from decode.models.engine import GPT2Engine, dequantized_matrices
+from decode.models.loading import load_model
+from decode.models.pretrained import load_safetensors
+from decode.models.quantize_model import quantize_checkpoint
+from decode.models.quantized import FORMATS, Q4_0, Q8_0, QUANTIZED_FILE, QuantizedMatrix, format_of, split_checkpoint
+
+GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_blocks_are_the_bits_of_llamacpps_reference_quantizer(fmt):
+    generator = torch.Generator().manual_seed(0)
+    for scale in (0.02, 1.0, 300.0):
+        w = torch.randn(40, 256, generator=generator) * scale
+        w[0, :32] = 0  # a block of zeros: scale 0
+        w[1, 3], w[1, 20] = 5 * scale, -5 * scale  # two weights of the largest magnitude: the first one sets Q4_0's sign
+        w[2, 32:64] = torch.arange(32) * scale / 2  # values that land on halves of a step
+        matrix = QuantizedMatrix.quantize(w, FORMATS[fmt])
+        reference = gguf.quants.quantize(w.numpy(), GGUF_TYPES[fmt])
+        assert np.array_equal(matrix.block_bytes().numpy(), reference)
+        assert np.array_equal(matrix.dequantize().numpy(), gguf.quants.dequantize(reference, GGUF_TYPES[fmt]))
+        # a step d = max |w| / 127 (Q8_0) or / 8 (Q4_0, whose far end may clip by a step): half a step or a step,
+        # and the float16 scale's rounding times the largest value
+        step = w.abs().reshape(40, -1, 32).amax(-1, keepdim=True) / (127 if fmt == "q8_0" else 8)
+        bound = step * ((0.5 if fmt == "q8_0" else 1.0) + 127 * 2**-11)
+        assert ((matrix.dequantize() - w).abs().reshape(40, -1, 32) <= bound).all()
+
+
+@pytest.fixture(scope="module")
+def quantized_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized")
+    source = tiny_gpt2(root / "source", vocab_size=101, n_embd=64, n_head=4, seed=3)
+    for name, fmt in FORMATS.items():
+        quantize_checkpoint(source, root / name, fmt)
+    return root
+
+
+def float64_logits(directory, ids: list[int]) -> torch.Tensor:
+    """The quantized model's logits computed by transformers' GPT-2 in float64 from its dequantized weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = json.loads((directory / "config.json").read_text())
+    dense, quantized = split_checkpoint(load_safetensors(directory), format_of(config, directory), directory)
+    model = GPT2LMHeadModel(GPT2Config.from_pretrained(directory)).double().eval()
+    weights = dense | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
+    model.transformer.load_state_dict({name: w.double() for name, w in weights.items()})
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.skipif(not compiler_found(), reason="no C++ compiler or ninja here")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cpp_products_over_blocks_equal_a_float64_reference_and_do_not_depend_on_other_rows(quantized_models, fmt,
+                                                                                                dtype):
+    directory = quantized_models / fmt
+    engine = GPT2Engine.load(directory, dtype, native_blocks=True)
+    if engine.runtime.blocks is None:
+        pytest.skip("no C++ forward for this CPU")
+    ids = [5, 7, 9, 11, 13, 2, 3, 50, 99, 1, 4]
+    together = engine.forward(ids, list(range(len(ids))), None)
+    reference = float64_logits(directory, ids)
+    # float32 rows: rounding only; bfloat16 rows and cache: bfloat16's rounding of every activation
+    tolerance = 1e-4 if dtype == "float32" else 0.05
+    assert (together.double() - reference).abs().max() <= tolerance * reference.abs().max()
+    alone = GPT2Engine.load(directory, dtype, native_blocks=True)
+    rows = torch.cat([alone.forward([token], [i], None) for i, token in enumerate(ids)])
+    assert torch.equal(rows, together)
+
+
+def test_the_torch_forward_computes_with_the_dequantized_weights(quantized_models):
+    for fmt in FORMATS:
+        engine = GPT2Engine.load(quantized_models / fmt, "float32")
+        ids = [3, 1, 4, 1, 5, 9, 2, 6]
+        assert engine.runtime.blocks is None
+        got = engine.forward(ids, list(range(len(ids))), None)
+        reference = float64_logits(quantized_models / fmt, ids)
+        assert (got.double() - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+@pytest.fixture(scope="module")
+def quantized_run(tmp_path_factory):
+    models = run_models(tmp_path_factory.mktemp("qrun"))
+    root = models["root"]
+    quantize.main(["--model", str(models["oracle"]), "--to", "q8_0", "--out", str(root / "oracle-q8_0")])
+    quantize.main(["--model", str(models["draft"]), "--to", "q4_0", "--out", str(root / "draft-q4_0")])
+    return models | {"oracle": root / "oracle-q8_0", "draft": root / "draft-q4_0", "source": models["oracle"]}
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("speculative", ["--k", "4"]), ("tree", ["--budget", "12", "--depth", "5"]),
+    ("staged", ["--budget", "16", "--widths", "4,2,1"]), ("lookup", []),
+    ("staged", ["--budget", "16", "--widths", "4,2,1", "--draft-vocab", "64"]),
+    ("speculative", ["--dtype", "bfloat16"]),
+])
+def test_every_method_with_a_quantized_pair_gives_the_quantized_oracles_plain_decoding(quantized_run, tmp_path, method,
+                                                                                        extra):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i} t{i + 3} t7"}) + "\n" for i in range(5)))
+    common = ["--oracle", str(quantized_run["oracle"]), "--draft", str(quantized_run["draft"]), "--ngram",
+              str(quantized_run["ngram"]), "--prompts", str(prompts), "--max-new-tokens", "20"]
+    dtype = extra[1:2] if extra[:1] == ["--dtype"] else []
+    base = run.main(common + ["--method", "baseline", *(["--dtype", *dtype] if dtype else []),
+                              "--out", str(tmp_path / "base.jsonl")])
+    spec = run.main(common + ["--method", method, *extra, "--out", str(tmp_path / "spec.jsonl")])
+    assert [r["token_ids"] for r in base] == [r["token_ids"] for r in spec]
+    assert sum(r["oracle_calls"] for r in spec) < sum(r["oracle_calls"] for r in base)
+
+
+def test_a_quantized_oracle_is_its_own_model(quantized_run, tmp_path):
+    """The Q8_0 oracle's greedy text is its own: it need not be the 16-bit model's, and decoding never mixes them."""
+    quantized = load_model(quantized_run["oracle"], "auto", "float32", "cpu")
+    source = load_model(quantized_run["source"], "auto", "float32", "cpu")
+    ids = [5, 8, 13]
+    a = quantized.forward(ids, [0, 1, 2], None)
+    b = source.forward(ids, [0, 1, 2], None)
+    assert not torch.equal(a, b)
+    assert (a - b).abs().max() < 0.05 * b.abs().max()  # 8-bit blocks: close to the source, not equal
+
+
+def error_of(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    return errors[0]
+
+
+def test_quantize_refuses_bad_input_in_one_line_and_writes_nothing(quantized_run, tmp_path, capsys):
+    oracle = str(quantized_run["oracle"])
+    assert "quantized already (q8_0)" in error_of(capsys, quantize.main, ["--model", oracle, "--to", "q4_0", "--out",
+                                                                         str(tmp_path / "twice")])
+    assert not (tmp_path / "twice").exists()
+    assert "already holds a model" in error_of(capsys, quantize.main, ["--model", str(quantized_run["source"]), "--to",
+                                                                      "q8_0", "--out", oracle])
+    damaged = tmp_path / "damaged"
+    shutil.copytree(oracle, damaged)
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(damaged / QUANTIZED_FILE)
+    tensors["h.0.mlp.c_fc.weight.scales"] = tensors["h.0.mlp.c_fc.weight.scales"][:, :-1].contiguous()
+    save_file(tensors, damaged / QUANTIZED_FILE)
+    assert "h.0.mlp.c_fc.weight: q8_0 needs float16 scales" in error_of(capsys, run.main, ["--oracle", str(damaged),
+                                                                                          "--prompt", "t1"])
+    del tensors["h.1.attn.c_proj.weight.scales"], tensors["h.1.attn.c_proj.weight.quants"]
+    tensors["h.0.mlp.c_fc.weight.scales"] = load_file(quantized_run["oracle"] / QUANTIZED_FILE)["h.0.mlp.c_fc.weight.scales"]
+    save_file(tensors, damaged / QUANTIZED_FILE)
+    assert "without quantized h.1.attn.c_proj.weight" in error_of(capsys, run.main, ["--oracle", str(damaged), "--prompt",
+                                                                                    "t1"])
+    config = json.loads((damaged / "config.json").read_text())
+    (damaged / "config.json").write_text(json.dumps(config | {"staged_quantization": {"format": "q5_1", "block_size": 32}}))
+    assert "declares staged_quantization" in error_of(capsys, run.main, ["--oracle", str(damaged), "--prompt", "t1"])
+    assert "runs on the lean engine" in error_of(capsys, run.main, ["--oracle", oracle, "--backend", "hf", "--prompt", "t1"])
+
+
+def test_quantize_copies_what_a_model_directory_holds_besides_its_weights(quantized_run):
+    draft = quantized_run["draft"]
+    assert (draft / "token_counts.npy").is_file() and (draft / "tokenizer.json").is_file()
+    assert not (draft / "model.safetensors").exists()
+    report = json.loads((draft / quantize.REPORT).read_text())
+    assert report["format"] == "q4_0" and report["bits_a_weight"] == Q4_0.bits == 4.5 and Q8_0.bits == 8.5
