@@ -112,3 +112,51 @@ def test_a_shaped_checkpoint_has_the_shape_and_the_tokenizers_vocabulary_decodes
     with pytest.raises(SystemExit) as refused:
         shaped.main(["--shape", "2,128,5", "--tokenizer", str(bpe_run["run"] / "tokenizer"), "--out", str(out)])
     assert refused.value.code == 2 and "--overwrite" in capsys.readouterr().err
+
+
+def llama_quantize():
+    """llama.cpp's own quantizer, where it is built: LLAMA_QUANTIZE, or llama-quantize beside LLAMA_SERVER or on PATH."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    named = os.environ.get("LLAMA_QUANTIZE")
+    server = os.environ.get("LLAMA_SERVER")
+    beside = Path(server).with_name("llama-quantize") if server else None
+    return named or (str(beside) if beside and beside.is_file() else None) or shutil.which("llama-quantize")
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_a_quantized_models_gguf_holds_the_blocks_the_engine_computes_with_and_llamacpps_quantizer_makes(bpe_run,
+                                                                                                        tmp_path, fmt,
+                                                                                                        capsys):
+    gguf = pytest.importorskip("gguf")
+    import subprocess
+
+    import numpy as np
+
+    from decode.cli import quantize
+    from decode.models.pretrained import load_safetensors
+    from decode.models.quantized import FORMATS, split_checkpoint
+
+    quantized = tmp_path / f"oracle-{fmt}"
+    quantize.main(["--model", str(bpe_run["run"] / "oracle"), "--to", fmt, "--out", str(quantized), "--data",
+                   str(bpe_run["run"] / "data"), "--eval-tokens", "2000"])
+    assert "perplexity on " in capsys.readouterr().out
+    [ours] = export.main(["--oracle", str(quantized), "--out", str(tmp_path / "ours")])
+    _, matrices = split_checkpoint(load_safetensors(quantized), FORMATS[fmt], quantized)
+    names = {"blk.0.attn_qkv.weight": "h.0.attn.c_attn.weight", "blk.1.ffn_down.weight": "h.1.mlp.c_proj.weight",
+             "token_embd.weight": "wte.weight"}
+    tensors = {t.name: t for t in gguf.GGUFReader(ours).tensors}
+    for theirs, name in names.items():
+        assert tensors[theirs].tensor_type == gguf.GGMLQuantizationType[fmt.upper()]
+        assert np.array_equal(np.asarray(tensors[theirs].data).reshape(-1), matrices[name].block_bytes().numpy().reshape(-1))
+    tool = llama_quantize()
+    if tool is None:
+        pytest.skip("llama-quantize not built here (LLAMA_QUANTIZE names it)")
+    full, _ = export.main(["--run", str(bpe_run["run"]), "--out", str(tmp_path / "f32")])
+    made = tmp_path / "theirs.gguf"
+    subprocess.run([tool, str(full), str(made), fmt.upper()], check=True, capture_output=True)
+    theirs = {t.name: t for t in gguf.GGUFReader(made).tensors}
+    for name in ("blk.0.attn_qkv.weight", "blk.0.ffn_up.weight", "blk.1.attn_output.weight", "blk.1.ffn_down.weight"):
+        assert np.array_equal(np.asarray(theirs[name].data), np.asarray(tensors[name].data)), name

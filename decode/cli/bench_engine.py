@@ -31,10 +31,11 @@ from decode.benchmarking.tables import curve_rows, table_row
 from decode.cli.help import HelpFormatter
 from decode.errors import exits_on_input_error
 from decode.loop import baseline
-from decode.models.engine import GPT2Engine
+from decode.models.engine import GPT2Engine, dequantized_checkpoint, read_config
 from decode.models.precision import auto_dtype
 from decode.models.pretrained import model_dir
 from decode.models.projection import LAYOUTS, onednn_packs
+from decode.models.quantized import format_of
 from decode.models.runtime import TORCH, CudaRuntime
 from decode.options import check_device
 from decode.planning.costs import PROJECTIONS, projection_shape, random_gpt2
@@ -59,12 +60,18 @@ def greedy(engine: GPT2Engine, ids: torch.Tensor, new_tokens: int) -> tuple[list
 
 def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: str, device: str
                        ) -> tuple[dict, list[list[int]]]:
-    """Milliseconds per generated token, ours vs transformers generate (greedy, prompt by prompt), whether
-    they agree, and our outputs."""
-    from transformers import AutoModelForCausalLM
+    """Milliseconds per generated token, ours vs transformers generate (greedy, prompt by prompt; a quantized model's
+    weights dequantized for transformers), whether they agree, and our outputs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     engine = GPT2Engine.load(model_dir, dtype, device)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype).to(engine.device).eval()  # type: ignore[arg-type]  # transformers' decorator hides Module.to
+    fmt = format_of(read_config(model_dir), model_dir)
+    if fmt is None:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype)
+    else:  # transformers' GPT-2 over the dequantized weights: the same model, its weights read at 16 or 32 bits
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=engine.dtype)
+        hf.transformer.load_state_dict(dequantized_checkpoint(model_dir, fmt))
+    hf = hf.to(engine.device).eval()  # type: ignore[arg-type]  # transformers' decorator hides Module.to
     tokenizer = load_tokenizer(model_dir)
     ours_s = hf_s = 0.0
     ours_n = hf_n = agree = 0

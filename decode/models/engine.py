@@ -23,7 +23,7 @@ from decode.models.cached_lm import CachedLM
 from decode.models.kv_slots import KVSlots
 from decode.models.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode.models.projection import LAYOUTS, Projection
-from decode.models.quantized import QuantizedMatrix, format_of, split_checkpoint
+from decode.models.quantized import Format, QuantizedMatrix, format_of, split_checkpoint
 from decode.models.runtime import Runtime, runtime_for
 from decode.sampling import Sparse
 from decode.shortlist import Shortlist
@@ -111,6 +111,13 @@ def dequantized_matrices(quantized: dict[str, QuantizedMatrix]) -> dict[str, tor
     return {name: matrix.dequantize().T for name, matrix in quantized.items() if name != "wte.weight"}
 
 
+def dequantized_checkpoint(model_dir, fmt: Format) -> dict[str, torch.Tensor]:
+    """A quantized GPT-2 checkpoint's tensors as a 16-bit checkpoint names them (without "transformer."), every
+    matrix dequantized to float32: the model torch's forward (or transformers') computes."""
+    dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
+    return dense | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
+
+
 class GPT2Engine(CachedLM):
     def __init__(self, shape: GPT2Shape, wte: torch.Tensor, wpe: torch.Tensor,
                  torch_weights: Callable[[], tuple[list[LayerWeights], Projection]], layouts: dict[str, str],
@@ -159,7 +166,8 @@ class GPT2Engine(CachedLM):
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
-        runtime = runtime_for(device, torch_dtype, cpp_forward=native_blocks, cuda_graphs=cuda_graphs)
+        quantization = next(iter(quantized.values())).format if quantized else None
+        runtime = runtime_for(device, torch_dtype, native_blocks, cuda_graphs, quantization)
         fits = runtime.loads_forward(shape.n_embd)
         lazy = fits and reload is not None
         # taken out of a checkpoint read for this engine alone (`reload`), so that it holds no matrix the C++ packed
@@ -226,10 +234,6 @@ class GPT2Engine(CachedLM):
             return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
                              shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir))
 
-        def dequantized() -> dict[str, torch.Tensor]:
-            dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
-            return dense | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
-
         dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
         missing = sorted({"wte.weight", *(f"h.{i}.{name}.weight" for i in range(config["n_layer"]) for name in LINEAR)}
                          - set(quantized))
@@ -237,7 +241,7 @@ class GPT2Engine(CachedLM):
             raise InputError(f"{model_dir} is a {fmt.name} checkpoint without quantized {', '.join(missing[:3])}"
                              f"{' ...' if len(missing) > 3 else ''}; quantize the 16-bit model again (python -m decode.quantize)")
         return cls.build(config, dense, dtype, device, max_length, layout, cuda_graphs, shortlist, native_blocks,
-                         calibrate, reload=dequantized, quantized=quantized)
+                         calibrate, reload=lambda: dequantized_checkpoint(model_dir, fmt), quantized=quantized)
 
     # the cache's state, as CachedLM's callers read and write it
     length = property(lambda self: self.kv.length, lambda self, n: setattr(self.kv, "length", n))

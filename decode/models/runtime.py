@@ -4,7 +4,8 @@ A runtime owns every choice that depends on where a loaded model runs, so that t
 and the tools never ask which device or instruction set they are on:
 
     kernels                  the step's loops over the model's logits (decode.kernels: C++ or portable)
-    dtype                    the weights' format (bfloat16 or float32)
+    dtype, quantization      the activations' and the cache's dtype (bfloat16 or float32), and the weights' block
+                             format where they are quantized (decode.models.quantized: Q8_0, Q4_0), else that dtype
     blocks, rows             the C++ forward of a few rows (native.Blocks) and the most rows it runs (0: torch's forward)
     tiles                    whether that forward's products run on AMX's tiles
     mover(cache)             a commit's moves of KV slots
@@ -31,6 +32,7 @@ from decode import native
 from decode.kernels import NativeKernels, PortableKernels, StepKernels
 from decode.models.cuda_graphs import CUDAGraphs
 from decode.models.projection import default_layout, layout_for
+from decode.models.quantized import Format
 
 TORCH, CPP, CPP_TILES = "torch", "C++", "C++ on AMX tiles"  # the ways a forward of a few rows can run
 # cuDNN's attention builds a plan for every new shape, and each decoding call has a new cached length, which made
@@ -72,8 +74,8 @@ class Runtime:
 
     name = "torch"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.device, self.dtype = device, dtype
+    def __init__(self, device: torch.device, dtype: torch.dtype, quantization: Format | None = None):
+        self.device, self.dtype, self.quantization = device, dtype, quantization
         self.kernels: StepKernels = PortableKernels()
         self.blocks: native.Blocks | None = None
         self.rows = 0
@@ -81,6 +83,11 @@ class Runtime:
     @property
     def tiles(self) -> bool:
         return False
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes a weight of the matrices takes in memory, as a forward reads it."""
+        return self.quantization.bits / 8 if self.quantization else self.dtype.itemsize
 
     @property
     def chunks(self) -> bool:
@@ -148,8 +155,9 @@ class NativeRuntime(Runtime):
 
     name = "C++"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, cpp_forward: bool = True):
-        super().__init__(device, dtype)
+    def __init__(self, device: torch.device, dtype: torch.dtype, quantization: Format | None = None,
+                 cpp_forward: bool = True):
+        super().__init__(device, dtype, quantization)
         self.kernels = NativeKernels()
         self.cpp_forward = cpp_forward
 
@@ -199,7 +207,7 @@ class NativeRuntime(Runtime):
         if self.blocks is None:
             return ""
         return ("".join(source.read_text() for source in native.FORWARD_SOURCES) + (native.forward_build(self.dtype) or "")
-                + f"{self.rows} {self.tiles}")
+                + f"{self.rows} {self.tiles}" + (f" {self.quantization.name}" if self.quantization else ""))
 
 
 class CudaRuntime(Runtime):
@@ -208,9 +216,13 @@ class CudaRuntime(Runtime):
 
     name = "CUDA"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, cuda_graphs: bool = False):
-        super().__init__(device, dtype)
+    def __init__(self, device: torch.device, dtype: torch.dtype, quantization: Format | None = None,
+                 cuda_graphs: bool = False):
+        super().__init__(device, dtype, quantization)
         self.cuda_graphs = cuda_graphs
+        if quantization is not None:
+            native.note_once(f"a {quantization.name} model runs on a GPU dequantized to {str(dtype).removeprefix('torch.')}: "
+                             f"the same model, its weights read at 16 or 32 bits each (the quantized products are the CPU's)")
 
     def layout(self, in_features, out_features, gelu, calibrate) -> str:
         return default_layout(self.dtype)
@@ -232,12 +244,13 @@ class CudaRuntime(Runtime):
 
 
 def runtime_for(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, cpp_forward: bool = True,
-                cuda_graphs: bool = False) -> Runtime:
-    """The runtime of a model on `device` with weights in `dtype`: on a CPU the C++ one where it is built (its forward
-    of a few rows only with `cpp_forward`), on a GPU the CUDA one (replaying CUDA graphs with `cuda_graphs`)."""
+                cuda_graphs: bool = False, quantization: Format | None = None) -> Runtime:
+    """The runtime of a model on `device` computing in `dtype`, its matrices in `quantization`'s blocks where given:
+    on a CPU the C++ one where it is built (its forward of a few rows only with `cpp_forward`), on a GPU the CUDA one
+    (replaying CUDA graphs with `cuda_graphs`)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return CudaRuntime(device, dtype, cuda_graphs)
+        return CudaRuntime(device, dtype, quantization, cuda_graphs)
     if device.type == "cpu" and native.module() is not None:
-        return NativeRuntime(device, dtype, cpp_forward)
-    return Runtime(device, dtype)
+        return NativeRuntime(device, dtype, quantization, cpp_forward)
+    return Runtime(device, dtype, quantization)

@@ -50,13 +50,14 @@ class ForwardShape:
     n_layer: int
     n_embd: int
     logit_columns: int
-    element_bytes: int
+    element_bytes: int  # of the cache
+    weight_bytes: float  # of a weight: its dtype's, or a quantized format's share of its block
 
     @classmethod
     def of(cls, engine) -> "ForwardShape":
         s = engine.shape
         columns = s.vocab_size if engine.shortlist is None else len(engine.shortlist.tokens)
-        return cls(s.n_layer, s.n_embd, columns, engine.dtype.itemsize)
+        return cls(s.n_layer, s.n_embd, columns, engine.dtype.itemsize, engine.runtime.weight_bytes)
 
     def work(self, q: int, cached: int) -> tuple[float, float]:
         """(bytes read, multiply-adds) of a forward of q new rows after `cached` positions: every weight and the
@@ -64,7 +65,7 @@ class ForwardShape:
         n, layers = self.n_embd, self.n_layer
         weights = 12 * n * n * layers + n * self.logit_columns
         seen = cached + q
-        return (weights + 2 * layers * seen * n) * self.element_bytes, q * (weights + 2 * layers * seen * n)
+        return weights * self.weight_bytes + 2 * layers * seen * n * self.element_bytes, q * (weights + 2 * layers * seen * n)
 
     def roofline_ms(self, machine: Machine, q: int, cached: int) -> float:
         read, macs = self.work(q, cached)
