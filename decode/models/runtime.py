@@ -166,7 +166,7 @@ class NativeRuntime(Runtime):
         return self.blocks is not None and self.blocks.tiles
 
     def loads_forward(self, n_embd: int) -> bool:
-        return self.cpp_forward and native.Blocks.fit(n_embd, self.dtype, self.device)
+        return self.cpp_forward and native.Blocks.fit(n_embd, self.dtype, self.device, self.quantization is not None)
 
     def load_forward(self, shape, weights, cache, output, consume) -> None:
         self.blocks = native.Blocks(shape, weights, cache, output, consume=consume)

@@ -146,10 +146,11 @@ def pack_for_products(in_out: torch.Tensor) -> torch.Tensor:
 
 
 def pack_quantized(matrix: "QuantizedWeight") -> torch.Tensor:
-    """The blocks as native/forward.cpp's quantized products read them: output columns in blocks of 16 (the last
-    padded with zero scales), and in each, for every 32 inputs, the 16 columns' float16 scales (32 bytes) then their
-    quants input by input (quantized.h): Q8_0, 32 lines of the 16 columns' int8; Q4_0, 16 lines of 16 bytes, line k holding input k
-    (low nibble) and input k + 16 (high nibble) of each column, as each column's llama.cpp block does."""
+    """An (out, in) matrix's blocks as native/quantized.h's products read them: output columns in blocks of 16 (the
+    last padded with zero scales and values), and in each, for every 32 inputs, the 16 columns' float16 scales (32
+    bytes), then lines of 64 bytes, byte 4j + t of line m holding column j's value for input 4m + t: Q8_0, 8 lines of
+    int8; Q4_0, 4 lines whose low nibbles are inputs 4m + t and high nibbles inputs 16 + 4m + t, the pairs of each
+    column's llama.cpp block."""
     out, in_features = matrix.shape
     padding = -out % 16
     quants = matrix.quants.view(torch.uint8)
@@ -158,7 +159,7 @@ def pack_quantized(matrix: "QuantizedWeight") -> torch.Tensor:
         quants = torch.cat([quants, quants.new_zeros(padding, quants.shape[1])])
         scales = torch.cat([scales, scales.new_zeros(padding, *scales.shape[1:])])
     groups, columns = in_features // 32, (out + padding) // 16
-    lines = quants.reshape(columns, 16, groups, -1).permute(0, 2, 3, 1)  # (block, group, line, column)
+    lines = quants.reshape(columns, 16, groups, -1, 4).permute(0, 2, 3, 1, 4)  # (block, group, line, column, input)
     scales = scales.reshape(columns, 16, groups, 2).permute(0, 2, 1, 3)  # (block, group, column, byte)
     return torch.cat([scales.reshape(columns, groups, 32), lines.reshape(columns, groups, -1)], dim=-1).contiguous()
 
@@ -193,10 +194,16 @@ class Blocks:
     ROWS = 64
 
     @staticmethod
-    def fit(n_embd: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether these blocks can run a model of this width, dtype and device here."""
-        return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and n_embd % 16 == 0
+    def fit(n_embd: int, dtype: torch.dtype, device: torch.device, quantized: bool = False) -> bool:
+        """Whether these blocks can run a model of this width, dtype and device here (its matrices in Q8_0 or Q4_0
+        blocks with `quantized`: said once where this CPU lacks the instructions)."""
+        fits = (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and n_embd % 16 == 0
                 and forward_module(dtype) is not None)
+        if fits and quantized and not forward_module(dtype).quantized_supported():
+            note_once("this CPU lacks the quantized products' instructions (AVX-512 VNNI, or AVX2 and F16C): a quantized "
+                      "model's forwards run in torch over its dequantized weights, several times slower")
+            return False
+        return fits
 
     def __init__(self, shape, weights: dict, kv_cache: torch.Tensor, output: "torch.Tensor | QuantizedWeight",
                  consume: bool = False):

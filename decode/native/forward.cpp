@@ -7,7 +7,8 @@
 // bfloat16 model's AVX-512 BF16 dot products or, on a CPU with AMX, its tiles; a float32 model's AVX-512 fused
 // multiply-adds; or, in the AVX2 build (no FORWARD_AVX512), fused multiply-adds of 8 floats for either dtype, a
 // bfloat16 weight widened to float32 as it is read. A quantized model's products (Q8_0 or Q4_0 blocks, quantized.h)
-// form each weight in float32 as they read it and multiply-add over float32 rows. Attention with the tree's mask runs its heads over the same
+// quantize each row to int8 block by block, as llama.cpp's do, and sum its products with the weights in int32
+// (AVX-512 VNNI, or AVX2's byte products). Attention with the tree's mask runs its heads over the same
 // threads; layer norm, softmax, GELU and the residuals run a vector at a time over the rows in place, in float32.
 // The model's dtype (`T`: bf16 or float) is that of its embeddings, its unquantized weights, its cache and the products' inputs. Every row adds
 // its terms in the same order whatever the call's other rows: a row's logits are bit for bit the same alone or beside
@@ -60,7 +61,7 @@ Linear<T> linear(const void *packed, const float *bias, int64_t in, int64_t out)
 }
 
 // y (rows x out) = x @ W + bias for one of the model's linear layers, packed as its format says: in the model's dtype
-// (products.h, on AMX's tiles with `tiles`) or quantized (quantized.h, over the rows widened to float32).
+// (products.h, on AMX's tiles with `tiles`) or quantized (quantized.h, the rows quantized to int8 as it reads them).
 template <typename T>
 VECTOR_TARGET void multiply(const Model &m, const void *packed, const float *bias, const T *x, int64_t in, int64_t out,
                             float *y, int64_t rows, bool tiles) {
@@ -68,16 +69,7 @@ VECTOR_TARGET void multiply(const Model &m, const void *packed, const float *bia
         product(x, linear<T>(packed, bias, in, out), y, rows, tiles);
         return;
     }
-    static thread_local std::vector<float> room;
-    const float *input = nullptr;
-    if constexpr (std::is_same_v<T, float>) {
-        input = x;
-    } else {
-        room.resize(rows * in);
-        widen(x, room.data(), rows * in);
-        input = room.data();
-    }
-    quantized_product(m.format, input, QuantizedLinear{static_cast<const uint8_t *>(packed), bias, in, out}, y, rows,
+    quantized_product(m.format, x, QuantizedLinear{static_cast<const uint8_t *>(packed), bias, in, out}, y, rows,
                       PARALLEL_WORK);
 }
 
@@ -193,6 +185,11 @@ PyObject *model(PyObject *, PyObject *spec) {
     PyObject *format = PyDict_GetItemString(spec, "format");  // absent: DENSE
     if (format && !field(spec, "format", m->format)) return nullptr;
     const int64_t n = m->n_embd;
+    if (m->format != DENSE && !quantized_supported()) {
+        PyErr_SetString(PyExc_ValueError, "model: this CPU lacks the instructions of this build's quantized products "
+                                          "(AVX-512 VNNI, or AVX2 and F16C)");
+        return nullptr;
+    }
     if (m->format != DENSE && (n % QUANT_BLOCK || (m->format != Q8_0 && m->format != Q4_0))) {
         PyErr_Format(PyExc_ValueError, "model: format %lld is not one of 0 (the model's dtype), 1 (Q8_0) and 2 (Q4_0), "
                                        "or n_embd is not a multiple of %lld", static_cast<long long>(m->format),
@@ -412,6 +409,34 @@ PyObject *tiles(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *k
     return PyBool_FromLong(m->tiles);
 }
 
+// quantized_product(format, packed, bias, x, out): out = x @ W + bias for one quantized layer, as a forward computes
+// it: format 1 (Q8_0) or 2 (Q4_0); packed: the uint8 packed layer (pack_quantized, 3-dimensional as it returns it);
+// bias: float32, the output columns padded to 16; x: float32 (rows, in); out: float32 (rows, out).
+const char *const QUANTIZED_PRODUCT[] = {"format", "packed", "bias", "x", "out"};
+PyObject *quantized_product_of(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(QUANTIZED_PRODUCT);
+    Array packed, bias, x, out;
+    if (!named.open("quantized_product", args, nargs, kwnames) || !packed.open(named["packed"], "packed", "B", 1, 3)
+        || !bias.open(named["bias"], "bias", "f", 4, 1) || !x.open(named["x"], "x", "f", 4, 2)
+        || !out.open(named["out"], "out", "f", 4, 2, false, true))
+        return nullptr;
+    const int64_t format = PyLong_AsLongLong(named["format"]);
+    if (PyErr_Occurred()) return nullptr;
+    const int64_t rows = x.size(0), in = x.size(1), columns = out.size(1);
+    if ((format != Q8_0 && format != Q4_0) || !quantized_supported() || in % QUANT_BLOCK || out.size(0) != rows
+        || packed.count() != quantized_bytes(format, in, columns) || bias.count() != (columns + 15) / 16 * 16) {
+        PyErr_SetString(PyExc_ValueError, "quantized_product: format 1 or 2 on a CPU that runs it, a packed layer and "
+                                          "a bias of x's inputs and out's columns");
+        return nullptr;
+    }
+    quantized_product(format, x.data<const float>(), QuantizedLinear{packed.data<const uint8_t>(), bias.data<const float>(), in, columns},
+                      out.data<float>(), rows, PARALLEL_WORK);
+    Py_RETURN_NONE;
+}
+
+// quantized_supported() -> whether this CPU runs this build's products over Q8_0 and Q4_0 blocks.
+PyObject *quantized_supported_here(PyObject *, PyObject *) { return PyBool_FromLong(quantized_supported()); }
+
 PyMethodDef methods[] = {
     {"model", model, METH_O, "A model's shape and tensors, read and checked once, as a capsule."},
     {"blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(blocks)), METH_FASTCALL | METH_KEYWORDS,
@@ -419,6 +444,10 @@ PyMethodDef methods[] = {
     {"chain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(chain)), METH_FASTCALL | METH_KEYWORDS,
      "A chain drafter's draft forwards and the tokens each chooses, as one call."},
     {"set_distribution_type", set_distribution_type, METH_O, "The dict subclass the distributions are returned as."},
+    {"quantized_product", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(quantized_product_of)),
+     METH_FASTCALL | METH_KEYWORDS, "One quantized layer's product, as a forward computes it."},
+    {"quantized_supported", quantized_supported_here, METH_NOARGS,
+     "Whether this CPU runs this build's products over Q8_0 and Q4_0 blocks."},
     {"supported", supported, METH_O, "Whether this CPU runs this build's forward of a model with elements of this many bytes."},
     {"tiles", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tiles)), METH_FASTCALL | METH_KEYWORDS,
      "Sets (or, with None, asks) whether a bfloat16 model's products run on AMX's tiles."},

@@ -1,10 +1,14 @@
 // The products of forward.cpp over a weight-only quantized layer: y = x @ W + bias, W in llama.cpp's Q8_0 or Q4_0
-// blocks (32 weights along the input, an int8 or 4-bit value each, one float16 scale d), packed once at load by
-// decode/models/quantized.py's pack_quantized: output columns in blocks of 16, and for every 32 inputs the 16 columns'
-// scales, then their values input by input (Q4_0: line k holds input k in its low nibbles, input k + 16 in its high).
-// The activations stay float32: each weight q d is formed exactly in float32 as it is read (an 8-bit integer times an
-// 11-bit scale), then multiplied and added as the float32 products do, so the product is the float32 product of the
-// dequantized matrix, its terms added in input order. A row's sums do not depend on the call's other rows.
+// blocks (32 weights along the input, an int8 or a 4-bit value each, one float16 scale d), as llama.cpp computes
+// them: each row's inputs quantized block by block to int8 (a float32 scale each, Q8_0's rule), the blocks' dot
+// products summed exactly in int32, then scaled by the two scales and added in float32.
+//
+// Packed once at load by decode/native's pack_quantized: output columns in blocks of 16, and for every 32 inputs the
+// 16 columns' scales (32 bytes), then their values in lines of 64 bytes, byte 4j + t of line m holding column j's
+// value for input 4m + t (Q8_0: 8 lines, int8) or, Q4_0, input 4m + t in its low nibble and 16 + 4m + t in its high
+// one (4 lines, as each column's llama.cpp block pairs inputs k and k + 16). A line is the operand of AVX-512 VNNI's
+// dot product of 4 bytes a lane (VPDPBUSD) against 4 of a row's inputs broadcast; AVX2 forms the same sums with
+// VPMADDUBSW and VPMADDWD. Both are exact: a row's sums do not depend on the call's other rows, nor on the build.
 #pragma once
 
 #include <immintrin.h>
@@ -12,10 +16,18 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "vectors.h"
+
+#ifdef FORWARD_AVX512
+#define QUANTIZED_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma,f16c")))
+#else
+#define QUANTIZED_TARGET __attribute__((target("avx2,fma,f16c")))
+#endif
 
 namespace {
 
@@ -23,9 +35,11 @@ enum WeightFormat : int64_t { DENSE = 0, Q8_0 = 1, Q4_0 = 2 };
 
 constexpr int64_t QUANT_BLOCK = 32;  // weights a block, along the input
 
-// Bytes of a packed group (16 columns x 32 inputs): their scales, then their values
+// 64-byte lines of values in a packed group (16 columns x 32 inputs), and the group's bytes with its scales
 template <int F>
-constexpr int64_t GROUP_BYTES = 32 + (F == Q8_0 ? 512 : 256);
+constexpr int64_t LINES = F == Q8_0 ? 8 : 4;
+template <int F>
+constexpr int64_t GROUP_BYTES = 32 + 64 * LINES<F>;
 
 struct QuantizedLinear {
     const uint8_t *packed;
@@ -38,81 +52,183 @@ inline int64_t quantized_bytes(int64_t format, int64_t in, int64_t out) {
     return (out + 15) / 16 * (in / QUANT_BLOCK) * (format == Q8_0 ? GROUP_BYTES<Q8_0> : GROUP_BYTES<Q4_0>);
 }
 
-constexpr int64_t VECTORS_A_BLOCK = 16 / LANES;
+// (a superset of VECTOR_TARGET's sets, so that the vector helpers inline into the products)
+// Whether this CPU runs this build's quantized products: AVX-512 VNNI, or AVX2 and F16C.
+inline bool quantized_supported() {
+    __builtin_cpu_init();
+#ifdef FORWARD_AVX512
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
+#else
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#endif
+}
 
-// The LANES weight values of one line from column `first` on, as float32: Q8_0's int8s; Q4_0's nibbles (the low
-// ones, or with `high` the high ones) less 8.
+// A call's rows as the products read them: each block of 32 inputs as int8 values v = round(x / s), s = max |x| / 127
+// (0 for a block of zeros), with s and the sum of the v. Where the build's Q8_0 product takes them as VPDPBUSD's
+// unsigned operand (AVX-512), the values are stored as v + 128.
+struct QuantizedRows {
+    std::vector<uint8_t> values;  // rows x in
+    std::vector<float> scales;    // rows x in / 32
+    std::vector<int32_t> sums;    // rows x in / 32
+    int64_t in = 0;
+};
+
+template <typename T>
+void quantize_rows(const T *x, int64_t rows, int64_t in, bool offset, QuantizedRows &q) {
+    const int64_t blocks = in / QUANT_BLOCK;
+    q.in = in;
+    q.values.resize(rows * in);
+    q.scales.resize(rows * blocks);
+    q.sums.resize(rows * blocks);
+    for (int64_t b = 0; b < rows * blocks; b++) {
+        const T *block = x + b * QUANT_BLOCK;
+        float largest = 0;
+        for (int64_t k = 0; k < QUANT_BLOCK; k++) largest = std::max(largest, std::fabs(to_float(block[k])));
+        const float scale = largest / 127, inverse = scale ? 1 / scale : 0;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < QUANT_BLOCK; k++) {
+            const int32_t v = std::clamp(static_cast<int32_t>(std::nearbyint(to_float(block[k]) * inverse)), -127, 127);
+            sum += v;
+            q.values[b * QUANT_BLOCK + k] = static_cast<uint8_t>(offset ? v + 128 : v);
+        }
+        q.scales[b] = scale;
+        q.sums[b] = sum;
+    }
+}
+
+// Whether the build's Q8_0 product reads the rows' values offset by 128
 template <int F>
-VECTOR_TARGET inline Vec values(const uint8_t *line, int64_t first, bool high) {
 #ifdef FORWARD_AVX512
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i *>(line + first));
-    if constexpr (F == Q8_0) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    const __m128i nibbles = _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(15));
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(nibbles), _mm512_set1_epi32(8)));
+constexpr bool OFFSET_ROWS = F == Q8_0;
 #else
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(line + first));
-    if constexpr (F == Q8_0) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-    const __m128i nibbles = _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(15));
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(nibbles), _mm256_set1_epi32(8)));
+constexpr bool OFFSET_ROWS = false;
 #endif
-}
 
-// A group's 16 float16 scales as float32.
-VECTOR_TARGET inline void scales_of(const uint8_t *group, float *scales) {
 #ifdef FORWARD_AVX512
-    _mm512_store_ps(scales, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(group))));
-#else
-    for (int h = 0; h < 2; h++)
-        _mm256_store_ps(scales + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(group + 16 * h))));
-#endif
-}
+using Ints = __m512i;
+constexpr int64_t INT_VECTORS_A_BLOCK = 1;
 
-// y (R rows x B blocks of 16 columns from block b0) = x @ W + bias, the sums in registers: each input's B blocks of
-// weights are formed once for the R rows. Columns past `out` are not stored.
+QUANTIZED_TARGET inline Ints int_zeros() { return _mm512_setzero_si512(); }
+QUANTIZED_TARGET inline Ints line_part(const uint8_t *line, int) { return _mm512_loadu_si512(line); }
+QUANTIZED_TARGET inline __m512 block_scales(const uint8_t *group, int) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(group)));
+}
+// sums + the 4-byte dot products of each lane: unsigned bytes `u` with signed bytes `s`
+QUANTIZED_TARGET inline Ints dot4(Ints sums, Ints u, Ints s) { return _mm512_dpbusd_epi32(sums, u, s); }
+QUANTIZED_TARGET inline Ints low_nibbles(Ints v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+QUANTIZED_TARGET inline Ints high_nibbles(Ints v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+QUANTIZED_TARGET inline Ints splat4(const uint8_t *bytes) {
+    int32_t word;
+    std::memcpy(&word, bytes, sizeof word);
+    return _mm512_set1_epi32(word);
+}
+QUANTIZED_TARGET inline Ints sub_ints(Ints a, Ints b) { return _mm512_sub_epi32(a, b); }
+QUANTIZED_TARGET inline Ints splat_int(int32_t v) { return _mm512_set1_epi32(v); }
+QUANTIZED_TARGET inline __m512 to_floats(Ints v) { return _mm512_cvtepi32_ps(v); }
+// A Q8_0 line's dot products with 4 row values (offset by 128: VPDPBUSD's unsigned operand)
+QUANTIZED_TARGET inline Ints q8_dot(Ints sums, Ints row, Ints weights) { return dot4(sums, row, weights); }
+#else
+using Ints = __m256i;
+constexpr int64_t INT_VECTORS_A_BLOCK = 2;
+
+QUANTIZED_TARGET inline Ints int_zeros() { return _mm256_setzero_si256(); }
+QUANTIZED_TARGET inline Ints line_part(const uint8_t *line, int h) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(line + 32 * h));
+}
+QUANTIZED_TARGET inline __m256 block_scales(const uint8_t *group, int h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(group + 16 * h)));
+}
+// sums + the 4-byte dot products of each lane: unsigned bytes `u` with signed bytes `s`, where no two neighbouring
+// products pass 32767 (VPMADDUBSW saturates its 16-bit pairs): a nibble by a value, or |v| by a value
+QUANTIZED_TARGET inline Ints dot4(Ints sums, Ints u, Ints s) {
+    return _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+QUANTIZED_TARGET inline Ints low_nibbles(Ints v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+QUANTIZED_TARGET inline Ints high_nibbles(Ints v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+QUANTIZED_TARGET inline Ints splat4(const uint8_t *bytes) {
+    int32_t word;
+    std::memcpy(&word, bytes, sizeof word);
+    return _mm256_set1_epi32(word);
+}
+QUANTIZED_TARGET inline Ints sub_ints(Ints a, Ints b) { return _mm256_sub_epi32(a, b); }
+QUANTIZED_TARGET inline Ints splat_int(int32_t v) { return _mm256_set1_epi32(v); }
+QUANTIZED_TARGET inline __m256 to_floats(Ints v) { return _mm256_cvtepi32_ps(v); }
+// A Q8_0 line's dot products with 4 row values: |v| by the weight with v's sign, each pair within 2 x 127 x 127
+QUANTIZED_TARGET inline Ints q8_dot(Ints sums, Ints row, Ints weights) {
+    return dot4(sums, _mm256_sign_epi8(row, row), _mm256_sign_epi8(weights, row));
+}
+#endif
+
+// y (R rows x B blocks of 16 columns from block b0) = x @ W + bias: for each group of 32 inputs, the int32 dot
+// products of every row with each column's values (each line loaded once for the R rows), less the offset the
+// unsigned operand carries (Q8_0 on AVX-512: 128 times the column's values, from a dot product with 128s; Q4_0: 8
+// times the row's values), then scaled by the column's scale times the row's and added to the float32 sums in
+// input order. Columns past `out` are not stored.
 template <int F, int R, int B>
-VECTOR_TARGET void quantized_tile(const float *x, const QuantizedLinear &w, float *y, int64_t r0, int64_t b0) {
+QUANTIZED_TARGET void quantized_tile(const QuantizedRows &x, const QuantizedLinear &w, float *y, int64_t r0, int64_t b0) {
+    constexpr int V = INT_VECTORS_A_BLOCK;
     const int64_t groups = w.in / QUANT_BLOCK;
     const uint8_t *blocks[B];
-    Vec acc[R][B * VECTORS_A_BLOCK];
-    alignas(64) float scales[B][16];
+    Vec acc[R][B * V];
     for (int j = 0; j < B; j++) {
         blocks[j] = w.packed + (b0 + j) * groups * GROUP_BYTES<F>;
-        for (int v = 0; v < VECTORS_A_BLOCK; v++)
-            for (int r = 0; r < R; r++) acc[r][j * VECTORS_A_BLOCK + v] = load(w.bias + (b0 + j) * 16 + v * LANES);
+        for (int v = 0; v < V; v++)
+            for (int r = 0; r < R; r++) acc[r][j * V + v] = load(w.bias + (b0 + j) * 16 + v * LANES);
     }
     for (int64_t g = 0; g < groups; g++) {
-        for (int j = 0; j < B; j++) scales_of(blocks[j] + g * GROUP_BYTES<F>, scales[j]);
-        for (int k = 0; k < QUANT_BLOCK; k++) {
-            Vec weight[B * VECTORS_A_BLOCK];
-            for (int j = 0; j < B; j++) {
-                const uint8_t *line = blocks[j] + g * GROUP_BYTES<F> + 32 + 16 * (F == Q8_0 ? k : k % 16);
-                for (int v = 0; v < VECTORS_A_BLOCK; v++)
-                    weight[j * VECTORS_A_BLOCK + v] = mul(values<F>(line, v * LANES, k >= 16), load(scales[j] + v * LANES));
-            }
-            for (int r = 0; r < R; r++) {
-                const Vec input = splat(x[(r0 + r) * w.in + g * QUANT_BLOCK + k]);
-                for (int i = 0; i < B * VECTORS_A_BLOCK; i++) acc[r][i] = fma(input, weight[i], acc[r][i]);
+        Ints sums[R][B * V], offset[B * V];
+        for (int i = 0; i < B * V; i++) {
+            offset[i] = int_zeros();
+            for (int r = 0; r < R; r++) sums[r][i] = int_zeros();
+        }
+        const uint8_t *rows[R];
+        for (int r = 0; r < R; r++) rows[r] = x.values.data() + (r0 + r) * x.in + g * QUANT_BLOCK;
+        for (int m = 0; m < LINES<F>; m++)
+            for (int j = 0; j < B; j++)
+                for (int v = 0; v < V; v++) {
+                    const Ints line = line_part(blocks[j] + g * GROUP_BYTES<F> + 32 + 64 * m, v);
+                    if constexpr (F == Q8_0) {
+                        if constexpr (OFFSET_ROWS<F>) offset[j * V + v] = dot4(offset[j * V + v], splat_int(static_cast<int32_t>(0x80808080u)), line);
+                        for (int r = 0; r < R; r++) sums[r][j * V + v] = q8_dot(sums[r][j * V + v], splat4(rows[r] + 4 * m), line);
+                    } else {
+                        const Ints low = low_nibbles(line), high = high_nibbles(line);
+                        for (int r = 0; r < R; r++) {
+                            sums[r][j * V + v] = dot4(sums[r][j * V + v], low, splat4(rows[r] + 4 * m));
+                            sums[r][j * V + v] = dot4(sums[r][j * V + v], high, splat4(rows[r] + 16 + 4 * m));
+                        }
+                    }
+                }
+        Vec scales[B * V];
+        for (int j = 0; j < B; j++)
+            for (int v = 0; v < V; v++) scales[j * V + v] = block_scales(blocks[j] + g * GROUP_BYTES<F>, v);
+        for (int r = 0; r < R; r++) {
+            const int64_t block = (r0 + r) * groups + g;
+            const Vec row_scale = splat(x.scales[block]);
+            const Ints row_offset = splat_int(8 * x.sums[block]);
+            for (int i = 0; i < B * V; i++) {
+                const Ints exact = sub_ints(sums[r][i], F == Q8_0 ? offset[i] : row_offset);
+                acc[r][i] = fma(to_floats(exact), mul(scales[i], row_scale), acc[r][i]);
             }
         }
     }
     for (int j = 0; j < B; j++)
-        for (int v = 0; v < VECTORS_A_BLOCK; v++) {
+        for (int v = 0; v < V; v++) {
             const int64_t column = (b0 + j) * 16 + v * LANES;
-            for (int r = 0; r < R; r++) store(y + (r0 + r) * w.out + column, acc[r][j * VECTORS_A_BLOCK + v], w.out - column);
+            for (int r = 0; r < R; r++) store(y + (r0 + r) * w.out + column, acc[r][j * V + v], w.out - column);
         }
 }
 
-// The rows a tile takes, and the blocks a tile of R rows covers (QUANTIZED_BLOCKS[R - 1]): sums, a step's weights
-// and an input within the registers (32 with AVX-512, 16 with AVX2)
+// The rows a tile takes, and the blocks a tile of R rows covers (QUANTIZED_BLOCKS[R - 1]): its int32 and float32
+// sums, a line and the rows' values within the registers (32 with AVX-512, 16 with AVX2)
 constexpr int64_t QUANTIZED_ROWS = 4;
 #ifdef FORWARD_AVX512
-constexpr int64_t QUANTIZED_BLOCKS[4] = {4, 4, 4, 4};
+constexpr int64_t QUANTIZED_BLOCKS[4] = {4, 4, 2, 2};
 #else
-constexpr int64_t QUANTIZED_BLOCKS[4] = {2, 2, 1, 1};
+constexpr int64_t QUANTIZED_BLOCKS[4] = {2, 1, 1, 1};
 #endif
 
 template <int F>
-using QuantizedTile = void (*)(const float *, const QuantizedLinear &, float *, int64_t, int64_t);
+using QuantizedTile = void (*)(const QuantizedRows &, const QuantizedLinear &, float *, int64_t, int64_t);
 template <int F, int R>
 constexpr QuantizedTile<F> QUANTIZED_TILE_ROW[4] = {quantized_tile<F, R, 1>, quantized_tile<F, R, 2>,
                                                     quantized_tile<F, R, 3>, quantized_tile<F, R, 4>};
@@ -123,7 +239,7 @@ constexpr const QuantizedTile<F> *QUANTIZED_TILES[4] = {QUANTIZED_TILE_ROW<F, 1>
 // y (rows x out) = x @ W + bias over the (up to) 64 output columns from block b0: every row, a tile's rows at a
 // time, over the group's weights while they stay in cache.
 template <int F>
-void quantized_columns(const float *x, const QuantizedLinear &w, float *y, int64_t rows, int64_t b0) {
+void quantized_columns(const QuantizedRows &x, const QuantizedLinear &w, float *y, int64_t rows, int64_t b0) {
     const int64_t blocks = std::min<int64_t>(4, (w.out + 15) / 16 - b0);
     for (int64_t r0 = 0; r0 < rows; r0 += QUANTIZED_ROWS) {
         const int64_t r = std::min<int64_t>(QUANTIZED_ROWS, rows - r0), step = QUANTIZED_BLOCKS[r - 1];
@@ -132,10 +248,14 @@ void quantized_columns(const float *x, const QuantizedLinear &w, float *y, int64
     }
 }
 
-// y (rows x out, float32) = x (rows x in, float32) @ W + bias, W in `format`, the column groups split among torch's
-// threads as the float products' are.
-inline void quantized_product(int64_t format, const float *x, const QuantizedLinear &w, float *y, int64_t rows,
-                              int64_t parallel_work) {
+// y (rows x out, float32) = x (rows x in, the model's dtype) @ W + bias, W in `format`: the rows quantized once, the
+// column groups split among torch's threads as the other products' are.
+template <typename T>
+void quantized_product(int64_t format, const T *input, const QuantizedLinear &w, float *y, int64_t rows,
+                       int64_t parallel_work) {
+    static thread_local QuantizedRows room;
+    QuantizedRows &x = room;  // the caller's: a thread_local named in the lambda would be each worker thread's own
+    quantize_rows(input, rows, w.in, format == Q8_0 ? OFFSET_ROWS<Q8_0> : OFFSET_ROWS<Q4_0>, x);
     const int64_t groups = (w.out + 63) / 64;
     const int64_t grain = rows * w.in * w.out >= parallel_work ? 1 : groups;
     at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
