@@ -218,3 +218,13 @@ def test_quantize_copies_what_a_model_directory_holds_besides_its_weights(quanti
     assert not (draft / "model.safetensors").exists()
     report = json.loads((draft / quantize.REPORT).read_text())
     assert report["format"] == "q4_0" and report["bits_a_weight"] == Q4_0.bits == 4.5 and Q8_0.bits == 8.5
+
+
+def test_the_api_loads_a_quantized_pair_as_it_is(quantized_run):
+    from decode import SpeculativeDecoder
+
+    pair = SpeculativeDecoder.from_pretrained(quantized_run["oracle"], quantized_run["draft"], method="speculative", k=4,
+                                              dtype="float32")
+    alone = SpeculativeDecoder.from_pretrained(quantized_run["oracle"], method="baseline", dtype="float32")
+    prompt = "t3 t9 t27"
+    assert pair.generate(prompt, max_new_tokens=16).token_ids == alone.generate(prompt, max_new_tokens=16).token_ids

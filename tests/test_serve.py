@@ -300,3 +300,17 @@ def test_an_address_in_use_is_a_one_line_error_before_the_models_load(bpe_run):
     assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [
         next(line for line in done.stderr.splitlines() if line.startswith("error:"))]
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+
+
+def test_the_server_serves_a_quantized_oracle_as_it_is(bpe_run, tmp_path):
+    from decode.cli import quantize
+
+    oracle = tmp_path / "oracle-q8_0"
+    quantize.main(["--model", str(bpe_run["run"] / "oracle"), "--to", "q8_0", "--out", str(oracle), "--eval-tokens", "0"])
+    expected = SpeculativeDecoder.from_pretrained(oracle, method="baseline").generate(PROMPTS[0], max_new_tokens=12).text
+    s = Server(bpe_run["run"], "--oracle", str(oracle), "--method", "speculative", "--k", "3")
+    try:
+        reply = s.post({"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected
+    finally:
+        assert s.stop() == 0
