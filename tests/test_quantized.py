@@ -228,3 +228,12 @@ def test_the_api_loads_a_quantized_pair_as_it_is(quantized_run):
     alone = SpeculativeDecoder.from_pretrained(quantized_run["oracle"], method="baseline", dtype="float32")
     prompt = "t3 t9 t27"
     assert pair.generate(prompt, max_new_tokens=16).token_ids == alone.generate(prompt, max_new_tokens=16).token_ids
+
+
+def test_a_projection_prices_an_oracle_in_the_planned_oracles_block_format():
+    from decode.planning.costs import random_gpt2
+
+    for fmt in FORMATS.values():
+        model = random_gpt2(2, 64, 300, "float32", "cpu", n_positions=64, quantization=fmt)
+        assert model.runtime.quantization is fmt and model.runtime.weight_bytes == fmt.bits / 8
+        assert model.forward([1, 2, 3], [0, 1, 2], None).shape == (3, 300)

@@ -13,6 +13,7 @@ import torch
 
 from decode.errors import InputError
 from decode.models.cached_lm import CachedLM
+from decode.models.quantized import Format, QuantizedMatrix
 from decode.shortlist import Shortlist
 from decode.timing import CACHE_DIR, NODE_COUNTS, by_count, cache_key, forward_costs, kept
 
@@ -134,13 +135,18 @@ def random_weights(n_layer: int, n_embd: int, vocab_size: int, n_positions: int 
 
 
 def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: str, n_positions: int = 1024,
-                cuda_graphs: bool = False, native_blocks: bool = True, shortlist: int = 0):
+                cuda_graphs: bool = False, native_blocks: bool = True, shortlist: int = 0,
+                quantization: Format | None = None):
     """A GPT-2 of this shape with random weights (`random_weights`): its forward costs what a trained
     one's does. With `native_blocks`, a forward of up to native.Blocks.ROWS rows runs as the C++ call where it can;
-    with a `shortlist`, its output layer covers that many tokens (decode.run --draft-vocab)."""
+    with a `shortlist`, its output layer covers that many tokens (decode.run --draft-vocab); with a `quantization`,
+    its matrices are in that block format."""
     from decode.models.engine import GPT2Engine
+    from decode.models.quantize_model import is_quantized_matrix, oriented
 
     config, weights = random_weights(n_layer, n_embd, vocab_size, n_positions)
     tokens = Shortlist(torch.arange(shortlist), vocab_size) if shortlist else None
+    quantized = {name: QuantizedMatrix.quantize(oriented(name, weights.pop(name)), quantization)
+                 for name in list(weights) if is_quantized_matrix(name)} if quantization else None
     return GPT2Engine.build(config, weights, dtype, device, cuda_graphs=cuda_graphs, native_blocks=native_blocks,
-                            shortlist=tokens)
+                            shortlist=tokens, quantized=quantized)

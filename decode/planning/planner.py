@@ -21,6 +21,7 @@ from decode.healing import Prompt
 from decode.models.cached_lm import CachedLM
 from decode.models.calibration import calibrate
 from decode.models.loading import TOKEN_COUNTS, load_draft, load_trigram
+from decode.models.quantized import Format
 from decode.options import MIN_DRAFT_VOCAB
 from decode.plan_file import PLAN_VERSION, describe, identity
 from decode.planning import costs, kinds, replay, shapes
@@ -76,7 +77,8 @@ def make_plan(options, calibration_prompts: Callable[[object], list[Prompt]], se
     # the projection is measured first: the finalists include the best policies for it
     projection = search.project_oracle and projected_costs(search.project_oracle, search.project_draft,
                                                            [(0, base_dtype(options)), *drafts], options, sequences,
-                                                           search.max_budget)
+                                                           search.max_budget,
+                                                           (oracle.runtime.quantization, draft.runtime.quantization))
     oracle_curves = [(isolated_ms, {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0}, None)]
     oracle_curves += [(projection["ms"], projection["baseline"], projection["draft_ms"])] if projection else []
     replays = replay_policies(options, draft, table, p_draft, replayer(decoder, prompts, sequences, search),
@@ -195,21 +197,26 @@ def context_curves(model: CachedLM, largest: int) -> tuple[costs.ContextCosts, d
 
 
 def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[tuple[int, str]], options, sequences,
-                    max_budget: int) -> dict:
+                    max_budget: int, formats: tuple[Format | None, Format | None] = (None, None)) -> dict:
     """The forward costs of an oracle of shape `oracle_spec` measured here on random weights: its ms per node count,
     the baseline's costs under them, and the shape; with `draft_spec`, a draft of that shape's ms per forward for
-    each of the plan's drafts (`draft_keys`: shortlist size, dtype)."""
+    each of the plan's drafts (`draft_keys`: shortlist size, dtype). The projected models' matrices are in the block
+    formats of the oracle and the draft planned (`formats`; None: unquantized)."""
     n_layer, n_embd, vocab = costs.projection_shape(oracle_spec)
     prompt_length = round(sum(len(p) for p, _ in sequences) / len(sequences))
-    big_ms, big_costs = context_curves(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device),
+    oracle_format, draft_format = formats
+    big_ms, big_costs = context_curves(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device,
+                                                         quantization=oracle_format),
                                        max(2 * max_budget, prompt_length))
     projected = {"ms": big_ms, "baseline": {"prefill": float(big_ms.at([prompt_length], [0])[0]),
                                             "one_token": big_costs[1], "loop": 0.0},
                  "oracle": oracle_spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs, "draft_ms": None,
+                 "formats": [f.name if f else None for f in formats],
                  "machine": timing.machine_name(torch.device(options.device)), "date": datetime.date.today().isoformat()}
     if draft_spec:
         shape = costs.projection_shape(draft_spec, "--project-draft")
-        models = {(n, dtype): costs.random_gpt2(*shape, dtype, options.device, shortlist=n) for n, dtype in draft_keys}
+        models = {(n, dtype): costs.random_gpt2(*shape, dtype, options.device, shortlist=n, quantization=draft_format)
+                  for n, dtype in draft_keys}
         # a prompt's first draft call reads all of it
         curves = {key: context_curves(model, model.max_length + 2 * max_budget) for key, model in models.items()}
         projected |= {"draft": draft_spec, "draft_shape": list(shape),
