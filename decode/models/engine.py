@@ -211,8 +211,8 @@ class GPT2Engine(CachedLM):
             take_matrix = quantized.pop if lazy else quantized.__getitem__
             head = take_matrix("wte.weight")
             head = head if shortlist is None else head.rows(shortlist.tokens_on(device))
-            matrices = {name: take_matrix(name) for name in list(quantized) if name != "wte.weight"}
-            runtime.load_forward(shape, weights | matrices, kv.cache, head, consume=lazy)
+            runtime.load_forward(shape, weights | {name: take_matrix(name) for name in list(quantized) if name != "wte.weight"},
+                                 kv.cache, head, consume=lazy)  # (no other name holds the matrices: each goes as it is packed)
         elif fits:
             runtime.load_forward(shape, weights, kv.cache, output, consume=lazy)
         return cls(shape, wte, weights["wpe.weight"], make_torch_weights, layouts,
