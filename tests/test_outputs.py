@@ -12,7 +12,7 @@ from decode_models import run_models
 from safetensors.torch import load_file
 
 from data import prepare
-from decode.cli import agreement, bench, bench_engine, export, run
+from decode.cli import agreement, bench, bench_engine, export, quantize, run
 from ngram import build_katz
 from train import distill_draft, finetune_oracle
 
@@ -82,12 +82,13 @@ def commands(trained, models):
         "decode.agreement --out": (agreement.main, lambda p: [*decode, "--methods", "speculative", "--out", str(p)]),
         "decode.bench_engine --out": (bench_engine.main, lambda p: ["--model", str(r / "oracle"), "--prompts", str(prompts),
                                                                        "--skip-large", "--out", str(p)]),
+        "decode.quantize --out": (quantize.main, lambda p: ["--model", str(m["oracle"]), "--to", "q8_0", "--out", str(p)]),
     }
 
 
 COMMANDS = ["data.prepare --out", "build_katz --out", "finetune_oracle --out", "finetune_oracle --work-dir",
             "distill_draft --out", "distill_draft --work-dir", "decode.run --out", "decode.bench --out",
-            "decode.bench --plot", "decode.agreement --out", "decode.bench_engine --out"]
+            "decode.bench --plot", "decode.agreement --out", "decode.bench_engine --out", "decode.quantize --out"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -115,6 +116,7 @@ def test_no_output_flag_writes_over_or_into_what_its_command_reads(trained, mode
         "decode.bench --plot": m["ngram"] / "speedups.png",
         "decode.agreement --out": m["oracle"] / "config.json",
         "decode.bench_engine --out": r / "prompts.jsonl",
+        "decode.quantize --out": m["oracle"] / "q8_0",
     }
     before = snapshot(r.parent), snapshot(m["oracle"].parent)
     for command, target in inside.items():

@@ -77,7 +77,7 @@ def main(argv=None) -> list[Path]:
         if not source.is_dir():
             raise InputError(f"{name} directory {source} does not exist")
         check_quantizable(source, read_config(source))
-        check_output(out, MODEL, args.overwrite, "--out", {f"the {name}": source})
+        check_output(out, MODEL, args.overwrite, "--out", {name: source})
     data = args.data or (args.run / "data" if args.run is not None else None)
     with atomic_outputs([(out, MODEL) for _, out in models.values()], args.overwrite) as tmps:
         for (name, (source, out)), tmp in zip(models.items(), tmps):
