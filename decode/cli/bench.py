@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from decode.api import SpeculativeDecoder
+from decode.api import Decoder, SpeculativeDecoder
 from decode.atomic import FILE, atomic_output, check_output, write_json
 from decode.benchmarking import explain, near_ties
 from decode.benchmarking.harness import compare_with_baseline, decode_in_turns, warm_up
@@ -260,6 +260,16 @@ def process_peak_rss_mb() -> float:
     return peak / (2**20 if sys.platform == "darwin" else 1024)
 
 
+def weight_formats(decoders: dict) -> dict[str, str | None]:
+    """The block format of the oracle's and the draft's weights (None: unquantized), as our decoders loaded them; the
+    llama.cpp peers read GGUF files of the same blocks."""
+    ours = [d for d in decoders.values() if isinstance(d, Decoder)]
+    draft = next((d.draft for d in ours if d.draft is not None), None)
+    formats = {role: model.runtime.quantization for role, model in (("oracle", ours[0].oracle), ("draft", draft))
+               if model is not None}
+    return {role: fmt.name if fmt else None for role, fmt in formats.items()}
+
+
 @exits_on_input_error
 def main(argv=None) -> dict:
     known, names, settings = parse(argv)
@@ -308,7 +318,7 @@ def main(argv=None) -> dict:
                            "prompts": len(prompts), "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing,
                            "drafts": drafts, "plan": plan_path and str(plan_path),
                            "token_healing": options.token_healing, "step_loops": loops,
-                           "peak_rss_mb": process_peak_rss_mb(),
+                           "peak_rss_mb": process_peak_rss_mb(), "weights": weight_formats(decoders),
                            "llamacpp_flags": {n: " ".join(d.flags) for n, d in decoders.items() if n in SERVER_PEERS}},
               "summary": summary, "records": records}
     if known.out:

@@ -122,7 +122,10 @@ def describe_run(result: dict) -> str:
     where = s.get("machine", s["device"])
     when = f", {s['date']}" if "date" in s else ""
     plan = "planned" if s.get("plan") else "no plan"
-    line = (f"{s['mode']}: {s['prompts']} prompts x {s['max_new_tokens']} tokens, {s['dtype']}, {plan}, on {where}{when}; "
+    quantized = {role: name for role, name in s.get("weights", {}).items() if name}
+    formats = "".join(f", {name} {' and '.join(r for r in quantized if quantized[r] == name)}"
+                      for name in dict.fromkeys(quantized.values()))  # e.g. ", q8_0 oracle and draft"
+    line = (f"{s['mode']}: {s['prompts']} prompts x {s['max_new_tokens']} tokens, {s['dtype']}{formats}, {plan}, on {where}{when}; "
             f"{loops} of {n} baseline completions end in a loop")
     flagged = {name: flags for name, flags in s.get("llamacpp_flags", {}).items() if flags}  # plain decoding has none
     if flagged:
