@@ -79,6 +79,16 @@ def test_a_runs_line_gives_the_peak_memory_of_the_bench_and_of_llama_cpps_server
             in capsys.readouterr().out)
 
 
+def test_a_runs_line_names_the_block_format_of_a_quantized_oracle_and_draft(tmp_path, capsys):
+    result = report.load_result(RESULTS / "avx512-gpt2-large-plain-q8_0.json")
+    report.main([str(RESULTS / "avx512-gpt2-large-plain-q8_0.json"), "--markdown", "--brief"])
+    assert "bfloat16, q8_0 oracle, no plan" in capsys.readouterr().out
+    result["settings"]["weights"] = {"oracle": "q8_0", "draft": "q4_0"}
+    (tmp_path / "mixed.json").write_text(json.dumps(result))
+    report.main([str(tmp_path / "mixed.json"), "--markdown", "--brief"])
+    assert "bfloat16, q8_0 oracle, q4_0 draft, no plan" in capsys.readouterr().out
+
+
 def test_a_plans_projection_says_what_it_measured_and_borrowed_with_a_row_per_method(capsys):
     path = RESULTS / "avx2-quick-projection.json"
     report.main([str(path), "--markdown"])
