@@ -1,6 +1,6 @@
 """The server fuzzed from its own OpenAPI schema (schemathesis, in-process over ASGI, a tiny model): requests that fit
 the schema and requests that break it are answered 2xx or 4xx in OpenAI's error shape, never 5xx, and the server
-decodes exactly afterwards."""
+decodes exactly afterwards; the limits on a request's stop strings, and their matching on streamed text."""
 import threading
 
 import pytest
@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from decode.api import SpeculativeDecoder
-from decode.serving.app import create_app
+from decode.serving.app import StopText, create_app
 
 PROMPT = "def scale(values):\n"
 EXAMPLES = 100  # per generation mode, over every operation
@@ -92,3 +92,47 @@ def test_a_fault_inside_decoding_is_a_500_in_openai_shape_with_its_traceback_log
     assert answer.json()["error"]["type"] == "server_error" and "a kernel fell over" in answer.json()["error"]["message"]
     logged = [r for r in caplog.records if r.name == "decode.serve" and r.exc_info]
     assert logged and "a kernel fell over" in str(logged[0].exc_info[1])
+
+
+def test_a_stop_string_past_the_limit_is_a_400_naming_it_and_the_longest_allowed_ones_are_served(app):
+    from fastapi.testclient import TestClient
+
+    from decode.serving.request import MAX_STOP_LENGTH
+
+    client = TestClient(app)
+    refused = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 64, "temperature": 0,
+                                                   "stop": "\u0000" + "x" * 999_999})
+    assert refused.status_code == 400 and openai_error(refused.json())
+    assert refused.json()["error"]["param"] == "stop" and str(MAX_STOP_LENGTH) in refused.json()["error"]["message"]
+    longest = ["\u0000" + "x" * (MAX_STOP_LENGTH - 1)] * 4
+    answer = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "stop": longest})
+    assert answer.status_code == 200
+
+
+def test_stop_text_holds_back_exactly_the_tail_that_could_begin_a_stop_string():
+    import random
+
+    def quadratic(stops, pieces):  # every prefix of every stop string against the end of the whole text
+        text, shown, out = "", 0, []
+        for piece in pieces:
+            text += piece
+            found = [i for i in (text.find(s) for s in stops) if i >= 0]
+            end = min(found) if found else len(text) - max(
+                (k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            out.append(text[shown : max(end, shown)])
+            shown = max(end, shown)
+            if found:
+                return out
+        return out
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        alphabet = "ab\u0000c"[: rng.randint(2, 4)]
+        stops = tuple("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4)))
+        pieces = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 12))]
+        stop_text, got = StopText(stops), []
+        for piece in pieces:
+            got.append(stop_text.feed(piece))
+            if stop_text.stopped:
+                break
+        assert got == quadratic(stops, pieces), (stops, pieces)

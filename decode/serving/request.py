@@ -15,6 +15,7 @@ from decode.generation import SEED_RANGE
 from decode.options import MIN_TEMPERATURE, sampling_of
 
 MAX_STOPS = 4
+MAX_STOP_LENGTH = 256  # characters a stop string may have: matching stays cheap whatever the client sends
 EXACT = "the output follows the oracle's own distribution, which a penalty or a bias would change"
 
 
@@ -36,6 +37,7 @@ def rule(text: str, **constraints):
 
 
 Text = Annotated[StrictStr, Field(min_length=1)]
+StopText = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 
 
 class CompletionRequest(BaseModel):
@@ -53,8 +55,8 @@ class CompletionRequest(BaseModel):
     top_p: StrictFloat | None = rule("a number in (0, 1]: the smallest set of tokens with this much probability",
                                      default=1.0, gt=0, le=1)
     top_k: StrictInt | None = rule("an integer of -1 or more: the k most likely tokens, -1 or 0 for all", default=0, ge=-1)
-    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOPS)] | None = rule(
-        f"a non-empty string or a list of at most {MAX_STOPS} of them", default=None)
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = rule(
+        f"a string of 1 to {MAX_STOP_LENGTH} characters or a list of at most {MAX_STOPS} of them", default=None)
     seed: StrictInt | None = rule(f"an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}", default=None,
                                   ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: StrictBool | None = rule("true or false: server-sent events as tokens are accepted", default=False)
