@@ -114,3 +114,15 @@ def test_a_plan_with_nothing_to_show_is_a_one_line_error_that_says_how_to_make_o
         report.main([str(path), "--markdown"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "make it again" in err
+
+
+def test_quantized_models_reports_are_a_table_of_their_perplexities_beside_their_sources(capsys):
+    paths = [RESULTS / f"quick-{model}-q8_0-quantization.json" for model in ("oracle", "draft")]
+    report.main([*map(str, paths), "--markdown"])
+    rows = table_rows(capsys.readouterr().out)
+    results = [json.loads(p.read_text()) for p in paths]
+    assert [row[:2] for row in rows[2:]] == [[r["source"], "q8_0"] for r in results]
+    assert rows[2][3] == f"{results[0]['perplexity']['source']:.2f}"
+    with pytest.raises(SystemExit) as refused:
+        report.main([str(paths[0]), str(GREEDY), "--markdown"])
+    assert refused.value.code == 2

@@ -10,7 +10,10 @@ gives its plain decoding's tokens. With a run (or --data), the perplexity of eac
 printed beside its 16-bit source's.
 """
 import argparse
+import datetime
 import json
+import shlex
+import sys
 from pathlib import Path
 
 from decode.atomic import MODEL, atomic_outputs, check_output
@@ -23,7 +26,7 @@ from decode.models.quantize_model import check_quantizable, quantize_checkpoint
 from decode.models.quantized import FORMATS
 
 PROG = "python -m decode.quantize"
-REPORT = "quantization.json"  # in a quantized model's directory: its format, source and perplexities
+REPORT = "quantization.json"  # in a quantized model's directory: its format, source and perplexities (decode.report)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -79,10 +82,12 @@ def main(argv=None) -> list[Path]:
         check_quantizable(source, read_config(source))
         check_output(out, MODEL, args.overwrite, "--out", {name: source})
     data = args.data or (args.run / "data" if args.run is not None else None)
+    command = f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"
     with atomic_outputs([(out, MODEL) for _, out in models.values()], args.overwrite) as tmps:
         for (name, (source, out)), tmp in zip(models.items(), tmps):
             quantize_checkpoint(source, tmp, fmt)
-            report: dict = {"format": fmt.name, "bits_a_weight": fmt.bits, "source": str(source)}
+            report: dict = {"model": name, "format": fmt.name, "bits_a_weight": fmt.bits, "source": str(source),
+                            "date": datetime.date.today().isoformat(), "command": command}
             line = f"{name}: {source} -> {out} ({fmt.name}, {fmt.bits} bits a weight)"
             if data is not None and args.eval_tokens:
                 window = min(256, read_config(source)["n_positions"])

@@ -38,10 +38,33 @@ def load_result(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: not a benchmark result ({e}); {WHAT}") from None
     if not isinstance(result, dict) or not ({"settings", "summary", "records"} <= result.keys() or is_engine(result)
-                                            or is_plan(result)):
+                                            or is_plan(result) or is_quantization(result)):
         raise InputError(f"{path}: not a benchmark result (neither decode.bench's settings, summary and records, nor "
-                         f"decode.bench_engine's roofline, nor a plan); {WHAT}")
+                         f"decode.bench_engine's roofline, nor a plan, nor decode.quantize's report); {WHAT}")
+    if is_quantization(result) and "perplexity" not in result:
+        raise InputError(f"{path}: a quantized model's report without perplexity; quantize with --run RUN or --data DIR")
     return result
+
+
+def is_quantization(result: dict) -> bool:
+    """Whether a result is a quantized model's quantization.json (decode.quantize)."""
+    return {"format", "bits_a_weight", "source"} <= result.keys()
+
+
+def quantization_markdown(results: list[dict]) -> str:
+    """Quantized models' perplexities beside their sources', a row a model, the commands that measured them above."""
+    commands: dict[str, list[dict]] = {}
+    for r in results:
+        commands.setdefault(r["command"], []).append(r)
+    lines = [f"- {' and '.join(r['model'] for r in made)} in {made[0]['format']}, perplexity on "
+             f"{made[0]['perplexity']['tokens']} validation tokens, {made[0]['date']}: `{command}`"
+             for command, made in commands.items()]
+    rows = ["| model | format | bits a weight | perplexity, 16-bit | quantized | change |", "|---|---|---:|---:|---:|---:|"]
+    for r in results:
+        p = r["perplexity"]
+        rows.append(f"| {r['source']} | {r['format']} | {r['bits_a_weight']} | {p['source']:.2f} | {p['quantized']:.2f} | "
+                    f"{100 * (p['quantized'] / p['source'] - 1):+.2f}% |")
+    return "\n".join(lines + [""] + rows)
 
 
 def is_engine(result: dict) -> bool:
@@ -211,12 +234,12 @@ def markdown(results: list[dict], methods: list[str] | None = None, brief: bool 
 @exits_on_input_error
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog=PROG, description="Print a decode.bench result (its --out JSON) as a table, or a "
-                                "decode.bench_engine result's cost curves or a plan's kinds of tree and projection as "
-                                "Markdown.",
+                                "decode.bench_engine result's cost curves, a plan's kinds of tree and projection, or "
+                                "quantized models' perplexities (decode.quantize's quantization.json) as Markdown.",
                                 formatter_class=HelpFormatter)
     p.add_argument("results", nargs="+", type=Path, metavar="RESULT.json",
-                   help="decode.bench --out files, one table (or, with --markdown, one decode.bench_engine --out file or "
-                        "one plan)")
+                   help="decode.bench --out files, one table (or, with --markdown, one decode.bench_engine --out file, "
+                        "one plan, or decode.quantize's reports)")
     p.add_argument("--markdown", action="store_true", help="a Markdown table, the runs' settings listed above it")
     p.add_argument("--brief", action="store_true", help="with --markdown: the median speedup alone, no tokens per call")
     p.add_argument("--methods", help="with --markdown: these rows, comma-separated, in this order (default: every method)")
@@ -226,6 +249,11 @@ def main(argv=None) -> None:
                                                              "for each planned method")
     args = p.parse_args(argv)
     results = [load_result(path) for path in args.results]
+    if any(is_quantization(result) for result in results):
+        if not all(is_quantization(result) for result in results) or not args.markdown:
+            raise InputError("decode.quantize's reports are shown together, with --markdown, and with no other result")
+        print(quantization_markdown(results))
+        return
     if any(is_engine(result) or is_plan(result) for result in results):
         if len(results) > 1 or not args.markdown:
             raise InputError("a decode.bench_engine result or a plan is shown alone, with --markdown")
