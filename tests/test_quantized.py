@@ -237,3 +237,31 @@ def test_a_projection_prices_an_oracle_in_the_planned_oracles_block_format():
         model = random_gpt2(2, 64, 300, "float32", "cpu", n_positions=64, quantization=fmt)
         assert model.runtime.quantization is fmt and model.runtime.weight_bytes == fmt.bits / 8
         assert model.forward([1, 2, 3], [0, 1, 2], None).shape == (3, 300)
+
+
+def test_without_the_quantized_instructions_a_model_runs_in_torch_and_says_so_in_a_line(quantized_models, monkeypatch,
+                                                                                        caplog):
+    module = native.forward_module(torch.float32)
+    if module is None:
+        pytest.skip("no C++ forward for this CPU")
+
+    class Without:  # this build's forward, on a CPU without the quantized products' instructions
+        def __getattr__(self, name):
+            return (lambda: False) if name == "quantized_supported" else getattr(module, name)
+
+    monkeypatch.setattr(native, "forward_module", lambda dtype: Without())
+    native.note_once.cache_clear()
+    engine = GPT2Engine.load(quantized_models / "q8_0", "float32", native_blocks=True)
+    assert engine.runtime.blocks is None
+    assert [r.getMessage() for r in caplog.records if "quantized products' instructions" in r.getMessage()]
+    ids = [3, 1, 4, 1, 5]
+    reference = float64_logits(quantized_models / "q8_0", ids)
+    assert (engine.forward(ids, list(range(5)), None).double() - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+def test_on_a_gpu_a_quantized_model_says_in_a_line_that_it_runs_dequantized(caplog):
+    from decode.models.runtime import CudaRuntime
+
+    native.note_once.cache_clear()
+    CudaRuntime(torch.device("cuda"), torch.bfloat16, Q8_0)
+    assert [r.getMessage() for r in caplog.records if "q8_0 model runs on a GPU dequantized to bfloat16" in r.getMessage()]
