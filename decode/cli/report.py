@@ -125,7 +125,8 @@ def engine_markdown(result: dict) -> str:
     """decode.bench_engine's cost curves: the machine's roofline in a line, then a table per model and cached length
     of each way's milliseconds, c(q)/c(1), the roofline's and each way's share of it."""
     roofline = result["roofline"]
-    lines = [f"- {result['dtype']} on {result['machine']}, {result['date']}: memory "
+    weights = f", {result['weights']} weights" if result.get("weights") else ""
+    lines = [f"- {result['dtype']}{weights} on {result['machine']}, {result['date']}: memory "
              f"{roofline['bandwidth_gb_s']:.1f} GB/s, peak {roofline['peak_gmac_s']:.1f} GMAC/s ({roofline['peak_dtype']} "
              f"products). `{result['command']}`"]
     for name, curve in roofline["curves"].items():
