@@ -223,7 +223,8 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     quantization = engine.runtime.quantization
     result = {"generation": latency, "dtype": args.dtype, "weights": quantization.name if quantization else None,
-              "device": device_name(device), "machine": machine_name(device), "threads": torch.get_num_threads(), "date": datetime.date.today().isoformat(),
+              "device": device_name(device), "machine": machine_name(device), "threads": torch.get_num_threads(),
+              "date": datetime.date.today().isoformat(),
               "command": f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"}
     models = {args.model: engine} | shaped_models(args)
     result |= forward_tables(args, models)
