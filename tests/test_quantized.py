@@ -10,6 +10,7 @@ import pytest
 import torch
 from decode_models import run_models, tiny_gpt2
 from native_built import compiler_found
+from train_runs import error_of
 
 from decode import native
 from decode.cli import quantize, run
@@ -175,15 +176,6 @@ def test_a_quantized_oracle_is_its_own_model(quantized_run, tmp_path):
     b = source.forward(ids, [0, 1, 2], None)
     assert not torch.equal(a, b)
     assert (a - b).abs().max() < 0.05 * b.abs().max()  # 8-bit blocks: close to the source, not equal
-
-
-def error_of(capsys, main, argv) -> str:
-    with pytest.raises(SystemExit) as exit_:
-        main(argv)
-    assert exit_.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1
-    return errors[0]
 
 
 def test_quantize_refuses_bad_input_in_one_line_and_writes_nothing(quantized_run, tmp_path, capsys):
