@@ -296,3 +296,21 @@ def test_targets_from_another_run_are_copied_not_computed_and_refused_when_its_s
     message = error_of(capsys, distill_draft.main, deeper + reuse + bad + ["--sparse-targets", "0"])
     assert "--targets-from needs --sparse-targets" in message
     assert not list(tmp_path.glob("bad*"))
+
+
+def test_teacher_continuations_keep_token_ids_past_65535():
+    import contextlib
+    from types import SimpleNamespace
+
+    from train.continuations import build_pool
+
+    class Teacher:  # a 130,000-token teacher that continues every prefix with ids a uint16 cannot hold
+        config = SimpleNamespace(vocab_size=130_000)
+
+        def generate(self, prefixes, max_new_tokens, **settings):
+            tail = torch.tensor([70_000, 5, 128_000, 129_999][:max_new_tokens]).expand(len(prefixes), -1)
+            return torch.cat([prefixes, tail], dim=1)
+
+    prefixes = torch.tensor([[1, 65_536], [2, 100_000]])
+    pool = build_pool(Teacher(), prefixes, 4, 0.0, 0, seed=0, batch_size=1, device="cpu", autocast=contextlib.nullcontext)
+    assert pool.tolist() == [[1, 65_536, 70_000, 5, 128_000, 129_999], [2, 100_000, 70_000, 5, 128_000, 129_999]]

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from data.corpus import Document
 from data.harvest import harvest_file
+from data.shards import token_dtype
 from decode.errors import InputError
 
 POOL_FILE = "teacher_windows.npz"
@@ -61,13 +62,14 @@ def prompt_prefixes(tokens: np.ndarray, tokenizer, count: int, length: int, rng:
 
 def build_pool(teacher, prefixes: torch.Tensor, new_tokens: int, temperature: float, eos_id: int, seed: int, batch_size: int,
                device, autocast) -> np.ndarray:
-    """The teacher's continuations of `prefixes`, new_tokens each, as uint16 windows."""
+    """The teacher's continuations of `prefixes`, new_tokens each, as windows of the smallest unsigned integer type that
+    holds every id of the teacher's output (data.shards.token_dtype: uint16 up to 65,536 tokens, else uint32)."""
     torch.manual_seed(seed)
     windows = []
     for batch in tqdm(prefixes.split(batch_size), desc="teacher continuations", unit="batch"):
         with autocast():
             windows.append(teacher_continuations(teacher, batch.to(device), new_tokens, temperature, eos_id).cpu())
-    return torch.cat(windows).numpy().astype(np.uint16)
+    return torch.cat(windows).numpy().astype(token_dtype(teacher.config.vocab_size))
 
 
 class PoolWindows(torch.utils.data.Dataset):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from data.shards import token_dtype
 from decode.errors import InputError, exits_on_input_error
 from decode.models.pretrained import load_causal_lm
 from decode.tokenizer import load_tokenizer
@@ -169,7 +170,8 @@ def training_windows(run, args: DistillArgs, teacher, vocab_size: int) -> torch.
         if args.targets_from and accelerator.is_main_process:
             copy_targets(Path(args.targets_from), run.work_dir)
         if count:
-            pool = load_or_build_arrays(run.work_dir / POOL_FILE, build_pool_windows, {"windows": (count, args.seq_len)})
+            pool = load_or_build_arrays(run.work_dir / POOL_FILE, build_pool_windows, {"windows": (count, args.seq_len)},
+                                        {"windows": token_dtype(teacher.config.vocab_size)})
             parts.append(PoolWindows(pool["windows"]))
         windows = torch.utils.data.ConcatDataset(parts)
         if not args.sparse_targets:

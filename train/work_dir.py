@@ -65,13 +65,15 @@ def start_work_dir(work_dir: Path, args: TrainArgs) -> None:
     (work_dir / WORK_DIR.marker).write_text(json.dumps(asdict(args), indent=2) + "\n")
 
 
-def load_or_build_arrays(path: Path, build: Callable[[], dict], shapes: dict) -> dict:
+def load_or_build_arrays(path: Path, build: Callable[[], dict], shapes: dict, dtypes: dict | None = None) -> dict:
     """Arrays generated once before training and kept in the work directory (so a resumed run trains on the
-    same ones): those at `path` (an .npz) if they have the expected shapes, else `build()`'s, written atomically."""
+    same ones): those at `path` (an .npz) if they have the expected shapes (and `dtypes`, where given), else
+    `build()`'s, written atomically."""
     try:
         with np.load(path) as saved:
             arrays = {name: saved[name] for name in shapes}
-        if all(arrays[name].shape == shape for name, shape in shapes.items()):
+        if all(arrays[name].shape == shape for name, shape in shapes.items()) and all(
+                arrays[name].dtype == dtype for name, dtype in (dtypes or {}).items()):
             return arrays
     except (OSError, ValueError, KeyError, EOFError):
         pass  # none yet, or damaged: generate them again
