@@ -136,3 +136,29 @@ def test_stop_text_holds_back_exactly_the_tail_that_could_begin_a_stop_string():
             if stop_text.stopped:
                 break
         assert got == quadratic(stops, pieces), (stops, pieces)
+
+
+def test_clients_that_leave_mid_body_leave_no_traceback_and_at_most_a_line_in_the_log(app, caplog):
+    import asyncio
+    import logging
+
+    async def leave_mid_body():
+        messages = [{"type": "http.request", "body": b'{"prompt": "def f', "more_body": True}, {"type": "http.disconnect"}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            pass
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+        await WithoutLifespan(app)(scope, receive, send)
+
+    caplog.set_level(logging.INFO)
+    for _ in range(20):
+        asyncio.run(leave_mid_body())
+    assert not [r for r in caplog.records if r.exc_info]
+    assert len([r for r in caplog.records if "left before" in r.getMessage()]) <= 1

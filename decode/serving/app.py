@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from decode.api import SpeculativeDecoder
 from decode.errors import InputError
@@ -171,6 +172,7 @@ def create_app(decoder: SpeculativeDecoder, model: str, api_key: str | None = No
     jobs (decode.serve runs it on the main thread), and returns once the app has shut down. A request body that takes
     over `read_timeout` seconds to arrive is answered 408."""
     worker = Worker(decoder, queue_size)
+    left = RateLimitedNote("clients left before their request bodies arrived")
 
     async def lifespan(app: FastAPI):
         yield
@@ -214,7 +216,7 @@ def create_app(decoder: SpeculativeDecoder, model: str, api_key: str | None = No
         "application/json": {"schema": SCHEMA}}}})
     async def completions(request: Request):
         try:
-            body = await asyncio.wait_for(read_body(request, max_body_bytes), read_timeout)
+            body = await asyncio.wait_for(read_body(request, max_body_bytes, left), read_timeout)
         except asyncio.TimeoutError:
             raise RequestError(408, f"the request body did not arrive within {read_timeout:g} seconds") from None
         completion = parse_completion(body, decoder)
@@ -237,13 +239,33 @@ def create_app(decoder: SpeculativeDecoder, model: str, api_key: str | None = No
     return app
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The request's body as it arrives; 413 once it is over `max_bytes` (a chunked body declares no length)."""
+class RateLimitedNote:
+    """A log line for something that is not an error but may come often (a client leaving mid-request): at most one
+    every `every` seconds, counting the times since the last."""
+
+    def __init__(self, text: str, every: float = 60.0):
+        self.text, self.every, self.count, self.last = text, every, 0, -float("inf")
+
+    def __call__(self) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            log.info("%s (%d since the last note)", self.text, self.count)
+            self.count, self.last = 0, now
+
+
+async def read_body(request: Request, max_bytes: int, left: RateLimitedNote) -> bytes:
+    """The request's body as it arrives; 413 once it is over `max_bytes` (a chunked body declares no length). A client
+    that leaves before its body is in gets a 400 no one reads, and `left()` notes it."""
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise RequestError(413, f"the request body is over {max_bytes} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise RequestError(413, f"the request body is over {max_bytes} bytes")
+    except ClientDisconnect:
+        left()
+        raise RequestError(400, "the client left before its request body arrived") from None
     return bytes(body)
 
 
