@@ -64,6 +64,14 @@ class Resolved:
             return f"no plan for this setting in {self.run} ({plan_name(sampling)})"
         return None
 
+    def check_plans(self) -> None:
+        """Load every plan a request may decode with (the one plan, or each of the run's plans for its setting), so
+        that a damaged one is an InputError naming it now rather than a failure of every request of its setting."""
+        settings = {GREEDY} if not self.run_plans else {GREEDY, *(s for p in Path(self.run or ".").glob("plan*.json")
+                                                                  if (s := setting_of(p.name)) is not None)}
+        for sampling in settings:
+            self.options(sampling)
+
     def unplanned(self, sampling: Sampling = GREEDY) -> str:
         """What the method drafts without a plan under this sampling setting, in words."""
         base, policy = self.base, default_policy(self.base, self.given, sampling)

@@ -162,3 +162,38 @@ def test_clients_that_leave_mid_body_leave_no_traceback_and_at_most_a_line_in_th
         asyncio.run(leave_mid_body())
     assert not [r for r in caplog.records if r.exc_info]
     assert len([r for r in caplog.records if "left before" in r.getMessage()]) <= 1
+
+
+@pytest.mark.pipeline  # runs the planner
+def test_a_damaged_plan_of_any_setting_keeps_the_server_from_starting_in_one_line(bpe_run, tmp_path, capsys,
+                                                                                   monkeypatch):
+    import shutil
+
+    from decode.cli import plan, serve
+    from decode.planning import costs, search
+
+    run = tmp_path / "run"
+    shutil.copytree(bpe_run["run"], run)
+    monkeypatch.setattr(costs, "CACHE_DIR", tmp_path / "costs")
+    monkeypatch.setattr(search, "BUDGETS", (4, 8))
+    monkeypatch.setattr(search, "STAGED_WIDTHS", ((2, 1, 1),))
+    plan.main(["--run", str(run), "--prompts", str(bpe_run["prompts"]), "--max-new-tokens", "8", "--calibration", "2",
+               "--screen", "2", "--max-budget", "8", "--max-depth", "3", "--draft-vocab", "0"])  # RUN/plan.json: greedy
+    (run / "plan-t1-k50-p1.json").write_text("{not a plan")  # top-k 50's own plan, damaged
+    with pytest.raises(SystemExit) as refused:
+        serve.main(["--run", str(run), "--port", "0"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert refused.value.code == 2 and len(errors) == 1 and "plan-t1-k50-p1.json" in errors[0]
+
+
+def test_a_setting_the_server_cannot_decode_with_is_a_400_with_its_reason(app, decoder, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from decode.errors import InputError
+
+    def refused(sampling):
+        raise InputError("RUN/plan-t1-k50-p1.json is not a plan this version of decode.plan wrote")
+
+    monkeypatch.setattr(decoder, "lookahead", refused)
+    answer = TestClient(app).post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 1})
+    assert answer.status_code == 400 and "is not a plan" in answer.json()["error"]["message"]

@@ -66,6 +66,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     args = parse(argv)
+    args.plans.check_plans()  # a damaged plan of any setting is refused now, not at every request of its setting
     check_address(args.host, args.port)
     notes = logging.getLogger("decode")  # which plan each request's sampling setting decodes with, on stderr
     notes.setLevel(logging.INFO)

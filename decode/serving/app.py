@@ -186,6 +186,10 @@ def create_app(decoder: SpeculativeDecoder, model: str, api_key: str | None = No
     async def refused(request: Request, err: RequestError):
         return answer(err)
 
+    @app.exception_handler(InputError)
+    async def input_refused(request: Request, err: InputError):  # a setting this server cannot decode with
+        return answer(failure(err))
+
     @app.exception_handler(HTTPException)
     async def not_served(request: Request, err: HTTPException):  # routing's own: an unknown path or method
         what = {404: "is not an endpoint of this server", 405: "does not take this method"}.get(err.status_code)
