@@ -147,7 +147,7 @@ def main(argv=None) -> None:
     roots = [source_dir(s) for s in args.sources]
     for root in roots:
         check_not_input(args.out, {"source": root}, "--out")
-    check_output(args.out, overwrite=args.overwrite, flag="--out")
+    check_output(args.out, overwrite=args.overwrite, flag="--out", run_file=True)  # a run's prompts are its to make
     tokenizer = load_tokenizer(args.run / "tokenizer")
     skipped: Counter = Counter()
     harvested = harvest(documents(roots, skipped), args.count, args.per_file, within(tokenizer, args.max_prompt_tokens))

@@ -79,7 +79,7 @@ def check_outputs(run: Path, overwrite: bool, sources: list[Path]) -> None:
         check_not_input(run, {"corpus": path}, "--out")
     check_output(run, RUN, overwrite, "--out")
     for path, kind in outputs(run):
-        check_output(path, kind, overwrite, "--out")
+        check_output(path, kind, overwrite, "--out", run_file=True)  # the run's own files are prepare's to make
     trained = [name for name in TRAINED if (run / name).exists()]
     if overwrite and trained:
         raise InputError(f"{run} holds {', '.join(trained)} built with its current tokenizer, which --overwrite would "

@@ -7,6 +7,7 @@ anything else at the path; an artifact of the same kind is replaced only with --
 reads (its models, tokenizer, trigram, plan, prompts) is ever written over or into, --overwrite or not.
 """
 import contextlib
+import fnmatch
 import json
 import os
 import shutil
@@ -57,10 +58,30 @@ def check_not_input(path, reads: dict, flag: str) -> None:
                              f"pass another {flag}")
 
 
+# A run directory's own files (data.prepare's run, its models, plans, trigram, tokenizer and prompts), which only the
+# commands that make them write: no other command's output file goes there, whether or not it reads them
+RUN_FILES = ("data", "tokenizer", "prompts.jsonl", "oracle*", "draft*", "ngram", "plan*.json")
+
+
+def check_not_run_file(path, flag: str) -> None:
+    """Refuse an output file that is, or lies inside, one of a run directory's own files (RUN_FILES; a run directory
+    is one holding data/meta.json)."""
+    out = Path(path).absolute()
+    for run in out.parents:
+        if (run / "data" / "meta.json").is_file():
+            own = out.relative_to(run).parts[0]
+            if any(fnmatch.fnmatch(own, pattern) for pattern in RUN_FILES):
+                raise InputError(f"{flag} {path} would write into {run / own}, one of the run {run}'s own files (its "
+                                 f"models, plans, data, trigram, tokenizer and prompts are the commands' that make "
+                                 f"them); pass a path outside them, e.g. {run / 'bench' / out.name}")
+
+
 def check_output(path, kind: Kind = FILE, overwrite: bool = False, flag: str = "the output path",
-                 reads: dict | None = None) -> None:
+                 reads: dict | None = None, run_file: bool = False) -> None:
     """Refuse, before any work, an output path whose current content the command may not replace, or that would
-    write over or into one of its inputs (`reads`: check_not_input)."""
+    write over or into one of its inputs (`reads`: check_not_input), or an output file inside a run directory's own
+    files (check_not_run_file) unless the file is one of them that this command makes (`run_file`: a plan, the
+    prompts)."""
     path = Path(path)
     if path.is_symlink() or path.exists():
         if kind.marker is None and path.is_dir():
@@ -74,6 +95,8 @@ def check_output(path, kind: Kind = FILE, overwrite: bool = False, flag: str = "
         elif not overwrite:
             raise InputError(f"{path} already holds a {kind.name}; pass --overwrite to replace it, or another {flag}")
     check_not_input(path, reads or {}, flag)
+    if kind is FILE and not run_file:
+        check_not_run_file(path, flag)
     parent = _nearest_existing(path.parent)
     if not parent.is_dir():
         raise InputError(f"cannot create {path}: {parent} is a file; pass another {flag}")
@@ -118,8 +141,8 @@ def atomic_outputs(targets: list[tuple[Path, Kind]], overwrite: bool = False):
     final paths together, each checked again with `check_output`; on failure they are removed, with any
     parent directory this created. The caller creates a file or a directory at each temporary path."""
     finals = [(Path(final), kind) for final, kind in targets]
-    for final, kind in finals:
-        check_output(final, kind, overwrite)
+    for final, kind in finals:  # (where a run's own files may go is the command's first check_output's to say)
+        check_output(final, kind, overwrite, run_file=True)
     made = [d for final, _ in finals for d in _make_parents(final.parent)]
     tmps = [final.with_name(f".{final.name}.tmp-{os.getpid()}") for final, _ in finals]
     try:
@@ -128,7 +151,7 @@ def atomic_outputs(targets: list[tuple[Path, Kind]], overwrite: bool = False):
         yield tmps
         with _signals_held():
             for final, kind in finals:
-                check_output(final, kind, overwrite)
+                check_output(final, kind, overwrite, run_file=True)
             for (final, _), tmp in zip(finals, tmps):
                 old = final.with_name(f".{final.name}.old-{os.getpid()}")
                 if final.exists():

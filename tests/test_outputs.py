@@ -349,3 +349,17 @@ def test_bad_trigram_inputs_are_one_line_errors(trained, tmp_path, capsys):
     assert "another tokenizer" in err
     assert not (tmp_path / "ng").exists()
 
+
+
+def test_no_report_goes_into_a_runs_own_files_whether_or_not_the_command_reads_them(trained, models, tmp_path, capsys):
+    r = trained["run"]
+    (r / "plan-t1-k50-p1.json").write_text('{"a sampled plan": true}')
+    before = snapshot(r)
+    for target in (r / "plan-t1-k50-p1.json", r / "data" / "meta.json", r / "tokenizer" / "notes.json",
+                   r / "oracle-q8_0" / "records.jsonl"):
+        for command in ("decode.run --out", "decode.bench --out", "decode.bench_engine --out"):
+            main, argv = commands(trained, models)[command]
+            err = one_line_error(capsys, main, argv(target) + ["--overwrite"])
+            assert "one of the run" in err and "own files" in err, (command, target, err)
+    assert snapshot(r) == before
+    (r / "plan-t1-k50-p1.json").unlink()

@@ -107,7 +107,7 @@ def spread(items: list, first: int) -> list:
 @exits_on_input_error
 def main(argv=None) -> dict:
     known, settings = parse(argv)
-    check_output(known.out, FILE, known.overwrite, "--out", settings.reads())
+    check_output(known.out, FILE, known.overwrite, "--out", settings.reads(), run_file=True)
     search = PlanSearch(settings.sampling, settings.max_new_tokens, settings.seed, known.screen, known.max_budget,
                         known.max_depth, known.draft_vocab, known.project_oracle, known.project_draft)
     command = "python -m decode.plan " + shlex.join(sys.argv[1:] if argv is None else list(argv))
