@@ -6,7 +6,7 @@ from pathlib import Path
 
 from decode.methods import METHODS, check_options
 from decode.models.precision import auto_dtype
-from decode.options import DecoderOptions
+from decode.options import DecoderOptions, check_device
 from decode.plan_file import default_policy, nearest_run_plan, plan_name, setting_of, with_plan
 from decode.sampling import GREEDY, Sampling
 
@@ -95,6 +95,7 @@ def resolve(fields: dict, given: frozenset[str], run: Path | None = None, *, pla
     for part in ("oracle", "draft", "ngram"):
         fields[part] = fields.get(part) and Path(fields[part])
     reason = None
+    check_device(fields.get("device", "cpu"))  # before anything asks the device what it is (the dtype's choice)
     if fields.get("dtype", "auto") == "auto":
         planned = None if calibrate else plan or (run and run / plan_name())
         fields["dtype"], reason = auto_dtype(fields.get("device", "cpu"), planned, fields.get("oracle"), calibrate)

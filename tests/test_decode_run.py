@@ -292,3 +292,21 @@ def test_models_by_hub_name_come_from_the_hubs_cache_and_offline_a_missing_one_i
                              capture_output=True, text=True)
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
     assert "not in the local cache" in missing.stderr and "HF_HUB_OFFLINE is set" in missing.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("device, said", [("cuda", "no CUDA device"), ("tpu", "unknown --device 'tpu'")])
+def test_a_device_this_machine_lacks_is_one_line_before_anything_asks_it_what_it_is(models, tmp_path, capsys, device,
+                                                                                    said, monkeypatch):
+    monkeypatch.delenv("STAGED_SPECULATIVE_DTYPE", raising=False)  # "auto" then reads the plan's dtype for the device
+    plan = tmp_path / "plan.json"  # whose dtype is read for the device it was measured on: the device is asked its name
+    plan.write_text(json.dumps({"identity": {"device": "a CPU", "dtype": "float32"}}))
+    with pytest.raises(SystemExit) as exit_:
+        run.main(["--oracle", str(models["oracle"]), "--prompt", "t1", "--device", device, "--plan", str(plan)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and said in err and "Traceback" not in err
+    from decode import SpeculativeDecoder
+    from decode.errors import InputError
+
+    with pytest.raises(InputError, match=said):
+        SpeculativeDecoder.from_pretrained(models["oracle"], device=device)
