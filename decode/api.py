@@ -320,4 +320,15 @@ def build_decoder(options: DecoderOptions, models: dict | None = None) -> tuple[
     if method.drafter is not None:
         drafter = method.drafter(options, draft, table)
     decoder = Decoder(options, oracle, draft, drafter, tokenizer.eos_token_id)
+    check_lookahead(decoder)
     return decoder, TokenHealer(tokenizer, oracle.vocab_size, options.token_healing)
+
+
+def check_lookahead(decoder: Decoder) -> None:
+    """Refuse, naming the setting, a draft deeper than the models' context leaves room for (a prompt of one token,
+    its healing's back-off and one new token)."""
+    largest = decoder.context() - 3
+    if decoder.lookahead() > largest:
+        setting = METHODS[decoder.options.method].lookahead_setting
+        raise InputError(f"--{setting.replace('_', '-')} {getattr(decoder.options, setting)} drafts past the models' "
+                         f"context of {decoder.context()} tokens; use at most {largest}", setting)

@@ -17,6 +17,7 @@ class Method:
     summary: str
     drafter: Callable[..., Drafter] | None  # (options, draft, trigram) of checked options; None: plain decoding
     lookahead: Callable[[DecoderOptions], int]  # positions past the output a step may score
+    lookahead_setting: str = "depth"  # the DecoderOptions field that sets it
     draft: bool = False  # uses the draft model
     trigram: bool = False  # uses the Katz trigram
     tree: bool = False  # drafts a tree of at most `budget` nodes and `depth` levels
@@ -60,14 +61,14 @@ def depth(o: DecoderOptions) -> int:
 METHODS = {
     "baseline": Method("the oracle alone", None, lambda o: 0, planned=False),
     "speculative": Method("chain drafts of --k tokens from the draft", lambda o, draft, table: ChainDrafter(draft, o.k),
-                          lambda o: o.k, draft=True),
+                          lambda o: o.k, "k", draft=True),
     "tree": Method("trees of the draft's tokens", tree_drafter, depth, draft=True, tree=True),
     "staged": Method("trigram (and context) -> draft -> oracle trees", staged_drafter, depth, draft=True, trigram=True,
                      tree=True),
     "ngram": Method("trigram trees", lambda o, draft, table: NgramDrafter(table, budget(o), o.widths), depth,
                     trigram=True, tree=True),
     "lookup": Method("continuations found in the context (prompt lookup), no model",
-                     lambda o, draft, table: context_drafter(o), lambda o: o.lookup_tokens),
+                     lambda o, draft, table: context_drafter(o), lambda o: o.lookup_tokens, "lookup_tokens"),
 }
 
 

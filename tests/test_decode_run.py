@@ -310,3 +310,14 @@ def test_a_device_this_machine_lacks_is_one_line_before_anything_asks_it_what_it
 
     with pytest.raises(InputError, match=said):
         SpeculativeDecoder.from_pretrained(models["oracle"], device=device)
+
+
+def test_a_draft_deeper_than_the_context_is_refused_naming_the_setting(models, capsys):
+    from decode import SpeculativeDecoder
+    from decode.errors import InputError
+
+    err = error_of(capsys, ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--method",
+                            "speculative", "--k", "100000", "--prompt", "t1"])
+    assert "--k 100000 drafts past the models' context of 64 tokens; use at most 61" in err
+    with pytest.raises(InputError, match="--k 1000000 drafts past"):
+        SpeculativeDecoder.from_pretrained(models["oracle"], models["draft"], method="speculative", k=10**6)
