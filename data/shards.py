@@ -33,12 +33,27 @@ def write_meta(directory: Path, meta: dict) -> None:
     write_json(directory / META, meta)
 
 
+# What every reader of meta.json needs, with its type
+META_FIELDS = {"vocab_size": int, "eos_id": int, "dtype": str, "splits": dict, "tokenizer": str}
+
+
 def read_meta(data_dir) -> dict:
-    """meta.json of a prepared data directory, with a one-line error when it is missing."""
+    """meta.json of a prepared data directory, with a one-line error when it is missing or damaged (not JSON, or a
+    field of META_FIELDS missing or of another type)."""
     path = Path(data_dir) / META
     if not path.is_file():
         raise InputError(f"{data_dir} holds no prepared data ({META} missing); run `python -m data.prepare --out RUN` first")
-    return json.loads(path.read_text())
+    again = f"prepare the data again (`python -m data.prepare --out {Path(data_dir).parent} --overwrite`)"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"{path} is damaged ({type(err).__name__}: {err}); {again}") from None
+    if not isinstance(meta, dict):
+        raise InputError(f"{path} is damaged (not a JSON object); {again}")
+    bad = [f"{name} ({kind.__name__})" for name, kind in META_FIELDS.items() if not isinstance(meta.get(name), kind)]
+    if bad:
+        raise InputError(f"{path} lacks {', '.join(bad)} or holds another type there; {again}")
+    return meta
 
 
 def open_split(data_dir, split: str) -> np.memmap:

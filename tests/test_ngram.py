@@ -203,3 +203,28 @@ def test_a_vocabulary_smaller_than_the_candidate_lists_still_builds(tmp_path):
     table = SuccessorTable.load(tmp_path / "ngram" / "successors.npz")
     tokens, probs = table.lookup(np.array([3, 12]), np.array([4, 5]))
     assert tokens.shape == (2, 13) and np.all(np.diff(probs, axis=1) <= 1e-7)  # 12 ids and </s>, sorted
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda meta: "{not json", "is damaged (JSONDecodeError"),
+    (lambda meta: json.dumps({k: v for k, v in meta.items() if k != "vocab_size"}), "lacks vocab_size (int)"),
+    (lambda meta: json.dumps(meta | {"splits": ["train", "val"]}), "lacks splits (dict)"),
+])
+def test_a_damaged_data_meta_json_is_one_line_naming_the_file_and_the_field(bpe_run, tmp_path, capsys, damage, said):
+    import shutil
+
+    from ngram import build_katz
+    from train import finetune_oracle
+
+    run = tmp_path / "run"
+    shutil.copytree(bpe_run["run"] / "data", run / "data")
+    shutil.copytree(bpe_run["run"] / "tokenizer", run / "tokenizer")
+    meta = run / "data" / "meta.json"
+    meta.write_text(damage(json.loads(meta.read_text())))
+    for main, argv in ((build_katz.main, ["--data", str(run / "data"), "--out", str(run / "ngram")]),
+                       (finetune_oracle.main, ["--preset", "tiny", "--data", str(run / "data"), "--out", str(run / "oracle")])):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert exit_.value.code == 2 and len(errors) == 1 and str(meta) in errors[0] and said in errors[0], errors
+    assert not (run / "ngram").exists() and not (run / "oracle").exists()
