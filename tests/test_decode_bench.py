@@ -376,3 +376,17 @@ def test_llamacpps_own_speculation_decodes_the_baselines_tokens(bpe_run, tmp_pat
         assert result["summary"][name]["peak_rss_mb"] > 0 and f"{name}'s server" in printed
     assert result["settings"]["peak_rss_mb"] > 0 and "peak resident memory: this process" in printed
 
+
+
+def test_profile_step_offers_no_output_flag_it_would_ignore(capsys):
+    for flag in ("--out", "--overwrite", "--stream"):
+        assert flag not in profile_step_help(capsys)
+    with pytest.raises(SystemExit) as refused:
+        profile_step.main(["--oracle", "x", "--prompt", "t1", "--out", "profile.json"])
+    assert refused.value.code == 2 and "unrecognized arguments: --out" in capsys.readouterr().err
+
+
+def profile_step_help(capsys) -> str:
+    with pytest.raises(SystemExit):
+        profile_step.main(["--help"])
+    return capsys.readouterr().out

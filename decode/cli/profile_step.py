@@ -40,7 +40,7 @@ class Pass:
 
 @exits_on_input_error
 def main(argv=None) -> dict[str, float]:
-    settings = parse_settings(argv, "python -m decode.profile_step", __doc__.split("\n\n")[0])
+    settings = parse_settings(argv, "python -m decode.profile_step", __doc__.split("\n\n")[0], records=False)
     dec = SpeculativeDecoder(settings.options)
     decoder, prompts = dec.decoder, [prompt for _, prompt in encode_prompts(settings, [dec])]
     timer = Timer(decoder.oracle.runtime.synchronize)

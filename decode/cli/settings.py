@@ -54,9 +54,10 @@ class Settings:
         return self.options_of()
 
 
-def parse_settings(argv, prog: str, description: str, dtype_from_plan: bool = True) -> Settings:
+def parse_settings(argv, prog: str, description: str, dtype_from_plan: bool = True, records: bool = True) -> Settings:
     """decode.run's flags as Settings, for the command `prog` (its --help shows `description`); the planner passes
-    `dtype_from_plan=False` (decoder_flags)."""
+    `dtype_from_plan=False` (decoder_flags). Without `records` the command writes and prints no completions: no
+    --out, --overwrite or --stream."""
     p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
     add_decoder_flags(p)
     src = p.add_mutually_exclusive_group()
@@ -68,9 +69,11 @@ def parse_settings(argv, prog: str, description: str, dtype_from_plan: bool = Tr
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this much probability")
     p.add_argument("--seed", type=int, default=0, help="the first prompt's sampling seed; prompt i takes seed + i")
-    p.add_argument("--out", type=Path, help="write one JSON object per prompt here (.jsonl)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    p.add_argument("--stream", action="store_true", help="print each completion as its tokens are accepted")
+    if records:
+        p.add_argument("--out", type=Path, help="write one JSON object per prompt here (.jsonl)")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+        p.add_argument("--stream", action="store_true", help="print each completion as its tokens are accepted")
+    p.set_defaults(**({} if records else {"out": None, "overwrite": False, "stream": False}))
     args = p.parse_args(argv)
     if args.run is not None and args.prompt is None and args.prompts is None:
         args.prompts = str(args.run / "prompts.jsonl")
