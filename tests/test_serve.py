@@ -146,7 +146,7 @@ def test_seeded_sampling_is_reproducible_and_unseeded_is_fresh(server):
     ({"prompt": "x", "top_k": -5}, 400, "top_k must be an integer"),
     ({"prompt": "x", "temperature": 1, "seed": 2**64}, 400, f"seed must be an integer in {-2**63}..{2**64 - 1}"),
     ({"prompt": "x", "temperature": 1, "seed": -(2**70)}, 400, "seed must be an integer in"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop must be a non-empty string or a list of at most 4"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop must be a string of 1 to 256 characters or a list of at most 4"),
     ({"prompt": "x" * (2 << 20)}, 413, "over 1048576 bytes"),
 ])
 def test_bad_requests_are_4xx_openai_errors(server, body, status, message):
