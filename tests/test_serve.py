@@ -267,6 +267,9 @@ def test_an_api_key_guards_every_endpoint_but_health(bpe_run):
             assert httpx.get(f"{s.url}/v1/models", headers=headers).status_code == 401
             refused = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x"}, headers=headers)
             assert refused.status_code == 401 and "API key" in refused.json()["error"]["message"]
+        for scheme in ("bearer", "BEARER"):  # the scheme's name in any case (RFC 7235)
+            assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": f"{scheme} sesame"}).status_code == 200
+        assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Basic sesame"}).status_code == 401
         with pytest.raises(openai.AuthenticationError):
             s.client("wrong").completions.create(model="m", prompt="x", max_tokens=2)
         assert s.client("sesame").completions.create(model="m", prompt="x", max_tokens=2, temperature=0).choices

@@ -13,6 +13,7 @@ oracle call and seconds. Every refusal, an unknown route or method included, is 
 naming the field at fault; only a fault inside decoding is a 5xx, in the same shape, its traceback logged.
 """
 import asyncio
+import hmac
 import json
 import logging
 import queue
@@ -280,11 +281,17 @@ class Guard:
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
 
+    def authorized(self, header: str | None) -> bool:
+        """An Authorization header of the Bearer scheme (its name in any case, RFC 7235) with the key, compared in time
+        that does not depend on where it differs."""
+        scheme, _, key = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), (self.api_key or "").encode())
+
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             refusal = None
-            if self.api_key is not None and scope["path"] != "/health" and headers.get("authorization") != f"Bearer {self.api_key}":
+            if self.api_key is not None and scope["path"] != "/health" and not self.authorized(headers.get("authorization")):
                 refusal = RequestError(401, "a valid API key is required: send Authorization: Bearer KEY",
                                        kind="authentication_error", code="invalid_api_key")
             elif headers.get("content-length", "").isdigit() and int(headers["content-length"]) > self.max_body_bytes:
