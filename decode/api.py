@@ -135,6 +135,9 @@ class SpeculativeDecoder:
         name, or a model already loaded (with its `tokenizer`, which both models share); `ngram` a trigram
         directory (python ngram/build_katz.py). The method defaults to staged with all three, speculative with a
         draft, else baseline; every other DecoderOptions field is a keyword (dtype="auto" by default)."""
+        if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+            raise InputError(f"tokenizer must be a loaded tokenizer (AutoTokenizer.from_pretrained(...)), the one of "
+                             f"models handed over loaded (got {tokenizer!r})", "tokenizer")
         keep: list = []  # temporary directories of models handed over loaded, kept as long as the decoder
         oracle_dir = pretrained_dir(oracle, tokenizer, keep, "oracle")
         draft_dir = draft if draft is None else pretrained_dir(draft, tokenizer, keep, "draft")

@@ -64,6 +64,8 @@ def request_of(generation_config, settings: dict | None, check: Callable[[float,
         values = {name: value for name, value in values.items() if value is not None}
     values.update({name: value for name, value in settings.items() if value is not None})
     do_sample = values.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise InputError(f"do_sample must be True or False (got {do_sample!r})")
     if do_sample is None:  # this decoder's own convention: a temperature above 0 samples
         do_sample = values.get("temperature", 0.0) > 0 if _number(values.get("temperature", 0.0)) else True
     checked = check(values.get("temperature", 1.0 if do_sample else 0.0), values.get("top_k", 0), values.get("top_p", 1.0))
@@ -73,8 +75,8 @@ def request_of(generation_config, settings: dict | None, check: Callable[[float,
     eos = (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else eos
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
         raise InputError(f"eos_token_id must be a token id or a list of them (got {values.get('eos_token_id')!r})")
-    stops = values.get("stop_strings", ())
-    stops = (stops,) if isinstance(stops, str) else tuple(stops)
+    given_stops = values.get("stop_strings", ())
+    stops = (given_stops,) if isinstance(given_stops, str) else tuple(given_stops) if isinstance(given_stops, (list, tuple)) else (None,)
     if not all(isinstance(s, str) and s for s in stops):
         raise InputError(f"stop_strings must be a non-empty string or a list of them (got {values.get('stop_strings')!r})")
     return Request(values.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS), sampling,

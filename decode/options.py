@@ -116,6 +116,7 @@ class DecoderOptions:
         of None and auto. The method-dependent checks are decode.methods' (check_options, check_tree_shape)."""
         if self.oracle is None:
             raise InputError("no oracle: pass oracle=DIR (a run directory's RUN/oracle) or a hub name")
+        check_types(self)
         for f in fields(self):
             choices = f.metadata.get("flag", {}).get("choices")
             value = getattr(self, f.name)
@@ -155,6 +156,29 @@ def sampling_of(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) ->
     if not 0 < top_p <= 1:
         raise InputError(f"top-p must lie in (0, 1] (got {top_p})", "top_p")
     return Sampling(temperature, top_k, top_p)
+
+
+# What a field's value must be, by its annotation, with the words that say so (the command line's flags parse to these
+# types; the Python API takes what it is given)
+KINDS = {int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+         float: ("a number", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)),
+         bool: ("True or False", lambda v: isinstance(v, bool)),
+         str: ("a string", lambda v: isinstance(v, str)),
+         Path: ("a path", lambda v: isinstance(v, (str, Path))),
+         list[int]: ("a list of integers", lambda v: isinstance(v, (list, tuple))
+                     and all(isinstance(x, int) and not isinstance(x, bool) for x in v))}
+
+
+def check_types(options: DecoderOptions) -> None:
+    """Refuse, naming the setting, a value of another type than its field's (None where the field allows it)."""
+    for f in fields(options):
+        value = getattr(options, f.name)
+        kinds = [t for t in getattr(f.type, "__args__", (f.type,)) if t is not type(None)] if f.type != list[int] else [f.type]
+        if value is None and (f.default is None or type(None) in getattr(f.type, "__args__", ())):
+            continue
+        known = [KINDS[k] for k in kinds if k in KINDS]
+        if known and not any(ok(value) for _, ok in known):
+            raise InputError(f"{f.name} must be {' or '.join(words for words, _ in known)} (got {value!r})", f.name)
 
 
 def check_device(device: str) -> None:

@@ -87,6 +87,12 @@ def test_bad_arguments_are_input_errors(bpe_run, decoders):
         (lambda: SpeculativeDecoder.from_run(bpe_run["run"], widths=[8, 8, 8, 8]), "a trigram tree of 4,681 nodes"),
         (lambda: SpeculativeDecoder.from_run(bpe_run["run"] / "nothing"), "does not exist"),
         (lambda: SpeculativeDecoder.from_run(), "pass a run directory"),
+        (lambda: dec.generate("x", max_new_tokens=4, stop_strings=123), "stop_strings must be a non-empty string"),
+        (lambda: dec.generate("x", max_new_tokens=4, do_sample="no"), "do_sample must be True or False (got 'no')"),
+        (lambda: SpeculativeDecoder.from_run(bpe_run["run"], budget="12"), "budget must be an integer (got '12')"),
+        (lambda: SpeculativeDecoder.from_run(bpe_run["run"], widths="3,2,1"), "widths must be a list of integers"),
+        (lambda: SpeculativeDecoder.from_run(bpe_run["run"], token_healing="no"), "token_healing must be True or False"),
+        (lambda: SpeculativeDecoder.from_pretrained(bpe_run["run"] / "oracle", tokenizer="x"), "must be a loaded tokenizer"),
     ]
     for call, message in cases:
         with pytest.raises(InputError) as err:
