@@ -7,6 +7,7 @@ anything else at the path; an artifact of the same kind is replaced only with --
 reads (its models, tokenizer, trigram, plan, prompts) is ever written over or into, --overwrite or not.
 """
 import contextlib
+import errno
 import fnmatch
 import json
 import os
@@ -159,11 +160,22 @@ def atomic_outputs(targets: list[tuple[Path, Kind]], overwrite: bool = False):
                 os.replace(tmp, final)
                 _remove(old)
                 written.append(final)
-    except BaseException:
+    except BaseException as err:
         for tmp in tmps:
             _remove(tmp)
         _remove_if_empty(made)
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise InputError(disk_full(finals[0][0])) from None
         raise
+
+
+def disk_full(final: Path) -> str:
+    """The one line a full disk (or quota) is: the output, the free bytes left where it goes, and what to do; the
+    partial output is removed already."""
+    where = _nearest_existing(final.parent)
+    free = shutil.disk_usage(where).free
+    return (f"the disk is full writing {final} ({free:,} bytes free in {where}); nothing was left there: free some "
+            f"space, or pass an output on another disk")
 
 
 @contextlib.contextmanager

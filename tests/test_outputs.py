@@ -363,3 +363,23 @@ def test_no_report_goes_into_a_runs_own_files_whether_or_not_the_command_reads_t
             assert "one of the run" in err and "own files" in err, (command, target, err)
     assert snapshot(r) == before
     (r / "plan-t1-k50-p1.json").unlink()
+
+
+def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing_there(models, tmp_path, capsys, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    real = Path.write_text
+
+    def full(self, *args, **kwargs):  # the disk fills up as the output is written
+        if ".tmp-" in self.name:
+            real(self, "partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    out = tmp_path / "records.jsonl"
+    err = one_line_error(capsys, run.main, ["--oracle", str(models["oracle"]), "--prompt", "t1 t2", "--max-new-tokens",
+                                            "2", "--method", "baseline", "--out", str(out)])
+    assert f"the disk is full writing {out}" in err and "bytes free" in err
+    assert list(tmp_path.iterdir()) == []
