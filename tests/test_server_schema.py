@@ -1,7 +1,9 @@
 """The server fuzzed from its own OpenAPI schema (schemathesis, in-process over ASGI, a tiny model): requests that fit
 the schema and requests that break it are answered 2xx or 4xx in OpenAI's error shape, never 5xx, and the server
 decodes exactly afterwards; the limits on a request's stop strings, and their matching on streamed text."""
+import json
 import threading
+import time
 
 import pytest
 import schemathesis
@@ -197,3 +199,50 @@ def test_a_setting_the_server_cannot_decode_with_is_a_400_with_its_reason(app, d
     monkeypatch.setattr(decoder, "lookahead", refused)
     answer = TestClient(app).post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 1})
     assert answer.status_code == 400 and "is not a plan" in answer.json()["error"]["message"]
+
+
+def test_a_non_streaming_request_whose_client_left_is_cancelled_like_a_stream(app, decoder, monkeypatch):
+    import asyncio
+
+    from decode.generation import Stream
+    from decode.serving import app as serving
+
+    def slow(ids, **settings):  # a long completion: a piece every 20 ms
+        def pieces():
+            for _ in range(500):
+                time.sleep(0.02)
+                yield "x"
+        return Stream(pieces())
+
+    monkeypatch.setattr(decoder, "stream", slow)
+    monkeypatch.setattr(serving, "DISCONNECT_CHECK", 0.05)
+    worker = app.state.worker
+    cancelled = worker.cancelled
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 8}).encode()  # (the slow stream gives 500 pieces whatever it asks)
+
+    async def leave_after_sending():
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        sent = time.monotonic()
+
+        async def receive():  # as uvicorn's: the body, then nothing until the client goes away (0.2 s later)
+            if messages:
+                return messages.pop(0)
+            while time.monotonic() < sent + 0.2:
+                await asyncio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            pass
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+        await WithoutLifespan(app)(scope, receive, send)
+
+    asyncio.run(leave_after_sending())
+    deadline = time.perf_counter() + 5
+    while worker.cancelled == cancelled and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert worker.cancelled == cancelled + 1  # (decoded to the end, the job would have counted as completed)

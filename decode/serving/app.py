@@ -33,6 +33,7 @@ from decode.errors import InputError
 from decode.serving.request import SCHEMA, Completion, RequestError, parse_completion
 
 log = logging.getLogger("decode.serve")
+DISCONNECT_CHECK = 0.5  # seconds between a non-streaming request's checks that its client is still there
 ROUTES = "POST /v1/completions, GET /v1/models, GET /health"
 
 @dataclass
@@ -231,7 +232,7 @@ def create_app(decoder: SpeculativeDecoder, model: str, api_key: str | None = No
         if completion.stream:
             return StreamingResponse(reply.events(), media_type="text/event-stream")
         try:
-            return await reply.whole()
+            return await reply.whole(request)
         except asyncio.CancelledError:
             job.cancelled.set()
             raise
@@ -320,15 +321,25 @@ class Answer:
                                 "seconds": round(result.seconds, 6)}
         return body
 
-    async def whole(self) -> JSONResponse:
-        text = []
+    async def whole(self, request: Request) -> JSONResponse:
+        """The whole completion once decoded; a client that leaves meanwhile (checked twice a second) cancels its job
+        as a stream's does, and the answer no one reads is a 400."""
+        text, check = [], time.monotonic() + DISCONNECT_CHECK
         while True:
-            kind, value = await self.job.events.get()
+            try:
+                kind, value = await asyncio.wait_for(self.job.events.get(), DISCONNECT_CHECK)
+            except asyncio.TimeoutError:
+                kind = value = None
+            if time.monotonic() >= check:
+                check = time.monotonic() + DISCONNECT_CHECK
+                if await request.is_disconnected():
+                    self.job.cancelled.set()
+                    return answer(RequestError(400, "the client left before its completion was decoded"))
             if kind == "text":
                 text.append(value)
             elif kind == "error":
                 return answer(failure(value))
-            else:
+            elif kind == "done":
                 return JSONResponse(self.body("".join(text), value.finish_reason, value))
 
     async def events(self):
