@@ -7,10 +7,11 @@
     loop.py, tree.py, verify.py      the decoding loops, the drafted tree, and its verification
     sampling.py, healing.py          the processed distribution; token healing of a prompt's last token
     generation.py                    transformers-style settings and streams
-    models/                          the lean GPT-2 engine, its runtime (kernels, C++ forward, KV moves), the transformers backend
+    models/                          the lean GPT-2 engine, its runtime (kernels, C++ forward, KV moves), quantized weights
+                                     (Q8_0, Q4_0), the transformers backend
     kernels/                         the step's loops over logits and trees: C++ and portable, one interface
     drafting/                        the drafters: chain, trees, staged, trigram, context
-    native/                          the C++ of a step's loops and of a model's forward over a few rows
+    native/                          the C++ of a step's loops and of a model's forward over a few rows (16-bit or quantized)
     planning/                        the planner: acceptance rates, replays, forward costs, the in-loop measurement
     benchmarking/                    the benchmark's harness, its peers (transformers, llama.cpp) and its tables
     serving/                         the OpenAI-compatible server
