@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import textwrap
 from pathlib import Path
 
@@ -112,3 +113,12 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.pipeline)
+
+
+@pytest.fixture
+def interruptible():
+    """Python's Ctrl-C handler, which raises KeyboardInterrupt. A Python started with SIGINT ignored (a background
+    job of a non-interactive shell, `nohup bash .ci/run &`) keeps ignoring it, and these tests would see nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

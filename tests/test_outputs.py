@@ -184,15 +184,6 @@ def test_a_failed_prepare_leaves_no_empty_out(trained, tmp_path, capsys, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 
 
-@pytest.fixture
-def interruptible():
-    """Python's Ctrl-C handler, which raises KeyboardInterrupt. A Python started with SIGINT ignored (a background
-    job of a non-interactive shell, `nohup bash .ci/run &`) keeps ignoring it, and these tests would see nothing."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_prepare_removes_its_temporary_files_and_says_so(trained, tmp_path, capsys, monkeypatch, signum,
                                                                      interruptible):

@@ -3,6 +3,8 @@ sampling setting's own plan, and plans measured for something else refused."""
 import dataclasses
 import json
 import logging
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from decode.methods import METHODS
 from decode.models.engine import GPT2Engine
 from decode.models.loading import TOKEN_COUNTS
 from decode.options import CPU_CHAIN, CPU_SAMPLED_CHAIN, CPU_WIDTHS
-from decode.planning import kinds, planner, replay, shapes
+from decode.planning import in_loop, kinds, planner, replay, shapes
 from decode.sampling import Sampling, Uniforms
 
 
@@ -240,6 +242,22 @@ def test_beside_a_bfloat16_oracle_the_plan_weighs_the_draft_in_float32_too(model
         assert (len(draft.shortlist) if draft.shortlist else 0) == size and draft.dtype == getattr(torch, dtype)
     chosen = planner.draft_variants([], dataclasses.replace(options, draft_dtype="float32"), 97)
     assert set(chosen) == set()  # a float32 draft (--draft-dtype) has no other dtype to weigh
+
+
+@pytest.mark.processes
+def test_ctrl_c_is_the_planners_to_answer_and_ends_its_measuring_process_quietly(models, capfd, interruptible):
+    options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram",
+                         str(models["ngram"]), "--prompt", "t1"]).options
+    with pytest.raises(KeyboardInterrupt), in_loop.FreshProcess(options, [], None, None) as fresh:
+        (worker,) = fresh.workers
+        os.kill(worker.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group: while the worker starts,
+        fresh.started.result(timeout=120)
+        os.kill(worker.pid, signal.SIGINT)  # and once it has loaded the models
+        os.kill(os.getpid(), signal.SIGINT)
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
 def test_on_a_gpu_the_plan_weighs_no_other_draft_dtype(models, monkeypatch):

@@ -5,6 +5,7 @@ The loop runs in a process of its own, with the models loaded again (`FreshProce
 planner's process has replayed hundreds of policies by then, and after that the same decoding runs measurably slower
 in it (its host work and its small forwards), which priced every drafting method's step too high."""
 import multiprocessing
+import signal
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -90,12 +91,22 @@ def loop_costs(decoder, drafters: dict, prompts, search, oracle_ms: costs.Contex
 
 class FreshProcess:
     """A process of its own, with the models loaded again as the options load them (and the drafts the policies
-    name), where loop_costs decodes these prompts with each round's policies. Use it as a context manager."""
+    name), where loop_costs decodes these prompts with each round's policies. Use it as a context manager.
+
+    Ctrl-C is the planner's to answer, not the worker's: a terminal sends it to the whole process group, so the worker
+    starts with it blocked (a signal mask passes to a child), and the planner ends the worker when it leaves early."""
 
     def __init__(self, options, prompts: list, search, oracle_ms: costs.ContextCosts):
         self.prompts, self.search, self.oracle_ms = prompts, search, oracle_ms
         self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=load_models,
                                         initargs=(options, torch.get_num_threads()))
+        before = set(multiprocessing.active_children())
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.started = self.pool.submit(int)  # starts the worker, which then loads the models
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        self.workers = set(multiprocessing.active_children()) - before
 
     def measure(self, policies: Policies) -> dict:
         """loop_costs of each (method, policy) beside the baseline, under the names `policies` gives them."""
@@ -104,7 +115,10 @@ class FreshProcess:
     def __enter__(self) -> "FreshProcess":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
+        if kind is not None:  # interrupted, or failed: what the worker is measuring is wanted no more
+            for worker in self.workers:
+                worker.kill()
         self.pool.shutdown()
 
 
