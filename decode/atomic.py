@@ -108,6 +108,16 @@ def check_output(path, kind: Kind = FILE, overwrite: bool = False, flag: str = "
         raise InputError(f"cannot write {path} ({err.strerror} in {parent}); pass a writable {flag}") from None
 
 
+def check_room(path, needed: int, flag: str) -> None:
+    """Refuse, before a long run, an output whose disk has less room than the output will take (`needed` bytes, an
+    estimate erring high), rather than fail after the work."""
+    where = _nearest_existing(Path(path).parent)
+    free = shutil.disk_usage(where).free
+    if free < needed:
+        raise InputError(f"{path} will take about {needed:,} bytes and {where} has {free:,} free; free some space, or "
+                         f"pass an {flag} on another disk")
+
+
 def _make_parents(directory: Path) -> list[Path]:
     """Create `directory` and its missing parents; return those created, deepest first."""
     made = []

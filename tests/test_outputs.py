@@ -356,6 +356,22 @@ def test_no_report_goes_into_a_runs_own_files_whether_or_not_the_command_reads_t
     (r / "plan-t1-k50-p1.json").unlink()
 
 
+def test_the_bench_refuses_an_out_on_a_disk_too_full_for_its_records_before_it_runs(models, tmp_path, capsys,
+                                                                                   monkeypatch):
+    import shutil
+
+    from decode import atomic
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda where: usage._replace(free=20_000))
+    monkeypatch.setattr(bench, "timed_runs", lambda *a: pytest.fail("the benchmark ran before the check"))
+    out = tmp_path / "bench.json"
+    err = one_line_error(capsys, bench.main, ["--oracle", str(models["oracle"]), "--prompt", "t1 t2", "--max-new-tokens",
+                                              "4", "--methods", "baseline", "--out", str(out)])
+    assert f"{out} will take about" in err and "20,000 free" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing_there(models, tmp_path, capsys, monkeypatch):
     import errno
     from pathlib import Path

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from decode.api import Decoder, SpeculativeDecoder
-from decode.atomic import FILE, atomic_output, check_output, write_json
+from decode.api import Decoder, SpeculativeDecoder, require_draft
+from decode.atomic import FILE, atomic_output, check_output, check_room, write_json
 from decode.benchmarking import explain, near_ties
 from decode.benchmarking.harness import compare_with_baseline, decode_in_turns, warm_up
 from decode.benchmarking.llama_server import SERVER_PEERS, TUNING_PROMPTS, ServerPeer, missing_reason, server_binary
@@ -58,8 +58,7 @@ PROG = "python -m decode.bench"
 
 def check_draft(name: str, base) -> None:
     """A peer that drafts with our draft model: it is there, with the oracle's tokenizer."""
-    if base.draft is None or not Path(base.draft).is_dir():
-        raise InputError(f"{name} needs a draft model; pass --draft DIR (or --run RUN) (got {base.draft})")
+    require_draft(base.draft, name)
     check_same_vocabulary(base.oracle, base.draft, "draft")
 
 
@@ -270,12 +269,20 @@ def weight_formats(decoders: dict) -> dict[str, str | None]:
     return {role: fmt.name if fmt else None for role, fmt in formats.items()}
 
 
+def records_bytes(methods: int, prompts: int, max_new_tokens: int) -> int:
+    """About how large --out grows, erring high: a record per method and prompt, its token ids at up to 8 bytes
+    each in JSON beside 256 of timings and counts, and the summary and settings (64 KiB)."""
+    return methods * prompts * (8 * max_new_tokens + 256) + 2**16
+
+
 @exits_on_input_error
 def main(argv=None) -> dict:
     known, names, settings = parse(argv)
     decoders, ours = build_methods(names, settings, chosen=known.methods is not None)
     options, sampling, plan_path = settings.flags.base, settings.sampling, settings.plan
     prompts = encode_prompts(settings, ours)
+    if known.out:
+        check_room(known.out, records_bytes(len(decoders), len(prompts), settings.max_new_tokens), "--out")
     mode, loops, healing = sampling.describe(), ours[0].decoder.oracle.runtime.loops(), "on" if options.token_healing else "off"
     print(f"{len(prompts)} prompts x {settings.max_new_tokens} new tokens, {mode}, {options.dtype} on {options.device}, "
           f"token healing {healing}, step loops in {loops}; methods: {', '.join(decoders)}; "
