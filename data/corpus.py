@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from decode.errors import InputError, first_line
+from decode.errors import InputError, check_path, first_line
 
 STACK_DATASETS = ("bigcode/the-stack-dedup", "bigcode/the-stack")
 STACK_DATA_DIR = "data/python"
@@ -40,8 +40,7 @@ def python_files(root: Path) -> list[Path]:
 def local_documents(roots: Iterable[Path], skipped: Counter) -> Iterator[Document]:
     files = []
     for root in map(Path, roots):
-        if not root.is_dir():
-            raise InputError(f"source directory {root} does not exist or is not a directory; pass an existing directory")
+        check_path(root, True, "source directory", "pass a directory of Python sources")
         found = python_files(root)
         if not found:
             raise InputError(f"no .py files under {root}; pass a directory of Python sources")

@@ -19,7 +19,7 @@ import torch
 
 from decode import generation, loop
 from decode.drafting import Drafter
-from decode.errors import InputError
+from decode.errors import InputError, check_path
 from decode.healing import Prompt, TokenHealer
 from decode.methods import METHODS, check_options, check_tree_shape
 from decode.models.cached_lm import CachedLM
@@ -296,21 +296,26 @@ def loaded(models: dict, key: tuple, load: Callable):
     return models[key]
 
 
+def require_draft(draft, needed_by: str) -> None:
+    """Refuse a method that drafts with a draft model (`needed_by` names it) without a draft directory."""
+    if draft is None:
+        raise InputError(f"{needed_by} needs a draft model; pass --draft DIR (or --run RUN)")
+    check_path(draft, True, "draft directory", "pass --draft DIR (or --run RUN)")
+
+
 def build_decoder(options: DecoderOptions, models: dict | None = None) -> tuple[Decoder, TokenHealer]:
     """The method's decoder, and the healer that turns prompt token ids into its prompts (its tokenizer: .tokenizer).
     `models` holds what earlier decoders loaded (the oracle, the draft, the trigram), to be shared with this one: a
     sequence resets the models' caches as it starts."""
     models = {} if models is None else models
-    if not Path(options.oracle).is_dir():
-        raise InputError(f"oracle directory {options.oracle} does not exist; train one with train/finetune_oracle.py")
+    check_path(options.oracle, True, "oracle directory", "train one with train/finetune_oracle.py, or pass --oracle DIR")
     method = METHODS[options.method]
     how = (options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs)  # load_model's arguments
     oracle = loaded(models, ("oracle", *how), lambda: load_model(*how))
     tokenizer = load_tokenizer(options.oracle)
     draft = table = drafter = None
     if method.draft:
-        if options.draft is None or not Path(options.draft).is_dir():
-            raise InputError(f"--method {options.method} needs a draft model; pass --draft DIR (got {options.draft})")
+        require_draft(options.draft, f"--method {options.method}")
         check_same_vocabulary(options.oracle, options.draft, "draft")
         draft = loaded(models, ("draft", options.draft, options.backend, options.draft_dtype or options.dtype, options.device,
                                 options.cuda_graphs, options.draft_vocab), lambda: load_draft(options, oracle.vocab_size))

@@ -3,6 +3,7 @@ import functools
 import signal
 import sys
 import threading
+from pathlib import Path
 
 
 class InputError(Exception):
@@ -57,6 +58,25 @@ def exits_on_input_error(main):
                 signal.signal(signal.SIGTERM, previous)
 
     return wrapper
+
+
+def path_fault(path, directory: bool) -> str | None:
+    """What is wrong with `path` as a directory (or a file) to read, in words ("does not exist", "is a file, not a
+    directory", ...); None where nothing is."""
+    path = Path(path)
+    if directory:
+        return None if path.is_dir() else "is a file, not a directory" if path.exists() else "does not exist"
+    if path.is_file():
+        return None
+    return ("is a directory, not a file" if path.is_dir() else "is not a regular file" if path.exists()
+            else "does not exist")
+
+
+def check_path(path, directory: bool, what: str, fix: str) -> None:
+    """Refuse a path the command reads that is not there, or not a directory (a file): "{what} {path} {fault}; {fix}"."""
+    fault = path_fault(path, directory)
+    if fault is not None:
+        raise InputError(f"{what} {path} {fault}; {fix}")
 
 
 def first_line(err: BaseException) -> str:

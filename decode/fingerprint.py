@@ -12,7 +12,7 @@ import struct
 import zipfile
 from pathlib import Path
 
-from decode.errors import InputError
+from decode.errors import InputError, check_path
 
 CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "staged-speculative"
 DIGESTS = CACHE_ROOT / "digests"
@@ -23,8 +23,7 @@ CHUNK = 1 << 24
 def fingerprint(directory, pattern: str = WEIGHTS) -> str:
     """The identity of the files matching `pattern` in `directory`: their names and contents."""
     directory = Path(directory)
-    if not directory.is_dir():
-        raise InputError(f"{directory} does not exist or is not a directory")
+    check_path(directory, True, "model directory", "pass the directory that holds the model")
     files = sorted(directory.glob(pattern))
     if not files:
         raise InputError(f"{directory} holds no {pattern} files: it is damaged or not what it should be; copy it again "

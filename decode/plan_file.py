@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from decode.atomic import write_json
-from decode.errors import InputError
+from decode.errors import InputError, check_path, path_fault
 from decode.fingerprint import TABLES, WEIGHTS, fingerprint
 from decode.methods import METHODS
 from decode.options import CPU_CHAIN, CPU_SAMPLED_CHAIN, DecoderOptions
@@ -179,8 +179,7 @@ def describe(policy: dict) -> str:
 def load_plan(path: Path, options) -> dict:
     """The plan's policies, checked to have been measured for these models on this device."""
     redo = f"re-plan with `{replan_command('RUN', options)}`, or pass --no-plan"
-    if not Path(path).is_file():
-        raise InputError(f"plan {path} does not exist; write one with `python -m decode.plan --run RUN`, or pass --no-plan")
+    check_path(path, False, "plan", "write one with `python -m decode.plan --run RUN`, or pass --no-plan")
     try:
         plan = json.loads(Path(path).read_text())
         policies, measured = plan["policies"], plan["identity"]
@@ -190,10 +189,11 @@ def load_plan(path: Path, options) -> dict:
         raise InputError(f"{path} is not a plan this version of decode.plan wrote; {redo}") from None
     current = identity(options)
     absent = [k for k in MODELS if measured.get(k) is not None and current[k] is None]
-    if absent:
-        raise InputError(f"{path} was planned with {' and '.join(f'the {k} at {getattr(options, k)}' for k in absent)}, "
-                         f"which {'does' if len(absent) == 1 else 'do'} not exist; restore "
-                         f"{'it' if len(absent) == 1 else 'them'}, or pass --no-plan")
+    for k in absent:
+        given = getattr(options, k)
+        fault = f"the {k} {given} {path_fault(given, directory=True)}" if given is not None else f"no {k} was given"
+        raise InputError(f"{path} was planned with its {k}, and {fault}; pass the {k}'s directory to --{k}, or pass "
+                         f"--no-plan")
     changed = [k for k in current if recorded(measured, k) != current[k]]
     if changed:
         what = ", ".join(f"{k} {recorded(measured, k)!r} (now {current[k]!r})" if k in SETTINGS else k

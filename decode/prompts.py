@@ -9,15 +9,14 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from decode.errors import InputError, first_line
+from decode.errors import InputError, check_path, first_line
 
 HUMANEVAL = "humaneval"
 
 
 def read_jsonl(path) -> list[dict]:
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"prompts file {path} does not exist; pass --prompts humaneval or a .jsonl[.gz] file")
+    check_path(path, False, "prompts file", "pass --prompts humaneval or a .jsonl[.gz] file")
     opener = gzip.open if path.suffix == ".gz" else open
     records = []
     try:

@@ -21,7 +21,7 @@ import numpy as np
 from data.shards import open_split, read_meta, split_documents
 from decode.atomic import Kind, atomic_output, check_output
 from decode.cli.help import HelpFormatter
-from decode.errors import InputError, exits_on_input_error
+from decode.errors import InputError, check_path, exits_on_input_error
 from ngram import counts as ngram_counts
 from ngram import katz, successors
 from ngram.arpa import write_arpa
@@ -69,8 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def read_token_file(path: Path, vocab_size: int) -> list[np.ndarray]:
-    if not path.is_file():
-        raise InputError(f"token file {path} does not exist")
+    check_path(path, False, "token file", "pass a file of token ids, a document a line")
     docs = []
     with open(path, encoding="utf-8") as f:
         try:
@@ -117,8 +116,7 @@ def load_documents(args) -> tuple[list[np.ndarray], list[np.ndarray], int, int, 
         source = str(args.tokens)
     else:
         data = args.data or args.out.parent / "data"
-        if not data.is_dir():
-            raise InputError(f"data directory {data} does not exist; run `python -m data.prepare --out RUN` or pass --data")
+        check_path(data, True, "data directory", "run `python -m data.prepare --out RUN` or pass --data")
         meta = read_meta(data)
         vocab_size, eos_id = meta["vocab_size"], meta["eos_id"]
         val = split_documents(np.asarray(open_split(data, "val")), eos_id)

@@ -57,6 +57,16 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
     assert "does not exist" in error_of(capsys, ["--oracle", str(tmp_path / "none"), "--prompt", "t1"])
     assert "different tokenizers" in error_of(capsys, ["--oracle", oracle, "--draft", str(models["other_vocab"]), "--prompt", "t1"])
     assert "needs a draft model" in error_of(capsys, ["--oracle", oracle, "--method", "speculative", "--prompt", "t1"])
+    assert f"oracle directory {oracle}/config.json is a file, not a directory" in error_of(
+        capsys, ["--oracle", f"{oracle}/config.json", "--prompt", "t1"])
+    assert f"draft directory {tmp_path / 'none'} does not exist" in error_of(
+        capsys, ["--oracle", oracle, "--draft", str(tmp_path / "none"), "--method", "speculative", "--prompt", "t1"])
+    assert f"trigram directory {oracle}/config.json is a file" in error_of(
+        capsys, ["--oracle", oracle, "--ngram", f"{oracle}/config.json", "--method", "ngram", "--prompt", "t1"])
+    for prompts, fault in ((tmp_path, "is a directory, not a file"), ("/dev/null", "is not a regular file")):
+        assert f"prompts file {prompts} {fault}" in error_of(capsys, ["--oracle", oracle, "--method", "baseline", "--prompts", str(prompts)])
+    assert f"plan {tmp_path} is a directory, not a file" in error_of(
+        capsys, ["--oracle", oracle, "--draft", draft, "--method", "speculative", "--plan", str(tmp_path), "--prompt", "t1"])
     spec = ["--oracle", oracle, "--draft", draft, "--method", "speculative"]
     assert "is empty" in error_of(capsys, spec + ["--prompt", ""])
     long_prompt = " ".join(["t5"] * 70)

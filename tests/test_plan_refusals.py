@@ -58,7 +58,11 @@ def test_a_copied_run_keeps_its_plan_and_a_damaged_copy_names_the_damage(planned
     shutil.rmtree(copy / "ngram")
     with pytest.raises(SystemExit):
         run.main(["--run", str(copy), "--plan", str(copy / "plan.json"), "--method", "ngram", "--prompts", prompts])
-    assert f"the ngram at {copy / 'ngram'}, which does not exist" in capsys.readouterr().err
+    assert f"planned with its ngram, and the ngram {copy / 'ngram'} does not exist" in capsys.readouterr().err
+    (copy / "ngram").write_text("not a trigram")
+    with pytest.raises(SystemExit):
+        run.main(["--run", str(copy), "--plan", str(copy / "plan.json"), "--method", "ngram", "--prompts", prompts])
+    assert f"the ngram {copy / 'ngram'} is a file, not a directory" in capsys.readouterr().err
 
 
 def test_a_run_plan_for_another_dtype_is_set_aside_with_a_note(planned, models, tmp_path, capsys):

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from data.shards import open_split, read_meta, token_counts
 from decode.atomic import atomic_output
-from decode.errors import InputError, first_line, written
+from decode.errors import InputError, check_path, first_line, written
 from decode.models.loading import TOKEN_COUNTS
 from decode.models.pretrained import FUSED_GELU, load_causal_lm
 from decode.tokenizer import load_tokenizer
@@ -68,8 +68,7 @@ def language_model_loss(model, windows: torch.Tensor) -> tuple[torch.Tensor, dic
 
 def load_data(args: TrainArgs) -> tuple[dict, np.ndarray, np.ndarray]:
     data_dir = Path(args.data)
-    if not data_dir.is_dir():
-        raise InputError(f"data directory {data_dir} does not exist; run `python -m data.prepare --out RUN` and pass --data RUN/data")
+    check_path(data_dir, True, "data directory", "run `python -m data.prepare --out RUN` and pass --data RUN/data")
     meta = read_meta(data_dir)
     train, val = open_split(data_dir, "train"), open_split(data_dir, "val")
     for name, tokens in (("train", train), ("val", val)):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from decode.atomic import FILE, atomic_outputs, check_output
 from decode.cli.help import HelpFormatter
-from decode.errors import InputError, exits_on_input_error
+from decode.errors import InputError, check_path, exits_on_input_error
 from decode.models.engine import read_config
 from decode.models.gguf_export import GGUF_DTYPES, write_gguf
 from decode.models.pretrained import model_dir
@@ -52,8 +52,7 @@ def main(argv=None) -> list[Path]:
         raise InputError('the GGUF export needs the gguf package: pip install -e ".[llamacpp]" (or pip install gguf)')
     models = {"oracle": args.oracle} | ({"draft": args.draft} if args.draft is not None else {})
     for name, directory in models.items():
-        if not Path(directory).is_dir():
-            raise InputError(f"{name} directory {directory} does not exist")
+        check_path(directory, True, f"{name} directory", f"pass the {name}'s model directory")
     paths = [args.out / f"{name}.gguf" for name in models]
     for path in paths:
         check_output(path, FILE, args.overwrite, "--out", models)

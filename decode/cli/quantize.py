@@ -18,7 +18,7 @@ from pathlib import Path
 
 from decode.atomic import MODEL, atomic_outputs, check_output
 from decode.cli.help import HelpFormatter
-from decode.errors import InputError, exits_on_input_error
+from decode.errors import InputError, check_path, exits_on_input_error
 from decode.models.engine import GPT2Engine, read_config
 from decode.models.pretrained import model_dir
 from decode.models.quality import perplexity, validation_windows
@@ -77,8 +77,7 @@ def main(argv=None) -> list[Path]:
     fmt = FORMATS[args.to]
     models = models_of(args)
     for name, (source, out) in models.items():
-        if not source.is_dir():
-            raise InputError(f"{name} directory {source} does not exist")
+        check_path(source, True, f"{name} directory", f"pass the {name}'s model directory")
         check_quantizable(source, read_config(source))
         check_output(out, MODEL, args.overwrite, "--out", {name: source})
     data = args.data or (args.run / "data" if args.run is not None else None)

@@ -6,7 +6,7 @@ every other command reads what was kept, and uses each choice's documented defau
 """
 from pathlib import Path
 
-from decode.errors import InputError
+from decode.errors import check_path
 from decode.models.loading import load_model
 
 
@@ -14,8 +14,7 @@ def calibrate(options) -> dict[str, str]:
     """Measure and keep, for the options' oracle and draft on their device, in the dtype each decodes in, every weight
     matrix's layout and the C++ forward's rows (the dtype itself is calibrated where "auto" is resolved: auto_dtype);
     per model, what was chosen, in words."""
-    if not Path(options.oracle).is_dir():
-        raise InputError(f"oracle directory {options.oracle} does not exist; pass --run RUN or --oracle DIR")
+    check_path(options.oracle, True, "oracle directory", "pass --run RUN or --oracle DIR")
     chosen = {}
     for role, directory, dtype in (("oracle", options.oracle, options.dtype),
                                    ("draft", options.draft, options.draft_dtype or options.dtype)):

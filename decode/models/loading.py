@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from decode.errors import InputError
+from decode.errors import InputError, check_path
 from decode.models.cached_lm import CachedLM
 from decode.models.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.models.hf_backend import HFEngine
@@ -41,6 +41,7 @@ def load_trigram(options, vocab_size: int, eos_id: int):
 
     if options.ngram is None:
         raise InputError(f"--method {options.method} needs the Katz trigram; pass --ngram DIR (python ngram/build_katz.py)")
+    check_path(options.ngram, True, "trigram directory", "pass --ngram DIR (python ngram/build_katz.py writes one)")
     meta_path = Path(options.ngram) / "meta.json"
     if not meta_path.is_file():  # written last: without it the directory is not a finished trigram
         raise InputError(f"{options.ngram} has no meta.json, so python ngram/build_katz.py did not finish writing it (or it "
