@@ -234,6 +234,12 @@ def test_hostile_sizes_are_answered_and_the_worker_serves_on(server, bpe_run):
     flood = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"v" * 50) for i in range(5000))
     with raw(server, flood + b"\r\n") as connection:
         assert connection.recv(1000).startswith(b"HTTP/1.1 4")
+    whole = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"v" * 20_000 + b"\r\n\r\n"  # in one piece
+    with raw(server, whole) as connection:
+        assert connection.recv(1000).startswith(b"HTTP/1.1 431")
+    near = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"v" * 16_000 + b"\r\n\r\n"
+    with raw(server, near) as connection:
+        assert connection.recv(1000).startswith(b"HTTP/1.1 200")
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
     assert server.post({"prompt": "x", "max_tokens": 2}).status_code == 200
 
