@@ -14,7 +14,6 @@ import functools
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-
 MAX_HEAD = 16 * 1024  # bytes of a request line and headers (h11's own limit on an incomplete head, as uvicorn sets it)
 TOO_LARGE = b"The request line and headers exceed 16 KiB."
 ANSWER_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
