@@ -296,11 +296,12 @@ def loaded(models: dict, key: tuple, load: Callable):
     return models[key]
 
 
-def require_draft(draft, needed_by: str) -> None:
-    """Refuse a method that drafts with a draft model (`needed_by` names it) without a draft directory."""
+def require_draft(draft, needed_by: str) -> Path:
+    """The draft directory, refused where a method that drafts with a draft model (`needed_by` names it) has none."""
     if draft is None:
         raise InputError(f"{needed_by} needs a draft model; pass --draft DIR (or --run RUN)")
     check_path(draft, True, "draft directory", "pass --draft DIR (or --run RUN)")
+    return Path(draft)
 
 
 def build_decoder(options: DecoderOptions, models: dict | None = None) -> tuple[Decoder, TokenHealer]:
@@ -315,8 +316,7 @@ def build_decoder(options: DecoderOptions, models: dict | None = None) -> tuple[
     tokenizer = load_tokenizer(options.oracle)
     draft = table = drafter = None
     if method.draft:
-        require_draft(options.draft, f"--method {options.method}")
-        check_same_vocabulary(options.oracle, options.draft, "draft")
+        check_same_vocabulary(options.oracle, require_draft(options.draft, f"--method {options.method}"), "draft")
         draft = loaded(models, ("draft", options.draft, options.backend, options.draft_dtype or options.dtype, options.device,
                                 options.cuda_graphs, options.draft_vocab), lambda: load_draft(options, oracle.vocab_size))
         if draft.vocab_size != oracle.vocab_size:

@@ -58,8 +58,7 @@ PROG = "python -m decode.bench"
 
 def check_draft(name: str, base) -> None:
     """A peer that drafts with our draft model: it is there, with the oracle's tokenizer."""
-    require_draft(base.draft, name)
-    check_same_vocabulary(base.oracle, base.draft, "draft")
+    check_same_vocabulary(base.oracle, require_draft(base.draft, name), "draft")
 
 
 def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[dict, list]:
