@@ -190,7 +190,7 @@ def main(argv=None) -> dict:
         check_targets_from(args)
     run = start_run(args)
     teacher = load_teacher(args, run.tokenizer).to(run.accelerator.device)
-    student = build_model(args, run.tokenizer)
+    student = build_model(args, run.tokenizer, teacher.config.vocab_size)  # the teacher's output rows, padding too
     vocab_size = student.config.vocab_size
     if args.teacher_embeddings:  # --teacher-layers needs it (DistillArgs.check): both read the stream through one basis
         basis, share = principal_directions(teacher, student)

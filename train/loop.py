@@ -96,8 +96,9 @@ def check_same_tokenizer(tokenizer, other_name: str, other_tokenizer, other_voca
         )
 
 
-def build_model(args: TrainArgs, tokenizer):
-    """A GPT-2 from the preset's shape, or the --init checkpoint (checked against the data's tokenizer)."""
+def build_model(args: TrainArgs, tokenizer, output_rows: int | None = None):
+    """A GPT-2 from the preset's shape, or the --init checkpoint (checked against the data's tokenizer). A new
+    model's output has a row per token, or `output_rows` (a teacher's, which may pad past the tokenizer's tokens)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if args.init:
@@ -114,7 +115,7 @@ def build_model(args: TrainArgs, tokenizer):
     if args.n_embd % args.n_head:
         raise InputError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     config = GPT2Config(
-        vocab_size=len(tokenizer), n_positions=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+        vocab_size=output_rows or len(tokenizer), n_positions=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
         resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, activation_function=FUSED_GELU,
     )

@@ -180,7 +180,8 @@ class GPT2Engine(CachedLM):
         weights = converted(weights, weights.pop if lazy else weights.__getitem__)
         pad_rows = runtime.pads_rows()
         e = shape.n_embd
-        wte = weights["wte.weight"]
+        # a config that pads the output past the tokenizer's tokens (load's `tokens`): the padded rows are left out
+        wte = weights["wte.weight"] = weights["wte.weight"][: shape.vocab_size]
         output = wte if shortlist is None else wte[shortlist.tokens_on(device)]
         matrices = {"qkv": (e, 3 * e), "attn_out": (e, e), "mlp_in": (e, 4 * e), "mlp_out": (4 * e, e),
                     "head": (e, output.shape[0])}  # (in, out)
@@ -210,7 +211,7 @@ class GPT2Engine(CachedLM):
         if fits and quantized:  # (lazy: the matrices leave `quantized` as the C++ packs them)
             take_matrix = quantized.pop if lazy else quantized.__getitem__
             head = take_matrix("wte.weight")
-            head = head if shortlist is None else head.rows(shortlist.tokens_on(device))
+            head = head.rows(slice(shape.vocab_size) if shortlist is None else shortlist.tokens_on(device))
             runtime.load_forward(shape, weights | {name: take_matrix(name) for name in list(quantized) if name != "wte.weight"},
                                  kv.cache, head, consume=lazy)  # (no other name holds the matrices: each goes as it is packed)
         elif fits:
@@ -221,9 +222,12 @@ class GPT2Engine(CachedLM):
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
-             native_blocks: bool = False, calibrate: bool = False) -> "GPT2Engine":
-        """From a save_pretrained directory (safetensors)."""
+             native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None) -> "GPT2Engine":
+        """From a save_pretrained directory (safetensors); its output over the first `tokens` rows only, where
+        given (a config whose vocabulary pads the tokenizer's: see loading.token_rows)."""
         config = read_config(model_dir)
+        if tokens is not None:
+            config = config | {"vocab_size": min(tokens, config["vocab_size"])}
         if not is_lean_compatible(config):
             raise InputError(
                 f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "

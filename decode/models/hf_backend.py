@@ -26,12 +26,15 @@ def cache_keyword(model) -> str:
 
 class HFEngine(CachedLM):
     def __init__(self, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
-                 shortlist: Shortlist | None = None):
-        """With a `shortlist`, forward returns its tokens' logits (selected from the whole vocabulary's)."""
+                 shortlist: Shortlist | None = None, tokens: int | None = None):
+        """With a `shortlist`, forward returns its tokens' logits (selected from the whole vocabulary's); with
+        `tokens`, the model's input and output rows past the first `tokens` (padding) are left out."""
         from transformers import DynamicCache
 
         self.model = load_hf_model(model_dir, dtype, device)
         config = self.model.config
+        if tokens is not None and tokens < config.vocab_size:
+            self.model.resize_token_embeddings(tokens)
         self.device, self.dtype = torch.device(device), self.model.dtype
         self.runtime = runtime_for(self.device, self.dtype, cpp_forward=False)  # transformers' forward; the step's loops
         self.vocab_size = config.vocab_size
@@ -46,8 +49,8 @@ class HFEngine(CachedLM):
 
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
-             shortlist: Shortlist | None = None) -> "HFEngine":
-        return cls(model_dir, dtype, device, max_length, shortlist)
+             shortlist: Shortlist | None = None, tokens: int | None = None) -> "HFEngine":
+        return cls(model_dir, dtype, device, max_length, shortlist, tokens)
 
     def reset(self) -> None:
         super().reset()

@@ -73,13 +73,26 @@ def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_grap
     if fmt is not None and backend == "hf":
         raise InputError(f"{directory} is a {fmt.name} checkpoint, which runs on the lean engine, not transformers': "
                          f"pass --backend auto (or lean)")
+    tokens = token_rows(directory, config)
     if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
         engine = GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
-                                 native_blocks=True, calibrate=calibrate)
+                                 native_blocks=True, calibrate=calibrate, tokens=tokens)
         forward = native_forward(directory, engine, dtype, calibrate=calibrate)
         engine.runtime.use(forward.rows, forward.tiles)
         return engine
-    return HFEngine.load(directory, dtype, device, shortlist=shortlist)
+    return HFEngine.load(directory, dtype, device, shortlist=shortlist, tokens=tokens)
+
+
+def token_rows(directory: Path, config: dict) -> int | None:
+    """How many of a model's output rows stand for tokens, where its config pads the output past its tokenizer's
+    (Qwen2.5's 151,936 rows over 151,665 tokens): decoding leaves the padded rows out of every model, so they are never
+    drafted or sampled, and a draft and an oracle padded differently decode together. None: every row is a token's (or
+    the directory holds no tokenizer to tell)."""
+    try:
+        tokens = len(load_tokenizer(directory))
+    except InputError:
+        return None
+    return tokens if tokens < config.get("vocab_size", tokens) else None
 
 
 def draft_shortlist(draft_dir: Path, size: int, vocab_size: int) -> Shortlist | None:

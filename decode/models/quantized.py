@@ -109,8 +109,8 @@ class QuantizedMatrix:
         values = self.values().reshape(out, -1, BLOCK)
         return (values * self.scales.to(torch.float32)[..., None]).reshape(out, in_features)
 
-    def rows(self, index: torch.Tensor) -> "QuantizedMatrix":
-        """The matrix of these output rows (a shortlist's tokens of an output layer)."""
+    def rows(self, index: torch.Tensor | slice) -> "QuantizedMatrix":
+        """The matrix of these output rows (a shortlist's tokens of an output layer, or its unpadded rows)."""
         return QuantizedMatrix(self.format, self.quants[index], self.scales[index])
 
     def block_bytes(self) -> torch.Tensor:
