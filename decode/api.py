@@ -27,7 +27,7 @@ from decode.models.loading import check_same_vocabulary, load_draft, load_model,
 from decode.options import DecoderOptions, check_number, sampling_of
 from decode.resolution import Resolved, resolve
 from decode.sampling import GREEDY, Sampling
-from decode.tokenizer import load_tokenizer
+from decode.tokenizer import load_tokenizer, start_ids, stop_ids, text_ids
 
 log = logging.getLogger("decode")
 
@@ -81,6 +81,7 @@ class SpeculativeDecoder:
         self.models: dict = {}  # what build_decoder loaded, shared by every setting's decoder
         self.decoder, self.healer = build_decoder(self.options, self.models)
         self.tokenizer = self.healer.tokenizer
+        self.start_ids = start_ids(self.tokenizer)  # what the tokenizer puts before a text prompt
         self.plans = plans
         self.settings: dict[Sampling, DecoderOptions] = {}  # sampling setting -> its options (with `plans`)
         self.decoders = {drafting(self.options): self.decoder}  # what a decoder drafts with -> the decoder
@@ -160,14 +161,15 @@ class SpeculativeDecoder:
         return self.encode(ids, "prompt", max_new_tokens, lookahead)
 
     def token_ids(self, text: str, name: str = "prompt") -> list[int]:
-        """A prompt's text as the tokenizer splits it, without special tokens; InputError for text that is not
+        """A prompt's text as the tokenizer splits it, after the start tokens it adds (decode.tokenizer.text_ids),
+        the same for the command line, this API and the server's text prompts; InputError for text that is not
         Unicode (a lone surrogate, as undecodable command-line bytes or a JSON escape can make)."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
             raise InputError(f"{name} holds a lone surrogate (U+{ord(text[err.start]):04X} at character {err.start}), "
                              f"which is not text; pass valid Unicode", "prompt") from None
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return text_ids(self.tokenizer, text, self.start_ids)
 
     def lookahead(self, sampling: Sampling = GREEDY) -> int:
         """Positions past the output a step may score when decoding with this sampling setting (its drafted depth)."""
@@ -224,7 +226,7 @@ class SpeculativeDecoder:
         """Decode an encoded prompt as the request says; with `pieces`, yield the new text
         after each oracle call. A piece never ends inside a character: an incomplete UTF-8 sequence (decoded as
         U+FFFD) waits for its rest. The output ends at the request's stop conditions. Returns the Result."""
-        text_of = lambda tokens: prompt.completion(self.tokenizer, tokens, self.decoder.eos_id)
+        text_of = lambda tokens: prompt.completion(self.tokenizer, tokens, self.decoder.stop_ids)
         start, sent, seen, stopped = time.perf_counter(), 0, 0, None
         checks = bool(request.eos_ids or request.stop_strings)
         if streamer is not None:
@@ -243,7 +245,7 @@ class SpeculativeDecoder:
                     sent = end
             if stopped is not None:
                 break
-        done = stopped is not None or (tokens and tokens[-1] == self.decoder.eos_id)
+        done = stopped is not None or (tokens and tokens[-1] in self.decoder.stop_ids)
         result = Result(text_of(tokens), tokens, out.oracle_calls, out.draft_calls, time.perf_counter() - start,
                         prompt.tail, "stop" if done else "length")
         if pieces and len(result.text) > sent:  # the output ended inside a character, as generate's text does
@@ -263,7 +265,8 @@ class Decoder:
     oracle: CachedLM
     draft: CachedLM | None
     drafter: Drafter | None
-    eos_id: int
+    eos_id: int  # the tokenizer's end-of-text, which separates the documents the trigram counted
+    stop_ids: frozenset[int]  # the tokens that end an output: eos_id and the model's generation_config.json's
 
     def steps(self, prompt: Prompt, max_new_tokens: int, seed: int, sampling: Sampling, verify: Callable | None = None,
               hooks: loop.Hooks = loop.UNTIMED) -> Iterator[loop.Generation]:
@@ -271,7 +274,7 @@ class Decoder:
         place of its own (decode.cli.agreement passes one that records what the oracle's forwards computed);
         `hooks` hear the time each part of a step takes."""
         generator = torch.Generator(self.oracle.device).manual_seed(seed)  # torch samples with a generator on the tensors' device
-        args = (self.oracle, prompt.ids, max_new_tokens, sampling, self.eos_id)
+        args = (self.oracle, prompt.ids, max_new_tokens, sampling, self.stop_ids)
         if self.drafter is None:
             return loop.baseline_steps(*args, generator=generator, allowed=prompt.allowed, hooks=hooks)
         return loop.tree_speculative_steps(*args, drafter=self.drafter, generator=generator, allowed=prompt.allowed,
@@ -327,7 +330,7 @@ def build_decoder(options: DecoderOptions, models: dict | None = None) -> tuple[
         check_tree_shape(options, table)
     if method.drafter is not None:
         drafter = method.drafter(options, draft, table)
-    decoder = Decoder(options, oracle, draft, drafter, tokenizer.eos_token_id)
+    decoder = Decoder(options, oracle, draft, drafter, tokenizer.eos_token_id, stop_ids(options.oracle, tokenizer))
     check_lookahead(decoder)
     return decoder, TokenHealer(tokenizer, oracle.vocab_size, options.token_healing)
 

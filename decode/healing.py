@@ -8,6 +8,7 @@ as first token only those whose text starts with the text it held makes the boun
 first distribution, so outputs stay exact: the first token follows the oracle's distribution
 conditioned on extending the prompt's text, and everything after it the oracle's own.
 """
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +20,10 @@ class Prompt:
     tail: str = ""  # the text backed off: the completion's first token starts with it
     allowed: torch.Tensor | None = None  # (vocab,) bool: the first tokens that extend `tail`; None: any
 
-    def completion(self, tokenizer, tokens: list[int], eos_id: int | None) -> str:
-        """The text the new tokens add to the prompt (the healed tail is the prompt's, not theirs)."""
-        return tokenizer.decode([t for t in tokens if t != eos_id])[len(self.tail) :]
+    def completion(self, tokenizer, tokens: list[int], stop_ids: Collection[int]) -> str:
+        """The text the new tokens add to the prompt, without the tokens that ended it (the healed tail is the
+        prompt's, not theirs)."""
+        return tokenizer.decode([t for t in tokens if t not in stop_ids])[len(self.tail) :]
 
 
 class TokenHealer:

@@ -8,7 +8,7 @@ hear how long each part of a step took (the tools that time decoding pass them; 
 Both read their random draws from the `generator` they are given through one `Uniforms`, a block at a time.
 """
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,11 +28,11 @@ class Generation:
     oracle_nodes: int = 0  # positions the oracle scored, the prompt's last one on: its batch sizes, summed
     draft_calls: int = 0
 
-    def add(self, new: list[int], max_new_tokens: int, eos_id: int | None) -> bool:
-        """Append new tokens up to the limit or the end-of-text token; True when generation is done."""
+    def add(self, new: list[int], max_new_tokens: int, stop_ids: Collection[int]) -> bool:
+        """Append new tokens up to the limit or a token that ends the text; True when generation is done."""
         for token in new:
             self.tokens.append(token)
-            if len(self.tokens) >= max_new_tokens or token == eos_id:
+            if len(self.tokens) >= max_new_tokens or token in stop_ids:
                 return True
         return False
 
@@ -91,7 +91,7 @@ def run_to_end(steps: Iterator[Generation]) -> Generation:
 
 
 def baseline_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                   eos_id: int | None, *, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
+                   stop_ids: Collection[int], *, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
                    hooks: Hooks = UNTIMED) -> Iterator[Generation]:
     """One oracle call per token. `allowed` (a healed prompt's): the tokens the first one may be."""
     extend, uniforms, kernels = hooks.forward(oracle, oracle.extend), Uniforms(generator), oracle.runtime.kernels
@@ -99,7 +99,7 @@ def baseline_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, 
     logits = constrain_first(extend(prompt, last=1), allowed)[0]
     out = Generation(oracle_calls=1, oracle_nodes=1)
     while True:
-        done = out.add([kernels.choose(logits, sampling, uniforms)], max_new_tokens, eos_id)
+        done = out.add([kernels.choose(logits, sampling, uniforms)], max_new_tokens, stop_ids)
         yield out
         if done:
             return
@@ -109,7 +109,7 @@ def baseline_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, 
 
 
 def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                           eos_id: int | None, *, drafter: Drafter, generator: torch.Generator | None = None,
+                           stop_ids: Collection[int], *, drafter: Drafter, generator: torch.Generator | None = None,
                            allowed: torch.Tensor | None = None, verify: Callable | None = None,
                            hooks: Hooks = UNTIMED) -> Iterator[Generation]:
     """The drafter proposes a tree, the oracle scores every node in one call, and the verifier walks it:
@@ -141,7 +141,7 @@ def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_token
         drafter.accept(path)
         new = [tree.tokens[n] for n in path[1:]] + [following]
         tokens += new
-        done = out.add(new, max_new_tokens, eos_id)
+        done = out.add(new, max_new_tokens, stop_ids)
         out.draft_calls = drafter.calls
         yield out
         if done:
@@ -156,8 +156,8 @@ def tree_speculative(*args, **kwargs) -> Generation:
     return run_to_end(tree_speculative_steps(*args, **kwargs))
 
 
-def speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling, eos_id: int | None,
-                *, draft: CachedLM, k: int = 4, **options) -> Generation:
+def speculative(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                stop_ids: Collection[int], *, draft: CachedLM, k: int = 4, **options) -> Generation:
     """Standard (chain) speculative decoding: the draft samples k tokens, the oracle scores k + 1 positions in one
     call, Chen et al.'s rejection sampling (multi-draft rejection on a chain) verifies."""
-    return tree_speculative(oracle, prompt, max_new_tokens, sampling, eos_id, drafter=ChainDrafter(draft, k), **options)
+    return tree_speculative(oracle, prompt, max_new_tokens, sampling, stop_ids, drafter=ChainDrafter(draft, k), **options)

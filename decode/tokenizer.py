@@ -27,3 +27,30 @@ def load_tokenizer(name_or_path):
                          f"tokenizer/ directory")
     tokenizer.clean_up_tokenization_spaces = False
     return tokenizer
+
+
+def start_ids(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before a text (Llama 3's <|begin_of_text|>; none for GPT-2's)."""
+    plain, full = tokenizer(PROBE, add_special_tokens=False).input_ids, tokenizer(PROBE).input_ids
+    return next((full[:i] for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), [])
+
+
+def text_ids(tokenizer, text: str, start: list[int]) -> list[int]:
+    """A prompt's token ids by the tokenizer's own rule: the start tokens it puts before a text (`start`, from
+    start_ids) and the text's tokens, unless the text already begins with them (a prompt that writes its
+    <|begin_of_text|>). Nothing is added after the text: a prompt is continued, not ended."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return ids if not ids or ids[: len(start)] == start else start + ids
+
+
+def stop_ids(model_dir, tokenizer) -> frozenset[int]:
+    """The tokens that end an output, as transformers' generate stops: the tokenizer's end-of-text and every
+    eos_token_id of the model's generation_config.json (Llama 3 lists <|end_of_text|>, <|eom_id|> and <|eot_id|>)."""
+    from transformers import GenerationConfig
+
+    try:
+        ends = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    except OSError:  # no generation_config.json
+        ends = None
+    ends = [] if ends is None else [ends] if isinstance(ends, int) else list(ends)
+    return frozenset([tokenizer.eos_token_id, *ends])

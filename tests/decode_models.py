@@ -52,7 +52,7 @@ def tiny_trigram(path, oracle_dir, documents=150, length=40, seed=0):
     lines = []
     for _ in range(documents):
         prompt = torch.randint(1, oracle.vocab_size, (3,), generator=generator)
-        lines.append(" ".join(map(str, prompt.tolist() + baseline(oracle, prompt, length, Sampling(1.0), None, generator=generator).tokens)))
+        lines.append(" ".join(map(str, prompt.tolist() + baseline(oracle, prompt, length, Sampling(1.0), (), generator=generator).tokens)))
     tokens = path.parent / f"{path.name}.txt"
     tokens.write_text("\n".join(lines) + "\n")
     build_katz.main(["--tokens", str(tokens), "--vocab-size", str(oracle.vocab_size), "--eos-id", "0", "--out", str(path)])
@@ -95,5 +95,5 @@ def oracle_contexts(models, count: int) -> list[list[int]]:
     oracle = GPT2Engine.load(models["oracle"])
     rng = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 97, (int(torch.randint(1, 8, (), generator=rng)),), generator=rng) for _ in range(count)]
-    return [p.tolist() + baseline(oracle, p, int(torch.randint(0, 12, (), generator=rng)), Sampling(), None).tokens
+    return [p.tolist() + baseline(oracle, p, int(torch.randint(0, 12, (), generator=rng)), Sampling(), ()).tokens
             for p in prompts]

@@ -77,12 +77,12 @@ def test_greedy_decoding_through_buckets_equals_the_engines_baseline(models, dev
     rng = torch.Generator().manual_seed(3)
     for trial in range(4):
         prompt = torch.randint(1, 97, (int(torch.randint(2, 12, (), generator=rng)),), generator=rng).to(device)
-        expected = baseline(plain, prompt, 40, Sampling(), eos_id=0).tokens
-        assert baseline(oracle, prompt, 40, Sampling(), eos_id=0).tokens == expected, trial
+        expected = baseline(plain, prompt, 40, Sampling(), stop_ids={0}).tokens
+        assert baseline(oracle, prompt, 40, Sampling(), stop_ids={0}).tokens == expected, trial
         for k in (1, 4):
-            assert speculative(oracle, prompt, 40, Sampling(), eos_id=0, draft=draft, k=k).tokens == expected, (trial, k)
+            assert speculative(oracle, prompt, 40, Sampling(), stop_ids={0}, draft=draft, k=k).tokens == expected, (trial, k)
         drafter = TreeDrafter(draft, budget=12, depth=4, branch=3)
-        assert tree_speculative(oracle, prompt, 40, Sampling(), eos_id=0, drafter=drafter).tokens == expected, trial
+        assert tree_speculative(oracle, prompt, 40, Sampling(), stop_ids={0}, drafter=drafter).tokens == expected, trial
 
 
 def test_forwards_past_the_largest_bucket_or_the_cache_run_without_one(models):

@@ -185,9 +185,9 @@ def test_greedy_speculative_equals_baseline(models, draft, backend):
     accepted = []
     for trial in range(20 if backend is GPT2Engine else 5):
         prompt = torch.randint(0, 97, (int(torch.randint(1, 12, (), generator=rng)),), generator=rng)
-        expected = baseline(oracle, prompt, 40, Sampling(), eos_id=0).tokens
+        expected = baseline(oracle, prompt, 40, Sampling(), stop_ids={0}).tokens
         for k in (1, 4, 8):
-            out = speculative(oracle, prompt, 40, Sampling(), eos_id=0, draft=drafter, k=k)
+            out = speculative(oracle, prompt, 40, Sampling(), stop_ids={0}, draft=drafter, k=k)
             assert out.tokens == expected, (trial, k)
             accepted.append(len(out.tokens) / out.oracle_calls)
     # the drafts are what they claim to be: the good one is mostly accepted, the bad one mostly not

@@ -100,9 +100,9 @@ def test_greedy_tree_methods_equal_baseline(models, draft):
     per_call = {name: [] for name in methods}
     for _ in range(12):
         prompt = torch.randint(0, 97, (int(torch.randint(1, 10, (), generator=rng)),), generator=rng)
-        expected = baseline(oracle, prompt, 40, Sampling(), eos_id=0).tokens
+        expected = baseline(oracle, prompt, 40, Sampling(), stop_ids={0}).tokens
         for name, drafter in methods.items():
-            out = tree_speculative(oracle, prompt, 40, Sampling(), eos_id=0, drafter=drafter)
+            out = tree_speculative(oracle, prompt, 40, Sampling(), stop_ids={0}, drafter=drafter)
             assert out.tokens == expected, name
             per_call[name].append(len(out.tokens) / out.oracle_calls)
     if draft == "good":  # a good draft's trees are mostly accepted
@@ -156,7 +156,7 @@ def test_staged_draft_calls_carry_the_drafts_own_chain_to_the_depth_in_fewer_cal
     rng = torch.Generator().manual_seed(3)
     for _ in range(10):
         prompt = torch.randint(0, 97, (5,), generator=rng)
-        tokens = prompt.tolist() + baseline(oracle, prompt, 8, Sampling(), eos_id=None).tokens
+        tokens = prompt.tolist() + baseline(oracle, prompt, 8, Sampling(), stop_ids=()).tokens
         for name, drafter in (("chain", chain), ("staged", staged)):
             drafter.reset()
             tree = drafter.propose(tokens, depth, Sampling(), None)

@@ -65,7 +65,7 @@ def z_scores(models, drafter, sampling: Sampling, runs: int, seed: int = 0, veri
     for outcome, p in joint.items():
         first[outcome[:1]] = first.get(outcome[:1], 0.0) + p
     generator = torch.Generator().manual_seed(seed)
-    draws = [tuple(tree_speculative(oracle, torch.tensor(PROMPT), 3, sampling, None, generator=generator, drafter=drafter,
+    draws = [tuple(tree_speculative(oracle, torch.tensor(PROMPT), 3, sampling, (), generator=generator, drafter=drafter,
                                     verify=verify).tokens) for _ in range(runs)]
     return chi_square_z(draws, joint), chi_square_z([d[:1] for d in draws], first)
 

@@ -248,8 +248,8 @@ def test_greedy_decoding_takes_the_cpp_loops_and_equals_the_baseline(built, monk
     staged = StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], context=LookupDrafter())
     for prompt in ([4, 9, 17], [11, 12, 13, 14, 11, 12]):
         prompt = torch.tensor(prompt)
-        expected = baseline(oracle, prompt, 32, Sampling(), eos_id=0).tokens
-        out = tree_speculative(oracle, prompt, 32, Sampling(), eos_id=0, drafter=staged)
+        expected = baseline(oracle, prompt, 32, Sampling(), stop_ids={0}).tokens
+        out = tree_speculative(oracle, prompt, 32, Sampling(), stop_ids={0}, drafter=staged)
         assert out.tokens == expected
     assert all(counted.calls.values()), counted.calls  # top_tokens: the baseline's argmax
 

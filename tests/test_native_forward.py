@@ -206,8 +206,8 @@ def test_decoding_with_a_drafts_blocks_in_cpp_equals_the_baseline(blocks_here, m
     staged = StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], context=LookupDrafter())
     for prompt in ([4, 9, 17], [11, 12, 13, 14, 11, 12]):
         prompt = torch.tensor(prompt)
-        out = tree_speculative(oracle, prompt, 32, Sampling(), eos_id=0, drafter=staged)
-        assert out.tokens == baseline(oracle, prompt, 32, Sampling(), eos_id=0).tokens
+        out = tree_speculative(oracle, prompt, 32, Sampling(), stop_ids={0}, drafter=staged)
+        assert out.tokens == baseline(oracle, prompt, 32, Sampling(), stop_ids={0}).tokens
         assert out.oracle_calls < len(out.tokens)  # the draft's proposals were accepted
     assert len(calls) > 4 and max(calls) > 1
 
@@ -236,7 +236,7 @@ def test_a_chain_drafted_in_one_cpp_call_equals_the_chain_drafted_a_forward_at_a
             monkeypatch.setattr(drafter, "propose", lambda *args, seen=made[one_call], propose=propose:
                                 seen.append(propose(*args)) or seen[-1])
             for seed, prompt in enumerate(([4, 9, 17], [11, 12, 13, 14, 11, 12] * 3)):
-                out = tree_speculative(oracle, torch.tensor(prompt), 40, sampling, eos_id=None, drafter=drafter,
+                out = tree_speculative(oracle, torch.tensor(prompt), 40, sampling, stop_ids=(), drafter=drafter,
                                        generator=torch.Generator().manual_seed(seed))
                 made[one_call].append(out.tokens)
         drafted = sum(isinstance(t, Tree) and len(t) > 1 for t in made[True])

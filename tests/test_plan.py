@@ -295,7 +295,7 @@ def test_plan_weighs_the_largest_power_of_two_up_to_half_the_vocabulary_by_defau
 def test_sampled_acceptance_is_certain_for_the_oracle_itself_and_falls_with_depth(models):
     oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["draft"])
     sampling, prompt = Sampling(1.0, top_k=20), [3, 9, 4]
-    continuation = baseline(oracle, torch.tensor(prompt), 20, sampling, None, generator=torch.Generator().manual_seed(0)).tokens
+    continuation = baseline(oracle, torch.tensor(prompt), 20, sampling, (), generator=torch.Generator().manual_seed(0)).tokens
     same = shapes.overlaps(oracle, GPT2Engine.load(models["oracle"]), sampling, prompt, continuation)
     assert same == pytest.approx([1.0] * len(continuation))
     other = shapes.overlaps(oracle, draft, sampling, prompt, continuation)

@@ -100,12 +100,12 @@ def test_replay_counts_the_oracle_calls_real_greedy_decoding_makes(models, short
                 "lookup": LookupDrafter(5)}
     rng = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 97, (int(torch.randint(2, 9, (), generator=rng)),), generator=rng) for _ in range(6)]
-    sequences = [(p.tolist(), baseline(oracle, p, 30, greedy, eos_id=0).tokens) for p in prompts]
+    sequences = [(p.tolist(), baseline(oracle, p, 30, greedy, stop_ids={0}).tokens) for p in prompts]
     for name, drafter in drafters.items():
         replayed = replay.replay(drafter, sequences)
         calls = nodes = 0
         for p, (_, expected) in zip(prompts, sequences):
-            out = tree_speculative(oracle, p, 30, greedy, eos_id=0, drafter=drafter)
+            out = tree_speculative(oracle, p, 30, greedy, stop_ids={0}, drafter=drafter)
             assert out.tokens == expected, name  # the shaped tree is exact too
             calls, nodes = calls + out.oracle_calls - (len(p) > 1), nodes + out.oracle_nodes
         assert replayed.steps == calls and sum(replayed.nodes) == nodes, name
@@ -127,7 +127,7 @@ def test_a_replay_records_each_draft_forward_which_a_projection_prices_at_anothe
     recorded forwards replace their measured time and nothing else."""
     oracle, draft = GPT2Engine.load(models["oracle"]), GPT2Engine.load(models["draft"])
     prompt = [5, 9, 2, 7]
-    sequences = [(prompt, baseline(oracle, torch.tensor(prompt), 24, Sampling(), eos_id=0).tokens)]
+    sequences = [(prompt, baseline(oracle, torch.tensor(prompt), 24, Sampling(), stop_ids={0}).tokens)]
     chained = replay.replay(ChainDrafter(draft, 3), sequences)
     assert chained.draft_forwards[0] == (len(prompt), 0)
     assert len(chained.draft_forwards) == 3 * chained.steps  # three forwards a step down the chain

@@ -55,7 +55,7 @@ def test_staged_sampled_trees_stop_at_the_budget_at_the_first_nodes_of_a_level(m
     sampling = Sampling(1.0, top_k=1)  # one token to draw: every draw repeats the draft's best
     # the draft's own greedy text: it falls into a loop, which the context drafter grafts and the draft's best
     # token follows, so every draw lands on a node the draft scored
-    contexts = [start + baseline(draft, torch.tensor(start), 60, Sampling(), None).tokens
+    contexts = [start + baseline(draft, torch.tensor(start), 60, Sampling(), ()).tokens
                 for start in ([4, 9, 17], [1, 2, 3], [30, 31, 32])]
 
     def trees(budget):
@@ -86,7 +86,7 @@ def test_staged_sampled_children_leave_the_drafts_cache_on_the_accepted_tokens(m
     staged = StagedDrafter(draft, table, widths=[3, 2, 1], sampled=True)
     generator = torch.Generator().manual_seed(4)
     for prompt in ([4, 9, 17], [1, 2, 3, 4, 5]):
-        out = tree_speculative(oracle, torch.tensor(prompt), 30, sampling, None, generator=generator, drafter=staged)
+        out = tree_speculative(oracle, torch.tensor(prompt), 30, sampling, (), generator=generator, drafter=staged)
         tokens = prompt + out.tokens
         assert out.draft_calls >= out.oracle_calls - 1 and len(out.tokens) / out.oracle_calls > 1.5
         assert 0 < draft.length < len(tokens)
@@ -148,7 +148,7 @@ def test_staged_on_a_shape_leaves_the_drafts_cache_on_the_accepted_tokens(models
     staged = StagedShapeDrafter(draft, table, **SHAPE, widths=[2, 1], context=LookupDrafter(4), sampled=sampled)
     sampling, generator = Sampling(1.0) if sampled else Sampling(), torch.Generator().manual_seed(4)
     for prompt in ([4, 9, 17], [1, 2, 3, 4, 5]):
-        out = tree_speculative(oracle, torch.tensor(prompt), 30, sampling, None, generator=generator, drafter=staged)
+        out = tree_speculative(oracle, torch.tensor(prompt), 30, sampling, (), generator=generator, drafter=staged)
         tokens = prompt + out.tokens
         assert len(out.tokens) / out.oracle_calls > 1.5 and 0 < draft.length < len(tokens)
         expected = GPT2Engine.load(models["good"]).extend(torch.tensor(tokens))[-1]
@@ -181,7 +181,7 @@ def test_remembered_draft_calls_feed_the_draft_what_fresh_ones_do(models, monkey
         if not remembered:
             monkeypatch.setattr(drafter.draft, "score", lambda tree, nodes, repeats=None, score=score: score(tree, nodes))
         for prompt in ([4, 9, 17], [1, 2, 3, 4, 5, 6, 7], [30]):
-            out = tree_speculative(oracle, torch.tensor(prompt), 30, Sampling(), None, drafter=drafter)
+            out = tree_speculative(oracle, torch.tensor(prompt), 30, Sampling(), (), drafter=drafter)
             fresh = GPT2Engine.load(models["good"])
             tokens = prompt + out.tokens
             expected = fresh.extend(torch.tensor(tokens))[-1]

@@ -1,12 +1,21 @@
-"""The vocabularies users' models ship with: output rows padded past the tokenizer's tokens, and token ids past
-65,535 from the data to the decoded text."""
+"""The vocabularies users' models ship with: output rows padded past the tokenizer's tokens, start tokens the
+tokenizer puts before a text, stop tokens the model's generation config lists, and token ids past 65,535 from the
+data to the decoded text."""
+import json
+import threading
+
 import pytest
 import torch
 from decode_models import tiny_gpt2
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, pre_tokenizers, processors
+from tokenizers import models as tokenizer_models
+from transformers import PreTrainedTokenizerFast
 
 from decode import SpeculativeDecoder
-from decode.cli import quantize
+from decode.cli import quantize, run
+from decode.sampling import GREEDY
+from decode.serving.app import create_app
 from train import distill_draft
 
 PADDING = 64  # output rows past the 97 tokens of decode_models' word-level tokenizer
@@ -78,3 +87,63 @@ def test_a_draft_distilled_from_a_padded_teacher_takes_its_output_rows(trained_o
     baseline = SpeculativeDecoder.from_pretrained(teacher, method="baseline", dtype="float32")
     assert exact.generate("def f(x):", max_new_tokens=16).token_ids == baseline.generate("def f(x):",
                                                                                         max_new_tokens=16).token_ids
+
+
+def starting_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over t0..t95 and <s> (96) that puts <s> before every text, as Llama's puts its
+    <|begin_of_text|>; t0 ends a text."""
+    backend = Tokenizer(tokenizer_models.WordLevel({**{f"t{i}": i for i in range(96)}, "<s>": 96}, unk_token="t1"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 96)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="t0", unk_token="t1")
+
+
+def served(decoder, body: dict) -> dict:
+    from fastapi.testclient import TestClient
+
+    app = create_app(decoder, "oracle", queue_size=4)
+    worker = threading.Thread(target=app.state.worker.run, daemon=True)
+    worker.start()
+    try:
+        answer = TestClient(app).post("/v1/completions", json=body)
+    finally:
+        app.state.worker.stop()
+        worker.join(timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_text_prompt_gets_the_start_token_its_tokenizer_adds_alike_everywhere(tmp_path, capsys):
+    oracle = tiny_gpt2(tmp_path / "oracle", seed=0, n_positions=64, tokenizer=starting_tokenizer())
+    decoder = SpeculativeDecoder.from_pretrained(oracle, method="baseline", dtype="float32")
+    assert decoder.token_ids("t3 t9") == decoder.token_ids("<s> t3 t9") == [96, 3, 9]  # added once, not twice
+    expected = decoder.generate([96, 3, 9], max_new_tokens=12)
+    assert decoder.generate("t3 t9", max_new_tokens=12).token_ids == expected.token_ids
+    records = run.main(["--oracle", str(oracle), "--method", "baseline", "--prompt", "t3 t9", "--max-new-tokens", "12",
+                        "--dtype", "float32"])
+    assert records[0]["token_ids"] == expected.token_ids
+    answer = served(decoder, {"prompt": "t3 t9", "max_tokens": 12, "temperature": 0})
+    assert answer["usage"]["prompt_tokens"] == 3 and answer["choices"][0]["text"] == expected.text
+    plain = SpeculativeDecoder.from_pretrained(tiny_gpt2(tmp_path / "plain", seed=0), method="baseline")
+    assert plain.token_ids("t3 t9") == [3, 9]  # a tokenizer that adds nothing (GPT-2's) gets nothing
+
+
+def test_every_stop_token_of_the_generation_config_ends_the_output_in_every_method(models, tmp_path):
+    oracle, draft = models["oracle"], models["draft"]
+    unstopped = SpeculativeDecoder.from_pretrained(oracle, method="baseline", dtype="float32")
+    tokens = unstopped.generate("t3 t9", max_new_tokens=24).token_ids
+    stop = next(t for t in tokens[3:] if t != 0)  # a token the output reaches after a few others
+    end = tokens.index(stop) + 1
+    stopping = tmp_path / "oracle"
+    stopping.mkdir()
+    for f in oracle.iterdir():
+        (stopping / f.name).write_bytes(f.read_bytes())
+    (stopping / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, stop]}))
+    for method in ("baseline", "speculative"):
+        decoder = SpeculativeDecoder.from_pretrained(stopping, draft if method != "baseline" else None, method=method,
+                                                     dtype="float32")
+        result = decoder.generate("t3 t9", max_new_tokens=24)
+        assert result.token_ids == tokens[:end] and result.finish_reason == "stop", method
+        assert result.text == unstopped.tokenizer.decode(tokens[: end - 1]), method  # the stop token's text is left out
+        looped = decoder.decoder(decoder.prompt("t3 t9", 24), 24, 0, GREEDY)  # the loop itself, as the bench runs it
+        assert looped.tokens == tokens[:end], method

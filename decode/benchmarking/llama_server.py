@@ -214,7 +214,7 @@ class ServerPeer:
         if prompt.allowed is not None:  # the healed first token alone, then the rest after the cached prompt
             banned = (~prompt.allowed).nonzero().flatten().tolist()
             first = server.complete({**request, "n_predict": 1, "logit_bias": [[t, False] for t in banned]})
-            if generation.add(first["tokens"] or [self.eos_id], max_new_tokens, self.eos_id):
+            if generation.add(first["tokens"] or [self.eos_id], max_new_tokens, (self.eos_id,)):
                 generation.oracle_calls = 1
                 return generation
             request = {**request, "prompt": ids + generation.tokens, "n_predict": max_new_tokens - 1,
@@ -222,7 +222,7 @@ class ServerPeer:
             generation.oracle_calls = 1
         reply = server.complete(request)
         tokens = reply["tokens"] + ([self.eos_id] if reply.get("stop_type") == "eos" else [])
-        generation.add(tokens, max_new_tokens, self.eos_id)
+        generation.add(tokens, max_new_tokens, (self.eos_id,))
         timings = reply.get("timings", {})
         accepted = timings.get("draft_n_accepted", 0)
         generation.oracle_calls += max(1, timings.get("predicted_n", len(reply["tokens"])) - accepted)

@@ -53,14 +53,14 @@ logging.getLogger("transformers.generation.utils").addFilter(without_internal_de
 
 
 class HFGenerate:
-    def __init__(self, oracle_dir, draft_dir, sampling: Sampling, eos_id: int, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, oracle_dir, draft_dir, sampling: Sampling, stop_ids: frozenset[int], dtype: str = "float32", device: str = "cpu",
                  lookup_tokens: int | None = None):
         """`draft_dir` None: plain generate, or prompt lookup of `lookup_tokens`; else assisted generation
         with that assistant."""
         self.oracle = load_hf_model(oracle_dir, dtype, device)
         self.runtime = runtime_for(device, self.oracle.dtype, cpp_forward=False)
         self.assistant = None if draft_dir is None else load_hf_model(draft_dir, dtype, device)
-        self.sampling, self.eos_id, self.lookup_tokens = sampling, eos_id, lookup_tokens
+        self.sampling, self.stop_ids, self.lookup_tokens = sampling, sorted(stop_ids), lookup_tokens
         self.calls = {"oracle": 0, "draft": 0}
         self.oracle.register_forward_pre_hook(lambda *_: self._count("oracle"))
         if self.assistant is not None:
@@ -75,7 +75,7 @@ class HFGenerate:
         s = self.sampling
         sampling = {"do_sample": False} if s.greedy else {"do_sample": True, "temperature": s.temperature,
                                                            "top_k": s.top_k or None, "top_p": s.top_p}
-        return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.eos_id,
+        return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0],
                                 prompt_lookup_num_tokens=self.lookup_tokens, **sampling)
 
     @torch.inference_mode()
@@ -138,7 +138,7 @@ class LlamaCpp:
             processors = LogitsProcessorList([first_token_only(prompt.allowed.cpu().numpy(), prompt.ids.numel())])
         generation = Generation()
         for token in self.llm.generate(prompt.ids.tolist(), logits_processor=processors, **self.sampler()):
-            if generation.add([token], max_new_tokens, self.eos_id):
+            if generation.add([token], max_new_tokens, (self.eos_id,)):
                 break
         generation.oracle_calls, generation.oracle_nodes = self.calls, self.nodes
         return generation

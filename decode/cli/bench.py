@@ -94,7 +94,7 @@ def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[d
         if name == "hf-assisted":
             check_draft(name, base)
         decoders[name] = HFGenerate(base.oracle, base.draft if name == "hf-assisted" else None, settings.sampling,
-                                    decoders["baseline"].eos_id, base.dtype, base.device,
+                                    decoders["baseline"].stop_ids, base.dtype, base.device,
                                     base.lookup_tokens if name == "hf-lookup" else None)
     return decoders, ours
 
@@ -302,7 +302,7 @@ def main(argv=None) -> dict:
     shown = next((n for n in ("staged", *names) if n in records and n != "baseline"), "baseline")
     record, prompt = prompts[0]
     explain.show_sample(record["prompt"], prompt.completion(ours[0].tokenizer, records[shown][0]["tokens"],
-                                                           decoders["baseline"].eos_id), shown)
+                                                           decoders["baseline"].stop_ids), shown)
     print_table(summary, sampling.greedy)
     sizing, drafts = describe_methods(decoders, summary, sampling)
     print("\n".join(explain.explain(summary, plan, sampling.greedy)))

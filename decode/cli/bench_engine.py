@@ -43,18 +43,19 @@ from decode.planning.roofline import ForwardShape, Machine, knee, measure_machin
 from decode.prompts import load_prompts
 from decode.sampling import Sampling
 from decode.timing import NODE_COUNTS, device_name, forward_costs, host_work_after_forward, machine_name
-from decode.tokenizer import load_tokenizer
+from decode.tokenizer import load_tokenizer, start_ids, text_ids
 
 
 def encoded(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:
-    return [torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, device=device) for text in prompts]
+    start = start_ids(tokenizer)
+    return [torch.tensor(text_ids(tokenizer, text, start), device=device) for text in prompts]
 
 
 def greedy(engine: GPT2Engine, ids: torch.Tensor, new_tokens: int) -> tuple[list[int], float]:
     """Our greedy decoding of one prompt and its seconds (the loop reads every token on the host: nothing is
     left queued)."""
     start = time.perf_counter()
-    tokens = baseline(engine, ids, new_tokens, Sampling(), eos_id=None).tokens
+    tokens = baseline(engine, ids, new_tokens, Sampling(), stop_ids=()).tokens
     return tokens, time.perf_counter() - start
 
 

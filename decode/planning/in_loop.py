@@ -52,14 +52,14 @@ def loop_costs(decoder, drafters: dict, prompts, search, oracle_ms: costs.Contex
     counts and cached lengths (`oracle_ms`), the drafting's ms per step and the rest of a step's ms (masks,
     verification, commits); for "baseline", its baseline_costs."""
     timers = {name: Timer(decoder.oracle.runtime.synchronize) for name in ["baseline", *drafters]}
-    oracle, eos_id, n, sampling = decoder.oracle, decoder.eos_id, search.max_new_tokens, search.sampling
+    oracle, stop_ids, n, sampling = decoder.oracle, decoder.stop_ids, search.max_new_tokens, search.sampling
     seeded = lambda i: torch.Generator(oracle.device).manual_seed(search.seed + i)
 
     def run(name: str, drafter=None):  # how `name` decodes a prompt (the baseline without a drafter)
         hooks = timers[name].hooks()
         speculative = {} if drafter is None else {"drafter": drafter}
         decode = loop.baseline if drafter is None else loop.tree_speculative
-        return lambda prompt, i, tokens: decode(oracle, prompt.ids, tokens, sampling, eos_id, generator=seeded(i),
+        return lambda prompt, i, tokens: decode(oracle, prompt.ids, tokens, sampling, stop_ids, generator=seeded(i),
                                                 allowed=prompt.allowed, hooks=hooks, **speculative)
 
     runs = {"baseline": run("baseline")}

@@ -114,7 +114,7 @@ def make_plan(options, calibration_prompts: Callable[[object], list[Prompt]], se
 
 def oracle_outputs(decoder, prompts, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
     """The oracle's greedy continuation of each prompt."""
-    return [(p.ids.tolist(), loop.baseline(decoder.oracle, p.ids, max_new_tokens, GREEDY, decoder.eos_id,
+    return [(p.ids.tolist(), loop.baseline(decoder.oracle, p.ids, max_new_tokens, GREEDY, decoder.stop_ids,
                                            allowed=p.allowed).tokens) for p in prompts]
 
 
@@ -124,7 +124,7 @@ def sampled_acceptance(decoder, prompts, search: PlanSearch) -> dict:
     overlap_lists = []
     for i, prompt in enumerate(prompts):
         generator = torch.Generator(decoder.oracle.device).manual_seed(search.seed + i)
-        out = loop.baseline(decoder.oracle, prompt.ids, search.max_new_tokens, search.sampling, decoder.eos_id,
+        out = loop.baseline(decoder.oracle, prompt.ids, search.max_new_tokens, search.sampling, decoder.stop_ids,
                             generator=generator, allowed=prompt.allowed)
         overlap_lists.append(shapes.overlaps(decoder.oracle, decoder.draft, search.sampling, prompt.ids.tolist(),
                                              out.tokens))
@@ -164,7 +164,7 @@ def replayer(decoder, prompts: list, sequences: list, search: PlanSearch) -> Cal
     if search.sampling.greedy:
         return lambda drafter, n: replay.replay(drafter, sequences[:n])
     return lambda drafter, n: replay.sampled(drafter, decoder.oracle, prompts[:n], search.max_new_tokens,
-                                             search.sampling, decoder.eos_id, search.seed)
+                                             search.sampling, decoder.stop_ids, search.seed)
 
 
 def print_kinds(rows: list[dict], one_row_ms: float) -> None:

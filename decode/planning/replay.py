@@ -142,8 +142,8 @@ class Recorded:
         self.drafter.accept(path)
 
 
-def sampled(drafter: Drafter, oracle, prompts: list, max_new_tokens: int, sampling: Sampling, eos_id: int | None,
-            seed: int) -> Replay:
+def sampled(drafter: Drafter, oracle, prompts: list, max_new_tokens: int, sampling: Sampling,
+            stop_ids: frozenset[int], seed: int) -> Replay:
     """What a drafter does when sampling, from decoding each prompt (a healed Prompt) for real: prompt i draws with
     seed + i, as decode.bench does. Sampled acceptance is random, so no replay along one output stands for it; the
     oracle's forwards are counted here, and costed by `predict` as a replay's are."""
@@ -163,7 +163,7 @@ def sampled(drafter: Drafter, oracle, prompts: list, max_new_tokens: int, sampli
         drafter.forget()
         for i, prompt in enumerate(prompts):
             generator = torch.Generator(oracle.device).manual_seed(seed + i)
-            generation = loop.tree_speculative(oracle, prompt.ids, max_new_tokens, sampling, eos_id, generator=generator,
+            generation = loop.tree_speculative(oracle, prompt.ids, max_new_tokens, sampling, stop_ids, generator=generator,
                                                drafter=recorded, allowed=prompt.allowed, hooks=hooks)
             out.tokens += len(generation.tokens)
             out.prompt_tokens.append(len(generation.tokens))
