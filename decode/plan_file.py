@@ -1,7 +1,9 @@
 """The plan (RUN/plan.json, or a sampling setting's own file): the policy with the best predicted ms per token for
 each method, and what it was measured with (the models, the device, the dtype), which it must match to be used."""
+import functools
 import json
 import re
+import shlex
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from decode.errors import InputError, check_path, path_fault
 from decode.fingerprint import TABLES, WEIGHTS, fingerprint
 from decode.methods import METHODS
 from decode.options import CPU_CHAIN, CPU_SAMPLED_CHAIN, DecoderOptions
+from decode.prompts import HUMANEVAL
 from decode.sampling import GREEDY, Sampling
 from decode.timing import device_name
 from decode.tree import Shape
@@ -43,10 +46,41 @@ def recorded(identity: dict, key: str):
     return identity.get(key, SETTINGS.get(key))
 
 
-def replan_command(run, options, sampling: Sampling = GREEDY) -> str:
-    setting = "" if sampling.greedy else f" --temperature {sampling.temperature:g} --top-k {sampling.top_k} --top-p {sampling.top_p:g}"
-    return (f"python -m decode.plan --run {run} --dtype {options.dtype}" + setting
-            + ("" if options.cuda_graphs else " --no-cuda-graphs"))
+def replan(run, options, sampling: Sampling = GREEDY, out=None, prompts=None) -> tuple[str, Path]:
+    """The decode.plan command that plans the options' models at this sampling setting, and the plan file it writes.
+    In a run (`run`): the run's own plan file (or `out`) when the options decode the run's models; else, with the
+    models that are not the run's named, a file of their own (the run's plans stay its models'). Without a run: the
+    models one by one into `out` (default the setting's plan file name, here), calibrated on `prompts` (default
+    HumanEval's)."""
+    if run is not None:
+        other = [k for k in MODELS if getattr(options, k) is not None
+                 and Path(getattr(options, k)).resolve() != (Path(run) / k).resolve()]
+        models = ["--run", str(run), *[arg for k in other for arg in (f"--{k}", str(getattr(options, k)))]]
+        own = Path(run) / plan_name(sampling)
+        written = Path(run) / f"plan-{Path(options.oracle).name}.json" if other else Path(out or own)
+        models += ["--out", str(written)] if written != own else []
+    else:
+        models = [arg for k in MODELS if getattr(options, k) is not None for arg in (f"--{k}", str(getattr(options, k)))]
+        written = Path(out or plan_name(sampling))
+        models += ["--prompts", str(prompts or HUMANEVAL), "--out", str(written)]
+    setting = [] if sampling.greedy else ["--temperature", f"{sampling.temperature:g}", "--top-k", str(sampling.top_k),
+                                          "--top-p", f"{sampling.top_p:g}"]
+    command = shlex.join(["python", "-m", "decode.plan", *models, "--dtype", options.dtype, *setting]
+                         + ([] if options.cuda_graphs else ["--no-cuda-graphs"]))
+    return command, written
+
+
+def replan_advice(run, options, sampling: Sampling, plan: Path, prompts=None, overwrite: bool = False) -> str:
+    """What to run instead of a plan that does not serve (`plan`): the command, and the plan to pass after it where
+    that is not the plan the command line would find by itself."""
+    command, written = replan(run, options, sampling, plan, prompts)
+    then = f", then pass --plan {written}" if written != plan else ""
+    return f"`{command}{' --overwrite' if overwrite and written.exists() else ''}`{then}"
+
+
+def run_of(plan: Path) -> Path | None:
+    """The run directory a plan lies in (one holding an oracle/), or None."""
+    return plan.parent if (plan.parent / "oracle").is_dir() else None
 
 
 def save_plan(plan: dict, path: Path, overwrite: bool) -> None:
@@ -178,15 +212,19 @@ def describe(policy: dict) -> str:
 
 def load_plan(path: Path, options) -> dict:
     """The plan's policies, checked to have been measured for these models on this device."""
-    redo = f"re-plan with `{replan_command('RUN', options)}`, or pass --no-plan"
-    check_path(path, False, "plan", "write one with `python -m decode.plan --run RUN`, or pass --no-plan")
+    path = Path(path)
+    advice = functools.partial(replan_advice, run_of(path), options, setting_of(path.name) or GREEDY, path)
+    check_path(path, False, "plan", f"write one with {advice()}, or pass --no-plan")
+    redo = f"re-plan with {advice(overwrite=True)}, or pass --no-plan"
     try:
-        plan = json.loads(Path(path).read_text())
+        plan = json.loads(path.read_text())
         policies, measured = plan["policies"], plan["identity"]
         if plan["version"] != PLAN_VERSION:
             raise ValueError
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         raise InputError(f"{path} is not a plan this version of decode.plan wrote; {redo}") from None
+    prompts = plan.get("calibration", {}).get("prompts") if isinstance(plan.get("calibration"), dict) else None
+    redo = f"re-plan with {advice(prompts, overwrite=True)}, or pass --no-plan"
     current = identity(options)
     absent = [k for k in MODELS if measured.get(k) is not None and current[k] is None]
     for k in absent:

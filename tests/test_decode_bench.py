@@ -1,6 +1,7 @@
 import json
 import logging
 import re
+import shlex
 import shutil
 import types
 
@@ -295,6 +296,28 @@ def test_bench_engine_times_both_loops_on_the_same_outputs_and_its_graph_section
     assert graphed["generation_with_cuda_graphs"]["identical_to_without"] == "2/2"
     assert set(graphed["forward_ms_with_cuda_graphs"][oracle]) == set(timing.NODE_COUNTS)
     assert "with graphs / without" in capsys.readouterr().out
+
+
+def test_bench_engine_refuses_a_model_the_lean_engine_does_not_run_with_a_bench_command_that_times_it(models, tmp_path,
+                                                                                                       capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(llama)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(models["oracle"] / name, llama / name)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"task_id": "t0", "prompt": "t2 t7"}) + "\n")
+    with pytest.raises(SystemExit):
+        bench_engine.main(["--model", str(llama), "--prompts", str(prompts)])
+    error = capsys.readouterr().err
+    assert "'llama' model" in error and "--backend hf" in error
+    command = shlex.split(re.search(r"`(python -m decode\.bench [^`]*)`", error)[1])
+    known, names, settings = bench.parse(command[3:] + ["--limit", "1", "--max-new-tokens", "2"])
+    assert names == ["baseline", "hf-generate"] and settings.flags.base.backend == "hf"
+    summary = bench.main(command[3:] + ["--limit", "1", "--max-new-tokens", "2"])["summary"]
+    assert summary["hf-generate"]["same_output"]["identical"] == 1
 
 
 def test_host_work_is_timed_right_after_each_forward_and_again_and_leaves_the_cache_empty(models):

@@ -3,6 +3,8 @@ graphs, a damaged copy, and a plan file decode.plan did not write."""
 import dataclasses
 import json
 import logging
+import re
+import shlex
 import shutil
 
 import pytest
@@ -91,10 +93,10 @@ def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models
     assert plan_file.identity(on_gpu) == planned["plan"]["identity"] | {"cuda_graphs": True}
     with pytest.raises(InputError, match=r"cuda_graphs False \(now True\)") as refused:
         plan_file.load_plan(path, on_gpu)
-    assert "python -m decode.plan --run" in str(refused.value) and "--no-cuda-graphs" not in str(refused.value)
+    assert "python -m decode.plan --oracle" in str(refused.value) and "--no-cuda-graphs" not in str(refused.value)
     graphless = run.parse(args + ["--plan", str(path), "--no-cuda-graphs"]).options
     assert plan_file.load_plan(path, dataclasses.replace(graphless, device="cuda")) == planned["plan"]["policies"]
-    assert "--no-cuda-graphs" in plan_file.replan_command(path.parent, graphless)
+    assert "--no-cuda-graphs" in plan_file.replan(None, graphless, out=path)[0]
     older = json.loads(path.read_text())
     del older["identity"]["cuda_graphs"]  # a plan written before the setting
     older["identity"]["draft_vocab"] = 0  # nor does a shortlist recorded there by an older decode.plan count
@@ -175,3 +177,37 @@ def test_a_plan_that_sets_what_no_plan_fills_is_refused(planned, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1
     assert "sets temperature, which no plan fills in" in err and "--no-plan" in err
+
+
+def suggested_plan(message: str) -> tuple:
+    """The decode.plan command a message suggests, parsed by decode.plan itself (so its flags and paths are real)."""
+    command = re.search(r"`(python -m decode\.plan [^`]*)`", message)[1]
+    argv = shlex.split(command)[3:]
+    assert "RUN" not in argv, command
+    return plan.parse(argv)
+
+
+def test_every_re_plan_command_suggested_is_one_decode_plan_takes(planned, models, tmp_path):
+    path, args = planned["path"], planned["args"]
+    on_cpu = run.parse(args + ["--plan", str(path)]).options
+    bfloat16 = dataclasses.replace(on_cpu, dtype="bfloat16")  # measured in float32: refused, no run around it
+    with pytest.raises(InputError) as refused:
+        plan_file.load_plan(path, bfloat16)
+    known, settings = suggested_plan(str(refused.value))
+    assert known.out == path and known.overwrite and settings.flags.base.dtype == "bfloat16"
+    assert settings.flags.base.oracle == on_cpu.oracle and settings.prompts == planned["plan"]["calibration"]["prompts"]
+    with pytest.raises(InputError) as missing:
+        plan_file.load_plan(tmp_path / "none.json", on_cpu)
+    assert suggested_plan(str(missing.value))[0].out == tmp_path / "none.json"
+
+    run_dir = tmp_path / "run"  # a run, decoded with another oracle than its own: the run's plan stays its own
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    (run_dir / "plan.json").write_text(path.read_text())
+    other = dataclasses.replace(on_cpu, oracle=models["draft"])
+    with pytest.raises(InputError) as changed:
+        plan_file.load_plan(run_dir / "plan.json", other)
+    known, settings = suggested_plan(str(changed.value))
+    assert settings.run == run_dir and settings.flags.base.oracle == models["draft"]
+    assert known.out != run_dir / "plan.json" and f"then pass --plan {known.out}" in str(changed.value)

@@ -29,9 +29,9 @@ import torch
 from decode.atomic import FILE, check_output, write_json
 from decode.benchmarking.tables import curve_rows, table_row
 from decode.cli.help import HelpFormatter
-from decode.errors import exits_on_input_error
+from decode.errors import InputError, exits_on_input_error
 from decode.loop import baseline
-from decode.models.engine import GPT2Engine, dequantized_checkpoint, read_config
+from decode.models.engine import GPT2Engine, dequantized_checkpoint, is_lean_compatible, read_config
 from decode.models.precision import auto_dtype
 from decode.models.pretrained import model_dir
 from decode.models.projection import LAYOUTS, onednn_packs
@@ -168,6 +168,12 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
     args.model = str(model_dir(args.model, "--model"))
+    config = read_config(args.model)
+    if not is_lean_compatible(config):
+        bench = shlex.join(["python", "-m", "decode.bench", "--oracle", args.model, "--prompts", args.prompts,
+                            "--backend", "hf", "--methods", "baseline,hf-generate"])
+        raise InputError(f"{args.model} holds a {config.get('model_type')!r} model, which the lean GPT-2 engine this "
+                         f"command measures does not run; `{bench}` times decoding it with transformers")
     if args.limit < 1 or args.max_new_tokens < 1 or args.repeats < 1 or args.prefix < 0:
         p.error("--limit, --max-new-tokens and --repeats must be at least 1, --prefix 0 or more")
     if args.out:

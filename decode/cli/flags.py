@@ -11,7 +11,7 @@ from decode.methods import METHODS
 from decode.models.precision import PINNED
 from decode.models.pretrained import model_dir
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
-from decode.plan_file import describe, replan_command
+from decode.plan_file import describe, plan_name, replan
 from decode.resolution import Resolved, resolve
 from decode.sampling import Sampling
 
@@ -81,8 +81,10 @@ def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, sampling
     if (borrowed := resolved.borrowed(sampling)) is not None:
         announce(f"note: no plan for this setting in {run}; using {borrowed}")
     if (reason := resolved.without_plan(sampling)) is not None:
-        announce(f"note: {reason}, so {base.method} uses {resolved.unplanned(sampling)}; `{replan_command(run, base, sampling)}` "
-                 f"plans each method for these models")
+        command, written = replan(run, base, sampling)
+        then = "" if run is not None and written == Path(run) / plan_name(sampling) else f" (then pass --plan {written})"
+        announce(f"note: {reason}, so {base.method} uses {resolved.unplanned(sampling)}; `{command}` plans each method "
+                 f"for these models{then}")
     return resolved
 
 
