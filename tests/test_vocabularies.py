@@ -4,6 +4,7 @@ data to the decoded text."""
 import json
 import threading
 
+import numpy as np
 import pytest
 import torch
 from decode_models import tiny_gpt2
@@ -12,11 +13,16 @@ from tokenizers import Tokenizer, pre_tokenizers, processors
 from tokenizers import models as tokenizer_models
 from transformers import PreTrainedTokenizerFast
 
+from data import prepare
+from data.shards import open_split
 from decode import SpeculativeDecoder
 from decode.cli import quantize, run
+from decode.models.successors import SuccessorTable
 from decode.sampling import GREEDY
 from decode.serving.app import create_app
+from ngram import build_katz
 from train import distill_draft
+from train.continuations import POOL_FILE
 
 PADDING = 64  # output rows past the 97 tokens of decode_models' word-level tokenizer
 
@@ -147,3 +153,59 @@ def test_every_stop_token_of_the_generation_config_ends_the_output_in_every_meth
         assert result.text == unstopped.tokenizer.decode(tokens[: end - 1]), method  # the stop token's text is left out
         looped = decoder.decoder(decoder.prompt("t3 t9", 24), 24, 0, GREEDY)  # the loop itself, as the bench runs it
         assert looped.tokens == tokens[:end], method
+
+
+LARGE = 100_005  # tokens: <|endoftext|> (0), the words w1 .. w100003, <unk>
+
+
+def large_tokenizer() -> PreTrainedTokenizerFast:
+    words = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, LARGE - 1)}, "<unk>": LARGE - 1}
+    backend = Tokenizer(tokenizer_models.WordLevel(words, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", unk_token="<unk>")
+
+
+@pytest.mark.pipeline
+def test_token_ids_past_65535_survive_the_data_the_distillation_the_trigram_and_decoding(tmp_path):
+    """A 100,005-token vocabulary end to end: ids a uint16 would wrap are kept by data.prepare's shards, the
+    distillation's teacher continuations and the trigram, and decoded exactly."""
+    tokenizer = large_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    rng = np.random.default_rng(0)
+    cycle = [70_000, 99_999, 65_537, 100_003, 5, 131]  # a phrase the trigram learns: mostly ids past 65,535
+    src = tmp_path / "src"
+    src.mkdir()
+    documents = []
+    for i in range(40):  # each line a bare name, so that every file is Python
+        ids = cycle * 3 + rng.integers(1, LARGE - 1, 30).tolist()
+        documents.append(ids)
+        (src / f"m{i}.py").write_text("".join(f"w{t}\n" for t in ids))
+    run_dir = tmp_path / "run"
+    prepare.main(["--path", str(src), "--out", str(run_dir), "--tokenizer", str(tmp_path / "tokenizer"),
+                  "--num-prompts", "0", "--val-fraction", "0.2"])
+    shards = [open_split(run_dir / "data", split) for split in ("train", "val")]
+    assert all(shard.dtype == np.uint32 for shard in shards)
+    stored = np.concatenate(shards)
+    expected = np.concatenate([np.array(d + [0]) for d in documents])
+    assert np.array_equal(np.bincount(stored, minlength=LARGE), np.bincount(expected, minlength=LARGE))
+
+    oracle = tiny_gpt2(run_dir / "oracle", vocab_size=LARGE, seed=0, n_positions=64, tokenizer=tokenizer)
+    distill_draft.main(["--data", str(run_dir / "data"), "--teacher", str(oracle), "--out", str(run_dir / "draft"),
+                        "--n-embd", "32", "--n-layer", "1", "--seq-len", "32", "--batch-size", "2", "--max-steps", "12",
+                        "--teacher-windows", "1", "--continuation-tokens", "16"])
+    with np.load(run_dir / "draft-train" / POOL_FILE) as pool:
+        windows = pool["windows"]
+    assert windows.dtype == np.uint32 and windows[:, -16:].max() > 65_535  # the teacher's own tokens, unwrapped
+
+    build_katz.main(["--data", str(run_dir / "data"), "--out", str(run_dir / "ngram")])
+    table = SuccessorTable.load(run_dir / "ngram" / "successors.npz")
+    following, _ = table.lookup(np.array([70_000, 99_999]), np.array([99_999, 65_537]))
+    assert following[:, 0].tolist() == [65_537, 100_003]
+
+    decoder = SpeculativeDecoder.from_run(run_dir, method="staged", plan=None, dtype="float32")
+    baseline = SpeculativeDecoder.from_run(run_dir, method="baseline", plan=None, dtype="float32")
+    assert decoder.token_ids("w70000 w99999 w65537") == [70_000, 99_999, 65_537]
+    staged = decoder.generate("w70000 w99999 w65537", max_new_tokens=16)
+    assert staged.token_ids == baseline.generate("w70000 w99999 w65537", max_new_tokens=16).token_ids
+    assert max(staged.token_ids) > 65_535
+    assert staged.text.split() == [f"w{t}" for t in staged.token_ids if t != 0]
