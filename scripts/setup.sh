@@ -6,9 +6,10 @@
 #   bash scripts/setup.sh --test     # with the test extra too: pytest, and kenlm (compiled from source,
 #                                    # about a minute), which the tests use to read our ARPA files
 #
-# torch is pinned to 2.13.0 where we install it: on a CPU machine that takes the local CPU wheel,
-# whereas an unpinned torch would pull several GB of CUDA packages. Users with GPUs can install
-# their own torch into .venv first; setup.sh keeps any torch it finds.
+# torch is pinned to 2.13.0 where we install it: a wheel pip finds without an index (find-links, a
+# local wheelhouse) first; else, on a machine without an NVIDIA GPU, PyTorch's CPU index, because PyPI's
+# Linux torch is the CUDA build (several GB); with one, PyPI's. Users with GPUs can install their own
+# torch into .venv first; setup.sh keeps any torch it finds. TORCH_INDEX_URL picks the index.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -33,8 +34,12 @@ if [ -f "$stamp" ] && [ "$stamp" -nt "$root/pyproject.toml" ] && "$py" -c "impor
 fi
 
 if ! "$py" -c "import torch" 2>/dev/null; then
-    echo "setup: installing torch==2.13.0"
-    "$py" -m pip install --quiet "torch==2.13.0" 2> >(grep -v "is ignored: it is neither" >&2)
+    index=""
+    if ! "$py" -m pip install --quiet --dry-run --no-index --no-deps "torch==2.13.0" >/dev/null 2>&1; then
+        index="${TORCH_INDEX_URL:-$(command -v nvidia-smi >/dev/null || echo "https://download.pytorch.org/whl/cpu")}"
+    fi
+    echo "setup: installing torch==2.13.0${index:+ from $index}"
+    "$py" -m pip install --quiet ${index:+--index-url "$index"} "torch==2.13.0" 2> >(grep -v "is ignored: it is neither" >&2)
 fi
 echo "setup: installing the toolkit and $what"
 "$py" -m pip install --quiet -e "$target" 2> >(grep -v "is ignored: it is neither" >&2)

@@ -258,4 +258,4 @@ def test_a_model_named_on_the_hub_that_cannot_be_had_is_a_one_line_error_that_sa
     with pytest.raises(InputError) as refused:
         load_causal_lm("staged-speculative/no-such-model", "--init model")
     message = str(refused.value)
-    assert "\n" not in message and "huggingface-cli download staged-speculative/no-such-model" in message
+    assert "\n" not in message and "hf download staged-speculative/no-such-model" in message

@@ -68,5 +68,5 @@ def model_dir(model: str | Path, name: str) -> Path:
         offline = "HF_HUB_OFFLINE is set; " if constants.HF_HUB_OFFLINE else ""
         skip = "" if constants.HF_HUB_OFFLINE else "; offline, HF_HUB_OFFLINE=1 skips the network"
         raise InputError(f"{name} {model} is not a directory, and the hub name is not in the local cache and could not "
-                         f"be downloaded ({offline}{first_line(err)}); download it first (huggingface-cli download "
+                         f"be downloaded ({offline}{first_line(err)}); download it first (hf download "
                          f"{model}) or pass a local directory{skip}") from None
