@@ -1,4 +1,5 @@
 """A run's tokenizer, from its directory or the hub, checked to be one that decoding can use."""
+import functools
 from pathlib import Path
 
 from decode.errors import InputError, first_line
@@ -7,7 +8,16 @@ PROBE = "def f(x):\n    return x\n"  # text every usable code tokenizer turns in
 
 
 def load_tokenizer(name_or_path):
-    """Load a tokenizer from a directory or the hub, with a one-line error when that fails."""
+    """Load a tokenizer from a directory or the hub, with a one-line error when that fails. Loaded once per
+    directory and content: a decoder's models, and the checks between them, read the same files (treat it as
+    read-only)."""
+    path = Path(str(name_or_path))
+    files = sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else []
+    return _load_tokenizer(str(name_or_path), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+
+
+@functools.lru_cache(maxsize=16)
+def _load_tokenizer(name_or_path: str, contents: tuple):
     from transformers import AutoTokenizer
 
     try:

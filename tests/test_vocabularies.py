@@ -209,3 +209,14 @@ def test_token_ids_past_65535_survive_the_data_the_distillation_the_trigram_and_
     assert staged.token_ids == baseline.generate("w70000 w99999 w65537", max_new_tokens=16).token_ids
     assert max(staged.token_ids) > 65_535
     assert staged.text.split() == [f"w{t}" for t in staged.token_ids if t != 0]
+
+
+def test_a_tokenizer_is_loaded_once_per_directory_and_again_when_its_files_change(tmp_path):
+    from decode.tokenizer import load_tokenizer
+
+    starting_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    first = load_tokenizer(tmp_path / "tokenizer")
+    assert load_tokenizer(str(tmp_path / "tokenizer")) is first and first("t3").input_ids == [96, 3]
+    large_tokenizer().save_pretrained(tmp_path / "tokenizer")  # another tokenizer in the same place
+    again = load_tokenizer(tmp_path / "tokenizer")
+    assert again is not first and len(again) == LARGE and again("w70000", add_special_tokens=False).input_ids == [70_000]
