@@ -94,8 +94,8 @@ class SpeculativeDecoder:
             return self.options
         if sampling not in self.settings:
             self.settings[sampling] = check_options(self.plans.options(sampling))
-            if (borrowed := self.plans.borrowed(sampling)) is not None:
-                log.info("%s decodes with the plan %s", sampling.describe(), borrowed)
+            for note in self.plans.notes(sampling):
+                log.info(note)
         return self.settings[sampling]
 
     def decoder_for(self, sampling: Sampling) -> "Decoder":
@@ -122,11 +122,8 @@ class SpeculativeDecoder:
         resolved = resolve(options | {"oracle": oracle, "draft": draft, "ngram": ngram}, frozenset(options),
                            Path(run) if run else None, plan=Path(plan) if plan else None,
                            plans=not named or plan is not None)
-        if (borrowed := resolved.borrowed()) is not None:
-            log.info("greedy decoding uses the plan %s", borrowed)
-        if (reason := resolved.without_plan()) is not None:
-            log.info("%s, so %s uses %s; decode.plan plans each method for these models", reason, resolved.base.method,
-                     resolved.unplanned())
+        for note in resolved.notes():
+            log.info(note)
         return cls(resolved.options(), resolved)
 
     @classmethod

@@ -7,7 +7,7 @@ from pathlib import Path
 from decode.methods import METHODS, check_options
 from decode.models.precision import auto_dtype
 from decode.options import DecoderOptions, check_device
-from decode.plan_file import default_policy, nearest_run_plan, plan_name, setting_of, with_plan
+from decode.plan_file import default_policy, nearest_run_plan, plan_name, replan, setting_of, with_plan
 from decode.sampling import GREEDY, Sampling
 
 
@@ -43,8 +43,7 @@ class Resolved:
         made_for = setting_of(plan.name) if plan is not None and self.run_plans else None
         if made_for is None or made_for == sampling:
             return None
-        return (f"{plan} (planned for {made_for.describe()}, the nearest planned setting to {sampling.describe()}; "
-                f"`python -m decode.plan` with this setting plans its own)")
+        return f"{plan} (planned for {made_for.describe()}, the nearest planned setting to {sampling.describe()})"
 
     def options(self, sampling: Sampling = GREEDY, method: str | None = None) -> DecoderOptions:
         """The options for `method` (default: the base's) under this sampling, its plan's policy filling in what the
@@ -63,6 +62,19 @@ class Resolved:
         if plan is None and METHODS[self.base.method].tree and not {"widths", "budget"} & self.given:
             return f"no plan for this setting in {self.run} ({plan_name(sampling)})"
         return None
+
+    def notes(self, sampling: Sampling = GREEDY) -> list[str]:
+        """What decoding at this sampling setting says of its plan, a line each: the plan it borrows from another
+        setting, or why it has none, what it drafts instead and the command that plans."""
+        command, written = replan(self.run, self.base, sampling)
+        then = "" if self.run is not None and written == self.run / plan_name(sampling) else f" (then pass --plan {written})"
+        notes = []
+        if (borrowed := self.borrowed(sampling)) is not None:
+            notes.append(f"{sampling.describe()} decodes with the plan {borrowed}; `{command}` plans its own{then}")
+        if (reason := self.without_plan(sampling)) is not None:
+            notes.append(f"{reason}, so {self.base.method} uses {self.unplanned(sampling)}; `{command}` plans each "
+                         f"method for these models{then}")
+        return notes
 
     def check_plans(self) -> None:
         """Load every plan a request may decode with (the one plan, or each of the run's plans for its setting), so

@@ -385,8 +385,9 @@ def test_each_setting_takes_its_own_plan_else_the_nearest_and_says_which(planned
     plans[greedy].write_text(json.dumps(plan_json))
     capsys.readouterr()
     assert chosen(top_k) == plans[greedy]  # a greedy plan only: the sampled setting borrows it, and says so
-    assert f"using {plans[greedy]} (planned for greedy, the nearest planned setting to T=1.0 top-k 20 top-p 1.0" in \
-        capsys.readouterr().err
+    note = capsys.readouterr().err
+    assert f"decodes with the plan {plans[greedy]} (planned for greedy, the nearest planned setting to T=1.0 top-k 20 " \
+           f"top-p 1.0)" in note and "python -m decode.plan --run" in note and "--temperature 1 --top-k 20" in note
     plans[top_k_far].write_text(json.dumps(plan_json | {"sampling": top_k_far.describe()}))
     with caplog.at_level(logging.INFO, logger="decode"):
         assert chosen(top_k) == plans[top_k_far] and chosen(greedy) == plans[greedy]  # both: each its nearest

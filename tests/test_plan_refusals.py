@@ -143,8 +143,13 @@ def test_tree_methods_without_a_plan_say_what_they_draft_on_this_device(planned,
         run.parse(["--run", str(run_dir), *prompts, *quiet])
         assert "note:" not in capsys.readouterr().err
     with caplog.at_level(logging.INFO, logger="decode"):  # the library logs it; the commands print it
-        SpeculativeDecoder.from_run(run_dir, method="staged")
+        decoder = SpeculativeDecoder.from_run(run_dir, method="staged")
     assert "the draft's chain of" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="decode"):  # a request at a setting of its own (the server's): the same
+        decoder.generate("t3 t9", max_new_tokens=4, do_sample=True, temperature=0.7)
+    assert f"no plan for this setting in {run_dir} (plan-t0.7-k0-p1.json)" in caplog.text
+    assert f"python -m decode.plan --run {run_dir} --dtype float32 --temperature 0.7 --top-k 0 --top-p 1`" in caplog.text
 
 
 def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(planned, tmp_path, capsys):

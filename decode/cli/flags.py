@@ -11,7 +11,7 @@ from decode.methods import METHODS
 from decode.models.precision import PINNED
 from decode.models.pretrained import model_dir
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
-from decode.plan_file import describe, plan_name, replan
+from decode.plan_file import describe
 from decode.resolution import Resolved, resolve
 from decode.sampling import Sampling
 
@@ -78,13 +78,8 @@ def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, sampling
     base = resolved.base
     if resolved.dtype_reason is not None and PINNED not in resolved.dtype_reason:  # pinned: the user chose it
         announce(f"dtype: {base.dtype} ({resolved.dtype_reason}; --dtype float32 or bfloat16 to choose)")
-    if (borrowed := resolved.borrowed(sampling)) is not None:
-        announce(f"note: no plan for this setting in {run}; using {borrowed}")
-    if (reason := resolved.without_plan(sampling)) is not None:
-        command, written = replan(run, base, sampling)
-        then = "" if run is not None and written == Path(run) / plan_name(sampling) else f" (then pass --plan {written})"
-        announce(f"note: {reason}, so {base.method} uses {resolved.unplanned(sampling)}; `{command}` plans each method "
-                 f"for these models{then}")
+    for note in resolved.notes(sampling):
+        announce(f"note: {note}")
     return resolved
 
 
