@@ -64,6 +64,7 @@ def test_bench_compares_every_method_and_peer_with_the_baseline(models, tmp_path
     loops = "C++" if native.module() is not None else "Python"
     assert native.loops("cuda") == ("C++ for the trees, Python for the GPU's logits" if loops == "C++" else "Python")
     assert result["settings"]["step_loops"] == loops and f"step loops in {loops}" in printed
+    assert {"commit", "torch", "transformers"} <= result["settings"].keys()  # what measured it
     assert "  the draft: speculative float32, every token; tree float32, every token; staged float32" in printed
     assert "a prompt and its staged completion" in printed and "t2 t7 t3" in printed  # the first prompt, shown
     assert "Same output: 6 of 6 speculative methods gave exactly the baseline's tokens on all 3 prompts." in printed

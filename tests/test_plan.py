@@ -33,6 +33,7 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
     on_disk = json.loads(path.read_text())
     assert on_disk["policies"] == planned["plan"]["policies"]
     assert set(on_disk["policies"]) == {m for m, method in METHODS.items() if method.planned}
+    assert {"commit", "torch", "transformers"} <= on_disk["measured_with"].keys()
     options = run.parse(args + ["--plan", str(path)]).options
     assert plan_file.load_plan(path, options) == on_disk["policies"]
     for method, policy in on_disk["policies"].items():

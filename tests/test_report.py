@@ -89,6 +89,23 @@ def test_a_runs_line_names_the_block_format_of_a_quantized_oracle_and_draft(tmp_
     assert "bfloat16, q8_0 oracle, q4_0 draft, no plan" in capsys.readouterr().out
 
 
+def test_a_runs_line_says_what_code_and_libraries_measured_it(tmp_path, capsys):
+    import re
+
+    from decode.provenance import provenance
+
+    written = provenance()  # what bench, bench_engine and plan write: this checkout's commit, torch's, transformers'
+    assert re.fullmatch(r"[0-9a-f]{12}(-dirty)?", written["commit"]) and written["torch"] and written["transformers"]
+    result = report.load_result(GREEDY)
+    result["settings"] |= written | {"llama_server": "0.5.0-dev (build 1, commit 0c1e570)"}
+    (tmp_path / "new.json").write_text(json.dumps(result))
+    report.main([str(tmp_path / "new.json"), "--markdown", "--brief"])
+    assert (f", code {written['commit']} (torch {written['torch']}, transformers {written['transformers']}, "
+            f"llama-server 0.5.0-dev (build 1, commit 0c1e570))") in capsys.readouterr().out
+    report.main([str(GREEDY), "--markdown", "--brief"])  # a result from before they were recorded says nothing of them
+    assert ", code " not in capsys.readouterr().out
+
+
 def test_a_plans_projection_says_what_it_measured_and_borrowed_with_a_row_per_method(capsys):
     path = RESULTS / "avx2-quick-projection.json"
     report.main([str(path), "--markdown"])

@@ -24,6 +24,7 @@ is staged with the paper's tree (decode.run --paper-tree) and no plan.
 """
 import argparse
 import datetime
+import importlib.metadata
 import json
 import resource
 import shlex
@@ -40,7 +41,7 @@ from decode.api import Decoder, SpeculativeDecoder, require_draft
 from decode.atomic import FILE, atomic_output, check_output, check_room, write_json
 from decode.benchmarking import explain, near_ties
 from decode.benchmarking.harness import compare_with_baseline, decode_in_turns, warm_up
-from decode.benchmarking.llama_server import SERVER_PEERS, TUNING_PROMPTS, ServerPeer, missing_reason, server_binary
+from decode.benchmarking.llama_server import SERVER_PEERS, TUNING_PROMPTS, ServerPeer, missing_reason, server_binary, server_version
 from decode.benchmarking.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
 from decode.benchmarking.tables import print_table
 from decode.cli.help import HelpFormatter
@@ -49,6 +50,7 @@ from decode.errors import InputError, exits_on_input_error
 from decode.models.engine import read_config
 from decode.models.loading import check_same_vocabulary
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS
+from decode.provenance import provenance
 from decode.timing import device_name, machine_name
 
 OURS = ("baseline", "speculative", "tree", "staged", "staged-paper", "ngram", "lookup")
@@ -268,6 +270,16 @@ def weight_formats(decoders: dict) -> dict[str, str | None]:
     return {role: fmt.name if fmt else None for role, fmt in formats.items()}
 
 
+def peer_versions(names: list[str]) -> dict[str, str]:
+    """The llama.cpp builds the run's peers used: llama-server's own version line, llama-cpp-python's version."""
+    versions = {}
+    if set(names) & set(SERVER_PEERS) and (binary := server_binary()) is not None:
+        versions["llama_server"] = server_version(binary)
+    if set(names) & set(LLAMACPP_PEERS) and llamacpp_installed():
+        versions["llama_cpp_python"] = importlib.metadata.version("llama-cpp-python")
+    return versions
+
+
 def records_bytes(methods: int, prompts: int, max_new_tokens: int) -> int:
     """About how large --out grows, erring high: a record per method and prompt, its token ids at up to 8 bytes
     each in JSON beside 256 of timings and counts, and the summary and settings (64 KiB)."""
@@ -325,7 +337,8 @@ def main(argv=None) -> dict:
                            "drafts": drafts, "plan": plan_path and str(plan_path),
                            "token_healing": options.token_healing, "step_loops": loops,
                            "peak_rss_mb": process_peak_rss_mb(), "weights": weight_formats(decoders),
-                           "llamacpp_flags": {n: " ".join(d.flags) for n, d in decoders.items() if n in SERVER_PEERS}},
+                           "llamacpp_flags": {n: " ".join(d.flags) for n, d in decoders.items() if n in SERVER_PEERS},
+                           **provenance(), **peer_versions(names)},
               "summary": summary, "records": records}
     if known.out:
         write_json(known.out, result, known.overwrite, indent=1)

@@ -41,6 +41,7 @@ from decode.options import check_device
 from decode.planning.costs import PROJECTIONS, projection_shape, random_gpt2
 from decode.planning.roofline import ForwardShape, Machine, knee, measure_machine
 from decode.prompts import load_prompts
+from decode.provenance import provenance
 from decode.sampling import Sampling
 from decode.timing import NODE_COUNTS, device_name, forward_costs, host_work_after_forward, machine_name
 from decode.tokenizer import load_tokenizer, start_ids, text_ids
@@ -231,7 +232,7 @@ def main(argv=None) -> dict:
     quantization = engine.runtime.quantization
     result = {"generation": latency, "dtype": args.dtype, "weights": quantization.name if quantization else None,
               "device": device_name(device), "machine": machine_name(device), "threads": torch.get_num_threads(),
-              "date": datetime.date.today().isoformat(),
+              "date": datetime.date.today().isoformat(), **provenance(),
               "command": f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"}
     models = {args.model: engine} | shaped_models(args)
     result |= forward_tables(args, models)

@@ -111,7 +111,7 @@ def projection_markdown(plan: dict) -> str:
     lines = [f"- a projection, not a measurement: a {p['oracle']}-shaped oracle ({n_layer} x {n_embd}, vocabulary "
              f"{vocab}; one-row forward {p['oracle_ms']['1']:.1f} ms) with {draft}, {plan['sampling']}, calibrated on "
              f"{plan['calibration']['count']} prompts x {plan['calibration']['max_new_tokens']} tokens, "
-             f"{plan['identity']['dtype']}, on {p['machine']}, {p['date']}. `{p['command']}`"]
+             f"{plan['identity']['dtype']}, on {p['machine']}, {p['date']}{built_with(p)}. `{p['command']}`"]
     lines += [f"- {source}: {', '.join(parts)}" for source, parts in p.get("sources", {}).items()]
     lines += ["", "| method | tokens/call | ms/token | speedup (90% interval) | policy |", "|---|---:|---:|---:|---|"]
     for method, f in p["predicted"].items():
@@ -126,7 +126,7 @@ def engine_markdown(result: dict) -> str:
     of each way's milliseconds, c(q)/c(1), the roofline's and each way's share of it."""
     roofline = result["roofline"]
     weights = f", {result['weights']} weights" if result.get("weights") else ""
-    lines = [f"- {result['dtype']}{weights} on {result['machine']}, {result['date']}: memory "
+    lines = [f"- {result['dtype']}{weights} on {result['machine']}, {result['date']}{built_with(result)}: memory "
              f"{roofline['bandwidth_gb_s']:.1f} GB/s, peak {roofline['peak_gmac_s']:.1f} GMAC/s ({roofline['peak_dtype']} "
              f"products). `{result['command']}`"]
     for name, curve in roofline["curves"].items():
@@ -139,6 +139,16 @@ def engine_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def built_with(settings: dict) -> str:
+    """What a result was measured with (decode.provenance; llama.cpp's builds for its peers), as a clause; "" for a
+    result written before they were recorded."""
+    if "commit" not in settings:
+        return ""
+    versions = [f"{name.replace('_', '-')} {settings[name]}" for name in ("torch", "transformers", "llama_server",
+                                                                          "llama_cpp_python") if name in settings]
+    return f", code {settings['commit']} ({', '.join(versions)})"
+
+
 def describe_run(result: dict) -> str:
     """One line: what ran, where, when, and the command that makes it again."""
     s = result["settings"]
@@ -149,7 +159,8 @@ def describe_run(result: dict) -> str:
     quantized = {role: name for role, name in s.get("weights", {}).items() if name}
     formats = "".join(f", {name} {' and '.join(r for r in quantized if quantized[r] == name)}"
                       for name in dict.fromkeys(quantized.values()))  # e.g. ", q8_0 oracle and draft"
-    line = (f"{s['mode']}: {s['prompts']} prompts x {s['max_new_tokens']} tokens, {s['dtype']}{formats}, {plan}, on {where}{when}; "
+    line = (f"{s['mode']}: {s['prompts']} prompts x {s['max_new_tokens']} tokens, {s['dtype']}{formats}, {plan}, on {where}{when}"
+            f"{built_with(s)}; "
             f"{loops} of {n} baseline completions end in a loop")
     flagged = {name: flags for name, flags in s.get("llamacpp_flags", {}).items() if flags}  # plain decoding has none
     if flagged:

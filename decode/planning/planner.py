@@ -27,6 +27,7 @@ from decode.plan_file import PLAN_VERSION, describe, identity
 from decode.planning import costs, kinds, replay, shapes
 from decode.planning.in_loop import FreshProcess, calibrate_in_loop
 from decode.planning.search import RANKS, base_dtype, best, forecast, measured_forecast, replay_policies, variant_name
+from decode.provenance import provenance
 from decode.sampling import GREEDY, Sampling
 
 
@@ -94,7 +95,7 @@ def make_plan(options, calibration_prompts: Callable[[object], list[Prompt]], se
     every_policy = forecast(replays, isolated_ms, baseline, in_loop, keep=None)
     kinds_shown = kinds.kinds_table(kinds.with_choices(every_policy, predicted), oracle_costs[1])
     print_kinds(kinds_shown, oracle_costs[1])
-    plan = {"version": PLAN_VERSION, "identity": identity(options),
+    plan = {"version": PLAN_VERSION, "identity": identity(options), "measured_with": provenance(),
             "sampling": search.sampling.describe(),
             "calibration": {"prompts": source, "count": len(prompts), "tokens": sum(len(c) for _, c in sequences),
                             "prompt_tokens": sum(len(p) for p, _ in sequences) / len(sequences),
@@ -212,7 +213,8 @@ def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[t
                                             "one_token": big_costs[1], "loop": 0.0},
                  "oracle": oracle_spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs, "draft_ms": None,
                  "formats": [f.name if f else None for f in formats],
-                 "machine": timing.machine_name(torch.device(options.device)), "date": datetime.date.today().isoformat()}
+                 "machine": timing.machine_name(torch.device(options.device)), "date": datetime.date.today().isoformat(),
+                 **provenance()}
     if draft_spec:
         shape = costs.projection_shape(draft_spec, "--project-draft")
         models = {(n, dtype): costs.random_gpt2(*shape, dtype, options.device, shortlist=n, quantization=draft_format)

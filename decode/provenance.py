@@ -1,0 +1,28 @@
+"""What a result was measured with: this code's git commit (marked dirty where tracked files differ from it) and the
+versions of the libraries that do the work. Written into every result file; `decode.report` prints it."""
+import functools
+import importlib.metadata
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def code_commit() -> str:
+    """The checkout's commit, "-dirty" after it where a tracked file differs from it; "unknown" outside a git
+    checkout (an installed wheel)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("-dirty" if dirty else "")
+
+
+def provenance() -> dict[str, str]:
+    """The commit and the versions of torch and transformers, for a result's settings."""
+    return {"commit": code_commit(), "torch": importlib.metadata.version("torch"),
+            "transformers": importlib.metadata.version("transformers")}
