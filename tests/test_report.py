@@ -18,14 +18,26 @@ def test_brief_markdown_keeps_the_chosen_rows_in_order_and_the_median_alone(caps
     report.main([str(GREEDY), str(TOPK), "--markdown", "--brief", "--methods", "staged,baseline,llamacpp-ngram"])
     printed = capsys.readouterr().out
     header, _, *rows = table_rows(printed)
-    assert header == ["method", "greedy: tok/s", "speedup", "least repetitive half", "same output",
-                      "sampled: tok/s", "speedup", "least repetitive half"]
+    assert header == ["method", "greedy: tok/s", "speedup", "least repetitive half", "same output", "drafts",
+                      "sampled: tok/s", "speedup", "least repetitive half", "drafts"]
     assert [row[0] for row in rows] == ["staged", "baseline", "llamacpp-ngram"]
     result = report.load_result(GREEDY)
     staged = result["summary"]["staged"]
     assert rows[0][1:3] == [f"{staged['tokens_per_second']:.1f}", f"{staged['speedup']['median']:.2f}x"]
+    planned = staged["predicted"]["policy"]  # a chain of the draft's alone: what the plan chose on this CPU
+    assert planned["parents"] == list(range(-1, planned["depth"])) and not planned["widths"]
+    assert rows[0][5] == f"chain of {planned['depth']}" and rows[1][5] == rows[2][5] == "-"
     flags = result["settings"]["llamacpp_flags"]["llamacpp-draft"]
     assert f"llamacpp-draft `{flags}`" in printed  # the setting llama.cpp's peer ran at, named above the table
+
+
+def test_the_drafts_column_names_a_planned_tree_and_the_trigrams_widths_below_it():
+    settings = {"tree_sizes": {"staged": {"nodes": 9}}}
+    shape = lambda policy: report.shape_of("staged", {"predicted": {"policy": policy}}, settings)
+    assert shape({"parents": [-1, 0, 0, 1], "nodes": 4, "depth": 2, "widths": [2, 1]}) == "tree of 3, trigram widths 2x1"
+    assert shape({"budget": 16, "widths": [4, 2, 1]}) == "tree of 16, trigram widths 4x2x1"
+    assert shape({"k": 5}) == "chain of 5" and shape({"tokens": 16}) == "lookup of 16"
+    assert report.shape_of("staged", {}, settings) == "9 nodes"  # no plan: the size the bench recorded
 
 
 def test_full_markdown_has_every_method_with_its_spread_and_tokens_per_call(capsys):

@@ -176,13 +176,34 @@ def columns_of(result: dict, brief: bool, over: str | None) -> list[str]:
     greedy = result["settings"]["mode"] == "greedy"
     speedup = "speedup" if brief else "speedup median (mean, min-max)"
     return (["tok/s", speedup, "least repetitive half"] + ([] if brief else ["tokens/call"])
-            + (["same output"] if greedy else []) + ([f"over {over}, per prompt"] if over else []))
+            + (["same output"] if greedy else []) + ([f"over {over}, per prompt"] if over else []) + ["drafts"])
 
 
-def cells(summary: dict | None, greedy: bool, brief: bool, over: str | None) -> list[str]:
+def shape_of(name: str, summary: dict, settings: dict) -> str:
+    """What a method drafted, in words: its planned policy's shape (a chain of k, a tree of n nodes, the trigram's
+    widths below it, the lookup's length), or the tree size the bench recorded; "-" for plain decoding and peers."""
+    policy = summary.get("predicted", {}).get("policy")
+    if policy is None:
+        size = settings.get("tree_sizes", {}).get(name, {})
+        return f"{size['nodes']} nodes" if "nodes" in size else f"budget {size['budget']}" if "budget" in size else "-"
+    if "k" in policy:
+        return f"chain of {policy['k']}"
+    if "tokens" in policy:
+        return f"lookup of {policy['tokens']}"
+    widths = "x".join(map(str, policy.get("widths") or []))
+    if "parents" in policy:  # a planned shape
+        chain = policy["parents"] == list(range(-1, len(policy["parents"]) - 1))
+        shape = f"chain of {policy['depth']}" if chain else f"tree of {policy['nodes'] - 1}"
+    else:  # a tree of this many nodes, grown where the drafts are likeliest
+        shape = f"tree of {policy['budget']}"
+    return shape + (f", trigram widths {widths}" if widths else "")
+
+
+def cells(name: str, result: dict, brief: bool, over: str | None) -> list[str]:
     """One method's cells in one run's column group."""
+    summary, greedy = result["summary"].get(name), result["settings"]["mode"] == "greedy"
     if summary is None:
-        return ["-"] * (3 + (not brief) + greedy + bool(over))
+        return ["-"] * (4 + (not brief) + greedy + bool(over))
     sp = summary.get("speedup")
     if not sp:
         speed = "refused: output differs"
@@ -197,7 +218,7 @@ def cells(summary: dict | None, greedy: bool, brief: bool, over: str | None) -> 
     if over:
         ratio = summary.get("median_speedup_over", {}).get(over)
         row.append(f"{ratio:.2f}x" if ratio is not None else "-")
-    return row
+    return row + [shape_of(name, summary, result["settings"])]
 
 
 def markdown_table(results: list[dict], methods: list[str] | None = None, brief: bool = False,
@@ -212,12 +233,12 @@ def markdown_table(results: list[dict], methods: list[str] | None = None, brief:
         columns = columns_of(result, brief, over)
         mode = "greedy" if result["settings"]["mode"] == "greedy" else "sampled"
         header += [f"{mode}: {columns[0]}"] + columns[1:]
-        rule += ["---:"] * len(columns)
+        rule += ["---" if column == "drafts" else "---:" for column in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
     for name in methods:
         row = [name]
         for result in results:
-            row += cells(result["summary"].get(name), result["settings"]["mode"] == "greedy", brief, over)
+            row += cells(name, result, brief, over)
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
