@@ -2,6 +2,7 @@
 tokenizer puts before a text, stop tokens the model's generation config lists, and token ids past 65,535 from the
 data to the decoded text."""
 import json
+import shutil
 import threading
 
 import numpy as np
@@ -132,6 +133,24 @@ def test_a_text_prompt_gets_the_start_token_its_tokenizer_adds_alike_everywhere(
     assert answer["usage"]["prompt_tokens"] == 3 and answer["choices"][0]["text"] == expected.text
     plain = SpeculativeDecoder.from_pretrained(tiny_gpt2(tmp_path / "plain", seed=0), method="baseline")
     assert plain.token_ids("t3 t9") == [3, 9]  # a tokenizer that adds nothing (GPT-2's) gets nothing
+
+
+def test_a_start_token_leaves_token_healing_as_it_was(bpe_run, tmp_path):
+    """A byte-level BPE whose tokenizer puts <|endoftext|> before a text (as Llama 3's puts <|begin_of_text|>): a
+    prompt ending in a bare newline is still healed, its start token kept."""
+    plain = SpeculativeDecoder.from_run(bpe_run["run"], method="baseline", plan=None, dtype="float32")
+    oracle = tmp_path / "oracle"
+    shutil.copytree(bpe_run["run"] / "oracle", oracle)
+    config = json.loads((oracle / "tokenizer.json").read_text())
+    config["post_processor"] = json.loads(processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", plain.decoder.eos_id)]).__getstate__())
+    (oracle / "tokenizer.json").write_text(json.dumps(config))
+    starting = SpeculativeDecoder.from_pretrained(oracle, method="baseline", dtype="float32")
+    prompt = "import math\n"  # ends in a bare newline token: healed
+    assert starting.token_ids(prompt) == [plain.decoder.eos_id, *plain.token_ids(prompt)]
+    result = starting.generate(prompt, max_new_tokens=8)
+    assert result.healed == "\n" and plain.generate(prompt, max_new_tokens=8).healed == "\n"
+    assert result.token_ids == starting.generate(starting.token_ids(prompt), max_new_tokens=8).token_ids
 
 
 def test_every_stop_token_of_the_generation_config_ends_the_output_in_every_method(models, tmp_path):

@@ -209,12 +209,12 @@ def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[t
     big_ms, big_costs = context_curves(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device,
                                                          quantization=oracle_format),
                                        max(2 * max_budget, prompt_length))
-    projected = {"ms": big_ms, "baseline": {"prefill": float(big_ms.at([prompt_length], [0])[0]),
-                                            "one_token": big_costs[1], "loop": 0.0},
-                 "oracle": oracle_spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs, "draft_ms": None,
-                 "formats": [f.name if f else None for f in formats],
-                 "machine": timing.machine_name(torch.device(options.device)), "date": datetime.date.today().isoformat(),
-                 **provenance()}
+    projected: dict = {"ms": big_ms, "baseline": {"prefill": float(big_ms.at([prompt_length], [0])[0]),
+                                                    "one_token": big_costs[1], "loop": 0.0},
+                         "oracle": oracle_spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs, "draft_ms": None,
+                         "formats": [f.name if f else None for f in formats],
+                         "machine": timing.machine_name(torch.device(options.device)), "date": datetime.date.today().isoformat(),
+                         **provenance()}
     if draft_spec:
         shape = costs.projection_shape(draft_spec, "--project-draft")
         models = {(n, dtype): costs.random_gpt2(*shape, dtype, options.device, shortlist=n, quantization=draft_format)
