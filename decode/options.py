@@ -85,7 +85,9 @@ class DecoderOptions:
     lookup_ngram: int = setting(3, "lookup, staged: longest suffix matched in the context", type=int)
     dtype: str = setting(
         "auto", "auto: the dtype RUN/plan.json was planned in on this device; else on a CPU the one the oracle's "
-                "forward measures faster in (timed once, then cached), on a GPU bfloat16", choices=DTYPES)
+                "forward was measured faster in (decode.calibrate and decode.plan time both and keep the choice; "
+                "never measured: bfloat16 where the CPU has bfloat16 instructions, else float32), on a GPU bfloat16",
+        choices=DTYPES)
     draft_dtype: str | None = setting(  # None: the oracle's dtype
         None, "the draft's dtype (default: the plan's choice, else --dtype's): a draft's forward of a few rows is "
               "per-call overhead, which differs by dtype on a CPU", True, choices=DTYPES[1:])
