@@ -248,8 +248,8 @@ def forecast_markdown(results: list[dict]) -> str:
     speedup in tokens/s over the baseline's (with the plan's 90% interval where it has one)."""
     lines = []
     for result in results:
-        lines += [f"- {describe_run(result)}", "", "| method | tokens/call: forecast | measured | speedup: forecast "
-                  "| measured |", "|---|---:|---:|---:|---:|"]
+        lines += [f"- {describe_run(result)}", "", "| method | tokens/call: forecast | measured | speedup in tokens/s "
+                  "(not the per-prompt median): forecast | measured |", "|---|---:|---:|---:|---:|"]
         for row in forecast_rows(result["summary"]):
             spread = interval_text(row["interval"])
             (tokens, measured_tokens), (speedup, measured) = row["tokens_per_call"], row["speedup"]
