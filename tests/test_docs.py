@@ -26,6 +26,9 @@ DIARY = re.compile("|".join([
     # the work's own timeline: what came before, what was tried, the budget it ran under
     r"\b(?:with|in|by) the previous\b", r"\ban earlier (?:plan|planner|run|recipe)\b", r"\bhour earlier\b",
     r"\bthe same hour\b", r"\bnot adopted\b", r"\b\d+-minute (?:command|budget)\b", r"\bdevice tool\b",
+    # how one machine behaved once, and the reasoning of choices made on it
+    r"\bother tenants\b", r"\bthis shared machine\b", r"\bthat machine's\b", r"\btried and dropped\b",
+    r"\bso the runs use\b", r"\bran a quarter slower\b",
 ]), re.I)
 
 
@@ -59,7 +62,9 @@ def test_the_diary_markers_catch_what_they_must():
               f"this {morning}", f"on a slow {machine}", f"a {scratch} script", "the lever of #13", "see issue 12", "DESIGN.md section 6",
               "docs/history.md", "../shared/GPU.md", "with the previous planner", "an earlier plan on an AMD EPYC",
               "an hour earlier one row took", "repeated the same hour", "also measured and not adopted",
-              "stages that each fit a 10-minute command", "the device tool's folder", "repeated the same\nhour"]
+              "stages that each fit a 10-minute command", "the device tool's folder", "repeated the same\nhour",
+              "Other tenants load it", "this shared machine's noise", "That machine's kernel did not",
+              "the draft-sampled trigram, tried and dropped", "so the runs use the corpus", "prompts ran a quarter slower"]
     assert all(narrative(text) for text in caught), [t for t in caught if not narrative(t)]
     kept = ["a second run of setup", '@pytest.fixture(scope="session")', "the first prompt's seed", "#include <vector>",
             "HTML's &#39;", "replace a previous run in OUT", "tokens that followed earlier occurrences"]
