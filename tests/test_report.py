@@ -155,3 +155,20 @@ def test_quantized_models_reports_are_a_table_of_their_perplexities_beside_their
     with pytest.raises(SystemExit) as refused:
         report.main([str(paths[0]), str(GREEDY), "--markdown"])
     assert refused.value.code == 2
+
+
+def test_which_method_to_use_is_our_fastest_by_median_speedup_per_run(tmp_path, capsys):
+    report.main([str(GREEDY), str(TOPK), "--markdown", "--best"])
+    rows = table_rows(capsys.readouterr().out)[2:]
+    for row, path in zip(rows, (GREEDY, TOPK)):
+        summary = report.load_result(path)["summary"]
+        ours = {m: s["speedup"]["median"] for m, s in summary.items() if m != "baseline" and not m.startswith("llamacpp")}
+        best = max(ours, key=ours.__getitem__)
+        assert row[2:4] == [best, f"{ours[best]:.2f}x"] and row[4].startswith(("chain of", "tree of", "lookup of"))
+    losing = report.load_result(TOPK)
+    for method in losing["summary"].values():
+        if "speedup" in method:
+            method["speedup"]["median"] = min(method["speedup"]["median"], 0.9)
+    (tmp_path / "losing.json").write_text(json.dumps(losing))
+    report.main([str(tmp_path / "losing.json"), "--markdown", "--best"])
+    assert table_rows(capsys.readouterr().out)[2][2:4] == ["baseline", "1.00x"]  # nothing beats plain decoding

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from decode.benchmarking.explain import forecast_rows, interval_text, loop_share
+from decode.benchmarking.peers import PEERS
 from decode.benchmarking.tables import curve_rows, print_table
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
@@ -258,6 +259,24 @@ def forecast_markdown(results: list[dict]) -> str:
     return "\n".join(lines).rstrip()
 
 
+def best_markdown(results: list[dict]) -> str:
+    """Which method to use, a row per run: its machine and decoding setting, our method with the highest median
+    speedup over plain decoding (plain decoding itself where none is above one), what it drafted, and the runner-up."""
+    lines = ["| machine | decoding | use | median speedup | drafts | next |", "|---|---|---|---:|---|---|"]
+    for result in results:
+        s, summary = result["settings"], result["summary"]
+        ours = {name: m["speedup"]["median"] for name, m in summary.items()
+                if name != "baseline" and name not in PEERS and m.get("speedup")}
+        ranked = sorted(ours, key=ours.__getitem__, reverse=True)
+        use = ranked[0] if ranked and ours[ranked[0]] > 1 else "baseline"
+        shown = ranked[1:2] if use != "baseline" else ranked[:1]
+        runner_up = ", ".join(f"{name} {ours[name]:.2f}x" for name in shown) or "-"
+        speedup = f"{ours[use]:.2f}x" if use != "baseline" else "1.00x"
+        drafts = shape_of(use, summary[use], s) if use != "baseline" else "-"
+        lines.append(f"| {s.get('machine', s['device'])} | {s['mode']} | {use} | {speedup} | {drafts} | {runner_up} |")
+    return "\n".join(lines)
+
+
 def markdown(results: list[dict], methods: list[str] | None = None, brief: bool = False, over: str | None = None) -> str:
     """The runs described one per line, then their table."""
     return ("\n".join(f"- {describe_run(result)}" for result in results) + "\n\n"
@@ -280,6 +299,8 @@ def main(argv=None) -> None:
                                                     "prompt over METHOD, where the benchmark recorded it")
     p.add_argument("--forecast", action="store_true", help="with --markdown: the plan's forecast beside the measurement, "
                                                              "for each planned method")
+    p.add_argument("--best", action="store_true", help="with --markdown: which method to use, a row per result: our "
+                                                         "fastest method by median speedup, its shape and the next")
     args = p.parse_args(argv)
     results = [load_result(path) for path in args.results]
     if any(is_quantization(result) for result in results):
@@ -298,7 +319,8 @@ def main(argv=None) -> None:
         raise InputError(f"--methods {','.join(unknown)}: not in these results; they hold "
                          f"{', '.join(dict.fromkeys(m for result in results for m in result['summary']))}")
     if args.markdown:
-        print(forecast_markdown(results) if args.forecast else markdown(results, methods, args.brief, args.over))
+        print(forecast_markdown(results) if args.forecast else best_markdown(results) if args.best
+              else markdown(results, methods, args.brief, args.over))
         return
     for path, result in zip(args.results, results):
         print(f"{path}: {describe_run(result)}")
