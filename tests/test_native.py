@@ -3,7 +3,9 @@ CPU: the trigram's trees, the staged drafter's greedy selection, sample-match an
 verification, argmax tokens, top-k distributions and draws and the context's continuations are the same, node for
 node, on random contexts, trees, logits and sequences, ties included; decoding takes them; and where they cannot be
 built, decoding says so once and goes on with the portable ones."""
+import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -302,3 +304,22 @@ def test_the_cpp_loops_take_named_arguments_and_check_the_arrays_they_read(built
                             vocab_size=table.vocab_size, before_root=5, root=7, widths=[1])
     with pytest.raises(ValueError, match="a width past the table's successors"):
         read(5, 7, [table.k + 1])
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    built = []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda name, *args, **kwargs: built.append(name) or name)
+    name = native.build(native.SOURCE)  # the name torch's builder would lock under
+    stale, fresh = tmp_path / "py3_cpu" / name / "lock", tmp_path / name / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - native.STALE_LOCK_SECONDS - 60
+    os.utime(stale, (old, old))
+    with caplog.at_level("WARNING", logger="decode.native"):
+        native.build(native.SOURCE)
+    assert not stale.exists() and fresh.exists() and built == [name, name]  # a build may still hold the fresh one
+    assert f"removing {stale}" in caplog.text

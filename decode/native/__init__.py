@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -39,6 +40,9 @@ FORWARD_BUILDS = {"AVX-512": (["-DFORWARD_AVX512"], {"avx512f", "avx512bw", "avx
 FLAGS = ["-O3", "-fopenmp"]
 
 
+STALE_LOCK_SECONDS = 600  # a build takes seconds to a minute: a lock this old was left by a process killed mid-build
+
+
 def build(source: Path, defines: tuple[str, ...] = ()):
     """A C++ source compiled as a Python module (cached, named by the hash of the source, the headers beside it and
     the flags)."""
@@ -47,7 +51,22 @@ def build(source: Path, defines: tuple[str, ...] = ()):
     flags = [*FLAGS, *defines]
     code = b"".join(path.read_bytes() for path in (source, *sorted(source.parent.glob("*.h"))))
     name = f"{source.stem}_{hashlib.sha256(code + ' '.join(flags).encode()).hexdigest()[:12]}"
+    remove_stale_locks(Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()), name)
     return cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"])
+
+
+def remove_stale_locks(root: Path, name: str) -> None:
+    """Remove the build lock of module `name` under torch's extension root (TORCH_EXTENSIONS_DIR, or the default
+    root's folder for this Python and accelerator) where it is older than a build takes: torch's builder waits on a
+    lock for ever, and a process killed while it compiled leaves one behind."""
+    for lock in (root / name / "lock", *root.glob(f"*/{name}/lock")):
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:  # no lock, or another process removed it meanwhile
+            continue
+        if age > STALE_LOCK_SECONDS:
+            log.warning("note: removing %s, left %.0f minutes ago by a build that did not finish", lock, age / 60)
+            lock.unlink(missing_ok=True)
 
 
 @functools.cache
