@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from decode.atomic import write_json
-from decode.errors import InputError, check_path, path_fault
+from decode.errors import InputError, path_fault
 from decode.fingerprint import TABLES, WEIGHTS, fingerprint
 from decode.methods import METHODS
 from decode.options import CPU_CHAIN, CPU_SAMPLED_CHAIN, DecoderOptions
@@ -213,18 +213,20 @@ def describe(policy: dict) -> str:
 def load_plan(path: Path, options) -> dict:
     """The plan's policies, checked to have been measured for these models on this device."""
     path = Path(path)
+    # the command that plans again, built only for a refusal
     advice = functools.partial(replan_advice, run_of(path), options, setting_of(path.name) or GREEDY, path)
-    check_path(path, False, "plan", f"write one with {advice()}, or pass --no-plan")
-    redo = f"re-plan with {advice(overwrite=True)}, or pass --no-plan"
+    if (fault := path_fault(path, directory=False)) is not None:
+        raise InputError(f"plan {path} {fault}; write one with {advice()}, or pass --no-plan")
     try:
         plan = json.loads(path.read_text())
         policies, measured = plan["policies"], plan["identity"]
         if plan["version"] != PLAN_VERSION:
             raise ValueError
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        raise InputError(f"{path} is not a plan this version of decode.plan wrote; {redo}") from None
+        raise InputError(f"{path} is not a plan this version of decode.plan wrote; re-plan with "
+                         f"{advice(overwrite=True)}, or pass --no-plan") from None
     prompts = plan.get("calibration", {}).get("prompts") if isinstance(plan.get("calibration"), dict) else None
-    redo = f"re-plan with {advice(prompts, overwrite=True)}, or pass --no-plan"
+    redo = lambda: f"re-plan with {advice(prompts, overwrite=True)}, or pass --no-plan"
     current = identity(options)
     absent = [k for k in MODELS if measured.get(k) is not None and current[k] is None]
     for k in absent:
@@ -236,10 +238,10 @@ def load_plan(path: Path, options) -> dict:
     if changed:
         what = ", ".join(f"{k} {recorded(measured, k)!r} (now {current[k]!r})" if k in SETTINGS else k
                          for k in changed)
-        raise InputError(f"{path} was measured for another setting: {what} changed; {redo}")
+        raise InputError(f"{path} was measured for another setting: {what} changed; {redo()}")
     unknown = sorted({key for policy in policies.values() if isinstance(policy, dict) for key in policy
                       if key not in TREE_SHAPE and option_of(key) not in PLANNED})
     if unknown:
         raise InputError(f"{path} sets {', '.join(unknown)}, which no plan fills in (a plan fills "
-                         f"{', '.join(sorted(PLANNED))}); {redo}")
+                         f"{', '.join(sorted(PLANNED))}); {redo()}")
     return policies

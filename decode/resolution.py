@@ -66,12 +66,15 @@ class Resolved:
     def notes(self, sampling: Sampling = GREEDY) -> list[str]:
         """What decoding at this sampling setting says of its plan, a line each: the plan it borrows from another
         setting, or why it has none, what it drafts instead and the command that plans."""
+        borrowed, reason = self.borrowed(sampling), self.without_plan(sampling)
+        if borrowed is None and reason is None:
+            return []
         command, written = replan(self.run, self.base, sampling)
         then = "" if self.run is not None and written == self.run / plan_name(sampling) else f" (then pass --plan {written})"
         notes = []
-        if (borrowed := self.borrowed(sampling)) is not None:
+        if borrowed is not None:
             notes.append(f"{sampling.describe()} decodes with the plan {borrowed}; `{command}` plans its own{then}")
-        if (reason := self.without_plan(sampling)) is not None:
+        if reason is not None:
             notes.append(f"{reason}, so {self.base.method} uses {self.unplanned(sampling)}; `{command}` plans each "
                          f"method for these models{then}")
         return notes
