@@ -29,6 +29,11 @@ def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positio
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(noise * torch.randn_like(p))
+    return saved(model, path, vocab_size, tokenizer)
+
+
+def saved(model, path, vocab_size: int, tokenizer=None):
+    """`model` saved to `path` with `tokenizer`, or with a word-level one over its ids when None."""
     model.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
@@ -38,6 +43,31 @@ def tiny_gpt2(path, vocab_size=97, seed=0, noise_from=None, noise=0.0, n_positio
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t0", unk_token="t1").save_pretrained(path)
     return path
+
+
+def tiny_llama(path, model_type="llama", vocab_size=97, seed=0, noise_from=None, noise=0.0, hidden_size=64, heads=4,
+               kv_heads=2, intermediate_size=96, positions=128, tokenizer=None, **options):
+    """A random-weight Llama-family model (`model_type` llama, qwen2 or mistral: Qwen2's q/k/v biases included),
+    grouped-query attention (`kv_heads` of `heads`), its own output layer unless `options` ties it; with `noise_from`,
+    that model's weights plus `noise` (a draft that mostly agrees with it). `tokenizer` as tiny_gpt2's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    eos = 0 if tokenizer is None else tokenizer.eos_token_id
+    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=2,
+                                  num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                  intermediate_size=intermediate_size, max_position_embeddings=positions,
+                                  initializer_range=0.3, bos_token_id=eos, eos_token_id=eos, **options)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # random, so that a mistake in either shows
+                p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+        if noise_from is not None:
+            model.load_state_dict(AutoModelForCausalLM.from_pretrained(noise_from).state_dict())
+            for p in model.parameters():
+                p.add_(noise * torch.randn_like(p))
+    return saved(model, path, vocab_size, tokenizer)
 
 
 def tiny_trigram(path, oracle_dir, documents=150, length=40, seed=0):

@@ -1,14 +1,9 @@
-"""A lean GPT-2 forward in plain torch over the weights of a Hugging Face checkpoint.
+"""A lean GPT-2 over the weights of a Hugging Face checkpoint: its C++ forward of a few rows, or a handful of torch
+ops per layer.
 
-Why it exists: on a small model, transformers spends several milliseconds per call in framework
-code; decoding makes hundreds of calls per prompt. This engine does the same arithmetic with a
-preallocated KV cache and a handful of torch ops per layer.
-
-The cache holds `length` committed positions followed by `pending` speculative ones. `forward`
-scores new nodes (any tree: the caller gives positions and a mask over the pending slots plus the
-new nodes; committed positions are always visible), appends their keys/values to the speculative
-region, and returns their logits. `commit` keeps an ordered subset of the speculative slots (the
-accepted path) and drops the rest.
+Why it exists: on a small model, transformers spends several milliseconds per call in framework code; decoding makes
+hundreds of calls per prompt. This engine does the same arithmetic with a preallocated KV cache (decode.models.
+lean_engine, which it shares with the Llama family's).
 """
 import json
 from collections.abc import Callable
@@ -19,19 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from decode.errors import InputError
-from decode.models.cached_lm import CachedLM
 from decode.models.kv_slots import KVSlots
+from decode.models.lean_engine import DTYPES, SPECULATIVE_SLOTS, LeanEngine, on_device, torch_weights_on_first_use
 from decode.models.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode.models.projection import LAYOUTS, Projection
 from decode.models.quantized import Format, QuantizedMatrix, format_of, split_checkpoint
 from decode.models.runtime import Runtime, runtime_for
-from decode.sampling import Sparse
 from decode.shortlist import Shortlist
 from decode.tensors import Ids, as_tensor
-from decode.tree import rows_mask
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SPECULATIVE_SLOTS = 2048  # cache slots beyond the context for the nodes of a speculative tree
 
 
 @dataclass(frozen=True)
@@ -118,32 +108,29 @@ def dequantized_checkpoint(model_dir, fmt: Format) -> dict[str, torch.Tensor]:
     return dense | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
 
 
-class GPT2Engine(CachedLM):
+def cpp_tensors(weights: dict[str, torch.Tensor], n_layer: int, take: Callable[[str], torch.Tensor]) -> dict:
+    """A GPT-2 checkpoint's tensors (names without "transformer.") by the C++ forward's names (native.Blocks), each
+    block's matrices taken out with `take`."""
+    tensors = {"wte": weights["wte.weight"], "wpe": weights["wpe.weight"],
+               "norm_f.weight": weights["ln_f.weight"], "norm_f.bias": weights["ln_f.bias"]}
+    for i in range(n_layer):
+        for k in (1, 2):
+            tensors |= {f"h.{i}.norm_{k}.{part}": weights[f"h.{i}.ln_{k}.{part}"] for part in ("weight", "bias")}
+        for name, matrix in LINEAR.items():
+            tensors |= {f"h.{i}.{matrix}": take(f"h.{i}.{name}.weight"), f"h.{i}.{matrix}.bias": weights[f"h.{i}.{name}.bias"]}
+    return tensors
+
+
+class GPT2Engine(LeanEngine):
     def __init__(self, shape: GPT2Shape, wte: torch.Tensor, wpe: torch.Tensor,
                  torch_weights: Callable[[], tuple[list[LayerWeights], Projection]], layouts: dict[str, str],
                  ln_f: tuple[torch.Tensor, torch.Tensor], kv: KVSlots, max_length: int, runtime: Runtime,
                  shortlist: Shortlist | None = None):
-        """GPT-2 over its weights (`build` makes them from a checkpoint's) and a cache of `kv` slots, run by its
-        `runtime` (decode.models.runtime: the C++ forward of a few rows where it has one, CUDA graphs where it
-        replays them). `torch_weights()` makes the blocks' and the output projection's weights for torch's forward
-        (the output tied to wte; over the `shortlist`'s tokens only when there is one), stored in `layouts`, on that
-        forward's first use: an engine whose forwards all run in C++ never holds them."""
-        self.shape, self.wte, self.wpe, self.ln_f = shape, wte, wpe, ln_f
-        self.make_torch_weights, self.layouts = torch_weights, layouts
-        self.made_torch_weights: tuple[list[LayerWeights], Projection] | None = None
-        self.kv, self.max_length, self.shortlist, self.runtime = kv, max_length, shortlist, runtime
-        self.device, self.dtype, self.vocab_size = wte.device, wte.dtype, shape.vocab_size
+        """GPT-2 over its weights (`build` makes them from a checkpoint's): LeanEngine's, its embeddings `wte` and
+        `wpe` and its final layer norm `ln_f` besides."""
+        super().__init__(shape, wte, torch_weights, layouts, kv, max_length, runtime, shortlist)
+        self.wte, self.wpe, self.ln_f = wte, wpe, ln_f
         self.head_dim = shape.n_embd // shape.n_head
-        self.seen, self.unseen = (torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf")))
-        self.graphs = runtime.graphs(self)
-
-    def torch_weights(self) -> tuple[list[LayerWeights], Projection]:
-        if self.made_torch_weights is None:
-            self.made_torch_weights = self.make_torch_weights()
-        return self.made_torch_weights
-
-    layers = property(lambda self: self.torch_weights()[0])
-    head = property(lambda self: self.torch_weights()[1])
 
     @classmethod
     def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str | torch.device = "cpu",
@@ -171,13 +158,12 @@ class GPT2Engine(CachedLM):
         fits = runtime.loads_forward(shape.n_embd)
         lazy = fits and reload is not None
         # taken out of a checkpoint read for this engine alone (`reload`), so that it holds no matrix the C++ packed
-        converted = lambda checkpoint, take: {k.removeprefix("transformer."): take(k).to(device, torch_dtype)
-                                              for k in list(checkpoint)}
+        convert = lambda checkpoint, take: on_device(checkpoint, take, "transformer.", device, torch_dtype)
         if quantized:
             weights = weights | {"wte.weight": quantized["wte.weight"].dequantize()}
             if not lazy:  # torch's forward computes with every matrix dequantized
                 weights |= dequantized_matrices(quantized)
-        weights = converted(weights, weights.pop if lazy else weights.__getitem__)
+        weights = convert(weights, weights.pop if lazy else weights.__getitem__)
         pad_rows = runtime.pads_rows()
         e = shape.n_embd
         # a config that pads the output past the tokenizer's tokens (load's `tokens`): the padded rows are left out
@@ -199,23 +185,18 @@ class GPT2Engine(CachedLM):
         # slots: a tree's nodes share positions
         kv = KVSlots(shape.n_layer, shape.n_head, shape.n_embd // shape.n_head, max_length + SPECULATIVE_SLOTS,
                      torch_dtype, device, runtime.mover)
-        made = None if lazy else torch_weights(weights)
-
-        def make_torch_weights() -> tuple[list[LayerWeights], Projection]:
-            if made is not None:
-                return made
-            assert reload is not None  # lazy: the C++ took the matrices out, torch's are read again
-            checkpoint = reload()
-            return torch_weights(converted(checkpoint, checkpoint.pop))
-
+        make_torch_weights = torch_weights_on_first_use(None if lazy else torch_weights(weights), reload, convert, torch_weights)
+        cpp_shape = {"architecture": 0, "n_embd": e, "heads": shape.n_head, "layers": shape.n_layer,
+                     "epsilon": shape.layer_norm_epsilon}
         if fits and quantized:  # (lazy: the matrices leave `quantized` as the C++ packs them)
             take_matrix = quantized.pop if lazy else quantized.__getitem__
             head = take_matrix("wte.weight")
             head = head.rows(slice(shape.vocab_size) if shortlist is None else shortlist.tokens_on(device))
-            runtime.load_forward(shape, weights | {name: take_matrix(name) for name in list(quantized) if name != "wte.weight"},
-                                 kv.cache, head, consume=lazy)  # (no other name holds the matrices: each goes as it is packed)
+            runtime.load_forward(cpp_shape, cpp_tensors(weights, shape.n_layer, take_matrix), kv.cache, head,
+                                 consume=lazy)  # (no other name holds the matrices: each goes as it is packed)
         elif fits:
-            runtime.load_forward(shape, weights, kv.cache, output, consume=lazy)
+            runtime.load_forward(cpp_shape, cpp_tensors(weights, shape.n_layer, weights.pop if lazy else weights.__getitem__),
+                                 kv.cache, output, consume=lazy)
         return cls(shape, wte, weights["wpe.weight"], make_torch_weights, layouts,
                    (weights["ln_f.weight"], weights["ln_f.bias"]), kv, max_length, runtime, shortlist)
 
@@ -247,87 +228,14 @@ class GPT2Engine(CachedLM):
         return cls.build(config, dense, dtype, device, max_length, layout, cuda_graphs, shortlist, native_blocks,
                          calibrate, reload=lambda: dequantized_checkpoint(model_dir, fmt), quantized=quantized)
 
-    # the cache's state, as CachedLM's callers read and write it
-    length = property(lambda self: self.kv.length, lambda self, n: setattr(self.kv, "length", n))
-    pending = property(lambda self: self.kv.pending, lambda self, n: setattr(self.kv, "pending", n))
-    capacity = property(lambda self: self.kv.capacity)
-    kv_cache = property(lambda self: self.kv.cache)
-
-    def forward(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
-                last: int | None = None) -> torch.Tensor:
-        q, kv = len(token_ids), self.kv
-        start, end = kv.reserve(q)
-        if mask is not None and q == 1 and kv.pending == 0:  # a lone node sees everything: no mask is faster
-            mask = None
-        elif mask is None and q > 1:  # a chain: the new nodes see the pending slots and their predecessors
-            # remembered as a tree's mask is: a draft step's first call feeds a chain of one shape after another
-            mask = rows_mask(tuple((2 << slot) - 1 for slot in range(kv.pending, kv.pending + q)), kv.pending + q,
-                             self.device)
-        graph = self.graphs.get(q, start, end) if self.graphs is not None else None
-        if graph is not None:
-            with torch.inference_mode():
-                logits = graph(as_tensor(token_ids, self.device), as_tensor(position_ids, self.device), mask, start, end)
-            logits = logits if last is None else logits[q - last :]
-        else:
-            logits = self.logits(token_ids, position_ids, mask, slice(start, end), end, last)
-        kv.pending += q
-        return logits
-
-    def chains(self, rows: int, sampling) -> bool:
-        """A chain's forwards run as one C++ call where each of them would run in C++ (the first of `rows` rows), greedy
-        or under a top-k setting."""
-        return rows <= self.runtime.rows and (sampling.greedy or sampling.sparse)
-
-    def chain(self, token_ids: Ids, position_ids: Ids, steps: int, sampling, uniforms: list[float]
-              ) -> tuple[list[int], list[Sparse] | None]:
-        q = len(token_ids) + steps - 1  # the last token chosen is not fed
-        start, _ = self.kv.reserve(q)
-        blocks = self.runtime.blocks
-        assert blocks is not None  # `chains` says so only where the runtime has a C++ forward
-        chosen = blocks.chain(token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms)
-        self.kv.pending += q
-        return chosen
-
-    def logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
-               slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
-        """Float32 logits of new nodes (of the `last` of them, with `last`) that write their keys/values into cache
-        `slots` and attend to slots 0..end: all of them, or with a (q, k) boolean `mask`, the last k where it is
-        true and every one before them."""
-        blocks = self.runtime.blocks  # run up to `rows` rows (none without a C++ forward)
-        if len(token_ids) <= self.runtime.rows and isinstance(slots, slice) and blocks is not None:
-            return blocks(token_ids, position_ids, mask, slots.start, last)
-        if self.runtime.chunks and isinstance(slots, slice) and mask is not None:
-            return self.chunked_logits(token_ids, position_ids, mask, slots.start, last)
-        with torch.inference_mode():  # torch's forward only: entering it costs, and a C++ forward needs none of it
-            return self.torch_logits(token_ids, position_ids, mask, slots, end, last)
-
-    def chunked_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor, start: int,
-                       last: int | None = None) -> torch.Tensor:
-        """`logits` of more rows than one C++ call takes (a prompt), as C++ calls of the runtime's `rows` rows each, where the
-        C++ call ran faster than torch at every row count measured: each call's rows see the slots before them as
-        `mask` says (its columns: the pending slots, then the new rows), those of the calls before included. A row's
-        logits do not depend on the other rows of its call (forward.cpp), so they are those of one long call."""
-        q, size, blocks = len(token_ids), self.runtime.rows, self.runtime.blocks
-        assert blocks is not None  # the runtime `chunks` only with a C++ forward
-        pending, last = mask.shape[1] - q, q if last is None else last
-        parts = []
-        for a in range(0, q, size):
-            b = min(a + size, q)
-            parts.append(blocks(token_ids[a:b], position_ids[a:b], mask[a:b, : pending + b], start + a,
-                                max(0, min(b - a, last - (q - b)))))
-        return torch.cat(parts)
-
     def torch_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                      slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
         """`logits` through torch's operations."""
         token_ids, position_ids = as_tensor(token_ids, self.device), as_tensor(position_ids, self.device)
         # F.embedding (an index_select) runs faster than indexing the matrices
         x = F.embedding(token_ids, self.wte) + F.embedding(position_ids, self.wpe)
-        if mask is not None:  # SDPA would make a boolean mask additive in every layer: once here,
-            # over the slots the mask covers, then padded with the committed slots' zeros (one op, not a copy into ones)
-            mask = F.pad(torch.where(mask, self.seen, self.unseen), (end - mask.shape[1], 0))
         with self.runtime.attention():
-            x = self.layers_forward(x, mask, slots, end)
+            x = self.layers_forward(x, self.additive(mask, end), slots, end)
         if last is not None:
             x = x[x.shape[0] - last :]
         x = layer_norm(x, self.ln_f, self.shape.layer_norm_epsilon)
@@ -349,6 +257,3 @@ class GPT2Engine(CachedLM):
             h = layer_norm(x, layer.ln_2, s.layer_norm_epsilon)
             x = x + layer.mlp_out(layer.mlp_in(h))  # mlp_in applies the GELU
         return x
-
-    def commit(self, keep: list[int]) -> None:
-        self.kv.commit(keep)

@@ -1,6 +1,7 @@
 """Loading the models a decoder uses: the oracle and the draft (the lean engine or transformers'), the draft's
 shortlist, the Katz trigram, and models given by hub name or already loaded."""
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,8 @@ from decode.errors import InputError, check_path
 from decode.models.cached_lm import CachedLM
 from decode.models.engine import GPT2Engine, is_lean_compatible, read_config
 from decode.models.hf_backend import HFEngine
+from decode.models.lean_engine import LeanEngine
+from decode.models.llama import LlamaEngine, unsupported
 from decode.models.native_rows import native_forward
 from decode.models.pretrained import model_dir
 from decode.models.quantized import format_of
@@ -17,6 +20,7 @@ from decode.shortlist import Shortlist
 from decode.tokenizer import load_tokenizer
 
 TOKEN_COUNTS = "token_counts.npy"  # beside a trained model: its training split's count of each token id
+log = logging.getLogger("decode.models")  # notes a user sees on stderr without any logging set up (warnings)
 
 
 def pretrained_dir(model, tokenizer, keep: list, name: str) -> Path:
@@ -74,13 +78,29 @@ def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_grap
         raise InputError(f"{directory} is a {fmt.name} checkpoint, which runs on the lean engine, not transformers': "
                          f"pass --backend auto (or lean)")
     tokens = token_rows(directory, config)
-    if backend == "lean" or (backend == "auto" and is_lean_compatible(config)):
-        engine = GPT2Engine.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
+    engine_class, why_not = lean_engine_class(config)
+    if backend == "lean" and engine_class is None:
+        raise InputError(f"{directory} cannot run on the lean engine: {why_not}; use the transformers backend (--backend hf)")
+    if engine_class is not None and backend in ("lean", "auto"):
+        engine = engine_class.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
                                  native_blocks=True, calibrate=calibrate, tokens=tokens)
         forward = native_forward(directory, engine, dtype, calibrate=calibrate)
         engine.runtime.use(forward.rows, forward.tiles)
         return engine
+    if backend == "auto":
+        log.warning("note: %s runs on the transformers backend, several times slower a step than the lean engine: %s",
+                    directory, why_not)
     return HFEngine.load(directory, dtype, device, shortlist=shortlist, tokens=tokens)
+
+
+def lean_engine_class(config: dict) -> tuple[type[LeanEngine] | None, str | None]:
+    """The lean engine that runs a model of this config (GPT-2, or the Llama family), or None and why not."""
+    if config.get("model_type") == "gpt2":
+        if is_lean_compatible(config):
+            return GPT2Engine, None
+        return None, "its GPT-2 options (activation, attention variants or an untied head) are not the ones the lean engine implements"
+    why = unsupported(config)
+    return (None, why) if why else (LlamaEngine, None)
 
 
 def token_rows(directory: Path, config: dict) -> int | None:

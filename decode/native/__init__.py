@@ -204,11 +204,11 @@ def packed(weight: "torch.Tensor | QuantizedWeight") -> torch.Tensor:
 
 
 class Blocks:
-    """A bfloat16 or float32 GPT-2's forward over a few new rows as one C++ call (decode/native/forward.cpp):
-    embeddings, blocks, final layer norm and output layer. Its keys and values go to the engine's cache as torch's
-    would."""
+    """A bfloat16 or float32 GPT-2's or Llama-family model's forward over a few new rows as one C++ call
+    (decode/native/forward.cpp): embeddings, blocks, final norm and output layer. Its keys and values go to the
+    engine's cache as torch's would."""
 
-    LINEAR = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    MATRICES = ("qkv", "attn_out", "mlp_in", "mlp_out")  # a block's, as forward.cpp names them
     # The most rows a forward takes it for, until decode.models.native_rows measures how many pay on this machine
     ROWS = 64
 
@@ -224,41 +224,46 @@ class Blocks:
             return False
         return fits
 
-    def __init__(self, shape, weights: dict, kv_cache: torch.Tensor, output: "torch.Tensor | QuantizedWeight",
+    def __init__(self, shape: dict, tensors: dict, kv_cache: torch.Tensor, output: "torch.Tensor | QuantizedWeight",
                  consume: bool = False):
-        """`shape`: the engine's GPT2Shape; `weights`: its tensors by checkpoint name (no "transformer."), the
-        blocks' four matrices (in, out) in the model's dtype or, in a quantized model, all four QuantizedWeight (out,
-        in); `kv_cache`: its (2, layers, heads, capacity, head_dim) cache; `output`: the output layer's (columns,
-        n_embd) weight (wte, or a shortlist's rows of it), quantized in a quantized model. With `consume`, each matrix
-        is taken out of `weights` as it is packed, so that its memory goes as its packed copy comes."""
-        take = weights.pop if consume else weights.__getitem__
+        """`shape`: forward.cpp's model() ints and epsilon (architecture, n_embd, heads, kv_heads, head_dim,
+        intermediate, layers, epsilon); `tensors`: by its names (wte; GPT-2's wpe and norm biases, the Llama family's
+        rope.cos and rope.sin; norm_f.weight; per layer i h.{i}.norm_1.weight, h.{i}.norm_2.weight), and each block's
+        four MATRICES as h.{i}.qkv and so on: (in, out) in the model's dtype or, in a quantized model, QuantizedWeight
+        (out, in), each with its float bias (h.{i}.qkv.bias; zeros where absent); `kv_cache`: the engine's (2,
+        layers, kv_heads, capacity, head_dim) cache; `output`: the output layer's (columns, n_embd) weight (the whole
+        vocabulary's or a shortlist's rows), quantized in a quantized model. With `consume`, each matrix is taken out
+        of `tensors` as it is packed, so that its memory goes as its packed copy comes."""
+        take = tensors.pop if consume else tensors.__getitem__
         self.kept = {}  # every tensor the C++ reads, by the name model() knows it under (`spec`: as it reads them)
         self.forward = forward_module(kv_cache.dtype)
-        for i in range(shape.n_layer):
-            for name in ("ln_1", "ln_2", *self.LINEAR):
-                prefix = f"h.{i}.{name}"
-                packs = name in self.LINEAR
-                self.kept[f"{prefix}.packed" if packs else f"{prefix}.weight"] = (
-                    packed(take(f"{prefix}.weight")) if packs else weights[f"{prefix}.weight"].float().contiguous())
-                self.kept[f"{prefix}.bias"] = weights[f"{prefix}.bias"].float().contiguous()
-        self.kept |= {f"ln_f.{part}": weights[f"ln_f.{part}"].float().contiguous() for part in ("weight", "bias")}
-        self.kept |= {"wte": weights["wte.weight"].contiguous(), "wpe": weights["wpe.weight"].contiguous(),
-                      "output.packed": packed(output.T if isinstance(output, torch.Tensor) else output),
+        for name in list(tensors):
+            if name.rsplit(".", 1)[-1] in self.MATRICES:
+                matrix = take(name)
+                bias = tensors.get(f"{name}.bias")
+                columns = matrix.shape[1] if isinstance(matrix, torch.Tensor) else matrix.shape[0]
+                self.kept[f"{name}.packed"] = packed(matrix)
+                self.kept[f"{name}.bias"] = torch.zeros(columns) if bias is None else bias.float().contiguous()
+            elif name in ("wte", "wpe"):
+                self.kept[name] = tensors[name].contiguous()
+            elif not name.endswith(tuple(f"{m}.bias" for m in self.MATRICES)):  # norms, rotary tables
+                self.kept[name] = tensors[name].float().contiguous()
+        self.kept |= {"output.packed": packed(output.T if isinstance(output, torch.Tensor) else output),
                       "output.bias": torch.zeros(-(-output.shape[0] // 16) * 16), "cache": kv_cache}
         fields = {name: (tensor.data_ptr(), tensor.numel(), tensor.element_size()) for name, tensor in self.kept.items()}
-        self.spec = fields | {
-            "n_embd": shape.n_embd, "heads": shape.n_head, "layers": shape.n_layer, "capacity": kv_cache.shape[3],
-            "vocabulary": weights["wte.weight"].shape[0], "positions": weights["wpe.weight"].shape[0],
+        positions = self.kept["wpe"] if "wpe" in self.kept else self.kept["rope.cos"]
+        self.spec = fields | shape | {
+            "capacity": kv_cache.shape[3], "vocabulary": self.kept["wte"].shape[0], "positions": positions.shape[0],
             "logit_columns": output.shape[0], "element_bytes": kv_cache.element_size(),
-            "epsilon": float(shape.layer_norm_epsilon), "format": 0 if isinstance(output, torch.Tensor) else output.code}
+            "epsilon": float(shape["epsilon"]), "format": 0 if isinstance(output, torch.Tensor) else output.code}
         self.model = self.forward.model(self.spec)
         self.columns = output.shape[0]
         self.tiles = True
 
     @property
     def can_tile(self) -> bool:
-        """Whether this model's products can run on AMX's tiles here (a bfloat16 model, n_embd a multiple of 32, a
-        CPU with AMX-BF16)."""
+        """Whether this model's products can run on AMX's tiles here (a bfloat16 model, every product's input a
+        multiple of 32, a CPU with AMX-BF16)."""
         return self.forward.tiles(model=self.model, on=None)
 
     @property
@@ -276,7 +281,7 @@ class Blocks:
     def __call__(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int,
                  last: int | None = None) -> torch.Tensor:
         """Float32 logits of new nodes in the cache's slots from `start` on (of the `last` of them, with `last`), as
-        GPT2Engine.logits gives them; `mask` as it takes it, None for a chain."""
+        the engines' `logits` give them; `mask` as they take it, None for a chain."""
         ids, positions = as_list(token_ids), as_list(position_ids)
         last = len(ids) if last is None else last
         out = torch.empty(last, self.columns)

@@ -1,5 +1,6 @@
-// A GPT-2's forward over a few new rows in one C++ call, and a chain of a draft's forwards (decode/native loads it;
-// decode/models/engine.py calls it through GPT2Engine.logits for a draft's forwards and an oracle's). A step's forward is
+// A GPT-2's or a Llama-family model's forward over a few new rows in one C++ call, and a chain of a draft's forwards
+// (decode/native loads it; the lean engines of decode/models call it through their `logits` for a draft's forwards and
+// an oracle's). A step's forward is
 // a few rows through every weight of the model: torch spends it starting some thirty operations a layer, each cold after
 // the other model's forward, and its products read a weight again for every few rows. Here each product runs over
 // weights packed once at load, in groups of 64 columns split over torch's threads: every row of the call uses a group's
@@ -9,7 +10,8 @@
 // bfloat16 weight widened to float32 as it is read. A quantized model's products (Q8_0 or Q4_0 blocks, quantized.h)
 // quantize each row to int8 block by block, as llama.cpp's do, and sum its products with the weights in int32
 // (AVX-512 VNNI, or AVX2's byte products). Attention with the tree's mask runs its heads over the same
-// threads; layer norm, softmax, GELU and the residuals run a vector at a time over the rows in place, in float32.
+// threads; the norms, rotary positions, softmax, GELU or SwiGLU and the residuals run a vector at a time over the rows
+// in place, in float32.
 // The model's dtype (`T`: bf16 or float) is that of its embeddings, its unquantized weights, its cache and the products' inputs. Every row adds
 // its terms in the same order whatever the call's other rows: a row's logits are bit for bit the same alone or beside
 // others. They differ from torch's in rounding only, as two kernels' do (docs/exactness.md).
@@ -35,25 +37,51 @@
 
 namespace {
 
+// The architectures forward() runs: GPT-2 (learned positions, layer norms with biases, GELU MLPs) and the Llama family
+// (rotary positions, RMS norms, SwiGLU MLPs, grouped-query attention; Qwen2's q/k/v biases are the products' biases).
+enum Architecture : int64_t { GPT2 = 0, LLAMA = 1 };
+
 // A model as forward() reads it: its shape and the addresses of its tensors, read and checked once by model() from
 // named fields and kept in a capsule that the Python object holding the tensors owns.
 struct Model {
-    int64_t n_embd, heads, head_dim, layers, capacity, vocabulary, positions, logit_columns, element_bytes;
+    int64_t architecture = GPT2;
+    int64_t n_embd, heads, kv_heads, head_dim, intermediate, layers, capacity, vocabulary, positions, logit_columns,
+        element_bytes;
     float epsilon;
     int64_t format = DENSE;  // the linear layers' weights: in the model's dtype, or in Q8_0 or Q4_0 blocks
     bool tiles = false;      // a bfloat16 model's products on AMX's tiles
-    const void *wte, *wpe;
-    void *cache;  // GPT2Engine.kv_cache: (2, layers, heads, capacity, head_dim)
+    const void *wte;
+    const void *wpe = nullptr;                      // GPT-2's positions
+    const float *cos = nullptr, *sin = nullptr;     // the Llama family's: (positions, head_dim / 2) each
+    void *cache;  // the engine's kv_cache: (2, layers, kv_heads, capacity, head_dim)
     struct Block {
-        const float *ln_1[2], *ln_2[2];         // weight, bias
-        const void *packed[4];                  // attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+        const float *norm_1[2], *norm_2[2];  // weight, bias (nullptr: an RMS norm)
+        const void *packed[4];               // qkv, attn_out, mlp_in (the Llama family's: gate, then up), mlp_out
         const float *bias[4];
     };
     std::vector<Block> blocks;
-    const float *ln_f[2];
+    const float *norm_f[2];
     const void *output;  // the output layer's packed weight, its bias zeros
     const float *output_bias;
+
+    int64_t q_width() const { return heads * head_dim; }
+    int64_t qkv_width() const { return (heads + 2 * kv_heads) * head_dim; }
+    int64_t mlp_in_width() const { return architecture == LLAMA ? 2 * intermediate : intermediate; }
+    // whether the products can run on AMX's tiles: a bfloat16 model's, every product's input a multiple of 32
+    bool tileable() const {
+        return format == DENSE && element_bytes == 2 && n_embd % 32 == 0 && q_width() % 32 == 0 && intermediate % 32 == 0
+               && tiles_granted();
+    }
 };
+
+// Each row of x normalized into out by the model's norm: layer norm with a bias, RMS norm without.
+template <typename T>
+VECTOR_TARGET void normalize(const Model &m, const float *x, const float *const norm[2], T *out, int64_t rows) {
+    if (norm[1])
+        layer_norm(x, norm[0], norm[1], out, rows, m.n_embd, m.epsilon);
+    else
+        rms_norm(x, norm[0], out, rows, m.n_embd, m.epsilon);
+}
 
 template <typename T>
 Linear<T> linear(const void *packed, const float *bias, int64_t in, int64_t out) {
@@ -86,40 +114,49 @@ struct Rows {
 template <typename T>
 VECTOR_TARGET void forward(const Model &m, const Rows &a) {
     const auto rows = static_cast<int64_t>(a.ids.size());
-    const int64_t n_embd = m.n_embd;
-    const Cache<T> cache{static_cast<T *>(m.cache), m.layers, m.heads, m.capacity, m.head_dim};
+    const int64_t n_embd = m.n_embd, dim = m.head_dim, q_width = m.q_width(), kv_width = m.kv_heads * dim;
+    const int64_t qkv_width = m.qkv_width(), inner = m.intermediate;
+    const Cache<T> cache{static_cast<T *>(m.cache), m.layers, m.kv_heads, m.capacity, dim};
+    const Heads heads{m.heads, m.heads / m.kv_heads, qkv_width, q_width};
     const auto *wte = static_cast<const T *>(m.wte), *wpe = static_cast<const T *>(m.wpe);
-    std::vector<float> x(rows * n_embd), wide(rows * 4 * n_embd);
-    std::vector<T> normed(rows * n_embd), activated(rows * 4 * n_embd);
+    std::vector<float> x(rows * n_embd), wide(rows * std::max({qkv_width, m.mlp_in_width(), n_embd}));
+    std::vector<T> normed(rows * std::max(n_embd, q_width)), activated(rows * inner);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < n_embd; i++)
-            x[r * n_embd + i] = to_float(wte[a.ids[r] * n_embd + i]) + to_float(wpe[a.positions[r] * n_embd + i]);
-    // AMX's tiles where asked for and granted (every product's input a multiple of 32 elements: n_embd's)
-    const bool tiles = m.tiles && std::is_same_v<T, bf16> && n_embd % 32 == 0 && tiles_granted();
+            x[r * n_embd + i] = to_float(wte[a.ids[r] * n_embd + i]) + (wpe ? to_float(wpe[a.positions[r] * n_embd + i]) : 0.0f);
+    // AMX's tiles where asked for and granted (every product's input a multiple of 32 elements)
+    const bool tiles = m.tiles && std::is_same_v<T, bf16> && tiles_granted();
     for (int64_t l = 0; l < m.layers; l++) {
         const Model::Block &b = m.blocks[l];
-        layer_norm(x.data(), b.ln_1[0], b.ln_1[1], normed.data(), rows, n_embd, m.epsilon);
-        multiply(m, b.packed[0], b.bias[0], normed.data(), n_embd, 3 * n_embd, wide.data(), rows, tiles);  // q, k, v
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t h = 0; h < m.heads; h++)
-                for (int64_t d = 0; d < m.head_dim; d += LANES) {
-                    const float *row = wide.data() + r * 3 * n_embd + h * m.head_dim + d;
+        normalize(m, x.data(), b.norm_1, normed.data(), rows);
+        multiply(m, b.packed[0], b.bias[0], normed.data(), n_embd, qkv_width, wide.data(), rows, tiles);  // q, k, v
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = wide.data() + r * qkv_width;
+            if (m.cos) {  // the queries' and keys' rotary positions
+                const int64_t at = a.positions[r] * (dim / 2);
+                rotate(row, m.heads + m.kv_heads, dim, m.cos + at, m.sin + at);
+            }
+            for (int64_t h = 0; h < m.kv_heads; h++)
+                for (int64_t d = 0; d < dim; d += LANES)
                     for (int64_t kind = 0; kind < 2; kind++)  // the key, then the value
-                        store(cache.at(kind, l, h, a.start + r) + d, load(row + (kind + 1) * n_embd, m.head_dim - d),
-                              m.head_dim - d);
-                }
-        attention(wide.data(), cache, l, a.visible, normed.data(), rows, n_embd);
+                        store(cache.at(kind, l, h, a.start + r) + d,
+                              load(row + q_width + kind * kv_width + h * dim + d, dim - d), dim - d);
+        }
+        attention(wide.data(), cache, l, a.visible, normed.data(), rows, heads);
         std::vector<float> &projected = wide;  // the attention read its queries already
-        multiply(m, b.packed[1], b.bias[1], normed.data(), n_embd, n_embd, projected.data(), rows, tiles);
+        multiply(m, b.packed[1], b.bias[1], normed.data(), q_width, n_embd, projected.data(), rows, tiles);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += projected[i];
-        layer_norm(x.data(), b.ln_2[0], b.ln_2[1], normed.data(), rows, n_embd, m.epsilon);
-        multiply(m, b.packed[2], b.bias[2], normed.data(), n_embd, 4 * n_embd, wide.data(), rows, tiles);
-        gelu(wide.data(), activated.data(), rows * 4 * n_embd);
-        multiply(m, b.packed[3], b.bias[3], activated.data(), 4 * n_embd, n_embd, wide.data(), rows, tiles);
+        normalize(m, x.data(), b.norm_2, normed.data(), rows);
+        multiply(m, b.packed[2], b.bias[2], normed.data(), n_embd, m.mlp_in_width(), wide.data(), rows, tiles);
+        if (m.architecture == LLAMA)
+            swiglu(wide.data(), activated.data(), rows, inner);
+        else
+            gelu(wide.data(), activated.data(), rows * inner);
+        multiply(m, b.packed[3], b.bias[3], activated.data(), inner, n_embd, wide.data(), rows, tiles);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += wide[i];
     }
     const int64_t first = rows - a.last;  // the rows whose logits are asked for
-    layer_norm(x.data() + first * n_embd, m.ln_f[0], m.ln_f[1], normed.data(), a.last, n_embd, m.epsilon);
+    normalize(m, x.data() + first * n_embd, m.norm_f, normed.data(), a.last);
     multiply(m, m.output, m.output_bias, normed.data(), n_embd, m.logit_columns, a.out, a.last, tiles);
 }
 
@@ -163,14 +200,23 @@ void free_model(PyObject *capsule) { delete static_cast<Model *>(PyCapsule_GetPo
 
 Model *model_of(PyObject *capsule) { return static_cast<Model *>(PyCapsule_GetPointer(capsule, "forward.Model")); }
 
+// An optional int field: its default where absent.
+bool optional_field(PyObject *spec, const char *name, int64_t &value, int64_t otherwise) {
+    value = otherwise;
+    return !PyDict_GetItemString(spec, name) || field(spec, name, value);
+}
+
 // model(spec) -> a capsule: the model forward() and chain() run, read from a dict of named fields. Ints: n_embd,
 // heads, layers, capacity (the cache's slots), vocabulary, positions, logit_columns, element_bytes (2: bfloat16, 4:
-// float32); epsilon (a float); tensors, each as (address, elements, element_bytes): wte, wpe, cache, ln_f.weight, ln_f.bias,
-// output.packed, output.bias, and per layer i "h.{i}.ln_1.weight" (and .bias, ln_2 likewise, float32) and
-// "h.{i}.attn.c_attn.packed" (and .bias; attn.c_proj, mlp.c_fc and mlp.c_proj likewise: decode/native's
-// pack_for_products, float32 biases padded to 16 columns). An optional int, format: 0 (the default) for linear layers
-// in the model's dtype, 1 (Q8_0) or 2 (Q4_0) for quantized ones, their packed tensors then bytes
-// (decode/models/quantized.py's pack_quantized).
+// float32); optional ints: architecture (0: GPT-2, the default; 1: the Llama family), kv_heads (default heads),
+// head_dim (default n_embd / heads), intermediate (the MLP's width, default 4 n_embd), format (0, the default: linear
+// layers in the model's dtype; 1: Q8_0, 2: Q4_0 blocks, their packed tensors then bytes, decode/models/quantized.py's
+// pack_quantized); epsilon (a float). Tensors, each as (address, elements, element_bytes): wte, cache, norm_f.weight,
+// output.packed, output.bias; GPT-2's wpe and norm_f.bias, the Llama family's rope.cos and rope.sin (float32,
+// positions x head_dim / 2); per layer i "h.{i}.norm_1.weight" (and GPT-2's .bias; norm_2 likewise, float32) and
+// "h.{i}.qkv.packed" (and .bias; attn_out, mlp_in and mlp_out likewise: decode/native's pack_for_products, float32
+// biases). qkv's columns are the heads' queries, then the key/value heads' keys, then their values; the Llama family's
+// mlp_in's the gate's, then the up projection's.
 PyObject *model(PyObject *, PyObject *spec) {
     if (!PyDict_Check(spec)) {
         PyErr_SetString(PyExc_TypeError, "model: expected a dict of named fields");
@@ -180,29 +226,36 @@ PyObject *model(PyObject *, PyObject *spec) {
     if (!field(spec, "n_embd", m->n_embd) || !field(spec, "heads", m->heads) || !field(spec, "layers", m->layers)
         || !field(spec, "capacity", m->capacity) || !field(spec, "vocabulary", m->vocabulary)
         || !field(spec, "positions", m->positions) || !field(spec, "logit_columns", m->logit_columns)
-        || !field(spec, "element_bytes", m->element_bytes))
+        || !field(spec, "element_bytes", m->element_bytes) || !optional_field(spec, "format", m->format, DENSE)
+        || !optional_field(spec, "architecture", m->architecture, GPT2)
+        || !optional_field(spec, "kv_heads", m->kv_heads, m->heads)
+        || !optional_field(spec, "head_dim", m->head_dim, m->heads > 0 ? m->n_embd / m->heads : 0)
+        || !optional_field(spec, "intermediate", m->intermediate, 4 * m->n_embd))
         return nullptr;
-    PyObject *format = PyDict_GetItemString(spec, "format");  // absent: DENSE
-    if (format && !field(spec, "format", m->format)) return nullptr;
     const int64_t n = m->n_embd;
     if (m->format != DENSE && !quantized_supported()) {
         PyErr_SetString(PyExc_ValueError, "model: this CPU lacks the instructions of this build's quantized products "
                                           "(AVX-512 VNNI, or AVX2 and F16C)");
         return nullptr;
     }
-    if (m->format != DENSE && (n % QUANT_BLOCK || (m->format != Q8_0 && m->format != Q4_0))) {
+    if (m->format != DENSE && (n % QUANT_BLOCK || m->q_width() % QUANT_BLOCK || m->intermediate % QUANT_BLOCK
+                               || (m->format != Q8_0 && m->format != Q4_0))) {
         PyErr_Format(PyExc_ValueError, "model: format %lld is not one of 0 (the model's dtype), 1 (Q8_0) and 2 (Q4_0), "
-                                       "or n_embd is not a multiple of %lld", static_cast<long long>(m->format),
+                                       "or a product's input is not a multiple of %lld", static_cast<long long>(m->format),
                      static_cast<long long>(QUANT_BLOCK));
         return nullptr;
     }
-    if (n <= 0 || n % 16 || m->heads <= 0 || n % m->heads || m->layers <= 0 || m->capacity <= 0
-        || m->logit_columns <= 0 || (m->element_bytes != 2 && m->element_bytes != 4)) {
-        PyErr_SetString(PyExc_ValueError, "model: n_embd a multiple of 16 and of heads, layers, slots and logit columns "
-                                          "at least 1, and 2 or 4 bytes an element");
+    const bool llama = m->architecture == LLAMA;
+    if ((m->architecture != GPT2 && !llama) || n <= 0 || n % 16 || m->heads <= 0 || m->kv_heads <= 0
+        || m->heads % m->kv_heads || m->head_dim <= 0 || m->head_dim % 2 || m->q_width() % 16 || m->intermediate <= 0
+        || m->intermediate % 16 || (!llama && (m->kv_heads != m->heads || m->q_width() != n)) || m->layers <= 0
+        || m->capacity <= 0 || m->logit_columns <= 0 || (m->element_bytes != 2 && m->element_bytes != 4)) {
+        PyErr_SetString(PyExc_ValueError, "model: architecture 0 (GPT-2) or 1 (Llama); n_embd, heads x head_dim and the "
+                                          "MLP's width multiples of 16; query heads a multiple of the key/value heads "
+                                          "(GPT-2: as many, heads x head_dim = n_embd); layers, slots and logit columns "
+                                          "at least 1; 2 or 4 bytes an element");
         return nullptr;
     }
-    m->head_dim = n / m->heads;
     PyObject *epsilon = PyDict_GetItemString(spec, "epsilon");
     m->epsilon = epsilon ? static_cast<float>(PyFloat_AsDouble(epsilon)) : -1.0f;
     if (PyErr_Occurred() || !(m->epsilon >= 0)) {
@@ -214,26 +267,33 @@ PyObject *model(PyObject *, PyObject *spec) {
     auto packed = [&](int64_t in, int64_t out) {
         return m->format != DENSE ? quantized_bytes(m->format, in, out) : (in + per_pair - 1) / per_pair * per_pair * ((out + 15) / 16 * 16);
     };
-    // of the model's own tensors; layer norms and biases are float32, quantized layers bytes
+    // of the model's own tensors; norms, biases and rotary tables are float32, quantized layers bytes
     const int64_t bytes = m->element_bytes, packed_bytes = m->format != DENSE ? 1 : bytes;
-    if (!tensor(spec, "wte", m->vocabulary * n, bytes, m->wte) || !tensor(spec, "wpe", m->positions * n, bytes, m->wpe)
-        || !tensor(spec, "cache", 2 * m->layers * m->capacity * n, bytes, m->cache)
-        || !tensor(spec, "ln_f.weight", n, 4, m->ln_f[0]) || !tensor(spec, "ln_f.bias", n, 4, m->ln_f[1])
+    if (!tensor(spec, "wte", m->vocabulary * n, bytes, m->wte)
+        || !tensor(spec, "cache", 2 * m->layers * m->capacity * m->kv_heads * m->head_dim, bytes, m->cache)
+        || !tensor(spec, "norm_f.weight", n, 4, m->norm_f[0])
         || !tensor(spec, "output.packed", packed(n, m->logit_columns), packed_bytes, m->output)
         || !tensor(spec, "output.bias", columns, 4, m->output_bias))
         return nullptr;
-    const char *linear_names[4] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
-    const int64_t ins[4] = {n, n, n, 4 * n}, outs[4] = {3 * n, n, 4 * n, n};
+    m->norm_f[1] = nullptr;
+    if (llama ? !tensor(spec, "rope.cos", m->positions * m->head_dim / 2, 4, m->cos)
+                    || !tensor(spec, "rope.sin", m->positions * m->head_dim / 2, 4, m->sin)
+              : !tensor(spec, "wpe", m->positions * n, bytes, m->wpe) || !tensor(spec, "norm_f.bias", n, 4, m->norm_f[1]))
+        return nullptr;
+    const char *linear_names[4] = {"qkv", "attn_out", "mlp_in", "mlp_out"};
+    const int64_t ins[4] = {n, m->q_width(), n, m->intermediate}, outs[4] = {m->qkv_width(), n, m->mlp_in_width(), n};
     m->blocks.resize(m->layers);
     char name[96];
     for (int64_t l = 0; l < m->layers; l++) {
         Model::Block &b = m->blocks[l];
         for (int side = 0; side < 2; side++) {
+            b.norm_1[side] = b.norm_2[side] = nullptr;
+            if (side && llama) continue;  // RMS norms: no bias
             const char *part = side ? "bias" : "weight";
-            snprintf(name, sizeof name, "h.%lld.ln_1.%s", static_cast<long long>(l), part);
-            if (!tensor(spec, name, n, 4, b.ln_1[side])) return nullptr;
-            snprintf(name, sizeof name, "h.%lld.ln_2.%s", static_cast<long long>(l), part);
-            if (!tensor(spec, name, n, 4, b.ln_2[side])) return nullptr;
+            snprintf(name, sizeof name, "h.%lld.norm_1.%s", static_cast<long long>(l), part);
+            if (!tensor(spec, name, n, 4, b.norm_1[side])) return nullptr;
+            snprintf(name, sizeof name, "h.%lld.norm_2.%s", static_cast<long long>(l), part);
+            if (!tensor(spec, name, n, 4, b.norm_2[side])) return nullptr;
         }
         for (int p = 0; p < 4; p++) {
             snprintf(name, sizeof name, "h.%lld.%s.packed", static_cast<long long>(l), linear_names[p]);
@@ -394,14 +454,14 @@ PyObject *supported(PyObject *, PyObject *bytes) {
 }
 
 // tiles(model, on) -> whether the model's products now run on AMX's tiles: asked for (on) and possible here (a
-// bfloat16 model, n_embd a multiple of 32, a CPU with AMX-BF16); None for `on` only asks.
+// bfloat16 model, every product's input a multiple of 32, a CPU with AMX-BF16); None for `on` only asks.
 const char *const TILES_ARGUMENTS[] = {"model", "on"};
 PyObject *tiles(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Named named(TILES_ARGUMENTS);
     if (!named.open("tiles", args, nargs, kwnames)) return nullptr;
     Model *m = model_of(named["model"]);
     if (!m) return nullptr;
-    const bool possible = m->format == DENSE && m->element_bytes == 2 && m->n_embd % 32 == 0 && tiles_granted();
+    const bool possible = m->tileable();
     if (named["on"] == Py_None) return PyBool_FromLong(possible);
     const int on = PyObject_IsTrue(named["on"]);
     if (on < 0) return nullptr;
@@ -440,7 +500,7 @@ PyObject *quantized_supported_here(PyObject *, PyObject *) { return PyBool_FromL
 PyMethodDef methods[] = {
     {"model", model, METH_O, "A model's shape and tensors, read and checked once, as a capsule."},
     {"blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(blocks)), METH_FASTCALL | METH_KEYWORDS,
-     "A GPT-2's forward over a few new rows."},
+     "A GPT-2's or Llama-family model's forward over a few new rows."},
     {"chain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(chain)), METH_FASTCALL | METH_KEYWORDS,
      "A chain drafter's draft forwards and the tokens each chooses, as one call."},
     {"set_distribution_type", set_distribution_type, METH_O, "The dict subclass the distributions are returned as."},
@@ -458,7 +518,7 @@ PyMethodDef methods[] = {
 #define CONCATENATE_(a, b) a##b
 #define CONCATENATE(a, b) CONCATENATE_(a, b)
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, STRINGIFY(TORCH_EXTENSION_NAME), "A GPT-2's forward over a few rows.", -1,
+PyModuleDef module = {PyModuleDef_HEAD_INIT, STRINGIFY(TORCH_EXTENSION_NAME), "A GPT-2's or Llama-family model's forward over a few rows.", -1,
                       methods};
 
 }  // namespace

@@ -1,6 +1,7 @@
-// The parts of forward.cpp's layers that run a row at a time: layer norm, attention of the new rows over the cache
-// (its heads split over torch's threads, a tree's mask for what each row sees) and GELU, in float32 a vector at a
-// time. A row's attention adds its terms by the rank of the slots it sees, not by where they lie in the cache.
+// The parts of forward.cpp's layers that run a row at a time: layer norm and RMS norm, rotary positions, attention of
+// the new rows over the cache (its heads split over torch's threads, a tree's mask for what each row sees, query heads
+// sharing a key/value head in groups), GELU and SwiGLU, in float32 a vector at a time. A row's attention adds its
+// terms by the rank of the slots it sees, not by where they lie in the cache.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -37,8 +38,37 @@ VECTOR_TARGET void layer_norm(const float *x, const float *weight, const float *
     }
 }
 
+// RMS norm of each row of x (rows x n, n a multiple of 16) into out in the model's dtype: x / sqrt(mean(x^2) + epsilon)
+// times the weight, as Llama's RMSNorm computes it.
 template <typename T>
-struct Cache {  // GPT2Engine.kv_cache: (2, layers, heads, capacity, head_dim), keys at [0], values at [1]
+VECTOR_TARGET void rms_norm(const float *x, const float *weight, T *out, int64_t rows, int64_t n, float epsilon) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        Vec square = zeros();
+        for (int64_t i = 0; i < n; i += LANES) square = fma(load(row + i), load(row + i), square);
+        const Vec scale = splat(1.0f / std::sqrt(sum(square) / n + epsilon));
+        for (int64_t i = 0; i < n; i += LANES) store(out + r * n + i, mul(mul(load(row + i), scale), load(weight + i)));
+    }
+}
+
+// Rotary positions in place over `heads` heads of head_dim elements (head_dim even) from `vectors`, at a position
+// whose angles' cosines and sines are cos and sin (head_dim / 2 each): element i and i + head_dim / 2 of a head turn
+// by angle i, as transformers' rotate_half pairs them.
+inline void rotate(float *vectors, int64_t heads, int64_t head_dim, const float *cos, const float *sin) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *v = vectors + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+template <typename T>
+struct Cache {  // the engine's kv_cache: (2, layers, heads, capacity, head_dim), keys at [0], values at [1]; its heads
+                // are the key/value heads, which groups of query heads share
     T *data;
     int64_t layers, heads, capacity, head_dim;
     T *at(int64_t kind, int64_t layer, int64_t head, int64_t slot) const {
@@ -302,14 +332,20 @@ VECTOR_TARGET void softmax(float *row, const Visibility &visible, int64_t r) {
     for (int64_t slot = 0; slot < end; slot += LANES) store(row + slot, mul(load(row + slot, end - slot), inverse), end - slot);
 }
 
-// Attention of each row's query over the slots it sees through one head, into its columns of out (rows x n_embd) in
-// the model's dtype; scores (rows x end) and sums (rows x head_dim) are room to work in.
+// Where attention reads its queries and writes its output: each row's queries `stride` apart (its q, k, v row), its
+// output `width` apart (heads x head_dim), query head h reading key/value head h / group.
+struct Heads {
+    int64_t heads, group, stride, width;
+};
+
+// Attention of each row's query over the slots it sees through one query head, into its columns of out (rows x
+// width) in the model's dtype; scores (rows x end) and sums (rows x head_dim) are room to work in.
 template <typename T>
 VECTOR_TARGET void head_attention(const float *qkv, const Cache<T> &cache, int64_t layer, int64_t head,
-                                  const Visibility &visible, T *out, int64_t rows, int64_t n_embd, float *scores,
+                                  const Visibility &visible, T *out, int64_t rows, const Heads &shape, float *scores,
                                   float *sums) {
-    const int64_t dim = cache.head_dim, end = visible.end;
-    scores_of(qkv + head * dim, 3 * n_embd, cache.at(0, layer, head, 0), rows, end, dim,
+    const int64_t dim = cache.head_dim, end = visible.end, kv_head = head / shape.group;
+    scores_of(qkv + head * dim, shape.stride, cache.at(0, layer, kv_head, 0), rows, end, dim,
               1.0f / std::sqrt(static_cast<float>(dim)), scores);
     for (int64_t r = 0; r < rows; r++) {
         float *row = scores + r * end;
@@ -317,21 +353,21 @@ VECTOR_TARGET void head_attention(const float *qkv, const Cache<T> &cache, int64
             if (!visible.sees(r, slot)) row[slot] = -INFINITY;
         softmax(row, visible, r);
     }
-    weighted_values(scores, cache.at(1, layer, head, 0), rows, end, dim, sums);
+    weighted_values(scores, cache.at(1, layer, kv_head, 0), rows, end, dim, sums);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t d = 0; d < dim; d += LANES)
-            store(out + r * n_embd + head * dim + d, load(sums + r * dim + d, dim - d), dim - d);
+            store(out + r * shape.width + head * dim + d, load(sums + r * dim + d, dim - d), dim - d);
 }
 
-// Attention over every head, the heads split among torch's threads where the work pays for waking them.
+// Attention over every query head, the heads split among torch's threads where the work pays for waking them.
 template <typename T>
 void attention(const float *qkv, const Cache<T> &cache, int64_t layer, const Visibility &visible, T *out, int64_t rows,
-               int64_t n_embd) {
-    const int64_t heads = cache.heads, grain = 2 * rows * visible.end * n_embd >= PARALLEL_WORK ? 1 : heads;
+               const Heads &shape) {
+    const int64_t heads = shape.heads, grain = 2 * rows * visible.end * shape.width >= PARALLEL_WORK ? 1 : heads;
     at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
         std::vector<float> scores(rows * visible.end), sums(rows * cache.head_dim);
         for (int64_t h = first; h < last; h++)
-            head_attention(qkv, cache, layer, h, visible, out, rows, n_embd, scores.data(), sums.data());
+            head_attention(qkv, cache, layer, h, visible, out, rows, shape, scores.data(), sums.data());
     });
 }
 
@@ -345,6 +381,17 @@ VECTOR_TARGET void gelu(const float *x, T *out, int64_t n) {
         const Vec inner = mul(fma(cubic, v, v), splat(-1.5957691216f));
         store(out + i, div(v, add(splat(1.0f), exp(inner))));
     }
+}
+
+// SwiGLU over each row of x (rows x 2 n: the gate's n columns, then the up projection's): silu(gate) * up, silu(g) =
+// g / (1 + exp(-g)), into out (rows x n, n a multiple of 16) in the model's dtype for the next product.
+template <typename T>
+VECTOR_TARGET void swiglu(const float *x, T *out, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i += LANES) {
+            const Vec gate = load(x + 2 * r * n + i), up = load(x + 2 * r * n + n + i);
+            store(out + r * n + i, mul(div(gate, add(splat(1.0f), exp(sub(zeros(), gate)))), up));
+        }
 }
 
 }  // namespace

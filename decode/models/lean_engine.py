@@ -1,0 +1,154 @@
+"""What the lean engines share: a preallocated KV cache of slots, a forward of new nodes over any tree, run by the
+model's runtime (the C++ forward of a few rows where it has one, CUDA graphs where it replays them, torch's
+operations otherwise), and a commit that keeps the accepted path.
+
+The cache holds `length` committed positions followed by `pending` speculative ones. `forward` scores new nodes (any
+tree: the caller gives positions and a mask over the pending slots plus the new nodes; committed positions are always
+visible), appends their keys/values to the speculative region, and returns their logits. `commit` keeps an ordered
+subset of the speculative slots (the accepted path) and drops the rest. Each architecture (decode.models.engine's
+GPT-2, decode.models.llama's Llama family) gives its weights and torch's forward (`torch_logits`).
+"""
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from decode.models.cached_lm import CachedLM
+from decode.models.kv_slots import KVSlots
+from decode.models.runtime import Runtime
+from decode.sampling import Sparse
+from decode.shortlist import Shortlist
+from decode.tensors import Ids, as_tensor
+from decode.tree import rows_mask
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SPECULATIVE_SLOTS = 2048  # cache slots beyond the context for the nodes of a speculative tree
+
+
+def on_device(checkpoint: dict[str, torch.Tensor], take: Callable[[str], torch.Tensor], prefix: str,
+              device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors on `device` in `dtype`, named without `prefix`, each taken out with `take` (a
+    checkpoint read for one engine alone gives them up, so that it holds no matrix the C++ packed)."""
+    return {name.removeprefix(prefix): take(name).to(device, dtype) for name in list(checkpoint)}
+
+
+def torch_weights_on_first_use(made, reload: Callable[[], dict] | None, convert: Callable[[dict, Callable], dict],
+         torch_weights: Callable[[dict], tuple]) -> Callable[[], tuple]:
+    """What makes torch's weights for an engine: those `made` already, else `torch_weights` of the checkpoint
+    `reload()` reads again (the C++ forward took the matrices of the first), converted by `convert`."""
+    def make() -> tuple:
+        if made is not None:
+            return made
+        assert reload is not None  # the C++ took the matrices out only where a reload gives them again
+        checkpoint = reload()
+        return torch_weights(convert(checkpoint, checkpoint.pop))
+
+    return make
+
+
+class LeanEngine(CachedLM):
+    def __init__(self, shape, embeddings: torch.Tensor, torch_weights: Callable[[], tuple], layouts: dict[str, str],
+                 kv: KVSlots, max_length: int, runtime: Runtime, shortlist: Shortlist | None = None):
+        """A model of this `shape` over a cache of `kv` slots, run by its `runtime` (decode.models.runtime).
+        `torch_weights()` makes the weights torch's forward reads (`layers` and the output projection `head`, over
+        the `shortlist`'s tokens only when there is one), stored in `layouts`, on that forward's first use: an engine
+        whose forwards all run in C++ never holds them."""
+        self.shape, self.embeddings = shape, embeddings
+        self.make_torch_weights, self.layouts = torch_weights, layouts
+        self.made_torch_weights: tuple | None = None
+        self.kv, self.max_length, self.shortlist, self.runtime = kv, max_length, shortlist, runtime
+        self.device, self.dtype, self.vocab_size = embeddings.device, embeddings.dtype, shape.vocab_size
+        self.seen, self.unseen = (torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf")))
+        self.graphs = runtime.graphs(self)
+
+    def torch_weights(self) -> tuple:
+        if self.made_torch_weights is None:
+            self.made_torch_weights = self.make_torch_weights()
+        return self.made_torch_weights
+
+    layers = property(lambda self: self.torch_weights()[0])
+    head = property(lambda self: self.torch_weights()[1])
+
+    # the cache's state, as CachedLM's callers read and write it
+    length = property(lambda self: self.kv.length, lambda self, n: setattr(self.kv, "length", n))
+    pending = property(lambda self: self.kv.pending, lambda self, n: setattr(self.kv, "pending", n))
+    capacity = property(lambda self: self.kv.capacity)
+    kv_cache = property(lambda self: self.kv.cache)
+
+    def forward(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
+                last: int | None = None) -> torch.Tensor:
+        q, kv = len(token_ids), self.kv
+        start, end = kv.reserve(q)
+        if mask is not None and q == 1 and kv.pending == 0:  # a lone node sees everything: no mask is faster
+            mask = None
+        elif mask is None and q > 1:  # a chain: the new nodes see the pending slots and their predecessors
+            # remembered as a tree's mask is: a draft step's first call feeds a chain of one shape after another
+            mask = rows_mask(tuple((2 << slot) - 1 for slot in range(kv.pending, kv.pending + q)), kv.pending + q,
+                             self.device)
+        graph = self.graphs.get(q, start, end) if self.graphs is not None else None
+        if graph is not None:
+            with torch.inference_mode():
+                logits = graph(as_tensor(token_ids, self.device), as_tensor(position_ids, self.device), mask, start, end)
+            logits = logits if last is None else logits[q - last :]
+        else:
+            logits = self.logits(token_ids, position_ids, mask, slice(start, end), end, last)
+        kv.pending += q
+        return logits
+
+    def chains(self, rows: int, sampling) -> bool:
+        """A chain's forwards run as one C++ call where each of them would run in C++ (the first of `rows` rows), greedy
+        or under a top-k setting."""
+        return rows <= self.runtime.rows and (sampling.greedy or sampling.sparse)
+
+    def chain(self, token_ids: Ids, position_ids: Ids, steps: int, sampling, uniforms: list[float]
+              ) -> tuple[list[int], list[Sparse] | None]:
+        q = len(token_ids) + steps - 1  # the last token chosen is not fed
+        start, _ = self.kv.reserve(q)
+        blocks = self.runtime.blocks
+        assert blocks is not None  # `chains` says so only where the runtime has a C++ forward
+        chosen = blocks.chain(token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms)
+        self.kv.pending += q
+        return chosen
+
+    def logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
+               slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
+        """Float32 logits of new nodes (of the `last` of them, with `last`) that write their keys/values into cache
+        `slots` and attend to slots 0..end: all of them, or with a (q, k) boolean `mask`, the last k where it is
+        true and every one before them."""
+        blocks = self.runtime.blocks  # run up to `rows` rows (none without a C++ forward)
+        if len(token_ids) <= self.runtime.rows and isinstance(slots, slice) and blocks is not None:
+            return blocks(token_ids, position_ids, mask, slots.start, last)
+        if self.runtime.chunks and isinstance(slots, slice) and mask is not None:
+            return self.chunked_logits(token_ids, position_ids, mask, slots.start, last)
+        with torch.inference_mode():  # torch's forward only: entering it costs, and a C++ forward needs none of it
+            return self.torch_logits(token_ids, position_ids, mask, slots, end, last)
+
+    def chunked_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor, start: int,
+                       last: int | None = None) -> torch.Tensor:
+        """`logits` of more rows than one C++ call takes (a prompt), as C++ calls of the runtime's `rows` rows each, where the
+        C++ call ran faster than torch at every row count measured: each call's rows see the slots before them as
+        `mask` says (its columns: the pending slots, then the new rows), those of the calls before included. A row's
+        logits do not depend on the other rows of its call (forward.cpp), so they are those of one long call."""
+        q, size, blocks = len(token_ids), self.runtime.rows, self.runtime.blocks
+        assert blocks is not None  # the runtime `chunks` only with a C++ forward
+        pending, last = mask.shape[1] - q, q if last is None else last
+        parts = []
+        for a in range(0, q, size):
+            b = min(a + size, q)
+            parts.append(blocks(token_ids[a:b], position_ids[a:b], mask[a:b, : pending + b], start + a,
+                                max(0, min(b - a, last - (q - b)))))
+        return torch.cat(parts)
+
+    def additive(self, mask: torch.Tensor | None, end: int) -> torch.Tensor | None:
+        """A (q, k) boolean mask over the last k of slots 0..end as torch's attention adds it: SDPA would make a
+        boolean mask additive in every layer, so it is made once, over the slots the mask covers, then padded with the
+        committed slots' zeros (one op, not a copy into ones)."""
+        return None if mask is None else F.pad(torch.where(mask, self.seen, self.unseen), (end - mask.shape[1], 0))
+
+    def torch_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
+                     slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
+        """`logits` through torch's operations."""
+        raise NotImplementedError
+
+    def commit(self, keep: list[int]) -> None:
+        self.kv.commit(keep)

@@ -1,0 +1,251 @@
+"""A lean Llama-family model (Llama, Qwen2, Mistral) over the weights of a Hugging Face checkpoint: RMS norms, rotary
+positions, grouped-query attention, SwiGLU MLPs, an output layer tied to the embeddings or its own, Qwen2's q/k/v
+biases. Its C++ forward of a few rows is GPT-2's (decode/native/forward.cpp, architecture 1); torch's forward is a
+handful of ops per layer, as transformers' modeling_llama computes them.
+
+The rotary angles come from transformers' own rotary embedding, so every `rope_scaling` it computes up front
+(default, linear, llama3, yarn) gives its cosines and sines here; one that changes with the sequence's length
+(dynamic, longrope) runs on the transformers backend.
+"""
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from decode.errors import InputError
+from decode.models.kv_slots import KVSlots
+from decode.models.lean_engine import DTYPES, SPECULATIVE_SLOTS, LeanEngine, on_device, torch_weights_on_first_use
+from decode.models.pretrained import load_safetensors
+from decode.models.projection import LAYOUTS, Projection
+from decode.models.runtime import runtime_for
+from decode.shortlist import Shortlist
+from decode.tensors import Ids, as_tensor
+
+MODEL_TYPES = ("llama", "qwen2", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # computed once, not per sequence length
+# The context the engine holds where the config allows more: its cache takes slots for every position up front
+DEFAULT_CONTEXT = 8192
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    vocab_size: int
+    n_positions: int  # the context the engine holds (the config's, at most its sliding window)
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    n_embd: int
+    intermediate: int
+    epsilon: float
+    tied: bool  # the output layer is the embeddings
+
+    @classmethod
+    def from_config(cls, config: dict) -> "LlamaShape":
+        heads = config["num_attention_heads"]
+        positions = config.get("max_position_embeddings", DEFAULT_CONTEXT)
+        window = config.get("sliding_window") if config.get("model_type") == "mistral" else None
+        return cls(config["vocab_size"], min(positions, window or positions), config["num_hidden_layers"], heads,
+                   config.get("num_key_value_heads") or heads, config.get("head_dim") or config["hidden_size"] // heads,
+                   config["hidden_size"], config["intermediate_size"], config.get("rms_norm_eps", 1e-6),
+                   config.get("tie_word_embeddings", False))
+
+    @property
+    def block_weights(self) -> int:
+        """Weights a block's four products read."""
+        q, kv = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        return self.n_embd * (q + 2 * kv) + q * self.n_embd + 3 * self.n_embd * self.intermediate
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_head * self.head_dim
+
+
+def rope_type(config: dict) -> str:
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def unsupported(config: dict) -> str | None:
+    """Why the lean engine cannot run this Llama-family config (None: it can): the feature named, as a user would
+    look it up in config.json."""
+    kind = config.get("model_type")
+    if kind not in MODEL_TYPES:
+        return f"its model_type {kind!r} is not one of {', '.join(MODEL_TYPES)}"
+    if config.get("hidden_act", "silu") != "silu":
+        return f"its hidden_act {config['hidden_act']!r} is not silu"
+    if rope_type(config) not in ROPE_TYPES:
+        return f"its rope type {rope_type(config)!r} is not one of {', '.join(ROPE_TYPES)}"
+    if kind == "qwen2" and config.get("use_sliding_window"):
+        return "it uses sliding-window attention (use_sliding_window)"
+    if config.get("num_local_experts") or config.get("num_experts"):
+        return "it is a mixture of experts"
+    return None
+
+
+def rotary_tables(config: dict, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (positions, head_dim / 2) cosines and sines of each position's rotary angles, as transformers' rotary
+    embedding computes them for this config (its attention scaling included)."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cos, sin = LlamaRotaryEmbedding(AutoConfig.for_model(**config))(torch.zeros(1), torch.arange(positions)[None])
+    half = cos.shape[-1] // 2
+    return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
+
+
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions applied to (heads, q, head_dim) vectors, cos and sin (q, head_dim / 2) in their dtype: element
+    i and i + head_dim / 2 turn together, as transformers' rotate_half pairs them."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+# A block's matrices: the checkpoint's projections each fuses, by the names the C++ forward knows them under
+FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attn_out": ("self_attn.o_proj",),
+         "mlp_in": ("mlp.gate_proj", "mlp.up_proj"), "mlp_out": ("mlp.down_proj",)}
+
+
+def fused(weights: dict[str, torch.Tensor], i: int, take: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Block i's four matrices (in, out), each of FUSED's projections side by side, and their biases where the
+    checkpoint has any (zeros for the projections without), by the C++ forward's names (h.{i}.qkv, h.{i}.qkv.bias)."""
+    tensors = {}
+    for name, parts in FUSED.items():
+        matrices = [take(f"layers.{i}.{part}.weight") for part in parts]
+        tensors[f"h.{i}.{name}"] = torch.cat(matrices).T if len(matrices) > 1 else matrices[0].T
+        biases = [weights.get(f"layers.{i}.{part}.bias") for part in parts]
+        if any(b is not None for b in biases):
+            tensors[f"h.{i}.{name}.bias"] = torch.cat([m.new_zeros(m.shape[0]) if b is None else b
+                                                       for b, m in zip(biases, matrices)])
+    return tensors
+
+
+@dataclass
+class LlamaLayer:
+    """One block's weights for torch's forward: its two RMS norms' weights and its four fused projections."""
+
+    norm_1: torch.Tensor
+    qkv: Projection
+    attn_out: Projection
+    norm_2: torch.Tensor
+    mlp_in: Projection  # gate, then up
+    mlp_out: Projection
+
+
+class LlamaEngine(LeanEngine):
+    def __init__(self, shape: LlamaShape, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 norm: torch.Tensor, torch_weights: Callable[[], tuple[list[LlamaLayer], Projection]],
+                 layouts: dict[str, str], kv: KVSlots, max_length: int, runtime, shortlist: Shortlist | None = None):
+        """A Llama-family model over its weights (`build` makes them from a checkpoint's): LeanEngine's, its
+        embeddings `embed`, rotary tables `cos`, `sin` (float32, positions x head_dim / 2) and final norm's weight
+        besides."""
+        super().__init__(shape, embed, torch_weights, layouts, kv, max_length, runtime, shortlist)
+        self.embed, self.norm = embed, norm
+        self.cos, self.sin = cos.to(embed.device), sin.to(embed.device)
+
+    @classmethod
+    def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32",
+              device: str | torch.device = "cpu", max_length: int | None = None, layout: str | None = None,
+              cuda_graphs: bool = False, shortlist: Shortlist | None = None, native_blocks: bool = False,
+              calibrate: bool = False, reload: Callable[[], dict[str, torch.Tensor]] | None = None) -> "LlamaEngine":
+        """From a Llama-family config and its weights as named in a Hugging Face checkpoint: as GPT2Engine.build
+        (the same runtime, layouts, shortlist, C++ forward and `reload`); the context is the config's positions,
+        at most DEFAULT_CONTEXT unless `max_length` asks for more."""
+        why = unsupported(config)
+        if why is not None:
+            raise InputError(f"the lean engine cannot run this model: {why}; use the transformers backend (--backend hf)")
+        if layout not in (None, *LAYOUTS):
+            raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
+        shape, device, torch_dtype = LlamaShape.from_config(config), torch.device(device), DTYPES[dtype]
+        max_length = min(max_length or DEFAULT_CONTEXT, shape.n_positions)
+        runtime = runtime_for(device, torch_dtype, native_blocks, cuda_graphs)
+        fits = runtime.loads_forward(shape.n_embd) and shape.intermediate % 16 == 0 and shape.head_dim % 2 == 0
+        lazy = fits and reload is not None
+        convert = lambda checkpoint, take: on_device(checkpoint, take, "model.", device, torch_dtype)
+        weights = convert(weights, weights.pop if lazy else weights.__getitem__)
+        embed = weights["embed_tokens.weight"] = weights["embed_tokens.weight"][: shape.vocab_size]
+        head = embed if shape.tied or "lm_head.weight" not in weights else weights["lm_head.weight"][: shape.vocab_size]
+        output = head if shortlist is None else head[shortlist.tokens_on(device)]
+        e, q, kv = shape.n_embd, shape.n_head * shape.head_dim, shape.kv_width
+        matrices = {"qkv": (e, q + 2 * kv), "attn_out": (q, e), "mlp_in": (e, 2 * shape.intermediate),
+                    "mlp_out": (shape.intermediate, e), "head": (e, output.shape[0])}  # (in, out)
+        layouts = {name: layout or runtime.layout(*matrix, False, calibrate) for name, matrix in matrices.items()}
+        pad_rows = runtime.pads_rows()
+
+        def torch_weights(checkpoint: dict[str, torch.Tensor]) -> tuple[list[LlamaLayer], Projection]:
+            def layer(i: int) -> LlamaLayer:
+                block = fused(checkpoint, i, checkpoint.__getitem__)
+                p = {name: Projection(block[f"h.{i}.{name}"], block.get(f"h.{i}.{name}.bias"), layouts[name],
+                                      pad_rows=pad_rows) for name in FUSED}
+                return LlamaLayer(checkpoint[f"layers.{i}.input_layernorm.weight"], p["qkv"], p["attn_out"],
+                                  checkpoint[f"layers.{i}.post_attention_layernorm.weight"], p["mlp_in"], p["mlp_out"])
+
+            return [layer(i) for i in range(shape.n_layer)], Projection(output.T, None, layouts["head"], pad_rows=pad_rows)
+
+        cos, sin = rotary_tables(config, max_length)
+        kv_slots = KVSlots(shape.n_layer, shape.n_kv_head, shape.head_dim, max_length + SPECULATIVE_SLOTS, torch_dtype,
+                           device, runtime.mover)
+        make_torch_weights = torch_weights_on_first_use(None if lazy else torch_weights(weights), reload, convert,
+                                                        torch_weights)
+        if fits:
+            take = weights.pop if lazy else weights.__getitem__
+            tensors = {"wte": embed, "rope.cos": cos, "rope.sin": sin, "norm_f.weight": weights["norm.weight"]}
+            for i in range(shape.n_layer):
+                tensors |= {f"h.{i}.norm_1.weight": weights[f"layers.{i}.input_layernorm.weight"],
+                            f"h.{i}.norm_2.weight": weights[f"layers.{i}.post_attention_layernorm.weight"]}
+                tensors |= fused(weights, i, take)
+            runtime.load_forward({"architecture": 1, "n_embd": e, "heads": shape.n_head, "kv_heads": shape.n_kv_head,
+                                  "head_dim": shape.head_dim, "intermediate": shape.intermediate,
+                                  "layers": shape.n_layer, "epsilon": shape.epsilon},
+                                 tensors, kv_slots.cache, output, consume=lazy)
+        return cls(shape, embed, cos, sin, weights["norm.weight"], make_torch_weights, layouts, kv_slots, max_length,
+                   runtime, shortlist)
+
+    @classmethod
+    def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
+             layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
+             native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None) -> "LlamaEngine":
+        """From a save_pretrained directory (safetensors), as GPT2Engine.load."""
+        from decode.models.engine import read_config
+
+        config = read_config(model_dir)
+        if tokens is not None:
+            config = config | {"vocab_size": min(tokens, config["vocab_size"])}
+        return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
+                         shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir))
+
+    def torch_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
+                     slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
+        """`logits` through torch's operations."""
+        token_ids, position_ids = as_tensor(token_ids, self.device), as_tensor(position_ids, self.device)
+        x = F.embedding(token_ids, self.embed)
+        cos, sin = self.cos[position_ids].to(self.dtype), self.sin[position_ids].to(self.dtype)
+        with self.runtime.attention():
+            x = self.layers_forward(x, cos, sin, self.additive(mask, end), slots, end)
+        if last is not None:
+            x = x[x.shape[0] - last :]
+        return self.head(rms_norm(x, self.norm, self.shape.epsilon)).float()
+
+    def layers_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                       slots: slice | torch.Tensor, end: int) -> torch.Tensor:
+        """The transformer blocks over q new nodes, writing their keys/values into cache `slots`."""
+        s, q = self.shape, x.shape[0]
+        widths = (s.n_head * s.head_dim, s.kv_width, s.kv_width)
+        for layer, cache in zip(self.layers, self.kv.layers):
+            h = rms_norm(x, layer.norm_1, s.epsilon)
+            queries, keys, values = (part.view(q, -1, s.head_dim).transpose(0, 1)
+                                     for part in layer.qkv(h).split(widths, dim=-1))
+            cache[0, :, slots] = rotated(keys, cos, sin)
+            cache[1, :, slots] = values
+            att = F.scaled_dot_product_attention(rotated(queries, cos, sin)[None], cache[None, 0, :, :end],
+                                                 cache[None, 1, :, :end], attn_mask=mask, enable_gqa=True)[0]
+            x = x + layer.attn_out(att.transpose(0, 1).reshape(q, widths[0]))
+            gate, up = layer.mlp_in(rms_norm(x, layer.norm_2, s.epsilon)).chunk(2, dim=-1)
+            x = x + layer.mlp_out(F.silu(gate) * up)
+        return x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Llama's RMSNorm: in float32, then scaled by the weight in x's dtype."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=epsilon).to(x.dtype)
