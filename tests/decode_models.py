@@ -62,7 +62,7 @@ def tiny_llama(path, model_type="llama", vocab_size=97, seed=0, noise_from=None,
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:  # random, so that a mistake in either shows
-                p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
         if noise_from is not None:
             model.load_state_dict(AutoModelForCausalLM.from_pretrained(noise_from).state_dict())
             for p in model.parameters():
@@ -72,12 +72,10 @@ def tiny_llama(path, model_type="llama", vocab_size=97, seed=0, noise_from=None,
 
 def tiny_trigram(path, oracle_dir, documents=150, length=40, seed=0):
     """A Katz trigram over text sampled from the oracle, so it predicts the oracle somewhat."""
-    from decode.loop import baseline
-    from decode.models.engine import GPT2Engine
-    from decode.sampling import Sampling
+    from decode.models.loading import load_model
     from ngram import build_katz
 
-    oracle = GPT2Engine.load(oracle_dir)
+    oracle = load_model(oracle_dir, "lean", "float32", "cpu")
     generator = torch.Generator().manual_seed(seed)
     lines = []
     for _ in range(documents):

@@ -337,13 +337,14 @@ def test_the_roofline_is_flat_up_to_its_knee_then_grows_with_the_rows():
 
     # float32 weights at 4 GB/s against 8 G multiply-adds a second: a row's 4 bytes a weight take as long as 8 rows'
     # multiply-adds, so the knee is at 8 rows
-    machine, shape = Machine(bandwidth=4e9, macs=8e9, peak_dtype="float32"), ForwardShape(4, 512, 8192, 4, 4)
+    gpt2 = lambda element_bytes: ForwardShape(4, 512, 12 * 512 * 512, 512, 8192, element_bytes, element_bytes)
+    machine, shape = Machine(bandwidth=4e9, macs=8e9, peak_dtype="float32"), gpt2(4)
     assert knee(shape, machine, cached=0) == 8
     one = shape.roofline_ms(machine, 1, cached=0)
     assert all(shape.roofline_ms(machine, q, cached=0) == pytest.approx(one, rel=0.01) for q in range(1, 8))
     assert shape.roofline_ms(machine, 64, cached=0) == pytest.approx(2 * shape.roofline_ms(machine, 32, cached=0), rel=0.01)
     # bfloat16 halves the bytes, not the arithmetic: the knee comes at half the rows; a long cache adds reads
-    assert knee(ForwardShape(4, 512, 8192, 2, 2), machine, cached=0) == 4
+    assert knee(gpt2(2), machine, cached=0) == 4
     assert shape.roofline_ms(machine, 1, cached=4096) > 1.1 * one
 
 

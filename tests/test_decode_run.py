@@ -98,10 +98,11 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
     assert run.main(no_counts + ["--draft-vocab", "97", "--max-new-tokens", "8"])  # the whole vocabulary: no counts read
     # a checkpoint the lean engine does not implement: suggest the transformers backend
     config = json.loads((models["oracle"] / "config.json").read_text())
-    llama = tmp_path / "llama"
-    llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    assert "--backend hf" in error_of(capsys, ["--oracle", str(llama), "--backend", "lean", "--method", "baseline", "--prompt", "t1"])
+    neox = tmp_path / "neox"
+    neox.mkdir()
+    (neox / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    refusal = error_of(capsys, ["--oracle", str(neox), "--backend", "lean", "--method", "baseline", "--prompt", "t1"])
+    assert "model_type 'gpt_neox' is not one of llama, qwen2, mistral" in refusal and "--backend hf" in refusal
 
 
 def test_agreement_reports_identical_outputs_and_explains_divergences(models, tmp_path):

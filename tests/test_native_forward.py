@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from decode_models import tiny_gpt2, tiny_trigram
+from decode_models import tiny_gpt2, tiny_llama, tiny_trigram
 from native_built import random_tree
 
 from decode import native
@@ -14,6 +14,7 @@ from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, Stag
 from decode.loop import baseline, tree_speculative
 from decode.models import engine as engine_module
 from decode.models.engine import GPT2Engine
+from decode.models.llama import LlamaEngine
 from decode.models.runtime import TORCH
 from decode.models.successors import SuccessorTable
 from decode.sampling import Sampling
@@ -28,6 +29,18 @@ def needs_cpp_forward(dtype: str) -> None:
             pytest.fail(f"the C++ forward did not build on a CPU that runs its {native.forward_build(getattr(torch, dtype))} "
                         f"build (see the note above)")
         pytest.skip("this CPU has neither AVX2 with FMA nor AVX-512: the models' forwards run in torch")
+
+
+def tiny_model(architecture: str, path, seed: int, n_embd: int = 32, n_head: int = 4, **options):
+    """A tiny model of this architecture (gpt2, llama: grouped-query attention, two query heads a key/value head;
+    qwen2: q/k/v biases too) and the engine class that runs it."""
+    if architecture == "gpt2":
+        return tiny_gpt2(path, seed=seed, n_embd=n_embd, n_head=n_head, **options), GPT2Engine
+    return tiny_llama(path, architecture, seed=seed, hidden_size=n_embd, heads=n_head, kv_heads=max(1, n_head // 2),
+                      intermediate_size=2 * n_embd + 16, **options), LlamaEngine
+
+
+ARCHITECTURES = ["gpt2", "llama", "qwen2"]
 
 
 @pytest.fixture
@@ -51,18 +64,19 @@ def strays_as_far_as_torch(got: torch.Tensor, in_torch: torch.Tensor, reference:
     (32, 4, None), (64, 2, None), (32, 4, 40),  # layers of 97 columns and of a shortlist's 40: neither a multiple of 16
     (256, 4, None)])  # products large enough to be split among threads
 @pytest.mark.parametrize("dtype, tiles", [("bfloat16", False), ("bfloat16", True), ("float32", False)])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, tmp_path, n_embd, n_head, shortlist,
-                                                            dtype, tiles):
+                                                            dtype, tiles, architecture):
     needs_cpp_forward(dtype)
-    directory = tiny_gpt2(tmp_path / "draft", seed=2, n_embd=n_embd, n_head=n_head)
+    directory, engine_class = tiny_model(architecture, tmp_path / "draft", 2, n_embd, n_head)
     shortlist = shortlist and Shortlist(random.Random(1).sample(range(97), shortlist), 97)
-    in_torch, in_cpp = (GPT2Engine.load(directory, dtype, native_blocks=cpp, shortlist=shortlist)
+    in_torch, in_cpp = (engine_class.load(directory, dtype, native_blocks=cpp, shortlist=shortlist)
                         for cpp in (False, True))
     if tiles and not in_cpp.runtime.blocks.can_tile:
         pytest.skip("no AMX-BF16 here (or the model is not one the tiles take): the products run as vector dot products")
     if dtype == "float32":  # the reference for float32 roundings is the same model in float64
         monkeypatch.setitem(engine_module.DTYPES, "float64", torch.float64)
-    exact = GPT2Engine.load(directory, "float32" if dtype == "bfloat16" else "float64", shortlist=shortlist)
+    exact = engine_class.load(directory, "float32" if dtype == "bfloat16" else "float64", shortlist=shortlist)
     assert in_torch.runtime.blocks is None and in_cpp.runtime.blocks is not None
     in_cpp.runtime.blocks.tiles = tiles
     assert in_cpp.runtime.blocks.tiles == tiles
@@ -79,7 +93,7 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
         lambda m: (m.commit(tree.path(len(tree) - 1)), m.forward(torch.tensor([3, 4, 5]), torch.arange(3) + m.length, None))[1],
         lambda m: m.forward(torch.tensor([6]), torch.tensor([m.length + m.pending]), None),
     ]
-    agree = []
+    agree, torch_agrees = [], []
     for forward in forwards:
         state = rng.getstate()
         expected = forward(in_torch)
@@ -89,12 +103,15 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
         got = forward(in_cpp)
         assert got.shape == expected.shape and got.dtype == torch.float32
         assert strays_as_far_as_torch(got, expected, reference, dtype)
-        agree += (got.argmax(-1) == expected.argmax(-1)).tolist()
+        # in bfloat16, how often each picks the reference's best token: near ties go either way in either
+        agree += (got.argmax(-1) == reference.argmax(-1)).tolist()
+        torch_agrees += (expected.argmax(-1) == reference.argmax(-1)).tolist()
         slots = in_torch.length + in_torch.pending
         assert in_cpp.length + in_cpp.pending == slots
         cached, exact_cache = (m.kv_cache[..., :slots, :].float() for m in (in_torch, exact))
         assert strays_as_far_as_torch(in_cpp.kv_cache[..., :slots, :].float(), cached, exact_cache, dtype)
-    assert sum(agree) >= (0.9 if dtype == "bfloat16" else 1.0) * len(agree)
+    # (29 rows: a near tie more or less moves the count by 3%)
+    assert sum(agree) >= (sum(torch_agrees) - 0.15 * len(agree) if dtype == "bfloat16" else len(agree))
     assert rows == [native.Blocks.ROWS, 8, 20, 15, 3, 1]  # every forward took the C++ call, the long prompt two
     with pytest.raises(IndexError, match="out of range"):  # as torch's embedding refuses them, not a read past wte
         in_cpp.forward(torch.tensor([97]), torch.tensor([in_cpp.length]), None)
@@ -105,9 +122,11 @@ DTYPES_AND_PRODUCTS = [("bfloat16", False), ("bfloat16", True), ("float32", Fals
 SHAPES = [(64, 2), (32, 4)]
 
 
-def engine_in_cpp(directory, dtype: str, tiles: bool) -> GPT2Engine:
+def engine_in_cpp(made: tuple, dtype: str, tiles: bool):
+    """The model tiny_model `made`, its forwards in C++, its products on AMX's tiles with `tiles`."""
     needs_cpp_forward(dtype)
-    engine = GPT2Engine.load(directory, dtype, native_blocks=True)
+    directory, engine_class = made
+    engine = engine_class.load(directory, dtype, native_blocks=True)
     if tiles and not engine.runtime.blocks.can_tile:
         pytest.skip("no AMX-BF16 here: the products run as vector dot products")
     engine.runtime.blocks.tiles = tiles
@@ -116,9 +135,11 @@ def engine_in_cpp(directory, dtype: str, tiles: bool) -> GPT2Engine:
 
 @pytest.mark.parametrize("dtype, tiles", DTYPES_AND_PRODUCTS)
 @pytest.mark.parametrize("n_embd, n_head", SHAPES)
-def test_a_rows_logits_in_cpp_do_not_depend_on_the_forwards_other_rows(built, tmp_path, dtype, tiles, n_embd, n_head):
+@pytest.mark.parametrize("architecture", ARCHITECTURES[:2])
+def test_a_rows_logits_in_cpp_do_not_depend_on_the_forwards_other_rows(built, tmp_path, dtype, tiles, n_embd, n_head,
+                                                                       architecture):
     # what keeps a greedy speculative decoding's tokens those of one token a forward, bit for bit
-    engine = engine_in_cpp(tiny_gpt2(tmp_path / "model", seed=3, n_embd=n_embd, n_head=n_head), dtype, tiles)
+    engine = engine_in_cpp(tiny_model(architecture, tmp_path / "model", 3, n_embd, n_head), dtype, tiles)
     engine.extend(torch.tensor([5, 6, 7, 8]))
     chain = [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]  # more rows than a tile holds
     together = engine.forward(chain, list(range(engine.length, engine.length + len(chain))), None)
@@ -131,9 +152,11 @@ def test_a_rows_logits_in_cpp_do_not_depend_on_the_forwards_other_rows(built, tm
 
 @pytest.mark.parametrize("dtype, tiles", DTYPES_AND_PRODUCTS)
 @pytest.mark.parametrize("n_embd, n_head", SHAPES)
+@pytest.mark.parametrize("architecture", ARCHITECTURES[:2])
 def test_a_rows_logits_in_cpp_are_the_same_bits_alone_and_anywhere_in_a_call_of_2_to_64_rows(built, tmp_path, dtype,
-                                                                                            tiles, n_embd, n_head):
-    engine = engine_in_cpp(tiny_gpt2(tmp_path / "model", seed=3, n_embd=n_embd, n_head=n_head), dtype, tiles)
+                                                                                            tiles, n_embd, n_head,
+                                                                                            architecture):
+    engine = engine_in_cpp(tiny_model(architecture, tmp_path / "model", 3, n_embd, n_head), dtype, tiles)
     engine.extend(torch.tensor([5, 6, 7, 8, 40, 41, 42]))
     alone = engine.forward([9], [engine.length], None)[0]
     engine.commit([])
@@ -151,7 +174,7 @@ def test_a_rows_logits_in_cpp_are_the_same_bits_alone_and_anywhere_in_a_call_of_
 @pytest.mark.parametrize("dtype, tiles", DTYPES_AND_PRODUCTS)
 def test_a_prompt_longer_than_a_cpp_call_is_read_in_calls_that_give_each_row_the_bits_it_gets_alone(built, tmp_path,
                                                                                                  dtype, tiles):
-    engine = engine_in_cpp(tiny_gpt2(tmp_path / "model", seed=3), dtype, tiles)
+    engine = engine_in_cpp(tiny_model("gpt2", tmp_path / "model", 3), dtype, tiles)
     prompt = torch.randint(0, 97, (native.Blocks.ROWS + 50,), generator=torch.Generator().manual_seed(1))
     blocks, calls = engine.runtime.blocks, []
     engine.runtime.blocks = lambda ids, *rest: calls.append(len(ids)) or blocks(ids, *rest)
@@ -194,11 +217,12 @@ def test_the_near_tie_checker_replays_a_cpp_forward_in_torch_too(blocks_here, tm
     assert (rows[:half] == rows[0]).all()  # the C++ replays agree to the bit, the cache written in chunks of any size
 
 
-def test_decoding_with_a_drafts_blocks_in_cpp_equals_the_baseline(blocks_here, monkeypatch, tmp_path):
-    oracle_dir = tiny_gpt2(tmp_path / "oracle", seed=0)
-    oracle = GPT2Engine.load(oracle_dir)
-    draft = GPT2Engine.load(tiny_gpt2(tmp_path / "draft", seed=1, noise_from=oracle_dir, noise=0.005), "bfloat16",
-                            native_blocks=True)
+@pytest.mark.parametrize("architecture", ARCHITECTURES[:2])
+def test_decoding_with_a_drafts_blocks_in_cpp_equals_the_baseline(blocks_here, monkeypatch, tmp_path, architecture):
+    oracle_dir, engine_class = tiny_model(architecture, tmp_path / "oracle", 0)
+    oracle = engine_class.load(oracle_dir)
+    draft = engine_class.load(tiny_model(architecture, tmp_path / "draft", 1, noise_from=oracle_dir, noise=0.005)[0],
+                              "bfloat16", native_blocks=True)
     table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle_dir) / "successors.npz")
     calls = []
     inner = draft.runtime.blocks.__call__

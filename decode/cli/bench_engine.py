@@ -31,14 +31,17 @@ from decode.benchmarking.tables import curve_rows, table_row
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
 from decode.loop import baseline
-from decode.models.engine import GPT2Engine, dequantized_checkpoint, is_lean_compatible, read_config
+from decode.models.engine import dequantized_checkpoint, read_config
+from decode.models.lean_engine import LeanEngine
+from decode.models.llama import SHAPES
+from decode.models.loading import lean_engine_class
 from decode.models.precision import auto_dtype
 from decode.models.pretrained import model_dir
 from decode.models.projection import LAYOUTS, onednn_packs
 from decode.models.quantized import format_of
 from decode.models.runtime import TORCH, CudaRuntime
 from decode.options import check_device
-from decode.planning.costs import PROJECTIONS, projection_shape, random_gpt2
+from decode.planning.costs import PROJECTIONS, projection_shape, random_model
 from decode.planning.roofline import ForwardShape, Machine, knee, measure_machine
 from decode.prompts import load_prompts
 from decode.provenance import provenance
@@ -47,12 +50,19 @@ from decode.timing import NODE_COUNTS, device_name, forward_costs, host_work_aft
 from decode.tokenizer import load_tokenizer, start_ids, text_ids
 
 
+def engine_class(model) -> type[LeanEngine]:
+    """The lean engine class of a model directory (parse refused the others)."""
+    engine = lean_engine_class(read_config(model))[0]
+    assert engine is not None
+    return engine
+
+
 def encoded(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:
     start = start_ids(tokenizer)
     return [torch.tensor(text_ids(tokenizer, text, start), device=device) for text in prompts]
 
 
-def greedy(engine: GPT2Engine, ids: torch.Tensor, new_tokens: int) -> tuple[list[int], float]:
+def greedy(engine: LeanEngine, ids: torch.Tensor, new_tokens: int) -> tuple[list[int], float]:
     """Our greedy decoding of one prompt and its seconds (the loop reads every token on the host: nothing is
     left queued)."""
     start = time.perf_counter()
@@ -66,7 +76,7 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
     weights dequantized for transformers), whether they agree, and our outputs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    engine = GPT2Engine.load(model_dir, dtype, device)
+    engine = engine_class(model_dir).load(model_dir, dtype, device)
     fmt = format_of(read_config(model_dir), model_dir)
     if fmt is None:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype)
@@ -96,7 +106,7 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
 def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[int]], costs: dict) -> dict:
     """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph, against launching
     every kernel on its own (the first two tables)."""
-    engine = GPT2Engine.load(args.model, args.dtype, args.device, cuda_graphs=True)
+    engine = engine_class(args.model).load(args.model, args.dtype, args.device, cuda_graphs=True)
     runs = [greedy(engine, ids, args.max_new_tokens) for ids in encoded(load_tokenizer(args.model), texts, engine.device)]
     ms_per_token = 1e3 * sum(seconds for _, seconds in runs) / sum(len(tokens) for tokens, _ in runs)
     same = sum(tokens == before for (tokens, _), before in zip(runs, outputs))
@@ -151,7 +161,8 @@ def roofline_tables(args, models: dict) -> dict:
 def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", required=True, help="a GPT-2 checkpoint: a directory (e.g. RUN/oracle) or a hub name")
+    p.add_argument("--model", required=True, help="a GPT-2 or Llama-family checkpoint: a directory (e.g. RUN/oracle) or "
+                                                  "a hub name")
     p.add_argument("--prompts", required=True, help="a .jsonl[.gz] prompt file or 'humaneval'")
     p.add_argument("--limit", type=int, default=5, help="the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
@@ -162,25 +173,28 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N for the N-th GPU)")
     p.add_argument("--shape", action="append", metavar="SHAPE",
                    help="also time a model of this shape with random weights, for cost only: a GPT-2 name "
-                        f"({', '.join(PROJECTIONS)}) or n_layer,n_embd,vocab (e.g. 6,512,8192); repeatable "
-                        "(default: gpt2-large)")
+                        f"({', '.join(PROJECTIONS)}), n_layer,n_embd,vocab (e.g. 6,512,8192) or a Llama-family "
+                        f"name ({', '.join(SHAPES)}); repeatable (default: gpt2-large)")
     p.add_argument("--skip-large", action="store_true", help="time no random-weight shape (overrides --shape)")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
     args.model = str(model_dir(args.model, "--model"))
-    config = read_config(args.model)
-    if not is_lean_compatible(config):
+    engine, why_not = lean_engine_class(read_config(args.model))
+    if engine is None:
         bench = shlex.join(["python", "-m", "decode.bench", "--oracle", args.model, "--prompts", args.prompts,
                             "--backend", "hf", "--methods", "baseline,hf-generate"])
-        raise InputError(f"{args.model} holds a {config.get('model_type')!r} model, which the lean GPT-2 engine this "
-                         f"command measures does not run; `{bench}` times decoding it with transformers")
+        raise InputError(f"{args.model} is a model the lean engine this command measures does not run ({why_not}); "
+                         f"`{bench}` times decoding it with transformers")
     if args.limit < 1 or args.max_new_tokens < 1 or args.repeats < 1 or args.prefix < 0:
         p.error("--limit, --max-new-tokens and --repeats must be at least 1, --prefix 0 or more")
     if args.out:
         prompts = Path(args.prompts) if args.prompts != "humaneval" else None
         check_output(args.out, FILE, args.overwrite, "--out", {"model": args.model, "prompts": prompts})
-    args.shapes = [] if args.skip_large else [(spec, projection_shape(spec, "--shape")) for spec in args.shape or ["gpt2-large"]]
+    args.shapes = [] if args.skip_large else args.shape or ["gpt2-large"]
+    for spec in args.shapes:
+        if spec not in SHAPES:
+            projection_shape(spec, "--shape")  # refused here, in one line, before anything runs
     check_device(args.device)
     if args.dtype == "auto":
         args.dtype, why = auto_dtype(args.device, None, args.model)
@@ -190,9 +204,8 @@ def parse(argv) -> argparse.Namespace:
 
 def shaped_models(args, cuda_graphs: bool = False) -> dict:
     """The --shape models, random weights in the run's dtype, by a label that says so."""
-    return {f"{spec}-shaped (random weights)": random_gpt2(n_layer, n_embd, vocab, args.dtype, args.device,
-                                                           cuda_graphs=cuda_graphs)
-            for spec, (n_layer, n_embd, vocab) in args.shapes}
+    return {f"{spec}-shaped (random weights)": random_model(spec, args.dtype, args.device, cuda_graphs=cuda_graphs)
+            for spec in args.shapes}
 
 
 def forward_tables(args, models: dict) -> dict:
@@ -208,8 +221,8 @@ def forward_tables(args, models: dict) -> dict:
     print(table_row("the same nodes as a tree, explicit mask", tree_costs))
     print(table_row("  tree / chain", {q: ms / costs[args.model][q] for q, ms in tree_costs.items()}))
     layouts = [name for name in LAYOUTS if name != "packed" or (args.device == "cpu" and onednn_packs(engine.dtype))]
-    layout_costs = {name: forward_costs(GPT2Engine.load(args.model, args.dtype, args.device, layout=name), args.prefix,
-                                        args.repeats) for name in layouts}
+    layout_costs = {name: forward_costs(engine_class(args.model).load(args.model, args.dtype, args.device, layout=name),
+                                        args.prefix, args.repeats) for name in layouts}
     print(f"\nthe chain's forward by weight layout (chosen per matrix: {', '.join(f'{k} {v}' for k, v in engine.layouts.items())})")
     for name, row in (layout_costs | {"chosen per matrix (first table)": costs[args.model]}).items():
         print(table_row(name, row))
@@ -227,7 +240,7 @@ def main(argv=None) -> dict:
     print(f"  transformers generate     {latency['hf_generate_ms_per_token']:8.2f} ms/token")
     print(f"  speedup {latency['speedup']:.2f}x, identical outputs {latency['identical_outputs']}")
 
-    engine = GPT2Engine.load(args.model, args.dtype, args.device, native_blocks=True)
+    engine = engine_class(args.model).load(args.model, args.dtype, args.device, native_blocks=True)
     device = torch.device(args.device)
     quantization = engine.runtime.quantization
     result = {"generation": latency, "dtype": args.dtype, "weights": quantization.name if quantization else None,

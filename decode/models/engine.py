@@ -37,6 +37,15 @@ class GPT2Shape:
     def from_config(cls, config: dict) -> "GPT2Shape":
         return cls(*(config[f] for f in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "layer_norm_epsilon")))
 
+    @property
+    def block_weights(self) -> int:
+        """Weights a block's four products read."""
+        return 12 * self.n_embd * self.n_embd
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_embd
+
 
 def read_config(model_dir) -> dict:
     path = Path(model_dir) / "config.json"
@@ -108,11 +117,13 @@ def dequantized_checkpoint(model_dir, fmt: Format) -> dict[str, torch.Tensor]:
     return dense | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
 
 
-def cpp_tensors(weights: dict[str, torch.Tensor], n_layer: int, take: Callable[[str], torch.Tensor]) -> dict:
+def cpp_tensors(weights: dict[str, torch.Tensor], n_layer: int, take: Callable[[str], "torch.Tensor | QuantizedMatrix"]
+                ) -> dict:
     """A GPT-2 checkpoint's tensors (names without "transformer.") by the C++ forward's names (native.Blocks), each
     block's matrices taken out with `take`."""
-    tensors = {"wte": weights["wte.weight"], "wpe": weights["wpe.weight"],
-               "norm_f.weight": weights["ln_f.weight"], "norm_f.bias": weights["ln_f.bias"]}
+    tensors: dict[str, torch.Tensor | QuantizedMatrix] = {"wte": weights["wte.weight"], "wpe": weights["wpe.weight"],
+                                                          "norm_f.weight": weights["ln_f.weight"],
+                                                          "norm_f.bias": weights["ln_f.bias"]}
     for i in range(n_layer):
         for k in (1, 2):
             tensors |= {f"h.{i}.norm_{k}.{part}": weights[f"h.{i}.ln_{k}.{part}"] for part in ("weight", "bias")}
@@ -204,8 +215,7 @@ class GPT2Engine(LeanEngine):
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
              native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None) -> "GPT2Engine":
-        """From a save_pretrained directory (safetensors); its output over the first `tokens` rows only, where
-        given (a config whose vocabulary pads the tokenizer's: see loading.token_rows)."""
+        """As LeanEngine.load; a quantized checkpoint (decode.quantize) computes with its blocks."""
         config = read_config(model_dir)
         if tokens is not None:
             config = config | {"vocab_size": min(tokens, config["vocab_size"])}

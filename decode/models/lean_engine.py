@@ -61,6 +61,14 @@ class LeanEngine(CachedLM):
         self.seen, self.unseen = (torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf")))
         self.graphs = runtime.graphs(self)
 
+    @classmethod
+    def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
+             layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
+             native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None) -> "LeanEngine":
+        """From a save_pretrained directory (safetensors); its output over the first `tokens` rows only, where
+        given (a config whose vocabulary pads the tokenizer's: see loading.token_rows)."""
+        raise NotImplementedError
+
     def torch_weights(self) -> tuple:
         if self.made_torch_weights is None:
             self.made_torch_weights = self.make_torch_weights()

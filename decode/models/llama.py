@@ -9,6 +9,7 @@ The rotary angles come from transformers' own rotary embedding, so every `rope_s
 """
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,23 @@ MODEL_TYPES = ("llama", "qwen2", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # computed once, not per sequence length
 # The context the engine holds where the config allows more: its cache takes slots for every position up front
 DEFAULT_CONTEXT = 8192
+# Hub models' shapes, by name: the config.json fields that set what a forward costs (decode.shaped, bench_engine --shape)
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                     "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+                     "tie_word_embeddings": True},
+    "qwen2.5-0.5b": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                     "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                     "tie_word_embeddings": True},
+    "llama-3.2-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     "tie_word_embeddings": True},
+}
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,27 @@ class LlamaShape:
         return self.n_kv_head * self.head_dim
 
 
+def random_checkpoint(config: dict, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Random weights for a Llama-family config, named as in its checkpoint: a model whose forward costs what a
+    trained one's of that shape does (norms of ones, Qwen2's q/k/v biases zeros)."""
+    shape = LlamaShape.from_config(config)
+    e, q, kv, inner = shape.n_embd, shape.n_head * shape.head_dim, shape.kv_width, shape.intermediate
+    shapes = {"model.embed_tokens.weight": (shape.vocab_size, e), "model.norm.weight": (e,)}
+    if not shape.tied:
+        shapes["lm_head.weight"] = (shape.vocab_size, e)
+    for i in range(shape.n_layer):
+        block = {"input_layernorm.weight": (e,), "post_attention_layernorm.weight": (e,),
+                 "self_attn.q_proj.weight": (q, e), "self_attn.k_proj.weight": (kv, e),
+                 "self_attn.v_proj.weight": (kv, e), "self_attn.o_proj.weight": (e, q), "mlp.gate_proj.weight": (inner, e),
+                 "mlp.up_proj.weight": (inner, e), "mlp.down_proj.weight": (e, inner)}
+        if config["model_type"] == "qwen2":
+            block |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+        shapes |= {f"model.layers.{i}.{name}": size for name, size in block.items()}
+    return {name: torch.ones(size, dtype=dtype) if "norm" in name else
+            (torch.zeros(size, dtype=dtype) if name.endswith("bias") else 0.02 * torch.randn(size, dtype=dtype))
+            for name, size in shapes.items()}
+
+
 def rope_type(config: dict) -> str:
     scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
     return scaling.get("rope_type", scaling.get("type", "default"))
@@ -90,7 +129,8 @@ def rotary_tables(config: dict, positions: int) -> tuple[torch.Tensor, torch.Ten
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    cos, sin = LlamaRotaryEmbedding(AutoConfig.for_model(**config))(torch.zeros(1), torch.arange(positions)[None])
+    rotary = LlamaRotaryEmbedding(AutoConfig.for_model(**config))  # type: ignore[arg-type]  # (the family's fields)
+    cos, sin = rotary(torch.zeros(1), torch.arange(positions)[None])
     half = cos.shape[-1] // 2
     return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
 
@@ -206,7 +246,7 @@ class LlamaEngine(LeanEngine):
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
              native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None) -> "LlamaEngine":
-        """From a save_pretrained directory (safetensors), as GPT2Engine.load."""
+        """From a save_pretrained directory (safetensors), as LeanEngine.load."""
         from decode.models.engine import read_config
 
         config = read_config(model_dir)

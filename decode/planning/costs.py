@@ -134,6 +134,17 @@ def random_weights(n_layer: int, n_embd: int, vocab_size: int, n_positions: int 
     return config, {name: 0.02 * torch.randn(shape, dtype=dtype) for name, shape in shapes.items()}
 
 
+def random_model(spec: str, dtype: str, device: str, cuda_graphs: bool = False):
+    """A model of a --shape (shape_of's) with random weights, its forward of a few rows in C++ where it can: a GPT-2
+    (random_gpt2) or a Llama-family model (decode.models.llama.SHAPES)."""
+    from decode.models.llama import SHAPES, LlamaEngine, random_checkpoint
+
+    if spec in SHAPES:
+        return LlamaEngine.build(SHAPES[spec], random_checkpoint(SHAPES[spec]), dtype, device, cuda_graphs=cuda_graphs,
+                                 native_blocks=True)
+    return random_gpt2(*projection_shape(spec, "--shape"), dtype, device, cuda_graphs=cuda_graphs)
+
+
 def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: str, n_positions: int = 1024,
                 cuda_graphs: bool = False, native_blocks: bool = True, shortlist: int = 0,
                 quantization: Format | None = None):

@@ -49,6 +49,8 @@ def measure_machine(dtype: torch.dtype, repeats: int = 10) -> Machine:
 class ForwardShape:
     n_layer: int
     n_embd: int
+    block_weights: int  # the weights of a block's products
+    kv_width: int  # a position's keys (or values) in a layer
     logit_columns: int
     element_bytes: int  # of the cache
     weight_bytes: float  # of a weight: its dtype's, or a quantized format's share of its block
@@ -57,15 +59,18 @@ class ForwardShape:
     def of(cls, engine) -> "ForwardShape":
         s = engine.shape
         columns = s.vocab_size if engine.shortlist is None else len(engine.shortlist.tokens)
-        return cls(s.n_layer, s.n_embd, columns, engine.dtype.itemsize, engine.runtime.weight_bytes)
+        return cls(s.n_layer, s.n_embd, s.block_weights, s.kv_width, columns, engine.dtype.itemsize,
+                   engine.runtime.weight_bytes)
 
     def work(self, q: int, cached: int) -> tuple[float, float]:
         """(bytes read, multiply-adds) of a forward of q new rows after `cached` positions: every weight and the
         cache's keys and values once; each row's products and its attention over the cache and the new rows."""
-        n, layers = self.n_embd, self.n_layer
-        weights = 12 * n * n * layers + n * self.logit_columns
+        n, layers, kv = self.n_embd, self.n_layer, self.kv_width
+        weights = self.block_weights * layers + n * self.logit_columns
         seen = cached + q
-        return weights * self.weight_bytes + 2 * layers * seen * n * self.element_bytes, q * (weights + 2 * layers * seen * n)
+        # attention: each query's scores and sums over the seen keys and values, its heads as wide as n_embd together
+        attention = 2 * layers * seen * n
+        return weights * self.weight_bytes + 2 * layers * seen * kv * self.element_bytes, q * (weights + attention)
 
     def roofline_ms(self, machine: Machine, q: int, cached: int) -> float:
         read, macs = self.work(q, cached)

@@ -1,0 +1,92 @@
+"""Llama-family models (Llama, Qwen2, Mistral) on the lean engine: their logits equal transformers' to float32
+rounding, in torch's forward and the C++ forward, over a prompt and a tree; every method's greedy output is their
+plain decoding's; a config the engine does not implement runs on transformers' backend, said in one line."""
+import json
+import logging
+import random
+
+import pytest
+import torch
+from decode_models import tiny_llama, tiny_trigram
+from native_built import random_tree
+from test_native_forward import needs_cpp_forward
+from transformers import AutoModelForCausalLM
+
+from decode.cli import run
+from decode.errors import InputError
+from decode.models.hf_backend import HFEngine
+from decode.models.llama import LlamaEngine
+from decode.models.loading import load_model
+
+CONFIGS = {  # model_type, its options: each feature the engine implements, in at least one
+    "llama": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                        "attention_bias": True, "mlp_bias": True}),
+    "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True}),  # q/k/v biases, a tied output layer
+    "mistral": ("mistral", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "sliding_window": None}),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("cpp", [False, True], ids=["torch", "C++"])
+def test_logits_equal_transformers_to_float32_rounding_over_a_prompt_and_a_tree(tmp_path, name, cpp):
+    if cpp:
+        needs_cpp_forward("float32")
+    model_type, options = CONFIGS[name]
+    directory = tiny_llama(tmp_path / "model", model_type, **options)
+    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+    engine = LlamaEngine.load(directory, native_blocks=cpp)
+    assert (engine.runtime.blocks is not None) == cpp
+    prompt = torch.randint(1, 97, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(prompt[None]).logits[0]
+        torch.testing.assert_close(engine.extend(prompt), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        tree = random_tree(random.Random(0), 12, 97)
+        logits = engine.forward(tree.tokens, tree.positions(engine.length), tree.mask())
+        for node in range(len(tree)):  # each node's logits: those of its path after the prompt
+            path = torch.tensor([tree.tokens[i] for i in tree.path(node)])
+            expected = reference(torch.cat([prompt, path])[None]).logits[0, -1]
+            torch.testing.assert_close(logits[node], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_a_mistral_sliding_window_caps_the_context_where_attention_is_the_same(tmp_path):
+    engine = LlamaEngine.load(tiny_llama(tmp_path / "model", "mistral", sliding_window=48))
+    assert engine.max_length == 48
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama")
+    oracle = tiny_llama(root / "oracle", "llama", seed=0)
+    draft = tiny_llama(root / "draft", "llama", seed=1, noise_from=oracle, noise=0.01)
+    return {"oracle": oracle, "draft": draft, "ngram": tiny_trigram(root / "ngram", oracle)}
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("speculative", ["--k", "4"]), ("tree", ["--budget", "12", "--depth", "5"]),
+    ("staged", ["--budget", "16", "--widths", "4,2,1"]), ("lookup", []),
+    ("staged", ["--budget", "16", "--widths", "4,2,1", "--draft-dtype", "bfloat16"]),
+])
+def test_every_method_on_a_llama_family_pair_gives_the_oracles_plain_decoding(llama_run, tmp_path, method, extra):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i} t{i + 3} t7"}) + "\n" for i in range(5)))
+    common = ["--oracle", str(llama_run["oracle"]), "--draft", str(llama_run["draft"]), "--ngram",
+              str(llama_run["ngram"]), "--prompts", str(prompts), "--max-new-tokens", "24"]
+    base = run.main(common + ["--method", "baseline", "--out", str(tmp_path / "base.jsonl")])
+    spec = run.main(common + ["--method", method, *extra, "--out", str(tmp_path / "spec.jsonl")])
+    assert [r["token_ids"] for r in base] == [r["token_ids"] for r in spec]
+    if method != "lookup":  # (random weights repeat little of the context: lookup's exactness is what is checked)
+        assert sum(r["oracle_calls"] for r in spec) < sum(r["oracle_calls"] for r in base)
+
+
+def test_a_config_the_engine_does_not_implement_runs_on_transformers_said_in_one_line(tmp_path, caplog):
+    directory = tiny_llama(tmp_path / "model", "llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with caplog.at_level(logging.WARNING):
+        model = load_model(directory, "auto", "float32", "cpu")
+    assert isinstance(model, HFEngine)
+    notes = [r.getMessage() for r in caplog.records if "transformers backend" in r.getMessage()]
+    assert len(notes) == 1 and "its rope type 'dynamic'" in notes[0]
+    with pytest.raises(InputError, match="cannot run on the lean engine: its rope type 'dynamic'.*--backend hf"):
+        load_model(directory, "lean", "float32", "cpu")
+    assert isinstance(load_model(tiny_llama(tmp_path / "supported", "llama"), "auto", "float32", "cpu"), LlamaEngine)
