@@ -1,5 +1,6 @@
 """A run's tokenizer, from its directory or the hub, checked to be one that decoding can use."""
 import functools
+import json
 from pathlib import Path
 
 from decode.errors import InputError, first_line
@@ -16,12 +17,26 @@ def load_tokenizer(name_or_path):
     return _load_tokenizer(str(name_or_path), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
 
 
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # tokenizer.json as it is, in transformers 5 and 4
+
+
+def saved_class(name_or_path: str) -> str | None:
+    """The tokenizer class a directory's tokenizer_config.json names (None: no such file, or a hub name)."""
+    try:
+        return json.loads((Path(name_or_path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 @functools.lru_cache(maxsize=16)
 def _load_tokenizer(name_or_path: str, contents: tuple):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        # a tokenizer saved as the generic kind (data.prepare's) is read as saved: transformers' AutoTokenizer would
+        # read it as the config's model type's own class (a Qwen2 model's: Qwen2Tokenizer), which splits text otherwise
+        generic = saved_class(name_or_path) in GENERIC_CLASSES
+        tokenizer = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(str(name_or_path))
     except Exception as err:  # hub or file errors of many kinds
         where = "directory" if Path(str(name_or_path)).exists() else "hub name"
         reason = first_line(err)

@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
 # The whole pipeline on the embedded default (this Python's standard library as the corpus), then the
 # benchmark against plain decoding and the transformers peers:
-#   bash scripts/quickstart.sh [--preset quick|cpu] [--out RUN] [--limit N]
+#   bash scripts/quickstart.sh [--preset quick|cpu] [--arch gpt2|llama|qwen2|mistral] [--out RUN] [--limit N]
 # quick (default): minutes of training, 13-28 minutes in all on 2 cores by CPU, set-up included;
 # cpu: the README's headline models (80-120 minutes of training on 2 AVX-512 cores, about three times that with
-# AVX2 alone). Re-running reuses every finished step and resumes an interrupted training (Ctrl-C saves its step).
+# AVX2 alone). --arch: the oracle's architecture (GPT-2 by default; the draft is of the oracle's family), its run
+# in runs/PRESET-ARCH. Re-running reuses every finished step and resumes an interrupted training (Ctrl-C saves its step).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 preset=quick
+arch=gpt2
 run=""
 limit=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --preset) preset="$2"; shift 2 ;;
+        --arch) arch="$2"; shift 2 ;;
         --out) run="$2"; shift 2 ;;
         --limit) limit="$2"; shift 2 ;;
-        -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "error: unknown argument $1; see bash scripts/quickstart.sh --help" >&2; exit 2 ;;
     esac
 done
+case "$arch" in
+    gpt2) suffix="" ;;
+    llama|qwen2|mistral) suffix="-$arch" ;;
+    *) echo "error: unknown architecture $arch; use gpt2, llama, qwen2 or mistral" >&2; exit 2 ;;
+esac
 case "$preset" in
-    quick) run="${run:-$root/runs/quick}"; limit="${limit:-10}" ;;
-    cpu) run="${run:-$root/runs/default}"; limit="${limit:-50}" ;;
+    quick) run="${run:-$root/runs/quick$suffix}"; limit="${limit:-10}" ;;
+    cpu) run="${run:-$root/runs/${suffix:+cpu}${suffix:-default}}"; limit="${limit:-50}" ;;
     *) echo "error: unknown preset $preset; use quick or cpu" >&2; exit 2 ;;
 esac
 bash "$root/scripts/setup.sh"
@@ -57,7 +65,7 @@ else
 fi
 
 stage "== 2/6 oracle ($preset preset) -> $run/oracle"
-train "$run/oracle" train/finetune_oracle.py
+train "$run/oracle" train/finetune_oracle.py --arch "$arch"
 
 stage "== 3/6 draft, distilled from the oracle -> $run/draft"
 train "$run/draft" train/distill_draft.py --teacher "$run/oracle"

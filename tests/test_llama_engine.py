@@ -17,6 +17,7 @@ from decode.errors import InputError
 from decode.models.hf_backend import HFEngine
 from decode.models.llama import LlamaEngine
 from decode.models.loading import load_model
+from decode.tokenizer import load_tokenizer
 
 CONFIGS = {  # model_type, its options: each feature the engine implements, in at least one
     "llama": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -90,3 +91,9 @@ def test_a_config_the_engine_does_not_implement_runs_on_transformers_said_in_one
     with pytest.raises(InputError, match="cannot run on the lean engine: its rope type 'dynamic'.*--backend hf"):
         load_model(directory, "lean", "float32", "cpu")
     assert isinstance(load_model(tiny_llama(tmp_path / "supported", "llama"), "auto", "float32", "cpu"), LlamaEngine)
+
+
+def test_a_qwen2_directory_with_a_generic_tokenizer_reads_text_as_that_tokenizer_does(tmp_path):
+    # transformers' AutoTokenizer reads it as a Qwen2Tokenizer, which splits the text otherwise (here: one token)
+    directory = tiny_llama(tmp_path / "model", "qwen2")
+    assert load_tokenizer(directory)("t1 t3 t7", add_special_tokens=False).input_ids == [1, 3, 7]

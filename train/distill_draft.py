@@ -2,7 +2,8 @@
 
     accelerate launch train/distill_draft.py --preset paper --teacher RUN/oracle --data RUN/data --out RUN/draft
 
-The student is a GPT-2 built from the preset's config with the teacher's tokenizer. Its loss is
+The student is built from the preset's shape with the teacher's tokenizer, of the teacher's family (a GPT-2, or a
+Llama-family model for a Llama-family teacher: --arch). Its loss is
 kd_weight * T^2 * D(teacher, student) on temperature-softened logits plus (1 - kd_weight) *
 cross-entropy on the data, D the forward KL(teacher || student) (--kd-loss forward), the reverse KL
 or the total variation distance. With --teacher-windows F a share F of the training windows end with the
@@ -27,6 +28,7 @@ from data.shards import token_dtype
 from decode.errors import InputError, exits_on_input_error
 from decode.models.pretrained import load_causal_lm
 from decode.tokenizer import load_tokenizer
+from train.architectures import family_of
 from train.continuations import POOL_FILE, PoolWindows, build_pool, prompt_prefixes, random_prefixes, teacher_continuations
 from train.loop import PackedWindows, build_model, check_same_tokenizer, eval_windows, next_token_loss, report, start_run, train
 from train.presets import DRAFT_PRESETS, DistillArgs, parse_args
@@ -190,12 +192,16 @@ def main(argv=None) -> dict:
         check_targets_from(args)
     run = start_run(args)
     teacher = load_teacher(args, run.tokenizer).to(run.accelerator.device)
-    student = build_model(args, run.tokenizer, teacher.config.vocab_size)  # the teacher's output rows, padding too
+    # the teacher's output rows (padding too), of its family by default
+    student = build_model(args, run.tokenizer, teacher.config.vocab_size, teacher.config)
     vocab_size = student.config.vocab_size
     if args.teacher_embeddings:  # --teacher-layers needs it (DistillArgs.check): both read the stream through one basis
         basis, share = principal_directions(teacher, student)
         copy_teacher_embeddings(teacher, student, basis)
-        if args.teacher_layers:
+        if args.teacher_layers and family_of(student.config) != "gpt2":
+            print("note: --teacher-layers starts a GPT-2 student's blocks only: this Llama-family student starts from the "
+                  "teacher's embeddings alone", file=sys.stderr)
+        elif args.teacher_layers:
             copy_teacher_layers(teacher, student, basis, share)
     if args.sparse_targets > vocab_size:
         raise InputError(f"--sparse-targets {args.sparse_targets} exceeds the vocabulary ({vocab_size} tokens)")

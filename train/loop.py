@@ -25,8 +25,9 @@ from data.shards import open_split, read_meta, token_counts
 from decode.atomic import atomic_output
 from decode.errors import InputError, check_path, first_line, written
 from decode.models.loading import TOKEN_COUNTS
-from decode.models.pretrained import FUSED_GELU, load_causal_lm
+from decode.models.pretrained import load_causal_lm
 from decode.tokenizer import load_tokenizer
+from train.architectures import family_of, model_config
 from train.bf16 import bf16_choice
 from train.interrupts import DeferredInterrupts
 from train.presets import TrainArgs
@@ -96,10 +97,11 @@ def check_same_tokenizer(tokenizer, other_name: str, other_tokenizer, other_voca
         )
 
 
-def build_model(args: TrainArgs, tokenizer, output_rows: int | None = None):
-    """A GPT-2 from the preset's shape, or the --init checkpoint (checked against the data's tokenizer). A new
-    model's output has a row per token, or `output_rows` (a teacher's, which may pad past the tokenizer's tokens)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+def build_model(args: TrainArgs, tokenizer, output_rows: int | None = None, teacher_config=None):
+    """A model of the preset's shape and --arch (train.architectures; "teacher": `teacher_config`'s family), or the
+    --init checkpoint (checked against the data's tokenizer). A new model's output has a row per token, or
+    `output_rows` (a teacher's, which may pad past the tokenizer's tokens)."""
+    from transformers import AutoModelForCausalLM
 
     if args.init:
         model = load_causal_lm(args.init, "--init model", "pass a hub name when online or a local directory")
@@ -112,14 +114,10 @@ def build_model(args: TrainArgs, tokenizer, output_rows: int | None = None):
         if context is not None and args.seq_len > context:
             raise InputError(f"--seq-len {args.seq_len} exceeds {args.init}'s context of {context} tokens; lower it")
         return causal_loss(model)
-    if args.n_embd % args.n_head:
-        raise InputError(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
-    config = GPT2Config(
-        vocab_size=output_rows or len(tokenizer), n_positions=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-        resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout,
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, activation_function=FUSED_GELU,
-    )
-    return causal_loss(GPT2LMHeadModel(config))
+    arch = family_of(teacher_config) if args.arch == "teacher" and teacher_config is not None else args.arch
+    config = model_config(arch, args.n_layer, args.n_head, args.n_kv_head, args.n_embd, output_rows or len(tokenizer),
+                          args.seq_len, tokenizer.eos_token_id, args.dropout, teacher_config)
+    return causal_loss(AutoModelForCausalLM.from_config(config))
 
 
 def causal_loss(model):

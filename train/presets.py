@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 
 from decode.errors import InputError
+from train.architectures import ARCHITECTURES
 
 DIVERGENCES = ("forward", "reverse", "tv")  # --kd-loss: train/distill_draft.py's divergence()
 
@@ -23,9 +24,14 @@ class TrainArgs:
     out: str = field(default="runs/default/oracle", metadata={"help": "where the final model goes (save_pretrained layout)"})
     work_dir: str | None = field(default=None, metadata={"help": "checkpoints and logs (default: OUT-train)"})
     init: str | None = field(default=None, metadata={"help": "start from this hub checkpoint or directory instead of a config (e.g. gpt2-large)"})
+    arch: str = field(default="gpt2", metadata={"help": "the architecture of a model built from a config: gpt2, or a "
+                      "Llama-family one (llama, qwen2, mistral: RMS norms, rotary positions, SwiGLU, grouped-query "
+                      "attention) (ignored with --init)"})
     n_layer: int = field(default=2, metadata={"help": "transformer blocks (ignored with --init)"})
     n_head: int = field(default=2, metadata={"help": "attention heads (ignored with --init)"})
     n_embd: int = field(default=64, metadata={"help": "hidden size (ignored with --init)"})
+    n_kv_head: int = field(default=0, metadata={"help": "key/value heads of a Llama-family model (0: half of --n-head, "
+                           "at least one)"})
     dropout: float = field(default=0.0, metadata={"help": "dropout of a model built from a config"})
     seq_len: int = field(default=64, metadata={"help": "tokens per packed training sequence (and context length of a new model)"})
     batch_size: int = field(default=8, metadata={"help": "sequences per micro-batch and process"})
@@ -53,6 +59,8 @@ class TrainArgs:
 
     def check(self) -> None:
         """Values no run can use, as one-line InputErrors, before anything is written."""
+        if self.n_kv_head < 0:
+            raise InputError(f"--n-kv-head must be 0 (half of --n-head) or more (got {self.n_kv_head})")
         for name in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
                      "keep_checkpoints"):
             if getattr(self, name) < 1:
@@ -70,12 +78,19 @@ class TrainArgs:
                 and 0 <= self.weight_decay < math.inf):
             raise InputError("--min-lr-ratio must lie in [0, 1], --adam-beta2 and --dropout in [0, 1), "
                              "--weight-decay be 0 or positive")
+        if self.arch not in (*ARCHITECTURES, *(("teacher",) if isinstance(self, DistillArgs) else ())):
+            raise InputError(f"--arch {self.arch!r}: choose one of {', '.join(ARCHITECTURES)}"
+                             f"{' or teacher' if isinstance(self, DistillArgs) else ''}")
         if self.log_with not in ("jsonl", "tensorboard"):
             raise InputError(f"--log-with {self.log_with!r}: choose jsonl or tensorboard")
 
 
 @dataclass
 class DistillArgs(TrainArgs):
+    arch: str = field(default="teacher", metadata={"help": "the student's architecture: teacher (the teacher's "
+                      "family: a Llama-family draft for a Llama-family oracle, else GPT-2), gpt2, llama, qwen2 or mistral"})
+    draft_shape: str = field(default="", metadata={"help": "LAYERSxWIDTH (e.g. 2x128): the student's --n-layer and "
+                             "--n-embd at once, with heads of 64 (one head below 64 wide)"})
     teacher: str = field(default="runs/default/oracle", metadata={"help": "the frozen teacher (the oracle's directory)"})
     kd_weight: float = field(default=0.8, metadata={"help": "weight of the divergence to the teacher; cross-entropy gets 1 - kd_weight"})
     kd_loss: str = field(default="forward", metadata={"help": "the divergence: forward (KL(teacher || student)), reverse "
@@ -111,6 +126,12 @@ class DistillArgs(TrainArgs):
                                "most of its time; --compile is the student's own"})
 
     def check(self) -> None:
+        if self.draft_shape:
+            layers, _, width = self.draft_shape.partition("x")
+            if not (layers.isdigit() and width.isdigit() and int(layers) > 0 and int(width) >= 16):
+                raise InputError(f"--draft-shape {self.draft_shape!r}: give LAYERSxWIDTH, e.g. 2x128")
+            self.n_layer, self.n_embd = int(layers), int(width)
+            self.n_head = max(1, self.n_embd // 64)
         super().check()
         if not 0 <= self.kd_weight <= 1 or not 0 < self.kd_temperature < math.inf:
             raise InputError("--kd-weight must lie in [0, 1] and --kd-temperature be positive")

@@ -28,23 +28,34 @@ def principal_directions(teacher, student) -> tuple[torch.Tensor, float]:
     return vt[:width].T, float(s[:width].square().sum() / s.square().sum())
 
 
+def position_embeddings(model) -> torch.Tensor | None:
+    """A GPT-2's learned position embeddings (None: a model with rotary positions, as the Llama family's)."""
+    wpe = getattr(getattr(model, "transformer", None), "wpe", None)
+    return None if wpe is None else wpe.weight
+
+
 def check_gpt2(teacher, student, flag: str) -> None:
-    if not all(hasattr(getattr(model, "transformer", None), "wpe") for model in (teacher, student)):
-        raise InputError(f"{flag} needs a GPT-2 teacher and student (learned position embeddings)")
+    if position_embeddings(teacher) is None or position_embeddings(student) is None:
+        raise InputError(f"{flag} needs a GPT-2 teacher and student (learned position embeddings); a Llama-family "
+                         f"student starts from the teacher's embeddings alone (--teacher-embeddings)")
 
 
 @torch.no_grad()
 def copy_teacher_embeddings(teacher, student, basis: torch.Tensor | None = None) -> None:
     """The student's embeddings as the teacher's seen through `basis` (default: their top n_embd principal
-    directions V): a token's row of wte V (= U S), a position's row of wpe V. The tied output layer's logits
-    h . wte then start as those of the teacher's best rank-n_embd approximation, for a hidden state h in V."""
-    check_gpt2(teacher, student, "--teacher-embeddings")
-    s_wte, s_wpe = student.get_input_embeddings().weight, student.transformer.wpe.weight
+    directions V): a token's row of wte V (= U S), and for a GPT-2 a position's row of wpe V. The tied output layer's
+    logits h . wte then start as those of the teacher's best rank-n_embd approximation, for a hidden state h in V.
+    Teacher and student are of one family: both with learned positions (GPT-2), or both with rotary ones."""
+    t_wpe, s_wpe = position_embeddings(teacher), position_embeddings(student)
+    if (t_wpe is None) != (s_wpe is None):
+        raise InputError("--teacher-embeddings needs a student of the teacher's family (a GPT-2 for a GPT-2, a "
+                         "Llama-family model for a Llama-family one: --arch teacher)")
+    s_wte = student.get_input_embeddings().weight
     basis = principal_directions(teacher, student)[0] if basis is None else basis
-    t_wte, t_wpe = teacher.get_input_embeddings().weight.float().cpu(), teacher.transformer.wpe.weight.float().cpu()
-    positions = min(len(s_wpe), len(t_wpe))
-    s_wte.copy_((t_wte[: len(s_wte)] @ basis).to(s_wte))
-    s_wpe[:positions].copy_((t_wpe[:positions] @ basis).to(s_wpe))
+    s_wte.copy_((teacher.get_input_embeddings().weight.float().cpu()[: len(s_wte)] @ basis).to(s_wte))
+    if t_wpe is not None and s_wpe is not None:
+        positions = min(len(s_wpe), len(t_wpe))
+        s_wpe[:positions].copy_((t_wpe.float().cpu()[:positions] @ basis).to(s_wpe))
 
 
 def head_columns(teacher_heads: int, teacher_dim: int, heads: int, dim: int) -> torch.Tensor:
