@@ -97,3 +97,20 @@ def test_a_qwen2_directory_with_a_generic_tokenizer_reads_text_as_that_tokenizer
     # transformers' AutoTokenizer reads it as a Qwen2Tokenizer, which splits the text otherwise (here: one token)
     directory = tiny_llama(tmp_path / "model", "qwen2")
     assert load_tokenizer(directory)("t1 t3 t7", add_special_tokens=False).input_ids == [1, 3, 7]
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # llama.cpp's "llama" (its rows reordered) and "qwen2"
+def test_llama_server_decodes_the_exported_llama_family_oracle_to_our_greedy_tokens(bpe_run, tmp_path, model_type):
+    from decode.benchmarking import llama_server
+    from decode.cli import bench
+
+    if llama_server.server_binary() is None:
+        pytest.skip(f"no llama-server here: {llama_server.missing_reason()}")
+    tokenizer = bpe_run["tokenizer"]
+    # (seed 0's llama has a near tie on a byte token, whose probabilities llama-server does not give to judge it)
+    oracle = tiny_llama(tmp_path / "oracle", model_type, vocab_size=len(tokenizer), tokenizer=tokenizer, seed=2)
+    result = bench.main(["--oracle", str(oracle), "--prompts", str(bpe_run["prompts"]), "--limit", "4",
+                         "--max-new-tokens", "16", "--dtype", "float32", "--methods", "baseline,llamacpp-server"])
+    same = result["summary"]["llamacpp-server"]["same_output"]
+    assert same["identical"] + len(same["near_ties"]) == 4 and not same["differences"], same

@@ -230,9 +230,12 @@ class ServerPeer:
 
     def gaps(self, context: list[int], a: int, b: int, prompt_length: int) -> list[float]:
         """logit[a] - logit[b] after `context` as llama.cpp computes it (the context in one forward), where both are
-        among its 20 best tokens there (their log-probabilities' difference); none otherwise."""
+        among its 20 best tokens there (their log-probabilities' difference); none otherwise, or where llama-server
+        gives no probabilities (its best token ends inside a UTF-8 character)."""
         reply = self.running().complete({"prompt": context, "n_predict": 1, "n_probs": 20, "cache_prompt": False,
                                       **sampler(Sampling())})
+        if not reply.get("completion_probabilities"):  # a token that ends inside a UTF-8 character: held back, unread
+            return []
         best = {entry["id"]: entry["logprob"] for entry in reply["completion_probabilities"][0]["top_logprobs"]}
         return [best[a] - best[b]] if a in best and b in best else []
 

@@ -47,7 +47,6 @@ from decode.benchmarking.tables import print_table
 from decode.cli.help import HelpFormatter
 from decode.cli.settings import Settings, encode_prompts, parse_settings
 from decode.errors import InputError, exits_on_input_error
-from decode.models.engine import read_config
 from decode.models.loading import check_same_vocabulary
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS
 from decode.provenance import provenance
@@ -84,7 +83,7 @@ def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[d
                 if name == "llamacpp-draft":
                     check_draft(name, base)
                 decoders[name] = ServerPeer(name, base.oracle, base.draft, settings.sampling, eos_id, dtype, threads,
-                                                     read_config(base.oracle)["n_positions"])
+                                                     oracle.max_length)
                 continue
             decoders[name] = LlamaCpp(base.oracle, settings.sampling, eos_id, dtype, threads,
                                       base.lookup_tokens if name == "llamacpp-lookup" else None)

@@ -1,7 +1,9 @@
-"""A GPT-2 checkpoint (its save_pretrained directory, or a quantized one) as a GGUF file, the format llama.cpp,
-llama-server and Ollama read: the architecture's hyperparameters, the tokenizer (byte-level BPE: its tokens, their
-types and its merges) and the weights under llama.cpp's names, the matrices as (out, in), a quantized model's in its
-Q8_0 or Q4_0 blocks."""
+"""A GPT-2 or Llama-family checkpoint (its save_pretrained directory, or a quantized GPT-2) as a GGUF file, the format
+llama.cpp, llama-server and Ollama read: the architecture's hyperparameters, the tokenizer (byte-level BPE: its
+tokens, their types and its merges) and the weights under llama.cpp's names, the matrices as (out, in), a quantized
+model's in its Q8_0 or Q4_0 blocks. llama.cpp's "llama" architecture (Llama, Mistral) rotates each head's pairs of
+adjacent elements where transformers rotates its two halves, so its query and key rows are reordered to match, as
+llama.cpp's own converter does; a rope scaling other than the default goes as its per-frequency factors."""
 import json
 from pathlib import Path
 
@@ -9,9 +11,10 @@ import numpy as np
 
 from decode.errors import InputError
 from decode.models.engine import is_lean_compatible, read_config
+from decode.models.llama import LlamaShape, rope_type, rotary_inverse_frequencies, unsupported
 from decode.models.pretrained import load_safetensors
 from decode.models.quantized import QuantizedMatrix, format_of, split_checkpoint
-from decode.tokenizer import load_tokenizer
+from decode.tokenizer import load_tokenizer, start_ids
 
 GGUF_DTYPES = ("float32", "bfloat16")  # the matrices' dtype in the file; norms and biases stay float32
 # Hugging Face's GPT-2 names (after "transformer.") -> llama.cpp's; the Conv1D matrices are stored (in, out)
@@ -21,11 +24,15 @@ CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 def merges_of(tokenizer, model_dir: Path) -> list[str]:
-    """The BPE merges as "left right" lines, from the tokenizer's own serialization."""
-    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
-    if model.get("type") != "BPE":
-        raise InputError(f"{model_dir}'s tokenizer is a {model.get('type')} model; the GGUF export writes byte-level BPE "
-                         f"tokenizers (GPT-2's, and the one data.prepare trains)")
+    """The BPE merges as "left right" lines, from the tokenizer's own serialization: a byte-level BPE that splits text
+    by GPT-2's pattern (GPT-2's, and data.prepare's), which GGUF names gpt-2."""
+    serialized = json.loads(tokenizer.backend_tokenizer.to_str())
+    model, split = serialized["model"], serialized.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE" or split.get("type") != "ByteLevel" or not split.get("use_regex", True):
+        raise InputError(f"{model_dir}'s tokenizer is not a byte-level BPE splitting text by GPT-2's pattern (a "
+                         f"{model.get('type')} model, pre-tokenizer {split.get('type')}); the GGUF export writes those "
+                         f"(GPT-2's, and the one data.prepare trains): convert this model with llama.cpp's "
+                         f"convert_hf_to_gguf.py")
     return [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
 
 
@@ -61,6 +68,61 @@ def gguf_tensors(weights: dict, n_layer: int) -> dict:
     return out
 
 
+# The Llama family's names (after "model.") -> llama.cpp's
+LLAMA_TENSORS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def pairs_adjacent(rows, heads: int):
+    """A query or key matrix's (or bias's) rows reordered per head from transformers' halves to llama.cpp's pairs."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def llama_tensors(weights: dict, shape: LlamaShape, architecture: str) -> dict:
+    """A Llama-family checkpoint's tensors under llama.cpp's names; the output layer is the token embedding where
+    tied."""
+    w = {name.removeprefix("model."): tensor for name, tensor in weights.items()}
+    out = {"token_embd.weight": w["embed_tokens.weight"], "output_norm.weight": w["norm.weight"],
+           "output.weight": w.get("lm_head.weight", w["embed_tokens.weight"]) if not shape.tied else w["embed_tokens.weight"]}
+    heads = {"self_attn.q_proj": shape.n_head, "self_attn.k_proj": shape.n_kv_head}
+    for i in range(shape.n_layer):
+        for ours, theirs in LLAMA_TENSORS.items():
+            for part in ("weight", "bias"):
+                tensor = w.get(f"layers.{i}.{ours}.{part}")
+                if tensor is None:
+                    continue
+                if architecture == "llama" and ours in heads:
+                    tensor = pairs_adjacent(tensor, heads[ours])
+                out[f"blk.{i}.{theirs}.{part}"] = tensor
+    return out
+
+
+def add_llama_hyperparameters(writer, config: dict, shape: LlamaShape, architecture: str) -> dict:
+    """A Llama-family model's hyperparameters; returns the tensors they add (llama.cpp's per-frequency rope factors,
+    for a rope scaling other than the default)."""
+    import torch
+
+    writer.add_context_length(config.get("max_position_embeddings", shape.n_positions))
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_block_count(shape.n_layer)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_kv_head)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_layer_norm_rms_eps(shape.epsilon)
+    scaled, default, theta = rotary_inverse_frequencies(config)
+    writer.add_rope_freq_base(theta)
+    if rope_type(config) == "default":
+        return {}
+    if architecture != "llama" or rope_type(config) == "yarn":
+        raise InputError(f"the GGUF export writes a {rope_type(config)!r} rope scaling for llama and mistral models only, "
+                         f"and not yarn's; convert this model with llama.cpp's convert_hf_to_gguf.py")
+    return {"rope_freqs.weight": (default / scaled).to(torch.float32)}
+
+
 def checkpoint_of(model_dir: Path, config: dict) -> tuple[dict, str | None]:
     """The model's tensors by checkpoint name (a quantized model's matrices as QuantizedMatrix) and its block format's
     name (None: not quantized)."""
@@ -72,27 +134,36 @@ def checkpoint_of(model_dir: Path, config: dict) -> tuple[dict, str | None]:
 
 
 def write_gguf(model_dir: Path, path: Path, dtype: str = "float32") -> None:
-    """The GPT-2 in `model_dir` as a GGUF file at `path`, its matrices in `dtype`; a quantized model's in its own
-    blocks, the very bytes the engine computes with (`dtype` then applies to nothing)."""
+    """The GPT-2 or Llama-family model in `model_dir` as a GGUF file at `path`, its matrices in `dtype`; a quantized
+    model's in its own blocks, the very bytes the engine computes with (`dtype` then applies to nothing)."""
     import gguf
 
     if dtype not in GGUF_DTYPES:
         raise InputError(f"a GGUF's dtype is one of {', '.join(GGUF_DTYPES)} (got {dtype!r})")
     config = read_config(model_dir)
-    if not is_lean_compatible(config):
-        raise InputError(f"{model_dir} holds a {config.get('model_type')!r} model; the GGUF export writes GPT-2 checkpoints")
-    n_embd, n_layer = config["n_embd"], config["n_layer"]
+    llama = config.get("model_type") != "gpt2"
+    if llama and unsupported(config) or not llama and not is_lean_compatible(config):
+        raise InputError(f"{model_dir} holds a {config.get('model_type')!r} model the lean engine does not run "
+                         f"({unsupported(config) if llama else 'a GPT-2 variant'}); the GGUF export writes the models it runs")
     weights, quantized = checkpoint_of(model_dir, config)
     tokenizer = load_tokenizer(model_dir)
     merges = merges_of(tokenizer, model_dir)
-    writer = gguf.GGUFWriter(path, "gpt2")
+    architecture = "qwen2" if config["model_type"] == "qwen2" else ("llama" if llama else "gpt2")
+    writer = gguf.GGUFWriter(path, architecture)
     writer.add_name(Path(model_dir).resolve().name)
-    writer.add_context_length(config["n_positions"])
-    writer.add_embedding_length(n_embd)
-    writer.add_feed_forward_length(config.get("n_inner") or 4 * n_embd)
-    writer.add_block_count(n_layer)
-    writer.add_head_count(config["n_head"])
-    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    if llama:
+        shape = LlamaShape.from_config(config)
+        tensors = llama_tensors(weights, shape, architecture)
+        tensors |= add_llama_hyperparameters(writer, config, shape, architecture)
+    else:
+        n_embd = config["n_embd"]
+        writer.add_context_length(config["n_positions"])
+        writer.add_embedding_length(n_embd)
+        writer.add_feed_forward_length(config.get("n_inner") or 4 * n_embd)
+        writer.add_block_count(config["n_layer"])
+        writer.add_head_count(config["n_head"])
+        writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+        tensors = gguf_tensors(weights, config["n_layer"])
     file_types = {"float32": gguf.LlamaFileType.ALL_F32, "bfloat16": gguf.LlamaFileType.MOSTLY_BF16,
                   "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
     writer.add_file_type(file_types[quantized or dtype])
@@ -102,10 +173,11 @@ def write_gguf(model_dir: Path, path: Path, dtype: str = "float32") -> None:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokenizer.eos_token_id)  # GPT-2 has one special token: it starts and ends a text
+    start = start_ids(tokenizer)  # the token a text starts with: the tokenizer's own (Llama 3's), else end-of-text
+    writer.add_bos_token_id(start[0] if start else tokenizer.eos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_add_bos_token(False)
-    for name, tensor in gguf_tensors(weights, n_layer).items():
+    writer.add_add_bos_token(bool(start))
+    for name, tensor in tensors.items():
         if isinstance(tensor, QuantizedMatrix):  # llama.cpp's blocks as they are
             writer.add_tensor(name, tensor.block_bytes().numpy(), raw_dtype=gguf.GGMLQuantizationType[tensor.format.name.upper()])
             continue

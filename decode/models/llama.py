@@ -123,14 +123,25 @@ def unsupported(config: dict) -> str | None:
     return None
 
 
-def rotary_tables(config: dict, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (positions, head_dim / 2) cosines and sines of each position's rotary angles, as transformers' rotary
-    embedding computes them for this config (its attention scaling included)."""
+def rotary_embedding(config: dict):
+    """transformers' rotary embedding of this config (every rope type it computes)."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    rotary = LlamaRotaryEmbedding(AutoConfig.for_model(**config))  # type: ignore[arg-type]  # (the family's fields)
-    cos, sin = rotary(torch.zeros(1), torch.arange(positions)[None])
+    return LlamaRotaryEmbedding(AutoConfig.for_model(**config))  # type: ignore[arg-type]  # (the family's fields)
+
+
+def rotary_inverse_frequencies(config: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The rotary angles' inverse frequencies under the config's rope scaling, those without it, and its base."""
+    rotary = rotary_embedding(config)
+    default, _ = rotary.compute_default_rope_parameters(rotary.config)
+    return rotary.inv_freq, default, float(rotary.config.rope_parameters["rope_theta"])
+
+
+def rotary_tables(config: dict, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (positions, head_dim / 2) cosines and sines of each position's rotary angles, as transformers' rotary
+    embedding computes them for this config (its attention scaling included)."""
+    cos, sin = rotary_embedding(config)(torch.zeros(1), torch.arange(positions)[None])
     half = cos.shape[-1] // 2
     return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
 
