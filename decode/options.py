@@ -92,8 +92,8 @@ class DecoderOptions:
         None, "the draft's dtype (default: the plan's choice, else --dtype's): a draft's forward of a few rows is "
               "per-call overhead, which differs by dtype on a CPU", True, choices=DTYPES[1:])
     device: str = setting("cpu", "cpu or cuda")
-    backend: str = setting("auto", "lean: our GPT-2 engine; hf: any transformers causal LM; auto: lean where it applies",
-                           choices=BACKENDS)
+    backend: str = setting("auto", "lean: our engine (GPT-2 and the Llama family: Llama, Qwen2, Mistral); hf: any "
+                                   "transformers causal LM; auto: lean where it applies", choices=BACKENDS)
     cuda_graphs: bool = setting(
         True, "the lean engine on a GPU: replay each forward as a CUDA graph, one launch instead of a dozen kernels per "
               "layer (a CPU ignores it)", action=BooleanOptionalAction)
