@@ -114,3 +114,50 @@ def test_llama_server_decodes_the_exported_llama_family_oracle_to_our_greedy_tok
                          "--max-new-tokens", "16", "--dtype", "float32", "--methods", "baseline,llamacpp-server"])
     same = result["summary"]["llamacpp-server"]["same_output"]
     assert same["identical"] + len(same["near_ties"]) == 4 and not same["differences"], same
+
+
+@pytest.fixture(scope="module")
+def quantized_llama_run(llama_run, tmp_path_factory):
+    from decode.cli import quantize
+
+    root = tmp_path_factory.mktemp("quantized-llama")
+    quantize.main(["--model", str(llama_run["oracle"]), "--to", "q8_0", "--out", str(root / "oracle-q8_0")])
+    quantize.main(["--model", str(llama_run["draft"]), "--to", "q4_0", "--out", str(root / "draft-q4_0")])
+    return llama_run | {"oracle": root / "oracle-q8_0", "draft": root / "draft-q4_0", "source": llama_run["oracle"]}
+
+
+@pytest.mark.parametrize("method, extra", [("speculative", ["--k", "4"]), ("staged", ["--budget", "16", "--widths", "4,2,1"])])
+def test_every_method_on_a_quantized_llama_family_pair_gives_the_quantized_oracles_plain_decoding(quantized_llama_run,
+                                                                                                 tmp_path, method, extra):
+    test_every_method_on_a_llama_family_pair_gives_the_oracles_plain_decoding(quantized_llama_run, tmp_path, method, extra)
+
+
+def test_a_quantized_llama_family_model_computes_in_cpp_what_torch_computes_dequantized(quantized_llama_run):
+    needs_cpp_forward("float32")
+    if not load_model(quantized_llama_run["oracle"], "lean", "float32", "cpu").runtime.blocks:
+        pytest.skip("this CPU lacks the quantized products' instructions")
+    in_cpp, in_torch, source = (LlamaEngine.load(directory, native_blocks=cpp) for directory, cpp in (
+        (quantized_llama_run["oracle"], True), (quantized_llama_run["oracle"], False), (quantized_llama_run["source"], False)))
+    prompt = torch.randint(1, 97, (30,), generator=torch.Generator().manual_seed(3))
+    got, dequantized, sixteen_bit = (model.extend(prompt) for model in (in_cpp, in_torch, source))
+    scale = dequantized.abs().max()
+    # the C++ products also round each row's activations to int8 blocks, as llama.cpp's do: the dequantized model's
+    # logits to within that rounding
+    assert (got - dequantized).abs().max() < 0.05 * scale
+    assert not torch.equal(dequantized, sixteen_bit) and (dequantized - sixteen_bit).abs().max() < 0.1 * scale
+
+
+@pytest.mark.processes
+def test_llama_server_decodes_the_exported_quantized_llama_oracle_to_our_greedy_tokens(bpe_run, tmp_path):
+    from decode.benchmarking import llama_server
+    from decode.cli import bench, quantize
+
+    if llama_server.server_binary() is None:
+        pytest.skip(f"no llama-server here: {llama_server.missing_reason()}")
+    tokenizer = bpe_run["tokenizer"]
+    source = tiny_llama(tmp_path / "oracle", "llama", vocab_size=len(tokenizer), tokenizer=tokenizer, seed=2)
+    quantize.main(["--model", str(source), "--to", "q8_0", "--out", str(tmp_path / "oracle-q8_0")])
+    result = bench.main(["--oracle", str(tmp_path / "oracle-q8_0"), "--prompts", str(bpe_run["prompts"]), "--limit", "4",
+                         "--max-new-tokens", "16", "--dtype", "float32", "--methods", "baseline,llamacpp-server"])
+    same = result["summary"]["llamacpp-server"]["same_output"]
+    assert same["identical"] + len(same["near_ties"]) == 4 and not same["differences"], same

@@ -1,11 +1,12 @@
-"""Quantize a GPT-2 to llama.cpp's Q8_0 or Q4_0 blocks: a model directory every command loads as it is.
+"""Quantize a GPT-2 or a Llama-family model to llama.cpp's Q8_0 or Q4_0 blocks: a model directory every command loads
+as it is.
 
     python -m decode.quantize --run RUN --to q8_0                  # RUN/oracle-q8_0 and RUN/draft-q8_0
     python -m decode.quantize --model DIR --to q4_0 --out DIR2      # a directory or a hub name
     python -m decode.run --run RUN --oracle RUN/oracle-q8_0 --draft RUN/draft-q8_0 --prompt "def f(x):"
 
-The token embedding (also the output layer) and every block's matrices are quantized; position embeddings, layer
-norms and biases stay float32. Decoding with a quantized oracle is exact against that quantized oracle: every method
+The token embedding, the output layer and every block's matrices are quantized; position embeddings, norms and biases
+stay float32. Decoding with a quantized oracle is exact against that quantized oracle: every method
 gives its plain decoding's tokens. With a run (or --data), the perplexity of each model on the validation split is
 printed beside its 16-bit source's.
 """
@@ -19,7 +20,8 @@ from pathlib import Path
 from decode.atomic import MODEL, atomic_outputs, check_output
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, check_path, exits_on_input_error
-from decode.models.engine import GPT2Engine, read_config
+from decode.models.engine import read_config
+from decode.models.loading import load_model
 from decode.models.pretrained import model_dir
 from decode.models.quality import perplexity, validation_windows
 from decode.models.quantize_model import check_quantizable, quantize_checkpoint
@@ -33,7 +35,7 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--run", type=Path, help="run directory: quantizes RUN/oracle and RUN/draft (when it exists) into "
                                             "RUN/oracle-FORMAT and RUN/draft-FORMAT, measured on RUN/data")
-    p.add_argument("--model", help="a GPT-2 model directory or hub name to quantize (instead of --run)")
+    p.add_argument("--model", help="a GPT-2 or Llama-family model directory or hub name to quantize (instead of --run)")
     p.add_argument("--to", choices=list(FORMATS), required=True,
                    help="the block format: q8_0 (8.5 bits a weight) or q4_0 (4.5 bits a weight)")
     p.add_argument("--out", type=Path, help="with --model: the directory to write")
@@ -66,7 +68,7 @@ def models_of(args: argparse.Namespace) -> dict[str, tuple[Path, Path]]:
 
 def measured(source: Path, quantized: Path, windows: list[list[int]]) -> dict:
     """Both models' perplexities on the windows, each run by the engine decoding runs (float32 activations)."""
-    got = {which: perplexity(GPT2Engine.load(directory, "float32", native_blocks=True), windows)
+    got = {which: perplexity(load_model(directory, "lean", "float32", "cpu"), windows)
            for which, directory in (("source", source), ("quantized", quantized))}
     return got | {"tokens": sum(len(w) - 1 for w in windows)}
 
@@ -89,7 +91,8 @@ def main(argv=None) -> list[Path]:
                             "date": datetime.date.today().isoformat(), "command": command}
             line = f"{name}: {source} -> {out} ({fmt.name}, {fmt.bits} bits a weight)"
             if data is not None and args.eval_tokens:
-                window = min(256, read_config(source)["n_positions"])
+                config = read_config(source)  # a GPT-2's context, or a Llama-family model's
+                window = min(256, config.get("n_positions") or config.get("max_position_embeddings", 256))
                 windows = validation_windows(data, args.eval_tokens, window)
                 report["perplexity"] = p = measured(source, tmp, windows)
                 change = 100 * (p["quantized"] / p["source"] - 1)

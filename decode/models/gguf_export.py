@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from decode.errors import InputError
 from decode.models.engine import is_lean_compatible, read_config
@@ -75,8 +76,10 @@ LLAMA_TENSORS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "
 
 
 def pairs_adjacent(rows, heads: int):
-    """A query or key matrix's (or bias's) rows reordered per head from transformers' halves to llama.cpp's pairs."""
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    """A query or key matrix's (or bias's, or blocks') rows reordered per head from transformers' halves to llama.cpp's
+    pairs."""
+    order = torch.arange(rows.shape[0]).reshape(heads, 2, -1).swapaxes(1, 2).flatten()
+    return rows.rows(order) if isinstance(rows, QuantizedMatrix) else rows[order]
 
 
 def llama_tensors(weights: dict, shape: LlamaShape, architecture: str) -> dict:
@@ -101,8 +104,6 @@ def llama_tensors(weights: dict, shape: LlamaShape, architecture: str) -> dict:
 def add_llama_hyperparameters(writer, config: dict, shape: LlamaShape, architecture: str) -> dict:
     """A Llama-family model's hyperparameters; returns the tensors they add (llama.cpp's per-frequency rope factors,
     for a rope scaling other than the default)."""
-    import torch
-
     writer.add_context_length(config.get("max_position_embeddings", shape.n_positions))
     writer.add_embedding_length(shape.n_embd)
     writer.add_feed_forward_length(shape.intermediate)

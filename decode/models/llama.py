@@ -19,6 +19,7 @@ from decode.models.kv_slots import KVSlots
 from decode.models.lean_engine import DTYPES, SPECULATIVE_SLOTS, LeanEngine, on_device, torch_weights_on_first_use
 from decode.models.pretrained import load_safetensors
 from decode.models.projection import LAYOUTS, Projection
+from decode.models.quantized import Format, QuantizedMatrix, format_of, split_checkpoint
 from decode.models.runtime import runtime_for
 from decode.shortlist import Shortlist
 from decode.tensors import Ids, as_tensor
@@ -158,18 +159,28 @@ FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "a
          "mlp_in": ("mlp.gate_proj", "mlp.up_proj"), "mlp_out": ("mlp.down_proj",)}
 
 
-def fused(weights: dict[str, torch.Tensor], i: int, take: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Block i's four matrices (in, out), each of FUSED's projections side by side, and their biases where the
-    checkpoint has any (zeros for the projections without), by the C++ forward's names (h.{i}.qkv, h.{i}.qkv.bias)."""
-    tensors = {}
+def fused(weights: dict[str, torch.Tensor], i: int, take: Callable[[str], "torch.Tensor | QuantizedMatrix"]) -> dict:
+    """Block i's four matrices, each of FUSED's projections' output rows one after another's (in, out), or (out, in)
+    in a quantized model's blocks, and their biases where the checkpoint has any (zeros for the projections without),
+    by the C++ forward's names (h.{i}.qkv, h.{i}.qkv.bias)."""
+    tensors: dict = {}
     for name, parts in FUSED.items():
         matrices = [take(f"layers.{i}.{part}.weight") for part in parts]
-        tensors[f"h.{i}.{name}"] = torch.cat(matrices).T if len(matrices) > 1 else matrices[0].T
+        quantized = isinstance(matrices[0], QuantizedMatrix)
+        tensors[f"h.{i}.{name}"] = QuantizedMatrix.stacked(matrices) if quantized else torch.cat(matrices).T
         biases = [weights.get(f"layers.{i}.{part}.bias") for part in parts]
-        if any(b is not None for b in biases):
-            tensors[f"h.{i}.{name}.bias"] = torch.cat([m.new_zeros(m.shape[0]) if b is None else b
+        present = [b for b in biases if b is not None]
+        if present:
+            tensors[f"h.{i}.{name}.bias"] = torch.cat([present[0].new_zeros(m.shape[0]) if b is None else b
                                                        for b, m in zip(biases, matrices)])
     return tensors
+
+
+def dequantized_checkpoint(model_dir, fmt: Format) -> dict[str, torch.Tensor]:
+    """A quantized Llama-family checkpoint's tensors, every matrix dequantized to float32: the model torch's forward
+    (or transformers') computes."""
+    dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
+    return dense | {name: matrix.dequantize() for name, matrix in quantized.items()}
 
 
 @dataclass
@@ -199,10 +210,11 @@ class LlamaEngine(LeanEngine):
     def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32",
               device: str | torch.device = "cpu", max_length: int | None = None, layout: str | None = None,
               cuda_graphs: bool = False, shortlist: Shortlist | None = None, native_blocks: bool = False,
-              calibrate: bool = False, reload: Callable[[], dict[str, torch.Tensor]] | None = None) -> "LlamaEngine":
+              calibrate: bool = False, reload: Callable[[], dict[str, torch.Tensor]] | None = None,
+              quantized: dict[str, QuantizedMatrix] | None = None) -> "LlamaEngine":
         """From a Llama-family config and its weights as named in a Hugging Face checkpoint: as GPT2Engine.build
-        (the same runtime, layouts, shortlist, C++ forward and `reload`); the context is the config's positions,
-        at most DEFAULT_CONTEXT unless `max_length` asks for more."""
+        (the same runtime, layouts, shortlist, C++ forward, `reload` and `quantized` matrices, by checkpoint name);
+        the context is the config's positions, at most DEFAULT_CONTEXT unless `max_length` asks for more."""
         why = unsupported(config)
         if why is not None:
             raise InputError(f"the lean engine cannot run this model: {why}; use the transformers backend (--backend hf)")
@@ -210,17 +222,31 @@ class LlamaEngine(LeanEngine):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = LlamaShape.from_config(config), torch.device(device), DTYPES[dtype]
         max_length = min(max_length or DEFAULT_CONTEXT, shape.n_positions)
-        runtime = runtime_for(device, torch_dtype, native_blocks, cuda_graphs)
+        quantization = next(iter(quantized.values())).format if quantized else None
+        runtime = runtime_for(device, torch_dtype, native_blocks, cuda_graphs, quantization)
         fits = runtime.loads_forward(shape.n_embd) and shape.intermediate % 16 == 0 and shape.head_dim % 2 == 0
         lazy = fits and reload is not None
         convert = lambda checkpoint, take: on_device(checkpoint, take, "model.", device, torch_dtype)
+        if quantized:  # torch's forward computes with every matrix dequantized, the embeddings looked up so
+            quantized = {name.removeprefix("model."): matrix for name, matrix in quantized.items()}
+            weights = weights | {name: quantized[name].dequantize()
+                                 for name in (quantized if not lazy else ["embed_tokens.weight"])}
         weights = convert(weights, weights.pop if lazy else weights.__getitem__)
+        # a config that pads the output past the tokenizer's tokens (load's `tokens`): the padded rows are left out
         embed = weights["embed_tokens.weight"] = weights["embed_tokens.weight"][: shape.vocab_size]
-        head = embed if shape.tied or "lm_head.weight" not in weights else weights["lm_head.weight"][: shape.vocab_size]
-        output = head if shortlist is None else head[shortlist.tokens_on(device)]
+        rows = slice(shape.vocab_size) if shortlist is None else shortlist.tokens_on(device)
+
+        def output_of(checkpoint: dict):
+            """The output layer's (columns, n_embd) weight, in the model's dtype or in blocks: the untied head's rows,
+            or the embeddings'."""
+            head = checkpoint.get("lm_head.weight") if not shape.tied else None
+            matrix = checkpoint["embed_tokens.weight"] if head is None else head
+            return matrix.rows(rows) if isinstance(matrix, QuantizedMatrix) else matrix[rows]
+
+        columns = shape.vocab_size if shortlist is None else len(shortlist.tokens)
         e, q, kv = shape.n_embd, shape.n_head * shape.head_dim, shape.kv_width
         matrices = {"qkv": (e, q + 2 * kv), "attn_out": (q, e), "mlp_in": (e, 2 * shape.intermediate),
-                    "mlp_out": (shape.intermediate, e), "head": (e, output.shape[0])}  # (in, out)
+                    "mlp_out": (shape.intermediate, e), "head": (e, columns)}  # (in, out)
         layouts = {name: layout or runtime.layout(*matrix, False, calibrate) for name, matrix in matrices.items()}
         pad_rows = runtime.pads_rows()
 
@@ -232,7 +258,8 @@ class LlamaEngine(LeanEngine):
                 return LlamaLayer(checkpoint[f"layers.{i}.input_layernorm.weight"], p["qkv"], p["attn_out"],
                                   checkpoint[f"layers.{i}.post_attention_layernorm.weight"], p["mlp_in"], p["mlp_out"])
 
-            return [layer(i) for i in range(shape.n_layer)], Projection(output.T, None, layouts["head"], pad_rows=pad_rows)
+            head = Projection(output_of(checkpoint).T, None, layouts["head"], pad_rows=pad_rows)
+            return [layer(i) for i in range(shape.n_layer)], head
 
         cos, sin = rotary_tables(config, max_length)
         kv_slots = KVSlots(shape.n_layer, shape.n_kv_head, shape.head_dim, max_length + SPECULATIVE_SLOTS, torch_dtype,
@@ -240,7 +267,9 @@ class LlamaEngine(LeanEngine):
         make_torch_weights = torch_weights_on_first_use(None if lazy else torch_weights(weights), reload, convert,
                                                         torch_weights)
         if fits:
-            take = weights.pop if lazy else weights.__getitem__
+            held = quantized or weights  # the matrices, in blocks or in the model's dtype
+            take = held.pop if lazy else held.__getitem__
+            output = output_of(quantized or weights)
             tensors = {"wte": embed, "rope.cos": cos, "rope.sin": sin, "norm_f.weight": weights["norm.weight"]}
             for i in range(shape.n_layer):
                 tensors |= {f"h.{i}.norm_1.weight": weights[f"layers.{i}.input_layernorm.weight"],
@@ -263,8 +292,16 @@ class LlamaEngine(LeanEngine):
         config = read_config(model_dir)
         if tokens is not None:
             config = config | {"vocab_size": min(tokens, config["vocab_size"])}
-        return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
-                         shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir))
+        fmt = format_of(config, model_dir)
+        if fmt is None:
+            return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
+                             shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir))
+        dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
+        if "model.embed_tokens.weight" not in quantized:
+            raise InputError(f"{model_dir} is a {fmt.name} checkpoint without quantized embeddings; quantize the 16-bit "
+                             f"model again (python -m decode.quantize)")
+        return cls.build(config, dense, dtype, device, max_length, layout, cuda_graphs, shortlist, native_blocks,
+                         calibrate, reload=lambda: dequantized_checkpoint(model_dir, fmt), quantized=quantized)
 
     def torch_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                      slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:

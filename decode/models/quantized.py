@@ -109,6 +109,11 @@ class QuantizedMatrix:
         values = self.values().reshape(out, -1, BLOCK)
         return (values * self.scales.to(torch.float32)[..., None]).reshape(out, in_features)
 
+    @classmethod
+    def stacked(cls, matrices: list["QuantizedMatrix"]) -> "QuantizedMatrix":
+        """The matrix of these matrices' output rows, one matrix's after another's (a layer's fused projections)."""
+        return cls(matrices[0].format, torch.cat([m.quants for m in matrices]), torch.cat([m.scales for m in matrices]))
+
     def rows(self, index: torch.Tensor | slice) -> "QuantizedMatrix":
         """The matrix of these output rows (a shortlist's tokens of an output layer, or its unpadded rows)."""
         return QuantizedMatrix(self.format, self.quants[index], self.scales[index])
