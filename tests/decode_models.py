@@ -1,4 +1,4 @@
-"""Tiny GPT-2 checkpoints for decoding tests: an oracle, a good draft (the oracle's weights plus a
+"""Tiny GPT-2 and Llama-family checkpoints for decoding tests: an oracle, a good draft (the oracle's weights plus a
 little noise) and a bad one (independent weights). A large init range makes their predictions
 depend on the context, so drafts really disagree with the oracle."""
 import numpy as np

@@ -303,9 +303,10 @@ def test_bench_engine_refuses_a_model_the_lean_engine_does_not_run_with_a_bench_
                                                                                                        capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    llama = tmp_path / "llama"
+    llama = tmp_path / "llama"  # a rope scaling that changes with the sequence's length: transformers' backend runs it
     LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(llama)
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 rope_scaling={"rope_type": "dynamic", "factor": 2.0})).save_pretrained(llama)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(models["oracle"] / name, llama / name)
     prompts = tmp_path / "p.jsonl"
@@ -313,7 +314,7 @@ def test_bench_engine_refuses_a_model_the_lean_engine_does_not_run_with_a_bench_
     with pytest.raises(SystemExit):
         bench_engine.main(["--model", str(llama), "--prompts", str(prompts)])
     error = capsys.readouterr().err
-    assert "'llama' model" in error and "--backend hf" in error
+    assert "rope type 'dynamic'" in error and "--backend hf" in error
     command = shlex.split(re.search(r"`(python -m decode\.bench [^`]*)`", error)[1])
     known, names, settings = bench.parse(command[3:] + ["--limit", "1", "--max-new-tokens", "2"])
     assert names == ["baseline", "hf-generate"] and settings.flags.base.backend == "hf"

@@ -1,7 +1,7 @@
-"""The configs of models trained from scratch: a GPT-2, or a Llama-family model (Llama, Qwen2, Mistral: RMS norms,
-rotary positions, SwiGLU MLPs, grouped-query attention), each of a --n-layer x --n-embd shape. A draft distilled from
-a Llama-family oracle is of the oracle's family by default (--arch teacher): the lean engine runs both, and the draft
-shares the oracle's rotary positions."""
+"""The configs of new models (not started from a checkpoint): a GPT-2, or a Llama-family model (Llama, Qwen2,
+Mistral: RMS norms, rotary positions, SwiGLU MLPs, grouped-query attention), each of a --n-layer x --n-embd shape. A
+draft distilled from a Llama-family oracle is of the oracle's family by default (--arch teacher): the lean engine runs
+both, and the draft shares the oracle's rotary positions."""
 import math
 
 from decode.errors import InputError
