@@ -106,7 +106,7 @@ def trained_oracle_run(tmp_path_factory):
 
 # Fixtures that train a model or run the whole planner: a test that uses one is a pipeline test, which the fast tier
 # (bash scripts/test.sh --fast) leaves out
-PIPELINE_FIXTURES = {"trained_oracle_run", "planned"}
+PIPELINE_FIXTURES = {"trained_oracle_run", "trained_llama_run", "planned"}
 
 
 def pytest_collection_modifyitems(items):

@@ -166,8 +166,9 @@ def fused(weights: dict[str, torch.Tensor], i: int, take: Callable[[str], "torch
     tensors: dict = {}
     for name, parts in FUSED.items():
         matrices = [take(f"layers.{i}.{part}.weight") for part in parts]
-        quantized = isinstance(matrices[0], QuantizedMatrix)
-        tensors[f"h.{i}.{name}"] = QuantizedMatrix.stacked(matrices) if quantized else torch.cat(matrices).T
+        blocks = [m for m in matrices if isinstance(m, QuantizedMatrix)]
+        tensors[f"h.{i}.{name}"] = (QuantizedMatrix.stacked(blocks) if blocks else
+                                    torch.cat([m for m in matrices if isinstance(m, torch.Tensor)]).T)
         biases = [weights.get(f"layers.{i}.{part}.bias") for part in parts]
         present = [b for b in biases if b is not None]
         if present:
