@@ -47,7 +47,9 @@ class GPT2Shape:
         return self.n_embd
 
 
-def read_config(model_dir) -> dict:
+def read_config(model_dir, tokens: int | None = None) -> dict:
+    """A model directory's config.json; its vocabulary the first `tokens` rows where given (a config that pads the
+    tokenizer's: loading.token_rows)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise InputError(f"{model_dir} is not a model directory (no config.json); pass a directory written by save_pretrained")
@@ -57,7 +59,7 @@ def read_config(model_dir) -> dict:
         raise InputError(f"{path} is not a valid JSON config ({err}); {RETRAIN}") from None
     if not isinstance(config, dict):
         raise InputError(f"{path} is not a model config (a JSON object); {RETRAIN}")
-    return config
+    return config if tokens is None else config | {"vocab_size": min(tokens, config["vocab_size"])}
 
 
 def is_lean_compatible(config: dict) -> bool:
@@ -216,9 +218,7 @@ class GPT2Engine(LeanEngine):
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
              native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None) -> "GPT2Engine":
         """As LeanEngine.load; a quantized checkpoint (decode.quantize) computes with its blocks."""
-        config = read_config(model_dir)
-        if tokens is not None:
-            config = config | {"vocab_size": min(tokens, config["vocab_size"])}
+        config = read_config(model_dir, tokens)
         if not is_lean_compatible(config):
             raise InputError(
                 f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "

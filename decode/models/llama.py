@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from decode.errors import InputError
+from decode.models.engine import read_config
 from decode.models.kv_slots import KVSlots
 from decode.models.lean_engine import DTYPES, SPECULATIVE_SLOTS, LeanEngine, on_device, torch_weights_on_first_use
 from decode.models.pretrained import load_safetensors
@@ -288,11 +289,7 @@ class LlamaEngine(LeanEngine):
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
              native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None) -> "LlamaEngine":
         """From a save_pretrained directory (safetensors), as LeanEngine.load."""
-        from decode.models.engine import read_config
-
-        config = read_config(model_dir)
-        if tokens is not None:
-            config = config | {"vocab_size": min(tokens, config["vocab_size"])}
+        config = read_config(model_dir, tokens)
         fmt = format_of(config, model_dir)
         if fmt is None:
             return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
