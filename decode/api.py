@@ -11,25 +11,34 @@ Bad settings raise the one-line InputError the command-line tools print.
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from decode import generation, loop
-from decode.drafting import Drafter
-from decode.errors import InputError, check_path
-from decode.healing import Prompt, TokenHealer
-from decode.methods import METHODS, check_options, check_tree_shape
-from decode.models.cached_lm import CachedLM
-from decode.models.loading import check_same_vocabulary, load_draft, load_model, load_trigram, pretrained_dir
+from decode.batch import Batch
+from decode.decoder import Decoder, build_decoder
+from decode.errors import InputError
+from decode.healing import Prompt
+from decode.methods import METHODS, check_options
+from decode.models.loading import pretrained_dir
 from decode.options import DecoderOptions, check_number, sampling_of
 from decode.resolution import Resolved, resolve
 from decode.sampling import GREEDY, Sampling
-from decode.tokenizer import load_tokenizer, start_ids, stop_ids, text_ids
+from decode.tokenizer import start_ids, text_ids
 
 log = logging.getLogger("decode")
+
+
+def drain_one(pieces: Generator[str, None, "Result"]) -> "Result | None":
+    """The next piece of SpeculativeDecoder.decode read and dropped: its Result once it has ended, else None."""
+    try:
+        next(pieces)
+    except StopIteration as done:
+        return done.value
+    return None
 
 
 def drain(pieces: Generator[str, None, "Result"], each: Callable[[str], object] = lambda piece: None) -> "Result":
@@ -86,6 +95,7 @@ class SpeculativeDecoder:
         self.settings: dict[Sampling, DecoderOptions] = {}  # sampling setting -> its options (with `plans`)
         self.decoders = {drafting(self.options): self.decoder}  # what a decoder drafts with -> the decoder
         self.busy = threading.Lock()
+        self.batch = Batch()  # generate_batch's sequences, its forks of the decoders kept from one call to the next
         self.materialized: list = []  # temporary directories from_pretrained saved loaded models into
 
     def options_for(self, sampling: Sampling) -> DecoderOptions:
@@ -206,42 +216,87 @@ class SpeculativeDecoder:
         return generation.Stream(self.decoding(prompt, generation.request_of(generation_config, settings, sampling_of),
                                                pieces=True))
 
-    def decoding(self, prompt, request: generation.Request, pieces: bool, streamer=None) -> Generator[str, None, Result]:
-        """`decode` with the prompt checked, holding the decoder from its first step to its last (or until the
-        generator is closed): a second decoding meanwhile raises DecoderBusy."""
+    def generate_batch(self, prompts: list, generation_config=None, **settings) -> list[Result]:
+        """Decode several prompts (each text or token ids) together: each step scores every prompt's drafted tree in
+        one oracle forward (decode.batch), which on a CPU costs little more than one prompt's. Each Result is what
+        `generate` gives that prompt, token for token; the settings are generate's, the same for every prompt (a seed
+        seeds each prompt's draws as it seeds generate's)."""
+        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InputError("generate_batch takes a non-empty list of prompts (each text or token ids)", "prompt")
+        request = generation.request_of(generation_config, settings, sampling_of)
+        self.hold()
+        try:
+            decodings = [self.joined(self.batch, prompt, request, pieces=True) for prompt in prompts]
+            results: dict[int, Result] = {}
+            while len(results) < len(decodings):  # a step for every prompt in turn, each read as the step ends
+                for i, decoding in enumerate(decodings):
+                    if i not in results and (result := drain_one(decoding)) is not None:
+                        results[i] = result
+            return [results[i] for i in range(len(decodings))]
+        finally:
+            self.busy.release()
+
+    def stream_in(self, batch: Batch, prompt: str | list[int], generation_config=None, **settings) -> generation.Stream:
+        """`stream`'s pieces for a prompt decoded as a sequence of `batch` (decode.batch), beside the others reading
+        theirs in the same thread: a server's requests in flight. The prompt is checked at once; it joins the batch
+        as its first piece is read."""
+        request = generation.request_of(generation_config, settings, sampling_of)
+        return generation.Stream(self.joined(batch, prompt, request, pieces=True))
+
+    def joined(self, batch: Batch, prompt, request: generation.Request, pieces: bool) -> Generator[str, None, Result]:
+        """`decode` of the prompt, checked now, as a sequence of `batch`."""
+        encoded = self.prompt(prompt, request.max_new_tokens, self.lookahead(request.sampling))
+        steps = batch.join(self.decoder_for(request.sampling), encoded, request.max_new_tokens, request.seed,
+                           request.sampling)
+        return self.decode(encoded, request, pieces, steps=steps)
+
+    def hold(self) -> None:
+        """Take the decoder for one decoding, or raise DecoderBusy."""
         if not self.busy.acquire(blocking=False):
             raise DecoderBusy("this decoder is already decoding another prompt (another thread's call, or a stream "
                               "not yet finished or closed); decode one prompt at a time on it, or use one decoder per thread")
+
+    def decoding(self, prompt, request: generation.Request, pieces: bool, streamer=None) -> Generator[str, None, Result]:
+        """`decode` with the prompt checked, holding the decoder from its first step to its last (or until the
+        generator is closed): a second decoding meanwhile raises DecoderBusy."""
+        self.hold()
         try:
             encoded = self.prompt(prompt, request.max_new_tokens, self.lookahead(request.sampling))
             return (yield from self.decode(encoded, request, pieces, streamer))
         finally:
             self.busy.release()
 
-    def decode(self, prompt: Prompt, request: generation.Request, pieces: bool, streamer=None
-               ) -> Generator[str, None, Result]:
-        """Decode an encoded prompt as the request says; with `pieces`, yield the new text
+    def decode(self, prompt: Prompt, request: generation.Request, pieces: bool, streamer=None,
+               steps: loop.Steps | None = None) -> Generator[str, None, Result]:
+        """Decode an encoded prompt as the request says, reading its loop's `steps` (default: decoding it alone on
+        the decoder for its sampling setting); with `pieces`, yield the new text
         after each oracle call. A piece never ends inside a character: an incomplete UTF-8 sequence (decoded as
         U+FFFD) waits for its rest. The output ends at the request's stop conditions. Returns the Result."""
+        if steps is None:
+            steps = self.decoder_for(request.sampling).steps(prompt, request.max_new_tokens, request.seed,
+                                                             request.sampling)
         text_of = lambda tokens: prompt.completion(self.tokenizer, tokens, self.decoder.stop_ids)
         start, sent, seen, stopped = time.perf_counter(), 0, 0, None
         checks = bool(request.eos_ids or request.stop_strings)
         if streamer is not None:
             streamer.put(prompt.ids.detach().cpu())
-        for out in self.decoder_for(request.sampling).steps(prompt, request.max_new_tokens, request.seed, request.sampling):
-            stopped = request.stop_at(out.tokens, seen, text_of) if checks else None
-            tokens = out.tokens if stopped is None else out.tokens[:stopped]  # the loop's own list, grown each step
-            if streamer is not None and len(tokens) > seen:
-                streamer.put(torch.tensor(tokens[seen:]))
-            seen = len(tokens)
-            if pieces:
-                text = text_of(tokens)
-                end = len(text.rstrip("\ufffd"))
-                if end > sent:
-                    yield text[sent:end]
-                    sent = end
-            if stopped is not None:
-                break
+        try:
+            for out in steps:
+                stopped = request.stop_at(out.tokens, seen, text_of) if checks else None
+                tokens = out.tokens if stopped is None else out.tokens[:stopped]  # the loop's own list, grown each step
+                if streamer is not None and len(tokens) > seen:
+                    streamer.put(torch.tensor(tokens[seen:]))
+                seen = len(tokens)
+                if pieces:
+                    text = text_of(tokens)
+                    end = len(text.rstrip("\ufffd"))
+                    if end > sent:
+                        yield text[sent:end]
+                        sent = end
+                if stopped is not None:
+                    break
+        finally:  # the loop ends here (a batch's sequence leaves its batch), whatever ended the reading
+            steps.close()
         done = stopped is not None or (tokens and tokens[-1] in self.decoder.stop_ids)
         result = Result(text_of(tokens), tokens, out.oracle_calls, out.draft_calls, time.perf_counter() - start,
                         prompt.tail, "stop" if done else "length")
@@ -250,93 +305,3 @@ class SpeculativeDecoder:
         if streamer is not None:
             streamer.end()
         return result
-
-
-
-
-@dataclass
-class Decoder:
-    """A method's models and drafter: everything it needs to decode one prompt."""
-
-    options: DecoderOptions
-    oracle: CachedLM
-    draft: CachedLM | None
-    drafter: Drafter | None
-    eos_id: int  # the tokenizer's end-of-text, which separates the documents the trigram counted
-    stop_ids: frozenset[int]  # the tokens that end an output: eos_id and the model's generation_config.json's
-
-    def steps(self, prompt: Prompt, max_new_tokens: int, seed: int, sampling: Sampling, verify: Callable | None = None,
-              hooks: loop.Hooks = loop.UNTIMED) -> Iterator[loop.Generation]:
-        """The generation so far after each oracle call. `verify`: a speculative method's verification rule in
-        place of its own (decode.cli.agreement passes one that records what the oracle's forwards computed);
-        `hooks` hear the time each part of a step takes."""
-        generator = torch.Generator(self.oracle.device).manual_seed(seed)  # torch samples with a generator on the tensors' device
-        args = (self.oracle, prompt.ids, max_new_tokens, sampling, self.stop_ids)
-        if self.drafter is None:
-            return loop.baseline_steps(*args, generator=generator, allowed=prompt.allowed, hooks=hooks)
-        return loop.tree_speculative_steps(*args, drafter=self.drafter, generator=generator, allowed=prompt.allowed,
-                                           verify=verify, hooks=hooks)
-
-    def __call__(self, prompt: Prompt, max_new_tokens: int, seed: int, sampling: Sampling,
-                 hooks: loop.Hooks = loop.UNTIMED) -> loop.Generation:
-        return loop.run_to_end(self.steps(prompt, max_new_tokens, seed, sampling, hooks=hooks))
-
-    def context(self) -> int:
-        return min(m.max_length for m in (self.oracle, self.draft) if m is not None)
-
-    def lookahead(self) -> int:
-        """Positions past the output a step may score: the drafted depth."""
-        return METHODS[self.options.method].lookahead(self.options)
-
-
-def loaded(models: dict, key: tuple, load: Callable):
-    """models[key], loaded first if it is not there."""
-    if key not in models:
-        models[key] = load()
-    return models[key]
-
-
-def require_draft(draft, needed_by: str) -> Path:
-    """The draft directory, refused where a method that drafts with a draft model (`needed_by` names it) has none."""
-    if draft is None:
-        raise InputError(f"{needed_by} needs a draft model; pass --draft DIR (or --run RUN)")
-    check_path(draft, True, "draft directory", "pass --draft DIR (or --run RUN)")
-    return Path(draft)
-
-
-def build_decoder(options: DecoderOptions, models: dict | None = None) -> tuple[Decoder, TokenHealer]:
-    """The method's decoder, and the healer that turns prompt token ids into its prompts (its tokenizer: .tokenizer).
-    `models` holds what earlier decoders loaded (the oracle, the draft, the trigram), to be shared with this one: a
-    sequence resets the models' caches as it starts."""
-    models = {} if models is None else models
-    check_path(options.oracle, True, "oracle directory", "train one with train/finetune_oracle.py, or pass --oracle DIR")
-    method = METHODS[options.method]
-    how = (options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs)  # load_model's arguments
-    oracle = loaded(models, ("oracle", *how), lambda: load_model(*how))
-    tokenizer = load_tokenizer(options.oracle)
-    draft = table = drafter = None
-    if method.draft:
-        check_same_vocabulary(options.oracle, require_draft(options.draft, f"--method {options.method}"), "draft")
-        draft = loaded(models, ("draft", options.draft, options.backend, options.draft_dtype or options.dtype, options.device,
-                                options.cuda_graphs, options.draft_vocab), lambda: load_draft(options, oracle.vocab_size))
-        if draft.vocab_size != oracle.vocab_size:
-            raise InputError(f"the oracle has {oracle.vocab_size} output tokens and the draft {draft.vocab_size}; they must match")
-    if method.trigram:
-        table = loaded(models, ("ngram", options.ngram), lambda: load_trigram(options, len(tokenizer), tokenizer.eos_token_id))
-    if method.tree:
-        check_tree_shape(options, table)
-    if method.drafter is not None:
-        drafter = method.drafter(options, draft, table)
-    decoder = Decoder(options, oracle, draft, drafter, tokenizer.eos_token_id, stop_ids(options.oracle, tokenizer))
-    check_lookahead(decoder)
-    return decoder, TokenHealer(tokenizer, oracle.vocab_size, options.token_healing)
-
-
-def check_lookahead(decoder: Decoder) -> None:
-    """Refuse, naming the setting, a draft deeper than the models' context leaves room for (a prompt of one token,
-    its healing's back-off and one new token)."""
-    largest = decoder.context() - 3
-    if decoder.lookahead() > largest:
-        setting = METHODS[decoder.options.method].lookahead_setting
-        raise InputError(f"--{setting.replace('_', '-')} {getattr(decoder.options, setting)} drafts past the models' "
-                         f"context of {decoder.context()} tokens; use at most {largest}", setting)

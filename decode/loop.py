@@ -2,20 +2,22 @@
 drafted tokens (a chain is the one-branch tree of standard speculative decoding). Both keep the same invariant:
 a model's cache holds every token of the sequence but the last, which it has not seen yet.
 
-Each loop is a generator (`*_steps`) that yields its Generation after every oracle call, so a caller can stream
-the tokens as they are accepted; `baseline`, `tree_speculative` and `speculative` run one to the end. `hooks`
+Each loop is written once, as a coroutine (`*_calls`) that yields each forward it needs of the oracle as a Call,
+is sent its logits, and yields its Generation after every oracle call. `alone` runs one sequence's calls one by one
+(`*_steps`: a generator of Generations, so a caller can stream the tokens as they are accepted); decode.batch runs
+several sequences' calls together. `baseline`, `tree_speculative` and `speculative` run one to the end. `hooks`
 hear how long each part of a step took (the tools that time decoding pass them; decoding itself passes none).
 Both read their random draws from the `generator` they are given through one `Uniforms`, a block at a time.
 """
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from decode.drafting import ChainDrafter, Drafter
 from decode.healing import constrain_first
-from decode.models.cached_lm import CachedLM
+from decode.models.cached_lm import CachedLM, Call
 from decode.sampling import Sampling, Uniforms
 from decode.tensors import long_tensor
 from decode.verify import Target
@@ -66,22 +68,46 @@ class Hooks:
 
         return timed_call
 
-    def forward(self, model: CachedLM, call: Callable) -> Callable:
-        """`call` (a forward of `model`'s over new tokens, their ids first), reported to on_forward."""
-        if self.on_forward is None:
-            return call
+    def run(self, model: CachedLM) -> Callable[[Call], torch.Tensor]:
+        """`model.run`, each call reported to on_forward."""
+        report = self.on_forward
+        if report is None:
+            return model.run
 
-        def timed_forward(token_ids, *args, **kwargs):
+        def timed_run(call: Call) -> torch.Tensor:
             cached, start = model.length + model.pending, self.clock()
             try:
-                return call(token_ids, *args, **kwargs)
+                return model.run(call)
             finally:
-                self.on_forward(len(token_ids), cached, self.clock() - start)
+                report(len(call.token_ids), cached, self.clock() - start)
 
-        return timed_forward
+        return timed_run
 
 
 UNTIMED = Hooks()
+# A loop's coroutine: sent each Call's logits, and resumed with next() after each Generation
+Calls = Generator["Call | Generation", torch.Tensor, None]
+Steps = Generator[Generation, None, None]  # a loop's Generations, one after each oracle call
+
+
+def resume(calls: Calls, logits: torch.Tensor | None) -> "Call | Generation | None":
+    """What a loop's coroutine asks or yields next, sent the logits of the Call it asked for (None: after a
+    Generation, or to start it); None once it has ended."""
+    try:
+        return next(calls) if logits is None else calls.send(logits)
+    except StopIteration:
+        return None
+
+
+def alone(oracle: CachedLM, calls: Calls, hooks: Hooks = UNTIMED) -> Steps:
+    """A loop's Generations, each of its oracle calls run as it asks."""
+    run, logits = hooks.run(oracle), None
+    while (asked := resume(calls, logits)) is not None:
+        if isinstance(asked, Call):
+            logits = run(asked)
+        else:
+            logits = None
+            yield asked
 
 
 def run_to_end(steps: Iterator[Generation]) -> Generation:
@@ -90,28 +116,28 @@ def run_to_end(steps: Iterator[Generation]) -> Generation:
     return last
 
 
-def baseline_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+def baseline_calls(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
                    stop_ids: Collection[int], *, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
-                   hooks: Hooks = UNTIMED) -> Iterator[Generation]:
+                   hooks: Hooks = UNTIMED) -> Calls:
     """One oracle call per token. `allowed` (a healed prompt's): the tokens the first one may be."""
-    extend, uniforms, kernels = hooks.forward(oracle, oracle.extend), Uniforms(generator), oracle.runtime.kernels
+    uniforms, kernels = Uniforms(generator), oracle.runtime.kernels
     oracle.reset()
-    logits = constrain_first(extend(prompt, last=1), allowed)[0]
+    logits = constrain_first((yield Call(prompt, last=1, extend=True)), allowed)[0]
     out = Generation(oracle_calls=1, oracle_nodes=1)
     while True:
         done = out.add([kernels.choose(logits, sampling, uniforms)], max_new_tokens, stop_ids)
         yield out
         if done:
             return
-        logits = extend(long_tensor(out.tokens[-1:], oracle.device))[-1]
+        logits = (yield Call(long_tensor(out.tokens[-1:], oracle.device), extend=True))[-1]
         out.oracle_calls += 1
         out.oracle_nodes += 1
 
 
-def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+def tree_speculative_calls(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
                            stop_ids: Collection[int], *, drafter: Drafter, generator: torch.Generator | None = None,
                            allowed: torch.Tensor | None = None, verify: Callable | None = None,
-                           hooks: Hooks = UNTIMED) -> Iterator[Generation]:
+                           hooks: Hooks = UNTIMED) -> Calls:
     """The drafter proposes a tree, the oracle scores every node in one call, and the verifier walks it:
     sample-match for trees of ranked tokens, multi-draft rejection for drawn children. `verify`: another rule
     with their signature (decode.cli.agreement records what the oracle's forwards computed with one). The loops over
@@ -120,19 +146,18 @@ def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_token
     verify = hooks.timed(verify or (kernels.multi_draft_rejection if drafter.draws(sampling) else kernels.sample_match),
                          hooks.on_verify)
     propose = hooks.timed(drafter.propose, hooks.on_propose)
-    forward, extend = hooks.forward(oracle, oracle.forward), hooks.forward(oracle, oracle.extend)
     uniforms = Uniforms(generator)
     oracle.reset()
     drafter.reset()
     tokens = prompt.tolist()
     out = Generation()
     if len(tokens) > 1:
-        extend(prompt[:-1], last=0)
+        yield Call(prompt[:-1], last=0, extend=True)
         out.oracle_calls += 1
     while True:
         tree = propose(tokens, max_new_tokens - len(out.tokens) - 1, sampling, uniforms)
         cached = oracle.length
-        logits = forward(tree.tokens, tree.positions(cached), tree.mask(oracle.device))
+        logits = yield Call(tree.tokens, tree.positions(cached), tree.mask(oracle.device))
         logits, allowed = constrain_first(logits, allowed), None  # the root's row of the first step only
         out.oracle_calls += 1
         out.oracle_nodes += len(tree)
@@ -146,6 +171,14 @@ def tree_speculative_steps(oracle: CachedLM, prompt: torch.Tensor, max_new_token
         yield out
         if done:
             return
+
+
+def baseline_steps(oracle: CachedLM, *args, hooks: Hooks = UNTIMED, **kwargs) -> Steps:
+    return alone(oracle, baseline_calls(oracle, *args, hooks=hooks, **kwargs), hooks)
+
+
+def tree_speculative_steps(oracle: CachedLM, *args, hooks: Hooks = UNTIMED, **kwargs) -> Steps:
+    return alone(oracle, tree_speculative_calls(oracle, *args, hooks=hooks, **kwargs), hooks)
 
 
 def baseline(*args, **kwargs) -> Generation:

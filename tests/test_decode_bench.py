@@ -11,10 +11,10 @@ import torch
 from decode_models import run_models
 
 from decode import native, timing
-from decode.api import Decoder
 from decode.benchmarking import explain, llama_server, peers, tables
 from decode.benchmarking.harness import Timer
 from decode.cli import agreement, bench, bench_engine, profile_step
+from decode.decoder import Decoder
 from decode.models.cached_lm import CachedLM
 from decode.models.engine import GPT2Engine
 from decode.models.runtime import Runtime

@@ -82,7 +82,7 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
     assert in_cpp.runtime.blocks.tiles == tiles
     rows = []
     inner = in_cpp.runtime.blocks.__call__
-    monkeypatch.setattr(in_cpp.runtime, "blocks", lambda *args: rows.append(len(args[0])) or inner(*args))
+    monkeypatch.setattr(in_cpp.runtime, "blocks", lambda *args: rows.append(len(args[1])) or inner(*args))
     rng = random.Random(0)
     tree = random_tree(rng, 15, 97)
     forwards = [  # a prompt past the C++ call's rows (in calls of its rows), one within them, a tree under a mask, a
@@ -177,7 +177,7 @@ def test_a_prompt_longer_than_a_cpp_call_is_read_in_calls_that_give_each_row_the
     engine = engine_in_cpp(tiny_model("gpt2", tmp_path / "model", 3), dtype, tiles)
     prompt = torch.randint(0, 97, (native.Blocks.ROWS + 50,), generator=torch.Generator().manual_seed(1))
     blocks, calls = engine.runtime.blocks, []
-    engine.runtime.blocks = lambda ids, *rest: calls.append(len(ids)) or blocks(ids, *rest)
+    engine.runtime.blocks = lambda cache, ids, *rest: calls.append(len(ids)) or blocks(cache, ids, *rest)
     together = engine.extend(prompt)
     assert calls == [native.Blocks.ROWS, 50]
     engine.runtime.blocks = blocks
@@ -226,7 +226,7 @@ def test_decoding_with_a_drafts_blocks_in_cpp_equals_the_baseline(blocks_here, m
     table = SuccessorTable.load(tiny_trigram(tmp_path / "ngram", oracle_dir) / "successors.npz")
     calls = []
     inner = draft.runtime.blocks.__call__
-    monkeypatch.setattr(draft.runtime, "blocks", lambda *args: calls.append(len(args[0])) or inner(*args))
+    monkeypatch.setattr(draft.runtime, "blocks", lambda *args: calls.append(len(args[1])) or inner(*args))
     staged = StagedDrafter(draft, table, budget=12, widths=[3, 2, 1], context=LookupDrafter())
     for prompt in ([4, 9, 17], [11, 12, 13, 14, 11, 12]):
         prompt = torch.tensor(prompt)
@@ -309,7 +309,7 @@ def test_a_forward_runs_in_cpp_up_to_the_rows_measured_faster_there_and_the_choi
     engine.runtime.use(8, engine.runtime.tiles)
     rows = []
     inner = engine.runtime.blocks.__call__
-    monkeypatch.setattr(engine.runtime, "blocks", lambda *args: rows.append(len(args[0])) or inner(*args))
+    monkeypatch.setattr(engine.runtime, "blocks", lambda *args: rows.append(len(args[1])) or inner(*args))
     engine.extend(torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13]))
     for q in (8, 1):
         engine.forward(torch.arange(q), torch.arange(q) + engine.length, None)
@@ -325,7 +325,8 @@ def test_the_cpp_forward_refuses_a_tensor_of_another_element_type_or_an_output_o
         blocks.forward.model(blocks.spec | {"wte": (address, elements, 4)})
     with pytest.raises(TypeError, match="norm_f.weight has 2-byte elements where the model reads 4-byte ones"):
         blocks.forward.model(blocks.spec | {"norm_f.weight": (*blocks.spec["norm_f.weight"][:2], 2)})
-    rows = {"model": blocks.model, "ids": [1, 2], "positions": [0, 1], "start": 0, "mask": None, "last": 2}
+    rows = {"model": blocks.model, "cache": native.cache_field(engine.kv.cache), "ids": [1, 2], "positions": [0, 1],
+            "start": 0, "mask": None, "last": 2}
     blocks.forward.blocks(**rows, out=torch.empty(2, blocks.columns).numpy())
     with pytest.raises(ValueError, match="out must be"):
         blocks.forward.blocks(**rows, out=torch.empty(1, blocks.columns).numpy())

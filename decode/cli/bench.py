@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from decode.api import Decoder, SpeculativeDecoder, require_draft
+from decode.api import SpeculativeDecoder
 from decode.atomic import FILE, atomic_output, check_output, check_room, write_json
 from decode.benchmarking import explain, near_ties
 from decode.benchmarking.harness import compare_with_baseline, decode_in_turns, warm_up
@@ -46,6 +46,7 @@ from decode.benchmarking.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS
 from decode.benchmarking.tables import print_table
 from decode.cli.help import HelpFormatter
 from decode.cli.settings import Settings, encode_prompts, parse_settings
+from decode.decoder import Decoder, require_draft
 from decode.errors import InputError, exits_on_input_error
 from decode.models.loading import check_same_vocabulary
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS

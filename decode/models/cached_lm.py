@@ -6,13 +6,32 @@ committed positions followed by `pending` speculative ones.
     chain(token_ids, position_ids, steps, sampling, uniforms) -> (tokens, distributions)
                                                                a chain drafter's forwards as one call, where
                                                                chains(rows, sampling) says the backend has one
+    fork()                                                     the same model with a cache of its own
+    cache_bytes()                                              the memory its cache takes
+
+A decoding loop asks its oracle for each forward as a `Call`, which `run` performs alone and decode.batch together
+with other sequences' calls.
 """
+from dataclasses import dataclass
+
 import torch
 
 from decode.models.runtime import Runtime
 from decode.sampling import Sparse
 from decode.shortlist import Shortlist
 from decode.tensors import Ids
+
+
+@dataclass
+class Call:
+    """A forward a decoding loop asks of a model: over new nodes kept pending (`forward`'s arguments) or, with
+    `extend`, over a run of tokens after everything cached, committed at once (no positions nor mask)."""
+
+    token_ids: Ids
+    position_ids: Ids | None = None
+    mask: torch.Tensor | None = None
+    last: int | None = None
+    extend: bool = False
 
 
 class CachedLM:
@@ -53,6 +72,27 @@ class CachedLM:
 
     def reset(self) -> None:
         self.length = self.pending = 0
+
+    def fork(self) -> "CachedLM":
+        """The same model (its weights shared, not copied) with an empty cache of its own, on which another sequence
+        decodes while this one keeps its own."""
+        raise NotImplementedError
+
+    @property
+    def runs_together(self) -> bool:
+        """Whether its forks' forwards run as one forward (decode.models.together)."""
+        return False
+
+    def cache_bytes(self) -> int:
+        """The bytes its cache holds now (a preallocated cache's, whatever it holds)."""
+        return 0
+
+    def run(self, call: Call) -> torch.Tensor:
+        """A call's logits, its forward run alone."""
+        if call.extend:
+            return self.extend(torch.as_tensor(call.token_ids, device=self.device), call.last)
+        assert call.position_ids is not None  # a forward's Call gives them
+        return self.forward(call.token_ids, call.position_ids, call.mask, call.last)
 
     def append(self, token_ids: torch.Tensor, last: int | None = None) -> torch.Tensor:
         """Score a run of tokens after everything cached, keeping them pending (the logits of the `last` only)."""

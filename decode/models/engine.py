@@ -205,11 +205,11 @@ class GPT2Engine(LeanEngine):
             take_matrix = quantized.pop if lazy else quantized.__getitem__
             head = take_matrix("wte.weight")
             head = head.rows(slice(shape.vocab_size) if shortlist is None else shortlist.tokens_on(device))
-            runtime.load_forward(cpp_shape, cpp_tensors(weights, shape.n_layer, take_matrix), kv.cache, head,
+            runtime.load_forward(cpp_shape, cpp_tensors(weights, shape.n_layer, take_matrix), head,
                                  consume=lazy)  # (no other name holds the matrices: each goes as it is packed)
         elif fits:
             runtime.load_forward(cpp_shape, cpp_tensors(weights, shape.n_layer, weights.pop if lazy else weights.__getitem__),
-                                 kv.cache, output, consume=lazy)
+                                 output, consume=lazy)
         return cls(shape, wte, weights["wpe.weight"], make_torch_weights, layouts,
                    (weights["ln_f.weight"], weights["ln_f.bias"]), kv, max_length, runtime, shortlist)
 

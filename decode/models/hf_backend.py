@@ -1,6 +1,7 @@
 """The CachedLM interface over any transformers causal LM (Llama, GPT-2, ...): 4D additive masks,
 explicit position ids, and a cache compacted by gathering the kept slots. Slower than the lean
 GPT-2 engine (framework overhead per call), and exact."""
+import copy
 import inspect
 
 import torch
@@ -55,6 +56,11 @@ class HFEngine(CachedLM):
     def reset(self) -> None:
         super().reset()
         self.cache = self._new_cache()
+
+    def fork(self) -> "HFEngine":
+        fork = copy.copy(self)
+        fork.reset()
+        return fork
 
     @torch.inference_mode()
     def forward(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,

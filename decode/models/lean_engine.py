@@ -8,12 +8,13 @@ visible), appends their keys/values to the speculative region, and returns their
 subset of the speculative slots (the accepted path) and drops the rest. Each architecture (decode.models.engine's
 GPT-2, decode.models.llama's Llama family) gives its weights and torch's forward (`torch_logits`).
 """
+import copy
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from decode.models.cached_lm import CachedLM
+from decode.models.cached_lm import CachedLM, Call
 from decode.models.kv_slots import KVSlots
 from decode.models.runtime import Runtime
 from decode.sampling import Sparse
@@ -83,16 +84,56 @@ class LeanEngine(CachedLM):
     capacity = property(lambda self: self.kv.capacity)
     kv_cache = property(lambda self: self.kv.cache)
 
+    def fork(self) -> "LeanEngine":
+        fork = copy.copy(self)
+        fork.kv = self.kv.fresh(self.runtime.mover)
+        fork.make_torch_weights = self.torch_weights  # torch's weights, where a forward needs them, made once for all
+        fork.graphs = self.runtime.graphs(fork)
+        return fork
+
+    def cache_bytes(self) -> int:
+        return self.kv.cache.nbytes
+
+    def visible(self, q: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The mask q new nodes run under, given `forward`'s."""
+        pending = self.kv.pending
+        if mask is not None and q == 1 and pending == 0:  # a lone node sees everything: no mask is faster
+            return None
+        if mask is None and q > 1:  # a chain: the new nodes see the pending slots and their predecessors
+            # remembered as a tree's mask is: a draft step's first call feeds a chain of one shape after another
+            return rows_mask(tuple((2 << slot) - 1 for slot in range(pending, pending + q)), pending + q, self.device)
+        return mask
+
+    @property
+    def runs_together(self) -> bool:
+        return self.runtime.blocks is not None and self.graphs is None
+
+    def batches(self, call: Call) -> bool:
+        """Whether this call's forward runs as one C++ call, and so as a part of one over several sequences' rows
+        (`part`)."""
+        return self.runs_together and len(call.token_ids) <= self.runtime.rows
+
+    def part(self, call: Call) -> tuple:
+        """The call as a part of native.Blocks.batch (its slots checked to fit): its logits from there are those
+        `run` gives, once `settle` has kept its nodes as `run` would."""
+        q = len(call.token_ids)
+        start, _ = self.kv.reserve(q)
+        positions = list(range(start, start + q)) if call.extend else call.position_ids
+        return (self.kv.cache, call.token_ids, positions, self.visible(q, None if call.extend else call.mask), start,
+                call.last)
+
+    def settle(self, call: Call) -> None:
+        """After its part ran: its nodes pending, or an extend's committed."""
+        self.kv.pending += len(call.token_ids)
+        if call.extend:
+            self.kv.length += self.kv.pending
+            self.kv.pending = 0
+
     def forward(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                 last: int | None = None) -> torch.Tensor:
         q, kv = len(token_ids), self.kv
         start, end = kv.reserve(q)
-        if mask is not None and q == 1 and kv.pending == 0:  # a lone node sees everything: no mask is faster
-            mask = None
-        elif mask is None and q > 1:  # a chain: the new nodes see the pending slots and their predecessors
-            # remembered as a tree's mask is: a draft step's first call feeds a chain of one shape after another
-            mask = rows_mask(tuple((2 << slot) - 1 for slot in range(kv.pending, kv.pending + q)), kv.pending + q,
-                             self.device)
+        mask = self.visible(q, mask)
         graph = self.graphs.get(q, start, end) if self.graphs is not None else None
         if graph is not None:
             with torch.inference_mode():
@@ -114,7 +155,7 @@ class LeanEngine(CachedLM):
         start, _ = self.kv.reserve(q)
         blocks = self.runtime.blocks
         assert blocks is not None  # `chains` says so only where the runtime has a C++ forward
-        chosen = blocks.chain(token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms)
+        chosen = blocks.chain(self.kv.cache, token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms)
         self.kv.pending += q
         return chosen
 
@@ -125,7 +166,7 @@ class LeanEngine(CachedLM):
         true and every one before them."""
         blocks = self.runtime.blocks  # run up to `rows` rows (none without a C++ forward)
         if len(token_ids) <= self.runtime.rows and isinstance(slots, slice) and blocks is not None:
-            return blocks(token_ids, position_ids, mask, slots.start, last)
+            return blocks(self.kv.cache, token_ids, position_ids, mask, slots.start, last)
         if self.runtime.chunks and isinstance(slots, slice) and mask is not None:
             return self.chunked_logits(token_ids, position_ids, mask, slots.start, last)
         with torch.inference_mode():  # torch's forward only: entering it costs, and a C++ forward needs none of it
@@ -143,7 +184,7 @@ class LeanEngine(CachedLM):
         parts = []
         for a in range(0, q, size):
             b = min(a + size, q)
-            parts.append(blocks(token_ids[a:b], position_ids[a:b], mask[a:b, : pending + b], start + a,
+            parts.append(blocks(self.kv.cache, token_ids[a:b], position_ids[a:b], mask[a:b, : pending + b], start + a,
                                 max(0, min(b - a, last - (q - b)))))
         return torch.cat(parts)
 

@@ -280,7 +280,7 @@ class LlamaEngine(LeanEngine):
             runtime.load_forward({"architecture": 1, "n_embd": e, "heads": shape.n_head, "kv_heads": shape.n_kv_head,
                                   "head_dim": shape.head_dim, "intermediate": shape.intermediate,
                                   "layers": shape.n_layer, "epsilon": shape.epsilon},
-                                 tensors, kv_slots.cache, output, consume=lazy)
+                                 tensors, output, consume=lazy)
         return cls(shape, embed, cos, sin, weights["norm.weight"], make_torch_weights, layouts, kv_slots, max_length,
                    runtime, shortlist)
 

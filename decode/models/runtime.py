@@ -98,8 +98,8 @@ class Runtime:
         """Whether `load_forward` makes a C++ forward for a model of this width here."""
         return False
 
-    def load_forward(self, shape: dict, tensors: dict, cache: torch.Tensor,
-                     output: "torch.Tensor | native.QuantizedWeight", consume: bool) -> None:
+    def load_forward(self, shape: dict, tensors: dict, output: "torch.Tensor | native.QuantizedWeight",
+                     consume: bool) -> None:
         """Make the C++ forward of a model of this shape over these tensors (native.Blocks' arguments), where
         `loads_forward` says so."""
         raise NotImplementedError(f"the {self.name} runtime has no C++ forward")
@@ -169,8 +169,8 @@ class NativeRuntime(Runtime):
     def loads_forward(self, n_embd: int) -> bool:
         return self.cpp_forward and native.Blocks.fit(n_embd, self.dtype, self.device, self.quantization is not None)
 
-    def load_forward(self, shape, tensors, cache, output, consume) -> None:
-        self.blocks = native.Blocks(shape, tensors, cache, output, consume=consume)
+    def load_forward(self, shape, tensors, output, consume) -> None:
+        self.blocks = native.Blocks(shape, tensors, output, consume=consume)
         self.rows = native.Blocks.ROWS
 
     def mover(self, cache: torch.Tensor) -> Mover:

@@ -203,10 +203,16 @@ def packed(weight: "torch.Tensor | QuantizedWeight") -> torch.Tensor:
     return pack_for_products(weight) if isinstance(weight, torch.Tensor) else pack_quantized(weight)
 
 
+def cache_field(cache: torch.Tensor) -> tuple[int, int, int]:
+    """An engine's kv_cache as forward.cpp reads it: (address, elements, element_bytes)."""
+    return cache.data_ptr(), cache.numel(), cache.element_size()
+
+
 class Blocks:
     """A bfloat16 or float32 GPT-2's or Llama-family model's forward over a few new rows as one C++ call
-    (decode/native/forward.cpp): embeddings, blocks, final norm and output layer. Its keys and values go to the
-    engine's cache as torch's would."""
+    (decode/native/forward.cpp): embeddings, blocks, final norm and output layer. Its keys and values go to the cache
+    each call names (an engine's) as torch's would; one call may run several sequences' rows, each over its own cache
+    (`batch`)."""
 
     MATRICES = ("qkv", "attn_out", "mlp_in", "mlp_out")  # a block's, as forward.cpp names them
     # The most rows a forward takes it for, until decode.models.native_rows measures how many pay on this machine
@@ -224,19 +230,17 @@ class Blocks:
             return False
         return fits
 
-    def __init__(self, shape: dict, tensors: dict, kv_cache: torch.Tensor, output: "torch.Tensor | QuantizedWeight",
-                 consume: bool = False):
+    def __init__(self, shape: dict, tensors: dict, output: "torch.Tensor | QuantizedWeight", consume: bool = False):
         """`shape`: forward.cpp's model() ints and epsilon (architecture, n_embd, heads, kv_heads, head_dim,
         intermediate, layers, epsilon); `tensors`: by its names (wte; GPT-2's wpe and norm biases, the Llama family's
         rope.cos and rope.sin; norm_f.weight; per layer i h.{i}.norm_1.weight, h.{i}.norm_2.weight), and each block's
         four MATRICES as h.{i}.qkv and so on: (in, out) in the model's dtype or, in a quantized model, QuantizedWeight
-        (out, in), each with its float bias (h.{i}.qkv.bias; zeros where absent); `kv_cache`: the engine's (2,
-        layers, kv_heads, capacity, head_dim) cache; `output`: the output layer's (columns, n_embd) weight (the whole
+        (out, in), each with its float bias (h.{i}.qkv.bias; zeros where absent); `output`: the output layer's (columns, n_embd) weight (the whole
         vocabulary's or a shortlist's rows), quantized in a quantized model. With `consume`, each matrix is taken out
         of `tensors` as it is packed, so that its memory goes as its packed copy comes."""
         take = tensors.pop if consume else tensors.__getitem__
         self.kept = {}  # every tensor the C++ reads, by the name model() knows it under (`spec`: as it reads them)
-        self.forward = forward_module(kv_cache.dtype)
+        self.forward = forward_module(tensors["wte"].dtype)
         for name in list(tensors):
             if name.rsplit(".", 1)[-1] in self.MATRICES:
                 matrix = take(name)
@@ -249,12 +253,12 @@ class Blocks:
             elif not name.endswith(tuple(f"{m}.bias" for m in self.MATRICES)):  # norms, rotary tables
                 self.kept[name] = tensors[name].float().contiguous()
         self.kept |= {"output.packed": packed(output.T if isinstance(output, torch.Tensor) else output),
-                      "output.bias": torch.zeros(-(-output.shape[0] // 16) * 16), "cache": kv_cache}
+                      "output.bias": torch.zeros(-(-output.shape[0] // 16) * 16)}
         fields = {name: (tensor.data_ptr(), tensor.numel(), tensor.element_size()) for name, tensor in self.kept.items()}
         positions = self.kept["wpe"] if "wpe" in self.kept else self.kept["rope.cos"]
         self.spec = fields | shape | {
-            "capacity": kv_cache.shape[3], "vocabulary": self.kept["wte"].shape[0], "positions": positions.shape[0],
-            "logit_columns": output.shape[0], "element_bytes": kv_cache.element_size(),
+            "vocabulary": self.kept["wte"].shape[0], "positions": positions.shape[0],
+            "logit_columns": output.shape[0], "element_bytes": self.kept["wte"].element_size(),
             "epsilon": float(shape["epsilon"]), "format": 0 if isinstance(output, torch.Tensor) else output.code}
         self.model = self.forward.model(self.spec)
         self.columns = output.shape[0]
@@ -278,24 +282,38 @@ class Blocks:
         self._tiles = bool(on) and self.can_tile
         self.forward.tiles(model=self.model, on=self._tiles)  # which the C++ takes only where the CPU has them
 
-    def __call__(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int,
+    def __call__(self, cache: torch.Tensor, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int,
                  last: int | None = None) -> torch.Tensor:
-        """Float32 logits of new nodes in the cache's slots from `start` on (of the `last` of them, with `last`), as
-        the engines' `logits` give them; `mask` as they take it, None for a chain."""
+        """Float32 logits of new nodes in `cache`'s slots from `start` on (of the `last` of them, with `last`), as
+        the engines' `logits` give them; `mask` as they take it, None for a chain. `cache`: an engine's (2, layers,
+        kv_heads, capacity, head_dim) kv_cache in the model's dtype."""
         ids, positions = as_list(token_ids), as_list(position_ids)
         last = len(ids) if last is None else last
         out = torch.empty(last, self.columns)
-        self.forward.blocks(model=self.model, ids=ids, positions=positions, start=start,
+        self.forward.blocks(model=self.model, cache=cache_field(cache), ids=ids, positions=positions, start=start,
                             mask=None if mask is None else mask.contiguous().numpy(), last=last, out=out.numpy())
         return out
 
-    def chain(self, token_ids: Ids, position_ids: Ids, start: int, steps: int, sampling, shortlist,
+    def batch(self, parts: list[tuple]) -> list[torch.Tensor]:
+        """Each part's logits, as `__call__` gives them for its arguments (cache, token_ids, position_ids, mask,
+        start, last), from one forward over every part's rows: the weights are read once for all of them."""
+        calls, asked = [], []
+        for cache, token_ids, position_ids, mask, start, last in parts:
+            ids = as_list(token_ids)
+            asked.append(len(ids) if last is None else last)
+            calls.append((cache_field(cache), ids, as_list(position_ids), start,
+                          None if mask is None else mask.contiguous().numpy(), asked[-1]))
+        out = torch.empty(sum(asked), self.columns)
+        self.forward.batch(model=self.model, parts=calls, out=out.numpy())
+        return list(out.split(asked))
+
+    def chain(self, cache: torch.Tensor, token_ids: Ids, position_ids: Ids, start: int, steps: int, sampling, shortlist,
               uniforms: list[float]) -> tuple[list[int], list[Sparse] | None]:
         """A chain drafter's `steps` forwards as one C++ call (forward.cpp's chain): the first over the new nodes in
         cache slots from `start` (the last of them the root), each later one over the token chosen after the one
         before, a position and a slot further. Returns the chosen tokens (greedy: each row's argmax; a top-k setting:
         a draw at each of `uniforms`) and, when sampling, each one's distribution."""
-        return self.forward.chain(model=self.model, ids=as_list(token_ids), positions=as_list(position_ids),
+        return self.forward.chain(model=self.model, cache=cache_field(cache), ids=as_list(token_ids), positions=as_list(position_ids),
                                   start=start, steps=steps, top_k=sampling.top_k,
                                   temperature=float(sampling.temperature), top_p=float(sampling.top_p),
                                   shortlist_tokens=None if shortlist is None else shortlist.tokens, uniforms=uniforms)

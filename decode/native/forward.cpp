@@ -12,6 +12,8 @@
 // (AVX-512 VNNI, or AVX2's byte products). Attention with the tree's mask runs its heads over the same
 // threads; the norms, rotary positions, softmax, GELU or SwiGLU and the residuals run a vector at a time over the rows
 // in place, in float32.
+// A forward's rows may belong to several sequences, each with its own cache (the weights are read once for all of them:
+// a server's requests in flight verify their trees in one call); each sequence's rows attend to its own cache only.
 // The model's dtype (`T`: bf16 or float) is that of its embeddings, its unquantized weights, its cache and the products' inputs. Every row adds
 // its terms in the same order whatever the call's other rows: a row's logits are bit for bit the same alone or beside
 // others. They differ from torch's in rounding only, as two kernels' do (docs/exactness.md).
@@ -45,7 +47,7 @@ enum Architecture : int64_t { GPT2 = 0, LLAMA = 1 };
 // named fields and kept in a capsule that the Python object holding the tensors owns.
 struct Model {
     int64_t architecture = GPT2;
-    int64_t n_embd, heads, kv_heads, head_dim, intermediate, layers, capacity, vocabulary, positions, logit_columns,
+    int64_t n_embd, heads, kv_heads, head_dim, intermediate, layers, vocabulary, positions, logit_columns,
         element_bytes;
     float epsilon;
     int64_t format = DENSE;  // the linear layers' weights: in the model's dtype, or in Q8_0 or Q4_0 blocks
@@ -53,7 +55,6 @@ struct Model {
     const void *wte;
     const void *wpe = nullptr;                      // GPT-2's positions
     const float *cos = nullptr, *sin = nullptr;     // the Llama family's: (positions, head_dim / 2) each
-    void *cache;  // the engine's kv_cache: (2, layers, kv_heads, capacity, head_dim)
     struct Block {
         const float *norm_1[2], *norm_2[2];  // weight, bias (nullptr: an RMS norm)
         const void *packed[4];               // qkv, attn_out, mlp_in (the Llama family's: gate, then up), mlp_out
@@ -67,6 +68,7 @@ struct Model {
     int64_t q_width() const { return heads * head_dim; }
     int64_t qkv_width() const { return (heads + 2 * kv_heads) * head_dim; }
     int64_t mlp_in_width() const { return architecture == LLAMA ? 2 * intermediate : intermediate; }
+    int64_t slot_elements() const { return 2 * layers * kv_heads * head_dim; }  // a cache slot's keys and values
     // whether the products can run on AMX's tiles: a bfloat16 model's, every product's input a multiple of 32
     bool tileable() const {
         return format == DENSE && element_bytes == 2 && n_embd % 32 == 0 && q_width() % 32 == 0 && intermediate % 32 == 0
@@ -101,12 +103,21 @@ VECTOR_TARGET void multiply(const Model &m, const void *packed, const float *bia
                       PARALLEL_WORK);
 }
 
-// A forward's new rows: their tokens, positions, cache slots start..end and what each sees, and the logits asked for.
+// One sequence's rows in a forward: rows first..first + count of the call, whose keys and values go to its cache's slots
+// start..end (an engine's kv_cache: (2, layers, kv_heads, capacity, head_dim)), what each sees there, and the logits
+// asked of its last `last` rows.
+struct Part {
+    void *cache;
+    int64_t capacity, first, count, start, end;
+    Visibility visible;
+    int64_t last;
+};
+
+// A forward's new rows: their tokens and positions, the sequences they belong to (in order, each a run of rows), and
+// where the logits asked for go (out: each part's asked rows in turn, a row of logit columns each).
 struct Rows {
     std::vector<int64_t> ids, positions;
-    int64_t start, end;
-    Visibility visible;
-    int64_t last;  // the last `last` rows' logits, into out (last x logit columns)
+    std::vector<Part> parts;
     float *out;
 };
 
@@ -116,7 +127,6 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
     const auto rows = static_cast<int64_t>(a.ids.size());
     const int64_t n_embd = m.n_embd, dim = m.head_dim, q_width = m.q_width(), kv_width = m.kv_heads * dim;
     const int64_t qkv_width = m.qkv_width(), inner = m.intermediate;
-    const Cache<T> cache{static_cast<T *>(m.cache), m.layers, m.kv_heads, m.capacity, dim};
     const Heads heads{m.heads, m.heads / m.kv_heads, qkv_width, q_width};
     const auto *wte = static_cast<const T *>(m.wte), *wpe = static_cast<const T *>(m.wpe);
     std::vector<float> x(rows * n_embd), wide(rows * std::max({qkv_width, m.mlp_in_width(), n_embd}));
@@ -130,19 +140,23 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
         const Model::Block &b = m.blocks[l];
         normalize(m, x.data(), b.norm_1, normed.data(), rows);
         multiply(m, b.packed[0], b.bias[0], normed.data(), n_embd, qkv_width, wide.data(), rows, tiles);  // q, k, v
-        for (int64_t r = 0; r < rows; r++) {
-            float *row = wide.data() + r * qkv_width;
-            if (m.cos) {  // the queries' and keys' rotary positions
-                const int64_t at = a.positions[r] * (dim / 2);
-                rotate(row, m.heads + m.kv_heads, dim, m.cos + at, m.sin + at);
+        for (const Part &p : a.parts) {
+            const Cache<T> cache{static_cast<T *>(p.cache), m.layers, m.kv_heads, p.capacity, dim};
+            for (int64_t r = p.first; r < p.first + p.count; r++) {
+                float *row = wide.data() + r * qkv_width;
+                if (m.cos) {  // the queries' and keys' rotary positions
+                    const int64_t at = a.positions[r] * (dim / 2);
+                    rotate(row, m.heads + m.kv_heads, dim, m.cos + at, m.sin + at);
+                }
+                for (int64_t h = 0; h < m.kv_heads; h++)
+                    for (int64_t d = 0; d < dim; d += LANES)
+                        for (int64_t kind = 0; kind < 2; kind++)  // the key, then the value
+                            store(cache.at(kind, l, h, p.start + r - p.first) + d,
+                                  load(row + q_width + kind * kv_width + h * dim + d, dim - d), dim - d);
             }
-            for (int64_t h = 0; h < m.kv_heads; h++)
-                for (int64_t d = 0; d < dim; d += LANES)
-                    for (int64_t kind = 0; kind < 2; kind++)  // the key, then the value
-                        store(cache.at(kind, l, h, a.start + r) + d,
-                              load(row + q_width + kind * kv_width + h * dim + d, dim - d), dim - d);
+            attention(wide.data() + p.first * qkv_width, cache, l, p.visible, normed.data() + p.first * q_width, p.count,
+                      heads);
         }
-        attention(wide.data(), cache, l, a.visible, normed.data(), rows, heads);
         std::vector<float> &projected = wide;  // the attention read its queries already
         multiply(m, b.packed[1], b.bias[1], normed.data(), q_width, n_embd, projected.data(), rows, tiles);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += projected[i];
@@ -155,9 +169,12 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
         multiply(m, b.packed[3], b.bias[3], activated.data(), inner, n_embd, wide.data(), rows, tiles);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += wide[i];
     }
-    const int64_t first = rows - a.last;  // the rows whose logits are asked for
-    normalize(m, x.data() + first * n_embd, m.norm_f, normed.data(), a.last);
-    multiply(m, m.output, m.output_bias, normed.data(), n_embd, m.logit_columns, a.out, a.last, tiles);
+    std::vector<float> asked;  // the rows whose logits are asked for, each part's last ones
+    for (const Part &p : a.parts)
+        asked.insert(asked.end(), x.begin() + (p.first + p.count - p.last) * n_embd, x.begin() + (p.first + p.count) * n_embd);
+    const auto asked_rows = static_cast<int64_t>(asked.size()) / n_embd;
+    normalize(m, asked.data(), m.norm_f, normed.data(), asked_rows);
+    multiply(m, m.output, m.output_bias, normed.data(), n_embd, m.logit_columns, a.out, asked_rows, tiles);
 }
 
 // A field of model()'s dict: an int, or a tensor as (address, elements, element_bytes) whose element count must be
@@ -207,11 +224,11 @@ bool optional_field(PyObject *spec, const char *name, int64_t &value, int64_t ot
 }
 
 // model(spec) -> a capsule: the model forward() and chain() run, read from a dict of named fields. Ints: n_embd,
-// heads, layers, capacity (the cache's slots), vocabulary, positions, logit_columns, element_bytes (2: bfloat16, 4:
+// heads, layers, vocabulary, positions, logit_columns, element_bytes (2: bfloat16, 4:
 // float32); optional ints: architecture (0: GPT-2, the default; 1: the Llama family), kv_heads (default heads),
 // head_dim (default n_embd / heads), intermediate (the MLP's width, default 4 n_embd), format (0, the default: linear
 // layers in the model's dtype; 1: Q8_0, 2: Q4_0 blocks, their packed tensors then bytes, decode/models/quantized.py's
-// pack_quantized); epsilon (a float). Tensors, each as (address, elements, element_bytes): wte, cache, norm_f.weight,
+// pack_quantized); epsilon (a float). Tensors, each as (address, elements, element_bytes): wte, norm_f.weight,
 // output.packed, output.bias; GPT-2's wpe and norm_f.bias, the Llama family's rope.cos and rope.sin (float32,
 // positions x head_dim / 2); per layer i "h.{i}.norm_1.weight" (and GPT-2's .bias; norm_2 likewise, float32) and
 // "h.{i}.qkv.packed" (and .bias; attn_out, mlp_in and mlp_out likewise: decode/native's pack_for_products, float32
@@ -224,7 +241,7 @@ PyObject *model(PyObject *, PyObject *spec) {
     }
     auto m = std::make_unique<Model>();
     if (!field(spec, "n_embd", m->n_embd) || !field(spec, "heads", m->heads) || !field(spec, "layers", m->layers)
-        || !field(spec, "capacity", m->capacity) || !field(spec, "vocabulary", m->vocabulary)
+        || !field(spec, "vocabulary", m->vocabulary)
         || !field(spec, "positions", m->positions) || !field(spec, "logit_columns", m->logit_columns)
         || !field(spec, "element_bytes", m->element_bytes) || !optional_field(spec, "format", m->format, DENSE)
         || !optional_field(spec, "architecture", m->architecture, GPT2)
@@ -249,11 +266,11 @@ PyObject *model(PyObject *, PyObject *spec) {
     if ((m->architecture != GPT2 && !llama) || n <= 0 || n % 16 || m->heads <= 0 || m->kv_heads <= 0
         || m->heads % m->kv_heads || m->head_dim <= 0 || m->head_dim % 2 || m->q_width() % 16 || m->intermediate <= 0
         || m->intermediate % 16 || (!llama && (m->kv_heads != m->heads || m->q_width() != n)) || m->layers <= 0
-        || m->capacity <= 0 || m->logit_columns <= 0 || (m->element_bytes != 2 && m->element_bytes != 4)) {
+        || m->logit_columns <= 0 || (m->element_bytes != 2 && m->element_bytes != 4)) {
         PyErr_SetString(PyExc_ValueError, "model: architecture 0 (GPT-2) or 1 (Llama); n_embd, heads x head_dim and the "
                                           "MLP's width multiples of 16; query heads a multiple of the key/value heads "
-                                          "(GPT-2: as many, heads x head_dim = n_embd); layers, slots and logit columns "
-                                          "at least 1; 2 or 4 bytes an element");
+                                          "(GPT-2: as many, heads x head_dim = n_embd); layers and logit columns at least "
+                                          "1; 2 or 4 bytes an element");
         return nullptr;
     }
     PyObject *epsilon = PyDict_GetItemString(spec, "epsilon");
@@ -270,7 +287,6 @@ PyObject *model(PyObject *, PyObject *spec) {
     // of the model's own tensors; norms, biases and rotary tables are float32, quantized layers bytes
     const int64_t bytes = m->element_bytes, packed_bytes = m->format != DENSE ? 1 : bytes;
     if (!tensor(spec, "wte", m->vocabulary * n, bytes, m->wte)
-        || !tensor(spec, "cache", 2 * m->layers * m->capacity * m->kv_heads * m->head_dim, bytes, m->cache)
         || !tensor(spec, "norm_f.weight", n, 4, m->norm_f[0])
         || !tensor(spec, "output.packed", packed(n, m->logit_columns), packed_bytes, m->output)
         || !tensor(spec, "output.bias", columns, 4, m->output_bias))
@@ -307,13 +323,22 @@ PyObject *model(PyObject *, PyObject *spec) {
     return capsule;
 }
 
-// The forward of a's rows in model m, once they are checked against it: their slots, the logits asked for, their
-// tokens and positions (refused as torch's embedding lookups would refuse them).
+// The forward of a's rows in model m, once they are checked against it: each part's slots within its cache and the
+// logits asked of it, the parts covering the rows in turn, their tokens and positions (refused as torch's embedding
+// lookups would refuse them).
 bool forward_checked(const Model &m, const Rows &a, const char *function) {
     const auto rows = static_cast<int64_t>(a.ids.size());
-    if (a.end != a.start + rows || a.positions.size() != a.ids.size() || a.last < 0 || a.last > rows || a.start < 0
-        || a.end > m.capacity) {
-        PyErr_Format(PyExc_ValueError, "%s: the rows do not match the cache's slots", function);
+    int64_t covered = 0;
+    for (const Part &p : a.parts) {
+        if (p.first != covered || p.count < 1 || p.end != p.start + p.count || p.last < 0 || p.last > p.count
+            || p.start < 0 || p.end > p.capacity) {
+            PyErr_Format(PyExc_ValueError, "%s: the rows do not match the cache's slots", function);
+            return false;
+        }
+        covered += p.count;
+    }
+    if (covered != rows || a.positions.size() != a.ids.size()) {
+        PyErr_Format(PyExc_ValueError, "%s: the parts must cover the rows, a position each", function);
         return false;
     }
     for (int64_t r = 0; r < rows; r++)
@@ -329,6 +354,45 @@ bool forward_checked(const Model &m, const Rows &a, const char *function) {
     return true;
 }
 
+// A sequence's cache, (address, elements, element_bytes) of an engine's (2, layers, kv_heads, capacity, head_dim)
+// kv_cache in the model's dtype, as part p's (its capacity read from its size).
+bool read_cache(const Model &m, PyObject *cache, Part &p) {
+    if (!PyTuple_Check(cache) || PyTuple_GET_SIZE(cache) != 3) {
+        PyErr_SetString(PyExc_TypeError, "cache must be (address, elements, element_bytes)");
+        return false;
+    }
+    p.cache = PyLong_AsVoidPtr(PyTuple_GET_ITEM(cache, 0));
+    const int64_t elements = PyLong_AsLongLong(PyTuple_GET_ITEM(cache, 1)), bytes = PyLong_AsLongLong(PyTuple_GET_ITEM(cache, 2));
+    if (PyErr_Occurred()) return false;
+    if (!p.cache || bytes != m.element_bytes || elements <= 0 || elements % m.slot_elements()) {
+        PyErr_SetString(PyExc_ValueError, "cache must be a (2, layers, kv_heads, capacity, head_dim) tensor in the model's "
+                                          "dtype");
+        return false;
+    }
+    p.capacity = elements / m.slot_elements();
+    return true;
+}
+
+// Part p of a's rows from a sequence's cache, first slot, mask (a bool (count, columns) array over the last `columns`
+// slots, held open in `mask`; None: a chain) and the number of its rows whose logits are asked; its rows are those a
+// holds from p.first on, `count` of them.
+bool read_part(const Model &m, PyObject *cache, PyObject *start, PyObject *mask_array, PyObject *last, Array &mask,
+               Part &p) {
+    if (!read_cache(m, cache, p) || !mask.open(mask_array, "mask", "?", 1, 2, true)) return false;
+    p.start = PyLong_AsLongLong(start);
+    p.last = PyLong_AsLongLong(last);
+    if (PyErr_Occurred()) return false;
+    p.end = p.start + p.count;
+    const int64_t columns = mask.size(1);
+    p.visible = Visibility{mask.data<const uint8_t>(), columns, p.start, p.end};
+    if (columns > p.end || (p.visible.mask && (columns < p.count || mask.size(0) != p.count))) {
+        PyErr_SetString(PyExc_ValueError, "a mask has one row a new row, over the new rows and slots before them within "
+                                          "the cache's");
+        return false;
+    }
+    return true;
+}
+
 // The named arguments model (a capsule from model()), ids and positions (the rows' tokens and positions).
 template <typename Arguments>
 Model *read_rows(const Arguments &named, Rows &a) {
@@ -338,45 +402,94 @@ Model *read_rows(const Arguments &named, Rows &a) {
     return m;
 }
 
-// blocks(model, ids, positions, start, mask, last, out)
-//   model: a capsule from model(); ids, positions: lists of the new rows' tokens and positions (a list costs less to
-//   make than a tensor), whose keys and values go to cache slots start..start + rows; mask: a bool (rows, columns)
-//   array over the last `columns` slots, or None for a chain; out: the float32 (last, logit columns) array the
-//   logits of the last `last` rows are written to.
-const char *const BLOCKS[] = {"model", "ids", "positions", "start", "mask", "last", "out"};
+// Whether out is the float32 (rows, logit columns) array of the logits a's parts ask for, opened for writing into.
+bool read_out(const Model &m, PyObject *array, Rows &a, Array &out, const char *function) {
+    if (!out.open(array, "out", "f", 4, 2, false, true)) return false;
+    int64_t asked = 0;
+    for (const Part &p : a.parts) asked += p.last;
+    if (out.size(0) != asked || out.size(1) != m.logit_columns) {
+        PyErr_Format(PyExc_ValueError, "%s: out must be (the rows whose logits are asked, logit columns)", function);
+        return false;
+    }
+    a.out = out.data<float>();
+    return true;
+}
+
+// blocks(model, cache, ids, positions, start, mask, last, out)
+//   model: a capsule from model(); cache: the engine's kv_cache as (address, elements, element_bytes); ids,
+//   positions: lists of the new rows' tokens and positions (a list costs less to make than a tensor), whose keys and
+//   values go to cache slots start..start + rows; mask: a bool (rows, columns) array over the last `columns` slots,
+//   or None for a chain; out: the float32 (last, logit columns) array the logits of the last `last` rows are
+//   written to.
+const char *const BLOCKS[] = {"model", "cache", "ids", "positions", "start", "mask", "last", "out"};
 PyObject *blocks(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Named named(BLOCKS);
     Rows a;
     Array mask, out;
     if (!named.open("blocks", args, nargs, kwnames)) return nullptr;
     const Model *m = read_rows(named, a);
-    if (!m || !mask.open(named["mask"], "mask", "?", 1, 2, true) || !out.open(named["out"], "out", "f", 4, 2, false, true))
+    if (!m) return nullptr;
+    Part &p = a.parts.emplace_back();
+    p.first = 0;
+    p.count = static_cast<int64_t>(a.ids.size());
+    if (!read_part(*m, named["cache"], named["start"], named["mask"], named["last"], mask, p)
+        || !read_out(*m, named["out"], a, out, "blocks") || !forward_checked(*m, a, "blocks"))
         return nullptr;
-    a.start = PyLong_AsLongLong(named["start"]);
-    a.end = a.start + static_cast<int64_t>(a.ids.size());
-    const int64_t columns = mask.size(1);
-    a.visible = Visibility{mask.data<const uint8_t>(), columns, a.start, a.end};
-    a.last = PyLong_AsLongLong(named["last"]);
-    a.out = out.data<float>();
-    if (PyErr_Occurred()) return nullptr;
-    if (out.size(0) != a.last || out.size(1) != m->logit_columns || columns > a.end
-        || (a.visible.mask && (columns < static_cast<int64_t>(a.ids.size()) || mask.size(0) != static_cast<int64_t>(a.ids.size())))) {
-        PyErr_SetString(PyExc_ValueError, "blocks: out must be (last, logit columns), and a mask one row a new row over "
-                                          "the new rows and slots before them within the cache's");
-        return nullptr;
-    }
-    if (!forward_checked(*m, a, "blocks")) return nullptr;
     Py_RETURN_NONE;
 }
 
-// chain(model, ids, positions, start, steps, top_k, temperature, top_p, shortlist_tokens, uniforms)
+// batch(model, parts, out)
+//   One forward over the new rows of several sequences, each with its own cache: parts is a list of tuples (cache,
+//   ids, positions, start, mask, last), each as blocks() takes them for one sequence; out: the float32 (rows, logit
+//   columns) array the logits asked of each part are written to, the parts' in turn. A part's logits are those
+//   blocks() gives it alone.
+const char *const BATCH[] = {"model", "parts", "out"};
+PyObject *batch(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(BATCH);
+    Rows a;
+    Array out;
+    if (!named.open("batch", args, nargs, kwnames)) return nullptr;
+    const Model *m = model_of(named["model"]);
+    PyObject *parts = named["parts"];
+    if (!m) return nullptr;
+    if (!PyList_Check(parts) || PyList_GET_SIZE(parts) == 0) {
+        PyErr_SetString(PyExc_TypeError, "batch: parts must be a non-empty list of (cache, ids, positions, start, mask, "
+                                         "last) tuples");
+        return nullptr;
+    }
+    const Py_ssize_t n = PyList_GET_SIZE(parts);
+    std::vector<std::unique_ptr<Array>> masks;  // held open for the call
+    std::vector<int64_t> ids, positions;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *part = PyList_GET_ITEM(parts, i);
+        if (!PyTuple_Check(part) || PyTuple_GET_SIZE(part) != 6) {
+            PyErr_SetString(PyExc_TypeError, "batch: each part is a (cache, ids, positions, start, mask, last) tuple");
+            return nullptr;
+        }
+        if (!read_ints(PyTuple_GET_ITEM(part, 1), ids, "ids") || !read_ints(PyTuple_GET_ITEM(part, 2), positions, "positions"))
+            return nullptr;
+        Part &p = a.parts.emplace_back();
+        p.first = static_cast<int64_t>(a.ids.size());
+        p.count = static_cast<int64_t>(ids.size());
+        a.ids.insert(a.ids.end(), ids.begin(), ids.end());
+        a.positions.insert(a.positions.end(), positions.begin(), positions.end());
+        masks.push_back(std::make_unique<Array>());
+        if (!read_part(*m, PyTuple_GET_ITEM(part, 0), PyTuple_GET_ITEM(part, 3), PyTuple_GET_ITEM(part, 4),
+                       PyTuple_GET_ITEM(part, 5), *masks.back(), p))
+            return nullptr;
+    }
+    if (!read_out(*m, named["out"], a, out, "batch") || !forward_checked(*m, a, "batch")) return nullptr;
+    Py_RETURN_NONE;
+}
+
+// chain(model, cache, ids, positions, start, steps, top_k, temperature, top_p, shortlist_tokens, uniforms)
 //   -> (tokens, distributions or None)
 // A chain drafter's `steps` draft forwards as one call (ChainDrafter.propose): the first over the new rows (from
-// slot `start`, the last of them the tree's root), each later one over the token drawn after the row before, one
+// slot `start` of the cache, as blocks() takes it; the last of them the tree's root), each later one over the token drawn after the row before, one
 // position further; after each, the token that follows: the argmax when greedy (temperature 0; as row_argmax), else
 // under the top-k setting a draw at the next of `uniforms` from the processed distribution (TopK.read, draw_at), each
 // distribution a distribution_dict. shortlist_tokens: the logits' column -> token array, or None.
-const char *const CHAIN[] = {"model", "ids", "positions", "start", "steps", "top_k", "temperature", "top_p",
+const char *const CHAIN[] = {"model", "cache", "ids", "positions", "start", "steps", "top_k", "temperature", "top_p",
                              "shortlist_tokens", "uniforms"};
 PyObject *chain(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Named named(CHAIN);
@@ -384,7 +497,10 @@ PyObject *chain(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *k
     if (!named.open("chain", args, nargs, kwnames)) return nullptr;
     const Model *m = read_rows(named, a);
     if (!m) return nullptr;
-    a.start = PyLong_AsLongLong(named["start"]);
+    Part &p = a.parts.emplace_back();
+    p.first = 0;
+    if (!read_cache(*m, named["cache"], p)) return nullptr;
+    p.start = PyLong_AsLongLong(named["start"]);
     const int64_t steps = PyLong_AsLongLong(named["steps"]);
     TopK setting;
     setting.k = PyLong_AsLongLong(named["top_k"]);
@@ -409,9 +525,10 @@ PyObject *chain(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *k
     PyObject *distributions = greedy ? Py_None : PyList_New(0);
     if (greedy) Py_INCREF(Py_None);
     for (int64_t step = 0; distributions && step < steps; step++) {
-        a.end = a.start + static_cast<int64_t>(a.ids.size());
-        a.visible = Visibility{nullptr, 0, a.start, a.end};
-        a.last = 1;
+        p.count = static_cast<int64_t>(a.ids.size());
+        p.end = p.start + p.count;
+        p.visible = Visibility{nullptr, 0, p.start, p.end};
+        p.last = 1;
         a.out = logits.data();
         if (!forward_checked(*m, a, "chain")) {
             Py_CLEAR(distributions);
@@ -430,7 +547,7 @@ PyObject *chain(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *k
             Py_XDECREF(made);
         }
         tokens.push_back(token);
-        a.start = a.end;
+        p.start = p.end;
         a.ids.assign(1, token);
         a.positions.assign(1, a.positions.back() + 1);
     }
@@ -501,6 +618,8 @@ PyMethodDef methods[] = {
     {"model", model, METH_O, "A model's shape and tensors, read and checked once, as a capsule."},
     {"blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(blocks)), METH_FASTCALL | METH_KEYWORDS,
      "A GPT-2's or Llama-family model's forward over a few new rows."},
+    {"batch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(batch)), METH_FASTCALL | METH_KEYWORDS,
+     "One forward over the new rows of several sequences, each with its own cache."},
     {"chain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(chain)), METH_FASTCALL | METH_KEYWORDS,
      "A chain drafter's draft forwards and the tokens each chooses, as one call."},
     {"set_distribution_type", set_distribution_type, METH_O, "The dict subclass the distributions are returned as."},

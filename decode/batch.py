@@ -1,0 +1,111 @@
+"""Many sequences decoding at once. Each decodes on a decoder of its own over the same loaded models
+(`Decoder.fork`: the weights shared, a cache each), and every step runs each sequence's oracle forward as one call
+(decode.models.together), which reads the weights once for all of them. A sequence's draft still drafts alone.
+
+A sequence is its loop's coroutine (decode.loop) driven by the batch instead of by `loop.alone`: the same code,
+the same random draws from its own generator, and logits bit for bit those it gets alone, so its output is what it
+gets decoding alone, greedy or sampled. Sequences join and leave between steps.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from decode import loop
+from decode.healing import Prompt
+from decode.models.cached_lm import CachedLM, Call
+from decode.models.together import run_together
+from decode.sampling import Sampling
+
+if TYPE_CHECKING:
+    from decode.decoder import Decoder
+
+
+@dataclass
+class Sequence:
+    decoder: "Decoder"  # a fork of the decoder it joined with
+    calls: loop.Calls
+    asked: Call | None = None  # the oracle forward it waits for
+    ready: deque = field(default_factory=deque)  # its Generations since its consumer last read it
+    done: bool = False
+    failure: Exception | None = None
+
+
+class Batch:
+    """The sequences in flight, each read through the Generations `join` gives it; reading them runs `step`s of the
+    whole batch as needed. A sequence decodes on forks of its decoder's models, kept for the next sequences once it
+    ends: the caches a batch holds are its most sequences at once' (`reserve` makes them at once). Used from one
+    thread."""
+
+    def __init__(self) -> None:
+        self.sequences: list[Sequence] = []
+        self.spare: dict[int, list[CachedLM]] = {}  # id of a model -> its forks not in use
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def reserve(self, decoder: "Decoder", sequences: int) -> int:
+        """Make the forks `sequences` sequences of this decoder need, now; the bytes of their caches."""
+        made = [[self.fork(model) for model in (decoder.oracle, decoder.draft) if model is not None]
+                for _ in range(sequences)]
+        for forks in made:
+            for model, fork in zip((decoder.oracle, decoder.draft), forks):
+                self.spare[id(model)].append(fork)
+        return sum(fork.cache_bytes() for forks in made for fork in forks)
+
+    def fork(self, model: CachedLM) -> CachedLM:
+        spare = self.spare.setdefault(id(model), [])
+        return spare.pop() if spare else model.fork()
+
+    def join(self, decoder: "Decoder", prompt: Prompt, max_new_tokens: int, seed: int, sampling: Sampling
+             ) -> loop.Steps:
+        """A sequence's Generations, as `decoder.steps` gives them alone: it joins the batch as they are first read,
+        and leaves it as they end or are closed."""
+        oracle, draft = self.fork(decoder.oracle), None if decoder.draft is None else self.fork(decoder.draft)
+        lane = decoder.over(oracle, draft)
+        sequence = Sequence(lane, lane.calls(prompt, max_new_tokens, seed, sampling))
+        self.sequences.append(sequence)
+        try:
+            while True:
+                while not sequence.ready and not sequence.done:
+                    self.step()
+                if not sequence.ready:
+                    if sequence.failure is not None:
+                        raise sequence.failure
+                    return
+                yield sequence.ready.popleft()
+        finally:  # ended, failed or closed: it leaves the batch between steps
+            self.sequences.remove(sequence)
+            self.spare[id(decoder.oracle)].append(oracle)
+            if draft is not None:
+                self.spare[id(decoder.draft)].append(draft)
+
+    def step(self) -> None:
+        """Every sequence drafts (up to its next oracle call), then one oracle forward scores all their calls."""
+        for sequence in self.sequences:
+            if sequence.asked is None and not sequence.done:
+                advance(sequence, None)
+        waiting = [(s, s.asked) for s in self.sequences if s.asked is not None]
+        if not waiting:
+            return
+        for (sequence, _), scored in zip(waiting, run_together([(s.decoder.oracle, asked) for s, asked in waiting])):
+            sequence.asked = None
+            if isinstance(scored, Exception):  # its forward failed: it ends, failing, and the others go on
+                sequence.failure, sequence.done = scored, True
+            else:
+                advance(sequence, scored)
+
+
+def advance(sequence: Sequence, logits) -> None:
+    """Run a sequence's coroutine on to what it asks next: a forward (kept as `asked`) or its end; a Generation on
+    the way is ready for its reader."""
+    try:
+        asked = loop.resume(sequence.calls, logits)
+    except Exception as failure:  # its own, kept for its reader
+        sequence.failure, sequence.done = failure, True
+        return
+    if asked is None:
+        sequence.done = True
+    elif isinstance(asked, Call):
+        sequence.asked = asked
+    else:
+        sequence.ready.append(asked)

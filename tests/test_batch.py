@@ -1,0 +1,142 @@
+"""Many sequences at once (decode.batch): one C++ forward over several sequences' rows gives each the bits it gets
+alone; generate_batch gives each prompt what generate gives it, greedy and sampled, for every method and backend;
+sequences join mid-way, leave early, and fail alone."""
+import random
+
+import pytest
+import torch
+from native_built import random_tree
+from test_api import METHODS, TEXTS
+from test_native_forward import ARCHITECTURES, engine_in_cpp, tiny_model
+
+from decode import SpeculativeDecoder
+from decode.batch import Batch
+from decode.errors import InputError
+from decode.models.cached_lm import Call
+from decode.models.together import run_together
+
+SAMPLED = {"do_sample": True, "temperature": 1.5, "top_k": 50}
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_forward_over_several_caches_gives_each_sequence_the_bits_it_gets_alone(built, tmp_path, architecture,
+                                                                                     dtype, monkeypatch):
+    engine = engine_in_cpp(tiny_model(architecture, tmp_path / "model", 3), dtype, tiles=False)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(97) for _ in range(n)] for n in (5, 1, 12)]
+    together, alone = [engine.fork() for _ in prompts], [engine.fork() for _ in prompts]
+    batches = []
+    inner = engine.runtime.blocks.batch
+    monkeypatch.setattr(engine.runtime.blocks, "batch", lambda parts: batches.append(len(parts)) or inner(parts))
+    for step in range(3):  # the prompts read together, then trees scored, one committed in part, then one more
+        if step == 0:
+            calls = [Call(torch.tensor(p), last=last, extend=True) for p, last in zip(prompts, (2, 1, 0))]
+        else:
+            trees = [random_tree(rng, n, 97) for n in (7, 1, 15)]
+            calls = [Call(t.tokens, t.positions(m.length), t.mask(m.device)) for t, m in zip(trees, together)]
+        got = run_together(list(zip(together, calls)))
+        for model, reference, call, logits in zip(together, alone, calls, got):
+            assert torch.equal(logits, reference.run(call))
+            assert (model.length, model.pending) == (reference.length, reference.pending)
+            end = model.length + model.pending
+            assert torch.equal(model.kv.cache[..., :end, :], reference.kv.cache[..., :end, :])
+        for model, reference in zip(together, alone):
+            if model.pending:
+                keep = list(range(0, model.pending, 2))
+                model.commit(keep)
+                reference.commit(keep)
+    assert batches == [3, 3, 3]
+
+
+@pytest.fixture(scope="module")
+def decoders(bpe_run):
+    return {method: SpeculativeDecoder.from_run(bpe_run["run"], method=method, **extra) for method, extra in METHODS.items()}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_generate_batch_gives_each_prompt_what_generate_gives_it(decoders, method, sampling):
+    dec = decoders[method]
+    for seed in range(3):
+        together = dec.generate_batch(TEXTS, max_new_tokens=24, seed=seed, **sampling)
+        for text, result in zip(TEXTS, together):
+            alone = dec.generate(text, max_new_tokens=24, seed=seed, **sampling)
+            assert (result.text, result.token_ids, result.finish_reason, result.oracle_calls, result.healed) == (
+                alone.text, alone.token_ids, alone.finish_reason, alone.oracle_calls, alone.healed)
+    assert len(dec.batch) == 0
+
+
+def test_stop_strings_end_each_prompt_of_a_batch_as_they_end_it_alone(decoders):
+    dec = decoders["staged"]
+    alone = [dec.generate(text, max_new_tokens=30) for text in TEXTS]
+    stops = [result.text[3:5] for result in alone if len(result.text) > 5]  # strings the outputs hold
+    together = dec.generate_batch(TEXTS, max_new_tokens=30, stop_strings=stops)
+    assert [r.text for r in together] == [dec.generate(text, max_new_tokens=30, stop_strings=stops).text for text in TEXTS]
+    assert any(r.finish_reason == "stop" and len(r.text) < len(a.text) for r, a in zip(together, alone))
+
+
+def test_sequences_join_midway_and_leave_early_without_changing_the_others(decoders):
+    dec, batch = decoders["staged"], Batch()
+    requests = [(TEXTS[0], {"seed": 1}), (TEXTS[1], SAMPLED | {"seed": 2}), (TEXTS[2], {"seed": 3}),
+                (TEXTS[3], SAMPLED | {"seed": 4})]
+    joining = {0: [0], 2: [1, 2], 4: [3]}  # step -> the requests that join before it
+    streams, pieces, closed = {}, {}, set()
+    for step in range(80):
+        for i in joining.get(step, []):
+            streams[i], pieces[i] = dec.stream_in(batch, requests[i][0], max_new_tokens=30, **requests[i][1]), []
+        for i, stream in streams.items():
+            if stream.result is None and i not in closed:
+                if (piece := next(stream, None)) is not None:
+                    pieces[i].append(piece)
+                if i == 2 and pieces[i]:  # its reader goes away after its first piece
+                    stream.close()
+                    closed.add(i)
+        assert len(batch) <= sum(s.result is None and i not in closed for i, s in streams.items())
+    assert len(batch) == 0 and closed == {2}
+    for i, (text, settings) in enumerate(requests):
+        alone = dec.generate(text, max_new_tokens=30, **settings)
+        if i in closed:
+            assert alone.text.startswith("".join(pieces[i]))
+        else:
+            assert "".join(pieces[i]) == alone.text and streams[i].result.token_ids == alone.token_ids
+
+
+def test_a_sequence_whose_forward_or_drafting_fails_fails_alone(decoders):
+    dec, batch = decoders["staged"], Batch()
+    streams = [dec.stream_in(batch, text, max_new_tokens=24) for text in TEXTS]
+    for stream in streams:
+        next(stream)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("drafting failed")
+
+    batch.sequences[1].decoder.oracle.kv.capacity = 0  # its next tree overflows its cache
+    broken_draft = batch.sequences[2].decoder.draft
+    broken_draft.forward = broken_draft.chain = fail
+    with pytest.raises(InputError, match="overflow the cache"):
+        list(streams[1])
+    with pytest.raises(RuntimeError, match="drafting failed"):
+        list(streams[2])
+    for i in (0, 3):
+        rest = "".join(streams[i])
+        assert streams[i].result.token_ids == dec.generate(TEXTS[i], max_new_tokens=24).token_ids and rest
+    assert len(batch) == 0
+
+
+def test_a_batch_on_the_transformers_backend_decodes_each_prompt_as_alone(bpe_run):
+    dec = SpeculativeDecoder.from_run(bpe_run["run"], method="staged", backend="hf", budget=16, widths=[4, 2, 1])
+    together = dec.generate_batch(TEXTS[:3], max_new_tokens=16, seed=5, **SAMPLED)
+    assert [r.token_ids for r in together] == [dec.generate(t, max_new_tokens=16, seed=5, **SAMPLED).token_ids
+                                               for t in TEXTS[:3]]
+
+
+@pytest.mark.parametrize("prompts, message", [("def f():", "a non-empty list of prompts"), ([], "a non-empty list"),
+                                              (["def f():", 7], "a string or a list of token ids"),
+                                              (["def f():", ""], "is empty")])
+def test_generate_batch_refuses_bad_prompts_before_decoding_any(decoders, prompts, message):
+    dec = decoders["staged"]
+    with pytest.raises(InputError, match=message):
+        dec.generate_batch(prompts, max_new_tokens=8)
+    assert len(dec.batch) == 0
+    assert dec.generate_batch(["def f():"], max_new_tokens=8)[0].token_ids == dec.generate("def f():", max_new_tokens=8).token_ids
