@@ -17,6 +17,7 @@ class Method:
     summary: str
     drafter: Callable[..., Drafter] | None  # (options, draft, trigram) of checked options; None: plain decoding
     lookahead: Callable[[DecoderOptions], int]  # positions past the output a step may score
+    rows: Callable[[DecoderOptions], int]  # the most nodes a step asks the oracle to score
     lookahead_setting: str = "depth"  # the DecoderOptions field that sets it
     draft: bool = False  # uses the draft model
     trigram: bool = False  # uses the Katz trigram
@@ -58,17 +59,26 @@ def depth(o: DecoderOptions) -> int:
     return o.depth
 
 
+def tree_nodes(o: DecoderOptions) -> int:
+    return len(o.tree_shape.parents) if o.tree_shape is not None else budget(o)
+
+
+def lookup_nodes(o: DecoderOptions) -> int:
+    return 1 + o.lookup_tokens * o.lookup_branches
+
+
 METHODS = {
-    "baseline": Method("the oracle alone", None, lambda o: 0, planned=False),
+    "baseline": Method("the oracle alone", None, lambda o: 0, lambda o: 1, planned=False),
     "speculative": Method("chain drafts of --k tokens from the draft", lambda o, draft, table: ChainDrafter(draft, o.k),
-                          lambda o: o.k, "k", draft=True),
-    "tree": Method("trees of the draft's tokens", tree_drafter, depth, draft=True, tree=True),
-    "staged": Method("trigram (and context) -> draft -> oracle trees", staged_drafter, depth, draft=True, trigram=True,
-                     tree=True),
-    "ngram": Method("trigram trees", lambda o, draft, table: NgramDrafter(table, budget(o), o.widths), depth,
+                          lambda o: o.k, lambda o: o.k + 1, "k", draft=True),
+    "tree": Method("trees of the draft's tokens", tree_drafter, depth, tree_nodes, draft=True, tree=True),
+    "staged": Method("trigram (and context) -> draft -> oracle trees", staged_drafter, depth, tree_nodes, draft=True,
+                     trigram=True, tree=True),
+    "ngram": Method("trigram trees", lambda o, draft, table: NgramDrafter(table, budget(o), o.widths), depth, tree_nodes,
                     trigram=True, tree=True),
     "lookup": Method("continuations found in the context (prompt lookup), no model",
-                     lambda o, draft, table: context_drafter(o), lambda o: o.lookup_tokens, "lookup_tokens"),
+                     lambda o, draft, table: context_drafter(o), lambda o: o.lookup_tokens, lookup_nodes,
+                     "lookup_tokens"),
 }
 
 

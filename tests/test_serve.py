@@ -176,7 +176,7 @@ def test_a_client_that_disconnects_stops_its_decoding_and_the_next_request_start
     while httpx.get(f"{server.url}/health").json()["cancelled"] == before and time.time() < deadline:
         time.sleep(0.02)
     health = httpx.get(f"{server.url}/health").json()
-    assert health["cancelled"] == before + 1 and not health["decoding"] and health["queued"] == 0
+    assert health["cancelled"] == before + 1 and health["in_flight"] == 0 and health["queued"] == 0
     assert server.client().completions.create(model="m", prompt="x", max_tokens=4, temperature=0).choices[0].text is not None
 
 
@@ -204,6 +204,39 @@ def test_eight_clients_at_once_are_served_in_turn_with_the_same_outputs(server):
         t.join(timeout=300)
     assert not failures and len(answers) == 40
     assert all(text == alone[r] for r, text in answers.values())  # greedy and seeded sampling alike
+
+
+def test_requests_in_flight_together_each_get_their_own_completion_and_the_start_line_says_how_many(bpe_run):
+    s = Server(bpe_run["run"], "--method", "speculative", "--max-batch", "3")
+    try:
+        decoder = SpeculativeDecoder.from_run(bpe_run["run"], method="speculative")
+        requests = [(prompt, {"temperature": 0.0} if i % 2 else {"temperature": 1.0, "seed": i}, i % 3 == 0)
+                    for i, prompt in enumerate(PROMPTS + PROMPTS[:3])]  # greedy and seeded, some streamed
+        got, failures, barrier = {}, [], threading.Barrier(len(requests))
+
+        def user(i: int):
+            prompt, settings, stream = requests[i]
+            barrier.wait()
+            try:
+                answer = s.client().completions.create(model="m", prompt=prompt, max_tokens=20, stream=stream, **settings)
+                got[i] = "".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text
+            except Exception as err:  # counted, then asserted: every request must complete
+                failures.append(repr(err))
+
+        threads = [threading.Thread(target=user, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not failures and len(got) == len(requests)
+        for i, (prompt, settings, _) in enumerate(requests):
+            sampling = {"do_sample": True, "temperature": 1.0, "seed": settings["seed"]} if "seed" in settings else {}
+            assert got[i] == decoder.generate(prompt, max_new_tokens=20, **sampling).text
+        health = httpx.get(f"{s.url}/health").json()
+        assert (health["max_batch"], health["in_flight"], health["completed"]) == (3, 0, len(requests))
+    finally:
+        assert s.stop() == 0
+    assert "up to 3 requests at once (--max-batch" in s.process.stdout.read()
 
 
 def raw(server, data: bytes) -> socket.socket:

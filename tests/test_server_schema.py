@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from decode.api import SpeculativeDecoder
-from decode.serving.app import StopText, create_app
+from decode.serving.app import create_app
+from decode.serving.stop_text import StopText
 
 PROMPT = "def scale(values):\n"
 EXAMPLES = 100  # per generation mode, over every operation
@@ -88,7 +89,7 @@ def test_a_fault_inside_decoding_is_a_500_in_openai_shape_with_its_traceback_log
     def broken(*args, **kwargs):
         raise RuntimeError("a kernel fell over")
 
-    monkeypatch.setattr(decoder, "stream", broken)
+    monkeypatch.setattr(decoder, "stream_in", broken)
     answer = TestClient(app).post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
     assert answer.status_code == 500 and openai_error(answer.json()), answer.text
     assert answer.json()["error"]["type"] == "server_error" and "a kernel fell over" in answer.json()["error"]["message"]
@@ -207,14 +208,14 @@ def test_a_non_streaming_request_whose_client_left_is_cancelled_like_a_stream(ap
     from decode.generation import Stream
     from decode.serving import app as serving
 
-    def slow(ids, **settings):  # a long completion: a piece every 20 ms
+    def slow(batch, ids, **settings):  # a long completion: a piece every 20 ms
         def pieces():
             for _ in range(500):
                 time.sleep(0.02)
                 yield "x"
         return Stream(pieces())
 
-    monkeypatch.setattr(decoder, "stream", slow)
+    monkeypatch.setattr(decoder, "stream_in", slow)
     monkeypatch.setattr(serving, "DISCONNECT_CHECK", 0.05)
     worker = app.state.worker
     cancelled = worker.cancelled

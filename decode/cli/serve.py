@@ -3,8 +3,9 @@
     python -m decode.serve --run RUN                                   # http://127.0.0.1:8000/v1
     python -m decode.serve --oracle DIR --draft DIR --ngram DIR --method staged --port 8080 --api-key KEY
 
-One decoder serves the requests in turn (batch one is the design); the rest wait in a bounded queue. SIGTERM or
-Ctrl-C finishes the request being decoded, refuses the others and exits. Endpoints: POST /v1/completions,
+Up to --max-batch requests decode at once, each step scoring all their trees in one oracle forward, each request's
+output what it gets alone; the rest wait in a bounded queue. SIGTERM or Ctrl-C finishes the requests being decoded,
+refuses the others and exits. Endpoints: POST /v1/completions,
 GET /v1/models, GET /health (and POST /v1/chat/completions, which answers 400: chat is not served).
 """
 import argparse
@@ -19,6 +20,9 @@ from decode.api import SpeculativeDecoder
 from decode.cli.flags import add_decoder_flags, decoder_flags
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
+from decode.methods import METHODS
+from decode.planning.concurrency import KEPT_SPEED, fitting_batch
+from decode.planning.costs import measured_costs
 from decode.sampling import Sampling
 from decode.serving.app import create_app
 from decode.serving.connections import protocol
@@ -35,13 +39,19 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--model-name", help="the model's name in answers and /v1/models (default: the oracle's hub name or "
                                         "directory name)")
     p.add_argument("--queue-size", type=int, default=16, help="requests that may wait for the decoder; more get 429")
+    p.add_argument("--max-batch", type=int, metavar="N",
+                   help="requests decoded at once, their trees scored in one oracle forward (default: the most that one "
+                        f"forward scores while each keeps {KEPT_SPEED * 100:.0f}%% of its speed alone, by the oracle's "
+                        "measured "
+                        "forward costs; 1 where its forwards cannot run together)"),
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a connection whose request headers are not complete this long after it opens (or after the "
                         "last answer) is closed; a body not complete this long after the headers gets 408")
     args = p.parse_args(argv)
-    if not 0 <= args.port < 65536 or args.queue_size < 1 or args.max_body_bytes < 1:
-        p.error("need a --port in 0..65535, and a --queue-size and --max-body-bytes of at least 1")
+    if not 0 <= args.port < 65536 or args.queue_size < 1 or args.max_body_bytes < 1 or not 1 <= (args.max_batch or 1) <= 256:
+        p.error("need a --port in 0..65535, a --queue-size and --max-body-bytes of at least 1, and a --max-batch of 1 "
+                "to 256")
     if not 0 < args.read_timeout < float("inf"):
         p.error(f"--read-timeout must be a positive number of seconds (got {args.read_timeout})")
     given = args.oracle or (args.run and args.run / "oracle")  # the name answers carry: a hub name as typed, else the directory's
@@ -61,6 +71,17 @@ def check_address(host: str, port: int) -> None:
         raise InputError(f"cannot listen on {host}:{port} ({err.strerror or err}); pass another --port or --host") from None
 
 
+def batch_size(decoder: SpeculativeDecoder) -> tuple[int, str]:
+    """The requests to decode at once by default, and why."""
+    options, oracle = decoder.options, decoder.decoder.oracle
+    if not oracle.runs_together:
+        return 1, "the oracle's forwards run one at a time here"
+    rows = METHODS[options.method].rows(options)
+    print("sizing the batch by the oracle's forward costs (measured once, then cached)", file=sys.stderr, flush=True)
+    costs, _ = measured_costs(options.oracle, oracle, options.dtype)
+    return fitting_batch(costs, rows), f"the most whose {rows}-node steps keep {KEPT_SPEED:.0%} of their speed alone"
+
+
 @exits_on_input_error
 def main(argv=None) -> None:
     import uvicorn
@@ -74,8 +95,10 @@ def main(argv=None) -> None:
         notes.addHandler(logging.StreamHandler())
     decoder = SpeculativeDecoder(args.options, args.plans)
     name = args.model_name or args.oracle_name
-    app = create_app(decoder, name, args.api_key, args.queue_size, args.max_body_bytes, args.read_timeout)
+    max_batch, sized = (args.max_batch, "--max-batch") if args.max_batch else batch_size(decoder)
+    app = create_app(decoder, name, args.api_key, args.queue_size, args.max_body_bytes, args.read_timeout, max_batch)
     worker = app.state.worker
+    cache_bytes = worker.batch.reserve(decoder.decoder, max_batch)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            http=protocol(args.read_timeout)))
     http = threading.Thread(target=server.run, name="http", daemon=True)  # the decoder keeps the main thread
@@ -91,7 +114,8 @@ def main(argv=None) -> None:
         if not http.is_alive():
             raise InputError(f"the HTTP server on {args.host}:{args.port} did not start; see the lines above")
         time.sleep(0.05)
-    print(f"serving {name} ({args.options.method}, {args.options.dtype}) at http://{args.host}:{args.port}/v1",
+    print(f"serving {name} ({args.options.method}, {args.options.dtype}) at http://{args.host}:{args.port}/v1, up to "
+          f"{max_batch} requests at once ({sized}; their caches {cache_bytes / 2**20:,.0f} MiB, made at start)",
           file=sys.stderr, flush=True)
     worker.run()  # until the app shuts down
     http.join()

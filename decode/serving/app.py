@@ -5,12 +5,13 @@
     GET  /health                status, queue length, requests completed and cancelled (no API key needed)
     POST /v1/chat/completions   400: chat (messages) is not served; the error names /v1/completions
 
-One decoder decodes one request at a time, as batch one is the design: requests wait in a bounded queue (a full
-queue answers 429) and the worker takes them in turn, on the process's main thread (torch's OpenMP products ran at
-half speed on another thread here) while the HTTP server runs on its own. A streaming client that disconnects stops its own
-decoding at the next step. Responses carry `usage` and, under `decoding`, the method, oracle calls, tokens per
-oracle call and seconds. Every refusal, an unknown route or method included, is a 4xx with OpenAI's error object
-naming the field at fault; only a fault inside decoding is a 5xx, in the same shape, its traceback logged.
+Up to `max_batch` requests decode at once, each step scoring every one's tree in one oracle forward (decode.batch),
+each request's output what it gets alone; the others wait in a bounded queue (a full queue answers 429) and join
+between steps. The worker decodes on the process's main thread (torch's OpenMP products ran at half speed on another
+thread) while the HTTP server runs on its own. A client that disconnects leaves the batch at the next step. Responses
+carry `usage` and, under `decoding`, the method, oracle calls, tokens per oracle call and seconds. Every refusal, an
+unknown route or method included, is a 4xx with OpenAI's error object naming the field at fault; only a fault inside
+decoding is a 5xx, in the same shape, its traceback logged.
 """
 import asyncio
 import hmac
@@ -29,8 +30,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from decode.api import SpeculativeDecoder
+from decode.batch import Batch
 from decode.errors import InputError
+from decode.generation import Stream
 from decode.serving.request import SCHEMA, Completion, RequestError, parse_completion
+from decode.serving.stop_text import StopText
 
 log = logging.getLogger("decode.serve")
 DISCONNECT_CHECK = 0.5  # seconds between a non-streaming request's checks that its client is still there
@@ -49,65 +53,28 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
 
-class StopText:
-    """OpenAI's stop sequences on streamed text: the text before the first stop string, with the tail that could
-    still begin one held back until it cannot. Each piece costs time in its own length and the stop strings' only:
-    a new match ends in the new piece, so the search starts len(stop) - 1 characters before it, and the tail held
-    back is found by Knuth, Morris and Pratt's automaton over the text's last len(stop) - 1 characters."""
+@dataclass
+class Flight:
+    """A job being decoded: its pieces as the batch's steps make them, and its stop strings over their text."""
 
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops, self.text, self.shown, self.stopped = stops, "", 0, False
-        self.longest = max((len(s) for s in stops), default=0)
-        self.borders = [borders(s) for s in stops]
-
-    def feed(self, piece: str) -> str:
-        """The newly visible text after `piece`."""
-        start = max(0, len(self.text) - self.longest + 1)  # where a match that ends in `piece` can begin
-        self.text += piece
-        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if found:
-            end, self.stopped = min(found), True
-        else:
-            end = len(self.text) - max((self.begun(s, b) for s, b in zip(self.stops, self.borders)), default=0)
-        new, self.shown = self.text[self.shown : max(end, self.shown)], max(end, self.shown)
-        return new
-
-    def begun(self, stop: str, border: list[int]) -> int:
-        """The length of the longest proper prefix of `stop` that the text ends with."""
-        state = 0
-        for c in self.text[max(0, len(self.text) - len(stop) + 1) :]:
-            while state and stop[state] != c:
-                state = border[state - 1]
-            state += stop[state] == c
-        return state
-
-    def flush(self) -> str:
-        """The held-back tail, once the text is complete and no stop string came."""
-        if self.stopped:
-            return ""
-        new, self.shown = self.text[self.shown :], len(self.text)
-        return new
-
-
-def borders(stop: str) -> list[int]:
-    """Knuth, Morris and Pratt's prefix function: for each i, the longest proper prefix of stop[: i + 1] that is also
-    its suffix."""
-    border = [0] * len(stop)
-    for i in range(1, len(stop)):
-        k = border[i - 1]
-        while k and stop[i] != stop[k]:
-            k = border[k - 1]
-        border[i] = k + (stop[i] == stop[k])
-    return border
+    job: Job
+    stream: Stream
+    text: StopText
 
 
 class Worker:
-    """What decodes: takes jobs from a bounded queue in turn, in `run`, until `stop`."""
+    """What decodes: takes jobs from a bounded queue into a batch of up to `max_batch` in flight (decode.batch: each
+    step scores every job's tree in one oracle forward), in `run`, until `stop`. Jobs join and leave between steps."""
 
-    def __init__(self, decoder: SpeculativeDecoder, queue_size: int):
+    def __init__(self, decoder: SpeculativeDecoder, queue_size: int, max_batch: int = 1):
         self.decoder, self.jobs = decoder, queue.Queue[Job | None](maxsize=queue_size)
-        self.decoding, self.draining = False, False
+        self.max_batch, self.batch, self.flights = max_batch, Batch(), list[Flight]()
+        self.draining = self.stopping = False
         self.completed = self.cancelled = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.flights)
 
     def submit(self, job: Job) -> None:
         if self.draining:
@@ -119,20 +86,55 @@ class Worker:
                                     f"later", kind="rate_limit_error", code="rate_limit_exceeded") from None
 
     def run(self) -> None:
-        while (job := self.next_job()) is not None:
-            if self.draining or job.cancelled.is_set():
+        """Decode until `stop`: the jobs in flight finish, the ones waiting are refused."""
+        while self.admit():
+            for flight in list(self.flights):
+                self.advance(flight)
+
+    def admit(self) -> bool:
+        """Take waiting jobs into the batch while it has room (waiting for one while none is in flight); False once
+        stopped with none in flight."""
+        while not self.stopping and len(self.flights) < self.max_batch:
+            try:
+                job = self.jobs.get_nowait() if self.flights else self.next_job()
+            except queue.Empty:
+                break
+            if job is None:
+                self.stopping = True
+            elif self.draining or job.cancelled.is_set():
                 self.cancelled += job.cancelled.is_set()
                 job.emit("error", RequestError(503, "the server is shutting down", kind="server_error"))
-                continue
-            self.decoding = True
-            try:
-                self.decode(job)
-            except Exception as err:  # a job's failure is its own; the worker serves the next
-                if not isinstance(err, (InputError, RequestError)):
-                    log.exception("decoding failed")
-                job.emit("error", err)
-            finally:
-                self.decoding = False
+            else:
+                c = job.completion
+                try:
+                    stream = self.decoder.stream_in(self.batch, c.ids, max_new_tokens=c.max_tokens, **c.settings)
+                except Exception as err:
+                    failed(job, err)
+                    continue
+                self.flights.append(Flight(job, stream, StopText(c.stops)))
+        return bool(self.flights) or not self.stopping
+
+    def advance(self, flight: Flight) -> None:
+        """One piece of a job's completion (reading it steps the batch where the job has none waiting); its end,
+        cancellation or failure takes it out of the batch, and the others go on."""
+        job = flight.job
+        try:
+            piece = None if job.cancelled.is_set() else next(flight.stream, None)
+            if job.cancelled.is_set():  # the client went away: it leaves the batch at this step
+                flight.stream.close()
+                self.cancelled += 1
+            elif piece is not None:
+                if new := flight.text.feed(piece):
+                    job.emit("text", new)
+                return
+            else:
+                if tail := flight.text.flush():
+                    job.emit("text", tail)
+                self.completed += 1
+                job.emit("done", flight.stream.result)
+        except Exception as err:  # a job's failure is its own; the others decode on
+            failed(job, err)
+        self.flights.remove(flight)
 
     def next_job(self) -> Job | None:
         """The next job, waking twice a second meanwhile: signal handlers run on this thread only between waits (a
@@ -143,25 +145,17 @@ class Worker:
             except queue.Empty:
                 continue
 
-    def decode(self, job: Job) -> None:
-        c = job.completion
-        stream = self.decoder.stream(c.ids, max_new_tokens=c.max_tokens, **c.settings)
-        text = StopText(c.stops)
-        for piece in stream:
-            if job.cancelled.is_set():  # the client went away: stop at this step, free the decoder
-                stream.close()
-                self.cancelled += 1
-                return
-            if new := text.feed(piece):
-                job.emit("text", new)
-        if tail := text.flush():
-            job.emit("text", tail)
-        self.completed += 1
-        job.emit("done", stream.result)
-
     def stop(self) -> None:
         self.draining = True
         self.jobs.put(None)
+
+
+def failed(job: Job, err: Exception) -> None:
+    """A job's failure, answered to it (a fault of the server's logged with its traceback, in the except block that
+    caught it)."""
+    if not isinstance(err, (InputError, RequestError)):
+        log.exception("decoding failed")
+    job.emit("error", err)
 
 
 def answer(err: RequestError) -> JSONResponse:
@@ -169,11 +163,11 @@ def answer(err: RequestError) -> JSONResponse:
 
 
 def create_app(decoder: SpeculativeDecoder, model: str, api_key: str | None = None, queue_size: int = 16,
-               max_body_bytes: int = 1 << 20, read_timeout: float = 30.0) -> FastAPI:
+               max_body_bytes: int = 1 << 20, read_timeout: float = 30.0, max_batch: int = 1) -> FastAPI:
     """The server's ASGI app over `decoder`, named `model` in its answers; `app.state.worker.run()` must decode its
     jobs (decode.serve runs it on the main thread), and returns once the app has shut down. A request body that takes
-    over `read_timeout` seconds to arrive is answered 408."""
-    worker = Worker(decoder, queue_size)
+    over `read_timeout` seconds to arrive is answered 408. Up to `max_batch` requests decode at once."""
+    worker = Worker(decoder, queue_size, max_batch)
     left = RateLimitedNote("clients left before their request bodies arrived")
 
     async def lifespan(app: FastAPI):
@@ -209,8 +203,8 @@ def create_app(decoder: SpeculativeDecoder, model: str, api_key: str | None = No
     @app.get("/health")
     async def health():
         status = "draining" if worker.draining else "ok"
-        return JSONResponse({"status": status, "queued": worker.jobs.qsize(), "decoding": worker.decoding,
-                             "completed": worker.completed, "cancelled": worker.cancelled},
+        return JSONResponse({"status": status, "queued": worker.jobs.qsize(), "in_flight": worker.in_flight,
+                             "max_batch": worker.max_batch, "completed": worker.completed, "cancelled": worker.cancelled},
                             status_code=503 if worker.draining else 200)
 
     @app.get("/v1/models")
