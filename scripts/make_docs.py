@@ -28,6 +28,7 @@ COMMANDS = [  # (what a user types, how to run it here)
     ("python -m decode.calibrate", ["-m", "decode.calibrate"]),
     ("python -m decode.plan", ["-m", "decode.plan"]),
     ("python -m decode.bench", ["-m", "decode.bench"]),
+    ("python -m decode.load", ["-m", "decode.load"]),
     ("python -m decode.report", ["-m", "decode.report"]),
     ("python -m decode.agreement", ["-m", "decode.agreement"]),
     ("python -m decode.profile_step", ["-m", "decode.profile_step"]),

@@ -87,13 +87,15 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    """One llama-server process over the exported oracle (and the draft), with llama.cpp's flags `flags`."""
+    """One llama-server process over the exported oracle (and the draft), with llama.cpp's flags `flags`, decoding up
+    to `slots` requests at once (its continuous batching), each with a context of `context` tokens."""
 
-    def __init__(self, models: dict[str, Path], flags: list[str], threads: int, context: int):
+    def __init__(self, models: dict[str, Path], flags: list[str], threads: int, context: int, slots: int = 1):
         self.port = free_port()
         self.log = tempfile.TemporaryFile()
         command = [server_binary() or "llama-server", "-m", str(models["oracle"]), "--host", "127.0.0.1",
-                   "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1",
+                   "--port", str(self.port), "-t", str(threads), "-tb", str(threads), "-c", str(context * slots),
+                   "-np", str(slots),
                    "-ngl", "0", *(["-md", str(models["draft"]), "-ngld", "0"] if "draft" in models else []), *flags]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + STARTUP_SECONDS
@@ -126,6 +128,23 @@ class LlamaServer:
                 return json.loads(reply.read())
         except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
             raise InputError(f"llama-server failed a completion ({err}): {self.log_tail()}") from None
+
+    def stream(self, request: dict) -> tuple[int, float]:
+        """llama-server's /completion for `request`, streamed: the tokens it made, and the seconds until the first."""
+        body = json.dumps({"return_tokens": True, "stream": True, **request}).encode()
+        post = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body, {"Content-Type": "application/json"})
+        start, first, tokens = time.perf_counter(), None, 0
+        try:
+            with urllib.request.urlopen(post, timeout=600) as reply:
+                for line in reply:
+                    if line.startswith(b"data: "):
+                        made = len(json.loads(line[6:]).get("tokens", []))
+                        if made and first is None:
+                            first = time.perf_counter() - start
+                        tokens += made
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+            raise InputError(f"llama-server failed a completion ({err}): {self.log_tail()}") from None
+        return tokens, time.perf_counter() - start if first is None else first
 
     def peak_rss_mb(self) -> float | None:
         """The server's peak resident memory so far (Linux's VmHWM), in MiB; None where it cannot be read."""

@@ -38,14 +38,15 @@ import numpy as np
 import torch
 
 from decode.api import SpeculativeDecoder
-from decode.atomic import FILE, atomic_output, check_output, check_room, write_json
+from decode.atomic import FILE, check_output, check_room, write_json
 from decode.benchmarking import explain, near_ties
 from decode.benchmarking.harness import compare_with_baseline, decode_in_turns, warm_up
 from decode.benchmarking.llama_server import SERVER_PEERS, TUNING_PROMPTS, ServerPeer, missing_reason, server_binary, server_version
 from decode.benchmarking.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
+from decode.benchmarking.plots import check_plot_path, pyplot, save
 from decode.benchmarking.tables import print_table
 from decode.cli.help import HelpFormatter
-from decode.cli.settings import Settings, encode_prompts, parse_settings
+from decode.cli.settings import Settings, add_result_flags, encode_prompts, parse_settings
 from decode.decoder import Decoder, require_draft
 from decode.errors import InputError, exits_on_input_error
 from decode.models.loading import check_same_vocabulary
@@ -169,23 +170,8 @@ def summarise(records: dict[str, list[dict]], checks: dict | None) -> dict[str, 
     return summary
 
 
-def check_plot_path(path: Path, overwrite: bool, reads: dict) -> None:
-    """A plot path matplotlib can write, none of the inputs (`reads`), checked before any decoding."""
-    from matplotlib.figure import Figure
-
-    check_output(path, FILE, overwrite, "--plot", reads)
-    formats = Figure().canvas.get_supported_filetypes()
-    if path.suffix.lstrip(".").lower() not in formats:
-        raise InputError(f"--plot {path}: matplotlib cannot write {path.suffix or 'a file without extension'}; "
-                         f"end the name in one of {', '.join('.' + f for f in sorted(formats))}")
-
-
 def plot(summary: dict[str, dict], path: Path, title: str, overwrite: bool) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = [n for n, s in summary.items() if "speedup" in s and n != "baseline"]
     fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2, 4))
     ax.boxplot([summary[n]["speedup"]["per_prompt"] for n in names], showmeans=True)
@@ -193,10 +179,7 @@ def plot(summary: dict[str, dict], path: Path, title: str, overwrite: bool) -> N
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_ylabel("speedup over baseline (per prompt)")
     ax.set_title(title)
-    fig.tight_layout()
-    with atomic_output(path, FILE, overwrite) as tmp:
-        fig.savefig(tmp, format=path.suffix.lstrip(".").lower(), dpi=120)
-    plt.close(fig)
+    save(fig, path, overwrite)
 
 
 def parse(argv) -> tuple[argparse.Namespace, list[str], Settings]:
@@ -206,9 +189,7 @@ def parse(argv) -> tuple[argparse.Namespace, list[str], Settings]:
                                        "--temperature, --top-k, --budget, --widths, --dtype, ...).")
     p.add_argument("--methods", help=f"comma-separated, from {', '.join(OURS + PEERS)} (default: all; the llama.cpp peers "
                                      f"where llama-cpp-python or llama-server is found)")
-    p.add_argument("--out", type=Path, help="write the figures and per-prompt records as JSON here")
-    p.add_argument("--plot", type=Path, help="write the per-prompt speedup distribution per method here (.png, .svg)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing --out and --plot files")
+    add_result_flags(p, "the figures and per-prompt records", "the per-prompt speedup distribution per method")
     known, rest = p.parse_known_args(argv)
     names = (known.methods or DEFAULT_METHODS).split(",")
     unknown = [n for n in names if n not in OURS + PEERS]

@@ -39,9 +39,10 @@ def load_result(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: not a benchmark result ({e}); {WHAT}") from None
     if not isinstance(result, dict) or not ({"settings", "summary", "records"} <= result.keys() or is_engine(result)
-                                            or is_plan(result) or is_quantization(result)):
+                                            or is_plan(result) or is_quantization(result) or is_load(result)):
         raise InputError(f"{path}: not a benchmark result (neither decode.bench's settings, summary and records, nor "
-                         f"decode.bench_engine's roofline, nor a plan, nor decode.quantize's report); {WHAT}")
+                         f"decode.bench_engine's roofline, nor a plan, nor decode.quantize's report, nor decode.load's "
+                         f"levels); {WHAT}")
     if is_quantization(result) and "perplexity" not in result:
         raise InputError(f"{path}: a quantized model's report without perplexity; quantize with --run RUN or --data DIR")
     return result
@@ -70,6 +71,28 @@ def quantization_markdown(results: list[dict]) -> str:
 
 def is_engine(result: dict) -> bool:
     return {"roofline", "machine", "command"} <= result.keys()
+
+
+def is_load(result: dict) -> bool:
+    """decode.load's result."""
+    return {"settings", "levels"} <= result.keys()
+
+
+def load_markdown(result: dict) -> str:
+    """decode.load's levels: a row per engine and number of clients, each speed beside that engine's with one client."""
+    s = result["settings"]
+    lines = [f"- {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['sampling']}, {s['dtype']} on "
+             f"{s['machine']}, {s['date']}{built_with(s)}. `{s['command']}`", "",
+             "| engine | clients | aggregate tok/s | x one client | request tok/s, median | x one client | "
+             "first token p50 / p95 (s) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    alone = {row["engine"]: row for row in result["levels"] if row["clients"] == 1}
+    for row in result["levels"]:
+        one = alone.get(row["engine"])
+        times = [f"{row[k] / one[k]:.2f}x" if one else "" for k in ("aggregate_tokens_per_s", "request_tokens_per_s")]
+        lines.append(f"| {row['engine']} | {row['clients']} | {row['aggregate_tokens_per_s']:.1f} | {times[0]} | "
+                     f"{row['request_tokens_per_s']:.1f} | {times[1]} | {row['first_token_p50_s']:.2f} / "
+                     f"{row['first_token_p95_s']:.2f} |")
+    return "\n".join(lines)
 
 
 def is_plan(result: dict) -> bool:
@@ -308,10 +331,11 @@ def main(argv=None) -> None:
             raise InputError("decode.quantize's reports are shown together, with --markdown, and with no other result")
         print(quantization_markdown(results))
         return
-    if any(is_engine(result) or is_plan(result) for result in results):
+    if any(is_engine(result) or is_plan(result) or is_load(result) for result in results):
         if len(results) > 1 or not args.markdown:
-            raise InputError("a decode.bench_engine result or a plan is shown alone, with --markdown")
-        print(engine_markdown(results[0]) if is_engine(results[0]) else plan_markdown(results[0]))
+            raise InputError("a decode.bench_engine or decode.load result, or a plan, is shown alone, with --markdown")
+        shown = engine_markdown if is_engine(results[0]) else load_markdown if is_load(results[0]) else plan_markdown
+        print(shown(results[0]))
         return
     methods = args.methods.split(",") if args.methods else None
     unknown = [m for m in methods or [] if not any(m in result["summary"] for result in results)]

@@ -54,6 +54,13 @@ class Settings:
         return self.options_of()
 
 
+def add_result_flags(p: argparse.ArgumentParser, figures: str, plotted: str) -> None:
+    """A benchmark's --out (its `figures` as JSON), --plot (of what is `plotted`) and --overwrite."""
+    p.add_argument("--out", type=Path, help=f"write {figures} as JSON here")
+    p.add_argument("--plot", type=Path, help=f"write {plotted} here (.png, .svg)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing --out and --plot files")
+
+
 def parse_settings(argv, prog: str, description: str, dtype_from_plan: bool = True, records: bool = True) -> Settings:
     """decode.run's flags as Settings, for the command `prog` (its --help shows `description`); the planner passes
     `dtype_from_plan=False` (decoder_flags). Without `records` the command writes and prints no completions: no
