@@ -81,9 +81,10 @@ class SpeculativeDecoder:
     method's default for it (greedy: `options`' own): each setting's drafter is built on first use, over the same
     loaded models.
 
-    One sequence at a time: the models' caches hold the sequence being decoded. A generate or stream that starts
-    while another is decoding (another thread's, or an unfinished stream in this one) raises DecoderBusy at once,
-    and the decoding in progress goes on unharmed. Use one decoder per thread, or take turns."""
+    One call at a time: the models' caches hold the sequence being decoded. A generate, stream or generate_batch
+    that starts while another is decoding (another thread's, or an unfinished stream in this one) raises DecoderBusy
+    at once, and the decoding in progress goes on unharmed. Use one decoder per thread, or take turns; several
+    prompts decode together in generate_batch, or in stream_in over a batch of one thread's streams."""
 
     def __init__(self, options: DecoderOptions, plans: Resolved | None = None):
         self.options = check_options(options)
