@@ -1,6 +1,7 @@
-"""Many sequences decoding at once. Each decodes on a decoder of its own over the same loaded models
-(`Decoder.fork`: the weights shared, a cache each), and every step runs each sequence's oracle forward as one call
-(decode.models.together), which reads the weights once for all of them. A sequence's draft still drafts alone.
+"""Many sequences decoding at once. Each decodes on a decoder of its own over forks of the same loaded models
+(`CachedLM.fork`: the weights shared, a cache each; `Decoder.over`), and every step runs each sequence's oracle
+forward as one call (decode.models.together), which reads the weights once for all of them. A sequence's draft still
+drafts alone.
 
 A sequence is its loop's coroutine (decode.loop) driven by the batch instead of by `loop.alone`: the same code,
 the same random draws from its own generator, and logits bit for bit those it gets alone, so its output is what it
@@ -25,7 +26,7 @@ class Sequence:
     decoder: "Decoder"  # a fork of the decoder it joined with
     calls: loop.Calls
     asked: Call | None = None  # the oracle forward it waits for
-    ready: deque = field(default_factory=deque)  # its Generations since its consumer last read it
+    ready: deque[loop.Generation] = field(default_factory=deque)  # its Generations since its reader last read it
     done: bool = False
     failure: Exception | None = None
 
