@@ -14,6 +14,7 @@ from decode.batch import Batch
 from decode.errors import InputError
 from decode.models.cached_lm import Call
 from decode.models.together import run_together
+from decode.planning.concurrency import fitting_batch
 
 SAMPLED = {"do_sample": True, "temperature": 1.5, "top_k": 50}
 
@@ -140,3 +141,11 @@ def test_generate_batch_refuses_bad_prompts_before_decoding_any(decoders, prompt
         dec.generate_batch(prompts, max_new_tokens=8)
     assert len(dec.batch) == 0
     assert dec.generate_batch(["def f():"], max_new_tokens=8)[0].token_ids == dec.generate("def f():", max_new_tokens=8).token_ids
+
+
+def test_the_default_batch_is_the_most_sequences_whose_forward_keeps_each_at_the_share_of_its_speed_alone():
+    costs = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0, 16: 15.0, 32: 24.0, 64: 44.0}  # milliseconds by rows
+    assert fitting_batch(costs, rows=8, kept=0.6) == 3  # 24 rows cost 19.5 ms, within 12 / 0.6; 32 rows 24 ms
+    assert fitting_batch(costs, rows=1, kept=0.6) == 16  # one-row steps: every count up to the most
+    assert fitting_batch(costs, rows=32, kept=0.6) == 1
+    assert fitting_batch(costs, rows=8, kept=0.9) == 1

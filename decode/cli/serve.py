@@ -49,7 +49,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="a connection whose request headers are not complete this long after it opens (or after the "
                         "last answer) is closed; a body not complete this long after the headers gets 408")
     args = p.parse_args(argv)
-    if not 0 <= args.port < 65536 or args.queue_size < 1 or args.max_body_bytes < 1 or not 1 <= (args.max_batch or 1) <= 256:
+    batch_out_of_range = args.max_batch is not None and not 1 <= args.max_batch <= 256
+    if not 0 <= args.port < 65536 or args.queue_size < 1 or args.max_body_bytes < 1 or batch_out_of_range:
         p.error("need a --port in 0..65535, a --queue-size and --max-body-bytes of at least 1, and a --max-batch of 1 "
                 "to 256")
     if not 0 < args.read_timeout < float("inf"):
