@@ -5,11 +5,14 @@ drafts alone.
 
 A sequence is its loop's coroutine (decode.loop) driven by the batch instead of by `loop.alone`: the same code,
 the same random draws from its own generator, and logits bit for bit those it gets alone, so its output is what it
-gets decoding alone, greedy or sampled. Sequences join and leave between steps.
+gets decoding alone, greedy or sampled. Sequences join and leave between steps; a joining one's long prompt is read a
+C++ call's chunk a step (CachedLM.pieces), beside the others' trees.
 """
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from decode import loop
 from decode.healing import Prompt
@@ -25,7 +28,8 @@ if TYPE_CHECKING:
 class Sequence:
     decoder: "Decoder"  # a fork of the decoder it joined with
     calls: loop.Calls
-    asked: Call | None = None  # the oracle forward it waits for
+    asked: deque[Call] = field(default_factory=deque)  # the oracle forward it waits for, as its pieces yet to run
+    scored: list[torch.Tensor] = field(default_factory=list)  # the logits of its pieces run so far
     ready: deque[loop.Generation] = field(default_factory=deque)  # its Generations since its reader last read it
     done: bool = False
     failure: Exception | None = None
@@ -81,24 +85,31 @@ class Batch:
                 self.spare[id(decoder.draft)].append(draft)
 
     def step(self) -> None:
-        """Every sequence drafts (up to its next oracle call), then one oracle forward scores all their calls."""
+        """Every sequence drafts (up to its next oracle call), then one oracle forward scores all their calls: the
+        next piece of each (a long prompt's chunks one a step, so that a request joining does not hold the others
+        for the whole of its prompt)."""
         for sequence in self.sequences:
-            if sequence.asked is None and not sequence.done:
+            if not sequence.asked and not sequence.done:
                 advance(sequence, None)
-        waiting = [(s, s.asked) for s in self.sequences if s.asked is not None]
+        waiting = [(s, s.asked[0]) for s in self.sequences if s.asked]
         if not waiting:
             return
-        for (sequence, _), scored in zip(waiting, run_together([(s.decoder.oracle, asked) for s, asked in waiting])):
-            sequence.asked = None
+        for (sequence, _), scored in zip(waiting, run_together([(s.decoder.oracle, piece) for s, piece in waiting])):
+            sequence.asked.popleft()
             if isinstance(scored, Exception):  # its forward failed: it ends, failing, and the others go on
                 sequence.failure, sequence.done = scored, True
-            else:
-                advance(sequence, scored)
+                sequence.asked.clear()
+                continue
+            sequence.scored.append(scored)
+            if not sequence.asked:
+                logits = sequence.scored[0] if len(sequence.scored) == 1 else torch.cat(sequence.scored)
+                sequence.scored = []
+                advance(sequence, logits)
 
 
 def advance(sequence: Sequence, logits) -> None:
-    """Run a sequence's coroutine on to what it asks next: a forward (kept as `asked`) or its end; a Generation on
-    the way is ready for its reader."""
+    """Run a sequence's coroutine on to what it asks next: a forward (kept as `asked`, in its pieces) or its end; a
+    Generation on the way is ready for its reader."""
     try:
         asked = loop.resume(sequence.calls, logits)
     except Exception as failure:  # its own, kept for its reader
@@ -107,6 +118,6 @@ def advance(sequence: Sequence, logits) -> None:
     if asked is None:
         sequence.done = True
     elif isinstance(asked, Call):
-        sequence.asked = asked
+        sequence.asked.extend(sequence.decoder.oracle.pieces(asked))
     else:
         sequence.ready.append(asked)

@@ -9,7 +9,7 @@ from native_built import random_tree
 from test_api import METHODS, TEXTS
 from test_native_forward import ARCHITECTURES, engine_in_cpp, tiny_model
 
-from decode import SpeculativeDecoder
+from decode import SpeculativeDecoder, native
 from decode.batch import Batch
 from decode.errors import InputError
 from decode.models.cached_lm import Call
@@ -17,6 +17,7 @@ from decode.models.together import run_together
 from decode.planning.concurrency import fitting_batch
 
 SAMPLED = {"do_sample": True, "temperature": 1.5, "top_k": 50}
+LONG = "def scale(values):\n    return [v * 2 for v in values]\n\n" * 4  # past a C++ call's rows: read in chunks
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -50,6 +51,27 @@ def test_one_forward_over_several_caches_gives_each_sequence_the_bits_it_gets_al
     assert batches == [3, 3, 3]
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_long_prompt_read_a_chunk_a_step_beside_other_sequences_gets_the_bits_it_gets_alone(built, tmp_path,
+                                                                                           architecture):
+    engine = engine_in_cpp(tiny_model(architecture, tmp_path / "model", 3), "bfloat16", tiles=False)
+    rng = random.Random(1)
+    prompt = Call(torch.tensor([rng.randrange(97) for _ in range(native.Blocks.ROWS + 40)]), last=45, extend=True)
+    alone, reading, other = engine.fork(), engine.fork(), engine.fork()
+    expected = alone.run(prompt)
+    other.run(Call(torch.tensor([5, 6, 7]), extend=True))
+    pieces, scored = reading.pieces(prompt), []
+    assert [(len(p.token_ids), p.last) for p in pieces] == [(native.Blocks.ROWS, 5), (40, 40)]
+    for piece in pieces:  # each piece beside another sequence's tree, one forward a step
+        tree = random_tree(rng, 6, 97)
+        logits = run_together([(reading, piece), (other, Call(tree.tokens, tree.positions(other.length),
+                                                               tree.mask(other.device)))])
+        scored.append(logits[0])
+        other.commit([0])
+    assert torch.equal(torch.cat(scored), expected) and reading.length == alone.length == len(prompt.token_ids)
+    assert torch.equal(reading.kv.cache[..., : alone.length, :], alone.kv.cache[..., : alone.length, :])
+
+
 @pytest.fixture(scope="module")
 def decoders(bpe_run):
     return {method: SpeculativeDecoder.from_run(bpe_run["run"], method=method, **extra) for method, extra in METHODS.items()}
@@ -58,10 +80,11 @@ def decoders(bpe_run):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
 def test_generate_batch_gives_each_prompt_what_generate_gives_it(decoders, method, sampling):
-    dec = decoders[method]
+    dec, texts = decoders[method], [*TEXTS, LONG]
+    assert len(dec.token_ids(LONG)) > native.Blocks.ROWS
     for seed in range(3):
-        together = dec.generate_batch(TEXTS, max_new_tokens=24, seed=seed, **sampling)
-        for text, result in zip(TEXTS, together):
+        together = dec.generate_batch(texts, max_new_tokens=24, seed=seed, **sampling)
+        for text, result in zip(texts, together):
             alone = dec.generate(text, max_new_tokens=24, seed=seed, **sampling)
             assert (result.text, result.token_ids, result.finish_reason, result.oracle_calls, result.healed) == (
                 alone.text, alone.token_ids, alone.finish_reason, alone.oracle_calls, alone.healed)

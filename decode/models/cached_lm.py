@@ -83,6 +83,11 @@ class CachedLM:
         """Whether its forks' forwards run as one forward (decode.models.together)."""
         return False
 
+    def pieces(self, call: Call) -> list[Call]:
+        """The calls that together do what `call` does, each run as one forward (decode.batch runs one a step): a
+        long prompt's extend as the chunks `run` reads it in, the logits of each joined in turn; else the call."""
+        return [call]
+
     def cache_bytes(self) -> int:
         """The bytes its cache holds now (a preallocated cache's, whatever it holds)."""
         return 0

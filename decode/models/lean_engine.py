@@ -108,6 +108,14 @@ class LeanEngine(CachedLM):
     def runs_together(self) -> bool:
         return self.runtime.blocks is not None and self.graphs is None
 
+    def pieces(self, call: Call) -> list[Call]:
+        q, size = len(call.token_ids), self.runtime.rows
+        if not (call.extend and q > size and self.runtime.chunks and self.runs_together):
+            return [call]
+        last = q if call.last is None else call.last
+        return [Call(call.token_ids[a : min(a + size, q)], last=max(0, min(size, q - a, last - (q - min(a + size, q)))),
+                     extend=True) for a in range(0, q, size)]
+
     def batches(self, call: Call) -> bool:
         """Whether this call's forward runs as one C++ call, and so as a part of one over several sequences' rows
         (`part`)."""
