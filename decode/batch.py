@@ -50,12 +50,11 @@ class Batch:
 
     def reserve(self, decoder: "Decoder", sequences: int) -> int:
         """Make the forks `sequences` sequences of this decoder need, now; the bytes of their caches."""
-        made = [[self.fork(model) for model in (decoder.oracle, decoder.draft) if model is not None]
-                for _ in range(sequences)]
-        for forks in made:
-            for model, fork in zip((decoder.oracle, decoder.draft), forks):
-                self.spare[id(model)].append(fork)
-        return sum(fork.cache_bytes() for forks in made for fork in forks)
+        models = [model for model in (decoder.oracle, decoder.draft) if model is not None]
+        for model in models:
+            spare = self.spare.setdefault(id(model), [])
+            spare.extend(model.fork() for _ in range(sequences - len(spare)))
+        return sum(fork.cache_bytes() for model in models for fork in self.spare[id(model)])
 
     def fork(self, model: CachedLM) -> CachedLM:
         spare = self.spare.setdefault(id(model), [])

@@ -325,7 +325,7 @@ def test_the_cpp_forward_refuses_a_tensor_of_another_element_type_or_an_output_o
         blocks.forward.model(blocks.spec | {"wte": (address, elements, 4)})
     with pytest.raises(TypeError, match="norm_f.weight has 2-byte elements where the model reads 4-byte ones"):
         blocks.forward.model(blocks.spec | {"norm_f.weight": (*blocks.spec["norm_f.weight"][:2], 2)})
-    rows = {"model": blocks.model, "cache": native.cache_field(engine.kv.cache), "ids": [1, 2], "positions": [0, 1],
+    rows = {"model": blocks.model, "cache": engine.kv.field, "ids": [1, 2], "positions": [0, 1],
             "start": 0, "mask": None, "last": 2}
     blocks.forward.blocks(**rows, out=torch.empty(2, blocks.columns).numpy())
     with pytest.raises(ValueError, match="out must be"):

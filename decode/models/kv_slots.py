@@ -5,6 +5,7 @@ from collections.abc import Callable
 import torch
 
 from decode.errors import InputError
+from decode.native import tensor_field
 
 
 class KVSlots:
@@ -16,6 +17,7 @@ class KVSlots:
     def __init__(self, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: torch.device,
                  mover: Callable[[torch.Tensor], Callable[[int, list[int]], None]]):
         self.cache = torch.zeros((2, layers, heads, capacity, head_dim), device=device, dtype=dtype)
+        self.field = tensor_field(self.cache)  # as the C++ forward reads it, found once (after a forward, slowly)
         self.layers = self.cache.unbind(1)  # views, one per layer: indexing them parses one index fewer
         self.capacity = capacity
         self.length = 0  # committed positions

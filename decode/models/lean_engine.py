@@ -47,6 +47,13 @@ def torch_weights_on_first_use(made, reload: Callable[[], dict] | None, convert:
     return make
 
 
+def chunks(q: int, size: int, last: int) -> list[tuple[int, int, int]]:
+    """The C++ calls q rows are read in, `size` rows each, as (first row, end, logits asked of it) when the last
+    `last` rows' logits are asked."""
+    ends = [(a, min(a + size, q)) for a in range(0, q, size)]
+    return [(a, b, max(0, min(b - a, last - (q - b)))) for a, b in ends]
+
+
 class LeanEngine(CachedLM):
     def __init__(self, shape, embeddings: torch.Tensor, torch_weights: Callable[[], tuple], layouts: dict[str, str],
                  kv: KVSlots, max_length: int, runtime: Runtime, shortlist: Shortlist | None = None):
@@ -109,12 +116,11 @@ class LeanEngine(CachedLM):
         return self.runtime.blocks is not None and self.graphs is None
 
     def pieces(self, call: Call) -> list[Call]:
-        q, size = len(call.token_ids), self.runtime.rows
-        if not (call.extend and q > size and self.runtime.chunks and self.runs_together):
+        q = len(call.token_ids)
+        if not (call.extend and q > self.runtime.rows and self.runtime.chunks and self.runs_together):
             return [call]
-        last = q if call.last is None else call.last
-        return [Call(call.token_ids[a : min(a + size, q)], last=max(0, min(size, q - a, last - (q - min(a + size, q)))),
-                     extend=True) for a in range(0, q, size)]
+        return [Call(call.token_ids[a:b], last=asked, extend=True)
+                for a, b, asked in chunks(q, self.runtime.rows, q if call.last is None else call.last)]
 
     def batches(self, call: Call) -> bool:
         """Whether this call's forward runs as one C++ call, and so as a part of one over several sequences' rows
@@ -127,7 +133,7 @@ class LeanEngine(CachedLM):
         q = len(call.token_ids)
         start, _ = self.kv.reserve(q)
         positions = list(range(start, start + q)) if call.extend else call.position_ids
-        return (self.kv.cache, call.token_ids, positions, self.visible(q, None if call.extend else call.mask), start,
+        return (self.kv.field, call.token_ids, positions, self.visible(q, None if call.extend else call.mask), start,
                 call.last)
 
     def settle(self, call: Call) -> None:
@@ -163,7 +169,7 @@ class LeanEngine(CachedLM):
         start, _ = self.kv.reserve(q)
         blocks = self.runtime.blocks
         assert blocks is not None  # `chains` says so only where the runtime has a C++ forward
-        chosen = blocks.chain(self.kv.cache, token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms)
+        chosen = blocks.chain(self.kv.field, token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms)
         self.kv.pending += q
         return chosen
 
@@ -174,7 +180,7 @@ class LeanEngine(CachedLM):
         true and every one before them."""
         blocks = self.runtime.blocks  # run up to `rows` rows (none without a C++ forward)
         if len(token_ids) <= self.runtime.rows and isinstance(slots, slice) and blocks is not None:
-            return blocks(self.kv.cache, token_ids, position_ids, mask, slots.start, last)
+            return blocks(self.kv.field, token_ids, position_ids, mask, slots.start, last)
         if self.runtime.chunks and isinstance(slots, slice) and mask is not None:
             return self.chunked_logits(token_ids, position_ids, mask, slots.start, last)
         with torch.inference_mode():  # torch's forward only: entering it costs, and a C++ forward needs none of it
@@ -186,15 +192,11 @@ class LeanEngine(CachedLM):
         C++ call ran faster than torch at every row count measured: each call's rows see the slots before them as
         `mask` says (its columns: the pending slots, then the new rows), those of the calls before included. A row's
         logits do not depend on the other rows of its call (forward.cpp), so they are those of one long call."""
-        q, size, blocks = len(token_ids), self.runtime.rows, self.runtime.blocks
+        q, blocks = len(token_ids), self.runtime.blocks
         assert blocks is not None  # the runtime `chunks` only with a C++ forward
-        pending, last = mask.shape[1] - q, q if last is None else last
-        parts = []
-        for a in range(0, q, size):
-            b = min(a + size, q)
-            parts.append(blocks(self.kv.cache, token_ids[a:b], position_ids[a:b], mask[a:b, : pending + b], start + a,
-                                max(0, min(b - a, last - (q - b)))))
-        return torch.cat(parts)
+        pending = mask.shape[1] - q
+        return torch.cat([blocks(self.kv.field, token_ids[a:b], position_ids[a:b], mask[a:b, : pending + b], start + a,
+                                 asked) for a, b, asked in chunks(q, self.runtime.rows, q if last is None else last)])
 
     def additive(self, mask: torch.Tensor | None, end: int) -> torch.Tensor | None:
         """A (q, k) boolean mask over the last k of slots 0..end as torch's attention adds it: SDPA would make a

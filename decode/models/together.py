@@ -12,7 +12,7 @@ from decode.models.lean_engine import LeanEngine
 def run_together(calls: list[tuple[CachedLM, Call]]) -> list[torch.Tensor | Exception]:
     """Each (model, call)'s logits, as model.run(call) gives them, or the exception it raises there: a call that
     fails fails alone. The models are forks of one model, one per sequence."""
-    results: list[torch.Tensor | Exception | None] = [None] * len(calls)
+    together: dict[int, torch.Tensor] = {}  # a call's place -> its logits from a forward it shared
     groups: dict[int, list[tuple[int, LeanEngine, Call]]] = {}  # a C++ forward's address -> the calls it runs as one
     for i, (model, call) in enumerate(calls):
         if isinstance(model, LeanEngine) and model.batches(call):
@@ -26,11 +26,13 @@ def run_together(calls: list[tuple[CachedLM, Call]]) -> list[torch.Tensor | Exce
             continue
         for (i, engine, call), out in zip(group, logits):
             engine.settle(call)
-            results[i] = out
-    for i, (model, call) in enumerate(calls):
-        if results[i] is None:
-            try:
-                results[i] = model.run(call)
-            except Exception as failure:
-                results[i] = failure
-    return [result for result in results if result is not None]
+            together[i] = out
+    return [together[i] if i in together else alone(model, call) for i, (model, call) in enumerate(calls)]
+
+
+def alone(model: CachedLM, call: Call) -> torch.Tensor | Exception:
+    """The call's logits, run alone, or the exception it raises."""
+    try:
+        return model.run(call)
+    except Exception as failure:
+        return failure

@@ -203,9 +203,9 @@ def packed(weight: "torch.Tensor | QuantizedWeight") -> torch.Tensor:
     return pack_for_products(weight) if isinstance(weight, torch.Tensor) else pack_quantized(weight)
 
 
-def cache_field(cache: torch.Tensor) -> tuple[int, int, int]:
-    """An engine's kv_cache as forward.cpp reads it: (address, elements, element_bytes)."""
-    return cache.data_ptr(), cache.numel(), cache.element_size()
+def tensor_field(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """A tensor as forward.cpp reads it: (address, elements, element_bytes)."""
+    return tensor.data_ptr(), tensor.numel(), tensor.element_size()
 
 
 class Blocks:
@@ -254,7 +254,7 @@ class Blocks:
                 self.kept[name] = tensors[name].float().contiguous()
         self.kept |= {"output.packed": packed(output.T if isinstance(output, torch.Tensor) else output),
                       "output.bias": torch.zeros(-(-output.shape[0] // 16) * 16)}
-        fields = {name: (tensor.data_ptr(), tensor.numel(), tensor.element_size()) for name, tensor in self.kept.items()}
+        fields = {name: tensor_field(tensor) for name, tensor in self.kept.items()}
         positions = self.kept["wpe"] if "wpe" in self.kept else self.kept["rope.cos"]
         self.spec = fields | shape | {
             "vocabulary": self.kept["wte"].shape[0], "positions": positions.shape[0],
@@ -282,15 +282,15 @@ class Blocks:
         self._tiles = bool(on) and self.can_tile
         self.forward.tiles(model=self.model, on=self._tiles)  # which the C++ takes only where the CPU has them
 
-    def __call__(self, cache: torch.Tensor, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None, start: int,
-                 last: int | None = None) -> torch.Tensor:
+    def __call__(self, cache: tuple[int, int, int], token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
+                 start: int, last: int | None = None) -> torch.Tensor:
         """Float32 logits of new nodes in `cache`'s slots from `start` on (of the `last` of them, with `last`), as
         the engines' `logits` give them; `mask` as they take it, None for a chain. `cache`: an engine's (2, layers,
-        kv_heads, capacity, head_dim) kv_cache in the model's dtype."""
+        kv_heads, capacity, head_dim) kv_cache in the model's dtype, as `tensor_field` gives it (KVSlots.field)."""
         ids, positions = as_list(token_ids), as_list(position_ids)
         last = len(ids) if last is None else last
         out = torch.empty(last, self.columns)
-        self.forward.blocks(model=self.model, cache=cache_field(cache), ids=ids, positions=positions, start=start,
+        self.forward.blocks(model=self.model, cache=cache, ids=ids, positions=positions, start=start,
                             mask=None if mask is None else mask.contiguous().numpy(), last=last, out=out.numpy())
         return out
 
@@ -301,19 +301,19 @@ class Blocks:
         for cache, token_ids, position_ids, mask, start, last in parts:
             ids = as_list(token_ids)
             asked.append(len(ids) if last is None else last)
-            calls.append((cache_field(cache), ids, as_list(position_ids), start,
+            calls.append((cache, ids, as_list(position_ids), start,
                           None if mask is None else mask.contiguous().numpy(), asked[-1]))
         out = torch.empty(sum(asked), self.columns)
         self.forward.batch(model=self.model, parts=calls, out=out.numpy())
         return list(out.split(asked))
 
-    def chain(self, cache: torch.Tensor, token_ids: Ids, position_ids: Ids, start: int, steps: int, sampling, shortlist,
+    def chain(self, cache: tuple[int, int, int], token_ids: Ids, position_ids: Ids, start: int, steps: int, sampling, shortlist,
               uniforms: list[float]) -> tuple[list[int], list[Sparse] | None]:
         """A chain drafter's `steps` forwards as one C++ call (forward.cpp's chain): the first over the new nodes in
         cache slots from `start` (the last of them the root), each later one over the token chosen after the one
         before, a position and a slot further. Returns the chosen tokens (greedy: each row's argmax; a top-k setting:
         a draw at each of `uniforms`) and, when sampling, each one's distribution."""
-        return self.forward.chain(model=self.model, cache=cache_field(cache), ids=as_list(token_ids), positions=as_list(position_ids),
+        return self.forward.chain(model=self.model, cache=cache, ids=as_list(token_ids), positions=as_list(position_ids),
                                   start=start, steps=steps, top_k=sampling.top_k,
                                   temperature=float(sampling.temperature), top_p=float(sampling.top_p),
                                   shortlist_tokens=None if shortlist is None else shortlist.tokens, uniforms=uniforms)
