@@ -16,16 +16,19 @@ MAX_BUDGET, MAX_DEPTH = 512, 64
 MIN_DRAFT_VOCAB = 64  # a shortlist holds every draft's top children and a sampled proposal's 64 tokens
 MIN_TEMPERATURE = 1e-4  # the least sampling temperature: logits divided by a smaller one can overflow float32
 PAPER_WIDTHS, PAPER_BUDGET = (12, 7, 4, 1, 1, 1), 36  # the paper's staged tree, sized for a GPU
+# Without a plan on a GPU: the trigram widths and budget decode.plan chose for the quick preset on an NVIDIA H200
+# (docs/gpu.md). The paper's tree is larger than what pays there for models of that size.
+GPU_WIDTHS, GPU_BUDGET = (4, 2, 1), 16
 # Without a plan on a CPU: the trigram widths and budget that plans choose for the cpu preset there. The paper's tree
 # has the draft score up to 1,441 nodes a step, which on a CPU is slower than plain decoding (docs/decoding.md).
 CPU_WIDTHS, CPU_BUDGET = (3, 2, 1), 12
 
 
 def default_tree(device: str) -> tuple[int, list[int]]:
-    """The oracle's tree budget and the trigram's widths without a plan: sized for a CPU there, the paper's on a GPU."""
+    """The oracle's tree budget and the trigram's widths without a plan, sized for the device."""
     if torch.device(device).type == "cpu":
         return CPU_BUDGET, list(CPU_WIDTHS)
-    return PAPER_BUDGET, list(PAPER_WIDTHS)
+    return GPU_BUDGET, list(GPU_WIDTHS)
 
 
 # Without a plan on a CPU, staged drafts the draft's own chain, with no stage below the draft: the shape decode.plan
@@ -57,12 +60,12 @@ class DecoderOptions:
                      type=int)
     budget: int | None = setting(  # None: sized for the device (default_tree)
         None, f"tree methods: nodes in the oracle's tree (default: the plan's; without one {CPU_BUDGET} on a CPU, "
-              f"{PAPER_BUDGET} on a GPU; unplanned staged on a CPU drafts the draft's chain of {CPU_CHAIN} tokens, "
+              f"{GPU_BUDGET} on a GPU; unplanned staged on a CPU drafts the draft's chain of {CPU_CHAIN} tokens, "
               f"{CPU_SAMPLED_CHAIN} when sampling, unless a tree flag is typed)", True, type=int)
     depth: int = setting(8, "tree methods: deepest drafted level", True, type=int)
     widths: list[int] | None = setting(  # None: sized for the device
         None, f"staged/ngram: trigram children per node at each level, comma-separated (default: the plan's; without one "
-              f"{','.join(map(str, CPU_WIDTHS))} on a CPU, the paper's {','.join(map(str, PAPER_WIDTHS))} on a GPU)", True)
+              f"{','.join(map(str, CPU_WIDTHS))} on a CPU, {','.join(map(str, GPU_WIDTHS))} on a GPU)", True)
     branch: int | None = setting(  # None: the drafter's default
         None, "tree: children per expanded node (default 4); staged: the draft's own top children per node (default 1, "
               "its argmax), or with sampled --tree-children its draws per node (default 2)", True, type=int)

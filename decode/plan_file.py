@@ -191,6 +191,16 @@ def default_policy(options, given=frozenset(), sampling: Sampling = GREEDY) -> d
             "widths": []}
 
 
+def unplanned_method(options, given=frozenset(), sampling: Sampling = GREEDY) -> str:
+    """The method decoding takes where no plan applies: the options' own, save that staged by default (the caller did
+    not name a method) on a GPU when sampling gives way to lookup, which drafts without a model's forward: there
+    every drafted tree measured without a plan ran slower than plain decoding, and lookup did not (docs/gpu.md)."""
+    if (options.method != "staged" or "method" in given or sampling.greedy
+            or torch.device(options.device).type == "cpu"):
+        return options.method
+    return "lookup"
+
+
 def with_plan(options, path: Path | None, given=frozenset(), sampling: Sampling = GREEDY):
     """The DecoderOptions with the plan's policy for their method in place of every field the caller did not set
     (`given`): the plan fills in the tree, and what the caller set wins. The plan must have been measured for these

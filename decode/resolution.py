@@ -7,7 +7,7 @@ from pathlib import Path
 from decode.methods import METHODS, check_options
 from decode.models.precision import auto_dtype
 from decode.options import DecoderOptions, check_device
-from decode.plan_file import default_policy, nearest_run_plan, plan_name, replan, setting_of, with_plan
+from decode.plan_file import default_policy, nearest_run_plan, plan_name, replan, setting_of, unplanned_method, with_plan
 from decode.sampling import GREEDY, Sampling
 
 
@@ -46,10 +46,12 @@ class Resolved:
         return f"{plan} (planned for {made_for.describe()}, the nearest planned setting to {sampling.describe()})"
 
     def options(self, sampling: Sampling = GREEDY, method: str | None = None) -> DecoderOptions:
-        """The options for `method` (default: the base's) under this sampling, its plan's policy filling in what the
-        caller did not set."""
-        base = self.base if method is None else replace(self.base, method=method)
-        return with_plan(base, self.plan_for(sampling)[0], self.given, sampling)
+        """The options for `method` (default: the base's, or without a plan its `unplanned_method`) under this
+        sampling, its plan's policy filling in what the caller did not set."""
+        plan = self.plan_for(sampling)[0]
+        if method is None:
+            method = self.base.method if plan is not None else unplanned_method(self.base, self.given, sampling)
+        return with_plan(replace(self.base, method=method), plan, self.given, sampling)
 
     def without_plan(self, sampling: Sampling = GREEDY) -> str | None:
         """Why the method decodes without the run's plan under this sampling, in words: the run's plan for it was made
@@ -90,6 +92,9 @@ class Resolved:
     def unplanned(self, sampling: Sampling = GREEDY) -> str:
         """What the method drafts without a plan under this sampling setting, in words."""
         base, policy = self.base, default_policy(self.base, self.given, sampling)
+        if (method := unplanned_method(base, self.given, sampling)) != base.method:
+            return (f"{method}'s drafting from the context alone, the one method that ran no slower than plain "
+                    f"decoding without a plan on a GPU when sampling (docs/gpu.md)")
         if policy is not None:
             return f"the draft's chain of {policy['depth']} tokens, the shape plans choose on a CPU"
         if METHODS[base.method].tree:

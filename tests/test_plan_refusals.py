@@ -13,7 +13,9 @@ from decode import SpeculativeDecoder, plan_file
 from decode.cli import plan, run
 from decode.drafting import ShapedTreeDrafter
 from decode.errors import InputError
-from decode.options import CPU_CHAIN
+from decode.options import CPU_CHAIN, GPU_BUDGET, GPU_WIDTHS, PAPER_BUDGET, DecoderOptions, default_tree
+from decode.resolution import Resolved
+from decode.sampling import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +152,29 @@ def test_tree_methods_without_a_plan_say_what_they_draft_on_this_device(planned,
         decoder.generate("t3 t9", max_new_tokens=4, do_sample=True, temperature=0.7)
     assert f"no plan for this setting in {run_dir} (plan-t0.7-k0-p1.json)" in caplog.text
     assert f"python -m decode.plan --run {run_dir} --dtype float32 --temperature 0.7 --top-k 0 --top-p 1`" in caplog.text
+
+
+def test_a_gpu_without_a_plan_drafts_what_measured_no_slower_than_plain_decoding(planned, models, tmp_path, capsys):
+    """On a GPU without a plan, staged's tree is the one planned there (not the paper's), and staged by default gives
+    way to lookup when sampling; a method the caller names keeps staged. No GPU is needed: the options are resolved,
+    not run."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for part in ("oracle", "draft", "ngram"):
+        (run_dir / part).symlink_to(models[part])
+    assert default_tree("cuda") == (GPU_BUDGET, list(GPU_WIDTHS)) and GPU_BUDGET < PAPER_BUDGET
+    base = DecoderOptions(oracle=models["oracle"], draft=models["draft"], ngram=models["ngram"], device="cuda")
+    sampled = Sampling(1.0, 50)
+    resolved = Resolved(base, frozenset(), run_dir, None, run_plans=True)
+    assert (resolved.options().method, resolved.options(sampled).method) == ("staged", "lookup")
+    assert resolved.options(sampled, "staged").method == "staged"  # the bench names each method it measures
+    [note] = resolved.notes(sampled)
+    assert "so staged uses lookup's drafting from the context alone" in note and "--temperature 1 --top-k 50" in note
+    assert dataclasses.replace(resolved, given=frozenset({"method"})).options(sampled).method == "staged"
+    prompts = ["--prompts", planned["args"][planned["args"].index("--prompts") + 1]]
+    for args, given in (([], False), (["--method", "staged"], True)):  # whether the method was typed reaches the rule
+        settings = run.parse(["--run", str(run_dir), *prompts, *args])
+        assert settings.options.method == "staged" and ("method" in settings.flags.given) == given
 
 
 def test_plan_refuses_to_replace_a_file_it_did_not_write_and_a_bad_projection(planned, tmp_path, capsys):

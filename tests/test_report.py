@@ -172,3 +172,23 @@ def test_which_method_to_use_is_our_fastest_by_median_speedup_per_run(tmp_path, 
     (tmp_path / "losing.json").write_text(json.dumps(losing))
     report.main([str(tmp_path / "losing.json"), "--markdown", "--best"])
     assert table_rows(capsys.readouterr().out)[2][2:4] == ["baseline", "1.00x"]  # nothing beats plain decoding
+
+
+def test_the_defaults_table_shows_what_each_device_and_setting_takes_without_a_plan(tmp_path, capsys):
+    """A CPU's unplanned staged is the draft's chain, a GPU's the tree planned there, and a GPU's sampling lookup;
+    each row's speedup is its run's row of that method, which must have decoded the same drafting."""
+    runs = [RESULTS / f"{name}.json" for name in ("avx2-cpu-unplanned-greedy", "avx2-cpu-unplanned-topk",
+                                                  "h200-greedy", "h200-topk")]
+    report.main([*map(str, runs), "--markdown", "--defaults"])
+    rows = table_rows(capsys.readouterr().out)[2:]
+    assert [row[2:4] for row in rows] == [["staged", "chain of 7"], ["staged", "chain of 4"],
+                                          ["staged", "tree of 16, trigram widths 4x2x1"], ["lookup", "lookup of 10"]]
+    for row, path in zip(rows, runs):
+        summary = report.load_result(path)["summary"]
+        assert row[4] == f"{summary[row[2]]['speedup']['median']:.2f}x"
+    other = report.load_result(runs[2])
+    other["summary"]["staged"]["predicted"]["policy"]["widths"] = [2, 1]  # planned to another tree: not the default
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(tmp_path / "other.json"), "--markdown", "--defaults"])
+    assert exit_info.value.code == 2 and "holds no staged row decoded as it is without a plan" in capsys.readouterr().err

@@ -36,13 +36,14 @@ def add_decoder_flags(p: argparse.ArgumentParser) -> None:
         flag = dict(f.metadata["flag"])
         if f.name == "method":
             flag["choices"] = list(METHODS)
-            help = "; ".join(f"{name}: {m.summary}" for name, m in METHODS.items())
+            help = ("; ".join(f"{name}: {m.summary}" for name, m in METHODS.items())
+                    + " (default: staged; without a plan on a GPU when sampling, lookup)")
         else:
             help = f.metadata["help"]
         if f.metadata["planned"] and f.default is not None and "default" not in help:
             help += f" (default: the plan's, else {f.default})"
-        p.add_argument(f"--{f.name.replace('_', '-')}", default=None if f.metadata["planned"] else f.default, help=help,
-                       **flag)
+        unset = f.metadata["planned"] or f.name == "method"  # None: not typed, which the plan or device decides
+        p.add_argument(f"--{f.name.replace('_', '-')}", default=None if unset else f.default, help=help, **flag)
     p.add_argument("--paper-tree", action="store_true",
                    help=f"staged/ngram: the paper's tree, --widths {','.join(map(str, PAPER_WIDTHS))} --budget {PAPER_BUDGET} "
                         "(sized for a GPU: the draft scores up to 1,441 nodes a step)")
@@ -69,9 +70,10 @@ def decoder_flags(p: argparse.ArgumentParser, args: argparse.Namespace, sampling
             args.widths = [int(w) for w in args.widths.split(",")]
         except ValueError:
             p.error(f"--widths takes comma-separated integers, e.g. 3,2,1 (got {args.widths!r})")
-    typed = frozenset(name for name in PLANNED_FLAGS if getattr(args, name) is not None)
+    typed = frozenset(name for name in PLANNED_FLAGS + ("method",) if getattr(args, name) is not None)
+    named = {name: getattr(args, name) for name in OTHER_FLAGS + tuple(typed) if getattr(args, name) is not None}
     try:
-        resolved = resolve({name: getattr(args, name) for name in OTHER_FLAGS + tuple(typed)}, typed, run,
+        resolved = resolve(named, typed, run,
                            plan=args.plan, plans=not args.no_plan, calibrate=not dtype_from_plan)
     except InputError as err:
         p.error(str(err))

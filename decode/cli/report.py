@@ -9,6 +9,7 @@ numbers, and when the oracle's completions loop a warning that they flatter ever
     python -m decode.report greedy.json --markdown --forecast # the plan's forecast beside the measurement
     python -m decode.report engine.json --markdown           # decode.bench_engine's cost curves against the roofline
     python -m decode.report RUN/plan.json --markdown         # a plan's kinds of tree, and its projection
+    python -m decode.report greedy.json topk.json --markdown --defaults  # what decoding takes without a plan
 
 The benchmark guide's tables are made by the second form and the README's by the third (the median speedup alone,
 the rows chosen), so no figure there is typed by hand.
@@ -22,7 +23,9 @@ from decode.benchmarking.peers import PEERS
 from decode.benchmarking.tables import curve_rows, print_table
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
-from decode.plan_file import describe
+from decode.options import DecoderOptions, default_tree
+from decode.plan_file import default_policy, describe, unplanned_method
+from decode.sampling import GREEDY, Sampling
 
 PROG = "python -m decode.report"
 
@@ -300,6 +303,30 @@ def best_markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def defaults_markdown(results: list[dict]) -> str:
+    """What decoding takes without a plan (the default method and its tree, decode.plan_file) on each run's device and
+    setting, and its median speedup there: from the run's row of that method, decoded without a plan or planned to
+    the very same drafting."""
+    lines = ["| machine | decoding | without a plan | drafts | median speedup | measured |", "|---|---|---|---|---:|---|"]
+    for result in results:
+        s = result["settings"]
+        options = DecoderOptions(oracle=Path(), device=s["device"])
+        sampling = GREEDY if s["mode"] == "greedy" else Sampling(1.0)
+        method = unplanned_method(options, sampling=sampling)
+        budget, widths = default_tree(s["device"])
+        default = ({"tokens": options.lookup_tokens} if method == "lookup"
+                   else default_policy(options, sampling=sampling) or {"widths": widths, "budget": budget})
+        drafts, row = shape_of(method, {"predicted": {"policy": default}}, {}), result["summary"].get(method)
+        planned = row and row.get("predicted", {}).get("policy")
+        if row is None or not row.get("speedup") or (planned and (shape_of(method, row, s) != drafts or any(
+                planned.get(key, value) != value for key, value in (("draft_vocab", 0), ("draft_calls", 1))))):
+            raise InputError(f"{s['command']}: holds no {method} row decoded as it is without a plan ({drafts})")
+        measured = "no plan" if not planned else "planned to the same drafting"
+        lines.append(f"| {s.get('machine', s['device'])} | {s['mode']} | {method} | {drafts} | "
+                     f"{row['speedup']['median']:.2f}x | {measured} |")
+    return "\n".join(lines)
+
+
 def markdown(results: list[dict], methods: list[str] | None = None, brief: bool = False, over: str | None = None) -> str:
     """The runs described one per line, then their table."""
     return ("\n".join(f"- {describe_run(result)}" for result in results) + "\n\n"
@@ -324,6 +351,8 @@ def main(argv=None) -> None:
                                                              "for each planned method")
     p.add_argument("--best", action="store_true", help="with --markdown: which method to use, a row per result: our "
                                                          "fastest method by median speedup, its shape and the next")
+    p.add_argument("--defaults", action="store_true", help="with --markdown: what decoding takes without a plan on each "
+                                                             "result's device and setting, and its median speedup there")
     args = p.parse_args(argv)
     results = [load_result(path) for path in args.results]
     if any(is_quantization(result) for result in results):
@@ -344,7 +373,7 @@ def main(argv=None) -> None:
                          f"{', '.join(dict.fromkeys(m for result in results for m in result['summary']))}")
     if args.markdown:
         print(forecast_markdown(results) if args.forecast else best_markdown(results) if args.best
-              else markdown(results, methods, args.brief, args.over))
+              else defaults_markdown(results) if args.defaults else markdown(results, methods, args.brief, args.over))
         return
     for path, result in zip(args.results, results):
         print(f"{path}: {describe_run(result)}")
