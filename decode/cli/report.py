@@ -167,10 +167,10 @@ def engine_markdown(result: dict) -> str:
 
 
 def built_with(settings: dict) -> str:
-    """What a result was measured with (decode.provenance; llama.cpp's builds for its peers), as a clause; "" for a
-    result written before they were recorded."""
+    """What a result was measured with (decode.provenance; llama.cpp's builds for its peers), as a clause, which says
+    so of a result written before they were recorded."""
     if "commit" not in settings:
-        return ""
+        return ", code not recorded"
     versions = [f"{name.replace('_', '-')} {settings[name]}" for name in ("torch", "transformers", "llama_server",
                                                                           "llama_cpp_python") if name in settings]
     return f", code {settings['commit']} ({', '.join(versions)})"
