@@ -1,5 +1,6 @@
 """User-facing input errors: one line that says what is wrong and what to do, exit code 2."""
 import functools
+import gc
 import signal
 import sys
 import threading
@@ -42,6 +43,8 @@ def exits_on_input_error(main):
         written.clear()
         in_main_thread = threading.current_thread() is threading.main_thread()  # signals go there only
         previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
+        if not args and not kwargs:  # a command run from the command line (tests pass their argv): what the imports
+            gc.freeze()  # made lives until the process exits, so neither a collection nor the exit need scan it
         try:
             return main(*args, **kwargs)
         except InputError as err:

@@ -26,3 +26,13 @@ def provenance() -> dict[str, str]:
     """The commit and the versions of torch and transformers, for a result's settings."""
     return {"commit": code_commit(), "torch": importlib.metadata.version("torch"),
             "transformers": importlib.metadata.version("transformers")}
+
+
+def built_with(settings: dict) -> str:
+    """What a result was measured with (decode.provenance; llama.cpp's builds for its peers), as a clause, which says
+    so of a result written before they were recorded."""
+    if "commit" not in settings:
+        return ", code not recorded"
+    versions = [f"{name.replace('_', '-')} {settings[name]}" for name in ("torch", "transformers", "llama_server",
+                                                                          "llama_cpp_python") if name in settings]
+    return f", code {settings['commit']} ({', '.join(versions)})"

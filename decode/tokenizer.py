@@ -30,13 +30,16 @@ def saved_class(name_or_path: str) -> str | None:
 
 @functools.lru_cache(maxsize=16)
 def _load_tokenizer(name_or_path: str, contents: tuple):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     try:
         # a tokenizer saved as the generic kind (data.prepare's) is read as saved: transformers' AutoTokenizer would
-        # read it as the config's model type's own class (a Qwen2 model's: Qwen2Tokenizer), which splits text otherwise
-        generic = saved_class(name_or_path) in GENERIC_CLASSES
-        tokenizer = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(str(name_or_path))
+        # read it as the config's model type's own class (a Qwen2 model's: Qwen2Tokenizer), which splits text otherwise.
+        # AutoTokenizer is imported only when needed: importing it indexes every model transformers holds.
+        if saved_class(name_or_path) in GENERIC_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(name_or_path))
+        else:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     except Exception as err:  # hub or file errors of many kinds
         where = "directory" if Path(str(name_or_path)).exists() else "hub name"
         reason = first_line(err)

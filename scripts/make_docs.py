@@ -32,6 +32,7 @@ COMMANDS = [  # (what a user types, how to run it here)
     ("python -m decode.report", ["-m", "decode.report"]),
     ("python -m decode.agreement", ["-m", "decode.agreement"]),
     ("python -m decode.profile_step", ["-m", "decode.profile_step"]),
+    ("python -m decode.profile_start", ["-m", "decode.profile_start"]),
     ("python -m decode.bench_engine", ["-m", "decode.bench_engine"]),
     ("python -m decode.export", ["-m", "decode.export"]),
     ("python -m decode.quantize", ["-m", "decode.quantize"]),

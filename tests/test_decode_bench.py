@@ -13,7 +13,7 @@ from decode_models import run_models
 from decode import native, timing
 from decode.benchmarking import explain, llama_server, peers, tables
 from decode.benchmarking.harness import Timer
-from decode.cli import agreement, bench, bench_engine, profile_step
+from decode.cli import agreement, bench, bench_engine, profile_start, profile_step, report
 from decode.decoder import Decoder
 from decode.models.cached_lm import CachedLM
 from decode.models.engine import GPT2Engine
@@ -416,3 +416,23 @@ def profile_step_help(capsys) -> str:
     with pytest.raises(SystemExit):
         profile_step.main(["--help"])
     return capsys.readouterr().out
+
+
+def test_profile_start_times_fresh_processes_to_the_models_loaded_the_first_token_and_the_exit(models, tmp_path, capsys):
+    out = tmp_path / "start.json"
+    args = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
+            "--prompt", "t3 t9 t4", "--max-new-tokens", "8", "--repeats", "1", "--out", str(out)]
+    result = profile_start.main(args)
+    floor, command = (result["startup"][name]["median"] for name in ("floor", "command"))
+    assert floor["loaded"] is None and floor["first_token"] is None and floor["exit"] > 0
+    assert 0 < command["loaded"] <= command["first_token"] <= command["exit"]
+    assert command["peak_rss_mb"] > floor["peak_rss_mb"] > 0  # decode.run imports torch and more
+    assert json.loads(out.read_text())["settings"]["decoding"].endswith("--prompt 't3 t9 t4' --stream")
+    capsys.readouterr()
+    report.main([str(out), "--markdown"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `python")]
+    assert len(rows) == 2 and "import torch" in rows[0] and "decode.run" in rows[1]
+    with pytest.raises(SystemExit) as exit_info:  # decode.run's own flags are checked before any process starts
+        profile_start.main([*args[:-2], "--method", "nosuch"])
+    assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+

@@ -323,3 +323,21 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp
         native.build(native.SOURCE)
     assert not stale.exists() and fresh.exists() and built == [name, name]  # a build may still hold the fresh one
     assert f"removing {stale}" in caplog.text
+
+
+def test_the_same_source_in_two_clones_builds_under_two_names(tmp_path, monkeypatch):
+    """torch's builder rebuilds a module whose sources' paths change, so two clones sharing one name would rebuild
+    each other's at every start: the name carries the source's folder as well as its content and flags."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "built"))
+    monkeypatch.setattr(cpp_extension, "load", lambda name, *args, **kwargs: name)
+    copies = []
+    for clone in ("a", "b"):
+        (tmp_path / clone).mkdir()
+        for path in (native.SOURCE, *native.SOURCE.parent.glob("*.h")):
+            (tmp_path / clone / path.name).write_bytes(path.read_bytes())
+        copies.append(tmp_path / clone / native.SOURCE.name)
+    names = [native.build(source) for source in copies]
+    assert names[0] != names[1] and names[0] == native.build(copies[0]) and all(n.startswith("step_") for n in names)
+    assert native.build(copies[0], ("-DX",)) != names[0]  # and the flags

@@ -24,7 +24,8 @@ COMMANDS = {
     "plan": "decode.cli.plan", "profile-step": "decode.cli.profile_step", "bench-engine": "decode.cli.bench_engine",
     "agreement": "decode.cli.agreement", "report": "decode.cli.report", "export": "decode.cli.export",
     "quantize": "decode.cli.quantize",
-    "shaped": "decode.cli.shaped", "calibrate": "decode.cli.calibrate",
+    "shaped": "decode.cli.shaped", "calibrate": "decode.cli.calibrate", "load": "decode.cli.load",
+    "profile-start": "decode.cli.profile_start",
 }
 
 
@@ -68,3 +69,5 @@ def export(): command("export")
 def quantize(): command("quantize")
 def shaped(): command("shaped")
 def calibrate(): command("calibrate")
+def load(): command("load")
+def profile_start(): command("profile-start")

@@ -44,13 +44,15 @@ STALE_LOCK_SECONDS = 600  # a build takes seconds to a minute: a lock this old w
 
 
 def build(source: Path, defines: tuple[str, ...] = ()):
-    """A C++ source compiled as a Python module (cached, named by the hash of the source, the headers beside it and
-    the flags)."""
+    """A C++ source compiled as a Python module (cached, named by the hash of the source, the headers beside it, the
+    flags and the source's folder: torch's builder rebuilds a name whose sources' paths change, so two clones on one
+    machine would otherwise rebuild each other's module at every start)."""
     from torch.utils import cpp_extension
 
     flags = [*FLAGS, *defines]
     code = b"".join(path.read_bytes() for path in (source, *sorted(source.parent.glob("*.h"))))
-    name = f"{source.stem}_{hashlib.sha256(code + ' '.join(flags).encode()).hexdigest()[:12]}"
+    identity = code + " ".join([*flags, str(source.resolve().parent)]).encode()
+    name = f"{source.stem}_{hashlib.sha256(identity).hexdigest()[:12]}"
     remove_stale_locks(Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()), name)
     return cpp_extension.load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"])
 

@@ -1,0 +1,143 @@
+"""The results other than decode.bench's, as the Markdown decode.report prints: decode.bench_engine's cost curves, a
+plan's kinds of tree and its projection, decode.load's levels, decode.quantize's perplexities and
+decode.profile_start's start-up figures; each with the test that tells its kind."""
+from decode.benchmarking.explain import interval_text
+from decode.benchmarking.tables import curve_rows
+from decode.errors import InputError
+from decode.plan_file import describe
+from decode.provenance import built_with
+
+
+def is_quantization(result: dict) -> bool:
+    """Whether a result is a quantized model's quantization.json (decode.quantize)."""
+    return {"format", "bits_a_weight", "source"} <= result.keys()
+
+
+def quantization_markdown(results: list[dict]) -> str:
+    """Quantized models' perplexities beside their sources', a row a model, the commands that measured them above."""
+    commands: dict[str, list[dict]] = {}
+    for r in results:
+        commands.setdefault(r["command"], []).append(r)
+    lines = [f"- {' and '.join(r['model'] for r in made)} in {made[0]['format']}, perplexity on "
+             f"{made[0]['perplexity']['tokens']} validation tokens, {made[0]['date']}: `{command}`"
+             for command, made in commands.items()]
+    rows = ["| model | format | bits a weight | perplexity, 16-bit | quantized | change |", "|---|---|---:|---:|---:|---:|"]
+    for r in results:
+        p = r["perplexity"]
+        rows.append(f"| {r['source']} | {r['format']} | {r['bits_a_weight']} | {p['source']:.2f} | {p['quantized']:.2f} | "
+                    f"{100 * (p['quantized'] / p['source'] - 1):+.2f}% |")
+    return "\n".join(lines + [""] + rows)
+
+
+def is_engine(result: dict) -> bool:
+    return {"roofline", "machine", "command"} <= result.keys()
+
+
+def is_load(result: dict) -> bool:
+    """decode.load's result."""
+    return {"settings", "levels"} <= result.keys()
+
+
+def is_startup(result: dict) -> bool:
+    """decode.profile_start's result."""
+    return {"settings", "startup"} <= result.keys()
+
+
+def startup_markdown(result: dict) -> str:
+    """decode.profile_start's medians: a row for the process that imports torch alone and one for decode.run."""
+    s, figures = result["settings"], result["startup"]
+    seconds = lambda value: "-" if value is None else f"{value:.2f} s"
+    lines = [f"- medians of {s['repeats']} fresh processes each, taken in turns, on {s['machine']}, {s['date']}"
+             f"{built_with(s)}. `{s['command']}`", "",
+             "| process | models loaded | first new token | exit | peak resident memory |", "|---|---:|---:|---:|---:|"]
+    for name in ("floor", "command"):
+        m = figures[name]["median"]
+        shown = s["floor"] if name == "floor" else s["decoding"]
+        lines.append(f"| `{shown}` | {seconds(m['loaded'])} | {seconds(m['first_token'])} | {seconds(m['exit'])} | "
+                     f"{m['peak_rss_mb']:.0f} MiB |")
+    return "\n".join(lines)
+
+
+def load_markdown(result: dict) -> str:
+    """decode.load's levels: a row per engine and number of clients, each speed beside that engine's with one client."""
+    s = result["settings"]
+    lines = [f"- {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['sampling']}, {s['dtype']} on "
+             f"{s['machine']}, {s['date']}{built_with(s)}. `{s['command']}`", "",
+             "| engine | clients | aggregate tok/s | x one client | request tok/s, median | x one client | "
+             "first token p50 / p95 (s) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    alone = {row["engine"]: row for row in result["levels"] if row["clients"] == 1}
+    for row in result["levels"]:
+        one = alone.get(row["engine"])
+        times = [f"{row[k] / one[k]:.2f}x" if one else "" for k in ("aggregate_tokens_per_s", "request_tokens_per_s")]
+        lines.append(f"| {row['engine']} | {row['clients']} | {row['aggregate_tokens_per_s']:.1f} | {times[0]} | "
+                     f"{row['request_tokens_per_s']:.1f} | {times[1]} | {row['first_token_p50_s']:.2f} / "
+                     f"{row['first_token_p95_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def is_plan(result: dict) -> bool:
+    """A plan (decode.plan's file)."""
+    return {"version", "identity", "predicted"} <= result.keys()
+
+
+def plan_markdown(plan: dict) -> str:
+    """A plan's table of each kind of tree at its best, and its projection where it holds one (--project-oracle)."""
+    parts = [kinds_markdown(plan)] if plan.get("kinds") else []
+    parts += [projection_markdown(plan)] if "projection" in plan else []
+    if not parts:
+        raise InputError("this plan holds neither a table of the kinds of tree nor a projection: make it again with "
+                         "this version's decode.plan (--project-oracle for a projection)")
+    return "\n\n".join(parts)
+
+
+def kinds_markdown(plan: dict) -> str:
+    """Each kind of tree at its best under the plan's costs (planning.kinds), the calibration in a line above."""
+    one_row = plan["costs"]["oracle_ms"]["1"]
+    lines = [f"- each kind of tree at its best: {plan['sampling']}, calibrated on {plan['calibration']['count']} prompts x "
+             f"{plan['calibration']['max_new_tokens']} tokens, {plan['identity']['dtype']} on {plan['identity']['device']}; the "
+             f"oracle's cost of a call in one-row forwards of {one_row:.2f} ms",
+             "", "| kind | method | nodes | tokens/call | oracle cost/call | drafting ms/call | speedup | policy |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in plan["kinds"]:
+        lines.append(f"| {r['kind']} | {r['method']} | {r['nodes']:.1f} | {r['tokens_per_call']:.2f} | "
+                     f"{r['oracle_forwards_per_call']:.2f}x | {r['drafting_ms_per_call']:.3f} | {r['speedup']:.2f}x | "
+                     f"{describe(r['policy'])} |")
+    return "\n".join(lines)
+
+
+def projection_markdown(plan: dict) -> str:
+    """A plan's projection: the shapes and where each part of it comes from in a list, then per method the projected
+    tokens per oracle call, ms per token, speedup (with its 90% interval) and policy."""
+    p = plan["projection"]
+    n_layer, n_embd, vocab = p["shape"]
+    draft = (f"a {p['draft']}-shaped draft ({p['draft_shape'][0]} x {p['draft_shape'][1]}, vocabulary "
+             f"{p['draft_shape'][2]})" if "draft" in p else "the run's draft")
+    lines = [f"- a projection, not a measurement: a {p['oracle']}-shaped oracle ({n_layer} x {n_embd}, vocabulary "
+             f"{vocab}; one-row forward {p['oracle_ms']['1']:.1f} ms) with {draft}, {plan['sampling']}, calibrated on "
+             f"{plan['calibration']['count']} prompts x {plan['calibration']['max_new_tokens']} tokens, "
+             f"{plan['identity']['dtype']}, on {p['machine']}, {p['date']}{built_with(p)}. `{p['command']}`"]
+    lines += [f"- {source}: {', '.join(parts)}" for source, parts in p.get("sources", {}).items()]
+    lines += ["", "| method | tokens/call | ms/token | speedup (90% interval) | policy |", "|---|---:|---:|---:|---|"]
+    for method, f in p["predicted"].items():
+        spread = interval_text(f.get("speedup_interval"))
+        lines.append(f"| {method} | {f['tokens_per_call']:.2f} | {f['ms_per_token']:.1f} | {f['speedup']:.2f}x{spread} "
+                     f"| {describe(f.get('policy', {}))} |")
+    return "\n".join(lines)
+
+
+def engine_markdown(result: dict) -> str:
+    """decode.bench_engine's cost curves: the machine's roofline in a line, then a table per model and cached length
+    of each way's milliseconds, c(q)/c(1), the roofline's and each way's share of it."""
+    roofline = result["roofline"]
+    weights = f", {result['weights']} weights" if result.get("weights") else ""
+    lines = [f"- {result['dtype']}{weights} on {result['machine']}, {result['date']}{built_with(result)}: memory "
+             f"{roofline['bandwidth_gb_s']:.1f} GB/s, peak {roofline['peak_gmac_s']:.1f} GMAC/s ({roofline['peak_dtype']} "
+             f"products). `{result['command']}`"]
+    for name, curve in roofline["curves"].items():
+        rows = curve_rows(curve)
+        counts = list(rows[0][1])
+        model, prefix = name.rsplit(" @ ", 1)
+        lines += ["", f"{model}, after {prefix} cached positions:", "",
+                  "| q | " + " | ".join(str(q) for q in counts) + " |", "|---|" + "---:|" * len(counts)]
+        lines += [f"| {label.strip()} | " + " | ".join(f"{row[q]:.2f}" for q in counts) + " |" for label, row in rows]
+    return "\n".join(lines)
