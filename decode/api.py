@@ -93,25 +93,28 @@ class SpeculativeDecoder:
         self.tokenizer = self.healer.tokenizer
         self.start_ids = start_ids(self.tokenizer)  # what the tokenizer puts before a text prompt
         self.plans = plans
-        self.settings: dict[Sampling, DecoderOptions] = {}  # sampling setting -> its options (with `plans`)
+        self.settings: dict[tuple[Sampling, int], DecoderOptions] = {}  # (sampling, load) -> its options (`plans`)
         self.decoders = {drafting(self.options): self.decoder}  # what a decoder drafts with -> the decoder
         self.busy = threading.Lock()
         self.batch = Batch()  # generate_batch's sequences, its forks of the decoders kept from one call to the next
         self.materialized: list = []  # temporary directories from_pretrained saved loaded models into
 
-    def options_for(self, sampling: Sampling) -> DecoderOptions:
-        """The options a request with this sampling decodes with."""
-        if self.plans is None or sampling.greedy:
+    def options_for(self, sampling: Sampling, in_flight: int = 1) -> DecoderOptions:
+        """The options a request with this sampling decodes with, beside `in_flight` - 1 others: greedy, its plan's
+        policy for that load where the plan has one (decode.plan --concurrency); sampled, its setting's at any load,
+        so that its seed gives one output alone or beside others."""
+        load = in_flight if sampling.greedy else 1
+        if self.plans is None or (sampling.greedy and load == 1):
             return self.options
-        if sampling not in self.settings:
-            self.settings[sampling] = check_options(self.plans.options(sampling))
-            for note in self.plans.notes(sampling):
+        if (sampling, load) not in self.settings:
+            self.settings[sampling, load] = check_options(self.plans.options(sampling, in_flight=load))
+            for note in self.plans.notes(sampling) if load == 1 else []:
                 log.info(note)
-        return self.settings[sampling]
+        return self.settings[sampling, load]
 
-    def decoder_for(self, sampling: Sampling) -> "Decoder":
-        """The decoder for this sampling setting, built on first use."""
-        options = self.options_for(sampling)
+    def decoder_for(self, sampling: Sampling, in_flight: int = 1) -> "Decoder":
+        """The decoder for this sampling setting (and load: options_for), built on first use."""
+        options = self.options_for(sampling, in_flight)
         if drafting(options) not in self.decoders:
             self.decoders[drafting(options)] = build_decoder(options, self.models)[0]
         return self.decoders[drafting(options)]
@@ -227,7 +230,7 @@ class SpeculativeDecoder:
         request = generation.request_of(generation_config, settings, sampling_of)
         self.hold()
         try:
-            decodings = [self.joined(self.batch, prompt, request, pieces=True) for prompt in prompts]
+            decodings = [self.joined(self.batch, prompt, request, True, len(prompts)) for prompt in prompts]
             results: dict[int, Result] = {}
             while len(results) < len(decodings):  # a step for every prompt in turn, each read as the step ends
                 for i, decoding in enumerate(decodings):
@@ -244,11 +247,15 @@ class SpeculativeDecoder:
         request = generation.request_of(generation_config, settings, sampling_of)
         return generation.Stream(self.joined(batch, prompt, request, pieces=True))
 
-    def joined(self, batch: Batch, prompt, request: generation.Request, pieces: bool) -> Generator[str, None, Result]:
-        """`decode` of the prompt, checked now, as a sequence of `batch`."""
+    def joined(self, batch: Batch, prompt, request: generation.Request, pieces: bool,
+               in_flight: int | None = None) -> Generator[str, None, Result]:
+        """`decode` of the prompt, checked now, as a sequence of `batch`, on the decoder for `in_flight` requests
+        decoding together (default: the batch's and this one) where its drafts fit the context after the prompt."""
         encoded = self.prompt(prompt, request.max_new_tokens, self.lookahead(request.sampling))
-        steps = batch.join(self.decoder_for(request.sampling), encoded, request.max_new_tokens, request.seed,
-                           request.sampling)
+        decoder = self.decoder_for(request.sampling, len(batch) + 1 if in_flight is None else in_flight)
+        if request.max_new_tokens > self.room(len(encoded.ids), decoder.lookahead()):  # the load's deeper tree
+            decoder = self.decoder_for(request.sampling)
+        steps = batch.join(decoder, encoded, request.max_new_tokens, request.seed, request.sampling)
         return self.decode(encoded, request, pieces, steps=steps)
 
     def hold(self) -> None:

@@ -201,16 +201,17 @@ def unplanned_method(options, given=frozenset(), sampling: Sampling = GREEDY) ->
     return "lookup"
 
 
-def with_plan(options, path: Path | None, given=frozenset(), sampling: Sampling = GREEDY):
+def with_plan(options, path: Path | None, given=frozenset(), sampling: Sampling = GREEDY, in_flight: int = 1):
     """The DecoderOptions with the plan's policy for their method in place of every field the caller did not set
     (`given`): the plan fills in the tree, and what the caller set wins. The plan must have been measured for these
-    models and settings (load_plan). Without a plan, the method's `default_policy` for this sampling setting."""
+    models and settings (load_plan); its policy for `in_flight` requests decoding together where it has one. Without
+    a plan, the method's `default_policy` for this sampling setting."""
     if not METHODS[options.method].planned:
         return options
     if path is None:
         policy = default_policy(options, given, sampling)
         return with_policy(options, policy) if policy else options
-    policy = load_plan(path, options).get(options.method)
+    policy = load_plan(path, options, in_flight).get(options.method)
     policy = policy and unless_given(policy, given)
     return with_policy(replace(options, plan=Path(path)), policy) if policy else options
 
@@ -220,8 +221,10 @@ def describe(policy: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in policy.items() if k not in ("parents", "ranks", "expected"))
 
 
-def load_plan(path: Path, options) -> dict:
-    """The plan's policies, checked to have been measured for these models on this device."""
+def load_plan(path: Path, options, in_flight: int = 1) -> dict:
+    """The plan's policies, checked to have been measured for these models on this device: for `in_flight` requests
+    decoding together, those it chose for the largest number of them up to that (decode.plan --concurrency), else its
+    own (one request)."""
     path = Path(path)
     # the command that plans again, built only for a refusal
     advice = functools.partial(replan_advice, run_of(path), options, setting_of(path.name) or GREEDY, path)
@@ -230,9 +233,10 @@ def load_plan(path: Path, options) -> dict:
     try:
         plan = json.loads(path.read_text())
         policies, measured = plan["policies"], plan["identity"]
+        loads = {int(n): level["policies"] for n, level in plan.get("concurrency", {}).items()}
         if plan["version"] != PLAN_VERSION:
             raise ValueError
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
         raise InputError(f"{path} is not a plan this version of decode.plan wrote; re-plan with "
                          f"{advice(overwrite=True)}, or pass --no-plan") from None
     prompts = plan.get("calibration", {}).get("prompts") if isinstance(plan.get("calibration"), dict) else None
@@ -249,9 +253,9 @@ def load_plan(path: Path, options) -> dict:
         what = ", ".join(f"{k} {recorded(measured, k)!r} (now {current[k]!r})" if k in SETTINGS else k
                          for k in changed)
         raise InputError(f"{path} was measured for another setting: {what} changed; {redo()}")
-    unknown = sorted({key for policy in policies.values() if isinstance(policy, dict) for key in policy
-                      if key not in TREE_SHAPE and option_of(key) not in PLANNED})
+    unknown = sorted({key for chosen in (policies, *loads.values()) for policy in chosen.values()
+                      if isinstance(policy, dict) for key in policy if key not in TREE_SHAPE and option_of(key) not in PLANNED})
     if unknown:
         raise InputError(f"{path} sets {', '.join(unknown)}, which no plan fills in (a plan fills "
                          f"{', '.join(sorted(PLANNED))}); {redo()}")
-    return policies
+    return loads[max(n for n in loads if n <= in_flight)] if any(n <= in_flight for n in loads) else policies

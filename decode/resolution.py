@@ -45,13 +45,14 @@ class Resolved:
             return None
         return f"{plan} (planned for {made_for.describe()}, the nearest planned setting to {sampling.describe()})"
 
-    def options(self, sampling: Sampling = GREEDY, method: str | None = None) -> DecoderOptions:
+    def options(self, sampling: Sampling = GREEDY, method: str | None = None, in_flight: int = 1) -> DecoderOptions:
         """The options for `method` (default: the base's, or without a plan its `unplanned_method`) under this
-        sampling, its plan's policy filling in what the caller did not set."""
+        sampling, its plan's policy (for `in_flight` requests decoding together) filling in what the caller did not
+        set."""
         plan = self.plan_for(sampling)[0]
         if method is None:
             method = self.base.method if plan is not None else unplanned_method(self.base, self.given, sampling)
-        return with_plan(replace(self.base, method=method), plan, self.given, sampling)
+        return with_plan(replace(self.base, method=method), plan, self.given, sampling, in_flight)
 
     def without_plan(self, sampling: Sampling = GREEDY) -> str | None:
         """Why the method decodes without the run's plan under this sampling, in words: the run's plan for it was made

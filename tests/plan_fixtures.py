@@ -27,7 +27,7 @@ def planned(models, tmp_path, monkeypatch):
 
     monkeypatch.setattr(search, "replay_all", recorded)
     written = plan.main(args + ["--calibration", "3", "--max-budget", "12", "--max-depth", "3", "--draft-vocab", "64",
-                                "--out", str(out)])
+                                "--concurrency", "1,4", "--out", str(out)])
     return {"args": args, "path": out, "plan": written, "replayed": replayed, "finalists": finalists}
 
 

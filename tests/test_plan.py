@@ -435,3 +435,35 @@ def test_each_call_decodes_with_its_sampling_settings_plan_over_the_same_models(
     served = serve.parse(["--run", str(run_dir), "--method", "staged"])
     assert served.plans.options(sampled).policy == top_k and served.options.policy == greedy
     assert serve.parse(["--run", str(run_dir), "--method", "staged", "--no-plan"]).plans.plan_for(sampled) == (None, [])
+
+
+def test_a_plan_for_a_load_chooses_a_policy_per_level_and_a_batch_decodes_with_the_largest_level_it_reaches(
+        planned, models, tmp_path, capsys):
+    """decode.plan --concurrency records each method's policy for each load; a greedy request in a batch of N takes
+    the largest level up to N, its output still the oracle's; a sampled one keeps its setting's policy at any load."""
+    written = planned["plan"]
+    assert set(written["concurrency"]) == {"4"}
+    assert set(written["concurrency"]["4"]["policies"]) == set(written["policies"])
+    plan_json = json.loads(planned["path"].read_text())
+    loaded = {"widths": [1], "budget": 3, "draft_vocab": 0}  # a policy of its own at 2 in flight, to tell it apart
+    plan_json["concurrency"] = {"2": {"policies": plan_json["policies"] | {"staged": loaded}}}
+    path = tmp_path / "loads.json"
+    path.write_text(json.dumps(plan_json))
+    options = dataclasses.replace(run.parse(planned["args"] + ["--no-plan"]).options, method="staged")
+    assert [plan_file.load_plan(path, options, n)["staged"] for n in (1, 2, 3)] == [plan_json["policies"]["staged"],
+                                                                                    loaded, loaded]
+    dec = SpeculativeDecoder.from_run(None, oracle=models["oracle"], draft=models["draft"], ngram=models["ngram"],
+                                      method="staged", plan=path)
+    prompts = ["t3 t9 t4", "t5 t2", "t7 t7 t1"]
+    alone = [dec.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    assert len(dec.decoders) == 1
+    together = dec.generate_batch(prompts, max_new_tokens=12)
+    assert [r.token_ids for r in together] == alone and len(dec.decoders) == 2  # the batch's: the load's policy
+    assert dec.decoder_for(Sampling(), 3).drafter.budget == 3 and dec.decoder_for(Sampling(), 3) is not dec.decoder
+    assert dec.options_for(Sampling(1.0, 20), 3) is dec.options_for(Sampling(1.0, 20))  # sampled: one policy at any load
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(planned["args"] + ["--concurrency", "1,4", "--temperature", "1", "--out", str(tmp_path / "t.json")])
+    assert exit_info.value.code == 2 and "--concurrency plans greedy decoding only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(planned["args"] + ["--concurrency", "0,4", "--out", str(tmp_path / "t.json")])
+    assert exit_info.value.code == 2 and "from 1 to 16" in capsys.readouterr().err

@@ -345,3 +345,15 @@ def test_each_policy_is_a_chain_a_branching_tree_or_a_trigram_stage_and_each_kin
     shown = kinds.with_choices(ranked, chosen)
     assert shown["tree"] == [chosen["tree"], ranked["tree"][1]] and shown["staged"] == ranked["staged"]
     assert kinds.best_of_each_kind({"tree": shown["tree"]})["chain"] == ("tree", chosen["tree"])
+
+
+def test_a_load_prices_each_requests_tree_as_its_share_of_one_forward_over_all_of_them():
+    from decode.planning.concurrency import shared_baseline, shared_costs
+
+    table = {1: 1.0, 2: 1.0, 4: 1.2, 8: 2.0, 16: 4.0}  # flat to 2 rows, then linear
+    shared = shared_costs({128: table, 512: {q: 2 * ms for q, ms in table.items()}}, 8, 2)
+    assert shared.at([1, 2, 4, 8], [128] * 4).tolist() == pytest.approx([0.5, 0.6, 1.0, 2.0])  # c(2q) / 2
+    assert shared.at([4], [512]).item() == pytest.approx(2.0)  # each cached length's own curve
+    assert shared_costs({128: table}, 8, 1).at([3], [128]).item() == pytest.approx(1.1)  # one request: its own curve
+    base = {"prefill": 5.0, "one_token": 2.0, "loop": 0.1}
+    assert shared_baseline(base, 1.0, 0.5) == {"prefill": 5.0, "one_token": 1.0, "loop": 0.1}

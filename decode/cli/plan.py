@@ -18,7 +18,8 @@ oracle the draft in float32), each method's best policy also decodes a few promp
 measure its own costs inside a decoding loop (a policy those costs make best is measured too), and of the
 policies measured, the one with the least predicted ms per token is written to the run's plan, which
 decode.run and decode.bench then use at the same setting.
---project-oracle repeats the choice with the forward costs of a larger oracle shape measured
+--concurrency repeats the choice for several requests in flight, each one's oracle cost its share of one forward
+over all their trees. --project-oracle repeats the choice with the forward costs of a larger oracle shape measured
 here on random weights, and --project-draft with a larger draft's too (its forwards priced at that shape's costs):
 a projection, not a measurement. The acceptance, the drafting's bookkeeping and the loop's costs are the trained
 pair's, borrowed.
@@ -36,6 +37,7 @@ from decode.models.loading import TOKEN_COUNTS
 from decode.options import MIN_DRAFT_VOCAB
 from decode.plan_file import plan_name, save_plan
 from decode.planning import costs
+from decode.planning.concurrency import MOST_SEQUENCES
 from decode.planning.planner import PlanSearch, make_plan
 from decode.prompts import load_prompts
 
@@ -48,6 +50,16 @@ def shortlists(text: str) -> list[int]:
     if any(n != 0 and n < MIN_DRAFT_VOCAB for n in sizes):
         raise argparse.ArgumentTypeError(f"{text!r}: give sizes of at least {MIN_DRAFT_VOCAB} tokens, comma-separated, or 0")
     return sizes
+
+
+def levels(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(sorted({int(n) for n in text.split(",")}))
+    except ValueError:
+        counts = (0,)
+    if not all(1 <= n <= MOST_SEQUENCES for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give numbers of requests from 1 to {MOST_SEQUENCES}, comma-separated")
+    return counts
 
 
 def parse(argv):
@@ -68,6 +80,10 @@ def parse(argv):
                    help="the draft shortlists (decode.run --draft-vocab) each method's best policy is replayed with, "
                         "besides the whole vocabulary; the plan keeps the fastest (default: the largest power of two up to "
                         f"half the vocabulary, when the draft has {TOKEN_COUNTS}; 0: none)")
+    p.add_argument("--concurrency", type=levels, default=(1,), metavar="N[,N...]",
+                   help="greedy: also choose each method's policy for N requests in flight, their trees scored in one "
+                        "oracle forward (decode.serve, generate_batch); a request takes the policy of the largest N "
+                        "up to the requests in flight as it joins (default: 1, decoding alone)")
     p.add_argument("--out", type=Path, help="where the plan goes (default: RUN/plan.json when greedy, else the "
                                             "setting's own, e.g. RUN/plan-t1-k50-p1.json, which decode.run and "
                                             "decode.bench read at that setting)")
@@ -80,6 +96,9 @@ def parse(argv):
     if known.out is None and settings.run is None:
         p.error("pass --out PATH (or --run RUN for the run's plan)")
     known.out = known.out or settings.run / plan_name(settings.sampling)
+    if known.concurrency != (1,) and not settings.sampling.greedy:
+        p.error("--concurrency plans greedy decoding only: a sampled request keeps its setting's policy at any load, "
+                "so that its seed gives the same output alone or beside others")
     if known.project_draft and not known.project_oracle:
         p.error("--project-draft prices a projected oracle's drafter: give --project-oracle too")
     if known.project_oracle:  # a bad shape fails now, not after the calibration
@@ -109,7 +128,8 @@ def main(argv=None) -> dict:
     known, settings = parse(argv)
     check_output(known.out, FILE, known.overwrite, "--out", settings.reads(), run_file=True)
     search = PlanSearch(settings.sampling, settings.max_new_tokens, settings.seed, known.screen, known.max_budget,
-                        known.max_depth, known.draft_vocab, known.project_oracle, known.project_draft)
+                        known.max_depth, known.draft_vocab, known.project_oracle, known.project_draft,
+                        known.concurrency)
     command = "python -m decode.plan " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     plan = make_plan(settings.flags.base, lambda dec: calibration_prompts(settings, known, dec), search,
                      str(settings.prompts or "--prompt"), command)

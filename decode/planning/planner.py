@@ -25,6 +25,8 @@ from decode.models.quantized import Format
 from decode.options import MIN_DRAFT_VOCAB
 from decode.plan_file import PLAN_VERSION, describe, identity
 from decode.planning import costs, kinds, replay, shapes
+from decode.planning.concurrency import shared_baseline, shared_costs
+from decode.planning.costs import cost_curve
 from decode.planning.in_loop import FreshProcess, calibrate_in_loop
 from decode.planning.search import RANKS, base_dtype, best, forecast, measured_forecast, replay_policies, variant_name
 from decode.provenance import provenance
@@ -47,6 +49,7 @@ class PlanSearch:
     draft_vocab: list[int] | None = None
     project_oracle: str | None = None
     project_draft: str | None = None
+    concurrency: tuple[int, ...] = (1,)  # the numbers of requests in flight to choose a policy for
 
 
 def make_plan(options, calibration_prompts: Callable[[object], list[Prompt]], search: PlanSearch, source: str,
@@ -82,6 +85,10 @@ def make_plan(options, calibration_prompts: Callable[[object], list[Prompt]], se
                                                            (oracle.runtime.quantization, draft.runtime.quantization))
     oracle_curves = [(isolated_ms, {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0}, None)]
     oracle_curves += [(projection["ms"], projection["baseline"], projection["draft_ms"])] if projection else []
+    # each load's costs too: the finalists include the best policies for it
+    loads = {n: (shared_costs(tables, 2 * search.max_budget, n), float(cost_curve(oracle_costs, n)[n]) / n)
+             for n in search.concurrency if n > 1}
+    oracle_curves += [(ms, {"prefill": 0.0, "one_token": one_row, "loop": 0.0}, None) for ms, one_row in loads.values()]
     replays = replay_policies(options, draft, table, p_draft, replayer(decoder, prompts, sequences, search),
                               len(prompts), oracle_curves, drafts, search.sampling, search.screen, search.max_budget,
                               search.max_depth)
@@ -110,7 +117,20 @@ def make_plan(options, calibration_prompts: Callable[[object], list[Prompt]], se
               + ", ".join(f"{a:.2f}" for a in sampled["draft_chain"]) + " (d = 1, 2, ...)")
     if projection:
         plan["projection"] = project(projection, replays, in_loop, baseline) | {"command": command}
+    if loads:
+        plan["concurrency"] = {str(n): at_load(n, ms, shared_baseline(baseline, oracle_costs[1], one_row), replays,
+                                               in_loop) for n, (ms, one_row) in loads.items()}
     return plan
+
+
+def at_load(requests: int, oracle_ms, baseline: dict, replays: dict, in_loop: dict) -> dict:
+    """Each method's best policy when `requests` requests are in flight, their trees scored in one oracle forward
+    (`oracle_ms`, `baseline`: each one's share of its costs; drafting and the loop as measured alone), printed; the
+    plan's record of them. Speedups are over plain decoding at the same load."""
+    predicted = best(forecast(replays, oracle_ms, baseline, in_loop))
+    print_forecast(f"predicted at {requests} requests in flight (each step's oracle forward shared among them; "
+                   f"speedups over plain decoding at {requests}):", predicted)
+    return {"policies": {m: p["policy"] for m, p in predicted.items() if m != "baseline"}, "predicted": predicted}
 
 
 def oracle_outputs(decoder, prompts, max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
