@@ -210,7 +210,8 @@ def test_every_option_is_a_flag_with_its_help_and_only_the_planned_ones_wait_for
         action = actions[field.name]
         assert action.option_strings[0] == f"--{field.name.replace('_', '-')}"
         assert field.name == "method" or action.help.startswith(field.metadata["help"])
-        assert action.default == (None if field.metadata["planned"] else field.default)
+        unset = field.metadata["planned"] or field.name == "method"  # the method: the device and the plan decide it
+        assert action.default == (None if unset else field.default)
         assert action.choices == (list(METHODS) if field.name == "method" else field.metadata["flag"].get("choices"))
     assert set(flags.PLANNED_FLAGS) == plan_file.PLANNED == {"k", "budget", "depth", "widths", "branch", "draft_calls",
                                                               "lookup_tokens", "draft_dtype", "draft_vocab"}

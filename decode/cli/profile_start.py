@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 from decode.atomic import check_output, write_json
 from decode.benchmarking.startup import FLOOR, profile_start
-from decode.cli import run
 from decode.cli.help import HelpFormatter
+from decode.cli.settings import parse_settings
 from decode.errors import InputError, exits_on_input_error
 from decode.provenance import provenance
 from decode.timing import machine_name
@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
     if args.out:
         check_output(args.out, overwrite=args.overwrite, flag="--out")
     command = ["-m", "decode.run", *run_flags, "--prompt", args.prompt, "--stream"]
-    run.parse(command[2:])  # decode.run's own checks of its flags, before any process starts
+    parse_settings(command[2:], "python -m decode.run", "")  # decode.run's checks of its flags, before any process
     with tqdm(total=args.repeats, desc="fresh processes", unit="pair", file=sys.stderr) as bar:
         try:
             figures = profile_start(command, args.prompt, args.repeats, lambda done: bar.update(done - bar.n))
