@@ -10,13 +10,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @functools.cache
 def code_commit() -> str:
-    """The checkout's commit, "-dirty" after it where a tracked file differs from it; "unknown" outside a git
-    checkout (an installed wheel)."""
+    """The checkout's commit, "-dirty" after it where a tracked file outside docs/ differs from it (the results and
+    pages a measurement writes there do not change what it measures); "unknown" outside a git checkout (an installed
+    wheel)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=30, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return commit + ("-dirty" if dirty else "")
