@@ -258,4 +258,5 @@ def load_plan(path: Path, options, in_flight: int = 1) -> dict:
     if unknown:
         raise InputError(f"{path} sets {', '.join(unknown)}, which no plan fills in (a plan fills "
                          f"{', '.join(sorted(PLANNED))}); {redo()}")
-    return loads[max(n for n in loads if n <= in_flight)] if any(n <= in_flight for n in loads) else policies
+    level = max((n for n in loads if n <= in_flight), default=None)
+    return policies if level is None else loads[level]
