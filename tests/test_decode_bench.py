@@ -435,4 +435,9 @@ def test_profile_start_times_fresh_processes_to_the_models_loaded_the_first_toke
     with pytest.raises(SystemExit) as exit_info:  # decode.run's own flags are checked before any process starts
         profile_start.main([*args[:-2], "--method", "nosuch"])
     assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exit_info:  # what only decode.run finds out: its one line, in one line
+        profile_start.main(["--run", str(tmp_path / "empty"), "--prompt", "t3", "--repeats", "1"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and len(errors) == 1 and "oracle directory" in errors[0]
 

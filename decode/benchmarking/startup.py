@@ -47,8 +47,8 @@ def timed_process(args: list[str], echo: bytes = b"") -> Start:
         kib, code = map(int, peak.read_text().split()) if peak.exists() else (0, child.returncode)
         if code != 0 or (echo and first is None):
             errors.seek(0)
-            raise RuntimeError(f"python {' '.join(args)} exited {code}: "
-                               f"{errors.read().decode(errors='replace').strip()[-300:]}")
+            said = (errors.read().decode(errors="replace").strip().splitlines() or ["(nothing on stderr)"])[-1]
+            raise RuntimeError(f"python {' '.join(args)} exited {code}: {said.removeprefix('error: ')[-300:]}")
     return Start(loaded, first, ended, kib / 1024)
 
 
