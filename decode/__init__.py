@@ -4,6 +4,7 @@
 
     api.py, options.py, methods.py   a decoder from its options; the methods, what each needs, their checks
     resolution.py, plan_file.py      the options a run's flags and plans resolve to; the plan file read and written
+    devices.py                       what differs by the kind of device asked for, before a model is loaded
     loop.py, tree.py, verify.py      the decoding loops, the drafted tree, and its verification
     sampling.py, healing.py          the processed distribution; token healing of a prompt's last token
     generation.py                    transformers-style settings and streams
@@ -13,7 +14,8 @@
     drafting/                        the drafters: chain, trees, staged, trigram, context
     native/                          the C++ of a step's loops and of a model's forward over a few rows (16-bit or quantized)
     planning/                        the planner: acceptance rates, replays, forward costs, the in-loop measurement
-    benchmarking/                    the benchmark's harness, its peers (transformers, llama.cpp) and its tables
+    timing/                          measuring: a model's forward, a step's parts, methods in turns; measurements kept
+    benchmarking/                    the benchmark's output comparison, its peers (transformers, llama.cpp) and its tables
     serving/                         the OpenAI-compatible server
     cli/                             the commands (python -m decode.run, bench, plan, serve, ...), thin over the above
 """

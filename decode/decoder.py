@@ -15,6 +15,7 @@ from decode.models.cached_lm import CachedLM
 from decode.models.loading import check_same_vocabulary, load_draft, load_model, load_trigram
 from decode.options import DecoderOptions
 from decode.sampling import Sampling
+from decode.timing.steps import UNTIMED, Hooks
 from decode.tokenizer import load_tokenizer, stop_ids
 
 
@@ -31,21 +32,22 @@ class Decoder:
     stop_ids: frozenset[int]  # the tokens that end an output: eos_id and the model's generation_config.json's
 
     def steps(self, prompt: Prompt, max_new_tokens: int, seed: int, sampling: Sampling, verify: Callable | None = None,
-              hooks: loop.Hooks = loop.UNTIMED) -> loop.Steps:
+              hooks: Hooks = UNTIMED) -> loop.Steps:
         """The generation so far after each oracle call. `verify`: a speculative method's verification rule in
         place of its own (decode.cli.agreement passes one that records what the oracle's forwards computed);
         `hooks` hear the time each part of a step takes."""
-        return loop.alone(self.oracle, self.calls(prompt, max_new_tokens, seed, sampling, verify, hooks), hooks)
+        return loop.alone(hooks.run(self.oracle), self.calls(prompt, max_new_tokens, seed, sampling, verify, hooks))
 
     def calls(self, prompt: Prompt, max_new_tokens: int, seed: int, sampling: Sampling, verify: Callable | None = None,
-              hooks: loop.Hooks = loop.UNTIMED) -> loop.Calls:
+              hooks: Hooks = UNTIMED) -> loop.Calls:
         """`steps`' loop as its coroutine, which asks for each oracle forward (decode.loop)."""
         generator = torch.Generator(self.oracle.device).manual_seed(seed)  # torch samples with a generator on the tensors' device
         args = (self.oracle, prompt.ids, max_new_tokens, sampling, self.stop_ids)
         if self.drafter is None:
-            return loop.baseline_calls(*args, generator=generator, allowed=prompt.allowed, hooks=hooks)
-        return loop.tree_speculative_calls(*args, drafter=self.drafter, generator=generator, allowed=prompt.allowed,
-                                           verify=verify, hooks=hooks)
+            return loop.baseline_calls(*args, generator=generator, allowed=prompt.allowed)
+        verify = hooks.verify(verify or loop.verification(self.oracle, self.drafter, sampling))
+        return loop.tree_speculative_calls(*args, drafter=hooks.drafter(self.drafter), generator=generator,
+                                           allowed=prompt.allowed, verify=verify)
 
     def over(self, oracle: CachedLM, draft: CachedLM | None) -> "Decoder":
         """This decoder over forks of its models (CachedLM.fork: the weights shared, caches of their own), with a
@@ -55,7 +57,7 @@ class Decoder:
         return Decoder(self.options, oracle, draft, drafter, self.table, self.eos_id, self.stop_ids)
 
     def __call__(self, prompt: Prompt, max_new_tokens: int, seed: int, sampling: Sampling,
-                 hooks: loop.Hooks = loop.UNTIMED) -> loop.Generation:
+                 hooks: Hooks = UNTIMED) -> loop.Generation:
         return loop.run_to_end(self.steps(prompt, max_new_tokens, seed, sampling, hooks=hooks))
 
     def context(self) -> int:

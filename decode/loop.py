@@ -5,11 +5,10 @@ a model's cache holds every token of the sequence but the last, which it has not
 Each loop is written once, as a coroutine (`*_calls`) that yields each forward it needs of the oracle as a Call,
 is sent its logits, and yields its Generation after every oracle call. `alone` runs one sequence's calls one by one
 (`*_steps`: a generator of Generations, so a caller can stream the tokens as they are accepted); decode.batch runs
-several sequences' calls together. `baseline`, `tree_speculative` and `speculative` run one to the end. `hooks`
-hear how long each part of a step took (the tools that time decoding pass them; decoding itself passes none).
+several sequences' calls together. `baseline`, `tree_speculative` and `speculative` run one to the end. The tools
+that time a step's parts wrap what the loop is given (decode.timing.steps): the loop itself times nothing.
 Both read their random draws from the `generator` they are given through one `Uniforms`, a block at a time.
 """
-import time
 from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass, field
 
@@ -39,52 +38,6 @@ class Generation:
         return False
 
 
-@dataclass
-class Hooks:
-    """Told the seconds each part of a step took: the oracle's forwards (with the nodes they scored and the slots
-    cached before them: none for a prompt's), the drafter's proposals and the verifications. Each timing waits for
-    the device work queued before it and for its own (`synchronize`: the oracle's runtime's, on a GPU)."""
-
-    on_forward: Callable[[int, int, float], None] | None = None
-    on_propose: Callable[[float], None] | None = None
-    on_verify: Callable[[float], None] | None = None
-    synchronize: Callable[[], None] = lambda: None
-
-    def clock(self) -> float:
-        self.synchronize()
-        return time.perf_counter()
-
-    def timed(self, call: Callable, report: Callable[[float], None] | None) -> Callable:
-        """`call`, reporting its seconds to `report` (none: `call` itself)."""
-        if report is None:
-            return call
-
-        def timed_call(*args, **kwargs):
-            start = self.clock()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                report(self.clock() - start)
-
-        return timed_call
-
-    def run(self, model: CachedLM) -> Callable[[Call], torch.Tensor]:
-        """`model.run`, each call reported to on_forward."""
-        report = self.on_forward
-        if report is None:
-            return model.run
-
-        def timed_run(call: Call) -> torch.Tensor:
-            cached, start = model.length + model.pending, self.clock()
-            try:
-                return model.run(call)
-            finally:
-                report(len(call.token_ids), cached, self.clock() - start)
-
-        return timed_run
-
-
-UNTIMED = Hooks()
 # A loop's coroutine: sent each Call's logits, and resumed with next() after each Generation
 Calls = Generator["Call | Generation", torch.Tensor, None]
 Steps = Generator[Generation, None, None]  # a loop's Generations, one after each oracle call
@@ -99,9 +52,9 @@ def resume(calls: Calls, logits: torch.Tensor | None) -> "Call | Generation | No
         return None
 
 
-def alone(oracle: CachedLM, calls: Calls, hooks: Hooks = UNTIMED) -> Steps:
-    """A loop's Generations, each of its oracle calls run as it asks."""
-    run, logits = hooks.run(oracle), None
+def alone(run: Callable[[Call], torch.Tensor], calls: Calls) -> Steps:
+    """A loop's Generations, each of its oracle calls run as it asks (`run`: the oracle's `run`)."""
+    logits = None
     while (asked := resume(calls, logits)) is not None:
         if isinstance(asked, Call):
             logits = run(asked)
@@ -117,8 +70,7 @@ def run_to_end(steps: Iterator[Generation]) -> Generation:
 
 
 def baseline_calls(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                   stop_ids: Collection[int], *, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None,
-                   hooks: Hooks = UNTIMED) -> Calls:
+                   stop_ids: Collection[int], *, generator: torch.Generator | None = None, allowed: torch.Tensor | None = None) -> Calls:
     """One oracle call per token. `allowed` (a healed prompt's): the tokens the first one may be."""
     uniforms, kernels = Uniforms(generator), oracle.runtime.kernels
     oracle.reset()
@@ -136,16 +88,12 @@ def baseline_calls(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, 
 
 def tree_speculative_calls(oracle: CachedLM, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling,
                            stop_ids: Collection[int], *, drafter: Drafter, generator: torch.Generator | None = None,
-                           allowed: torch.Tensor | None = None, verify: Callable | None = None,
-                           hooks: Hooks = UNTIMED) -> Calls:
+                           allowed: torch.Tensor | None = None, verify: Callable | None = None) -> Calls:
     """The drafter proposes a tree, the oracle scores every node in one call, and the verifier walks it:
     sample-match for trees of ranked tokens, multi-draft rejection for drawn children. `verify`: another rule
-    with their signature (decode.cli.agreement records what the oracle's forwards computed with one). The loops over
-    the oracle's logits are its runtime's kernels (decode.models.runtime)."""
-    kernels = oracle.runtime.kernels
-    verify = hooks.timed(verify or (kernels.multi_draft_rejection if drafter.draws(sampling) else kernels.sample_match),
-                         hooks.on_verify)
-    propose = hooks.timed(drafter.propose, hooks.on_propose)
+    with their signature (`verification`'s by default; decode.cli.agreement passes one that records what the oracle's
+    forwards computed)."""
+    verify = verify or verification(oracle, drafter, sampling)
     uniforms = Uniforms(generator)
     oracle.reset()
     drafter.reset()
@@ -155,7 +103,7 @@ def tree_speculative_calls(oracle: CachedLM, prompt: torch.Tensor, max_new_token
         yield Call(prompt[:-1], last=0, extend=True)
         out.oracle_calls += 1
     while True:
-        tree = propose(tokens, max_new_tokens - len(out.tokens) - 1, sampling, uniforms)
+        tree = drafter.propose(tokens, max_new_tokens - len(out.tokens) - 1, sampling, uniforms)
         cached = oracle.length
         logits = yield Call(tree.tokens, tree.positions(cached), tree.mask(oracle.device))
         logits, allowed = constrain_first(logits, allowed), None  # the root's row of the first step only
@@ -173,12 +121,19 @@ def tree_speculative_calls(oracle: CachedLM, prompt: torch.Tensor, max_new_token
             return
 
 
-def baseline_steps(oracle: CachedLM, *args, hooks: Hooks = UNTIMED, **kwargs) -> Steps:
-    return alone(oracle, baseline_calls(oracle, *args, hooks=hooks, **kwargs), hooks)
+def verification(oracle: CachedLM, drafter: Drafter, sampling: Sampling) -> Callable:
+    """The rule that verifies the drafter's trees: multi-draft rejection where its children are draws from the draft,
+    else sample-match; the loops over the oracle's logits are its runtime's kernels (decode.models.runtime)."""
+    kernels = oracle.runtime.kernels
+    return kernels.multi_draft_rejection if drafter.draws(sampling) else kernels.sample_match
 
 
-def tree_speculative_steps(oracle: CachedLM, *args, hooks: Hooks = UNTIMED, **kwargs) -> Steps:
-    return alone(oracle, tree_speculative_calls(oracle, *args, hooks=hooks, **kwargs), hooks)
+def baseline_steps(oracle: CachedLM, *args, **kwargs) -> Steps:
+    return alone(oracle.run, baseline_calls(oracle, *args, **kwargs))
+
+
+def tree_speculative_steps(oracle: CachedLM, *args, **kwargs) -> Steps:
+    return alone(oracle.run, tree_speculative_calls(oracle, *args, **kwargs))
 
 
 def baseline(*args, **kwargs) -> Generation:

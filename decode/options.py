@@ -5,8 +5,7 @@ from argparse import BooleanOptionalAction
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-import torch
-
+from decode.devices import CPU, CPU_CHAIN, GPU, check_device, kind
 from decode.errors import InputError
 from decode.models.precision import auto_dtype
 from decode.sampling import Sampling
@@ -16,26 +15,13 @@ MAX_BUDGET, MAX_DEPTH = 512, 64
 MIN_DRAFT_VOCAB = 64  # a shortlist holds every draft's top children and a sampled proposal's 64 tokens
 MIN_TEMPERATURE = 1e-4  # the least sampling temperature: logits divided by a smaller one can overflow float32
 PAPER_WIDTHS, PAPER_BUDGET = (12, 7, 4, 1, 1, 1), 36  # the paper's staged tree, sized for a GPU
-# Without a plan on a GPU: the trigram widths and budget decode.plan chose for the quick preset on an NVIDIA H200
-# (docs/gpu.md). The paper's tree is larger than what pays there for models of that size.
-GPU_WIDTHS, GPU_BUDGET = (4, 2, 1), 16
-# Without a plan on a CPU: the trigram widths and budget that plans choose for the cpu preset there. The paper's tree
-# has the draft score up to 1,441 nodes a step, which on a CPU is slower than plain decoding (docs/decoding.md).
-CPU_WIDTHS, CPU_BUDGET = (3, 2, 1), 12
 
 
 def default_tree(device: str) -> tuple[int, list[int]]:
     """The oracle's tree budget and the trigram's widths without a plan, sized for the device."""
-    if torch.device(device).type == "cpu":
-        return CPU_BUDGET, list(CPU_WIDTHS)
-    return GPU_BUDGET, list(GPU_WIDTHS)
+    return kind(device).budget, list(kind(device).widths)
 
 
-# Without a plan on a CPU, staged drafts the draft's own chain, with no stage below the draft: the shape decode.plan
-# chose there for the presets (docs/planning.md), of 7 tokens when greedy, and when sampling of the speculative
-# method's 4 (the presets' top-k plans chose 3 and 7: acceptance falls with depth when sampling). Whether a tree or
-# the trigram's stage pays on a CPU depends on its forward of many rows, which the planner measures.
-CPU_CHAIN, CPU_SAMPLED_CHAIN = 7, 4
 DTYPES, BACKENDS, TREE_CHILDREN = ("auto", "float32", "bfloat16"), ("auto", "lean", "hf"), ("top", "sampled")
 
 
@@ -59,13 +45,13 @@ class DecoderOptions:
     k: int = setting(4, "speculative: tokens the draft proposes per oracle call", True,
                      type=int)
     budget: int | None = setting(  # None: sized for the device (default_tree)
-        None, f"tree methods: nodes in the oracle's tree (default: the plan's; without one {CPU_BUDGET} on a CPU, "
-              f"{GPU_BUDGET} on a GPU; unplanned staged on a CPU drafts the draft's chain of {CPU_CHAIN} tokens, "
-              f"{CPU_SAMPLED_CHAIN} when sampling, unless a tree flag is typed)", True, type=int)
+        None, f"tree methods: nodes in the oracle's tree (default: the plan's; without one {CPU.budget} on a CPU, "
+              f"{GPU.budget} on a GPU; unplanned staged on a CPU drafts the draft's chain of {CPU_CHAIN[0]} tokens, "
+              f"{CPU_CHAIN[1]} when sampling, unless a tree flag is typed)", True, type=int)
     depth: int = setting(8, "tree methods: deepest drafted level", True, type=int)
     widths: list[int] | None = setting(  # None: sized for the device
         None, f"staged/ngram: trigram children per node at each level, comma-separated (default: the plan's; without one "
-              f"{','.join(map(str, CPU_WIDTHS))} on a CPU, {','.join(map(str, GPU_WIDTHS))} on a GPU)", True)
+              f"{','.join(map(str, CPU.widths))} on a CPU, {','.join(map(str, GPU.widths))} on a GPU)", True)
     branch: int | None = setting(  # None: the drafter's default
         None, "tree: children per expanded node (default 4); staged: the draft's own top children per node (default 1, "
               "its argmax), or with sampled --tree-children its draws per node (default 2)", True, type=int)
@@ -184,18 +170,3 @@ def check_types(options: DecoderOptions) -> None:
         known = [KINDS[k] for k in kinds if k in KINDS]
         if known and not any(ok(value) for _, ok in known):
             raise InputError(f"{f.name} must be {' or '.join(words for words, _ in known)} (got {value!r})", f.name)
-
-
-def check_device(device: str) -> None:
-    """cpu, or cuda[:N] on a machine that has it."""
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda"):
-        raise InputError(f"unknown --device {device!r}; use cpu or cuda (cuda:N for the N-th GPU)")
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {device}: this machine has no CUDA device (or torch was built without CUDA); use --device cpu")
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise InputError(f"--device {device}: there are only {torch.cuda.device_count()} CUDA devices")

@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 
 from decode.atomic import write_json
+from decode.devices import device_name, kind
 from decode.errors import InputError, path_fault
 from decode.fingerprint import TABLES, WEIGHTS, fingerprint
 from decode.methods import METHODS
-from decode.options import CPU_CHAIN, CPU_SAMPLED_CHAIN, DecoderOptions
+from decode.options import DecoderOptions
 from decode.prompts import HUMANEVAL
 from decode.sampling import GREEDY, Sampling
-from decode.timing import device_name
 from decode.tree import Shape
 
 PLAN_VERSION = 2  # 2: models named by their files' contents, not their paths
@@ -33,7 +33,7 @@ def identity(options) -> dict:
     """What a plan's measurements depend on: the models (by content: a copied run keeps its plans; None where the
     directory is absent), the device, the dtype, the backend and whether the forwards replay CUDA graphs (only on a
     GPU with the lean engine). The draft's shortlist and dtype are the plan's choice, in each policy."""
-    graphs = options.cuda_graphs and torch.device(options.device).type == "cuda" and options.backend != "hf"
+    graphs = options.cuda_graphs and kind(options.device).graphs and options.backend != "hf"
     models = {k: getattr(options, k) for k in MODELS}
     return {**{k: fingerprint(path, MODELS[k]) if path is not None and Path(path).is_dir() else None
                for k, path in models.items()},
@@ -181,24 +181,26 @@ SIZING_FLAGS = ("budget", "depth", "branch", "widths", "draft_calls")  # typed, 
 
 
 def default_policy(options, given=frozenset(), sampling: Sampling = GREEDY) -> dict | None:
-    """The policy a method decodes with where no plan applies: on a CPU, staged's is the draft's chain (CPU_CHAIN
-    tokens, CPU_SAMPLED_CHAIN when sampling) unless the caller sized the tree; else None, the flags' defaults
+    """The policy a method decodes with where no plan applies: staged's is the draft's chain where the device drafts
+    one unplanned (decode.devices: on a CPU) unless the caller sized the tree; else None, the flags' defaults
     (decode.options.default_tree)."""
-    if options.method != "staged" or torch.device(options.device).type != "cpu" or set(SIZING_FLAGS) & set(given):
+    chain = kind(options.device).chain
+    if options.method != "staged" or chain is None or set(SIZING_FLAGS) & set(given):
         return None
-    n = CPU_CHAIN if sampling.greedy else CPU_SAMPLED_CHAIN
+    n = chain[0] if sampling.greedy else chain[1]
     return {"parents": list(range(-1, n)), "ranks": [0] * (n + 1), "expected": 0.0, "nodes": n + 1, "depth": n,
             "widths": []}
 
 
 def unplanned_method(options, given=frozenset(), sampling: Sampling = GREEDY) -> str:
     """The method decoding takes where no plan applies: the options' own, save that staged by default (the caller did
-    not name a method) on a GPU when sampling gives way to lookup, which drafts without a model's forward: there
-    every drafted tree measured without a plan ran slower than plain decoding, and lookup did not (docs/gpu.md)."""
-    if (options.method != "staged" or "method" in given or sampling.greedy
-            or torch.device(options.device).type == "cpu"):
+    not name a method) when sampling gives way to the device's choice (decode.devices: lookup on a GPU, which drafts
+    without a model's forward: there every drafted tree measured without a plan ran slower than plain decoding, and
+    lookup did not; docs/gpu.md)."""
+    instead = kind(options.device).sampled_method
+    if options.method != "staged" or "method" in given or sampling.greedy or instead is None:
         return options.method
-    return "lookup"
+    return instead
 
 
 def with_plan(options, path: Path | None, given=frozenset(), sampling: Sampling = GREEDY, in_flight: int = 1):

@@ -4,9 +4,10 @@ run's plan for each sampling setting, whose policy fills in what the caller did 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from decode.devices import check_device
 from decode.methods import METHODS, check_options
 from decode.models.precision import auto_dtype
-from decode.options import DecoderOptions, check_device
+from decode.options import DecoderOptions
 from decode.plan_file import default_policy, nearest_run_plan, plan_name, replan, setting_of, unplanned_method, with_plan
 from decode.sampling import GREEDY, Sampling
 

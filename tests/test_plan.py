@@ -13,12 +13,12 @@ from plan_fixtures import without
 
 from decode import SpeculativeDecoder, plan_file
 from decode.cli import bench, plan, report, run, serve
+from decode.devices import CPU, CPU_CHAIN
 from decode.drafting import ShapedTreeDrafter, StagedDrafter, StagedShapeDrafter, TreeDrafter
 from decode.loop import baseline
 from decode.methods import METHODS
 from decode.models.engine import GPT2Engine
 from decode.models.loading import TOKEN_COUNTS
-from decode.options import CPU_CHAIN, CPU_SAMPLED_CHAIN, CPU_WIDTHS
 from decode.planning import in_loop, kinds, planner, replay, shapes
 from decode.sampling import Sampling, Uniforms
 
@@ -115,7 +115,7 @@ def test_staged_on_a_planned_shape_without_guesses_drafts_the_trees_shape_and_is
     assert decoded["staged"] == decoded["tree"] == decoded["baseline"]
     assert decoded["staged", "tree"] == decoded["tree", "tree"]
     typed = SpeculativeDecoder(run.parse(args + ["--method", "staged", "--budget", "7"]).options).decoder
-    assert typed.drafter.budget == 7 and typed.drafter.trigram.widths == list(CPU_WIDTHS)  # the flags' tree, its widths
+    assert typed.drafter.budget == 7 and typed.drafter.trigram.widths == list(CPU.widths)  # the flags' tree, its widths
     capsys.readouterr()
     result = bench.main(args + ["--methods", "baseline,tree,staged", "--limit", "2", "--out", str(tmp_path / "b.json")])
     assert "staged: no stage below the draft, a fixed shape of 4 nodes" in capsys.readouterr().out
@@ -136,7 +136,7 @@ def test_a_flag_typed_wins_over_the_plan_which_fills_in_the_rest(planned, models
     decoder = lambda *flags: SpeculativeDecoder(run.parse(args + list(flags)).options).decoder
     staged = decoder("--method", "staged", "--budget", "7")  # a plan's staged shape without widths: the default ones
     planned_widths = policies["staged"]["widths"]
-    assert staged.drafter.budget == 7 and staged.drafter.trigram.widths == (planned_widths or list(CPU_WIDTHS))
+    assert staged.drafter.budget == 7 and staged.drafter.trigram.widths == (planned_widths or list(CPU.widths))
     assert (len(staged.draft.shortlist) if staged.draft.shortlist else 0) == policies["staged"].get("draft_vocab", 0)
     assert "budget" not in staged.options.policy and staged.options.policy.get("widths") == (planned_widths or None)
     whole = decoder("--method", "staged", "--draft-vocab", "0")
@@ -160,7 +160,7 @@ def test_a_flag_typed_wins_over_the_plan_which_fills_in_the_rest(planned, models
         (run_dir / part).symlink_to(models[part])
     (run_dir / "plan.json").write_text(path.read_text())
     from_run = SpeculativeDecoder.from_run(run_dir, method="staged", budget=7).decoder
-    assert from_run.drafter.budget == 7 and from_run.drafter.trigram.widths == (planned_widths or list(CPU_WIDTHS))
+    assert from_run.drafter.budget == 7 and from_run.drafter.trigram.widths == (planned_widths or list(CPU.widths))
     assert planned_tree(SpeculativeDecoder.from_run(run_dir, method="staged").decoder.drafter, policies["staged"])
 
 
@@ -334,7 +334,7 @@ def test_a_sampling_setting_is_planned_by_decoding_into_its_own_file_which_runs_
 def test_paper_tree_is_one_flag_away_and_refused_beside_a_typed_tree(models):
     args = ["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--ngram", str(models["ngram"]),
             "--prompt", "t1"]
-    assert run.parse(args).options.tree_shape.parents == list(range(-1, CPU_CHAIN))  # a CPU's default
+    assert run.parse(args).options.tree_shape.parents == list(range(-1, CPU_CHAIN[0]))  # a CPU's default
     paper = run.parse(args + ["--paper-tree"])
     assert (paper.options.budget, paper.options.widths) == (36, [12, 7, 4, 1, 1, 1]) and {"budget", "widths"} <= paper.flags.given
     with pytest.raises(SystemExit):
@@ -342,19 +342,20 @@ def test_paper_tree_is_one_flag_away_and_refused_beside_a_typed_tree(models):
 
 
 def test_auto_dtype_is_the_plans_on_this_device_else_the_devices_native_one(planned, monkeypatch, tmp_path):
+    from decode import devices
     from decode.models import precision
 
     monkeypatch.delenv(precision.PINNED)
-    monkeypatch.setattr(precision, "cpu_features", lambda: "AVX-512 BF16")
+    monkeypatch.setattr(devices, "cpu_features", lambda: "AVX-512 BF16")
     assert precision.auto_dtype("cpu")[0] == "bfloat16"
-    monkeypatch.setattr(precision, "cpu_features", lambda: "AMX, AVX-512 BF16")
+    monkeypatch.setattr(devices, "cpu_features", lambda: "AMX, AVX-512 BF16")
     assert precision.auto_dtype("cpu")[0] == "bfloat16"
-    monkeypatch.setattr(precision, "cpu_features", lambda: "AVX2")
+    monkeypatch.setattr(devices, "cpu_features", lambda: "AVX2")
     dtype, why = precision.auto_dtype("cpu")
     assert dtype == "float32" and "no bfloat16 instructions" in why
     plan = json.loads(planned["path"].read_text())  # planned here, in float32
     assert precision.auto_dtype("cpu", planned["path"])[0] == plan["identity"]["dtype"] == "float32"
-    monkeypatch.setattr(precision, "cpu_features", lambda: "AVX-512 BF16")
+    monkeypatch.setattr(devices, "cpu_features", lambda: "AVX-512 BF16")
     assert precision.auto_dtype("cpu", planned["path"]) == ("float32", f"{planned['path']} was planned in it on this device")
     elsewhere = tmp_path / "other-plan.json"
     elsewhere.write_text(json.dumps({**plan, "identity": {**plan["identity"], "device": "another machine"}}))
@@ -427,8 +428,8 @@ def test_each_call_decodes_with_its_sampling_settings_plan_over_the_same_models(
     typed = SpeculativeDecoder.from_run(run_dir, method="staged", budget=5)
     assert (typed.decoder_for(sampled).drafter.budget, typed.decoder_for(sampled).drafter.trigram.widths) == (5, [1, 1])
     unplanned = SpeculativeDecoder.from_run(run_dir, method="staged", plan=None)  # each setting: the CPU's default
-    assert unplanned.options.plan is None and unplanned.decoder.drafter.parents == list(range(-1, CPU_CHAIN))
-    assert unplanned.decoder_for(sampled).drafter.parents == list(range(-1, CPU_SAMPLED_CHAIN))
+    assert unplanned.options.plan is None and unplanned.decoder.drafter.parents == list(range(-1, CPU_CHAIN[0]))
+    assert unplanned.decoder_for(sampled).drafter.parents == list(range(-1, CPU_CHAIN[1]))
     assert unplanned.decoder_for(Sampling(0.5, 20)) is unplanned.decoder_for(sampled)  # the same drafting: one decoder
     named = SpeculativeDecoder.from_run(run_dir, method="staged", plan=run_dir / "plan.json")  # one plan for every call
     assert named.decoder_for(sampled) is named.decoder and named.decoder.drafter.budget == 6

@@ -11,9 +11,10 @@ import pytest
 
 from decode import SpeculativeDecoder, plan_file
 from decode.cli import plan, run
+from decode.devices import CPU_CHAIN, GPU
 from decode.drafting import ShapedTreeDrafter
 from decode.errors import InputError
-from decode.options import CPU_CHAIN, GPU_BUDGET, GPU_WIDTHS, PAPER_BUDGET, DecoderOptions, default_tree
+from decode.options import PAPER_BUDGET, DecoderOptions, default_tree
 from decode.resolution import Resolved
 from decode.sampling import Sampling
 
@@ -128,10 +129,10 @@ def test_tree_methods_without_a_plan_say_what_they_draft_on_this_device(planned,
         (run_dir / part).symlink_to(models[part])
     prompts = ["--prompts", planned["args"][planned["args"].index("--prompts") + 1]]
     options = run.parse(["--run", str(run_dir), *prompts]).options
-    chain = list(range(-1, CPU_CHAIN))
+    chain = list(range(-1, CPU_CHAIN[0]))
     assert options.plan is None and options.tree_shape.parents == chain and options.widths == []
     note = capsys.readouterr().err
-    assert "no plan for this setting in" in note and f"the draft's chain of {CPU_CHAIN} tokens" in note
+    assert "no plan for this setting in" in note and f"the draft's chain of {CPU_CHAIN[0]} tokens" in note
     assert f"python -m decode.plan --run {run_dir}" in note
     drafter = SpeculativeDecoder(options).decoder.drafter
     assert type(drafter) is ShapedTreeDrafter and drafter.is_chain and drafter.parents == chain
@@ -162,7 +163,7 @@ def test_a_gpu_without_a_plan_drafts_what_measured_no_slower_than_plain_decoding
     run_dir.mkdir()
     for part in ("oracle", "draft", "ngram"):
         (run_dir / part).symlink_to(models[part])
-    assert default_tree("cuda") == (GPU_BUDGET, list(GPU_WIDTHS)) and GPU_BUDGET < PAPER_BUDGET
+    assert default_tree("cuda") == (GPU.budget, list(GPU.widths)) and GPU.budget < PAPER_BUDGET
     base = DecoderOptions(oracle=models["oracle"], draft=models["draft"], ngram=models["ngram"], device="cuda")
     sampled = Sampling(1.0, 50)
     resolved = Resolved(base, frozenset(), run_dir, None, run_plans=True)

@@ -7,42 +7,38 @@ and read back by every training run; without one, autocast is on only where the 
 (AVX-512 BF16 or AMX). A CPU with AVX2 alone emulates bf16: its autocast training ran over 100x slower there
 (docs/training.md). Training never times itself."""
 import argparse
-import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from decode.atomic import write_json
 from decode.cli.help import HelpFormatter
+from decode.devices import native_bfloat16
+from decode.fingerprint import CACHE_ROOT
 from decode.machine import cpu_features, cpu_name
+from decode.timing.kept import file_name, keep, read_kept
 
-BF16_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "staged-speculative" / "bf16"
+BF16_CACHE = CACHE_ROOT / "bf16"
 PROG = "python -m train.bf16"
 
 
 def kept_path(width: int, rows: int, cache_dir: Path | None = None) -> Path:
     """Where the calibration for this CPU, threads, torch and shape is kept."""
     key = f"{cpu_name()}-{cpu_features()}-{torch.get_num_threads()}-threads-torch-{torch.__version__}-{width}x{rows}"
-    return Path(cache_dir or BF16_CACHE) / ("".join(c if c.isalnum() or c in ".-" else "_" for c in key) + ".json")
+    return Path(cache_dir or BF16_CACHE) / f"{file_name(key)}.json"
 
 
 def bf16_choice(width: int = 512, rows: int = 2048, cache_dir: Path | None = None) -> tuple[bool, str]:
     """Whether to train in bf16 autocast on the device training will use, and why, in words: a GPU that supports bf16;
     on a CPU the kept calibration for the model's `width` (`calibrate`), else whether it has bf16 instructions."""
     if torch.cuda.is_available():
-        supported = torch.cuda.is_bf16_supported()
-        return supported, "this GPU supports bf16" if supported else "this GPU lacks bf16"
-    try:
-        bf16_ms, fp32_ms = json.loads(kept_path(width, rows, cache_dir).read_text())
-    except (OSError, ValueError, TypeError):
-        features = cpu_features()
-        native = "BF16" in features or "AMX" in features
-        how = (f"this CPU multiplies in bf16 natively ({features})" if native
-               else f"this CPU has no bf16 instructions ({features or 'no AVX2'})")
-        return native, f"{how}; not calibrated: `{PROG} --width {width}` times both"
+        return native_bfloat16("cuda")
+    measured = read_kept(kept_path(width, rows, cache_dir))
+    if measured is None or set(measured) != {"bfloat16", "float32"}:
+        native, why = native_bfloat16("cpu")
+        return native, f"{why}; not calibrated: `{PROG} --width {width}` times both"
+    bf16_ms, fp32_ms = measured["bfloat16"], measured["float32"]
     return bf16_ms < fp32_ms, timings(width, rows, bf16_ms, fp32_ms) + ", calibrated on this CPU"
 
 
@@ -55,9 +51,7 @@ def calibrate(width: int = 512, rows: int = 2048, repeats: int = 5, cache_dir: P
     """Time one MLP block of the model's `width` over `rows` tokens, forward and backward, with and without autocast
     in turns (median of `repeats`), keep the result for `bf16_choice`, and return the choice and the timings."""
     bf16_ms, fp32_ms = time_mlp_step(width, rows, repeats)
-    path = kept_path(width, rows, cache_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, [bf16_ms, fp32_ms], overwrite=True)
+    keep(kept_path(width, rows, cache_dir), {"bfloat16": bf16_ms, "float32": fp32_ms})
     return bf16_ms < fp32_ms, timings(width, rows, bf16_ms, fp32_ms)
 
 

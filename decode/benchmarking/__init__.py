@@ -1,3 +1,3 @@
-"""The benchmark as a library: timing decoding's parts and the methods in turns (harness), the peers it measures
+"""The benchmark as a library: each method's output against the baseline's (comparison), the peers it measures
 against (transformers' generate, llama.cpp in-process and as llama-server), the near-tie checker that tells a
 rounding difference from a wrong token, and the tables and sentences its results print as."""

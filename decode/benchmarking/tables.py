@@ -1,7 +1,7 @@
 """The tables a benchmark's results print as, on the terminal and again from their JSON (decode.report): the
 methods' speeds and outputs (decode.bench) and the forward's cost curves beside the roofline (decode.bench_engine)."""
 from decode.benchmarking import explain, near_ties
-from decode.timing import NODE_COUNTS
+from decode.timing.forwards import NODE_COUNTS
 
 
 def print_table(summary: dict[str, dict], greedy: bool) -> None:

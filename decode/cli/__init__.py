@@ -1,2 +1,2 @@
 """The commands: `python -m decode.NAME` runs decode/cli/NAME.py; `flags` holds the decoder flags they share and
-`harness` the timing and the baseline comparison of the tools that measure decoding."""
+`settings` what they read from them alike (prompts, sampling, the decoder)."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from decode.api import SpeculativeDecoder
 from decode.atomic import FILE, check_output, write_json
-from decode.benchmarking.harness import compare_with_baseline
+from decode.benchmarking.comparison import compare_with_baseline
 from decode.benchmarking.near_ties import describe, divergence, own_rows
 from decode.cli.help import HelpFormatter
 from decode.cli.settings import encode_prompts, parse_settings

@@ -40,7 +40,7 @@ import torch
 from decode.api import SpeculativeDecoder
 from decode.atomic import FILE, check_output, check_room, write_json
 from decode.benchmarking import explain, near_ties
-from decode.benchmarking.harness import compare_with_baseline, decode_in_turns, warm_up
+from decode.benchmarking.comparison import compare_with_baseline
 from decode.benchmarking.llama_server import SERVER_PEERS, TUNING_PROMPTS, ServerPeer, missing_reason, server_binary, server_version
 from decode.benchmarking.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
 from decode.benchmarking.plots import check_plot_path, pyplot, save
@@ -48,11 +48,12 @@ from decode.benchmarking.tables import print_table
 from decode.cli.help import HelpFormatter
 from decode.cli.settings import Settings, add_result_flags, encode_prompts, parse_settings
 from decode.decoder import Decoder, require_draft
+from decode.devices import device_name, machine_name
 from decode.errors import InputError, exits_on_input_error
 from decode.models.loading import check_same_vocabulary
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS
 from decode.provenance import provenance
-from decode.timing import device_name, machine_name
+from decode.timing.turns import decode_in_turns, warm_up
 
 OURS = ("baseline", "speculative", "tree", "staged", "staged-paper", "ngram", "lookup")
 DEFAULT_METHODS = ",".join(OURS + PEERS)

@@ -29,6 +29,7 @@ import torch
 from decode.atomic import FILE, check_output, write_json
 from decode.benchmarking.tables import curve_rows, table_row
 from decode.cli.help import HelpFormatter
+from decode.devices import check_device, device_name, machine_name
 from decode.errors import InputError, exits_on_input_error
 from decode.loop import baseline
 from decode.models.engine import dequantized_checkpoint, read_config
@@ -40,13 +41,12 @@ from decode.models.pretrained import model_dir
 from decode.models.projection import LAYOUTS, onednn_packs
 from decode.models.quantized import format_of
 from decode.models.runtime import TORCH, CudaRuntime
-from decode.options import check_device
 from decode.planning.costs import PROJECTIONS, projection_shape, random_model
 from decode.planning.roofline import ForwardShape, Machine, knee, measure_machine
 from decode.prompts import load_prompts
 from decode.provenance import provenance
 from decode.sampling import Sampling
-from decode.timing import NODE_COUNTS, device_name, forward_costs, host_work_after_forward, machine_name
+from decode.timing.forwards import NODE_COUNTS, forward_costs, host_work_after_forward
 from decode.tokenizer import load_tokenizer, start_ids, text_ids
 
 

@@ -26,9 +26,9 @@ from decode.benchmarking.llama_server import LlamaServer, export_gguf, missing_r
 from decode.benchmarking.plots import check_plot_path, pyplot, save
 from decode.cli.help import HelpFormatter
 from decode.cli.settings import Settings, add_result_flags, encode_prompts, parse_settings
+from decode.devices import machine_name
 from decode.errors import exits_on_input_error
 from decode.provenance import provenance
-from decode.timing import machine_name
 
 PROG = "python -m decode.load"
 PEERS: dict[str, list[list[str]]] = {"llamacpp-server": [[]],

@@ -18,9 +18,9 @@ from decode.atomic import check_output, write_json
 from decode.benchmarking.startup import FLOOR, profile_start
 from decode.cli.help import HelpFormatter
 from decode.cli.settings import parse_settings
+from decode.devices import machine_name
 from decode.errors import InputError, exits_on_input_error
 from decode.provenance import provenance
-from decode.timing import machine_name
 
 PROG = "python -m decode.profile_start"
 

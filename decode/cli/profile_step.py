@@ -20,11 +20,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from decode import timing
 from decode.api import SpeculativeDecoder
-from decode.benchmarking.harness import Timer
 from decode.cli.settings import encode_prompts, parse_settings
 from decode.errors import exits_on_input_error
+from decode.timing import forwards
+from decode.timing.steps import Timer
 
 BOUNDS = {"around the forwards": 0.10, "draft forwards": 0.30}  # of an oracle q=1 forward, the step's budget
 
@@ -58,7 +58,7 @@ def main(argv=None) -> dict[str, float]:
 
     def measure_one_token() -> None:
         with timer.paused():
-            one_token.append(timing.forward_costs(decoder.oracle, repeats=10, counts=(1,))[1])
+            one_token.append(forwards.forward_costs(decoder.oracle, repeats=10, counts=(1,))[1])
 
     timed = timed_pass(decoder, prompts, settings, timer, measure_one_token)
     ms = step_parts(timer, timed)

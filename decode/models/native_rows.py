@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from decode.models.runtime import CPP, CPP_TILES, TORCH
-from decode.timing import CACHE_DIR, by_count, cache_key, forward_costs, kept, read_kept
+from decode.timing.forwards import by_count, forward_costs
+from decode.timing.kept import CACHE_DIR, cache_key, kept, read_kept
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 REPEATS = 10

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from decode import native
+from decode.devices import device_name, kind, native_bfloat16
 from decode.fingerprint import fingerprint
-from decode.machine import cpu_features
-from decode.timing import CACHE_DIR, by_count, device_name, forward_costs, kept, read_kept
+from decode.timing.forwards import by_count, forward_costs
+from decode.timing.kept import CACHE_DIR, file_name, kept, read_kept
 
 DTYPES = ("float32", "bfloat16")
 PINNED = "STAGED_SPECULATIVE_DTYPE"  # what "auto" resolves to when set (float32 or bfloat16): reproducible runs
@@ -38,20 +39,15 @@ def auto_dtype(device: str, plan: Path | None = None, oracle: Path | None = None
     planned = plan_dtype(plan, device) if plan is not None else None
     if planned is not None:
         return planned, f"{plan} was planned in it on this device"
-    if torch.device(device).type == "cuda":
-        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-            return "bfloat16", "this GPU supports it"
-        return "float32", "this GPU lacks bfloat16"
-    calibrated = None
+    native, why = native_bfloat16(device)
+    if not kind(device).measured_dtype:
+        return ("bfloat16" if native else "float32"), why
     if oracle is not None and (Path(oracle) / "config.json").is_file():
         calibrated = measured_dtype(Path(oracle), device, calibrate=calibrate)
         if calibrated is not None:
             return calibrated
     unmeasured = "not calibrated: `python -m decode.calibrate` times both" if oracle is not None else "no oracle to time"
-    features = cpu_features()
-    if "BF16" in features or "AMX" in features:
-        return "bfloat16", f"this CPU multiplies in it natively ({features}; {unmeasured})"
-    return "float32", f"this CPU has no bfloat16 instructions ({unmeasured})"
+    return ("bfloat16" if native else "float32"), f"{why}; {unmeasured}"
 
 
 def plan_dtype(plan: Path, device: str) -> str | None:
@@ -72,7 +68,7 @@ def measured_dtype(oracle: Path, device: str, cache_dir: Path | None = None, cal
     and read back; without `calibrate`, None where it was never measured."""
     name = device_name(torch.device(device))
     code = hashlib.sha256(b"".join(source.read_bytes() for source in native.FORWARD_SOURCES)).hexdigest()[:8]
-    path = Path(cache_dir or CACHE_DIR) / f"dtype-{fingerprint(oracle)}-{code}-{''.join(c if c.isalnum() else '_' for c in name)}.json"
+    path = Path(cache_dir or CACHE_DIR) / f"dtype-{fingerprint(oracle)}-{code}-{file_name(name)}.json"
     measured = (kept(path, lambda: {dtype: time_forwards(oracle, dtype, device) for dtype in DTYPES})[0] if calibrate
                 else read_kept(path))
     if measured is None:

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from decode.timing import CACHE_DIR, device_name, kept, read_kept
+from decode.devices import device_name
+from decode.timing.kept import CACHE_DIR, file_name, kept, read_kept
 
 # On a CPU in bfloat16, oneDNN builds a kernel for every new number of rows a matrix is multiplied with, which made
 # each first prompt of a new length cost more than the next of that length. Products of more than PAD_ABOVE rows
@@ -33,7 +34,7 @@ def layout_for(dtype: torch.dtype, device: torch.device, in_features: int, out_f
     """The layout a matrix of this shape is stored in on `device` (a CPU: a GPU's runtime takes default_layout's): the
     calibrated one (measured now with `calibrate`, by fastest_layout, and kept per CPU, threads and torch), else
     default_layout's."""
-    machine = "".join(c if c.isalnum() else "_" for c in f"{device_name(device)}-torch-{torch.__version__}")
+    machine = file_name(f"{device_name(device)}-torch-{torch.__version__}")
     name = f"layout-{machine}-{str(dtype).removeprefix('torch.')}-{in_features}x{out_features}{'-gelu' * gelu}.json"
     path = Path(cache_dir or CACHE_DIR) / name
     if calibrate:

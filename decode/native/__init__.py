@@ -129,13 +129,6 @@ def note_once(text: str) -> None:
     log.warning("note: %s", text)
 
 
-def loops(device: str) -> str:
-    """Where a step's loops run, as the benchmark and the step profile say it."""
-    if module() is None:
-        return "Python"
-    return "C++" if torch.device(device).type == "cpu" else "C++ for the trees, Python for the GPU's logits"
-
-
 class SlotMover:
     """A commit's moves in C++ over a contiguous (..., capacity, head_dim) CPU cache, as a function of (length, keep)
     under which, in each plane, slot length + i takes slot length + keep[i]. It holds the cache, whose address and

@@ -15,7 +15,8 @@ from decode.errors import InputError
 from decode.models.cached_lm import CachedLM
 from decode.models.quantized import Format, QuantizedMatrix
 from decode.shortlist import Shortlist
-from decode.timing import CACHE_DIR, NODE_COUNTS, by_count, cache_key, forward_costs, kept
+from decode.timing.forwards import NODE_COUNTS, by_count, forward_costs
+from decode.timing.kept import CACHE_DIR, cache_key, kept
 
 
 def measured_costs(model_dir, model: CachedLM, dtype: str, counts=NODE_COUNTS,

@@ -13,12 +13,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from decode import loop
 from decode.api import SpeculativeDecoder
-from decode.benchmarking.harness import Timer, decode_in_turns, warm_up
 from decode.models.loading import load_draft, load_trigram
 from decode.planning import costs, repeats
 from decode.planning.search import base_dtype, best, drafter_for, forecast, measured_forecast, with_tree_shapes
+from decode.timing.steps import Timer
+from decode.timing.turns import decode_in_turns, warm_up
 
 # method -> (the method drafting it, its policy): what a round decodes beside the baseline
 Policies = dict[str, tuple[str, dict]]
@@ -52,15 +52,11 @@ def loop_costs(decoder, drafters: dict, prompts, search, oracle_ms: costs.Contex
     counts and cached lengths (`oracle_ms`), the drafting's ms per step and the rest of a step's ms (masks,
     verification, commits); for "baseline", its baseline_costs."""
     timers = {name: Timer(decoder.oracle.runtime.synchronize) for name in ["baseline", *drafters]}
-    oracle, stop_ids, n, sampling = decoder.oracle, decoder.stop_ids, search.max_new_tokens, search.sampling
-    seeded = lambda i: torch.Generator(oracle.device).manual_seed(search.seed + i)
+    n, sampling = search.max_new_tokens, search.sampling
 
     def run(name: str, drafter=None):  # how `name` decodes a prompt (the baseline without a drafter)
-        hooks = timers[name].hooks()
-        speculative = {} if drafter is None else {"drafter": drafter}
-        decode = loop.baseline if drafter is None else loop.tree_speculative
-        return lambda prompt, i, tokens: decode(oracle, prompt.ids, tokens, sampling, stop_ids, generator=seeded(i),
-                                                allowed=prompt.allowed, hooks=hooks, **speculative)
+        hooks, decode = timers[name].hooks(), replace(decoder, drafter=drafter)
+        return lambda prompt, i, tokens: decode(prompt, tokens, search.seed + i, sampling, hooks)
 
     runs = {"baseline": run("baseline")}
     for name, drafter in drafters.items():

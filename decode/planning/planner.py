@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from decode import loop, timing
+from decode import loop
 from decode.api import SpeculativeDecoder
 from decode.benchmarking.explain import interval_text
+from decode.devices import device_name, kind, machine_name
 from decode.healing import Prompt
 from decode.models.cached_lm import CachedLM
 from decode.models.calibration import calibrate
@@ -31,6 +32,7 @@ from decode.planning.in_loop import FreshProcess, calibrate_in_loop
 from decode.planning.search import RANKS, base_dtype, best, forecast, measured_forecast, replay_policies, variant_name
 from decode.provenance import provenance
 from decode.sampling import GREEDY, Sampling
+from decode.timing.forwards import forward_costs
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def make_plan(options, calibration_prompts: Callable[[object], list[Prompt]], se
     drafts = draft_variants(shortlist_sizes(search.draft_vocab, options, oracle.vocab_size), options, oracle.vocab_size)
     prompts = calibration_prompts(dec)
     print(f"calibrating on {len(prompts)} prompts x {search.max_new_tokens} tokens, {options.dtype} on "
-          f"{timing.device_name(oracle.device)}")
+          f"{device_name(oracle.device)}")
     tables = {cached: costs.measured_costs(options.oracle, oracle, options.dtype, prefix=cached)[0]
               for cached in costs.context_lengths(oracle.max_length)}
     oracle_costs = next(iter(tables.values()))  # after 128 cached positions
@@ -172,9 +174,9 @@ def draft_variants(sizes: list[int], options, vocab_size: int) -> dict[tuple[int
     replayed with, by (shortlist size or 0, dtype): each of `sizes` and the whole vocabulary, in the base dtype and,
     when that is bfloat16 on a CPU, in float32. A draft's forwards of a few rows are mostly per-call overhead, which
     on a CPU differs by dtype (MKL's float32 products against oneDNN's bfloat16 ones), so it is measured. A GPU
-    launches the same kernels either way (not weighed there)."""
-    on_cpu = torch.device(options.device).type == "cpu"
-    dtypes = [base_dtype(options)] + ["float32"] * (base_dtype(options) != "float32" and on_cpu)
+    launches the same kernels either way (not weighed there: decode.devices)."""
+    weighed = kind(options.device).float32_drafts
+    dtypes = [base_dtype(options)] + ["float32"] * (base_dtype(options) != "float32" and weighed)
     return {(n, dtype): load_draft(replace(options, draft_vocab=n, draft_dtype=dtype), vocab_size)
             for n in [0, *sizes] for dtype in dtypes if (n, dtype) != (0, base_dtype(options))}
 
@@ -184,8 +186,8 @@ def replayer(decoder, prompts: list, sequences: list, search: PlanSearch) -> Cal
     (`sequences`); sampling, by decoding them for real under the search's sampling."""
     if search.sampling.greedy:
         return lambda drafter, n: replay.replay(drafter, sequences[:n])
-    return lambda drafter, n: replay.sampled(drafter, decoder.oracle, prompts[:n], search.max_new_tokens,
-                                             search.sampling, decoder.stop_ids, search.seed)
+    return lambda drafter, n: replay.sampled(drafter, decoder, prompts[:n], search.max_new_tokens, search.sampling,
+                                             search.seed)
 
 
 def print_kinds(rows: list[dict], one_row_ms: float) -> None:
@@ -212,7 +214,7 @@ def print_forecast(title: str, predicted: dict) -> None:
 def context_curves(model: CachedLM, largest: int) -> tuple[costs.ContextCosts, dict[int, float]]:
     """A model's ms per forward of q = 0 .. largest nodes after each of the planning's cached lengths
     (costs.context_lengths), measured now; and its table after the first of them."""
-    tables = {cached: timing.forward_costs(model, prefix=cached, repeats=5)
+    tables = {cached: forward_costs(model, prefix=cached, repeats=5)
               for cached in costs.context_lengths(model.max_length)}
     return costs.ContextCosts.of_tables(tables, largest), next(iter(tables.values()))
 
@@ -233,7 +235,7 @@ def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[t
                                                     "one_token": big_costs[1], "loop": 0.0},
                          "oracle": oracle_spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs, "draft_ms": None,
                          "formats": [f.name if f else None for f in formats],
-                         "machine": timing.machine_name(torch.device(options.device)), "date": datetime.date.today().isoformat(),
+                         "machine": machine_name(torch.device(options.device)), "date": datetime.date.today().isoformat(),
                          **provenance()}
     if draft_spec:
         shape = costs.projection_shape(draft_spec, "--project-draft")

@@ -11,16 +11,18 @@ tokens it would have accepted are counted, step by step, as decoding would.
 """
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from decode import loop
 from decode.drafting import Drafter
-from decode.loop import Hooks
 from decode.planning.costs import ContextCosts
 from decode.sampling import GREEDY, Sampling, Uniforms
+from decode.timing.steps import Hooks
+
+if TYPE_CHECKING:
+    from decode.decoder import Decoder
 
 
 @dataclass
@@ -142,11 +144,12 @@ class Recorded:
         self.drafter.accept(path)
 
 
-def sampled(drafter: Drafter, oracle, prompts: list, max_new_tokens: int, sampling: Sampling,
-            stop_ids: frozenset[int], seed: int) -> Replay:
+def sampled(drafter: Drafter, decoder: "Decoder", prompts: list, max_new_tokens: int, sampling: Sampling,
+            seed: int) -> Replay:
     """What a drafter does when sampling, from decoding each prompt (a healed Prompt) for real: prompt i draws with
     seed + i, as decode.bench does. Sampled acceptance is random, so no replay along one output stands for it; the
-    oracle's forwards are counted here, and costed by `predict` as a replay's are."""
+    oracle's forwards are counted here, and costed by `predict` as a replay's are. `decoder`: the models it decodes
+    with (its own drafter is not used)."""
     out = Replay()
 
     def on_forward(nodes: int, cached: int, seconds: float) -> None:
@@ -157,14 +160,12 @@ def sampled(drafter: Drafter, oracle, prompts: list, max_new_tokens: int, sampli
 
     hooks = Hooks(on_forward=on_forward,
                   on_propose=lambda seconds: setattr(out, "drafting_seconds", out.drafting_seconds + seconds),
-                  synchronize=oracle.runtime.synchronize)
-    recorded = Recorded(drafter, out.accepted)
+                  synchronize=decoder.oracle.runtime.synchronize)
+    decode = replace(decoder, drafter=Recorded(drafter, out.accepted))
     with recording(drafter, out):
         drafter.forget()
         for i, prompt in enumerate(prompts):
-            generator = torch.Generator(oracle.device).manual_seed(seed + i)
-            generation = loop.tree_speculative(oracle, prompt.ids, max_new_tokens, sampling, stop_ids, generator=generator,
-                                               drafter=recorded, allowed=prompt.allowed, hooks=hooks)
+            generation = decode(prompt, max_new_tokens, seed + i, sampling, hooks)
             out.tokens += len(generation.tokens)
             out.prompt_tokens.append(len(generation.tokens))
             out.prompts += 1

@@ -1,23 +1,12 @@
-"""Timing a model's forward and keeping what was measured: below the models (which time their own kernels) and the
-planner (which sizes trees from the costs).
-
-`forward_costs` times one forward of q chained nodes after a cached prefix; `kept` keeps a measurement in the user's
-cache under a key (`cache_key`) of everything the time depends on, so later runs read it.
-"""
-import hashlib
-import inspect
-import json
+"""Timing a model's forward: `forward_costs` times one forward of q chained nodes after a cached prefix (the costs
+the planner sizes trees from, and the choices calibration makes), `host_work_after_forward` what a forward does to the
+host work after it."""
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from decode.atomic import write_json
-from decode.fingerprint import CACHE_ROOT, fingerprint
-from decode.machine import cpu_features, cpu_name
 from decode.tree import Tree
 
 if TYPE_CHECKING:
@@ -27,7 +16,6 @@ NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 # Untimed forwards of a count before its timed ones, at least this long: right after forwards of many nodes (a
 # prompt's, or a larger count's), the next few forwards of one node ran up to 2x slower on a CPU for some milliseconds
 SETTLE_SECONDS = 0.01
-CACHE_DIR = CACHE_ROOT / "forward-costs"
 
 
 def bushy_tree(q: int) -> Tree:
@@ -111,53 +99,6 @@ def host_work_after_forward(model: "CachedLM", prefix: int = 128, repeats: int =
         model.commit([])
     model.reset()
     return {"after a forward": 1e6 * float(np.median(after[1:])), "again": 1e6 * float(np.median(again[1:]))}
-
-
-def machine_name(device: torch.device) -> str:
-    """`device_name` with, on a CPU, the instructions that decide its bfloat16 speed: what a benchmark ran on."""
-    if device.type == "cuda":
-        return device_name(device)
-    features = cpu_features()
-    return f"{cpu_name()}" + (f" ({features})" if features else "") + f", {torch.get_num_threads()} threads"
-
-
-def device_name(device: torch.device) -> str:
-    """What a measured time depends on besides the model: the GPU's name, or the CPU's and its threads."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{cpu_name()}, {torch.get_num_threads()} threads"
-
-
-def cache_key(model_dir, model: "CachedLM", dtype: str) -> str:
-    """Model (its fingerprint), the backend's code (with the C++ forward's, where it runs one) and the timing's, weight
-    layout, CUDA graphs and output shortlist, device, dtype and threads."""
-    backend = Path(inspect.getfile(type(model))).read_text() + inspect.getsource(forward_costs) + model.runtime.key()
-    layouts, graphs = getattr(model, "layouts", None), getattr(model, "graphs", None) is not None
-    shortlist = None if model.shortlist is None else model.shortlist.tokens.tolist()
-    digest = hashlib.sha256(json.dumps([fingerprint(model_dir), backend, layouts, graphs, torch.__version__]
-                                       + ([shortlist] if shortlist is not None else [])).encode()).hexdigest()[:16]
-    device = "".join(c if c.isalnum() else "_" for c in device_name(model.device))
-    return f"{digest}-{device}-{dtype}"
-
-
-def read_kept(path: Path) -> dict | None:
-    """The measurement kept at `path` (JSON), or None."""
-    try:
-        measured = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return measured if isinstance(measured, dict) else None
-
-
-def kept(path: Path, measure: Callable[[], dict]) -> tuple[dict, bool]:
-    """The measurement kept at `path` (JSON), or `measure()`'s, kept there now; and whether it was read back."""
-    measured = read_kept(path)
-    if measured is not None:
-        return measured, True
-    measured = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, measured, indent=1)
-    return measured, False
 
 
 def by_count(table: dict) -> dict[int, float]:

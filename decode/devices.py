@@ -1,0 +1,82 @@
+"""What decoding does differently by the kind of device it is asked for, decided before any model is loaded: the
+device checked, its name in measurements, and each kind's defaults (`DeviceKind`). How a loaded model then runs there
+(kernels, the C++ forward, CUDA graphs) is its runtime's (decode.models.runtime)."""
+from dataclasses import dataclass
+
+import torch
+
+from decode.errors import InputError
+from decode.machine import cpu_features, cpu_name
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    budget: int  # without a plan: the oracle's tree nodes
+    widths: tuple[int, ...]  # without a plan: the trigram's widths below the draft
+    chain: tuple[int, int] | None  # without a plan: staged drafts the draft's own chain of this many tokens (greedy,
+    # sampling) unless the caller sizes the tree; None: the tree above
+    sampled_method: str | None  # without a plan, staged by default when sampling gives way to this method
+    graphs: bool  # forwards may replay CUDA graphs
+    measured_dtype: bool  # "auto" stands for the dtype the oracle was timed faster in (else: what the device has)
+    float32_drafts: bool  # the planner weighs float32 drafts beside bfloat16 ones: a draft's forwards of a few rows are
+    # mostly per-call overhead, which on a CPU differs by dtype (MKL's float32 products against oneDNN's bfloat16 ones)
+
+
+# On a CPU the trigram widths and budget plans chose there for the cpu preset; the paper's tree has the draft score up
+# to 1,441 nodes a step, slower than plain decoding there (docs/decoding.md). Staged drafts the draft's own chain, with
+# no stage below the draft: the shape decode.plan chose for the presets (docs/planning.md), of 7 tokens when greedy,
+# and when sampling of the speculative method's 4 (acceptance falls with depth when sampling). Whether a tree or the
+# trigram's stage pays on a CPU depends on its forward of many rows, which the planner measures.
+CPU_CHAIN = (7, 4)
+CPU = DeviceKind(budget=12, widths=(3, 2, 1), chain=CPU_CHAIN, sampled_method=None, graphs=False, measured_dtype=True,
+                 float32_drafts=True)
+# On a GPU the trigram widths and budget decode.plan chose for the quick preset on an NVIDIA H200 (docs/gpu.md); the
+# paper's tree is larger than what pays there for models of that size. Sampling without a plan, every drafted tree
+# measured there ran slower than plain decoding, and lookup, which drafts without a model's forward, did not.
+GPU = DeviceKind(budget=16, widths=(4, 2, 1), chain=None, sampled_method="lookup", graphs=True, measured_dtype=False,
+                 float32_drafts=False)
+
+
+def kind(device: str | torch.device) -> DeviceKind:
+    return CPU if torch.device(device).type == "cpu" else GPU
+
+
+def check_device(device: str) -> None:
+    """cpu, or cuda[:N] on a machine that has it."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise InputError(f"unknown --device {device!r}; use cpu or cuda (cuda:N for the N-th GPU)")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: this machine has no CUDA device (or torch was built without CUDA); use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise InputError(f"--device {device}: there are only {torch.cuda.device_count()} CUDA devices")
+
+
+def native_bfloat16(device: str | torch.device) -> tuple[bool, str]:
+    """Whether the device multiplies in bfloat16 natively, and why, in words."""
+    if torch.device(device).type == "cuda":
+        supported = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return supported, "this GPU supports it" if supported else "this GPU lacks bfloat16"
+    features = cpu_features()
+    if "BF16" in features or "AMX" in features:
+        return True, f"this CPU multiplies in it natively ({features})"
+    return False, f"this CPU has no bfloat16 instructions ({features or 'no AVX2'})"
+
+
+def device_name(device: torch.device) -> str:
+    """What a measured time depends on besides the model: the GPU's name, or the CPU's and its threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
+
+
+def machine_name(device: torch.device) -> str:
+    """`device_name` with, on a CPU, the instructions that decide its bfloat16 speed: what a benchmark ran on."""
+    if device.type == "cuda":
+        return device_name(device)
+    features = cpu_features()
+    return f"{cpu_name()}" + (f" ({features})" if features else "") + f", {torch.get_num_threads()} threads"
