@@ -259,3 +259,27 @@ def test_a_model_named_on_the_hub_that_cannot_be_had_is_a_one_line_error_that_sa
         load_causal_lm("staged-speculative/no-such-model", "--init model")
     message = str(refused.value)
     assert "\n" not in message and "hf download staged-speculative/no-such-model" in message
+
+
+@pytest.mark.parametrize("preset, width, shape", [("cpu", 512, None), ("cpu", 576, None), ("cpu", 768, (2, 3, 192)), ("cpu", 896, (2, 4, 256)),
+                                                  ("cpu", 1280, (2, 5, 320)), ("quick", 576, (1, 2, 128)),
+                                                  ("paper", 896, (4, 6, 384)), ("tiny", 896, None)])
+def test_a_presets_draft_is_fitted_to_the_teachers_width(preset, width, shape):
+    from train.presets import DRAFT_PRESETS, DistillArgs, fitted_shape, parse_args
+
+    args = parse_args(DistillArgs, DRAFT_PRESETS, "", ["--preset", preset])
+    assert fitted_shape(args, width) == shape
+    for typed in (["--draft-shape", "preset"], ["--draft-shape", "3x96"], ["--n-embd", "192"]):  # a shape the caller chose
+        assert fitted_shape(parse_args(DistillArgs, DRAFT_PRESETS, "", ["--preset", preset, *typed]), width) is None
+
+
+def test_distillation_says_the_draft_shape_it_fitted_to_its_teacher(tmp_path, capsys):
+    from train.presets import DRAFT_PRESETS, DistillArgs, parse_args
+
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 896}))
+    args = parse_args(DistillArgs, DRAFT_PRESETS, "", ["--preset", "cpu", "--teacher", str(teacher)])
+    distill_draft.fit_to_teacher(args)
+    assert (args.n_layer, args.n_head, args.n_embd) == (2, 4, 256)
+    assert "draft shape 2x256 (the cpu preset's 2x128 for a teacher 512 wide, scaled to this one's 896" in capsys.readouterr().out

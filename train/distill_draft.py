@@ -14,6 +14,7 @@ the expected acceptance of speculative sampling, sum_x min(p(x), q(x)): the numb
 acceptance in speculative decoding. The first and the last are reported twice: on corpus windows,
 and on the teacher's greedy continuations of validation prefixes ("..._on_teacher_output").
 """
+import json
 import math
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ from decode.tokenizer import load_tokenizer
 from train.architectures import family_of
 from train.continuations import POOL_FILE, PoolWindows, build_pool, prompt_prefixes, random_prefixes, teacher_continuations
 from train.loop import PackedWindows, build_model, check_same_tokenizer, eval_windows, next_token_loss, report, start_run, train
-from train.presets import DRAFT_PRESETS, DistillArgs, parse_args
+from train.presets import DRAFT_PRESETS, SIZED_FOR, DistillArgs, fitted_shape, parse_args
 from train.teacher_init import copy_teacher_embeddings, copy_teacher_layers, principal_directions
 from train.teacher_targets import TargetWindows, check_targets_from, copy_targets, load_or_build_targets, sparse_terms, top_k_targets
 from train.work_dir import load_or_build_arrays
@@ -186,8 +187,24 @@ def training_windows(run, args: DistillArgs, teacher, vocab_size: int) -> torch.
 
 
 @exits_on_input_error
+def fit_to_teacher(args: DistillArgs) -> None:
+    """The student's shape fitted to the teacher's width (`--draft-shape fit`: presets.fitted_shape), said in a line."""
+    try:
+        config = json.loads((Path(args.teacher) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # load_teacher says what is wrong with the teacher
+    width = config.get("hidden_size") or config.get("n_embd")
+    fitted = fitted_shape(args, width) if isinstance(width, int) else None
+    if fitted is not None:
+        preset = f"{args.n_layer}x{args.n_embd}"
+        args.n_layer, args.n_head, args.n_embd = fitted
+        print(f"draft shape {args.n_layer}x{args.n_embd} (the {args.preset} preset's {preset} for a teacher {SIZED_FOR[args.preset]} "
+              f"wide, scaled to this one's {width}; --draft-shape preset keeps {preset})")
+
+
 def main(argv=None) -> dict:
     args = parse_args(DistillArgs, DRAFT_PRESETS, __doc__.split("\n\n")[0], argv, prog="python train/distill_draft.py")
+    fit_to_teacher(args)
     if args.targets_from:
         check_targets_from(args)
     run = start_run(args)

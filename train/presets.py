@@ -89,8 +89,11 @@ class TrainArgs:
 class DistillArgs(TrainArgs):
     arch: str = field(default="teacher", metadata={"help": "the student's architecture: teacher (the teacher's "
                       "family: a Llama-family draft for a Llama-family oracle, else GPT-2), gpt2, llama, qwen2 or mistral"})
-    draft_shape: str = field(default="", metadata={"help": "LAYERSxWIDTH (e.g. 2x128): the student's --n-layer and "
-                             "--n-embd at once, with heads of 64 (one head below 64 wide)"})
+    draft_shape: str = field(default="fit", metadata={"help": "LAYERSxWIDTH (e.g. 2x128): the student's --n-layer and "
+                             "--n-embd at once, with heads of 64 (one head below 64 wide); fit: the preset's layers and its "
+                             "width scaled by the teacher's width over that of the oracle the preset was sized for (quick "
+                             "256, cpu 512, paper 1280), to a multiple of 64; preset: the preset's shape as it is. A typed "
+                             "--n-layer, --n-head or --n-embd keeps the preset's shape otherwise"})
     teacher: str = field(default="runs/default/oracle", metadata={"help": "the frozen teacher (the oracle's directory)"})
     kd_weight: float = field(default=0.8, metadata={"help": "weight of the divergence to the teacher; cross-entropy gets 1 - kd_weight"})
     kd_loss: str = field(default="forward", metadata={"help": "the divergence: forward (KL(teacher || student)), reverse "
@@ -126,10 +129,10 @@ class DistillArgs(TrainArgs):
                                "most of its time; --compile is the student's own"})
 
     def check(self) -> None:
-        if self.draft_shape:
+        if self.draft_shape not in ("fit", "preset"):
             layers, _, width = self.draft_shape.partition("x")
             if not (layers.isdigit() and width.isdigit() and int(layers) > 0 and int(width) >= 16):
-                raise InputError(f"--draft-shape {self.draft_shape!r}: give LAYERSxWIDTH, e.g. 2x128")
+                raise InputError(f"--draft-shape {self.draft_shape!r}: give LAYERSxWIDTH (e.g. 2x128), fit or preset")
             self.n_layer, self.n_embd = int(layers), int(width)
             self.n_head = max(1, self.n_embd // 64)
         super().check()
@@ -191,6 +194,25 @@ DRAFT_PRESETS = {
     "paper": DistillArgs(**_SHARED["paper"], out="runs/paper/draft", teacher="runs/paper/oracle", n_layer=4, n_head=8,
                          n_embd=512, max_steps=20000, learning_rate=6e-4, continuation_tokens=128),
 }
+
+
+# The width of the oracle each draft preset's shape was chosen for: `--draft-shape fit` scales its width by a teacher's
+# against it (the paper's draft of 512 for GPT-2-Large's 1280; the cpu preset's 128 for its oracle's 512)
+SIZED_FOR = {"quick": 256, "cpu": 512, "paper": 1280}
+
+
+def fitted_shape(args: DistillArgs, teacher_width: int) -> tuple[int, int, int] | None:
+    """(layers, heads, width) of the student `--draft-shape fit` gives for a teacher `teacher_width` wide: the preset's
+    layers, its width times the teacher's over SIZED_FOR's, to a multiple of 64 (at least 64), heads of 64. None where
+    the shape stands as it is: another --draft-shape, a preset sized for no oracle (tiny), a typed --n-layer, --n-head
+    or --n-embd, or a width that comes out the preset's own."""
+    preset, sized_for = DRAFT_PRESETS.get(args.preset), SIZED_FOR.get(args.preset)
+    if args.draft_shape != "fit" or preset is None or sized_for is None:
+        return None
+    if (args.n_layer, args.n_head, args.n_embd) != (preset.n_layer, preset.n_head, preset.n_embd):
+        return None
+    width = max(64, 64 * round(preset.n_embd * teacher_width / sized_for / 64))
+    return None if width == preset.n_embd else (preset.n_layer, width // 64, width)
 
 
 def parse_args(args_class, presets: dict, description: str, argv=None, prog: str | None = None):
