@@ -1,11 +1,15 @@
 """The GGUF export: both models written under llama.cpp's names, nothing lost on a refusal, and llama.cpp decoding the
 exported oracle to our own greedy tokens."""
+import json
+import urllib.request
+
 import pytest
-from decode_models import PROMPTS
+from decode_models import PROMPTS, tiny_llama
 
 from decode import SpeculativeDecoder
-from decode.benchmarking import peers
+from decode.benchmarking import llama_server, peers
 from decode.cli import bench, export
+from decode.errors import InputError
 
 
 def test_export_writes_the_oracle_and_the_draft_and_refuses_to_replace_them(bpe_run, tmp_path, capsys):
@@ -160,3 +164,73 @@ def test_a_quantized_models_gguf_holds_the_blocks_the_engine_computes_with_and_l
     theirs = {t.name: t for t in gguf.GGUFReader(made).tensors}
     for name in ("blk.0.attn_qkv.weight", "blk.0.ffn_up.weight", "blk.1.attn_output.weight", "blk.1.ffn_down.weight"):
         assert np.array_equal(np.asarray(theirs[name].data), np.asarray(tensors[name].data)), name
+
+
+# Text that each way of splitting splits differently: digit runs, contractions, runs of spaces and newlines, letters
+# outside ASCII
+SPLIT_TEXT = "Don't split 12345 digits,\n\n  nor   spaces; it's 3.14 or 2026-12-03!\tÉté 你好 x=[1, 22, 333]\n    return y\n"
+
+
+def bpe_splitting(name: str):
+    """A byte-level BPE trained here whose pre-tokenizer is the real one of `name`'s tokenizers (tokenizers' own
+    classes, as the hub's tokenizer.json files serialize them), or a whitespace split."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from decode.models.gguf_export import LLAMA3_REGEX, QWEN2_REGEX
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=name in ("gpt-2", "smollm"))
+    split = {"llama-bpe": LLAMA3_REGEX, "qwen2": QWEN2_REGEX}
+    steps = {"gpt-2": [byte_level], "smollm": [pre_tokenizers.Digits(individual_digits=True), byte_level],
+             "whitespace": [pre_tokenizers.Whitespace()]}.get(name) or [
+        pre_tokenizers.Split(Regex(split[name]), behavior="isolated", invert=False), byte_level]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([SPLIT_TEXT, *PROMPTS] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+
+
+def exported_with(name: str, tmp_path):
+    from decode.models.gguf_export import write_gguf
+
+    tokenizer = bpe_splitting(name)
+    oracle = tiny_llama(tmp_path / "oracle", "qwen2" if name == "qwen2" else "llama", vocab_size=len(tokenizer),
+                        tokenizer=tokenizer)
+    write_gguf(oracle, tmp_path / "oracle.gguf")
+    return tokenizer, tmp_path / "oracle.gguf"
+
+
+@pytest.mark.parametrize("name", ["gpt-2", "llama-bpe", "qwen2", "smollm"])
+def test_the_gguf_names_the_way_the_tokenizer_splits_text_as_llama_cpp_knows_it(name, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    _, path = exported_with(name, tmp_path)
+    assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == name
+
+
+def test_a_tokenizer_that_splits_text_in_a_way_llama_cpp_does_not_name_is_refused_in_one_line(tmp_path):
+    pytest.importorskip("gguf")
+    with pytest.raises(InputError, match="pre-tokenizer Whitespace\\); convert this model with llama.cpp's convert_hf_to_gguf.py"):
+        exported_with("whitespace", tmp_path)
+    assert not (tmp_path / "oracle.gguf").exists()
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("name", ["gpt-2", "llama-bpe", "qwen2", "smollm"])
+def test_llama_server_tokenizes_text_as_the_exported_tokenizer_does(name, tmp_path):
+    pytest.importorskip("gguf")
+    if llama_server.server_binary() is None:
+        pytest.skip(f"no llama-server here: {llama_server.missing_reason()}")
+    tokenizer, path = exported_with(name, tmp_path)
+    server = llama_server.LlamaServer({"oracle": path}, [], threads=1, context=256)
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}/tokenize",
+                                         json.dumps({"content": SPLIT_TEXT, "add_special": False}).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            theirs = json.loads(reply.read())["tokens"]
+    finally:
+        server.close()
+    assert theirs == tokenizer(SPLIT_TEXT, add_special_tokens=False).input_ids

@@ -1,6 +1,6 @@
 """A GPT-2 or Llama-family checkpoint (its save_pretrained directory, or a quantized GPT-2) as a GGUF file, the format
 llama.cpp, llama-server and Ollama read: the architecture's hyperparameters, the tokenizer (byte-level BPE: its
-tokens, their types and its merges) and the weights under llama.cpp's names, the matrices as (out, in), a quantized
+tokens, their types, its merges and how it splits text first) and the weights under llama.cpp's names, the matrices as (out, in), a quantized
 model's in its Q8_0 or Q4_0 blocks. llama.cpp's "llama" architecture (Llama, Mistral) rotates each head's pairs of
 adjacent elements where transformers rotates its two halves, so its query and key rows are reordered to match, as
 llama.cpp's own converter does; a rope scaling other than the default goes as its per-frequency factors."""
@@ -24,17 +24,50 @@ BLOCK_TENSORS = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": 
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
-def merges_of(tokenizer, model_dir: Path) -> list[str]:
-    """The BPE merges as "left right" lines, from the tokenizer's own serialization: a byte-level BPE that splits text
-    by GPT-2's pattern (GPT-2's, and data.prepare's), which GGUF names gpt-2."""
+# The ways of splitting text before a byte-level BPE that llama.cpp implements, by the name a GGUF gives them
+# (tokenizer.ggml.pre), each as a tokenizer.json's pre-tokenizer spells it: GPT-2's regex (GPT-2's own tokenizer, and
+# the one data.prepare trains), Llama 3's and Qwen2's regexes ahead of the bytes, and SmolLM's digits one by one ahead
+# of GPT-2's regex. A step lists the fields that must hold, a missing field read as its default.
+GPT2_REGEX_BYTES = {"type": "ByteLevel", "use_regex": True, "add_prefix_space": False}
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def split_then_bytes(regex: str) -> list[dict]:
+    return [{"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "use_regex": False, "add_prefix_space": False}]
+
+
+PRE_TOKENIZERS = {"gpt-2": [GPT2_REGEX_BYTES], "llama-bpe": split_then_bytes(LLAMA3_REGEX),
+                  "qwen2": split_then_bytes(QWEN2_REGEX),
+                  "smollm": [{"type": "Digits", "individual_digits": True}, GPT2_REGEX_BYTES]}
+STEP_DEFAULTS = {"use_regex": True, "add_prefix_space": False, "invert": False, "individual_digits": False}
+
+
+def pre_tokenizer_name(pre_tokenizer: dict | None) -> str | None:
+    """The GGUF name of a tokenizer.json's pre-tokenizer (PRE_TOKENIZERS), or None where llama.cpp has none for it."""
+    steps = (pre_tokenizer or {}).get("pretokenizers") if (pre_tokenizer or {}).get("type") == "Sequence" else [pre_tokenizer or {}]
+    for name, wanted in PRE_TOKENIZERS.items():
+        if len(steps or []) == len(wanted) and all(
+                all(step.get(key, STEP_DEFAULTS.get(key)) == value for key, value in want.items())
+                for step, want in zip(steps or [], wanted)):
+            return name
+    return None
+
+
+def bpe_of(tokenizer, model_dir: Path) -> tuple[str, list[str]]:
+    """The tokenizer's pre-tokenizer, by its GGUF name, and its BPE merges as "left right" lines, from the tokenizer's
+    own serialization: a byte-level BPE whose splitting llama.cpp implements (PRE_TOKENIZERS)."""
     serialized = json.loads(tokenizer.backend_tokenizer.to_str())
-    model, split = serialized["model"], serialized.get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or split.get("type") != "ByteLevel" or not split.get("use_regex", True):
-        raise InputError(f"{model_dir}'s tokenizer is not a byte-level BPE splitting text by GPT-2's pattern (a "
-                         f"{model.get('type')} model, pre-tokenizer {split.get('type')}); the GGUF export writes those "
-                         f"(GPT-2's, and the one data.prepare trains): convert this model with llama.cpp's "
-                         f"convert_hf_to_gguf.py")
-    return [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    model, pre = serialized["model"], pre_tokenizer_name(serialized.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or pre is None:
+        split = serialized.get("pre_tokenizer") or {}
+        kinds = [step.get("type") for step in split.get("pretokenizers", [split])]
+        raise InputError(f"{model_dir}'s tokenizer is not a byte-level BPE that splits text as GPT-2, Llama 3, Qwen2 or "
+                         f"SmolLM do (a {model.get('type')} model, pre-tokenizer {' then '.join(map(str, kinds))}); "
+                         f"convert this model with llama.cpp's convert_hf_to_gguf.py")
+    return pre, [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
 
 
 def vocabulary(tokenizer, vocab_size: int) -> tuple[list[str], list]:
@@ -148,7 +181,7 @@ def write_gguf(model_dir: Path, path: Path, dtype: str = "float32") -> None:
                          f"({unsupported(config) if llama else 'a GPT-2 variant'}); the GGUF export writes the models it runs")
     weights, quantized = checkpoint_of(model_dir, config)
     tokenizer = load_tokenizer(model_dir)
-    merges = merges_of(tokenizer, model_dir)
+    pre_tokenizer, merges = bpe_of(tokenizer, model_dir)
     architecture = "qwen2" if config["model_type"] == "qwen2" else ("llama" if llama else "gpt2")
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_name(Path(model_dir).resolve().name)
@@ -170,7 +203,7 @@ def write_gguf(model_dir: Path, path: Path, dtype: str = "float32") -> None:
     writer.add_file_type(file_types[quantized or dtype])
     tokens, types = vocabulary(tokenizer, config["vocab_size"])
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")  # GPT-2's pre-tokenizing regex, as a byte-level BPE trained here uses
+    writer.add_tokenizer_pre(pre_tokenizer)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
