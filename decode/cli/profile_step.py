@@ -10,11 +10,11 @@ reported apart. The trigram's remembered trees are forgotten after it, so new co
 
     python -m decode.profile_step --run RUN --method staged --limit 10 --dtype bfloat16
 
-Every other flag is decode.run's. The decoding loop's hooks time the oracle's forwards, the drafter's proposals and
-the verifications; the draft's forward (a chain's forwards made in one C++ call, with the tokens each chooses, as
-one) and the work a drafter names as its parts (the trigram's tree builder, which runs once per new context: trees
-are remembered) are timed by wrapping them; tree building is the proposals less the forwards and trigram trees inside
-them.
+Every other flag is decode.run's. Hooks around the loop's parts (decode.timing.steps) time the oracle's forwards, the
+drafter's proposals and the verifications; the draft's forward (a chain's forwards made in one C++ call, with the
+tokens each chooses, as one) and the work a drafter names as its parts (the trigram's tree builder, which runs once
+per new context: trees are remembered) are timed by wrapping them; tree building is the proposals less the forwards
+and trigram trees inside them.
 """
 import statistics
 import time
