@@ -186,7 +186,6 @@ def training_windows(run, args: DistillArgs, teacher, vocab_size: int) -> torch.
     return TargetWindows(windows, targets)
 
 
-@exits_on_input_error
 def fit_to_teacher(args: DistillArgs) -> None:
     """The student's shape fitted to the teacher's width (`--draft-shape fit`: presets.fitted_shape), said in a line."""
     try:
@@ -202,6 +201,7 @@ def fit_to_teacher(args: DistillArgs) -> None:
               f"wide, scaled to this one's {width}; --draft-shape preset keeps {preset})")
 
 
+@exits_on_input_error
 def main(argv=None) -> dict:
     args = parse_args(DistillArgs, DRAFT_PRESETS, __doc__.split("\n\n")[0], argv, prog="python train/distill_draft.py")
     fit_to_teacher(args)
