@@ -223,6 +223,15 @@ def describe(policy: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in policy.items() if k not in ("parents", "ranks", "expected"))
 
 
+def planned_loads(path: Path | None) -> list[int]:
+    """The numbers of requests in flight a plan chose policies for (decode.plan --concurrency), in order; none where
+    it was planned for one request alone, or where there is no plan (load_plan refuses a damaged one)."""
+    try:
+        return sorted(int(n) for n in json.loads(Path(path).read_text()).get("concurrency", {})) if path else []
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError):
+        return []
+
+
 def load_plan(path: Path, options, in_flight: int = 1) -> dict:
     """The plan's policies, checked to have been measured for these models on this device: for `in_flight` requests
     decoding together, those it chose for the largest number of them up to that (decode.plan --concurrency), else its

@@ -363,3 +363,17 @@ def test_the_server_serves_a_quantized_oracle_as_it_is(bpe_run, tmp_path):
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected
     finally:
         assert s.stop() == 0
+
+
+def test_the_start_line_says_whether_greedy_requests_follow_the_plans_levels_of_load(tmp_path):
+    from decode.cli.serve import load_levels
+
+    levels, single, damaged = tmp_path / "levels.json", tmp_path / "single.json", tmp_path / "damaged.json"
+    levels.write_text(json.dumps({"policies": {}, "concurrency": {"1": {}, "2": {}, "4": {}}}))
+    single.write_text(json.dumps({"policies": {}}))
+    damaged.write_text("{")
+    assert load_levels(levels, 4) == "; greedy requests take the plan's policies for 1, 2 and 4 in flight"
+    assert load_levels(levels, 2) == "; greedy requests take the plan's policies for 1 and 2 in flight"
+    for plan in (single, damaged):
+        assert load_levels(plan, 4).startswith("; one policy at any load (decode.plan --concurrency 1,4 plans one")
+    assert load_levels(None, 4) == load_levels(levels, 1) == ""

@@ -15,12 +15,14 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 from decode.api import SpeculativeDecoder
 from decode.cli.flags import add_decoder_flags, decoder_flags
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
 from decode.methods import METHODS
+from decode.plan_file import planned_loads
 from decode.planning.concurrency import KEPT_SPEED, fitting_batch
 from decode.planning.costs import measured_costs
 from decode.sampling import Sampling
@@ -83,6 +85,17 @@ def batch_size(decoder: SpeculativeDecoder) -> tuple[int, str]:
     return fitting_batch(costs, rows), f"the most whose {rows}-node steps keep {KEPT_SPEED:.0%} of their speed alone"
 
 
+def load_levels(plan: Path | None, max_batch: int) -> str:
+    """Whether a greedy request's policy follows the number of requests in flight, in words (for the start line)."""
+    loads = [n for n in planned_loads(plan) if n <= max_batch]
+    if plan is None or max_batch == 1:
+        return ""
+    if len(loads) < 2:
+        return (f"; one policy at any load (decode.plan --concurrency 1,{max_batch} plans one per number of requests "
+                f"in flight)")
+    return f"; greedy requests take the plan's policies for {', '.join(map(str, loads[:-1]))} and {loads[-1]} in flight"
+
+
 @exits_on_input_error
 def main(argv=None) -> None:
     import uvicorn
@@ -116,8 +129,8 @@ def main(argv=None) -> None:
             raise InputError(f"the HTTP server on {args.host}:{args.port} did not start; see the lines above")
         time.sleep(0.05)
     print(f"serving {name} ({args.options.method}, {args.options.dtype}) at http://{args.host}:{args.port}/v1, up to "
-          f"{max_batch} requests at once ({sized}; their caches {cache_bytes / 2**20:,.0f} MiB, made at start)",
-          file=sys.stderr, flush=True)
+          f"{max_batch} requests at once ({sized}; their caches {cache_bytes / 2**20:,.0f} MiB, made at start)"
+          f"{load_levels(args.options.plan, max_batch)}", file=sys.stderr, flush=True)
     worker.run()  # until the app shuts down
     http.join()
 
