@@ -50,22 +50,37 @@ class Batch:
 
     def reserve(self, decoder: "Decoder", sequences: int) -> int:
         """Make the forks `sequences` sequences of this decoder need, now; the bytes of their caches."""
-        models = [model for model in (decoder.oracle, decoder.draft) if model is not None]
-        for model in models:
+        needs = self.needs(decoder)
+        for model, slots in needs:
             spare = self.spare.setdefault(id(model), [])
-            spare.extend(model.fork() for _ in range(sequences - len(spare)))
-        return sum(fork.cache_bytes() for model in models for fork in self.spare[id(model)])
+            spare.extend(model.fork(slots) for _ in range(sequences - len(spare)))
+        return sum(fork.cache_bytes() for model, _ in needs for fork in self.spare[id(model)])
 
-    def fork(self, model: CachedLM) -> CachedLM:
-        spare = self.spare.setdefault(id(model), [])
-        return spare.pop() if spare else model.fork()
+    @staticmethod
+    def needs(decoder: "Decoder") -> list[tuple[CachedLM, int | None]]:
+        """The decoder's models, the oracle first, each with the speculative slots a fork of it needs past the
+        context: the oracle's, the most nodes a step scores (a fraction of the model's own room, which a draft's
+        larger trees need); the draft's, its model's own."""
+        needs: list[tuple[CachedLM, int | None]] = [(decoder.oracle, decoder.oracle_rows())]
+        return needs + ([(decoder.draft, None)] if decoder.draft is not None else [])
+
+    def fork(self, model: CachedLM, slots: int | None) -> CachedLM:
+        """A spare fork of `model` with room for `slots` speculative nodes (None: the model's own room), else a new
+        one."""
+        spare, wanted = self.spare.setdefault(id(model), []), model.speculative_slots() if slots is None else slots
+        for i, fork in enumerate(spare):
+            room = fork.speculative_slots()
+            if wanted is None or room is None or room >= wanted:
+                return spare.pop(i)
+        return model.fork(slots)
 
     def join(self, decoder: "Decoder", prompt: Prompt, max_new_tokens: int, seed: int, sampling: Sampling
              ) -> loop.Steps:
         """A sequence's Generations, as `decoder.steps` gives them alone: it joins the batch as they are first read,
         and leaves it as they end or are closed."""
-        oracle, draft = self.fork(decoder.oracle), None if decoder.draft is None else self.fork(decoder.draft)
-        lane = decoder.over(oracle, draft)
+        needs = self.needs(decoder)
+        forks = [self.fork(model, slots) for model, slots in needs]
+        lane = decoder.over(forks[0], forks[1] if len(forks) > 1 else None)
         sequence = Sequence(lane, lane.calls(prompt, max_new_tokens, seed, sampling))
         self.sequences.append(sequence)
         try:
@@ -79,9 +94,8 @@ class Batch:
                 yield sequence.ready.popleft()
         finally:  # ended, failed or closed: it leaves the batch between steps
             self.sequences.remove(sequence)
-            self.spare[id(decoder.oracle)].append(oracle)
-            if draft is not None:
-                self.spare[id(decoder.draft)].append(draft)
+            for (model, _), fork in zip(needs, forks):
+                self.spare[id(model)].append(fork)
 
     def step(self) -> None:
         """Every sequence drafts (up to its next oracle call), then one oracle forward scores all their calls: the

@@ -63,6 +63,10 @@ class Decoder:
     def context(self) -> int:
         return min(m.max_length for m in (self.oracle, self.draft) if m is not None)
 
+    def oracle_rows(self) -> int:
+        """The most nodes a step asks the oracle to score: the speculative slots its cache needs past the context."""
+        return METHODS[self.options.method].rows(self.options)
+
     def lookahead(self) -> int:
         """Positions past the output a step may score: the drafted depth."""
         return METHODS[self.options.method].lookahead(self.options)

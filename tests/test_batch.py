@@ -2,6 +2,7 @@
 alone; generate_batch gives each prompt what generate gives it, greedy and sampled, for every method and backend;
 sequences join mid-way, leave early, and fail alone."""
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,9 +13,13 @@ from test_native_forward import ARCHITECTURES, engine_in_cpp, tiny_model
 from decode import SpeculativeDecoder, native
 from decode.batch import Batch
 from decode.errors import InputError
+from decode.healing import Prompt
 from decode.models.cached_lm import Call
 from decode.models.together import run_together
 from decode.planning.concurrency import fitting_batch
+from decode.sampling import Sampling
+from decode.timing.steps import Hooks
+from decode.tree import Shape
 
 SAMPLED = {"do_sample": True, "temperature": 1.5, "top_k": 50}
 LONG = "def scale(values):\n    return [v * 2 for v in values]\n\n" * 4  # past a C++ call's rows: read in chunks
@@ -172,3 +177,48 @@ def test_the_default_batch_is_the_most_sequences_whose_forward_keeps_each_at_the
     assert fitting_batch(costs, rows=1, kept=0.6) == 16  # one-row steps: every count up to the most
     assert fitting_batch(costs, rows=32, kept=0.6) == 1
     assert fitting_batch(costs, rows=8, kept=0.9) == 1
+
+
+ROWS = {"speculative k 5": ("speculative", {"k": 5}), "tree": ("tree", {"budget": 12}),
+        "staged": ("staged", {"budget": 16, "widths": [4, 2, 1]}),
+        "staged, context": ("staged", {"budget": 10, "widths": [2, 1], "context_drafter": True, "lookup_branches": 2}),
+        "staged, a shape": ("staged", {"tree_shape": Shape([-1, 0, 0, 1, 3], [0, 0, 1, 0, 0], 0.0), "widths": [2, 1]}),
+        "ngram": ("ngram", {"budget": 16, "widths": [4, 2, 1]}), "lookup": ("lookup", {"lookup_branches": 3})}
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_a_step_asks_the_oracle_to_score_no_more_nodes_than_its_method_says(bpe_run, name):
+    method, extra = ROWS[name]
+    dec = SpeculativeDecoder.from_run(bpe_run["run"], method=method, plan=None, **extra)
+    scored: list[int] = []
+    hooks = Hooks(on_forward=lambda nodes, cached, seconds: scored.append(nodes) if cached else None)
+    for i, text in enumerate([*TEXTS, LONG]):
+        for sampling in (Sampling(), Sampling(1.5, 50)):
+            dec.decoder(Prompt(torch.tensor(dec.token_ids(text))), 40, i, sampling, hooks)
+    assert scored and max(scored) <= dec.decoder.oracle_rows()  # the room a batch's fork of the oracle is given
+
+
+def together(batch: Batch, decoder, prompts: list[Prompt]) -> list[list[int]]:
+    """Each prompt's greedy tokens, the prompts decoding at once in `batch`."""
+    streams, tokens = dict(enumerate(batch.join(decoder, p, 24, 0, Sampling()) for p in prompts)), {}
+    while streams:
+        for i, stream in list(streams.items()):
+            if (generation := next(stream, None)) is None:
+                del streams[i]
+            else:
+                tokens[i] = list(generation.tokens)
+    return [tokens[i] for i in range(len(prompts))]
+
+
+def test_a_batchs_forks_of_the_oracle_hold_its_steps_and_a_decoder_with_larger_ones_gets_a_larger_fork(bpe_run):
+    dec = SpeculativeDecoder.from_run(bpe_run["run"], method="speculative", k=2, plan=None)
+    small, oracle, batch = dec.decoder, dec.decoder.oracle, Batch()
+    large = replace(small, options=replace(small.options, k=6)).over(oracle, small.draft)  # its steps score 7 nodes
+    assert batch.reserve(small, 2) < 2 * (oracle.cache_bytes() + small.draft.cache_bytes())
+    assert [fork.speculative_slots() for fork in batch.spare[id(oracle)]] == [3, 3]
+    assert oracle.speculative_slots() > 7
+    prompts = [Prompt(torch.tensor(dec.token_ids(text))) for text in [*TEXTS, LONG]]
+    for decoder in (small, large):
+        alone = [decoder(prompt, 24, 0, Sampling()).tokens for prompt in prompts]
+        assert together(batch, decoder, prompts) == alone
+    assert sorted(fork.speculative_slots() for fork in batch.spare[id(oracle)]) == [3] * len(prompts) + [7] * len(prompts)

@@ -73,10 +73,15 @@ class CachedLM:
     def reset(self) -> None:
         self.length = self.pending = 0
 
-    def fork(self) -> "CachedLM":
+    def fork(self, slots: int | None = None) -> "CachedLM":
         """The same model (its weights shared, not copied) with an empty cache of its own, on which another sequence
-        decodes while this one keeps its own."""
+        decodes while this one keeps its own; with `slots`, room past the context for that many speculative nodes
+        at once (None: as much as this model has)."""
         raise NotImplementedError
+
+    def speculative_slots(self) -> int | None:
+        """The speculative nodes its cache holds past the context at once (None: no limit)."""
+        return None
 
     @property
     def runs_together(self) -> bool:

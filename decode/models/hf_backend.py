@@ -57,7 +57,7 @@ class HFEngine(CachedLM):
         super().reset()
         self.cache = self._new_cache()
 
-    def fork(self) -> "HFEngine":
+    def fork(self, slots: int | None = None) -> "HFEngine":  # its cache grows as it needs
         fork = copy.copy(self)
         fork.reset()
         return fork

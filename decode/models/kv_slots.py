@@ -24,10 +24,11 @@ class KVSlots:
         self.pending = 0  # speculative positions after them
         self.move = mover(self.cache)
 
-    def fresh(self, mover: Callable[[torch.Tensor], Callable[[int, list[int]], None]]) -> "KVSlots":
-        """An empty cache of this one's shape, dtype and device."""
-        _, layers, heads, capacity, head_dim = self.cache.shape
-        return KVSlots(layers, heads, head_dim, capacity, self.cache.dtype, self.cache.device, mover)
+    def fresh(self, mover: Callable[[torch.Tensor], Callable[[int, list[int]], None]], capacity: int | None = None
+              ) -> "KVSlots":
+        """An empty cache of this one's shape (of `capacity` slots where given), dtype and device."""
+        _, layers, heads, own, head_dim = self.cache.shape
+        return KVSlots(layers, heads, head_dim, capacity or own, self.cache.dtype, self.cache.device, mover)
 
     def reserve(self, q: int) -> tuple[int, int]:
         """The slots start..end for q new nodes, after the pending ones."""

@@ -91,15 +91,18 @@ class LeanEngine(CachedLM):
     capacity = property(lambda self: self.kv.capacity)
     kv_cache = property(lambda self: self.kv.cache)
 
-    def fork(self) -> "LeanEngine":
+    def fork(self, slots: int | None = None) -> "LeanEngine":
         fork = copy.copy(self)
-        fork.kv = self.kv.fresh(self.runtime.mover)
+        fork.kv = self.kv.fresh(self.runtime.mover, None if slots is None else self.max_length + slots)
         fork.make_torch_weights = self.torch_weights  # torch's weights, where a forward needs them, made once for all
         fork.graphs = self.runtime.graphs(fork)
         return fork
 
     def cache_bytes(self) -> int:
         return self.kv.cache.nbytes
+
+    def speculative_slots(self) -> int:
+        return self.kv.capacity - self.max_length
 
     def visible(self, q: int, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The mask q new nodes run under, given `forward`'s."""
