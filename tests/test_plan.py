@@ -191,8 +191,11 @@ def test_a_projection_prices_a_larger_oracle_and_draft_and_says_what_it_measured
                                                                                                       capsys):
     written = plan.main(planned["args"] + ["--calibration", "3", "--max-budget", "12", "--max-depth", "3",
                                            "--draft-vocab", "64", "--out", str(tmp_path / "p.json"),
-                                           "--project-oracle", "2,128,500", "--project-draft", "1,64,500"])
+                                           "--project-oracle", "2,128,500", "--project-draft", "1,64,500",
+                                           "--concurrency", "1,3"])
     projection = written["projection"]
+    assert set(projection["concurrency"]) == {"3"} and set(written["concurrency"]) == {"3"}
+    assert set(projection["concurrency"]["3"]["policies"]) == set(projection["predicted"]) - {"baseline"}
     assert projection["shape"] == [2, 128, 500] and projection["draft_shape"] == [1, 64, 500]
     assert set(projection["draft_one_row_ms"]) == {"every token in float32", "64 tokens in float32"}
     assert projection["sources"]["measured here, on random weights"] == ["the 2,128,500 oracle's forward costs",
@@ -201,7 +204,11 @@ def test_a_projection_prices_a_larger_oracle_and_draft_and_says_what_it_measured
     out = capsys.readouterr().out
     assert "PROJECTION (not a measurement)" in out and "with a 1,64,500 draft (1 x 64, vocabulary 500)" in out
     assert "borrowed from the trained pair: the acceptance (tokens per call)" in out
+    assert "PROJECTION for the 2,128,500 oracle at 3 requests in flight" in out
     assert json.loads((tmp_path / "p.json").read_text())["projection"]["sources"] == projection["sources"]
+    markdown = report.plan_markdown(json.loads((tmp_path / "p.json").read_text()))
+    staged = projection["concurrency"]["3"]["predicted"]["staged"]
+    assert f"| 3 | staged | {staged['tokens_per_call']:.2f} | {staged['ms_per_token']:.1f} | {staged['speedup']:.2f}x |" in markdown
 
 
 def test_the_plan_shows_each_kind_of_tree_at_its_best_replayed_on_every_calibration_prompt(planned, capsys):

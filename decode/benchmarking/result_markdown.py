@@ -122,6 +122,13 @@ def projection_markdown(plan: dict) -> str:
         spread = interval_text(f.get("speedup_interval"))
         lines.append(f"| {method} | {f['tokens_per_call']:.2f} | {f['ms_per_token']:.1f} | {f['speedup']:.2f}x{spread} "
                      f"| {describe(f.get('policy', {}))} |")
+    if p.get("concurrency"):
+        lines += ["", "Each request's share when several decode together, their trees scored in one forward (speedups "
+                  "over plain decoding at the same load):", "",
+                  "| in flight | method | tokens/call | ms/token | speedup | policy |", "|---:|---|---:|---:|---:|---|"]
+        lines += [f"| {n} | {method} | {f['tokens_per_call']:.2f} | {f['ms_per_token']:.1f} | {f['speedup']:.2f}x | "
+                  f"{describe(f.get('policy', {}))} |"
+                  for n, load in p["concurrency"].items() for method, f in load["predicted"].items()]
     return "\n".join(lines)
 
 

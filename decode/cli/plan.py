@@ -20,9 +20,9 @@ policies measured, the one with the least predicted ms per token is written to t
 decode.run and decode.bench then use at the same setting.
 --concurrency repeats the choice for several requests in flight, each one's oracle cost its share of one forward
 over all their trees. --project-oracle repeats the choice with the forward costs of a larger oracle shape measured
-here on random weights, and --project-draft with a larger draft's too (its forwards priced at that shape's costs):
-a projection, not a measurement. The acceptance, the drafting's bookkeeping and the loop's costs are the trained
-pair's, borrowed.
+here on random weights (at each --concurrency level too), and --project-draft with a larger draft's too (its
+forwards priced at that shape's costs): a projection, not a measurement. The acceptance, the drafting's bookkeeping
+and the loop's costs are the trained pair's, borrowed.
 """
 import argparse
 import shlex

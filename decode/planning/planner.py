@@ -81,16 +81,18 @@ def make_plan(options, calibration_prompts: Callable[[object], list[Prompt]], se
                                   search.max_depth)
     sampled = None if search.sampling.greedy else sampled_acceptance(decoder, prompts, search)
     # the projection is measured first: the finalists include the best policies for it
-    projection = search.project_oracle and projected_costs(search.project_oracle, search.project_draft,
-                                                           [(0, base_dtype(options)), *drafts], options, sequences,
-                                                           search.max_budget,
-                                                           (oracle.runtime.quantization, draft.runtime.quantization))
-    oracle_curves = [(isolated_ms, {"prefill": 0.0, "one_token": oracle_costs[1], "loop": 0.0}, None)]
-    oracle_curves += [(projection["ms"], projection["baseline"], projection["draft_ms"])] if projection else []
+    projection = projected_costs(search.project_oracle, search.project_draft, [(0, base_dtype(options)), *drafts],
+                                 options, sequences, search.max_budget, search.concurrency,
+                                 (oracle.runtime.quantization, draft.runtime.quantization)
+                                 ) if search.project_oracle else None
     # each load's costs too: the finalists include the best policies for it
-    loads = {n: (shared_costs(tables, 2 * search.max_budget, n), float(cost_curve(oracle_costs, n)[n]) / n)
-             for n in search.concurrency if n > 1}
-    oracle_curves += [(ms, {"prefill": 0.0, "one_token": one_row, "loop": 0.0}, None) for ms, one_row in loads.values()]
+    loads = at_loads(tables, 2 * search.max_budget, search.concurrency)
+    oracle_curves = [(ms, {"prefill": 0.0, "one_token": one_row, "loop": 0.0}, None)
+                     for ms, one_row in [(isolated_ms, oracle_costs[1]), *loads.values()]]
+    if projection:
+        oracle_curves += [(ms, {"prefill": 0.0, "one_token": one_row, "loop": 0.0}, projection["draft_ms"])
+                          for ms, one_row in [(projection["ms"], projection["oracle_ms"][1]),
+                                              *projection["loads"].values()]]
     replays = replay_policies(options, draft, table, p_draft, replayer(decoder, prompts, sequences, search),
                               len(prompts), oracle_curves, drafts, search.sampling, search.screen, search.max_budget,
                               search.max_depth)
@@ -125,12 +127,14 @@ def make_plan(options, calibration_prompts: Callable[[object], list[Prompt]], se
     return plan
 
 
-def at_load(requests: int, oracle_ms, baseline: dict, replays: dict, in_loop: dict) -> dict:
+def at_load(requests: int, oracle_ms, baseline: dict, replays: dict, in_loop: dict, draft_ms: dict | None = None,
+            what: str = "predicted") -> dict:
     """Each method's best policy when `requests` requests are in flight, their trees scored in one oracle forward
-    (`oracle_ms`, `baseline`: each one's share of its costs; drafting and the loop as measured alone), printed; the
-    plan's record of them. Speedups are over plain decoding at the same load."""
-    predicted = best(forecast(replays, oracle_ms, baseline, in_loop))
-    print_forecast(f"predicted at {requests} requests in flight (each step's oracle forward shared among them; "
+    (`oracle_ms`, `baseline`: each one's share of its costs; drafting and the loop as measured alone, or the draft's
+    forwards priced by `draft_ms` as forecast's), printed under `what`; the plan's record of them. Speedups are over
+    plain decoding at the same load."""
+    predicted = best(forecast(replays, oracle_ms, baseline, in_loop, draft_ms=draft_ms))
+    print_forecast(f"{what} at {requests} requests in flight (each step's oracle forward shared among them; "
                    f"speedups over plain decoding at {requests}):", predicted)
     return {"policies": {m: p["policy"] for m, p in predicted.items() if m != "baseline"}, "predicted": predicted}
 
@@ -211,28 +215,37 @@ def print_forecast(title: str, predicted: dict) -> None:
               + describe(p.get("policy", {})))
 
 
-def context_curves(model: CachedLM, largest: int) -> tuple[costs.ContextCosts, dict[int, float]]:
-    """A model's ms per forward of q = 0 .. largest nodes after each of the planning's cached lengths
-    (costs.context_lengths), measured now; and its table after the first of them."""
-    tables = {cached: forward_costs(model, prefix=cached, repeats=5)
-              for cached in costs.context_lengths(model.max_length)}
-    return costs.ContextCosts.of_tables(tables, largest), next(iter(tables.values()))
+def at_loads(tables: dict[int, dict[int, float]], largest: int, concurrency: tuple[int, ...]
+             ) -> dict[int, tuple[costs.ContextCosts, float]]:
+    """For each number of requests in flight past one: what a tree of q nodes costs each of them (shared_costs,
+    from a model's cost `tables` after each cached length) and each one's share of a forward of one row each."""
+    one_row = next(iter(tables.values()))
+    return {n: (shared_costs(tables, largest, n), float(cost_curve(one_row, n)[n]) / n) for n in concurrency if n > 1}
+
+
+def context_tables(model: CachedLM) -> dict[int, dict[int, float]]:
+    """A model's ms per forward of each measured node count after each of the planning's cached lengths
+    (costs.context_lengths), measured now."""
+    return {cached: forward_costs(model, prefix=cached, repeats=5) for cached in costs.context_lengths(model.max_length)}
 
 
 def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[tuple[int, str]], options, sequences,
-                    max_budget: int, formats: tuple[Format | None, Format | None] = (None, None)) -> dict:
+                    max_budget: int, concurrency: tuple[int, ...] = (1,),
+                    formats: tuple[Format | None, Format | None] = (None, None)) -> dict:
     """The forward costs of an oracle of shape `oracle_spec` measured here on random weights: its ms per node count,
-    the baseline's costs under them, and the shape; with `draft_spec`, a draft of that shape's ms per forward for
-    each of the plan's drafts (`draft_keys`: shortlist size, dtype). The projected models' matrices are in the block
-    formats of the oracle and the draft planned (`formats`; None: unquantized)."""
+    the baseline's costs under them, each load's (`concurrency`: at_loads), and the shape; with `draft_spec`, a draft
+    of that shape's ms per forward for each of the plan's drafts (`draft_keys`: shortlist size, dtype). The projected
+    models' matrices are in the block formats of the oracle and the draft planned (`formats`; None: unquantized)."""
     n_layer, n_embd, vocab = costs.projection_shape(oracle_spec)
     prompt_length = round(sum(len(p) for p, _ in sequences) / len(sequences))
     oracle_format, draft_format = formats
-    big_ms, big_costs = context_curves(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device,
-                                                         quantization=oracle_format),
-                                       max(2 * max_budget, prompt_length))
+    big_tables = context_tables(costs.random_gpt2(n_layer, n_embd, vocab, options.dtype, options.device,
+                                                  quantization=oracle_format))
+    big_ms = costs.ContextCosts.of_tables(big_tables, max(2 * max_budget, prompt_length))
+    big_costs = next(iter(big_tables.values()))
     projected: dict = {"ms": big_ms, "baseline": {"prefill": float(big_ms.at([prompt_length], [0])[0]),
                                                     "one_token": big_costs[1], "loop": 0.0},
+                         "loads": at_loads(big_tables, 2 * max_budget, concurrency),
                          "oracle": oracle_spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs, "draft_ms": None,
                          "formats": [f.name if f else None for f in formats],
                          "machine": machine_name(torch.device(options.device)), "date": datetime.date.today().isoformat(),
@@ -242,10 +255,12 @@ def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[t
         models = {(n, dtype): costs.random_gpt2(*shape, dtype, options.device, shortlist=n, quantization=draft_format)
                   for n, dtype in draft_keys}
         # a prompt's first draft call reads all of it
-        curves = {key: context_curves(model, model.max_length + 2 * max_budget) for key, model in models.items()}
+        measured = {key: context_tables(model) for key, model in models.items()}
         projected |= {"draft": draft_spec, "draft_shape": list(shape),
-                      "draft_ms": {key: ms for key, (ms, _) in curves.items()},
-                      "draft_one_row_ms": {f"{variant_name(*key)}": table[1] for key, (_, table) in curves.items()}}
+                      "draft_ms": {key: costs.ContextCosts.of_tables(tables, models[key].max_length + 2 * max_budget)
+                                   for key, tables in measured.items()},
+                      "draft_one_row_ms": {f"{variant_name(*key)}": next(iter(tables.values()))[1]
+                                           for key, tables in measured.items()}}
     return projected
 
 
@@ -253,8 +268,8 @@ def project(projection: dict, replays: dict, in_loop: dict, baseline: dict) -> d
     """The best policies under a projected oracle's (and draft's) costs, printed with what was measured and what
     borrowed; the plan's record of them."""
     own_costs = {method: {**f, "oracle": 1.0} for method, f in in_loop.items()}  # measured on this oracle only
-    projected = best(forecast(replays, projection["ms"], {**projection["baseline"], "loop": baseline["loop"]}, own_costs,
-                              draft_ms=projection["draft_ms"]))
+    big_baseline = {**projection["baseline"], "loop": baseline["loop"]}
+    projected = best(forecast(replays, projection["ms"], big_baseline, own_costs, draft_ms=projection["draft_ms"]))
     n_layer, n_embd, vocab = projection["shape"]
     draft = "these drafters"
     sources = {"measured here, on random weights": [f"the {projection['oracle']} oracle's forward costs"],
@@ -271,5 +286,9 @@ def project(projection: dict, replays: dict, in_loop: dict, baseline: dict) -> d
                    f"drafters' acceptance:", projected)
     for source, parts in sources.items():
         print(f"  {source}: {', '.join(parts)}")
+    loads = {str(n): at_load(n, ms, shared_baseline(big_baseline, projection["oracle_ms"][1], one_row), replays,
+                             own_costs, projection["draft_ms"], f"PROJECTION for the {projection['oracle']} oracle")
+             for n, (ms, one_row) in projection["loads"].items()}
     kept = ("oracle", "shape", "oracle_ms", "draft", "draft_shape", "draft_one_row_ms", "machine", "date")
-    return {key: projection[key] for key in kept if key in projection} | {"sources": sources, "predicted": projected}
+    return ({key: projection[key] for key in kept if key in projection} | {"sources": sources, "predicted": projected}
+            | ({"concurrency": loads} if loads else {}))
