@@ -20,6 +20,7 @@ from decode.methods import METHODS
 from decode.models.engine import GPT2Engine
 from decode.models.loading import TOKEN_COUNTS
 from decode.planning import in_loop, kinds, planner, replay, shapes
+from decode.provenance import provenance
 from decode.sampling import Sampling, Uniforms
 
 
@@ -208,6 +209,7 @@ def test_a_projection_prices_a_larger_oracle_and_draft_and_says_what_it_measured
     assert json.loads((tmp_path / "p.json").read_text())["projection"]["sources"] == projection["sources"]
     markdown = report.plan_markdown(json.loads((tmp_path / "p.json").read_text()))
     staged = projection["concurrency"]["3"]["predicted"]["staged"]
+    assert "code not recorded" not in markdown and projection["commit"] == provenance()["commit"]
     assert f"| 3 | staged | {staged['tokens_per_call']:.2f} | {staged['ms_per_token']:.1f} | {staged['speedup']:.2f}x |" in markdown
 
 
@@ -453,6 +455,9 @@ def test_a_plan_for_a_load_chooses_a_policy_per_level_and_a_batch_decodes_with_t
     assert set(written["concurrency"]) == {"4"}
     assert set(written["concurrency"]["4"]["policies"]) == set(written["policies"])
     plan_json = json.loads(planned["path"].read_text())
+    staged = plan_json["concurrency"]["4"]["predicted"]["staged"]
+    assert (f"| 4 | staged | {staged['tokens_per_call']:.2f} | {staged['ms_per_token']:.3f} | {staged['speedup']:.2f}x |"
+            in report.plan_markdown(plan_json))
     loaded = {"widths": [1], "budget": 3, "draft_vocab": 0}  # a policy of its own at 2 in flight, to tell it apart
     plan_json["concurrency"] = {"2": {"policies": plan_json["policies"] | {"staged": loaded}}}
     path = tmp_path / "loads.json"

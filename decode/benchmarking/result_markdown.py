@@ -81,8 +81,10 @@ def is_plan(result: dict) -> bool:
 
 
 def plan_markdown(plan: dict) -> str:
-    """A plan's table of each kind of tree at its best, and its projection where it holds one (--project-oracle)."""
+    """A plan's table of each kind of tree at its best, its policies for each load where it holds them
+    (--concurrency), and its projection where it holds one (--project-oracle)."""
     parts = [kinds_markdown(plan)] if plan.get("kinds") else []
+    parts += [loads_markdown(plan["concurrency"], "the plan")] if plan.get("concurrency") else []
     parts += [projection_markdown(plan)] if "projection" in plan else []
     if not parts:
         raise InputError("this plan holds neither a table of the kinds of tree nor a projection: make it again with "
@@ -123,12 +125,20 @@ def projection_markdown(plan: dict) -> str:
         lines.append(f"| {method} | {f['tokens_per_call']:.2f} | {f['ms_per_token']:.1f} | {f['speedup']:.2f}x{spread} "
                      f"| {describe(f.get('policy', {}))} |")
     if p.get("concurrency"):
-        lines += ["", "Each request's share when several decode together, their trees scored in one forward (speedups "
-                  "over plain decoding at the same load):", "",
-                  "| in flight | method | tokens/call | ms/token | speedup | policy |", "|---:|---|---:|---:|---:|---|"]
-        lines += [f"| {n} | {method} | {f['tokens_per_call']:.2f} | {f['ms_per_token']:.1f} | {f['speedup']:.2f}x | "
-                  f"{describe(f.get('policy', {}))} |"
-                  for n, load in p["concurrency"].items() for method, f in load["predicted"].items()]
+        lines += ["", loads_markdown(p["concurrency"], f"the {p['oracle']}-shaped oracle's projection", ".1f")]
+    return "\n".join(lines)
+
+
+def loads_markdown(levels: dict, whose: str, ms: str = ".3f") -> str:
+    """A plan's policies for several requests in flight (decode.plan --concurrency): per level and method, the
+    forecast tokens per oracle call, each request's share of the ms per token (formatted `ms`), the speedup over plain
+    decoding at the same load, and the policy."""
+    lines = [f"- {whose} at each number of requests in flight, their trees scored in one forward: each request's "
+             f"share of the time; speedups over plain decoding at the same load", "",
+             "| in flight | method | tokens/call | ms/token | speedup | policy |", "|---:|---|---:|---:|---:|---|"]
+    lines += [f"| {n} | {method} | {f['tokens_per_call']:.2f} | {f['ms_per_token']:{ms}} | {f['speedup']:.2f}x | "
+              f"{describe(f.get('policy', {}))} |"
+              for n, level in levels.items() for method, f in level["predicted"].items()]
     return "\n".join(lines)
 
 
