@@ -128,6 +128,36 @@ def test_a_quantized_models_cpp_forward_is_near_its_dequantized_model_and_a_rows
     assert torch.equal(rows, together)
 
 
+@pytest.mark.skipif(not compiler_found(), reason="no C++ compiler or ninja here")
+def test_a_quantized_model_runs_every_forward_in_cpp_even_where_torch_times_faster(quantized_models, monkeypatch,
+                                                                                   tmp_path):
+    """torch's forward of the dequantized weights is not the quantized model (its inputs are not quantized): were
+    calibration to send a long prompt there, the prompt's last row would differ from the same row scored in C++ as a
+    tree's root, and speculation would leave the plain decoding's output."""
+    from decode.models import native_rows
+    from decode.models.runtime import TORCH
+
+    directory = quantized_models / "q8_0"
+    engine = GPT2Engine.load(directory, "bfloat16", native_blocks=True)
+    if engine.runtime.blocks is None:
+        pytest.skip("no C++ forward for this CPU")
+    monkeypatch.setattr(native.Blocks, "can_tile", False)
+    monkeypatch.setattr(native_rows, "forward_costs",  # torch's forward faster from two rows on
+                        lambda model, repeats, counts: {q: (1.0 if model.runtime.rows else 0.5 + 0.6 / q) for q in counts})
+    chosen = native_rows.native_forward(directory, engine, "bfloat16", tmp_path, calibrate=True)
+    assert chosen == native_rows.NativeForward(native.Blocks.ROWS, False)
+    dense = tiny_gpt2(tmp_path / "dense", vocab_size=101, n_embd=64, n_head=4, seed=3)
+    dense_engine = GPT2Engine.load(dense, "bfloat16", native_blocks=True)
+    assert TORCH in dense_engine.runtime.ways()
+    assert native_rows.native_forward(dense, dense_engine, "bfloat16", tmp_path, calibrate=True).rows == 1
+    engine.runtime.use(chosen.rows, chosen.tiles)
+    prompt = torch.randint(0, 101, (native.Blocks.ROWS + 9,), generator=torch.Generator().manual_seed(4))
+    whole = engine.extend(prompt, last=1)
+    engine.reset()
+    engine.extend(prompt[:-1], last=0)
+    assert torch.equal(engine.extend(prompt[-1:], last=1), whole)
+
+
 def test_the_torch_forward_computes_with_the_dequantized_weights(quantized_models):
     for fmt in FORMATS:
         engine = GPT2Engine.load(quantized_models / fmt, "float32")

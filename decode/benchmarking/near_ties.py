@@ -40,9 +40,10 @@ def replayed_logits(oracle, context: list[int], prompt_length: int | None = None
     last position scored in one forward with the 1, 2, ... 63 tokens before it (SHAPES), and with the
     whole context. Where the oracle runs a forward of a few rows in C++ (whose rows do not depend on each other,
     so those replays agree) and a larger one in torch, the replays run again in torch's kernels: a method's tree
-    past the C++ call's rows is computed there."""
+    past the C++ call's rows is computed there. A quantized oracle runs every forward in C++ (torch's forward of its
+    dequantized weights computes another model's logits), so its replays are the C++ call's only."""
     rows = shaped_replays(oracle, context, prompt_length)
-    if oracle.runtime.rows:
+    if oracle.runtime.rows and not oracle.runtime.quantization:
         with oracle.runtime.forced(TORCH):
             rows = torch.cat([rows, shaped_replays(oracle, context, prompt_length)])
     return rows

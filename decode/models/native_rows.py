@@ -38,7 +38,7 @@ def native_forward(model_dir, engine, dtype: str, cache_dir: Path | None = None,
                    ) -> NativeForward:
     """The C++ call's products on whichever way took less time over ROW_COUNTS as a whole (the geometric mean of the
     ratios), and the largest of ROW_COUNTS up to which every timed forward was faster that way than in torch (0:
-    never, or no C++ forward here); timed with `calibrate` once per model, code, device and threads, then read back.
+    never, or no C++ forward here; a quantized model's: all of them); timed with `calibrate` once per model, code, device and threads, then read back.
     Never timed: the runtime's own (native.Blocks.ROWS rows, the tiles where it can)."""
     runtime = engine.runtime
     if runtime.ways() == [TORCH]:
@@ -64,9 +64,12 @@ def native_forward(model_dir, engine, dtype: str, cache_dir: Path | None = None,
         return float(np.mean([np.log(ms[way][q] / ms[CPP][q]) for q in ms[CPP] if q in ms[way]]))
 
     best = min((way for way in ways if way in ms), key=against_dot_products)
+    # a quantized model's C++ products quantize each row's inputs as llama.cpp does, and torch's forward, over the
+    # dequantized weights, does not: its logits are another model's, so every forward stays in C++ however it times
+    rivals = {} if runtime.quantization else ms[TORCH]
     rows = 0
     for q in ROW_COUNTS:
-        if q not in ms[best] or ms[best][q] >= ms[TORCH].get(q, float("inf")):
+        if q not in ms[best] or ms[best][q] >= rivals.get(q, float("inf")):
             break
         rows = q
     return NativeForward(rows, PRODUCTS[best])
