@@ -203,6 +203,25 @@ def test_an_engine_whose_forwards_run_in_cpp_makes_torchs_weights_only_when_a_to
     assert torch.equal(eager.extend(prompt, last=4), in_torch)
 
 
+def test_a_prompt_read_in_torch_gives_its_last_row_the_bits_the_cpp_call_gives_it_alone(blocks_here, tmp_path):
+    """Where torch reads many rows faster, a prompt past the C++ call's rows is read there but for the row whose
+    logits are asked, which the C++ call scores: as a speculative method's first tree scores the prompt's last token
+    after the rest of the prompt, so that both start from the same logits."""
+    engine = GPT2Engine.load(tiny_gpt2(tmp_path / "model", seed=5, n_embd=64, n_head=2), "bfloat16", native_blocks=True)
+    engine.runtime.use(2, False)  # as where torch measured faster from 4 rows on
+    prompt = torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(6))
+    whole = engine.extend(prompt, last=1)
+    assert engine.made_torch_weights is not None  # the rest of the prompt went through torch
+    engine.reset()
+    engine.extend(prompt[:-1], last=0)
+    assert torch.equal(engine.extend(prompt[-1:], last=1), whole)
+    engine.reset()
+    in_torch = engine.extend(prompt, last=3)  # more rows asked than one C++ call takes: all of them in torch
+    engine.runtime.use(0, False)
+    engine.reset()
+    assert torch.equal(engine.extend(prompt, last=3), in_torch)
+
+
 def test_the_near_tie_checker_replays_a_cpp_forward_in_torch_too(blocks_here, tmp_path):
     from decode.benchmarking import near_ties
 

@@ -186,8 +186,24 @@ class LeanEngine(CachedLM):
             return blocks(self.kv.field, token_ids, position_ids, mask, slots.start, last)
         if self.runtime.chunks and isinstance(slots, slice) and mask is not None:
             return self.chunked_logits(token_ids, position_ids, mask, slots.start, last)
+        if blocks is not None and isinstance(slots, slice) and mask is not None and last and last <= self.runtime.rows:
+            return self.asked_in_cpp(token_ids, position_ids, mask, slots, end, last)
         with torch.inference_mode():  # torch's forward only: entering it costs, and a C++ forward needs none of it
             return self.torch_logits(token_ids, position_ids, mask, slots, end, last)
+
+    def asked_in_cpp(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor, slots: slice, end: int,
+                     last: int) -> torch.Tensor:
+        """`logits` of more rows than one C++ call takes, the last `last` of them asked (a prompt's last): the rows
+        before them through torch, which reads many rows faster here, then the asked rows as one C++ call. An asked row
+        then has the bits the C++ call gives it wherever it is scored: a speculative method scores a prompt's last token
+        as its first tree's root, after the rest of the prompt read the same way."""
+        head, pending = len(token_ids) - last, mask.shape[1] - len(token_ids)
+        with torch.inference_mode():
+            self.torch_logits(token_ids[:head], position_ids[:head], mask[:head, : pending + head],
+                              slice(slots.start, slots.start + head), end - last, 0)
+        blocks = self.runtime.blocks
+        assert blocks is not None  # `logits` asks only with a C++ forward
+        return blocks(self.kv.field, token_ids[head:], position_ids[head:], mask[head:], slots.start + head, last)
 
     def chunked_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor, start: int,
                        last: int | None = None) -> torch.Tensor:
