@@ -146,7 +146,7 @@ def test_a_plan_with_nothing_to_show_is_a_one_line_error_that_says_how_to_make_o
 
 
 def test_quantized_models_reports_are_a_table_of_their_perplexities_beside_their_sources(capsys):
-    paths = [RESULTS / f"quick-{model}-q8_0-quantization.json" for model in ("oracle", "draft")]
+    paths = [RESULTS / f"cpu-{model}-q8_0-quantization.json" for model in ("oracle", "draft")]
     report.main([*map(str, paths), "--markdown"])
     rows = table_rows(capsys.readouterr().out)
     results = [json.loads(p.read_text()) for p in paths]
