@@ -38,8 +38,9 @@ def native_forward(model_dir, engine, dtype: str, cache_dir: Path | None = None,
                    ) -> NativeForward:
     """The C++ call's products on whichever way took less time over ROW_COUNTS as a whole (the geometric mean of the
     ratios), and the largest of ROW_COUNTS up to which every timed forward was faster that way than in torch (0:
-    never, or no C++ forward here; a quantized model's: all of them); timed with `calibrate` once per model, code, device and threads, then read back.
-    Never timed: the runtime's own (native.Blocks.ROWS rows, the tiles where it can)."""
+    never, or no C++ forward here; a quantized model's: all of them); timed with `calibrate` once per model, code,
+    device and threads, then read back. Never timed: the runtime's own (native.Blocks.ROWS rows, the tiles where it
+    can)."""
     runtime = engine.runtime
     if runtime.ways() == [TORCH]:
         return NativeForward(0, False)
