@@ -289,7 +289,7 @@ def project(projection: dict, replays: dict, in_loop: dict, baseline: dict) -> d
     loads = {str(n): at_load(n, ms, shared_baseline(big_baseline, projection["oracle_ms"][1], one_row), replays,
                              own_costs, projection["draft_ms"], f"PROJECTION for the {projection['oracle']} oracle")
              for n, (ms, one_row) in projection["loads"].items()}
-    kept = ("oracle", "shape", "oracle_ms", "draft", "draft_shape", "draft_one_row_ms", "machine", "date", "commit",
-            "torch", "transformers")
+    kept = ("oracle", "shape", "oracle_ms", "draft", "draft_shape", "draft_one_row_ms", "machine", "date",
+            *provenance())  # what it was measured with, as projected_costs recorded it
     return ({key: projection[key] for key in kept if key in projection} | {"sources": sources, "predicted": projected}
             | ({"concurrency": loads} if loads else {}))
