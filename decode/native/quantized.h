@@ -65,8 +65,7 @@ inline bool quantized_supported() {
 }
 
 // A call's rows as the products read them: each block of 32 inputs as int8 values v = round(x / s), s = max |x| / 127
-// (0 for a block of zeros), with s and the sum of the v. Where the build's Q8_0 product takes them as VPDPBUSD's
-// unsigned operand (AVX-512), the values are stored as v + 128.
+// (0 for a block of zeros), with s and the sum of the v.
 struct QuantizedRows {
     std::vector<uint8_t> values;  // rows x in
     std::vector<float> scales;    // rows x in / 32
@@ -75,7 +74,7 @@ struct QuantizedRows {
 };
 
 template <typename T>
-QUANTIZED_TARGET void quantize_rows(const T *x, int64_t rows, int64_t in, bool offset, QuantizedRows &q) {
+QUANTIZED_TARGET void quantize_rows(const T *x, int64_t rows, int64_t in, QuantizedRows &q) {
     const int64_t blocks = in / QUANT_BLOCK;
     q.in = in;
     q.values.resize(rows * in);
@@ -102,20 +101,12 @@ QUANTIZED_TARGET void quantize_rows(const T *x, int64_t rows, int64_t in, bool o
         for (int64_t k = 0; k < QUANT_BLOCK; k++) {
             const int32_t v = std::clamp(values[k], -127, 127);
             sum += v;
-            q.values[b * QUANT_BLOCK + k] = static_cast<uint8_t>(offset ? v + 128 : v);
+            q.values[b * QUANT_BLOCK + k] = static_cast<uint8_t>(v);
         }
         q.scales[b] = scale;
         q.sums[b] = sum;
     }
 }
-
-// Whether the build's Q8_0 product reads the rows' values offset by 128
-template <int F>
-#ifdef FORWARD_AVX512
-constexpr bool OFFSET_ROWS = F == Q8_0;
-#else
-constexpr bool OFFSET_ROWS = false;
-#endif
 
 #ifdef FORWARD_AVX512
 using Ints = __m512i;
@@ -138,8 +129,13 @@ QUANTIZED_TARGET inline Ints splat4(const uint8_t *bytes) {
 QUANTIZED_TARGET inline Ints sub_ints(Ints a, Ints b) { return _mm512_sub_epi32(a, b); }
 QUANTIZED_TARGET inline Ints splat_int(int32_t v) { return _mm512_set1_epi32(v); }
 QUANTIZED_TARGET inline __m512 to_floats(Ints v) { return _mm512_cvtepi32_ps(v); }
-// A Q8_0 line's dot products with 4 row values (offset by 128: VPDPBUSD's unsigned operand)
-QUANTIZED_TARGET inline Ints q8_dot(Ints sums, Ints row, Ints weights) { return dot4(sums, row, weights); }
+// A Q8_0 line as q8_dot's weights operand: each value v as v + 128, VPDPBUSD's unsigned operand (one XOR a line,
+// shared by a tile's rows; the sums then carry 128 times the row's values, taken off after)
+QUANTIZED_TARGET inline Ints q8_weights(Ints line) { return _mm512_xor_si512(line, _mm512_set1_epi8(static_cast<char>(0x80))); }
+// A Q8_0 line's dot products with 4 row values
+QUANTIZED_TARGET inline Ints q8_dot(Ints sums, Ints row, Ints weights) { return dot4(sums, weights, row); }
+// What a Q8_0 product's sums carry beyond the exact ones: this times the sum of the row's values in the block
+constexpr int32_t Q8_OFFSET = 128;
 #else
 using Ints = __m256i;
 constexpr int64_t INT_VECTORS_A_BLOCK = 2;
@@ -166,17 +162,18 @@ QUANTIZED_TARGET inline Ints splat4(const uint8_t *bytes) {
 QUANTIZED_TARGET inline Ints sub_ints(Ints a, Ints b) { return _mm256_sub_epi32(a, b); }
 QUANTIZED_TARGET inline Ints splat_int(int32_t v) { return _mm256_set1_epi32(v); }
 QUANTIZED_TARGET inline __m256 to_floats(Ints v) { return _mm256_cvtepi32_ps(v); }
+QUANTIZED_TARGET inline Ints q8_weights(Ints line) { return line; }
 // A Q8_0 line's dot products with 4 row values: |v| by the weight with v's sign, each pair within 2 x 127 x 127
 QUANTIZED_TARGET inline Ints q8_dot(Ints sums, Ints row, Ints weights) {
     return dot4(sums, _mm256_sign_epi8(row, row), _mm256_sign_epi8(weights, row));
 }
+constexpr int32_t Q8_OFFSET = 0;
 #endif
 
 // y (R rows x B blocks of 16 columns from block b0) = x @ W + bias: for each group of 32 inputs, the int32 dot
 // products of every row with each column's values (each line loaded once for the R rows), less the offset the
-// unsigned operand carries (Q8_0 on AVX-512: 128 times the column's values, from a dot product with 128s; Q4_0: 8
-// times the row's values), then scaled by the column's scale times the row's and added to the float32 sums in
-// input order. Columns past `out` are not stored.
+// unsigned operand carries (the sum of the row's values times 8 for Q4_0, times Q8_OFFSET for Q8_0), then scaled by
+// the column's scale times the row's and added to the float32 sums in input order. Columns past `out` are not stored.
 // Groups ahead whose lines a tile fetches as it computes: its blocks are read as several streams at once, which the
 // hardware's prefetching alone follows too late (measured: decode.bench_engine's quantized curves)
 constexpr int64_t PREFETCH_GROUPS = 16;
@@ -197,11 +194,9 @@ QUANTIZED_TARGET void quantized_tile(const QuantizedRows &x, const QuantizedLine
             for (int j = 0; j < B; j++)
                 for (int64_t line = 0; line < GROUP_BYTES<F>; line += 64)
                     _mm_prefetch(reinterpret_cast<const char *>(blocks[j] + (g + PREFETCH_GROUPS) * GROUP_BYTES<F> + line), _MM_HINT_T0);
-        Ints sums[R][B * V], offset[B * V];
-        for (int i = 0; i < B * V; i++) {
-            offset[i] = int_zeros();
+        Ints sums[R][B * V];
+        for (int i = 0; i < B * V; i++)
             for (int r = 0; r < R; r++) sums[r][i] = int_zeros();
-        }
         const uint8_t *rows[R];
         for (int r = 0; r < R; r++) rows[r] = x.values.data() + (r0 + r) * x.in + g * QUANT_BLOCK;
         for (int m = 0; m < LINES<F>; m++)
@@ -209,8 +204,8 @@ QUANTIZED_TARGET void quantized_tile(const QuantizedRows &x, const QuantizedLine
                 for (int v = 0; v < V; v++) {
                     const Ints line = line_part(blocks[j] + g * GROUP_BYTES<F> + 32 + 64 * m, v);
                     if constexpr (F == Q8_0) {
-                        if constexpr (OFFSET_ROWS<F>) offset[j * V + v] = dot4(offset[j * V + v], splat_int(static_cast<int32_t>(0x80808080u)), line);
-                        for (int r = 0; r < R; r++) sums[r][j * V + v] = q8_dot(sums[r][j * V + v], splat4(rows[r] + 4 * m), line);
+                        const Ints weights = q8_weights(line);
+                        for (int r = 0; r < R; r++) sums[r][j * V + v] = q8_dot(sums[r][j * V + v], splat4(rows[r] + 4 * m), weights);
                     } else {
                         const Ints low = low_nibbles(line), high = high_nibbles(line);
                         for (int r = 0; r < R; r++) {
@@ -225,9 +220,9 @@ QUANTIZED_TARGET void quantized_tile(const QuantizedRows &x, const QuantizedLine
         for (int r = 0; r < R; r++) {
             const int64_t block = (r0 + r) * groups + g;
             const Vec row_scale = splat(x.scales[block]);
-            const Ints row_offset = splat_int(8 * x.sums[block]);
+            const Ints row_offset = splat_int((F == Q8_0 ? Q8_OFFSET : 8) * x.sums[block]);
             for (int i = 0; i < B * V; i++) {
-                const Ints exact = sub_ints(sums[r][i], F == Q8_0 ? offset[i] : row_offset);
+                const Ints exact = sub_ints(sums[r][i], row_offset);
                 acc[r][i] = fma(to_floats(exact), mul(scales[i], row_scale), acc[r][i]);
             }
         }
@@ -276,7 +271,7 @@ void quantized_product(int64_t format, const T *input, const QuantizedLinear &w,
                        int64_t parallel_work) {
     static thread_local QuantizedRows room;
     QuantizedRows &x = room;  // the caller's: a thread_local named in the lambda would be each worker thread's own
-    quantize_rows(input, rows, w.in, format == Q8_0 ? OFFSET_ROWS<Q8_0> : OFFSET_ROWS<Q4_0>, x);
+    quantize_rows(input, rows, w.in, x);
     const int64_t groups = (w.out + 63) / 64;
     const int64_t grain = rows * w.in * w.out >= parallel_work ? 1 : groups;
     at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
