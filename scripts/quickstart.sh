@@ -88,18 +88,21 @@ fi
 dtype=$("$py" -c "import sys; from decode.models.precision import auto_dtype; print(auto_dtype('cpu', None, sys.argv[1], calibrate=True)[0])" "$run/oracle")
 
 stage "== 5/6 plan each method's tree for these models on this CPU ($dtype), greedy and top-k 50 -> $run/plan*.json"
-current_plan() {  # a plan of this version, in this dtype, newer than the models
+current_plan() {  # a plan of this version, in this dtype, for these loads ($2: its levels past one), newer than the models
     "$py" -c "import json, sys; from decode.plan_file import PLAN_VERSION; plan = json.load(open(sys.argv[1]));
-sys.exit(plan.get('version') != PLAN_VERSION or plan['identity']['dtype'] != sys.argv[2])" "$1" "$dtype" 2>/dev/null \
+sys.exit(plan.get('version') != PLAN_VERSION or plan['identity']['dtype'] != sys.argv[2]
+         or ','.join(plan.get('concurrency', {})) != sys.argv[3])" "$1" "$dtype" "$2" 2>/dev/null \
         && [ "$1" -nt "$run/oracle/model.safetensors" ] && [ "$1" -nt "$run/draft/model.safetensors" ] \
         && [ "$1" -nt "$run/ngram/successors.npz" ]
 }
-# greedy decoding's plan, and sampling's at T = 1, top-k 50 (a request at another setting borrows the nearer one);
-# sampled plans choose chains on a CPU, so trees of up to 16 nodes are screened for it (64 took twice as long)
-for setting in "plan.json" "plan-t1-k50-p1.json:--temperature 1 --top-k 50 --max-budget 16"; do
-    file="${setting%%:*}" flags=()
-    [ "$file" != "$setting" ] && read -r -a flags <<< "${setting#*:}"
-    if current_plan "$run/$file"; then
+# greedy decoding's plan, for 1, 2 and 4 requests in flight (a server switches policies by its load), and sampling's
+# at T = 1, top-k 50 (a request at another setting borrows the nearer one); sampled plans choose chains on a CPU, so
+# trees of up to 16 nodes are screened for it (64 took twice as long)
+for setting in "plan.json:--concurrency 1,2,4" "plan-t1-k50-p1.json:--temperature 1 --top-k 50 --max-budget 16"; do
+    file="${setting%%:*}" flags=() levels=""
+    read -r -a flags <<< "${setting#*:}"
+    [[ "${setting#*:}" =~ --concurrency\ 1,([0-9,]+) ]] && levels="${BASH_REMATCH[1]}"
+    if current_plan "$run/$file" "$levels"; then
         echo "   $file: already planned for these models in $dtype by this version (remove it to re-plan)"
     else
         "$py" -m decode.plan --run "$run" --dtype "$dtype" --calibration 16 --screen 4 --project-oracle gpt2-large \
