@@ -175,7 +175,12 @@ def pack_quantized(matrix: "QuantizedWeight") -> torch.Tensor:
     groups, columns = in_features // 32, (out + padding) // 16
     lines = quants.reshape(columns, 16, groups, -1, 4).permute(0, 2, 3, 1, 4)  # (block, group, line, column, input)
     scales = scales.reshape(columns, 16, groups, 2).permute(0, 2, 1, 3)  # (block, group, column, byte)
-    return torch.cat([scales.reshape(columns, groups, 32), lines.reshape(columns, groups, -1)], dim=-1).contiguous()
+    # copied straight into place: a matrix-sized temporary a matrix, freed between the packed matrices a load keeps,
+    # would leave the allocator's heap holding its pages
+    packed = torch.empty(columns, groups, 32 + 16 * quants.shape[1] // groups, dtype=torch.uint8)
+    packed[..., :32].unflatten(-1, (16, 2)).copy_(scales)
+    packed[..., 32:].unflatten(-1, (-1, 16, 4)).copy_(lines)
+    return packed
 
 
 class QuantizedWeight(Protocol):
