@@ -87,6 +87,17 @@ def product_reference(x: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tens
 BUILDS_HERE = [name for name, (_, needs) in native.FORWARD_BUILDS.items() if needs <= cpu_flags()]
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packing_a_matrix_allocates_its_packed_bytes_and_nothing_else(fmt):
+    # a load packs each matrix while it keeps those packed before: a temporary a matrix, freed between them, would
+    # leave the allocator's heap holding its pages, and the load's peak memory would vary from run to run
+    matrix = QuantizedMatrix.quantize(torch.randn(512, 256, generator=torch.Generator().manual_seed(0)), FORMATS[fmt])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        packed = native.pack_quantized(matrix)
+    allocated = sum(event.self_cpu_memory_usage for event in profile.events() if event.self_cpu_memory_usage > 0)
+    assert allocated == packed.nbytes
+
+
 @pytest.mark.skipif(not compiler_found(), reason="no C++ compiler or ninja here")
 @pytest.mark.parametrize("build", BUILDS_HERE)
 @pytest.mark.parametrize("fmt", FORMATS)
