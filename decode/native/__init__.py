@@ -166,21 +166,27 @@ def pack_quantized(matrix: "QuantizedWeight") -> torch.Tensor:
     int8; Q4_0, 4 lines whose low nibbles are inputs 4m + t and high nibbles inputs 16 + 4m + t, the pairs of each
     column's llama.cpp block."""
     out, in_features = matrix.shape
-    padding = -out % 16
     quants = matrix.quants.view(torch.uint8)
     scales = matrix.scales.view(torch.uint8).reshape(out, -1, 2)
-    if padding:
-        quants = torch.cat([quants, quants.new_zeros(padding, quants.shape[1])])
-        scales = torch.cat([scales, scales.new_zeros(padding, *scales.shape[1:])])
-    groups, columns = in_features // 32, (out + padding) // 16
-    lines = quants.reshape(columns, 16, groups, -1, 4).permute(0, 2, 3, 1, 4)  # (block, group, line, column, input)
-    scales = scales.reshape(columns, 16, groups, 2).permute(0, 2, 1, 3)  # (block, group, column, byte)
+    groups, columns, whole = in_features // 32, -(-out // 16), out // 16  # whole: the blocks without padding
     # copied straight into place: a matrix-sized temporary a matrix, freed between the packed matrices a load keeps,
     # would leave the allocator's heap holding its pages
     packed = torch.empty(columns, groups, 32 + 16 * quants.shape[1] // groups, dtype=torch.uint8)
-    packed[..., :32].unflatten(-1, (16, 2)).copy_(scales)
-    packed[..., 32:].unflatten(-1, (-1, 16, 4)).copy_(lines)
+    fill_blocks(packed[:whole], quants[: 16 * whole], scales[: 16 * whole])
+    if whole < columns:  # the last block's columns past `out`: zero scales and values
+        padding = 16 * columns - out
+        fill_blocks(packed[whole:], torch.nn.functional.pad(quants[16 * whole:], (0, 0, 0, padding)),
+                    torch.nn.functional.pad(scales[16 * whole:], (0, 0, 0, 0, 0, padding)))
     return packed
+
+
+def fill_blocks(packed: torch.Tensor, quants: torch.Tensor, scales: torch.Tensor) -> None:
+    """pack_quantized's blocks of 16 columns, written into `packed` from their rows' bytes (a multiple of 16 rows)."""
+    columns, groups = packed.shape[:2]
+    packed[..., :32].unflatten(-1, (16, 2)).copy_(scales.reshape(columns, 16, groups, 2).permute(0, 2, 1, 3))
+    line_count = (packed.shape[2] - 32) // 64
+    lines = quants.reshape(columns, 16, groups, line_count, 4).permute(0, 2, 3, 1, 4)  # (block, group, line, column, input)
+    packed[..., 32:].unflatten(-1, (line_count, 16, 4)).copy_(lines)
 
 
 class QuantizedWeight(Protocol):
