@@ -19,7 +19,13 @@
     serving/                         the OpenAI-compatible server
     cli/                             the commands (python -m decode.run, bench, plan, serve, ...), thin over the above
 """
-from decode.api import DecoderBusy, Result, SpeculativeDecoder
-from decode.options import DecoderOptions
+import os
+
+if os.environ.get("STAGED_SPECULATIVE_CPU") == "avx2":  # torch's own kernels on AVX2 too, where torch is not loaded yet
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+
+from decode.api import DecoderBusy, Result, SpeculativeDecoder  # noqa: E402
+from decode.options import DecoderOptions  # noqa: E402
 
 __all__ = ["DecoderBusy", "DecoderOptions", "Result", "SpeculativeDecoder"]

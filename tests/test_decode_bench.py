@@ -404,6 +404,21 @@ def test_a_llama_server_older_than_the_peers_flags_is_refused_in_a_line_naming_i
     assert "version 1234 (deadbee)" in error[0] and "lacks --spec-type" in error[0] and "cmake" in error[0]
 
 
+@pytest.mark.parametrize("features, recorded", [
+    ("AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | LLAMAFILE = 1 | OPENMP = 1", "for AVX2"),
+    ("AVX = 1 | AVX2 = 1 | F16C = 1 | AVX512 = 1 | AVX512_VBMI = 0 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1",
+     "for AVX512, AVX512_VNNI, AVX512_BF16, AMX_INT8"),
+    ("SSE3 = 1 | SSSE3 = 1", ""),
+])
+def test_a_result_records_the_instructions_llama_cpp_was_built_for(tmp_path, features, recorded):
+    server = tmp_path / "llama-server"
+    server.write_text('#!/bin/sh\ncase "$1" in --version) echo "version: 1234 (deadbee)";; '
+                      f'-m) echo "0.00.002.806 I cmn  common_param: system_info: n_threads = 2 | CPU : {features} |"; '
+                      'exit 1;; esac\n')
+    server.chmod(0o755)
+    assert llama_server.server_build(str(server)) == "1234 (deadbee)" + (f" {recorded}" if recorded else "")
+
+
 @pytest.mark.processes
 def test_llamacpps_own_speculation_decodes_the_baselines_tokens(bpe_run, tmp_path, capsys):
     """llama.cpp's plain decoding, draft-model and n-gram speculation through llama-server, each speculation at the
@@ -423,6 +438,7 @@ def test_llamacpps_own_speculation_decodes_the_baselines_tokens(bpe_run, tmp_pat
         assert (f"{name}: {flags} (fastest on" in printed) == (len(llama_server.CANDIDATES[name]) > 1)
         assert result["summary"][name]["peak_rss_mb"] > 0 and f"{name}'s server" in printed
     assert result["settings"]["peak_rss_mb"] > 0 and "peak resident memory: this process" in printed
+    assert " for AVX" in result["settings"]["llama_server"]  # the instructions its CPU backend was built for
 
 
 

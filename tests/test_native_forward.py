@@ -9,8 +9,9 @@ import torch
 from decode_models import tiny_gpt2, tiny_llama, tiny_trigram
 from native_built import random_tree
 
-from decode import native
+from decode import devices, machine, native
 from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter
+from decode.errors import InputError
 from decode.loop import baseline, tree_speculative
 from decode.models import engine as engine_module
 from decode.models.engine import GPT2Engine
@@ -354,3 +355,20 @@ def test_the_cpp_forward_refuses_a_tensor_of_another_element_type_or_an_output_o
     with pytest.raises(TypeError, match="mask must be"):  # a mask of bytes, not of booleans
         blocks.forward.blocks(**rows | {"mask": torch.ones(2, 2, dtype=torch.uint8).numpy()},
                               out=torch.empty(2, blocks.columns).numpy())
+
+
+def test_a_cpu_taken_for_one_with_avx2_alone_runs_the_avx2_build_and_its_results_say_so(monkeypatch):
+    if not {"avx2", "fma"} <= machine.cpu_flags(actual=True):
+        pytest.skip("this CPU lacks AVX2 with FMA")
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(machine.AS_CPU, "avx2")
+    assert not any(flag.startswith(("avx512", "amx")) for flag in machine.cpu_flags())
+    assert native.forward_build(torch.bfloat16) == native.forward_build(torch.float32) == "AVX2"
+    assert machine.cpu_features() == "AVX2" and not devices.native_bfloat16(cpu)[0]
+    assert devices.machine_name(cpu).startswith(f"{machine.cpu_name()} ({machine.cpu_features(actual=True)}, run with AVX2 alone)")
+    assert "run with AVX2 alone" in devices.device_name(cpu)  # the dtype and calibration caches' name for it
+    monkeypatch.setenv(machine.AS_CPU, "avx512")
+    with pytest.raises(InputError, match="set it to avx2"):
+        machine.cpu_flags()
+    monkeypatch.delenv(machine.AS_CPU)
+    assert machine.cpu_flags() == machine.cpu_flags(actual=True) and "run with" not in devices.machine_name(cpu)

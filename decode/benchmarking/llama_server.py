@@ -62,6 +62,34 @@ def server_version(binary: str) -> str:
     return line.removeprefix("version:").strip() or "no version printed"
 
 
+def server_build(binary: str) -> str:
+    """What a result records of llama.cpp's build: `llama-server --version`'s line and the widest instructions its CPU
+    backend was built for (llama.cpp picks them when it is compiled, not when it runs)."""
+    instructions = cpu_instructions(binary)
+    return server_version(binary) + (f" for {', '.join(instructions)}" if instructions else "")
+
+
+def cpu_instructions(binary: str) -> list[str]:
+    """The widest instructions (AMX, AVX-512's, else AVX2) llama.cpp's CPU backend (the libggml-cpu that the binary
+    loads) was built for, as its log names them at `-lv 4`: it prints them before reading a model, so a model file
+    that does not exist ends the probe at once. Empty where the log names none."""
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            done = subprocess.run([binary, "-m", str(Path(folder) / "none.gguf"), "-lv", "4", "--port", "0"],
+                                  capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+    return built_for(done.stdout + done.stderr)
+
+
+def built_for(log: str) -> list[str]:
+    """The widest instructions in a llama.cpp log's "CPU : AVX = 1 | AVX2 = 1 | ..." line."""
+    line = next((line for line in log.splitlines() if "CPU :" in line), "")
+    named = [part.split("=")[0].strip() for part in line.split("CPU :", 1)[-1].split("|") if part.strip().endswith("= 1")]
+    widest = [name for name in named if name.startswith(("AVX512", "AMX"))]
+    return widest or [name for name in named if name == "AVX2"]
+
+
 @functools.cache
 def check_server(binary: str, name: str) -> None:
     """Refuse, in one line naming the version found and what is needed, a llama-server whose flags lack what the

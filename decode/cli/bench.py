@@ -41,7 +41,7 @@ from decode.api import SpeculativeDecoder
 from decode.atomic import FILE, check_output, check_room, write_json
 from decode.benchmarking import explain, near_ties
 from decode.benchmarking.comparison import compare_with_baseline
-from decode.benchmarking.llama_server import SERVER_PEERS, TUNING_PROMPTS, ServerPeer, missing_reason, server_binary, server_version
+from decode.benchmarking.llama_server import SERVER_PEERS, TUNING_PROMPTS, ServerPeer, missing_reason, server_binary, server_build
 from decode.benchmarking.peers import HF_PEERS, LLAMACPP_MISSING, LLAMACPP_PEERS, PEERS, HFGenerate, LlamaCpp, llamacpp_installed
 from decode.benchmarking.plots import check_plot_path, pyplot, save
 from decode.benchmarking.tables import print_table
@@ -256,7 +256,7 @@ def peer_versions(names: list[str]) -> dict[str, str]:
     """The llama.cpp builds the run's peers used: llama-server's own version line, llama-cpp-python's version."""
     versions = {}
     if set(names) & set(SERVER_PEERS) and (binary := server_binary()) is not None:
-        versions["llama_server"] = server_version(binary)
+        versions["llama_server"] = server_build(binary)
     if set(names) & set(LLAMACPP_PEERS) and llamacpp_installed():
         versions["llama_cpp_python"] = importlib.metadata.version("llama-cpp-python")
     return versions

@@ -22,7 +22,7 @@ import torch
 from decode.api import SpeculativeDecoder
 from decode.atomic import FILE, check_output, write_json
 from decode.benchmarking import load
-from decode.benchmarking.llama_server import LlamaServer, export_gguf, missing_reason, sampler, server_binary, server_version
+from decode.benchmarking.llama_server import LlamaServer, export_gguf, missing_reason, sampler, server_binary, server_build
 from decode.benchmarking.plots import check_plot_path, pyplot, save
 from decode.cli.help import HelpFormatter
 from decode.cli.settings import Settings, add_result_flags, encode_prompts, parse_settings
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
                            "machine": machine_name(decoder.decoder.oracle.device), "threads": torch.get_num_threads(), "prompts": len(prompts),
                            "max_new_tokens": settings.max_new_tokens, "sampling": settings.sampling.describe(),
                            "dtype": settings.options.dtype, "cache_bytes": batch_bytes, **provenance(),
-                           **({"llama_server": server_version(server_binary() or "")} if known.names else {})},
+                           **({"llama_server": server_build(server_binary() or "")} if known.names else {})},
               "levels": rows}
     if known.out:
         write_json(known.out, result, known.overwrite)
