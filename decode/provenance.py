@@ -2,8 +2,12 @@
 versions of the libraries that do the work. Written into every result file; `decode.report` prints it."""
 import functools
 import importlib.metadata
+import shlex
 import subprocess
+import sys
 from pathlib import Path
+
+from decode.machine import AS_CPU, taken_as_avx2
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,6 +25,13 @@ def code_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return commit + ("-dirty" if dirty else "")
+
+
+def command_line(prog: str, argv: list[str] | None) -> str:
+    """The command a result was made by, as a user types it: `prog` and its arguments (`argv`, else the process's),
+    after the environment setting that changes what it measures (STAGED_SPECULATIVE_CPU=avx2)."""
+    setting = f"{AS_CPU}=avx2 " if taken_as_avx2() else ""
+    return f"{setting}{prog} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"
 
 
 def provenance() -> dict[str, str]:

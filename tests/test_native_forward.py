@@ -9,7 +9,7 @@ import torch
 from decode_models import tiny_gpt2, tiny_llama, tiny_trigram
 from native_built import random_tree
 
-from decode import devices, machine, native
+from decode import devices, machine, native, provenance
 from decode.drafting import ChainDrafter, LookupDrafter, ShapedTreeDrafter, StagedDrafter
 from decode.errors import InputError
 from decode.loop import baseline, tree_speculative
@@ -367,8 +367,11 @@ def test_a_cpu_taken_for_one_with_avx2_alone_runs_the_avx2_build_and_its_results
     assert machine.cpu_features() == "AVX2" and not devices.native_bfloat16(cpu)[0]
     assert devices.machine_name(cpu).startswith(f"{machine.cpu_name()} ({machine.cpu_features(actual=True)}, run with AVX2 alone)")
     assert "run with AVX2 alone" in devices.device_name(cpu)  # the dtype and calibration caches' name for it
+    assert provenance.command_line("python -m decode.bench", ["--limit", "5"]) == \
+        "STAGED_SPECULATIVE_CPU=avx2 python -m decode.bench --limit 5"  # what a result records: a command that repeats it
     monkeypatch.setenv(machine.AS_CPU, "avx512")
     with pytest.raises(InputError, match="set it to avx2"):
         machine.cpu_flags()
     monkeypatch.delenv(machine.AS_CPU)
     assert machine.cpu_flags() == machine.cpu_flags(actual=True) and "run with" not in devices.machine_name(cpu)
+    assert provenance.command_line("python -m decode.bench", ["--limit", "5"]) == "python -m decode.bench --limit 5"

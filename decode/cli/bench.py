@@ -27,7 +27,6 @@ import datetime
 import importlib.metadata
 import json
 import resource
-import shlex
 import sys
 from dataclasses import replace
 from functools import partial
@@ -52,7 +51,7 @@ from decode.devices import device_name, machine_name
 from decode.errors import InputError, exits_on_input_error
 from decode.models.loading import check_same_vocabulary
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS
-from decode.provenance import provenance
+from decode.provenance import command_line, provenance
 from decode.timing.turns import decode_in_turns, warm_up
 
 OURS = ("baseline", "speculative", "tree", "staged", "staged-paper", "ngram", "lookup")
@@ -314,7 +313,7 @@ def main(argv=None) -> dict:
           + "".join(f"; {name}'s server {mib:.0f} MiB" for name, mib in memory.items()))
     result = {"settings": {"mode": mode, "dtype": options.dtype, "device": options.device, "machine": machine_name(device),
                            "date": datetime.date.today().isoformat(),
-                           "command": f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}",
+                           "command": command_line(PROG, argv),
                            "prompts": len(prompts), "max_new_tokens": settings.max_new_tokens, "tree_sizes": sizing,
                            "drafts": drafts, "plan": plan_path and str(plan_path),
                            "token_healing": options.token_healing, "step_loops": loops,

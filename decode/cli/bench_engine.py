@@ -20,7 +20,6 @@
 import argparse
 import datetime
 import shlex
-import sys
 import time
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from decode.models.runtime import TORCH, CudaRuntime
 from decode.planning.costs import PROJECTIONS, projection_shape, random_model
 from decode.planning.roofline import ForwardShape, Machine, knee, measure_machine
 from decode.prompts import load_prompts
-from decode.provenance import provenance
+from decode.provenance import command_line, provenance
 from decode.sampling import Sampling
 from decode.timing.forwards import NODE_COUNTS, forward_costs, host_work_after_forward
 from decode.tokenizer import load_tokenizer, start_ids, text_ids
@@ -246,7 +245,7 @@ def main(argv=None) -> dict:
     result = {"generation": latency, "dtype": args.dtype, "weights": quantization.name if quantization else None,
               "device": device_name(device), "machine": machine_name(device), "threads": torch.get_num_threads(),
               "date": datetime.date.today().isoformat(), **provenance(),
-              "command": f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"}
+              "command": command_line(PROG, argv)}
     models = {args.model: engine} | shaped_models(args)
     result |= forward_tables(args, models)
     if not isinstance(engine.runtime, CudaRuntime):

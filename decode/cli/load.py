@@ -12,8 +12,6 @@ median request's tokens/s, and the time to first token (50th and 95th percentile
 """
 import argparse
 import datetime
-import shlex
-import sys
 import tempfile
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from decode.cli.help import HelpFormatter
 from decode.cli.settings import Settings, add_result_flags, encode_prompts, parse_settings
 from decode.devices import machine_name
 from decode.errors import exits_on_input_error
-from decode.provenance import provenance
+from decode.provenance import command_line, provenance
 
 PROG = "python -m decode.load"
 PEERS: dict[str, list[list[str]]] = {"llamacpp-server": [[]],
@@ -140,7 +138,7 @@ def main(argv=None) -> dict:
         print(row_line(rows[-1]), flush=True)
     for name in known.names:
         rows += peer_rows(name, settings, prompts, known.levels, context)
-    result = {"settings": {"command": f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}",
+    result = {"settings": {"command": command_line(PROG, argv),
                            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
                            "machine": machine_name(decoder.decoder.oracle.device), "threads": torch.get_num_threads(), "prompts": len(prompts),
                            "max_new_tokens": settings.max_new_tokens, "sampling": settings.sampling.describe(),

@@ -25,8 +25,6 @@ forwards priced at that shape's costs): a projection, not a measurement. The acc
 and the loop's costs are the trained pair's, borrowed.
 """
 import argparse
-import shlex
-import sys
 from pathlib import Path
 
 from decode.atomic import FILE, check_output
@@ -40,6 +38,7 @@ from decode.planning import costs
 from decode.planning.concurrency import MOST_SEQUENCES
 from decode.planning.planner import PlanSearch, make_plan
 from decode.prompts import load_prompts
+from decode.provenance import command_line
 
 
 def shortlists(text: str) -> list[int]:
@@ -130,7 +129,7 @@ def main(argv=None) -> dict:
     search = PlanSearch(settings.sampling, settings.max_new_tokens, settings.seed, known.screen, known.max_budget,
                         known.max_depth, known.draft_vocab, known.project_oracle, known.project_draft,
                         known.concurrency)
-    command = "python -m decode.plan " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    command = command_line("python -m decode.plan", argv)
     plan = make_plan(settings.flags.base, lambda dec: calibration_prompts(settings, known, dec), search,
                      str(settings.prompts or "--prompt"), command)
     save_plan(plan, known.out, known.overwrite)

@@ -13,8 +13,6 @@ printed beside its 16-bit source's.
 import argparse
 import datetime
 import json
-import shlex
-import sys
 from pathlib import Path
 
 from decode.atomic import MODEL, atomic_outputs, check_output
@@ -26,6 +24,7 @@ from decode.models.pretrained import model_dir
 from decode.models.quality import perplexity, validation_windows
 from decode.models.quantize_model import check_quantizable, quantize_checkpoint
 from decode.models.quantized import FORMATS
+from decode.provenance import command_line
 
 PROG = "python -m decode.quantize"
 REPORT = "quantization.json"  # in a quantized model's directory: its format, source and perplexities (decode.report)
@@ -83,7 +82,7 @@ def main(argv=None) -> list[Path]:
         check_quantizable(source, read_config(source))
         check_output(out, MODEL, args.overwrite, "--out", {name: source})
     data = args.data or (args.run / "data" if args.run is not None else None)
-    command = f"{PROG} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"
+    command = command_line(PROG, argv)
     with atomic_outputs([(out, MODEL) for _, out in models.values()], args.overwrite) as tmps:
         for (name, (source, out)), tmp in zip(models.items(), tmps):
             quantize_checkpoint(source, tmp, fmt)
