@@ -2,6 +2,7 @@
 resolve, and the repository speaks of the software, never of its making."""
 import contextlib
 import io
+import json
 import re
 import shlex
 import subprocess
@@ -126,6 +127,17 @@ def test_the_readme_is_short_and_its_links_resolve():
 def test_generated_pages_match_what_the_commands_print():
     done = subprocess.run([sys.executable, "scripts/make_docs.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_each_result_names_its_own_file_in_the_command_that_wrote_it():
+    """A result's recorded command, run again, rewrites that very file: one that wrote elsewhere and was copied in
+    cannot be rerun as shown (results from before commits were recorded aside)."""
+    for path in sorted((ROOT / "docs" / "results").glob("*.json")):
+        result = json.loads(path.read_text())
+        settings = result.get("settings", result)
+        words = shlex.split(settings.get("command", ""))
+        if "commit" in settings and "--out" in words:
+            assert words[words.index("--out") + 1] == f"docs/results/{path.name}", (path.name, settings["command"])
 
 
 def readme_block(after: str, language: str) -> str:
