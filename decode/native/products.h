@@ -154,13 +154,14 @@ VECTOR_TARGET void tile(const float *x, const Linear<T> &w, float *y, int64_t r0
 template <typename T>
 using Input = float;
 // The rows a tile takes (a bfloat16 step holds four widened weight vectors) and BLOCKS_A_TILE<T>[R - 1], the blocks a
-// tile of R rows covers: their sums in up to 12 of the 16 registers, with room for a step's weights and an input
+// tile of R rows covers: their sums in up to 12 of the 16 registers, with room for a step's weights and an input. A
+// bfloat16 tile of 2 rows takes one block: over two, it ran slower than a tile of 3 rows over one.
 template <typename T>
 constexpr int64_t ROWS_A_TILE = std::is_same_v<T, bf16> ? 4 : 6;
 // Whether a tile fetches the weights a product reads next, while it computes
 constexpr bool PREFETCH = true;
 template <typename T>
-constexpr int64_t BLOCKS_A_TILE[6] = {4, 2, std::is_same_v<T, bf16> ? 1 : 2, 1, 1, 1};
+constexpr int64_t BLOCKS_A_TILE[6] = {4, std::is_same_v<T, bf16> ? 1 : 2, std::is_same_v<T, bf16> ? 1 : 2, 1, 1, 1};
 #endif
 
 template <typename T>
