@@ -155,7 +155,7 @@ template <typename T>
 using Input = float;
 // The rows a tile takes (a bfloat16 step holds four widened weight vectors) and BLOCKS_A_TILE<T>[R - 1], the blocks a
 // tile of R rows covers: their sums in up to 12 of the 16 registers, with room for a step's weights and an input. A
-// bfloat16 tile of 2 rows takes one block: over two, it ran slower than a tile of 3 rows over one.
+// bfloat16 tile of 2 rows takes one block: over two, its sums and widened weights outgrow the registers.
 template <typename T>
 constexpr int64_t ROWS_A_TILE = std::is_same_v<T, bf16> ? 4 : 6;
 // Whether a tile fetches the weights a product reads next, while it computes
