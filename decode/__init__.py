@@ -21,7 +21,9 @@
 """
 import os
 
-if os.environ.get("STAGED_SPECULATIVE_CPU") == "avx2":  # torch's own kernels on AVX2 too, where torch is not loaded yet
+from decode.machine import AS_CPU
+
+if os.environ.get(AS_CPU) == "avx2":  # torch's own kernels on AVX2 too, where torch is not loaded yet
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from decode.errors import InputError
-from decode.machine import cpu_features, cpu_name, taken_as_avx2
+from decode.machine import AVX2_ALONE, cpu_features, cpu_name, taken_as_avx2
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def device_name(device: torch.device) -> str:
     """What a measured time depends on besides the model: the GPU's name, or the CPU's and its threads."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    alone = " (run with AVX2 alone)" if taken_as_avx2() else ""  # what measured it, for the caches named by it
+    alone = f" ({AVX2_ALONE})" if taken_as_avx2() else ""  # what measured it, for the caches named by it
     return f"{cpu_name()}{alone}, {torch.get_num_threads()} threads"
 
 
@@ -79,5 +79,5 @@ def machine_name(device: torch.device) -> str:
     """`device_name` with, on a CPU, the instructions that decide its bfloat16 speed: what a benchmark ran on."""
     if device.type == "cuda":
         return device_name(device)
-    features = cpu_features(actual=True) + (", run with AVX2 alone" if taken_as_avx2() else "")
+    features = cpu_features(actual=True) + (f", {AVX2_ALONE}" if taken_as_avx2() else "")
     return f"{cpu_name()}" + (f" ({features})" if features else "") + f", {torch.get_num_threads()} threads"

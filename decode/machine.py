@@ -11,6 +11,7 @@ from pathlib import Path
 from decode.errors import InputError
 
 AS_CPU = "STAGED_SPECULATIVE_CPU"
+AVX2_ALONE = "run with AVX2 alone"  # what results and caches call a CPU taken so
 # The instruction sets a CPU taken for AVX2 alone lacks (as /proc/cpuinfo names them)
 BEYOND_AVX2 = ("avx512", "amx", "avx_vnni")
 
