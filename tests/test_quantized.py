@@ -111,13 +111,37 @@ def test_each_builds_products_over_blocks_equal_a_float64_reference(build, fmt):
     matrix, bias = QuantizedMatrix.quantize(w, FORMATS[fmt]), torch.zeros(80)
     bias[:75] = torch.randn(75, generator=generator)
     packed = native.pack_quantized(matrix).numpy()
-    out = torch.empty(9, 75)
-    module.quantized_product(format=FORMATS[fmt].code, packed=packed, bias=bias.numpy(), x=x.numpy(), out=out.numpy())
+
+    def product(rows: torch.Tensor, tiles: bool = False) -> torch.Tensor:
+        out = torch.empty(len(rows), 75)
+        module.quantized_product(format=FORMATS[fmt].code, packed=packed, bias=bias.numpy(), x=rows.numpy(),
+                                 out=out.numpy(), tiles=tiles)
+        return out
+
+    out = product(x)
     reference = product_reference(x, matrix, bias[:75])
     assert (out.double() - reference).abs().max() <= 1e-6 * reference.abs().max()  # float32's rounding of the sums
-    alone = torch.empty(1, 75)
-    module.quantized_product(format=FORMATS[fmt].code, packed=packed, bias=bias.numpy(), x=x[4:5].numpy(), out=alone.numpy())
-    assert torch.equal(alone[0], out[4])
+    assert torch.equal(product(x[4:5])[0], out[4])
+
+
+@pytest.mark.skipif(not compiler_found(), reason="no C++ compiler or ninja here")
+@pytest.mark.skipif("amx_int8" not in cpu_flags(), reason="this CPU lacks AMX-INT8")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [8, 16, 21, 40])  # the tiles take calls of 8 rows on, 16 at a time
+def test_products_on_amx_tiles_are_bit_for_bit_the_dot_products(fmt, rows):
+    module = native._forward_build("AVX-512")
+    generator = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(200, 320, generator=generator), torch.randn(rows, 320, generator=generator) * 3
+    x[0, 32:64] = 0
+    matrix, bias = QuantizedMatrix.quantize(w, FORMATS[fmt]), torch.randn(208, generator=generator)
+    packed = native.pack_quantized(matrix).numpy()
+    out = {tiles: torch.empty(rows, 200) for tiles in (False, True)}
+    for tiles, product in out.items():
+        module.quantized_product(format=FORMATS[fmt].code, packed=packed, bias=bias.numpy(), x=x.numpy(),
+                                 out=product.numpy(), tiles=tiles)
+    assert torch.equal(out[True], out[False])
+    reference = product_reference(x, matrix, bias[:200])
+    assert (out[True].double() - reference).abs().max() <= 1e-6 * reference.abs().max()
 
 
 @pytest.mark.skipif(not compiler_found(), reason="no C++ compiler or ninja here")

@@ -272,15 +272,16 @@ class Blocks:
 
     @property
     def can_tile(self) -> bool:
-        """Whether this model's products can run on AMX's tiles here (a bfloat16 model, every product's input a
-        multiple of 32, a CPU with AMX-BF16)."""
+        """Whether this model's products can run on AMX's tiles here (a quantized model on a CPU with AMX-INT8; a
+        bfloat16 model, every product's input a multiple of 32, on a CPU with AMX-BF16)."""
         return self.forward.tiles(model=self.model, on=None)
 
     @property
     def tiles(self) -> bool:
         """Whether the products run on AMX's tiles (where can_tile: until decode.models.native_rows measures which
         of the two runs faster here) or as vector dot products. Each gives a row the same logits whatever the
-        forward's other rows; the two differ in rounding."""
+        forward's other rows; a bfloat16 model's two differ in rounding, a quantized model's sum in integers and
+        agree bit for bit."""
         return self._tiles
 
     @tiles.setter

@@ -9,7 +9,7 @@
 // multiply-adds; or, in the AVX2 build (no FORWARD_AVX512), fused multiply-adds of 8 floats for either dtype, a
 // bfloat16 weight widened to float32 as it is read. A quantized model's products (Q8_0 or Q4_0 blocks, quantized.h)
 // quantize each row to int8 block by block, as llama.cpp's do, and sum its products with the weights in int32
-// (AVX-512 VNNI, or AVX2's byte products). Attention with the tree's mask runs its heads over the same
+// (AVX-512 VNNI, AMX-INT8's tiles, or AVX2's byte products). Attention with the tree's mask runs its heads over the same
 // threads; the norms, rotary positions, softmax, GELU or SwiGLU and the residuals run a vector at a time over the rows
 // in place, in float32.
 // A forward's rows may belong to several sequences, each with its own cache (the weights are read once for all of them:
@@ -51,7 +51,7 @@ struct Model {
         element_bytes;
     float epsilon;
     int64_t format = DENSE;  // the linear layers' weights: in the model's dtype, or in Q8_0 or Q4_0 blocks
-    bool tiles = false;      // a bfloat16 model's products on AMX's tiles
+    bool tiles = false;      // the products on AMX's tiles (a bfloat16 model's on AMX-BF16, a quantized one's on AMX-INT8)
     const void *wte;
     const void *wpe = nullptr;                      // GPT-2's positions
     const float *cos = nullptr, *sin = nullptr;     // the Llama family's: (positions, head_dim / 2) each
@@ -69,10 +69,11 @@ struct Model {
     int64_t qkv_width() const { return (heads + 2 * kv_heads) * head_dim; }
     int64_t mlp_in_width() const { return architecture == LLAMA ? 2 * intermediate : intermediate; }
     int64_t slot_elements() const { return 2 * layers * kv_heads * head_dim; }  // a cache slot's keys and values
-    // whether the products can run on AMX's tiles: a bfloat16 model's, every product's input a multiple of 32
+    // whether the products can run on AMX's tiles: a quantized model's (AMX-INT8), or a bfloat16 model's (AMX-BF16),
+    // every product's input a multiple of 32
     bool tileable() const {
-        return format == DENSE && element_bytes == 2 && n_embd % 32 == 0 && q_width() % 32 == 0 && intermediate % 32 == 0
-               && tiles_granted();
+        if (format != DENSE) return tiles_granted(INT8_TILES);
+        return element_bytes == 2 && n_embd % 32 == 0 && q_width() % 32 == 0 && intermediate % 32 == 0 && tiles_granted();
     }
 };
 
@@ -100,7 +101,7 @@ VECTOR_TARGET void multiply(const Model &m, const void *packed, const float *bia
         return;
     }
     quantized_product(m.format, x, QuantizedLinear{static_cast<const uint8_t *>(packed), bias, in, out}, y, rows,
-                      PARALLEL_WORK);
+                      PARALLEL_WORK, tiles);
 }
 
 // One sequence's rows in a forward: rows first..first + count of the call, whose keys and values go to its cache's slots
@@ -135,7 +136,7 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
         for (int64_t i = 0; i < n_embd; i++)
             x[r * n_embd + i] = to_float(wte[a.ids[r] * n_embd + i]) + (wpe ? to_float(wpe[a.positions[r] * n_embd + i]) : 0.0f);
     // AMX's tiles where asked for and granted (every product's input a multiple of 32 elements)
-    const bool tiles = m.tiles && std::is_same_v<T, bf16> && tiles_granted();
+    const bool tiles = m.tiles && m.tileable();
     for (int64_t l = 0; l < m.layers; l++) {
         const Model::Block &b = m.blocks[l];
         normalize(m, x.data(), b.norm_1, normed.data(), rows);
@@ -571,7 +572,8 @@ PyObject *supported(PyObject *, PyObject *bytes) {
 }
 
 // tiles(model, on) -> whether the model's products now run on AMX's tiles: asked for (on) and possible here (a
-// bfloat16 model, every product's input a multiple of 32, a CPU with AMX-BF16); None for `on` only asks.
+// quantized model on a CPU with AMX-INT8, or a bfloat16 model, every product's input a multiple of 32, on a CPU with
+// AMX-BF16); None for `on` only asks.
 const char *const TILES_ARGUMENTS[] = {"model", "on"};
 PyObject *tiles(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Named named(TILES_ARGUMENTS);
@@ -588,8 +590,9 @@ PyObject *tiles(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *k
 
 // quantized_product(format, packed, bias, x, out): out = x @ W + bias for one quantized layer, as a forward computes
 // it: format 1 (Q8_0) or 2 (Q4_0); packed: the uint8 packed layer (pack_quantized, 3-dimensional as it returns it);
-// bias: float32, the output columns padded to 16; x: float32 (rows, in); out: float32 (rows, out).
-const char *const QUANTIZED_PRODUCT[] = {"format", "packed", "bias", "x", "out"};
+// bias: float32, the output columns padded to 16; x: float32 (rows, in); out: float32 (rows, out); tiles: whether on
+// AMX's tiles (where the CPU has AMX-INT8; the same bits either way).
+const char *const QUANTIZED_PRODUCT[] = {"format", "packed", "bias", "x", "out", "tiles"};
 PyObject *quantized_product_of(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Named named(QUANTIZED_PRODUCT);
     Array packed, bias, x, out;
@@ -598,7 +601,8 @@ PyObject *quantized_product_of(PyObject *, PyObject *const *args, Py_ssize_t nar
         || !out.open(named["out"], "out", "f", 4, 2, false, true))
         return nullptr;
     const int64_t format = PyLong_AsLongLong(named["format"]);
-    if (PyErr_Occurred()) return nullptr;
+    const int tiles = PyObject_IsTrue(named["tiles"]);
+    if (PyErr_Occurred() || tiles < 0) return nullptr;
     const int64_t rows = x.size(0), in = x.size(1), columns = out.size(1);
     if ((format != Q8_0 && format != Q4_0) || !quantized_supported() || in % QUANT_BLOCK || out.size(0) != rows
         || packed.count() != quantized_bytes(format, in, columns) || bias.count() != (columns + 15) / 16 * 16) {
@@ -607,7 +611,7 @@ PyObject *quantized_product_of(PyObject *, PyObject *const *args, Py_ssize_t nar
         return nullptr;
     }
     quantized_product(format, x.data<const float>(), QuantizedLinear{packed.data<const uint8_t>(), bias.data<const float>(), in, columns},
-                      out.data<float>(), rows, PARALLEL_WORK);
+                      out.data<float>(), rows, PARALLEL_WORK, tiles && tiles_granted(INT8_TILES));
     Py_RETURN_NONE;
 }
 

@@ -270,17 +270,21 @@ using TiledColumns = void (*)(const bf16 *, const Linear<bf16> &, float *, int64
 constexpr TiledColumns TILED[4] = {tiled_columns<1>, tiled_columns<2>, tiled_columns<3>, tiled_columns<4>};
 #endif
 
-// Whether this process may use AMX's tiles: the CPU has them and Linux granted their state (asked once).
-bool tiles_granted() {
+enum TileProducts { BF16_TILES, INT8_TILES };
+
+// Whether this process may use AMX's tiles for `products` (AMX-BF16's or AMX-INT8's): the CPU has them and Linux
+// granted the tiles' state (asked once).
+bool tiles_granted(TileProducts products = BF16_TILES) {
 #if TILES_BUILD
     static const bool granted = [] {
         __builtin_cpu_init();
-        if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+        if (!__builtin_cpu_supports("amx-tile")) return false;
         constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
         return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }();
-    return granted;
+    return granted && (products == BF16_TILES ? __builtin_cpu_supports("amx-bf16") : __builtin_cpu_supports("amx-int8"));
 #else
+    (void)products;
     return false;
 #endif
 }

@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "products.h"
 #include "vectors.h"
 
 #ifdef FORWARD_AVX512
@@ -264,23 +265,159 @@ void quantized_columns(const QuantizedRows &x, const QuantizedLinear &w, float *
     }
 }
 
+#if TILES_BUILD
+#define INT8_TILES_TARGET \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma,f16c,amx-tile,amx-int8")))
+
+// The same products on AMX's tile unit, where the CPU has AMX-INT8: a group's lines are the tile B that TDPBSSD
+// reads (8 rows of the 16 columns' 4 values for 4 inputs; Q4_0's nibbles first set one to a byte, the 16 low
+// ones' lines then the 16 high ones', for TDPBSUD), the rows' values for the group's 32 inputs the tile A (up to 16
+// rows), each block's int32 sums a tile C. Integer sums are exact: a row's products are bit for bit those of the
+// dot products above, whichever runs. Tiles 0-3 hold the sums of 4 blocks, tile 4 the rows, tiles 5-7 weights.
+INT8_TILES_TARGET void configure_int8_tiles(int64_t rows) {
+    TileConfig config{};
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.bytes_a_row[t] = t == 4 ? QUANT_BLOCK : 64;
+        config.rows[t] = static_cast<uint8_t>(t < 5 ? rows : 8);
+    }
+    _tile_loadconfig(&config);
+}
+
+// A group's 8 lines of weights as tile B reads them: Q8_0's as packed; Q4_0's unpacked into `room`, one value a byte
+template <int F>
+INT8_TILES_TARGET const uint8_t *weight_lines(const uint8_t *group, uint8_t *room) {
+    if constexpr (F == Q8_0) {
+        return group + 32;
+    } else {
+        for (int m = 0; m < LINES<F>; m++) {
+            const __m512i line = _mm512_loadu_si512(group + 32 + 64 * m);
+            _mm512_store_si512(room + 64 * m, low_nibbles(line));
+            _mm512_store_si512(room + 64 * (LINES<F> + m), high_nibbles(line));
+        }
+        return room;
+    }
+}
+
+// Block J's sums over a group into tile J, its weights (`lines`) in tile W (the instructions name tiles by number)
+#define INT8_TILE_SUMS(J, W, lines)                                                 \
+    do {                                                                            \
+        _tile_zero(J);                                                              \
+        _tile_loadd(W, lines, 64);                                                  \
+        if constexpr (F == Q8_0) _tile_dpbssd(J, 4, W); else _tile_dpbsud(J, 4, W); \
+    } while (0)
+
+// y (rows x out) = x @ W + bias over B blocks of 16 columns from block b0, 16 rows at a time (the tiles configured
+// for `configured` rows; set again for fewer): each group's int32 sums from the tiles, then scaled and added to the
+// float32 sums as quantized_tile does. The tiles sum a group while the vector units scale the group before (its sums
+// stored a group earlier, so that they are in memory when read), and Q4_0's weights are unpacked a group ahead.
+template <int F, int B>
+INT8_TILES_TARGET void tiled_quantized_columns(const QuantizedRows &x, const QuantizedLinear &w, float *y, int64_t rows,
+                                               int64_t b0, int64_t &configured) {
+    const int64_t groups = w.in / QUANT_BLOCK;
+    const uint8_t *blocks[B];
+    for (int j = 0; j < B; j++) blocks[j] = w.packed + (b0 + j) * groups * GROUP_BYTES<F>;
+    alignas(64) int32_t sums[2][B][16 * 16];  // a group's, by its parity
+    alignas(64) uint8_t room[2][B][8 * 64];   // Q4_0's unpacked lines, by the group's parity
+    alignas(64) float acc[16][B * 16];
+    const uint8_t *lines[2][B];
+    const auto unpack = [&](int64_t g) INT8_TILES_TARGET {
+        for (int j = 0; j < B; j++) lines[g % 2][j] = weight_lines<F>(blocks[j] + g * GROUP_BYTES<F>, room[g % 2][j]);
+    };
+    // the float32 sums of group g's block sums (tile-stored at sums[g % 2])
+    const auto scale = [&](int64_t r0, int64_t m, int64_t g) INT8_TILES_TARGET {
+        Vec scales[B];
+        for (int j = 0; j < B; j++) scales[j] = block_scales(blocks[j] + g * GROUP_BYTES<F>, 0);
+        for (int64_t r = 0; r < m; r++) {
+            const int64_t block = (r0 + r) * groups + g;
+            const Vec row_scale = splat(x.scales[block]);
+            const Ints row_offset = splat_int(F == Q8_0 ? 0 : 8 * x.sums[block]);
+            for (int j = 0; j < B; j++) {
+                const Ints exact = sub_ints(_mm512_load_si512(sums[g % 2][j] + 16 * r), row_offset);
+                store(acc[r] + 16 * j, fma(to_floats(exact), mul(scales[j], row_scale), load(acc[r] + 16 * j)));
+            }
+        }
+    };
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t m = std::min<int64_t>(16, rows - r0);
+        if (m != configured) configure_int8_tiles(configured = m);
+        for (int64_t r = 0; r < m; r++)
+            for (int j = 0; j < B; j++) store(acc[r] + 16 * j, load(w.bias + (b0 + j) * 16));
+        unpack(0);
+        for (int64_t g = 0; g < groups; g++) {
+            if (g + PREFETCH_GROUPS < groups)
+                for (int j = 0; j < B; j++)
+                    for (int64_t line = 0; line < GROUP_BYTES<F>; line += 64)
+                        _mm_prefetch(reinterpret_cast<const char *>(blocks[j] + (g + PREFETCH_GROUPS) * GROUP_BYTES<F> + line), _MM_HINT_T0);
+            _tile_loadd(4, x.values.data() + r0 * x.in + g * QUANT_BLOCK, x.in);
+            INT8_TILE_SUMS(0, 5, lines[g % 2][0]);
+            if constexpr (B > 1) INT8_TILE_SUMS(1, 6, lines[g % 2][1]);
+            if constexpr (B > 2) INT8_TILE_SUMS(2, 7, lines[g % 2][2]);
+            if constexpr (B > 3) INT8_TILE_SUMS(3, 5, lines[g % 2][3]);
+            if (g + 1 < groups) unpack(g + 1);
+            if (g > 0) scale(r0, m, g - 1);
+            _tile_stored(0, sums[g % 2][0], 64);
+            if constexpr (B > 1) _tile_stored(1, sums[g % 2][1], 64);
+            if constexpr (B > 2) _tile_stored(2, sums[g % 2][2], 64);
+            if constexpr (B > 3) _tile_stored(3, sums[g % 2][3], 64);
+        }
+        scale(r0, m, groups - 1);
+        for (int64_t r = 0; r < m; r++)
+            for (int j = 0; j < B; j++) {
+                const int64_t column = (b0 + j) * 16;
+                store(y + (r0 + r) * w.out + column, load(acc[r] + 16 * j), w.out - column);
+            }
+    }
+}
+#undef INT8_TILE_SUMS
+
+template <int F>
+using TiledQuantizedColumns = void (*)(const QuantizedRows &, const QuantizedLinear &, float *, int64_t, int64_t, int64_t &);
+template <int F>
+constexpr TiledQuantizedColumns<F> TILED_QUANTIZED[4] = {tiled_quantized_columns<F, 1>, tiled_quantized_columns<F, 2>,
+                                                         tiled_quantized_columns<F, 3>, tiled_quantized_columns<F, 4>};
+#endif
+
+// The fewest rows whose products run on AMX's tiles where a quantized model's do: a call of fewer reads its weights
+// from memory sooner as dot products, whose sums are the same (measured: decode.bench_engine on a Q8_0 and a Q4_0
+// model, docs/profiling.md)
+constexpr int64_t QUANTIZED_TILE_ROWS = 8;
+
+// y over the column groups first..last (64 columns each) of W in format F, on AMX's tiles with `tiles`
+template <int F>
+void quantized_groups(const QuantizedRows &x, const QuantizedLinear &w, float *y, int64_t rows, int64_t first,
+                      int64_t last, bool tiles) {
+#if TILES_BUILD
+    if (tiles) {
+        int64_t configured = 0;
+        for (int64_t g = first; g < last; g++)
+            TILED_QUANTIZED<F>[std::min<int64_t>(4, (w.out + 15) / 16 - 4 * g) - 1](x, w, y, rows, 4 * g, configured);
+        release_tiles();
+        return;
+    }
+#else
+    (void)tiles;
+#endif
+    for (int64_t g = first; g < last; g++) quantized_columns<F>(x, w, y, rows, 4 * g);
+}
+
 // y (rows x out, float32) = x (rows x in, the model's dtype) @ W + bias, W in `format`: the rows quantized once, the
-// column groups split among torch's threads as the other products' are.
+// column groups split among torch's threads as the other products' are; on AMX's tiles with `tiles`
+// (tiles_granted(INT8_TILES)) from QUANTIZED_TILE_ROWS rows on, with the same bits.
 template <typename T>
 void quantized_product(int64_t format, const T *input, const QuantizedLinear &w, float *y, int64_t rows,
-                       int64_t parallel_work) {
+                       int64_t parallel_work, bool tiles) {
     static thread_local QuantizedRows room;
     QuantizedRows &x = room;  // the caller's: a thread_local named in the lambda would be each worker thread's own
     quantize_rows(input, rows, w.in, x);
     const int64_t groups = (w.out + 63) / 64;
     const int64_t grain = rows * w.in * w.out >= parallel_work ? 1 : groups;
+    const bool tiled = tiles && rows >= QUANTIZED_TILE_ROWS;
     at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
-        for (int64_t g = first; g < last; g++) {
-            if (format == Q8_0)
-                quantized_columns<Q8_0>(x, w, y, rows, 4 * g);
-            else
-                quantized_columns<Q4_0>(x, w, y, rows, 4 * g);
-        }
+        if (format == Q8_0)
+            quantized_groups<Q8_0>(x, w, y, rows, first, last, tiled);
+        else
+            quantized_groups<Q4_0>(x, w, y, rows, first, last, tiled);
     });
 }
 
