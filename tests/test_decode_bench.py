@@ -404,6 +404,22 @@ def test_a_llama_server_older_than_the_peers_flags_is_refused_in_a_line_naming_i
     assert "version 1234 (deadbee)" in error[0] and "lacks --spec-type" in error[0] and "cmake" in error[0]
 
 
+def test_a_llama_server_that_exits_at_start_is_reported_in_a_line_with_what_it_said(bpe_run, tmp_path, capsys,
+                                                                                    monkeypatch):
+    failing = tmp_path / "llama-server"
+    failing.write_text('#!/bin/sh\ncase "$1" in --version) echo "version: 1234 (deadbee)";; --help) echo "--model";; '
+                       '*) echo "error: the model file holds a tensor type this build cannot read"; exit 1;; esac\n')
+    failing.chmod(0o755)
+    monkeypatch.setenv(llama_server.SERVER_VARIABLE, str(failing))
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--run", str(bpe_run["run"]), "--prompts", str(bpe_run["prompts"]), "--limit", "1",
+                    "--max-new-tokens", "4", "--dtype", "float32", "--methods", "baseline,llamacpp-server"])
+    said = capsys.readouterr().err
+    error = said.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "Traceback" not in said
+    assert "did not start" in error and "a tensor type this build cannot read" in error
+
+
 @pytest.mark.parametrize("features, recorded", [
     ("AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | LLAMAFILE = 1 | OPENMP = 1", "for AVX2"),
     ("AVX = 1 | AVX2 = 1 | F16C = 1 | AVX512 = 1 | AVX512_VBMI = 0 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1",

@@ -129,10 +129,11 @@ class LlamaServer:
         deadline = time.monotonic() + STARTUP_SECONDS
         while not self.healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
+                said = self.log_tail()
                 self.close()
                 binary = server_binary() or "llama-server"
                 raise InputError(f"llama-server {' '.join(flags)} (version {server_version(binary)}) did not start: "
-                                 f"{self.log_tail()}")
+                                 f"{said}")
             time.sleep(0.2)
 
     def healthy(self) -> bool:
