@@ -435,6 +435,14 @@ def test_a_result_records_the_instructions_llama_cpp_was_built_for(tmp_path, fea
     assert llama_server.server_build(str(server)) == "1234 (deadbee)" + (f" {recorded}" if recorded else "")
 
 
+def test_a_result_records_the_settings_llama_server_reads_from_the_environment(tmp_path, monkeypatch):
+    server = tmp_path / "llama-server"
+    server.write_text('#!/bin/sh\ncase "$1" in --version) echo "version: 1234 (deadbee)";; esac\n')
+    server.chmod(0o755)
+    monkeypatch.setenv("LLAMA_ARG_REPACK", "0")
+    assert llama_server.server_build(str(server)) == "1234 (deadbee) with LLAMA_ARG_REPACK=0"
+
+
 @pytest.mark.processes
 def test_llamacpps_own_speculation_decodes_the_baselines_tokens(bpe_run, tmp_path, capsys):
     """llama.cpp's plain decoding, draft-model and n-gram speculation through llama-server, each speculation at the

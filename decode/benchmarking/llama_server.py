@@ -63,10 +63,13 @@ def server_version(binary: str) -> str:
 
 
 def server_build(binary: str) -> str:
-    """What a result records of llama.cpp's build: `llama-server --version`'s line and the widest instructions its CPU
-    backend was built for (llama.cpp picks them when it is compiled, not when it runs)."""
+    """What a result records of llama.cpp's build: `llama-server --version`'s line, the widest instructions its CPU
+    backend was built for (llama.cpp picks them when it is compiled, not when it runs), and the settings llama-server
+    reads from this environment (its LLAMA_ARG_* variables, e.g. LLAMA_ARG_REPACK=0 for --no-repack)."""
     instructions = cpu_instructions(binary)
-    return server_version(binary) + (f" for {', '.join(instructions)}" if instructions else "")
+    settings = sorted(f"{name}={value}" for name, value in os.environ.items() if name.startswith("LLAMA_ARG_"))
+    return (server_version(binary) + (f" for {', '.join(instructions)}" if instructions else "")
+            + (f" with {' '.join(settings)}" if settings else ""))
 
 
 def cpu_instructions(binary: str) -> list[str]:
