@@ -2,6 +2,7 @@
 versions of the libraries that do the work. Written into every result file; `decode.report` prints it."""
 import functools
 import importlib.metadata
+import os
 import shlex
 import subprocess
 import sys
@@ -29,9 +30,11 @@ def code_commit() -> str:
 
 def command_line(prog: str, argv: list[str] | None) -> str:
     """The command a result was made by, as a user types it: `prog` and its arguments (`argv`, else the process's),
-    after the environment setting that changes what it measures (STAGED_SPECULATIVE_CPU=avx2)."""
-    setting = f"{AS_CPU}=avx2 " if taken_as_avx2() else ""
-    return f"{setting}{prog} {shlex.join(sys.argv[1:] if argv is None else list(argv))}"
+    after the environment settings that change what it measures (STAGED_SPECULATIVE_CPU=avx2; llama-server's
+    LLAMA_ARG_* variables, which the llama.cpp peers' servers read)."""
+    settings = [f"{AS_CPU}=avx2"] if taken_as_avx2() else []
+    settings += sorted(f"{name}={shlex.quote(value)}" for name, value in os.environ.items() if name.startswith("LLAMA_ARG_"))
+    return " ".join([*settings, prog, shlex.join(sys.argv[1:] if argv is None else list(argv))])
 
 
 def provenance() -> dict[str, str]:

@@ -375,3 +375,5 @@ def test_a_cpu_taken_for_one_with_avx2_alone_runs_the_avx2_build_and_its_results
     monkeypatch.delenv(machine.AS_CPU)
     assert machine.cpu_flags() == machine.cpu_flags(actual=True) and "run with" not in devices.machine_name(cpu)
     assert provenance.command_line("python -m decode.bench", ["--limit", "5"]) == "python -m decode.bench --limit 5"
+    monkeypatch.setenv("LLAMA_ARG_REPACK", "0")  # a setting llama.cpp's peers read
+    assert provenance.command_line("python -m decode.bench", []) == "LLAMA_ARG_REPACK=0 python -m decode.bench "
