@@ -74,41 +74,6 @@ struct QuantizedRows {
     int64_t in = 0;
 };
 
-template <typename T>
-QUANTIZED_TARGET void quantize_rows(const T *x, int64_t rows, int64_t in, QuantizedRows &q) {
-    const int64_t blocks = in / QUANT_BLOCK;
-    q.in = in;
-    q.values.resize(rows * in);
-    q.scales.resize(rows * blocks);
-    q.sums.resize(rows * blocks);
-    alignas(64) float block[QUANT_BLOCK];
-    alignas(64) int32_t values[QUANT_BLOCK];
-    for (int64_t b = 0; b < rows * blocks; b++) {
-        if constexpr (std::is_same_v<T, float>)
-            std::memcpy(block, x + b * QUANT_BLOCK, sizeof block);
-        else
-            widen(x + b * QUANT_BLOCK, block, QUANT_BLOCK);
-        Vec magnitude = zeros();
-        for (int64_t k = 0; k < QUANT_BLOCK; k += LANES) magnitude = max(magnitude, max(load(block + k), sub(zeros(), load(block + k))));
-        const float scale = largest(magnitude) / 127, inverse = scale ? 1 / scale : 0;
-        for (int64_t k = 0; k < QUANT_BLOCK; k += LANES) {  // to nearest, ties to even (the default rounding mode)
-#ifdef FORWARD_AVX512
-            _mm512_store_si512(values + k, _mm512_cvtps_epi32(mul(load(block + k), splat(inverse))));
-#else
-            _mm256_store_si256(reinterpret_cast<__m256i *>(values + k), _mm256_cvtps_epi32(mul(load(block + k), splat(inverse))));
-#endif
-        }
-        int32_t sum = 0;
-        for (int64_t k = 0; k < QUANT_BLOCK; k++) {
-            const int32_t v = std::clamp(values[k], -127, 127);
-            sum += v;
-            q.values[b * QUANT_BLOCK + k] = static_cast<uint8_t>(v);
-        }
-        q.scales[b] = scale;
-        q.sums[b] = sum;
-    }
-}
-
 #ifdef FORWARD_AVX512
 using Ints = __m512i;
 constexpr int64_t INT_VECTORS_A_BLOCK = 1;
@@ -128,6 +93,17 @@ QUANTIZED_TARGET inline Ints splat4(const uint8_t *bytes) {
     return _mm512_set1_epi32(word);
 }
 QUANTIZED_TARGET inline Ints sub_ints(Ints a, Ints b) { return _mm512_sub_epi32(a, b); }
+QUANTIZED_TARGET inline Ints add_ints(Ints a, Ints b) { return _mm512_add_epi32(a, b); }
+QUANTIZED_TARGET inline int32_t int_sum(Ints v) { return _mm512_reduce_add_epi32(v); }
+// round(x * inverse) (to nearest, ties to even: the default rounding mode), within [-127, 127]
+QUANTIZED_TARGET inline Ints row_values(Vec x, Vec inverse) {
+    return _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(mul(x, inverse)), _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+}
+// A block's 32 values (2 vectors of int32) as bytes
+QUANTIZED_TARGET inline void store_bytes(const Ints *v, uint8_t *out) {
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(out), _mm512_cvtepi32_epi8(v[0]));
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(out + 16), _mm512_cvtepi32_epi8(v[1]));
+}
 QUANTIZED_TARGET inline Ints splat_int(int32_t v) { return _mm512_set1_epi32(v); }
 QUANTIZED_TARGET inline __m512 to_floats(Ints v) { return _mm512_cvtepi32_ps(v); }
 // A Q8_0 line as q8_dot's weights operand: each value v as v + 128, VPDPBUSD's unsigned operand (one XOR a line,
@@ -161,6 +137,21 @@ QUANTIZED_TARGET inline Ints splat4(const uint8_t *bytes) {
     return _mm256_set1_epi32(word);
 }
 QUANTIZED_TARGET inline Ints sub_ints(Ints a, Ints b) { return _mm256_sub_epi32(a, b); }
+QUANTIZED_TARGET inline Ints add_ints(Ints a, Ints b) { return _mm256_add_epi32(a, b); }
+QUANTIZED_TARGET inline int32_t int_sum(Ints v) {
+    const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i quarter = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 0xb1)));
+}
+QUANTIZED_TARGET inline Ints row_values(Vec x, Vec inverse) {
+    return _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(mul(x, inverse)), _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+}
+// A block's 32 values (4 vectors of int32) as bytes: the saturating packs (exact within [-127, 127]) interleave the
+// 128-bit halves, 4 bytes of one vector at a time, which the permutation puts back in order
+QUANTIZED_TARGET inline void store_bytes(const Ints *v, uint8_t *out) {
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(out), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
 QUANTIZED_TARGET inline Ints splat_int(int32_t v) { return _mm256_set1_epi32(v); }
 QUANTIZED_TARGET inline __m256 to_floats(Ints v) { return _mm256_cvtepi32_ps(v); }
 QUANTIZED_TARGET inline Ints q8_weights(Ints line) { return line; }
@@ -170,6 +161,33 @@ QUANTIZED_TARGET inline Ints q8_dot(Ints sums, Ints row, Ints weights) {
 }
 constexpr int32_t Q8_OFFSET = 0;
 #endif
+
+template <typename T>
+QUANTIZED_TARGET void quantize_rows(const T *x, int64_t rows, int64_t in, QuantizedRows &q) {
+    const int64_t blocks = in / QUANT_BLOCK;
+    q.in = in;
+    q.values.resize(rows * in);
+    q.scales.resize(rows * blocks);
+    q.sums.resize(rows * blocks);
+    alignas(64) float block[QUANT_BLOCK];
+    for (int64_t b = 0; b < rows * blocks; b++) {
+        if constexpr (std::is_same_v<T, float>)
+            std::memcpy(block, x + b * QUANT_BLOCK, sizeof block);
+        else
+            widen(x + b * QUANT_BLOCK, block, QUANT_BLOCK);
+        Vec magnitude = zeros();
+        for (int64_t k = 0; k < QUANT_BLOCK; k += LANES) magnitude = max(magnitude, max(load(block + k), sub(zeros(), load(block + k))));
+        const float scale = largest(magnitude) / 127, inverse = scale ? 1 / scale : 0;
+        Ints values[QUANT_BLOCK / LANES], sum = int_zeros();
+        for (int64_t k = 0; k < QUANT_BLOCK / LANES; k++) {
+            values[k] = row_values(load(block + k * LANES), splat(inverse));
+            sum = add_ints(sum, values[k]);
+        }
+        store_bytes(values, q.values.data() + b * QUANT_BLOCK);
+        q.scales[b] = scale;
+        q.sums[b] = int_sum(sum);
+    }
+}
 
 // y (R rows x B blocks of 16 columns from block b0) = x @ W + bias: for each group of 32 inputs, the int32 dot
 // products of every row with each column's values (each line loaded once for the R rows), less the offset the
