@@ -28,12 +28,18 @@ def code_commit() -> str:
     return commit + ("-dirty" if dirty else "")
 
 
+def llama_server_settings() -> list[str]:
+    """The settings llama-server reads from this environment (its LLAMA_ARG_* variables, e.g. LLAMA_ARG_REPACK=0 for
+    --no-repack), as NAME=value, quoted for a shell."""
+    return sorted(f"{name}={shlex.quote(value)}" for name, value in os.environ.items() if name.startswith("LLAMA_ARG_"))
+
+
 def command_line(prog: str, argv: list[str] | None) -> str:
     """The command a result was made by, as a user types it: `prog` and its arguments (`argv`, else the process's),
     after the environment settings that change what it measures (STAGED_SPECULATIVE_CPU=avx2; llama-server's
     LLAMA_ARG_* variables, which the llama.cpp peers' servers read)."""
     settings = [f"{AS_CPU}=avx2"] if taken_as_avx2() else []
-    settings += sorted(f"{name}={shlex.quote(value)}" for name, value in os.environ.items() if name.startswith("LLAMA_ARG_"))
+    settings += llama_server_settings()
     return " ".join([*settings, prog, shlex.join(sys.argv[1:] if argv is None else list(argv))])
 
 

@@ -87,6 +87,15 @@ def product_reference(x: torch.Tensor, matrix: QuantizedMatrix, bias: torch.Tens
 BUILDS_HERE = [name for name, (_, needs) in native.FORWARD_BUILDS.items() if needs <= cpu_flags()]
 
 
+def cpp_product(module, matrix: QuantizedMatrix, bias: torch.Tensor, x: torch.Tensor, tiles: bool = False
+                ) -> torch.Tensor:
+    """x @ W + bias by a forward build's quantized product (on AMX's tiles with `tiles`), W's columns only."""
+    out = torch.empty(len(x), matrix.shape[0])
+    module.quantized_product(format=matrix.format.code, packed=native.pack_quantized(matrix).numpy(),
+                             bias=bias.numpy(), x=x.numpy(), out=out.numpy(), tiles=tiles)
+    return out
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_packing_a_matrix_allocates_its_packed_bytes_and_nothing_else(fmt):
     # a load packs each matrix while it keeps those packed before: a temporary a matrix, freed between them, would
@@ -110,18 +119,10 @@ def test_each_builds_products_over_blocks_equal_a_float64_reference(build, fmt):
     x[0, :32], x[1, 5] = 0, 400  # a block of zeros; a block whose other values round to few steps
     matrix, bias = QuantizedMatrix.quantize(w, FORMATS[fmt]), torch.zeros(80)
     bias[:75] = torch.randn(75, generator=generator)
-    packed = native.pack_quantized(matrix).numpy()
-
-    def product(rows: torch.Tensor, tiles: bool = False) -> torch.Tensor:
-        out = torch.empty(len(rows), 75)
-        module.quantized_product(format=FORMATS[fmt].code, packed=packed, bias=bias.numpy(), x=rows.numpy(),
-                                 out=out.numpy(), tiles=tiles)
-        return out
-
-    out = product(x)
+    out = cpp_product(module, matrix, bias, x)
     reference = product_reference(x, matrix, bias[:75])
     assert (out.double() - reference).abs().max() <= 1e-6 * reference.abs().max()  # float32's rounding of the sums
-    assert torch.equal(product(x[4:5])[0], out[4])
+    assert torch.equal(cpp_product(module, matrix, bias, x[4:5])[0], out[4])
 
 
 @pytest.mark.skipif(not compiler_found(), reason="no C++ compiler or ninja here")
@@ -134,11 +135,7 @@ def test_products_on_amx_tiles_are_bit_for_bit_the_dot_products(fmt, rows):
     w, x = torch.randn(200, 320, generator=generator), torch.randn(rows, 320, generator=generator) * 3
     x[0, 32:64] = 0
     matrix, bias = QuantizedMatrix.quantize(w, FORMATS[fmt]), torch.randn(208, generator=generator)
-    packed = native.pack_quantized(matrix).numpy()
-    out = {tiles: torch.empty(rows, 200) for tiles in (False, True)}
-    for tiles, product in out.items():
-        module.quantized_product(format=FORMATS[fmt].code, packed=packed, bias=bias.numpy(), x=x.numpy(),
-                                 out=product.numpy(), tiles=tiles)
+    out = {tiles: cpp_product(module, matrix, bias, x, tiles) for tiles in (False, True)}
     assert torch.equal(out[True], out[False])
     reference = product_reference(x, matrix, bias[:200])
     assert (out[True].double() - reference).abs().max() <= 1e-6 * reference.abs().max()

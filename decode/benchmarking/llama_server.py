@@ -21,6 +21,7 @@ from pathlib import Path
 from decode.errors import InputError
 from decode.healing import Prompt
 from decode.loop import Generation
+from decode.provenance import llama_server_settings
 from decode.sampling import Sampling
 
 SERVER_PEERS = ("llamacpp-server", "llamacpp-draft", "llamacpp-ngram")
@@ -65,9 +66,9 @@ def server_version(binary: str) -> str:
 def server_build(binary: str) -> str:
     """What a result records of llama.cpp's build: `llama-server --version`'s line, the widest instructions its CPU
     backend was built for (llama.cpp picks them when it is compiled, not when it runs), and the settings llama-server
-    reads from this environment (its LLAMA_ARG_* variables, e.g. LLAMA_ARG_REPACK=0 for --no-repack)."""
+    reads from this environment (decode.provenance.llama_server_settings)."""
     instructions = cpu_instructions(binary)
-    settings = sorted(f"{name}={value}" for name, value in os.environ.items() if name.startswith("LLAMA_ARG_"))
+    settings = llama_server_settings()
     return (server_version(binary) + (f" for {', '.join(instructions)}" if instructions else "")
             + (f" with {' '.join(settings)}" if settings else ""))
 

@@ -135,8 +135,8 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < n_embd; i++)
             x[r * n_embd + i] = to_float(wte[a.ids[r] * n_embd + i]) + (wpe ? to_float(wpe[a.positions[r] * n_embd + i]) : 0.0f);
-    // AMX's tiles where asked for and granted (every product's input a multiple of 32 elements)
-    const bool tiles = m.tiles && m.tileable();
+    // AMX's tiles where asked for (tiles() sets them only where tileable())
+    const bool tiles = m.tiles;
     for (int64_t l = 0; l < m.layers; l++) {
         const Model::Block &b = m.blocks[l];
         normalize(m, x.data(), b.norm_1, normed.data(), rows);
