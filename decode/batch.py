@@ -1,7 +1,8 @@
 """Many sequences decoding at once. Each decodes on a decoder of its own over forks of the same loaded models
 (`CachedLM.fork`: the weights shared, a cache each; `Decoder.over`), and every step runs each sequence's oracle
-forward as one call (decode.models.together), which reads the weights once for all of them. A sequence's draft still
-drafts alone.
+forward as one call (decode.models.together), which reads the weights once for all of them; the sequences whose
+drafters draft a chain of the draft model's in one call (the plans' choice on a CPU) draft theirs together the same
+way, a forward of every chain a draft step. Other drafters draft alone.
 
 A sequence is its loop's coroutine (decode.loop) driven by the batch instead of by `loop.alone`: the same code,
 the same random draws from its own generator, and logits bit for bit those it gets alone, so its output is what it
@@ -9,25 +10,31 @@ gets decoding alone, greedy or sampled. Sequences join and leave between steps; 
 C++ call's chunk a step (CachedLM.pieces), beside the others' trees.
 """
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from decode import loop
+from decode.drafting import Proposal
 from decode.healing import Prompt
-from decode.models.cached_lm import CachedLM, Call
-from decode.models.together import run_together
+from decode.models.cached_lm import CachedLM, Call, ChainCall
+from decode.models.together import chain_together, run_together
 from decode.sampling import Sampling
+from decode.tree import Tree
 
 if TYPE_CHECKING:
     from decode.decoder import Decoder
+
+T = TypeVar("T")
 
 
 @dataclass
 class Sequence:
     decoder: "Decoder"  # a fork of the decoder it joined with
     calls: loop.Calls
+    proposal: Proposal | None = None  # the tree it waits for
     asked: deque[Call] = field(default_factory=deque)  # the oracle forward it waits for, as its pieces yet to run
     scored: list[torch.Tensor] = field(default_factory=list)  # the logits of its pieces run so far
     ready: deque[loop.Generation] = field(default_factory=deque)  # its Generations since its reader last read it
@@ -98,12 +105,19 @@ class Batch:
                 self.spare[id(model)].append(fork)
 
     def step(self) -> None:
-        """Every sequence drafts (up to its next oracle call), then one oracle forward scores all their calls: the
-        next piece of each (a long prompt's chunks one a step, so that a request joining does not hold the others
-        for the whole of its prompt)."""
+        """Every sequence drafts (up to its next oracle call; their draft chains together), then one oracle forward
+        scores all their calls: the next piece of each (a long prompt's chunks one a step, so that a request joining
+        does not hold the others for the whole of its prompt)."""
         for sequence in self.sequences:
-            if not sequence.asked and not sequence.done:
+            if not sequence.asked and sequence.proposal is None and not sequence.done:
                 advance(sequence, None)
+        proposing = [(s, s.proposal) for s in self.sequences if s.proposal is not None]
+        for (sequence, _), tree in zip(proposing, propose_together([proposal for _, proposal in proposing])):
+            sequence.proposal = None
+            if isinstance(tree, Exception):
+                sequence.failure, sequence.done = tree, True
+            else:
+                advance(sequence, tree)
         waiting = [(s, s.asked[0]) for s in self.sequences if s.asked]
         if not waiting:
             return
@@ -120,17 +134,46 @@ class Batch:
                 advance(sequence, logits)
 
 
-def advance(sequence: Sequence, logits) -> None:
-    """Run a sequence's coroutine on to what it asks next: a forward (kept as `asked`, in its pieces) or its end; a
-    Generation on the way is ready for its reader."""
+def advance(sequence: Sequence, answer) -> None:
+    """Run a sequence's coroutine on to what it asks next: a tree (kept as `proposal`), a forward (kept as `asked`, in
+    its pieces) or its end; a Generation on the way is ready for its reader."""
     try:
-        asked = loop.resume(sequence.calls, logits)
+        asked = loop.resume(sequence.calls, answer)
     except Exception as failure:  # its own, kept for its reader
         sequence.failure, sequence.done = failure, True
         return
     if asked is None:
         sequence.done = True
+    elif isinstance(asked, Proposal):
+        sequence.proposal = asked
     elif isinstance(asked, Call):
         sequence.asked.extend(sequence.decoder.oracle.pieces(asked))
     else:
         sequence.ready.append(asked)
+
+
+def propose_together(proposals: list[Proposal]) -> list[Tree | Exception]:
+    """Each proposal's tree, as its `run` gives it, or the exception raised making it: the drafters that draft a chain
+    of their draft model's in one call ask for it (Drafter.chain_call), and those chains run together
+    (decode.models.together); the others propose alone."""
+    calls = [attempt(p.drafter.chain_call, p.tokens, p.max_depth, p.sampling, p.generator) for p in proposals]
+    chosen = iter(chain_together([call for call in calls if isinstance(call, ChainCall)]))
+    trees: list[Tree | Exception] = []
+    for proposal, call in zip(proposals, calls):
+        if isinstance(call, Exception):
+            trees.append(call)
+        elif call is None:
+            trees.append(attempt(proposal.run))
+        elif isinstance(answer := next(chosen), Exception):
+            trees.append(answer)
+        else:
+            trees.append(attempt(proposal.drafter.chained, call, answer))
+    return trees
+
+
+def attempt(make: Callable[..., T], *args) -> T | Exception:
+    """What `make(*args)` returns, or the exception it raises."""
+    try:
+        return make(*args)
+    except Exception as failure:
+        return failure

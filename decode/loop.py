@@ -2,23 +2,26 @@
 drafted tokens (a chain is the one-branch tree of standard speculative decoding). Both keep the same invariant:
 a model's cache holds every token of the sequence but the last, which it has not seen yet.
 
-Each loop is written once, as a coroutine (`*_calls`) that yields each forward it needs of the oracle as a Call,
-is sent its logits, and yields its Generation after every oracle call. `alone` runs one sequence's calls one by one
-(`*_steps`: a generator of Generations, so a caller can stream the tokens as they are accepted); decode.batch runs
-several sequences' calls together. `baseline`, `tree_speculative` and `speculative` run one to the end. The tools
+Each loop is written once, as a coroutine (`*_calls`) that yields each forward it needs of the oracle as a Call and
+is sent its logits, yields each tree it needs of its drafter as a Proposal and is sent the tree, and yields its
+Generation after every oracle call. `alone` runs one sequence's calls one by one (`*_steps`: a generator of
+Generations, so a caller can stream the tokens as they are accepted); decode.batch runs several sequences' calls
+together. `baseline`, `tree_speculative` and `speculative` run one to the end. The tools
 that time a step's parts wrap what the loop is given (decode.timing.steps): the loop itself times nothing.
 Both read their random draws from the `generator` they are given through one `Uniforms`, a block at a time.
 """
 from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from decode.drafting import ChainDrafter, Drafter
+from decode.drafting import ChainDrafter, Drafter, Proposal
 from decode.healing import constrain_first
 from decode.models.cached_lm import CachedLM, Call
 from decode.sampling import Sampling, Uniforms
 from decode.tensors import long_tensor
+from decode.tree import Tree
 from decode.verify import Target
 
 
@@ -38,28 +41,31 @@ class Generation:
         return False
 
 
-# A loop's coroutine: sent each Call's logits, and resumed with next() after each Generation
-Calls = Generator["Call | Generation", torch.Tensor, None]
+# A loop's coroutine: sent each Call's logits and each Proposal's tree, and resumed with next() after each Generation
+Calls = Generator["Call | Proposal | Generation", Any, None]
 Steps = Generator[Generation, None, None]  # a loop's Generations, one after each oracle call
 
 
-def resume(calls: Calls, logits: torch.Tensor | None) -> "Call | Generation | None":
-    """What a loop's coroutine asks or yields next, sent the logits of the Call it asked for (None: after a
-    Generation, or to start it); None once it has ended."""
+def resume(calls: Calls, answer: "torch.Tensor | Tree | None") -> "Call | Proposal | Generation | None":
+    """What a loop's coroutine asks or yields next, sent the answer to what it asked (a Call's logits, a Proposal's
+    tree; None: after a Generation, or to start it); None once it has ended."""
     try:
-        return next(calls) if logits is None else calls.send(logits)
+        return next(calls) if answer is None else calls.send(answer)
     except StopIteration:
         return None
 
 
 def alone(run: Callable[[Call], torch.Tensor], calls: Calls) -> Steps:
-    """A loop's Generations, each of its oracle calls run as it asks (`run`: the oracle's `run`)."""
-    logits = None
-    while (asked := resume(calls, logits)) is not None:
+    """A loop's Generations, each of its oracle calls run as it asks (`run`: the oracle's `run`), each proposal
+    proposed by its drafter."""
+    answer: torch.Tensor | Tree | None = None
+    while (asked := resume(calls, answer)) is not None:
         if isinstance(asked, Call):
-            logits = run(asked)
+            answer = run(asked)
+        elif isinstance(asked, Proposal):
+            answer = asked.run()
         else:
-            logits = None
+            answer = None
             yield asked
 
 
@@ -103,7 +109,7 @@ def tree_speculative_calls(oracle: CachedLM, prompt: torch.Tensor, max_new_token
         yield Call(prompt[:-1], last=0, extend=True)
         out.oracle_calls += 1
     while True:
-        tree = drafter.propose(tokens, max_new_tokens - len(out.tokens) - 1, sampling, uniforms)
+        tree = yield Proposal(drafter, tokens, max_new_tokens - len(out.tokens) - 1, sampling, uniforms)
         cached = oracle.length
         logits = yield Call(tree.tokens, tree.positions(cached), tree.mask(oracle.device))
         logits, allowed = constrain_first(logits, allowed), None  # the root's row of the first step only

@@ -14,8 +14,8 @@ from decode import SpeculativeDecoder, native
 from decode.batch import Batch
 from decode.errors import InputError
 from decode.healing import Prompt
-from decode.models.cached_lm import Call
-from decode.models.together import run_together
+from decode.models.cached_lm import Call, ChainCall
+from decode.models.together import chain_together, run_together
 from decode.planning.concurrency import fitting_batch
 from decode.sampling import Sampling
 from decode.timing.steps import Hooks
@@ -75,6 +75,59 @@ def test_a_long_prompt_read_a_chunk_a_step_beside_other_sequences_gets_the_bits_
         other.commit([0])
     assert torch.equal(torch.cat(scored), expected) and reading.length == alone.length == len(prompt.token_ids)
     assert torch.equal(reading.kv.cache[..., : alone.length, :], alone.kv.cache[..., : alone.length, :])
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_several_sequences_draft_chains_in_one_call_each_getting_what_it_gets_alone(built, tmp_path, architecture,
+                                                                                   monkeypatch):
+    """Chains of a draft's forwards, several sequences' at once (a greedy one, two under top-k settings, of different
+    lengths): each sequence's tokens, distributions and cache are those its chain gives it alone."""
+    engine = engine_in_cpp(tiny_model(architecture, tmp_path / "model", 4), "bfloat16", tiles=False)
+    rng = random.Random(2)
+    settings, steps = [Sampling(), Sampling(1.0, 5), Sampling(0.8, 12, 0.9)], [4, 2, 6]
+    fed = [[rng.randrange(97) for _ in range(n)] for n in (5, 1, 9)]
+    together, alone = [engine.fork() for _ in fed], [engine.fork() for _ in fed]
+    parts = []
+    inner = engine.runtime.blocks.chains
+    monkeypatch.setattr(engine.runtime.blocks, "chains", lambda asked, shortlist: parts.append(len(asked))
+                        or inner(asked, shortlist))
+
+    def chain_calls(models, fed, draws):
+        return [ChainCall(model, tokens, list(range(model.length, model.length + len(tokens))), k, setting, uniforms)
+                for model, tokens, k, setting, uniforms in zip(models, fed, steps, settings, draws)]
+
+    for _ in range(2):  # from empty caches, then after each kept part of its chain
+        draws = [[] if setting.greedy else [rng.random() for _ in range(k)] for setting, k in zip(settings, steps)]
+        got = chain_together(chain_calls(together, fed, draws))
+        parts_before = len(parts)
+        expected = [call.run() for call in chain_calls(alone, fed, draws)]
+        assert len(parts) == parts_before + len(alone)  # each alone: a call of one part
+        assert got == expected and all(len(tokens) == k for (tokens, _), k in zip(got, steps))
+        assert [dists is None for _, dists in got] == [setting.greedy for setting in settings]
+        for model, reference, (tokens, _) in zip(together, alone, got):
+            assert (model.length, model.pending) == (reference.length, reference.pending)
+            end = model.length + model.pending
+            assert torch.equal(model.kv.cache[..., :end, :], reference.kv.cache[..., :end, :])
+            keep = list(range(model.pending - 2))
+            model.commit(keep)
+            reference.commit(keep)
+        fed = [[tokens[-2]] for tokens, _ in got]
+    assert parts == [3, 1, 1, 1, 3, 1, 1, 1]
+
+
+def test_the_sequences_of_a_batch_draft_their_chains_together(bpe_run, monkeypatch):
+    dec = SpeculativeDecoder.from_run(bpe_run["run"], method="speculative", k=4)
+    parts = []
+    inner = native.Blocks.chains
+    monkeypatch.setattr(native.Blocks, "chains", lambda self, asked, shortlist: parts.append(len(asked))
+                        or inner(self, asked, shortlist))
+    for sampling in ({}, SAMPLED):
+        together = dec.generate_batch(TEXTS, max_new_tokens=24, seed=3, **sampling)
+        assert max(parts) > 1  # the sequences in flight together (each joins as it is first read)
+        parts.clear()
+        assert [r.token_ids for r in together] == [dec.generate(t, max_new_tokens=24, seed=3, **sampling).token_ids
+                                                   for t in TEXTS]
+        assert parts and max(parts) == 1
 
 
 @pytest.fixture(scope="module")

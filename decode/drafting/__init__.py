@@ -11,7 +11,7 @@ says what a drafter does).
     ngram    NgramDrafter        the trigram alone, ranked by cumulative trigram probability
     lookup   LookupDrafter       the continuations of the current suffix's earlier occurrences in the context, no model
 """
-from decode.drafting.base import Drafter
+from decode.drafting.base import Drafter, Proposal
 from decode.drafting.chain import ChainDrafter
 from decode.drafting.context import LookupDrafter
 from decode.drafting.staged import StagedDrafter
@@ -19,5 +19,5 @@ from decode.drafting.staged_shape import StagedShapeDrafter
 from decode.drafting.trees import ShapedTreeDrafter, TreeDrafter
 from decode.drafting.trigram import NgramDrafter, TrigramTrees
 
-__all__ = ["ChainDrafter", "Drafter", "LookupDrafter", "NgramDrafter", "ShapedTreeDrafter",
+__all__ = ["ChainDrafter", "Drafter", "LookupDrafter", "NgramDrafter", "Proposal", "ShapedTreeDrafter",
            "StagedDrafter", "StagedShapeDrafter", "TreeDrafter", "TrigramTrees"]

@@ -3,6 +3,10 @@
     reset()                                     a new sequence follows
     propose(tokens, max_depth, sampling, rng)   a tree rooted at tokens[-1] for the oracle to verify (rng: the loop's
                                                 sampling.Uniforms, which a drafter that draws reads)
+    chain_call(tokens, max_depth, sampling, rng)
+                                                propose's first half, where its tree is one chain of the draft model's
+                                                forwards: the ChainCall (None: propose drafts it otherwise)
+    chained(call, chosen)                       propose's second half: the tree from what the chain call gave
     accept(path)                                the nodes of the last tree the oracle accepted, root first
     draws(sampling)                             whether its trees hold draws from the draft (multi-draft rejection
                                                 verifies them) or its ranked tokens (sample-match)
@@ -13,10 +17,11 @@
 A drafter that drafts with the Katz trigram holds its trees as `trigram` (drafting.trigram.TrigramTrees), whose
 `build` a profile times.
 """
+from dataclasses import dataclass
 from typing import Protocol
 
 from decode.drafting.draft_cache import DraftCache
-from decode.models.cached_lm import CachedLM
+from decode.models.cached_lm import CachedLM, ChainCall
 from decode.sampling import Sampling, Uniforms
 from decode.tree import Tree
 
@@ -29,6 +34,11 @@ class Drafter(Protocol):
 
     def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator: Uniforms) -> Tree: ...
 
+    def chain_call(self, tokens: list[int], max_depth: int, sampling: Sampling, generator: Uniforms
+                   ) -> ChainCall | None: ...
+
+    def chained(self, call: ChainCall, chosen: tuple[list[int], list | None]) -> Tree: ...
+
     def accept(self, path: list[int]) -> None: ...
 
     def draws(self, sampling: Sampling) -> bool: ...
@@ -36,6 +46,21 @@ class Drafter(Protocol):
     def forget(self) -> None: ...
 
     def describe(self) -> dict: ...
+
+
+@dataclass
+class Proposal:
+    """A step's request for its drafter's tree, which a decoding loop yields to whoever runs it (decode.loop): `run`
+    proposes it alone; decode.batch proposes several sequences' trees at once, their draft chains as one call."""
+
+    drafter: Drafter
+    tokens: list[int]
+    max_depth: int
+    sampling: Sampling
+    generator: Uniforms
+
+    def run(self) -> Tree:
+        return self.drafter.propose(self.tokens, self.max_depth, self.sampling, self.generator)
 
 
 class ModelDrafter:
@@ -66,16 +91,27 @@ class ModelDrafter:
     def accept(self, path: list[int]) -> None:
         self.draft.accept([self.kept[n] for n in path] if self.kept is not None else path)
 
-    def chain(self, root: int, steps: int, sampling: Sampling, generator: Uniforms) -> Tree | None:
-        """The step's tree as a chain of `steps` tokens below `root` from one call of the draft model's, where it makes
-        a chain's forwards at once (DraftCache.chain; the step started): greedy, each token the argmax after the one
-        above; sampling, draws, each node's q recorded. None where it does not, or where this drafter's children are
-        ranked tokens under sampling: the drafter then scores node by node."""
-        drawn_or_best = sampling.greedy or self.draws(sampling)
-        chained = self.draft.chain(steps, sampling, generator) if steps and drawn_or_best else None
-        if chained is None:
+    def chain_steps(self, max_depth: int) -> int:
+        """The draft calls of a step whose tree is a chain of the draft's tokens (0: this drafter's trees are not)."""
+        return 0
+
+    def chain_call(self, tokens: list[int], max_depth: int, sampling: Sampling, generator: Uniforms
+                   ) -> ChainCall | None:
+        """Start a step (the draft's cache past `tokens`) and, where its tree is a chain (`chain_steps`) that the
+        draft model makes in one call (DraftCache.chain_call), that call: greedy, each token the argmax after the one
+        above; sampling, draws. Run alone (`propose`) or beside other sequences' chains (decode.batch), `chained`
+        makes the tree of what it gave. None where it does not, or where this drafter's children are ranked tokens
+        under sampling: the drafter then scores node by node."""
+        self.draft.start(tokens)
+        steps = self.chain_steps(max_depth)
+        if not steps or not (sampling.greedy or self.draws(sampling)):
             return None
-        tree, (drawn, qs) = Tree.rooted(root), chained
+        return self.draft.chain_call(steps, sampling, generator)
+
+    def chained(self, call: ChainCall, chosen: tuple[list[int], list | None]) -> Tree:
+        """The step's tree from what its chain call gave: the chain below the root, each node's q recorded when
+        sampling."""
+        tree, (drawn, qs) = Tree.rooted(int(call.token_ids[-1])), self.draft.chained(call, chosen)
         for node, token in enumerate(drawn):
             if qs is not None:
                 tree.child_dists[node] = qs[node]
@@ -99,3 +135,9 @@ class ModelFreeDrafter:
 
     def accept(self, path: list[int]) -> None:
         pass
+
+    def chain_call(self, tokens: list[int], max_depth: int, sampling: Sampling, generator: Uniforms) -> None:
+        return None  # no draft model to chain
+
+    def chained(self, call: ChainCall, chosen: tuple[list[int], list | None]) -> Tree:
+        raise TypeError("a drafter without a draft model makes no chain call")

@@ -17,14 +17,15 @@ class ChainDrafter(ModelDrafter):
     def describe(self) -> dict:
         return {"k": self.k}
 
+    def chain_steps(self, max_depth: int) -> int:
+        return min(self.k, max_depth)
+
     def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
-        self.draft.start(tokens)
-        steps = min(self.k, max_depth)
-        if (chained := self.chain(tokens[-1], steps, sampling, generator)) is not None:
-            return chained
+        if (call := self.chain_call(tokens, max_depth, sampling, generator)) is not None:
+            return self.chained(call, call.run())
         tree = Tree.rooted(tokens[-1])
         node, draws = 0, self.draws(sampling)
-        for _ in range(steps):
+        for _ in range(self.chain_steps(max_depth)):
             logits = self.draft.score(tree, [node], repeats=node)  # every step's tree is a chain
             if draws:
                 [[token]], [q] = draw_children(self.kernels, sampling, logits, 1, generator, self.draft.shortlist)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from decode.models.cached_lm import CachedLM
+from decode.models.cached_lm import CachedLM, ChainCall
 from decode.sampling import Sampling, Uniforms
 from decode.tree import Tree, rows_mask
 
@@ -79,21 +79,25 @@ class DraftCache:
         positions = [length + offset for offset in call.offsets]
         return model.forward(ids, positions, call.mask, call.rows)  # row i: after nodes[i]
 
-    def chain(self, steps: int, sampling: Sampling, generator: Uniforms) -> tuple[list[int], list | None] | None:
-        """A step's `steps` draft calls down a chain from the root (each scoring the node the one before chose, the first
-        with the unseen accepted tokens), as one call of the model's where it has one (CachedLM.chains); else None,
-        and the caller scores node by node. Returns the chain's tokens below the root (greedy: the argmaxes; sampling:
-        draws, the generator's next `steps`) and, when sampling, each one's distribution, as score's logits give them;
-        node i of the chain is then scored, in pending slot i past the root's."""
+    def chain_call(self, steps: int, sampling: Sampling, generator: Uniforms) -> ChainCall | None:
+        """A step's `steps` draft calls down a chain from the root (each scoring the node the one before chose, the
+        first with the unseen accepted tokens) as one call of the model's, where it has one (CachedLM.chains); else
+        None, and the caller scores node by node. When sampling, the call draws at the generator's next `steps`
+        uniforms. Once run (alone, or beside other sequences' chains), `chained` keeps its nodes."""
         if self.slots or not self.model.chains(len(self.unseen), sampling):
             return None
         run, length = self.unseen, self.model.length
         uniforms = [] if sampling.greedy else generator.take(steps)
-        chosen = self.model.chain(run, list(range(length, length + len(run))), steps, sampling, uniforms)
-        root = len(run) - 1
-        self.slots = {node: root + node for node in range(steps)}
+        return ChainCall(self.model, run, list(range(length, length + len(run))), steps, sampling, uniforms)
+
+    def chained(self, call: ChainCall, chosen: tuple[list[int], list | None]) -> tuple[list[int], list | None]:
+        """The chain's tokens below the root (greedy: the argmaxes; sampling: draws) and, when sampling, each one's
+        distribution, as score's logits give them, from what the call gave; node i of the chain is then scored, in
+        pending slot i past the root's."""
+        root = len(call.token_ids) - 1
+        self.slots = {node: root + node for node in range(call.steps)}
         self.sees = {node: (2 << slot) - 1 for node, slot in self.slots.items()}
-        self.calls += steps
+        self.calls += call.steps
         return chosen
 
     def layout(self, tree: Tree, nodes: list[int], unseen: int, pending: int) -> Call:

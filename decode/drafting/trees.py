@@ -108,11 +108,13 @@ class ShapedTreeDrafter(ModelDrafter):
             self.layouts[depth] = tree, levels
         return self.layouts[depth]
 
+    def chain_steps(self, max_depth: int) -> int:
+        return len(self.layout(max_depth)[1]) if self.is_chain else 0
+
     def propose(self, tokens: list[int], max_depth: int, sampling: Sampling, generator) -> Tree:
+        if (call := self.chain_call(tokens, max_depth, sampling, generator)) is not None:
+            return self.chained(call, call.run())
         shape, levels = self.layout(max_depth)
-        self.draft.start(tokens)
-        if self.is_chain and (chained := self.chain(tokens[-1], len(levels), sampling, generator)) is not None:
-            return chained
         tree = shape.copy([tokens[-1]] + shape.tokens[1:])
         for level, (nodes, widest, draws, children) in enumerate(levels):
             logits = self.draft.score(tree, nodes, repeats=(len(levels), level))

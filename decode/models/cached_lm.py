@@ -10,14 +10,14 @@ committed positions followed by `pending` speculative ones.
     cache_bytes()                                              the memory its cache takes
 
 A decoding loop asks its oracle for each forward as a `Call`, which `run` performs alone and decode.batch together
-with other sequences' calls.
+with other sequences' calls; a chain drafter asks its draft model for a chain as a `ChainCall`, the same way.
 """
 from dataclasses import dataclass
 
 import torch
 
 from decode.models.runtime import Runtime
-from decode.sampling import Sparse
+from decode.sampling import Sampling, Sparse
 from decode.shortlist import Shortlist
 from decode.tensors import Ids
 
@@ -32,6 +32,22 @@ class Call:
     mask: torch.Tensor | None = None
     last: int | None = None
     extend: bool = False
+
+
+@dataclass
+class ChainCall:
+    """A chain of forwards a drafter asks of its draft model (`chain`'s arguments), which `run` performs alone and
+    decode.batch together with other sequences' chains."""
+
+    model: "CachedLM"
+    token_ids: Ids
+    position_ids: Ids
+    steps: int
+    sampling: Sampling
+    uniforms: list[float]
+
+    def run(self) -> tuple[list[int], list[Sparse] | None]:
+        return self.model.chain(self.token_ids, self.position_ids, self.steps, self.sampling, self.uniforms)
 
 
 class CachedLM:

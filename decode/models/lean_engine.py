@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from decode.models.cached_lm import CachedLM, Call
+from decode.models.cached_lm import CachedLM, Call, ChainCall
 from decode.models.kv_slots import KVSlots
 from decode.models.runtime import Runtime
 from decode.sampling import Sparse
@@ -168,13 +168,21 @@ class LeanEngine(CachedLM):
 
     def chain(self, token_ids: Ids, position_ids: Ids, steps: int, sampling, uniforms: list[float]
               ) -> tuple[list[int], list[Sparse] | None]:
-        q = len(token_ids) + steps - 1  # the last token chosen is not fed
-        start, _ = self.kv.reserve(q)
+        call = ChainCall(self, token_ids, position_ids, steps, sampling, uniforms)
         blocks = self.runtime.blocks
         assert blocks is not None  # `chains` says so only where the runtime has a C++ forward
-        chosen = blocks.chain(self.kv.field, token_ids, position_ids, start, steps, sampling, self.shortlist, uniforms)
-        self.kv.pending += q
+        [chosen] = blocks.chains([self.chain_part(call)], self.shortlist)
+        self.chain_settle(call)
         return chosen
+
+    def chain_part(self, call: ChainCall) -> tuple:
+        """The chain as a part of native.Blocks.chains (its slots checked to fit): what it gives there is what
+        `chain` gives, once `chain_settle` has kept its nodes pending as `chain` would."""
+        start, _ = self.kv.reserve(len(call.token_ids) + call.steps - 1)  # the last token chosen is not fed
+        return self.kv.field, call.token_ids, call.position_ids, start, call.steps, call.sampling, call.uniforms
+
+    def chain_settle(self, call: ChainCall) -> None:
+        self.kv.pending += len(call.token_ids) + call.steps - 1
 
     def logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:

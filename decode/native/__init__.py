@@ -314,13 +314,15 @@ class Blocks:
         self.forward.batch(model=self.model, parts=calls, out=out.numpy())
         return list(out.split(asked))
 
-    def chain(self, cache: tuple[int, int, int], token_ids: Ids, position_ids: Ids, start: int, steps: int, sampling, shortlist,
-              uniforms: list[float]) -> tuple[list[int], list[Sparse] | None]:
-        """A chain drafter's `steps` forwards as one C++ call (forward.cpp's chain): the first over the new nodes in
-        cache slots from `start` (the last of them the root), each later one over the token chosen after the one
-        before, a position and a slot further. Returns the chosen tokens (greedy: each row's argmax; a top-k setting:
-        a draw at each of `uniforms`) and, when sampling, each one's distribution."""
-        return self.forward.chain(model=self.model, cache=cache, ids=as_list(token_ids), positions=as_list(position_ids),
-                                  start=start, steps=steps, top_k=sampling.top_k,
-                                  temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-                                  shortlist_tokens=None if shortlist is None else shortlist.tokens, uniforms=uniforms)
+    def chains(self, parts: list[tuple], shortlist) -> list[tuple[list[int], list[Sparse] | None]]:
+        """Chain drafters' draft forwards, each part a sequence's (cache, token_ids, position_ids, start, steps, sampling,
+        uniforms), as one C++ call (forward.cpp's chains): a sequence's first forward is over its new nodes in cache
+        slots from `start` (the last of them the root), each later one over the token chosen after the one before, a
+        position and a slot further, `steps` of them; each step's forwards of every sequence run as one. Returns each
+        part's chosen tokens (greedy: each row's argmax; a top-k setting: a draw at each of `uniforms`) and, when
+        sampling, each one's distribution: what the part gets alone."""
+        return self.forward.chains(
+            model=self.model, shortlist_tokens=None if shortlist is None else shortlist.tokens,
+            parts=[(cache, as_list(token_ids), as_list(position_ids), start, steps, sampling.top_k,
+                    float(sampling.temperature), float(sampling.top_p), uniforms)
+                   for cache, token_ids, position_ids, start, steps, sampling, uniforms in parts])

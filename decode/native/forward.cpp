@@ -1,4 +1,4 @@
-// A GPT-2's or a Llama-family model's forward over a few new rows in one C++ call, and a chain of a draft's forwards
+// A GPT-2's or a Llama-family model's forward over a few new rows in one C++ call, and chains of a draft's forwards
 // (decode/native loads it; the lean engines of decode/models call it through their `logits` for a draft's forwards and
 // an oracle's). A step's forward is
 // a few rows through every weight of the model: torch spends it starting some thirty operations a layer, each cold after
@@ -224,7 +224,7 @@ bool optional_field(PyObject *spec, const char *name, int64_t &value, int64_t ot
     return !PyDict_GetItemString(spec, name) || field(spec, name, value);
 }
 
-// model(spec) -> a capsule: the model forward() and chain() run, read from a dict of named fields. Ints: n_embd,
+// model(spec) -> a capsule: the model forward() and chains() run, read from a dict of named fields. Ints: n_embd,
 // heads, layers, vocabulary, positions, logit_columns, element_bytes (2: bfloat16, 4:
 // float32); optional ints: architecture (0: GPT-2, the default; 1: the Llama family), kv_heads (default heads),
 // head_dim (default n_embd / heads), intermediate (the MLP's width, default 4 n_embd), format (0, the default: linear
@@ -483,77 +483,135 @@ PyObject *batch(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *k
     Py_RETURN_NONE;
 }
 
-// chain(model, cache, ids, positions, start, steps, top_k, temperature, top_p, shortlist_tokens, uniforms)
-//   -> (tokens, distributions or None)
-// A chain drafter's `steps` draft forwards as one call (ChainDrafter.propose): the first over the new rows (from
-// slot `start` of the cache, as blocks() takes it; the last of them the tree's root), each later one over the token drawn after the row before, one
-// position further; after each, the token that follows: the argmax when greedy (temperature 0; as row_argmax), else
-// under the top-k setting a draw at the next of `uniforms` from the processed distribution (TopK.read, draw_at), each
-// distribution a distribution_dict. shortlist_tokens: the logits' column -> token array, or None.
-const char *const CHAIN[] = {"model", "cache", "ids", "positions", "start", "steps", "top_k", "temperature", "top_p",
-                             "shortlist_tokens", "uniforms"};
-PyObject *chain(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    Named named(CHAIN);
-    Rows a;
-    if (!named.open("chain", args, nargs, kwnames)) return nullptr;
-    const Model *m = read_rows(named, a);
-    if (!m) return nullptr;
-    Part &p = a.parts.emplace_back();
-    p.first = 0;
-    if (!read_cache(*m, named["cache"], p)) return nullptr;
-    p.start = PyLong_AsLongLong(named["start"]);
-    const int64_t steps = PyLong_AsLongLong(named["steps"]);
+// One sequence's chain in chains(): its rows of the next forward (the new rows at first, then the token chosen), the
+// tokens chosen so far, and how it chooses them.
+struct Chain {
+    Part part;
+    std::vector<int64_t> ids, positions, tokens;
+    int64_t steps = 0;
     TopK setting;
-    setting.k = PyLong_AsLongLong(named["top_k"]);
-    setting.temperature = PyFloat_AsDouble(named["temperature"]);
-    setting.top_p = PyFloat_AsDouble(named["top_p"]);
-    Int64Array column_token;
-    PyObject *uniforms = named["uniforms"];
-    const bool greedy = setting.temperature == 0;
-    const int64_t columns = m->logit_columns;
-    if (PyErr_Occurred() || !column_token.open(named["shortlist_tokens"], "shortlist tokens") ||
-        (!greedy && !setting.check("chain")))
-        return nullptr;
-    if ((column_token.data && column_token.size != columns) || a.ids.empty() || steps < 0
-        || !PyList_Check(uniforms) || PyList_GET_SIZE(uniforms) != (greedy ? 0 : steps)) {
-        PyErr_SetString(PyExc_ValueError, "chain: a shortlist of the logits' columns, at least one row, and a uniform "
-                                          "draw a step when sampling");
-        return nullptr;
-    }
-    std::vector<float> logits(columns);
-    std::vector<std::pair<int64_t, double>> distribution;
-    std::vector<int64_t> tokens;
-    PyObject *distributions = greedy ? Py_None : PyList_New(0);
-    if (greedy) Py_INCREF(Py_None);
-    for (int64_t step = 0; distributions && step < steps; step++) {
-        p.count = static_cast<int64_t>(a.ids.size());
-        p.end = p.start + p.count;
-        p.visible = Visibility{nullptr, 0, p.start, p.end};
-        p.last = 1;
-        a.out = logits.data();
-        if (!forward_checked(*m, a, "chain")) {
-            Py_CLEAR(distributions);
-            break;
-        }
+    PyObject *uniforms = nullptr;      // borrowed from the part's tuple
+    PyObject *distributions = nullptr;  // a new list when sampling, else None (a new reference either way)
+
+    Chain() = default;
+    Chain(const Chain &) = delete;
+    Chain &operator=(const Chain &) = delete;
+    ~Chain() { Py_XDECREF(distributions); }
+
+    bool greedy() const { return setting.temperature == 0; }
+
+    // The token after this chain's row of logits (step `step`): its argmax when greedy (as row_argmax), else a draw at
+    // the step's uniform from the processed distribution, which is kept.
+    bool choose(const float *logits, int64_t columns, const int64_t *column_token, int64_t step,
+                std::vector<std::pair<int64_t, double>> &distribution) {
         int64_t token;
-        if (greedy) {
+        if (greedy()) {
             float largest_logit;
-            const int64_t column = row_argmax(logits.data(), columns, &largest_logit);
-            token = column_token.data ? column_token.data[column] : column;
+            const int64_t column = row_argmax(logits, columns, &largest_logit);
+            token = column_token ? column_token[column] : column;
         } else {
-            setting.read(logits.data(), columns, column_token.data, distribution);
+            setting.read(logits, columns, column_token, distribution);
             token = draw_at(distribution, PyFloat_AsDouble(PyList_GET_ITEM(uniforms, step)));
             PyObject *made = distribution_dict(distribution);
-            if (!made || PyList_Append(distributions, made) < 0) Py_CLEAR(distributions);
+            const bool kept = made && PyList_Append(distributions, made) == 0;
             Py_XDECREF(made);
+            if (!kept) return false;
         }
         tokens.push_back(token);
-        p.start = p.end;
-        a.ids.assign(1, token);
-        a.positions.assign(1, a.positions.back() + 1);
+        part.start += static_cast<int64_t>(ids.size());
+        ids.assign(1, token);
+        positions.assign(1, positions.back() + 1);
+        return true;
     }
-    if (!distributions) return nullptr;
-    return Py_BuildValue("(NN)", int_list(tokens), distributions);
+};
+
+// Chain i of chains() from its part (cache, ids, positions, start, steps, top_k, temperature, top_p, uniforms).
+bool read_chain(const Model &m, PyObject *tuple, Chain &c) {
+    if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != 9) {
+        PyErr_SetString(PyExc_TypeError, "chains: each part is a (cache, ids, positions, start, steps, top_k, "
+                                         "temperature, top_p, uniforms) tuple");
+        return false;
+    }
+    if (!read_cache(m, PyTuple_GET_ITEM(tuple, 0), c.part) || !read_ints(PyTuple_GET_ITEM(tuple, 1), c.ids, "ids")
+        || !read_ints(PyTuple_GET_ITEM(tuple, 2), c.positions, "positions"))
+        return false;
+    c.part.start = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, 3));
+    c.steps = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, 4));
+    c.setting.k = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, 5));
+    c.setting.temperature = PyFloat_AsDouble(PyTuple_GET_ITEM(tuple, 6));
+    c.setting.top_p = PyFloat_AsDouble(PyTuple_GET_ITEM(tuple, 7));
+    c.uniforms = PyTuple_GET_ITEM(tuple, 8);
+    if (PyErr_Occurred() || (!c.greedy() && !c.setting.check("chains"))) return false;
+    if (c.ids.empty() || c.ids.size() != c.positions.size() || c.steps < 0 || !PyList_Check(c.uniforms)
+        || PyList_GET_SIZE(c.uniforms) != (c.greedy() ? 0 : c.steps)) {
+        PyErr_SetString(PyExc_ValueError, "chains: at least one row, a position each, and a uniform draw a step when "
+                                          "sampling");
+        return false;
+    }
+    c.distributions = c.greedy() ? Py_NewRef(Py_None) : PyList_New(0);
+    return c.distributions != nullptr;
+}
+
+// chains(model, parts, shortlist_tokens) -> [(tokens, distributions or None), ...]
+// Chain drafters' draft forwards, several sequences' at once (ChainDrafter.propose; decode.batch drafts every request
+// in flight this way): parts is a list of tuples (cache, ids, positions, start, steps, top_k, temperature, top_p,
+// uniforms), one a sequence. A sequence's first forward is over its new rows (from slot `start` of its cache, as
+// blocks() takes them; the last of them the tree's root), each later one over the token chosen after the row before,
+// one position further, for `steps` forwards; after each, the token that follows: the argmax when greedy (temperature
+// 0; as row_argmax), else under its top-k setting a draw at the next of its `uniforms` from the processed distribution
+// (TopK.read, draw_at), each distribution a distribution_dict. Each step's forwards of every sequence still drafting
+// run as one forward, which reads the weights once for all of them; a sequence's tokens are those it gets alone.
+// shortlist_tokens: the logits' column -> token array, or None.
+const char *const CHAINS[] = {"model", "parts", "shortlist_tokens"};
+PyObject *chains(PyObject *, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Named named(CHAINS);
+    if (!named.open("chains", args, nargs, kwnames)) return nullptr;
+    const Model *m = model_of(named["model"]);
+    PyObject *parts = named["parts"];
+    Int64Array column_token;
+    if (!m || !column_token.open(named["shortlist_tokens"], "shortlist tokens")) return nullptr;
+    const int64_t columns = m->logit_columns;
+    if (!PyList_Check(parts) || PyList_GET_SIZE(parts) == 0 || (column_token.data && column_token.size != columns)) {
+        PyErr_SetString(PyExc_ValueError, "chains: a non-empty list of parts, and a shortlist of the logits' columns");
+        return nullptr;
+    }
+    const Py_ssize_t n = PyList_GET_SIZE(parts);
+    std::vector<Chain> drafting(n);
+    int64_t longest = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!read_chain(*m, PyList_GET_ITEM(parts, i), drafting[i])) return nullptr;
+        longest = std::max(longest, drafting[i].steps);
+    }
+    std::vector<float> logits(n * columns);
+    std::vector<std::pair<int64_t, double>> distribution;
+    for (int64_t step = 0; step < longest; step++) {
+        Rows a;
+        std::vector<Chain *> stepping;  // the sequences with a forward at this step, in the forward's order
+        for (Chain &c : drafting) {
+            if (step >= c.steps) continue;
+            Part &p = a.parts.emplace_back(c.part);
+            p.first = static_cast<int64_t>(a.ids.size());
+            p.count = static_cast<int64_t>(c.ids.size());
+            p.end = p.start + p.count;
+            p.visible = Visibility{nullptr, 0, p.start, p.end};
+            p.last = 1;
+            a.ids.insert(a.ids.end(), c.ids.begin(), c.ids.end());
+            a.positions.insert(a.positions.end(), c.positions.begin(), c.positions.end());
+            stepping.push_back(&c);
+        }
+        a.out = logits.data();
+        if (!forward_checked(*m, a, "chains")) return nullptr;
+        for (size_t i = 0; i < stepping.size(); i++)
+            if (!stepping[i]->choose(logits.data() + i * columns, columns, column_token.data, step, distribution))
+                return nullptr;
+    }
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *pair = Py_BuildValue("(NO)", int_list(drafting[i].tokens), drafting[i].distributions);
+        if (!pair) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, pair);
+    }
+    return out;
 }
 
 // supported(bytes an element): whether this CPU runs this build's forward of a model in bfloat16 (2) or float32 (4):
@@ -624,8 +682,8 @@ PyMethodDef methods[] = {
      "A GPT-2's or Llama-family model's forward over a few new rows."},
     {"batch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(batch)), METH_FASTCALL | METH_KEYWORDS,
      "One forward over the new rows of several sequences, each with its own cache."},
-    {"chain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(chain)), METH_FASTCALL | METH_KEYWORDS,
-     "A chain drafter's draft forwards and the tokens each chooses, as one call."},
+    {"chains", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(chains)), METH_FASTCALL | METH_KEYWORDS,
+     "Chain drafters' draft forwards and the tokens each chooses, several sequences' as one call a step."},
     {"set_distribution_type", set_distribution_type, METH_O, "The dict subclass the distributions are returned as."},
     {"quantized_product", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(quantized_product_of)),
      METH_FASTCALL | METH_KEYWORDS, "One quantized layer's product, as a forward computes it."},
