@@ -104,7 +104,7 @@ def test_several_sequences_draft_chains_in_one_call_each_getting_what_it_gets_al
         assert len(parts) == parts_before + len(alone)  # each alone: a call of one part
         assert got == expected and all(len(tokens) == k for (tokens, _), k in zip(got, steps))
         assert [dists is None for _, dists in got] == [setting.greedy for setting in settings]
-        for model, reference, (tokens, _) in zip(together, alone, got):
+        for model, reference in zip(together, alone):
             assert (model.length, model.pending) == (reference.length, reference.pending)
             end = model.length + model.pending
             assert torch.equal(model.kv.cache[..., :end, :], reference.kv.cache[..., :end, :])
