@@ -141,6 +141,7 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
         const Model::Block &b = m.blocks[l];
         normalize(m, x.data(), b.norm_1, normed.data(), rows);
         multiply(m, b.packed[0], b.bias[0], normed.data(), n_embd, qkv_width, wide.data(), rows, tiles);  // q, k, v
+        std::vector<Attending<T>> sequences;
         for (const Part &p : a.parts) {
             const Cache<T> cache{static_cast<T *>(p.cache), m.layers, m.kv_heads, p.capacity, dim};
             for (int64_t r = p.first; r < p.first + p.count; r++) {
@@ -155,9 +156,10 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
                             store(cache.at(kind, l, h, p.start + r - p.first) + d,
                                   load(row + q_width + kind * kv_width + h * dim + d, dim - d), dim - d);
             }
-            attention(wide.data() + p.first * qkv_width, cache, l, p.visible, normed.data() + p.first * q_width, p.count,
-                      heads);
+            sequences.push_back({wide.data() + p.first * qkv_width, cache, &p.visible, normed.data() + p.first * q_width,
+                                 p.count});
         }
+        attention(sequences, l, heads);
         std::vector<float> &projected = wide;  // the attention read its queries already
         multiply(m, b.packed[1], b.bias[1], normed.data(), q_width, n_embd, projected.data(), rows, tiles);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += projected[i];

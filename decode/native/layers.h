@@ -7,8 +7,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "products.h"
@@ -271,39 +273,56 @@ VECTOR_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *k
 }
 #endif
 
-// Rows a pass of weighted_values takes, their sums in registers: AVX-512 4 x up to 8 of 32, AVX2 up to 16 of 16
-constexpr int64_t VALUE_ROWS = LANES == 16 ? 4 : 1;
+// The vector registers the build has: a pass of weighted_values keeps its rows' sums in all but two of them.
+constexpr int REGISTERS = LANES == 16 ? 32 : 16;
 
-// The same over float32 values with dim a multiple of LANES: fused multiply-adds, slot by slot.
-VECTOR_TARGET void weighted_values(const float *weights, const float *values, int64_t rows, int64_t end, int64_t dim,
-                                   float *sums) {
-    if (dim % LANES || dim > 128) return weighted_one_by_one(weights, values, rows, end, dim, sums);
-    const int64_t chunks = dim / LANES;
-    for (int64_t r0 = 0; r0 < rows; r0 += VALUE_ROWS) {
-        const int64_t rn = std::min<int64_t>(VALUE_ROWS, rows - r0);
-        Vec acc[VALUE_ROWS][128 / LANES];
-        for (int64_t r = 0; r < VALUE_ROWS; r++)
-            for (int64_t c = 0; c < chunks; c++) acc[r][c] = zeros();
-        for (int64_t slot = 0; slot < end; slot++)
-            for (int64_t c = 0; c < chunks; c++) {
-                const Vec value = load(values + slot * dim + LANES * c);
-                for (int64_t r = 0; r < rn; r++) acc[r][c] = fma(splat(weights[(r0 + r) * end + slot]), value, acc[r][c]);
-            }
-        for (int64_t r = 0; r < rn; r++)
-            for (int64_t c = 0; c < chunks; c++) store(sums + (r0 + r) * dim + LANES * c, acc[r][c]);
-    }
+// The rows a pass of weighted_values takes when a head's row is C vectors: as many as their sums fit in registers
+// (at most 8).
+constexpr int value_rows(int C) { return std::max(1, std::min(8, (REGISTERS - 2) / C)); }
+
+// R rows' sums (C vectors each, `dim` = C LANES apart) of their weights (`end` apart) times the values of slots
+// 0..end (`dim` apart, float32 or bfloat16 widened as it is read), slot by slot in order with fused multiply-adds:
+// the same terms in the same order whatever R, so that a row's sums do not depend on the rows beside it. The order
+// by slot also keeps a tree's node equal to the same token decoded after its ancestors (dot products over pairs of
+// slots would pair a slot with whichever comes next in the cache, which differs between the two).
+template <typename T, int R, int C>
+VECTOR_TARGET void weighted_pass(const float *weights, const T *values, int64_t end, float *sums) {
+    constexpr int64_t dim = C * LANES;
+    Vec acc[R][C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = zeros();
+    for (int64_t slot = 0; slot < end; slot++)
+        for (int c = 0; c < C; c++) {
+            const Vec value = load(values + slot * dim + LANES * c);
+            for (int r = 0; r < R; r++) acc[r][c] = fma(splat(weights[r * end + slot]), value, acc[r][c]);
+        }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) store(sums + r * dim + LANES * c, acc[r][c]);
 }
 
-// The same over bfloat16 values: widened to float32 first, so that a row's sums add its slots one at a time in order
-// (dot products over pairs of slots would pair a slot with whichever comes next in the cache, which differs between a
-// tree and the same tokens decoded one by one).
-VECTOR_TARGET void weighted_values(const float *weights, const bf16 *values, int64_t rows, int64_t end, int64_t dim,
+// weighted_pass over `rows` rows: passes of R rows, then the rest in one pass of fewer.
+template <typename T, int C, int R = value_rows(C)>
+VECTOR_TARGET void weighted_rows(const float *weights, const T *values, int64_t rows, int64_t end, float *sums) {
+    for (; rows >= R; rows -= R, weights += R * end, sums += R * C * LANES) weighted_pass<T, R, C>(weights, values, end, sums);
+    if constexpr (R > 1)
+        if (rows) weighted_rows<T, C, R - 1>(weights, values, rows, end, sums);
+}
+
+// WEIGHTED_ROWS<T>[C - 1]: weighted_rows for a head's row of C vectors, C up to 128 elements.
+template <typename T, size_t... C>
+constexpr auto weighted_rows_table(std::index_sequence<C...>) {
+    return std::array{weighted_rows<T, static_cast<int>(C) + 1>...};
+}
+template <typename T>
+constexpr auto WEIGHTED_ROWS = weighted_rows_table<T>(std::make_index_sequence<128 / LANES>());
+
+// sums (rows x dim) = weights (rows x end) @ values (end x dim) of one head: weighted_rows where dim is a multiple of
+// LANES up to 128, else one by one.
+template <typename T>
+VECTOR_TARGET void weighted_values(const float *weights, const T *values, int64_t rows, int64_t end, int64_t dim,
                                    float *sums) {
     if (dim % LANES || dim > 128) return weighted_one_by_one(weights, values, rows, end, dim, sums);
-    static thread_local std::vector<float> widened;
-    widened.resize(end * dim);
-    widen(values, widened.data(), end * dim);
-    weighted_values(weights, widened.data(), rows, end, dim, sums);
+    WEIGHTED_ROWS<T>[dim / LANES - 1](weights, values, rows, end, sums);
 }
 
 // The softmax of row r's scores over the slots it sees (the others set to -inf), in place. Its sum adds the weights
@@ -359,15 +378,36 @@ VECTOR_TARGET void head_attention(const float *qkv, const Cache<T> &cache, int64
             store(out + r * shape.width + head * dim + d, load(sums + r * dim + d, dim - d), dim - d);
 }
 
-// Attention over every query head, the heads split among torch's threads where the work pays for waking them.
+// One sequence's rows in a layer's attention: their queries, keys and values (Heads::stride apart), its cache and
+// what each row sees there, and where their output goes (Heads::width apart).
 template <typename T>
-void attention(const float *qkv, const Cache<T> &cache, int64_t layer, const Visibility &visible, T *out, int64_t rows,
-               const Heads &shape) {
-    const int64_t heads = shape.heads, grain = 2 * rows * visible.end * shape.width >= PARALLEL_WORK ? 1 : heads;
-    at::parallel_for(0, heads, grain, [&](int64_t first, int64_t last) {
-        std::vector<float> scores(rows * visible.end), sums(rows * cache.head_dim);
-        for (int64_t h = first; h < last; h++)
-            head_attention(qkv, cache, layer, h, visible, out, rows, shape, scores.data(), sums.data());
+struct Attending {
+    const float *qkv;
+    Cache<T> cache;
+    const Visibility *visible;
+    T *out;
+    int64_t rows;
+};
+
+// Attention of every sequence's rows over its own cache, the (query head, sequence) pairs split among torch's threads
+// where the work pays for waking them, heads first: each thread takes its share of the heads of every sequence.
+template <typename T>
+void attention(const std::vector<Attending<T>> &sequences, int64_t layer, const Heads &shape) {
+    const auto count = static_cast<int64_t>(sequences.size());
+    int64_t work = 0, most_scores = 0, most_rows = 0;
+    for (const Attending<T> &s : sequences) {
+        work += 2 * s.rows * s.visible->end * shape.width;
+        most_scores = std::max(most_scores, s.rows * s.visible->end);
+        most_rows = std::max(most_rows, s.rows);
+    }
+    const int64_t tasks = shape.heads * count, grain = work >= PARALLEL_WORK ? 1 : tasks;
+    at::parallel_for(0, tasks, grain, [&](int64_t first, int64_t last) {
+        std::vector<float> scores(most_scores), sums(most_rows * sequences[0].cache.head_dim);
+        for (int64_t task = first; task < last; task++) {
+            const Attending<T> &s = sequences[task % count];
+            head_attention(s.qkv, s.cache, layer, task / count, *s.visible, s.out, s.rows, shape, scores.data(),
+                           sums.data());
+        }
     });
 }
 

@@ -49,6 +49,10 @@ inline __mmask16 first_lanes(int64_t count) { return count >= 16 ? __mmask16(0xf
 VECTOR_TARGET inline Vec zeros() { return _mm512_setzero_ps(); }
 VECTOR_TARGET inline Vec splat(float value) { return _mm512_set1_ps(value); }
 VECTOR_TARGET inline Vec load(const float *at) { return _mm512_loadu_ps(at); }
+// 16 bfloat16 elements as float32 (exact: a bfloat16 is the upper half of a float32)
+VECTOR_TARGET inline Vec load(const bf16 *at) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(at))), 16));
+}
 // The first min(count, LANES) floats at `at`, the other lanes `fill` (nothing past them is read)
 VECTOR_TARGET inline Vec load(const float *at, int64_t count, Vec fill = _mm512_setzero_ps()) {
     return _mm512_mask_loadu_ps(fill, first_lanes(count), at);
@@ -94,6 +98,9 @@ VECTOR_TARGET inline __m256i first_lanes(int64_t count) {
 VECTOR_TARGET inline Vec zeros() { return _mm256_setzero_ps(); }
 VECTOR_TARGET inline Vec splat(float value) { return _mm256_set1_ps(value); }
 VECTOR_TARGET inline Vec load(const float *at) { return _mm256_loadu_ps(at); }
+VECTOR_TARGET inline Vec load(const bf16 *at) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(at))), 16));
+}
 VECTOR_TARGET inline Vec load(const float *at, int64_t count, Vec fill = _mm256_setzero_ps()) {
     if (count >= 8) return _mm256_loadu_ps(at);
     const __m256i lanes = first_lanes(count);
@@ -152,15 +159,7 @@ VECTOR_TARGET inline Vec power_of_two(Vec whole) {
 // n elements of a model's rows in dtype T as float32 (n a multiple of LANES): where the products and attention of
 // the AVX2 build read a bfloat16 cache or input.
 VECTOR_TARGET inline void widen(const bf16 *from, float *to, int64_t n) {
-#ifdef FORWARD_AVX512
-    for (int64_t i = 0; i < n; i += 16)
-        _mm512_storeu_ps(to + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(from + i))), 16)));
-#else
-    for (int64_t i = 0; i < n; i += 8)
-        _mm256_storeu_ps(to + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                     _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(from + i))), 16)));
-#endif
+    for (int64_t i = 0; i < n; i += LANES) store(to + i, load(from + i));
 }
 
 // exp(x) to float32 precision, a vector at a time: 2^(x log2 e) as 2^n 2^f, n the nearest integer, 2^f for |f| <= 1/2
