@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -200,73 +201,150 @@ constexpr int64_t PARALLEL_WORK = 1 << 18;
 // The same products on AMX's tile unit (TDPBF16PS), for a bfloat16 model on a CPU that has it: the packed weights
 // of a block of 16 columns are, 16 steps at a time, the tile B the instruction reads (16 rows of 16 column pairs),
 // the input's rows 32 elements at a time the tile A (up to 16 rows), each block's sums a tile C of 16 float32
-// columns. Tiles 0-3 hold the sums of 4 blocks, tile 4 the input, tiles 5 and 6 weights in turn.
+// columns. A pass over 16 rows or fewer keeps 4 blocks' sums in tiles 0-3, the input in tile 4 and weights in tiles
+// 5 and 6 in turn; past 16 rows, two passes run at once (16 rows and up to 16 after them, 2 blocks), each weight tile
+// read once for both.
 struct TileConfig {
     uint8_t palette, start_row, reserved[14];
     uint16_t bytes_a_row[16];
     uint8_t rows[16];
 };
 
-// Sets this thread's tiles for `rows` input rows (the sums' and the input's tiles) and 16 weight steps.
-AMX_TARGET void configure_tiles(int64_t rows) {
-    TileConfig config{};
-    config.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        config.bytes_a_row[t] = 64;
-        config.rows[t] = static_cast<uint8_t>(t < 5 ? rows : 16);
-    }
-    _tile_loadconfig(&config);
+// The rows of each of the 8 tiles (64 bytes each; 0: unused).
+using TileRows = std::array<uint8_t, 8>;
+
+// One pass over m rows (tiled_pass): 4 blocks' sums in tiles 0-3, the input in tile 4, weights in tiles 5 and 6.
+TileRows one_pass(int64_t m) {
+    const auto r = static_cast<uint8_t>(m);
+    return {r, r, r, r, r, 16, 16, 0};
 }
 
-// y (rows x out) = x @ W + bias over B blocks of 16 columns from block b0, 16 rows at a time (the tiles configured
-// for `configured` rows; set again for fewer).
+// Two passes at once (tiled_pair), over 16 rows and the m after them: the first's 2 blocks' sums in tiles 0-1 and
+// its input in tile 4, the second's in tiles 2-3 and 5, weights in tiles 6 and 7.
+TileRows two_passes(int64_t m) {
+    const auto r = static_cast<uint8_t>(m);
+    return {16, 16, r, r, 16, r, 16, 16};
+}
+
+// Sets this thread's tiles to `rows` unless `configured` says they are set so already.
+AMX_TARGET void configure_tiles(const TileRows &rows, TileRows &configured) {
+    if (rows == configured) return;
+    TileConfig config{};
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.bytes_a_row[t] = rows[t] ? 64 : 0;
+        config.rows[t] = rows[t];
+    }
+    _tile_loadconfig(&config);
+    configured = rows;
+}
+
+// Rows r0..r0 + m of y, block `block`'s columns: a tile's sums (16 a row, stored) plus the bias; the columns past
+// `out` (an output layer's) are not stored.
+AMX_TARGET inline void store_sums(const float *sums, const Linear<bf16> &w, float *y, int64_t r0, int64_t m,
+                                  int64_t block) {
+    const int64_t column = block * 16;
+    const __m512 bias = _mm512_loadu_ps(w.bias + column);
+    for (int64_t r = 0; r < m; r++)
+        _mm512_mask_storeu_ps(y + (r0 + r) * w.out + column, first_lanes(w.out - column),
+                              _mm512_add_ps(_mm512_load_ps(sums + 16 * r), bias));
+}
+
+// Rows r0..r0 + m (m <= 16) of y over B blocks from block b0 in one pass.
 template <int B>
-AMX_TARGET void tiled_columns(const bf16 *x, const Linear<bf16> &w, float *y, int64_t rows, int64_t b0,
-                              int64_t &configured) {
+AMX_TARGET void tiled_pass(const bf16 *x, const Linear<bf16> &w, float *y, int64_t r0, int64_t m, int64_t b0,
+                           TileRows &configured) {
     const int64_t steps = w.in / 2;
     const bf16 *weights = w.packed + b0 * steps * 32;
     alignas(64) float sums[B][16 * 16];
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        const int64_t m = std::min<int64_t>(16, rows - r0);
-        if (m != configured) configure_tiles(configured = m);
-        _tile_zero(0);
-        if constexpr (B > 1) _tile_zero(1);
-        if constexpr (B > 2) _tile_zero(2);
-        if constexpr (B > 3) _tile_zero(3);
-        for (int64_t k = 0; k < w.in; k += 32) {
-            _tile_loadd(4, x + r0 * w.in + k, w.in * sizeof(bf16));
-            _tile_loadd(5, weights + k * 16, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if constexpr (B > 1) {
-                _tile_loadd(6, weights + steps * 32 + k * 16, 64);
-                _tile_dpbf16ps(1, 4, 6);
-            }
-            if constexpr (B > 2) {
-                _tile_loadd(5, weights + 2 * steps * 32 + k * 16, 64);
-                _tile_dpbf16ps(2, 4, 5);
-            }
-            if constexpr (B > 3) {
-                _tile_loadd(6, weights + 3 * steps * 32 + k * 16, 64);
-                _tile_dpbf16ps(3, 4, 6);
-            }
+    configure_tiles(one_pass(m), configured);
+    _tile_zero(0);
+    if constexpr (B > 1) _tile_zero(1);
+    if constexpr (B > 2) _tile_zero(2);
+    if constexpr (B > 3) _tile_zero(3);
+    for (int64_t k = 0; k < w.in; k += 32) {
+        _tile_loadd(4, x + r0 * w.in + k, w.in * sizeof(bf16));
+        _tile_loadd(5, weights + k * 16, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if constexpr (B > 1) {
+            _tile_loadd(6, weights + steps * 32 + k * 16, 64);
+            _tile_dpbf16ps(1, 4, 6);
         }
-        _tile_stored(0, sums[0], 64);
-        if constexpr (B > 1) _tile_stored(1, sums[1], 64);
-        if constexpr (B > 2) _tile_stored(2, sums[2], 64);
-        if constexpr (B > 3) _tile_stored(3, sums[3], 64);
-        for (int j = 0; j < B; j++) {
-            const int64_t column = (b0 + j) * 16;
-            const __m512 bias = _mm512_loadu_ps(w.bias + column);
-            for (int64_t r = 0; r < m; r++)
-                _mm512_mask_storeu_ps(y + (r0 + r) * w.out + column, first_lanes(w.out - column),
-                                      _mm512_add_ps(_mm512_load_ps(sums[j] + 16 * r), bias));
+        if constexpr (B > 2) {
+            _tile_loadd(5, weights + 2 * steps * 32 + k * 16, 64);
+            _tile_dpbf16ps(2, 4, 5);
+        }
+        if constexpr (B > 3) {
+            _tile_loadd(6, weights + 3 * steps * 32 + k * 16, 64);
+            _tile_dpbf16ps(3, 4, 6);
         }
     }
+    _tile_stored(0, sums[0], 64);
+    if constexpr (B > 1) _tile_stored(1, sums[1], 64);
+    if constexpr (B > 2) _tile_stored(2, sums[2], 64);
+    if constexpr (B > 3) _tile_stored(3, sums[3], 64);
+    for (int j = 0; j < B; j++) store_sums(sums[j], w, y, r0, m, b0 + j);
+}
+
+// Rows r0..r0 + 16 + m (m <= 16) of y over B (1 or 2) blocks from block b0: two passes at once, each weight tile
+// multiplying both passes' inputs. A row's sums are the same products in the same order as in tiled_pass.
+template <int B>
+AMX_TARGET void tiled_pair(const bf16 *x, const Linear<bf16> &w, float *y, int64_t r0, int64_t m, int64_t b0,
+                           TileRows &configured) {
+    const int64_t steps = w.in / 2;
+    const bf16 *weights = w.packed + b0 * steps * 32;
+    alignas(64) float sums[2][B][16 * 16];
+    configure_tiles(two_passes(m), configured);
+    _tile_zero(0);
+    _tile_zero(2);
+    if constexpr (B > 1) {
+        _tile_zero(1);
+        _tile_zero(3);
+    }
+    for (int64_t k = 0; k < w.in; k += 32) {
+        _tile_loadd(4, x + r0 * w.in + k, w.in * sizeof(bf16));
+        _tile_loadd(5, x + (r0 + 16) * w.in + k, w.in * sizeof(bf16));
+        _tile_loadd(6, weights + k * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (B > 1) {
+            _tile_loadd(7, weights + steps * 32 + k * 16, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums[0][0], 64);
+    _tile_stored(2, sums[1][0], 64);
+    if constexpr (B > 1) {
+        _tile_stored(1, sums[0][1], 64);
+        _tile_stored(3, sums[1][1], 64);
+    }
+    for (int j = 0; j < B; j++) {
+        store_sums(sums[0][j], w, y, r0, 16, b0 + j);
+        store_sums(sums[1][j], w, y, r0 + 16, m, b0 + j);
+    }
+}
+
+// y (rows x out) = x @ W + bias over B blocks of 16 columns from block b0: 32 rows at a time in pairs of passes
+// (tiled_pair, two blocks at a time), the last 16 or fewer in one pass (tiled_pass).
+template <int B>
+AMX_TARGET void tiled_columns(const bf16 *x, const Linear<bf16> &w, float *y, int64_t rows, int64_t b0,
+                              TileRows &configured) {
+    int64_t r0 = 0;
+    for (; rows - r0 > 16; r0 += 32) {
+        const int64_t m = std::min<int64_t>(16, rows - r0 - 16);
+        for (int64_t j = 0; j < B; j += 2)
+            if (B - j >= 2)
+                tiled_pair<2>(x, w, y, r0, m, b0 + j, configured);
+            else
+                tiled_pair<1>(x, w, y, r0, m, b0 + j, configured);
+    }
+    if (r0 < rows) tiled_pass<B>(x, w, y, r0, rows - r0, b0, configured);
 }
 
 AMX_TARGET void release_tiles() { _tile_release(); }
 
-using TiledColumns = void (*)(const bf16 *, const Linear<bf16> &, float *, int64_t, int64_t, int64_t &);
+using TiledColumns = void (*)(const bf16 *, const Linear<bf16> &, float *, int64_t, int64_t, TileRows &);
 constexpr TiledColumns TILED[4] = {tiled_columns<1>, tiled_columns<2>, tiled_columns<3>, tiled_columns<4>};
 #endif
 
@@ -314,7 +392,7 @@ void product(const T *rows_in, const Linear<T> &w, float *y, int64_t rows, bool 
 #if TILES_BUILD
         if constexpr (std::is_same_v<T, bf16>) {
             if (tiles) {
-                int64_t configured = 0;
+                TileRows configured{};
                 for (int64_t g = first; g < last; g++)
                     TILED[std::min<int64_t>(4, (w.out + 15) / 16 - 4 * g) - 1](x, w, y, rows, 4 * g, configured);
                 release_tiles();
