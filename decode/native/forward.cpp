@@ -137,13 +137,18 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
             x[r * n_embd + i] = to_float(wte[a.ids[r] * n_embd + i]) + (wpe ? to_float(wpe[a.positions[r] * n_embd + i]) : 0.0f);
     // AMX's tiles where asked for (tiles() sets them only where tileable())
     const bool tiles = m.tiles;
+    std::vector<Attending<T>> sequences;  // each part's rows in every layer's attention: its q, k, v and its output
+    for (const Part &p : a.parts)
+        sequences.push_back({wide.data() + p.first * qkv_width,
+                             {static_cast<T *>(p.cache), m.layers, m.kv_heads, p.capacity, dim}, &p.visible,
+                             normed.data() + p.first * q_width, p.count});
     for (int64_t l = 0; l < m.layers; l++) {
         const Model::Block &b = m.blocks[l];
         normalize(m, x.data(), b.norm_1, normed.data(), rows);
         multiply(m, b.packed[0], b.bias[0], normed.data(), n_embd, qkv_width, wide.data(), rows, tiles);  // q, k, v
-        std::vector<Attending<T>> sequences;
-        for (const Part &p : a.parts) {
-            const Cache<T> cache{static_cast<T *>(p.cache), m.layers, m.kv_heads, p.capacity, dim};
+        for (size_t i = 0; i < a.parts.size(); i++) {
+            const Part &p = a.parts[i];
+            const Cache<T> &cache = sequences[i].cache;
             for (int64_t r = p.first; r < p.first + p.count; r++) {
                 float *row = wide.data() + r * qkv_width;
                 if (m.cos) {  // the queries' and keys' rotary positions
@@ -156,8 +161,6 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
                             store(cache.at(kind, l, h, p.start + r - p.first) + d,
                                   load(row + q_width + kind * kv_width + h * dim + d, dim - d), dim - d);
             }
-            sequences.push_back({wide.data() + p.first * qkv_width, cache, &p.visible, normed.data() + p.first * q_width,
-                                 p.count});
         }
         attention(sequences, l, heads);
         std::vector<float> &projected = wide;  // the attention read its queries already
