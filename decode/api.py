@@ -19,6 +19,7 @@ import torch
 
 from decode import generation, loop
 from decode.batch import Batch
+from decode.completion_text import CompletionText
 from decode.decoder import Decoder, build_decoder
 from decode.errors import InputError
 from decode.healing import Prompt
@@ -283,7 +284,7 @@ class SpeculativeDecoder:
         if steps is None:
             steps = self.decoder_for(request.sampling).steps(prompt, request.max_new_tokens, request.seed,
                                                              request.sampling)
-        text_of = lambda tokens: prompt.completion(self.tokenizer, tokens, self.decoder.stop_ids)
+        text_of = CompletionText(prompt, self.tokenizer, self.decoder.stop_ids)
         start, sent, seen, stopped = time.perf_counter(), 0, 0, None
         checks = bool(request.eos_ids or request.stop_strings)
         if streamer is not None:
@@ -306,8 +307,9 @@ class SpeculativeDecoder:
         finally:  # the loop ends here (a batch's sequence leaves its batch), whatever ended the reading
             steps.close()
         done = stopped is not None or (tokens and tokens[-1] in self.decoder.stop_ids)
-        result = Result(text_of(tokens), tokens, out.oracle_calls, out.draft_calls, time.perf_counter() - start,
-                        prompt.tail, "stop" if done else "length")
+        text = prompt.completion(self.tokenizer, tokens, self.decoder.stop_ids)  # whole, once: exactly the tokens' text
+        result = Result(text, tokens, out.oracle_calls, out.draft_calls, time.perf_counter() - start, prompt.tail,
+                        "stop" if done else "length")
         if pieces and len(result.text) > sent:  # the output ended inside a character, as generate's text does
             yield result.text[sent:]
         if streamer is not None:
