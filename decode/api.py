@@ -279,8 +279,8 @@ class SpeculativeDecoder:
                steps: loop.Steps | None = None) -> Generator[str, None, Result]:
         """Decode an encoded prompt as the request says, reading its loop's `steps` (default: decoding it alone on
         the decoder for its sampling setting); with `pieces`, yield the new text
-        after each oracle call. A piece never ends inside a character: an incomplete UTF-8 sequence (decoded as
-        U+FFFD) waits for its rest. The output ends at the request's stop conditions. Returns the Result."""
+        after each oracle call. A piece holds only text that later tokens cannot change (CompletionText.settled): an
+        incomplete UTF-8 sequence (decoded as U+FFFD) waits for its rest. The output ends at the request's stop conditions. Returns the Result."""
         if steps is None:
             steps = self.decoder_for(request.sampling).steps(prompt, request.max_new_tokens, request.seed,
                                                              request.sampling)
@@ -297,8 +297,7 @@ class SpeculativeDecoder:
                     streamer.put(torch.tensor(tokens[seen:]))
                 seen = len(tokens)
                 if pieces:
-                    text = text_of(tokens)
-                    end = len(text.rstrip("\ufffd"))
+                    text, end = text_of(tokens), text_of.settled(tokens)
                     if end > sent:
                         yield text[sent:end]
                         sent = end
