@@ -15,8 +15,10 @@ from transformers import AutoModelForCausalLM
 from decode.cli import run
 from decode.errors import InputError
 from decode.models.hf_backend import HFEngine
-from decode.models.llama import LlamaEngine
+from decode.models.llama import LlamaEngine, dequantized_checkpoint
 from decode.models.loading import load_model
+from decode.models.pretrained import load_safetensors
+from decode.models.quantized import Q8_0, split_checkpoint
 from decode.tokenizer import load_tokenizer
 
 CONFIGS = {  # model_type, its options: each feature the engine implements, in at least one
@@ -145,6 +147,22 @@ def test_a_quantized_llama_family_model_computes_in_cpp_what_torch_computes_dequ
     # logits to within that rounding
     assert (got - dequantized).abs().max() < 0.05 * scale
     assert not torch.equal(dequantized, sixteen_bit) and (dequantized - sixteen_bit).abs().max() < 0.1 * scale
+
+
+def test_loading_a_quantized_llama_family_model_takes_each_block_matrix_out_of_the_checkpoint_as_it_packs_it(
+        quantized_llama_run):
+    """A matrix the C++ has packed must be held nowhere else, so that a load's memory never holds the checkpoint's
+    matrices beside their packed copies (twice the weights at its peak)."""
+    needs_cpp_forward("float32")
+    directory = quantized_llama_run["oracle"]
+    config, fmt = json.loads((directory / "config.json").read_text()), Q8_0
+    dense, quantized = split_checkpoint(load_safetensors(directory), fmt, directory)
+    before = len(quantized)
+    engine = LlamaEngine.build(config, dense, native_blocks=True, quantized=quantized,
+                               reload=lambda: dequantized_checkpoint(directory, fmt))
+    if not engine.runtime.blocks:
+        pytest.skip("this CPU lacks the quantized products' instructions")
+    assert before > 2 and set(quantized) <= {"embed_tokens.weight", "lm_head.weight"}  # the output layer's, kept
 
 
 @pytest.mark.processes

@@ -230,7 +230,8 @@ class LlamaEngine(LeanEngine):
         lazy = fits and reload is not None
         convert = lambda checkpoint, take: on_device(checkpoint, take, "model.", device, torch_dtype)
         if quantized:  # torch's forward computes with every matrix dequantized, the embeddings looked up so
-            quantized = {name.removeprefix("model."): matrix for name, matrix in quantized.items()}
+            for name in list(quantized):  # renamed in place: a matrix the C++ takes out is then held nowhere else
+                quantized[name.removeprefix("model.")] = quantized.pop(name)
             weights = weights | {name: quantized[name].dequantize()
                                  for name in (quantized if not lazy else ["embed_tokens.weight"])}
         weights = convert(weights, weights.pop if lazy else weights.__getitem__)
