@@ -340,9 +340,11 @@ def test_a_forward_runs_in_cpp_up_to_the_rows_measured_faster_there_and_the_choi
 def test_the_cpp_forward_refuses_a_tensor_of_another_element_type_or_an_output_of_another_shape(blocks_here, tmp_path):
     engine = GPT2Engine.load(tiny_gpt2(tmp_path / "model", seed=3), "bfloat16", native_blocks=True)
     blocks = engine.runtime.blocks
-    address, elements, _ = blocks.spec["wte"]
-    with pytest.raises(TypeError, match="wte has 4-byte elements where the model reads 2-byte ones"):
-        blocks.forward.model(blocks.spec | {"wte": (address, elements, 4)})
+    address, elements, _ = blocks.spec["wpe"]
+    with pytest.raises(TypeError, match="wpe has 4-byte elements where the model reads 2-byte ones"):
+        blocks.forward.model(blocks.spec | {"wpe": (address, elements, 4)})
+    with pytest.raises(ValueError, match="without wte, the output layer's columns must cover the vocabulary"):
+        blocks.forward.model(blocks.spec | {"vocabulary": blocks.spec["vocabulary"] + 1})
     with pytest.raises(TypeError, match="norm_f.weight has 2-byte elements where the model reads 4-byte ones"):
         blocks.forward.model(blocks.spec | {"norm_f.weight": (*blocks.spec["norm_f.weight"][:2], 2)})
     rows = {"model": blocks.model, "cache": engine.kv.field, "ids": [1, 2], "positions": [0, 1],
@@ -355,6 +357,35 @@ def test_the_cpp_forward_refuses_a_tensor_of_another_element_type_or_an_output_o
     with pytest.raises(TypeError, match="mask must be"):  # a mask of bytes, not of booleans
         blocks.forward.blocks(**rows | {"mask": torch.ones(2, 2, dtype=torch.uint8).numpy()},
                               out=torch.empty(2, blocks.columns).numpy())
+
+
+@pytest.mark.parametrize("dtype, weights", [("bfloat16", None), ("float32", None), ("float32", "q8_0"),
+                                            ("float32", "q4_0")])
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama])
+def test_a_tied_models_embeddings_read_in_its_packed_output_layer_are_its_embeddings(tmp_path, make, dtype, weights):
+    """A model whose output layer is its embeddings keeps them once, packed for the products: each token's row read
+    there gives the logits a lookup in the embeddings themselves gives, bit for bit."""
+    from decode.cli import quantize
+
+    needs_cpp_forward(dtype)
+    model = make(tmp_path / "model", seed=3, **({"tie_word_embeddings": True} if make is tiny_llama else {}))
+    if weights is not None:
+        quantize.main(["--model", str(model), "--to", weights, "--out", str(tmp_path / weights)])
+        model = tmp_path / weights
+    engine = (GPT2Engine if make is tiny_gpt2 else LlamaEngine).load(model, dtype, native_blocks=True)
+    blocks = engine.runtime.blocks
+    if blocks is None:
+        pytest.skip("this CPU lacks the quantized products' instructions")
+    assert "wte" not in blocks.spec
+    embeddings = engine.embedding.contiguous()  # torch's, made from the checkpoint (dequantized) on its first use
+    looked_up = blocks.forward.model(blocks.spec | {"wte": native.tensor_field(embeddings)})
+    blocks.forward.tiles(model=looked_up, on=blocks.tiles)  # the same products (a bfloat16 model's round otherwise)
+    rows = {"cache": engine.kv.field, "ids": list(range(engine.vocab_size)), "positions": [0] * engine.vocab_size,
+            "start": 0, "mask": torch.eye(engine.vocab_size, dtype=torch.bool).numpy(), "last": engine.vocab_size}
+    read, given = (torch.empty(engine.vocab_size, blocks.columns) for _ in range(2))
+    blocks.forward.blocks(model=blocks.model, **rows, out=read.numpy())
+    blocks.forward.blocks(model=looked_up, **rows, out=given.numpy())
+    assert torch.equal(read, given)
 
 
 def test_a_cpu_taken_for_one_with_avx2_alone_runs_the_avx2_build_and_its_results_say_so(monkeypatch):

@@ -119,13 +119,14 @@ def dequantized_checkpoint(model_dir, fmt: Format) -> dict[str, torch.Tensor]:
     return dense | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
 
 
-def cpp_tensors(weights: dict[str, torch.Tensor], n_layer: int, take: Callable[[str], "torch.Tensor | QuantizedMatrix"]
-                ) -> dict:
+def cpp_tensors(weights: dict[str, torch.Tensor], n_layer: int, take: Callable[[str], "torch.Tensor | QuantizedMatrix"],
+                embeddings: torch.Tensor | None) -> dict:
     """A GPT-2 checkpoint's tensors (names without "transformer.") by the C++ forward's names (native.Blocks), each
-    block's matrices taken out with `take`."""
-    tensors: dict[str, torch.Tensor | QuantizedMatrix] = {"wte": weights["wte.weight"], "wpe": weights["wpe.weight"],
-                                                          "norm_f.weight": weights["ln_f.weight"],
+    block's matrices taken out with `take`; its `embeddings` (None: the C++ reads them in the output layer)."""
+    tensors: dict[str, torch.Tensor | QuantizedMatrix] = {"wpe": weights["wpe.weight"], "norm_f.weight": weights["ln_f.weight"],
                                                           "norm_f.bias": weights["ln_f.bias"]}
+    if embeddings is not None:
+        tensors["wte"] = embeddings
     for i in range(n_layer):
         for k in (1, 2):
             tensors |= {f"h.{i}.norm_{k}.{part}": weights[f"h.{i}.ln_{k}.{part}"] for part in ("weight", "bias")}
@@ -135,14 +136,14 @@ def cpp_tensors(weights: dict[str, torch.Tensor], n_layer: int, take: Callable[[
 
 
 class GPT2Engine(LeanEngine):
-    def __init__(self, shape: GPT2Shape, wte: torch.Tensor, wpe: torch.Tensor,
-                 torch_weights: Callable[[], tuple[list[LayerWeights], Projection]], layouts: dict[str, str],
+    def __init__(self, shape: GPT2Shape, wpe: torch.Tensor,
+                 torch_weights: Callable[[], tuple[list[LayerWeights], Projection, torch.Tensor]], layouts: dict[str, str],
                  ln_f: tuple[torch.Tensor, torch.Tensor], kv: KVSlots, max_length: int, runtime: Runtime,
                  shortlist: Shortlist | None = None):
-        """GPT-2 over its weights (`build` makes them from a checkpoint's): LeanEngine's, its embeddings `wte` and
+        """GPT-2 over its weights (`build` makes them from a checkpoint's): LeanEngine's, its position embeddings
         `wpe` and its final layer norm `ln_f` besides."""
-        super().__init__(shape, wte, torch_weights, layouts, kv, max_length, runtime, shortlist)
-        self.wte, self.wpe, self.ln_f = wte, wpe, ln_f
+        super().__init__(shape, torch_weights, layouts, kv, max_length, runtime, shortlist)
+        self.wpe, self.ln_f = wpe, ln_f
         self.head_dim = shape.n_embd // shape.n_head
 
     @classmethod
@@ -161,8 +162,9 @@ class GPT2Engine(LeanEngine):
         the matrices out of `weights` (read for this engine alone) as it packs them, torch's forward making its own
         from `reload()` on its first use. A quantized model's matrices come in `quantized` (wte and the blocks'
         four, by checkpoint name), the rest in `weights`: the C++ forward computes with their blocks, torch's forward
-        with them dequantized to `dtype` (`reload()` then gives the dequantized checkpoint), and the embeddings are
-        looked up in wte dequantized."""
+        with them dequantized to `dtype` (`reload()` then gives the dequantized checkpoint). Where the C++ forward's
+        output layer is the whole vocabulary's (no shortlist), it looks the embeddings up there, and the engine holds
+        no other copy of them."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
@@ -172,27 +174,33 @@ class GPT2Engine(LeanEngine):
         lazy = fits and reload is not None
         # taken out of a checkpoint read for this engine alone (`reload`), so that it holds no matrix the C++ packed
         convert = lambda checkpoint, take: on_device(checkpoint, take, "transformer.", device, torch_dtype)
+        embedded_in_head = fits and shortlist is None  # the C++ looks the embeddings up in its output layer
         if quantized:
-            weights = weights | {"wte.weight": quantized["wte.weight"].dequantize()}
+            if not (lazy and embedded_in_head):
+                weights = weights | {"wte.weight": quantized["wte.weight"].dequantize()}
             if not lazy:  # torch's forward computes with every matrix dequantized
                 weights |= dequantized_matrices(quantized)
         weights = convert(weights, weights.pop if lazy else weights.__getitem__)
         pad_rows = runtime.pads_rows()
         e = shape.n_embd
-        # a config that pads the output past the tokenizer's tokens (load's `tokens`): the padded rows are left out
-        wte = weights["wte.weight"] = weights["wte.weight"][: shape.vocab_size]
-        output = wte if shortlist is None else wte[shortlist.tokens_on(device)]
+        rows = slice(shape.vocab_size) if shortlist is None else shortlist.tokens_on(device)
+        columns = shape.vocab_size if shortlist is None else len(shortlist.tokens)
         matrices = {"qkv": (e, 3 * e), "attn_out": (e, e), "mlp_in": (e, 4 * e), "mlp_out": (4 * e, e),
-                    "head": (e, output.shape[0])}  # (in, out)
+                    "head": (e, columns)}  # (in, out)
         layouts = {name: layout or runtime.layout(*matrix, name == "mlp_in", calibrate)
                    for name, matrix in matrices.items()}
 
-        def torch_weights(checkpoint: dict[str, torch.Tensor]) -> tuple[list[LayerWeights], Projection]:
+        def embeddings(checkpoint: dict) -> torch.Tensor:
+            # a config that pads the output past the tokenizer's tokens (load's `tokens`): the padded rows are left out
+            return checkpoint["wte.weight"][: shape.vocab_size]
+
+        def torch_weights(checkpoint: dict[str, torch.Tensor]) -> tuple[list[LayerWeights], Projection, torch.Tensor]:
             def projection(in_out: torch.Tensor, bias: torch.Tensor | None, gelu: bool, name: str) -> Projection:
                 return Projection(in_out, bias, layouts[LINEAR.get(name, name)], gelu, pad_rows)
 
+            wte = embeddings(checkpoint)
             return ([LayerWeights.from_checkpoint(checkpoint, i, projection) for i in range(shape.n_layer)],
-                    projection(output.T, None, False, "head"))
+                    projection(wte[rows].T, None, False, "head"), wte)
 
         max_length = max_length or shape.n_positions  # positions: the context
         # slots: a tree's nodes share positions
@@ -201,17 +209,15 @@ class GPT2Engine(LeanEngine):
         make_torch_weights = torch_weights_on_first_use(None if lazy else torch_weights(weights), reload, convert, torch_weights)
         cpp_shape = {"architecture": 0, "n_embd": e, "heads": shape.n_head, "layers": shape.n_layer,
                      "epsilon": shape.layer_norm_epsilon}
-        if fits and quantized:  # (lazy: the matrices leave `quantized` as the C++ packs them)
-            take_matrix = quantized.pop if lazy else quantized.__getitem__
-            head = take_matrix("wte.weight")
-            head = head.rows(slice(shape.vocab_size) if shortlist is None else shortlist.tokens_on(device))
-            runtime.load_forward(cpp_shape, cpp_tensors(weights, shape.n_layer, take_matrix), head,
-                                 consume=lazy)  # (no other name holds the matrices: each goes as it is packed)
-        elif fits:
-            runtime.load_forward(cpp_shape, cpp_tensors(weights, shape.n_layer, weights.pop if lazy else weights.__getitem__),
-                                 output, consume=lazy)
-        return cls(shape, wte, weights["wpe.weight"], make_torch_weights, layouts,
-                   (weights["ln_f.weight"], weights["ln_f.bias"]), kv, max_length, runtime, shortlist)
+        if fits:  # (lazy: the matrices leave `quantized` or `weights` as the C++ packs them)
+            held = quantized or weights
+            take = held.pop if lazy else held.__getitem__
+            tensors = cpp_tensors(weights, shape.n_layer, take, embeddings=None if embedded_in_head else embeddings(weights))
+            embedded = take("wte.weight")  # GPT-2's output layer is its embeddings
+            head = embedded.rows(rows) if isinstance(embedded, QuantizedMatrix) else embedded[: shape.vocab_size][rows]
+            runtime.load_forward(cpp_shape, tensors, head, consume=lazy)  # (each matrix goes as it is packed)
+        return cls(shape, weights["wpe.weight"], make_torch_weights, layouts, (weights["ln_f.weight"], weights["ln_f.bias"]),
+                   kv, max_length, runtime, shortlist)
 
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
@@ -243,7 +249,7 @@ class GPT2Engine(LeanEngine):
         """`logits` through torch's operations."""
         token_ids, position_ids = as_tensor(token_ids, self.device), as_tensor(position_ids, self.device)
         # F.embedding (an index_select) runs faster than indexing the matrices
-        x = F.embedding(token_ids, self.wte) + F.embedding(position_ids, self.wpe)
+        x = F.embedding(token_ids, self.embedding) + F.embedding(position_ids, self.wpe)
         with self.runtime.attention():
             x = self.layers_forward(x, self.additive(mask, end), slots, end)
         if last is not None:

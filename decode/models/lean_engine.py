@@ -55,17 +55,17 @@ def chunks(q: int, size: int, last: int) -> list[tuple[int, int, int]]:
 
 
 class LeanEngine(CachedLM):
-    def __init__(self, shape, embeddings: torch.Tensor, torch_weights: Callable[[], tuple], layouts: dict[str, str],
-                 kv: KVSlots, max_length: int, runtime: Runtime, shortlist: Shortlist | None = None):
-        """A model of this `shape` over a cache of `kv` slots, run by its `runtime` (decode.models.runtime).
-        `torch_weights()` makes the weights torch's forward reads (`layers` and the output projection `head`, over
-        the `shortlist`'s tokens only when there is one), stored in `layouts`, on that forward's first use: an engine
-        whose forwards all run in C++ never holds them."""
-        self.shape, self.embeddings = shape, embeddings
+    def __init__(self, shape, torch_weights: Callable[[], tuple], layouts: dict[str, str], kv: KVSlots,
+                 max_length: int, runtime: Runtime, shortlist: Shortlist | None = None):
+        """A model of this `shape` over a cache of `kv` slots, run by its `runtime` (decode.models.runtime) on its
+        device in its dtype. `torch_weights()` makes the weights torch's forward reads (`layers`, the output projection
+        `head`, over the `shortlist`'s tokens only when there is one, and the token `embedding`), stored in
+        `layouts`, on that forward's first use: an engine whose forwards all run in C++ never holds them."""
+        self.shape = shape
         self.make_torch_weights, self.layouts = torch_weights, layouts
         self.made_torch_weights: tuple | None = None
         self.kv, self.max_length, self.shortlist, self.runtime = kv, max_length, shortlist, runtime
-        self.device, self.dtype, self.vocab_size = embeddings.device, embeddings.dtype, shape.vocab_size
+        self.device, self.dtype, self.vocab_size = runtime.device, runtime.dtype, shape.vocab_size
         self.seen, self.unseen = (torch.tensor(v, dtype=self.dtype, device=self.device) for v in (0.0, float("-inf")))
         self.graphs = runtime.graphs(self)
 
@@ -84,6 +84,7 @@ class LeanEngine(CachedLM):
 
     layers = property(lambda self: self.torch_weights()[0])
     head = property(lambda self: self.torch_weights()[1])
+    embedding = property(lambda self: self.torch_weights()[2])
 
     # the cache's state, as CachedLM's callers read and write it
     length = property(lambda self: self.kv.length, lambda self, n: setattr(self.kv, "length", n))

@@ -198,15 +198,14 @@ class LlamaLayer:
 
 
 class LlamaEngine(LeanEngine):
-    def __init__(self, shape: LlamaShape, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 norm: torch.Tensor, torch_weights: Callable[[], tuple[list[LlamaLayer], Projection]],
+    def __init__(self, shape: LlamaShape, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor,
+                 torch_weights: Callable[[], tuple[list[LlamaLayer], Projection, torch.Tensor]],
                  layouts: dict[str, str], kv: KVSlots, max_length: int, runtime, shortlist: Shortlist | None = None):
-        """A Llama-family model over its weights (`build` makes them from a checkpoint's): LeanEngine's, its
-        embeddings `embed`, rotary tables `cos`, `sin` (float32, positions x head_dim / 2) and final norm's weight
-        besides."""
-        super().__init__(shape, embed, torch_weights, layouts, kv, max_length, runtime, shortlist)
-        self.embed, self.norm = embed, norm
-        self.cos, self.sin = cos.to(embed.device), sin.to(embed.device)
+        """A Llama-family model over its weights (`build` makes them from a checkpoint's): LeanEngine's, its rotary
+        tables `cos`, `sin` (float32, positions x head_dim / 2) and final norm's weight besides."""
+        super().__init__(shape, torch_weights, layouts, kv, max_length, runtime, shortlist)
+        self.norm = norm
+        self.cos, self.sin = cos.to(norm.device), sin.to(norm.device)
 
     @classmethod
     def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32",
@@ -229,22 +228,25 @@ class LlamaEngine(LeanEngine):
         fits = runtime.loads_forward(shape.n_embd) and shape.intermediate % 16 == 0 and shape.head_dim % 2 == 0
         lazy = fits and reload is not None
         convert = lambda checkpoint, take: on_device(checkpoint, take, "model.", device, torch_dtype)
+        embedded_in_head = fits and shortlist is None and shape.tied  # the C++ looks the embeddings up in its output layer
         if quantized:  # torch's forward computes with every matrix dequantized, the embeddings looked up so
             for name in list(quantized):  # renamed in place: a matrix the C++ takes out is then held nowhere else
                 quantized[name.removeprefix("model.")] = quantized.pop(name)
-            weights = weights | {name: quantized[name].dequantize()
-                                 for name in (quantized if not lazy else ["embed_tokens.weight"])}
+            dequantized = list(quantized) if not lazy else [] if embedded_in_head else ["embed_tokens.weight"]
+            weights = weights | {name: quantized[name].dequantize() for name in dequantized}
         weights = convert(weights, weights.pop if lazy else weights.__getitem__)
-        # a config that pads the output past the tokenizer's tokens (load's `tokens`): the padded rows are left out
-        embed = weights["embed_tokens.weight"] = weights["embed_tokens.weight"][: shape.vocab_size]
         rows = slice(shape.vocab_size) if shortlist is None else shortlist.tokens_on(device)
+
+        def embeddings(checkpoint: dict) -> torch.Tensor:
+            # a config that pads the output past the tokenizer's tokens (load's `tokens`): the padded rows are left out
+            return checkpoint["embed_tokens.weight"][: shape.vocab_size]
 
         def output_of(checkpoint: dict):
             """The output layer's (columns, n_embd) weight, in the model's dtype or in blocks: the untied head's rows,
             or the embeddings'."""
             head = checkpoint.get("lm_head.weight") if not shape.tied else None
             matrix = checkpoint["embed_tokens.weight"] if head is None else head
-            return matrix.rows(rows) if isinstance(matrix, QuantizedMatrix) else matrix[rows]
+            return matrix.rows(rows) if isinstance(matrix, QuantizedMatrix) else matrix[: shape.vocab_size][rows]
 
         columns = shape.vocab_size if shortlist is None else len(shortlist.tokens)
         e, q, kv = shape.n_embd, shape.n_head * shape.head_dim, shape.kv_width
@@ -253,7 +255,7 @@ class LlamaEngine(LeanEngine):
         layouts = {name: layout or runtime.layout(*matrix, False, calibrate) for name, matrix in matrices.items()}
         pad_rows = runtime.pads_rows()
 
-        def torch_weights(checkpoint: dict[str, torch.Tensor]) -> tuple[list[LlamaLayer], Projection]:
+        def torch_weights(checkpoint: dict[str, torch.Tensor]) -> tuple[list[LlamaLayer], Projection, torch.Tensor]:
             def layer(i: int) -> LlamaLayer:
                 block = fused(checkpoint, i, checkpoint.__getitem__)
                 p = {name: Projection(block[f"h.{i}.{name}"], block.get(f"h.{i}.{name}.bias"), layouts[name],
@@ -262,7 +264,7 @@ class LlamaEngine(LeanEngine):
                                   checkpoint[f"layers.{i}.post_attention_layernorm.weight"], p["mlp_in"], p["mlp_out"])
 
             head = Projection(output_of(checkpoint).T, None, layouts["head"], pad_rows=pad_rows)
-            return [layer(i) for i in range(shape.n_layer)], head
+            return [layer(i) for i in range(shape.n_layer)], head, embeddings(checkpoint)
 
         cos, sin = rotary_tables(config, max_length)
         kv_slots = KVSlots(shape.n_layer, shape.n_kv_head, shape.head_dim, max_length + SPECULATIVE_SLOTS, torch_dtype,
@@ -273,7 +275,9 @@ class LlamaEngine(LeanEngine):
             held = quantized or weights  # the matrices, in blocks or in the model's dtype
             take = held.pop if lazy else held.__getitem__
             output = output_of(quantized or weights)
-            tensors = {"wte": embed, "rope.cos": cos, "rope.sin": sin, "norm_f.weight": weights["norm.weight"]}
+            tensors = {"rope.cos": cos, "rope.sin": sin, "norm_f.weight": weights["norm.weight"]}
+            if not embedded_in_head:
+                tensors["wte"] = embeddings(weights)
             for i in range(shape.n_layer):
                 tensors |= {f"h.{i}.norm_1.weight": weights[f"layers.{i}.input_layernorm.weight"],
                             f"h.{i}.norm_2.weight": weights[f"layers.{i}.post_attention_layernorm.weight"]}
@@ -282,8 +286,8 @@ class LlamaEngine(LeanEngine):
                                   "head_dim": shape.head_dim, "intermediate": shape.intermediate,
                                   "layers": shape.n_layer, "epsilon": shape.epsilon},
                                  tensors, output, consume=lazy)
-        return cls(shape, embed, cos, sin, weights["norm.weight"], make_torch_weights, layouts, kv_slots, max_length,
-                   runtime, shortlist)
+        return cls(shape, cos, sin, weights["norm.weight"], make_torch_weights, layouts, kv_slots, max_length, runtime,
+                   shortlist)
 
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
@@ -306,7 +310,7 @@ class LlamaEngine(LeanEngine):
                      slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
         """`logits` through torch's operations."""
         token_ids, position_ids = as_tensor(token_ids, self.device), as_tensor(position_ids, self.device)
-        x = F.embedding(token_ids, self.embed)
+        x = F.embedding(token_ids, self.embedding)
         cos, sin = self.cos[position_ids].to(self.dtype), self.sin[position_ids].to(self.dtype)
         with self.runtime.attention():
             x = self.layers_forward(x, cos, sin, self.additive(mask, end), slots, end)

@@ -170,7 +170,7 @@ class NativeRuntime(Runtime):
         return self.cpp_forward and native.Blocks.fit(n_embd, self.dtype, self.device, self.quantization is not None)
 
     def load_forward(self, shape, tensors, output, consume) -> None:
-        self.blocks = native.Blocks(shape, tensors, output, consume=consume)
+        self.blocks = native.Blocks(shape, tensors, output, self.dtype, consume=consume)
         self.rows = native.Blocks.ROWS
 
     def mover(self, cache: torch.Tensor) -> Mover:

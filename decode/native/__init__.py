@@ -236,17 +236,20 @@ class Blocks:
             return False
         return fits
 
-    def __init__(self, shape: dict, tensors: dict, output: "torch.Tensor | QuantizedWeight", consume: bool = False):
-        """`shape`: forward.cpp's model() ints and epsilon (architecture, n_embd, heads, kv_heads, head_dim,
-        intermediate, layers, epsilon); `tensors`: by its names (wte; GPT-2's wpe and norm biases, the Llama family's
-        rope.cos and rope.sin; norm_f.weight; per layer i h.{i}.norm_1.weight, h.{i}.norm_2.weight), and each block's
-        four MATRICES as h.{i}.qkv and so on: (in, out) in the model's dtype or, in a quantized model, QuantizedWeight
-        (out, in), each with its float bias (h.{i}.qkv.bias; zeros where absent); `output`: the output layer's (columns, n_embd) weight (the whole
-        vocabulary's or a shortlist's rows), quantized in a quantized model. With `consume`, each matrix is taken out
-        of `tensors` as it is packed, so that its memory goes as its packed copy comes."""
+    def __init__(self, shape: dict, tensors: dict, output: "torch.Tensor | QuantizedWeight", dtype: torch.dtype,
+                 consume: bool = False):
+        """A model of `dtype` (its activations and cache). `shape`: forward.cpp's model() ints and epsilon
+        (architecture, n_embd, heads, kv_heads, head_dim, intermediate, layers, epsilon); `tensors`: by its names (wte,
+        left out where `output` is the whole vocabulary's embeddings, which the C++ then reads there; GPT-2's wpe and
+        norm biases, the Llama family's rope.cos and rope.sin; norm_f.weight; per layer i h.{i}.norm_1.weight,
+        h.{i}.norm_2.weight), and each block's four MATRICES as h.{i}.qkv and so on: (in, out) in the model's dtype
+        or, in a quantized model, QuantizedWeight (out, in), each with its float bias (h.{i}.qkv.bias; zeros where
+        absent); `output`: the output layer's (columns, n_embd) weight (the whole vocabulary's or a shortlist's rows),
+        quantized in a quantized model. With `consume`, each matrix is taken out of `tensors` as it is packed, so that
+        its memory goes as its packed copy comes."""
         take = tensors.pop if consume else tensors.__getitem__
         self.kept = {}  # every tensor the C++ reads, by the name model() knows it under (`spec`: as it reads them)
-        self.forward = forward_module(tensors["wte"].dtype)
+        self.forward = forward_module(dtype)
         for name in list(tensors):
             if name.rsplit(".", 1)[-1] in self.MATRICES:
                 matrix = take(name)
@@ -263,8 +266,8 @@ class Blocks:
         fields = {name: tensor_field(tensor) for name, tensor in self.kept.items()}
         positions = self.kept["wpe"] if "wpe" in self.kept else self.kept["rope.cos"]
         self.spec = fields | shape | {
-            "vocabulary": self.kept["wte"].shape[0], "positions": positions.shape[0],
-            "logit_columns": output.shape[0], "element_bytes": self.kept["wte"].element_size(),
+            "vocabulary": self.kept["wte"].shape[0] if "wte" in self.kept else output.shape[0],
+            "positions": positions.shape[0], "logit_columns": output.shape[0], "element_bytes": dtype.itemsize,
             "epsilon": float(shape["epsilon"]), "format": 0 if isinstance(output, torch.Tensor) else output.code}
         self.model = self.forward.model(self.spec)
         self.columns = output.shape[0]

@@ -52,7 +52,7 @@ struct Model {
     float epsilon;
     int64_t format = DENSE;  // the linear layers' weights: in the model's dtype, or in Q8_0 or Q4_0 blocks
     bool tiles = false;      // the products on AMX's tiles (a bfloat16 model's on AMX-BF16, a quantized one's on AMX-INT8)
-    const void *wte;
+    const void *wte = nullptr;                      // the token embeddings (nullptr: the output layer's columns)
     const void *wpe = nullptr;                      // GPT-2's positions
     const float *cos = nullptr, *sin = nullptr;     // the Llama family's: (positions, head_dim / 2) each
     struct Block {
@@ -122,6 +122,55 @@ struct Rows {
     float *out;
 };
 
+// A float16 value as float32 (exact).
+inline float half_to_float(uint16_t half) {
+    const uint32_t sign = static_cast<uint32_t>(half & 0x8000u) << 16, exponent = (half >> 10) & 31u, mantissa = half & 1023u;
+    if (exponent == 0) return (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(mantissa), -24);  // zero, subnormals
+    const uint32_t bits = sign | (exponent == 31 ? 0x7f800000u : (exponent + 112) << 23) | (mantissa << 13);
+    float value;
+    std::memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+// Token `id`'s embedding (n_embd float32) into `out`: its row of wte, or, where the model has no wte (the output
+// layer is the embeddings, the whole vocabulary's), the output layer's column `id` read from its packed weights
+// (pack_for_products: 16 columns a block, pairs of inputs side by side in bfloat16; pack_quantized: each 32 inputs'
+// 16 scales, then lines of 4 bytes a column), each weight the value torch's lookup in the dequantized matrix gives.
+template <typename T>
+void embedding(const Model &m, int64_t id, float *out) {
+    const int64_t n = m.n_embd;
+    if (m.wte) {
+        const T *row = static_cast<const T *>(m.wte) + id * n;
+        for (int64_t i = 0; i < n; i++) out[i] = to_float(row[i]);
+        return;
+    }
+    const int64_t j = id % 16;
+    if (m.format == DENSE) {
+        constexpr int64_t per_step = sizeof(T) == 2 ? 2 : 1;
+        const T *block = static_cast<const T *>(m.output) + id / 16 * 16 * n;
+        for (int64_t i = 0; i < n; i++) out[i] = to_float(block[i / per_step * 16 * per_step + j * per_step + i % per_step]);
+        return;
+    }
+    const int64_t group_bytes = m.format == Q8_0 ? GROUP_BYTES<Q8_0> : GROUP_BYTES<Q4_0>;
+    const auto *block = static_cast<const uint8_t *>(m.output) + id / 16 * (n / QUANT_BLOCK) * group_bytes;
+    for (int64_t g = 0; g < n / QUANT_BLOCK; g++, out += QUANT_BLOCK) {
+        const uint8_t *group = block + g * group_bytes, *values = group + 32 + 4 * j;
+        uint16_t scale;
+        std::memcpy(&scale, group + 2 * j, sizeof scale);
+        const float d = half_to_float(scale);
+        for (int64_t line = 0; line < LINES<Q8_0>; line++)
+            for (int64_t t = 0; t < 4; t++) {
+                const uint8_t value = values[64 * line + t];
+                if (m.format == Q8_0) {
+                    out[4 * line + t] = static_cast<float>(static_cast<int8_t>(value)) * d;
+                } else if (line < LINES<Q4_0>) {  // low nibbles: inputs 4 line + t; high: 16 after them
+                    out[4 * line + t] = static_cast<float>((value & 15) - 8) * d;
+                    out[16 + 4 * line + t] = static_cast<float>((value >> 4) - 8) * d;
+                }
+            }
+    }
+}
+
 // The forward, in a model of dtype T.
 template <typename T>
 VECTOR_TARGET void forward(const Model &m, const Rows &a) {
@@ -129,12 +178,14 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
     const int64_t n_embd = m.n_embd, dim = m.head_dim, q_width = m.q_width(), kv_width = m.kv_heads * dim;
     const int64_t qkv_width = m.qkv_width(), inner = m.intermediate;
     const Heads heads{m.heads, m.heads / m.kv_heads, qkv_width, q_width};
-    const auto *wte = static_cast<const T *>(m.wte), *wpe = static_cast<const T *>(m.wpe);
+    const auto *wpe = static_cast<const T *>(m.wpe);
     std::vector<float> x(rows * n_embd), wide(rows * std::max({qkv_width, m.mlp_in_width(), n_embd}));
     std::vector<T> normed(rows * std::max(n_embd, q_width)), activated(rows * inner);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < n_embd; i++)
-            x[r * n_embd + i] = to_float(wte[a.ids[r] * n_embd + i]) + (wpe ? to_float(wpe[a.positions[r] * n_embd + i]) : 0.0f);
+    for (int64_t r = 0; r < rows; r++) {
+        embedding<T>(m, a.ids[r], x.data() + r * n_embd);
+        if (wpe)
+            for (int64_t i = 0; i < n_embd; i++) x[r * n_embd + i] += to_float(wpe[a.positions[r] * n_embd + i]);
+    }
     // AMX's tiles where asked for (tiles() sets them only where tileable())
     const bool tiles = m.tiles;
     std::vector<Attending<T>> sequences;  // each part's rows in every layer's attention: its q, k, v and its output
@@ -234,7 +285,8 @@ bool optional_field(PyObject *spec, const char *name, int64_t &value, int64_t ot
 // float32); optional ints: architecture (0: GPT-2, the default; 1: the Llama family), kv_heads (default heads),
 // head_dim (default n_embd / heads), intermediate (the MLP's width, default 4 n_embd), format (0, the default: linear
 // layers in the model's dtype; 1: Q8_0, 2: Q4_0 blocks, their packed tensors then bytes, decode/models/quantized.py's
-// pack_quantized); epsilon (a float). Tensors, each as (address, elements, element_bytes): wte, norm_f.weight,
+// pack_quantized); epsilon (a float). Tensors, each as (address, elements, element_bytes): wte (optional where the
+// output layer's columns are the whole vocabulary's embeddings: they are read from it), norm_f.weight,
 // output.packed, output.bias; GPT-2's wpe and norm_f.bias, the Llama family's rope.cos and rope.sin (float32,
 // positions x head_dim / 2); per layer i "h.{i}.norm_1.weight" (and GPT-2's .bias; norm_2 likewise, float32) and
 // "h.{i}.qkv.packed" (and .bias; attn_out, mlp_in and mlp_out likewise: decode/native's pack_for_products, float32
@@ -292,7 +344,11 @@ PyObject *model(PyObject *, PyObject *spec) {
     };
     // of the model's own tensors; norms, biases and rotary tables are float32, quantized layers bytes
     const int64_t bytes = m->element_bytes, packed_bytes = m->format != DENSE ? 1 : bytes;
-    if (!tensor(spec, "wte", m->vocabulary * n, bytes, m->wte)
+    if (!PyDict_GetItemString(spec, "wte") && m->vocabulary > m->logit_columns) {
+        PyErr_SetString(PyExc_ValueError, "model: without wte, the output layer's columns must cover the vocabulary");
+        return nullptr;
+    }
+    if ((PyDict_GetItemString(spec, "wte") && !tensor(spec, "wte", m->vocabulary * n, bytes, m->wte))
         || !tensor(spec, "norm_f.weight", n, 4, m->norm_f[0])
         || !tensor(spec, "output.packed", packed(n, m->logit_columns), packed_bytes, m->output)
         || !tensor(spec, "output.bias", columns, 4, m->output_bias))
