@@ -343,7 +343,7 @@ def test_the_cpp_forward_refuses_a_tensor_of_another_element_type_or_an_output_o
     address, elements, _ = blocks.spec["wpe"]
     with pytest.raises(TypeError, match="wpe has 4-byte elements where the model reads 2-byte ones"):
         blocks.forward.model(blocks.spec | {"wpe": (address, elements, 4)})
-    with pytest.raises(ValueError, match="without wte, the output layer's columns must cover the vocabulary"):
+    with pytest.raises(ValueError, match="the output layer's columns, which must then cover the vocabulary"):
         blocks.forward.model(blocks.spec | {"vocabulary": blocks.spec["vocabulary"] + 1})
     with pytest.raises(TypeError, match="norm_f.weight has 2-byte elements where the model reads 4-byte ones"):
         blocks.forward.model(blocks.spec | {"norm_f.weight": (*blocks.spec["norm_f.weight"][:2], 2)})
@@ -359,16 +359,20 @@ def test_the_cpp_forward_refuses_a_tensor_of_another_element_type_or_an_output_o
                               out=torch.empty(2, blocks.columns).numpy())
 
 
-@pytest.mark.parametrize("dtype, weights", [("bfloat16", None), ("float32", None), ("float32", "q8_0"),
-                                            ("float32", "q4_0")])
-@pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama])
-def test_a_tied_models_embeddings_read_in_its_packed_output_layer_are_its_embeddings(tmp_path, make, dtype, weights):
-    """A model whose output layer is its embeddings keeps them once, packed for the products: each token's row read
-    there gives the logits a lookup in the embeddings themselves gives, bit for bit."""
+EMBEDDED = [(make, tied, dtype, weights) for make, tied in ((tiny_gpt2, True), (tiny_llama, True), (tiny_llama, False))
+            for dtype, weights in (("bfloat16", None), ("float32", None), ("float32", "q8_0"), ("float32", "q4_0"))
+            if tied or weights]  # (an untied 16-bit model's embeddings are its wte)
+
+
+@pytest.mark.parametrize("make, tied, dtype, weights", EMBEDDED)
+def test_embeddings_read_in_packed_blocks_are_the_embeddings(tmp_path, make, tied, dtype, weights):
+    """A model holds its embeddings once: a tied model's in its packed output layer, a quantized one's in their
+    blocks. Each token's embedding read there gives the logits a lookup in the embeddings themselves gives, bit for
+    bit."""
     from decode.cli import quantize
 
     needs_cpp_forward(dtype)
-    model = make(tmp_path / "model", seed=3, **({"tie_word_embeddings": True} if make is tiny_llama else {}))
+    model = make(tmp_path / "model", seed=3, **({"tie_word_embeddings": tied} if make is tiny_llama else {}))
     if weights is not None:
         quantize.main(["--model", str(model), "--to", weights, "--out", str(tmp_path / weights)])
         model = tmp_path / weights
@@ -376,9 +380,10 @@ def test_a_tied_models_embeddings_read_in_its_packed_output_layer_are_its_embedd
     blocks = engine.runtime.blocks
     if blocks is None:
         pytest.skip("this CPU lacks the quantized products' instructions")
-    assert "wte" not in blocks.spec
+    assert "wte" not in blocks.spec and ("embeddings.packed" in blocks.spec) == (not tied)
     embeddings = engine.embedding.contiguous()  # torch's, made from the checkpoint (dequantized) on its first use
-    looked_up = blocks.forward.model(blocks.spec | {"wte": native.tensor_field(embeddings)})
+    spec = {name: field for name, field in blocks.spec.items() if name != "embeddings.packed"}
+    looked_up = blocks.forward.model(spec | {"wte": native.tensor_field(embeddings)})
     blocks.forward.tiles(model=looked_up, on=blocks.tiles)  # the same products (a bfloat16 model's round otherwise)
     rows = {"cache": engine.kv.field, "ids": list(range(engine.vocab_size)), "positions": [0] * engine.vocab_size,
             "start": 0, "mask": torch.eye(engine.vocab_size, dtype=torch.bool).numpy(), "last": engine.vocab_size}

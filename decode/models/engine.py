@@ -119,14 +119,12 @@ def dequantized_checkpoint(model_dir, fmt: Format) -> dict[str, torch.Tensor]:
     return dense | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
 
 
-def cpp_tensors(weights: dict[str, torch.Tensor], n_layer: int, take: Callable[[str], "torch.Tensor | QuantizedMatrix"],
-                embeddings: torch.Tensor | None) -> dict:
-    """A GPT-2 checkpoint's tensors (names without "transformer.") by the C++ forward's names (native.Blocks), each
-    block's matrices taken out with `take`; its `embeddings` (None: the C++ reads them in the output layer)."""
+def cpp_tensors(weights: dict[str, torch.Tensor], n_layer: int, take: Callable[[str], "torch.Tensor | QuantizedMatrix"]
+                ) -> dict:
+    """A GPT-2 checkpoint's tensors (names without "transformer.") by the C++ forward's names (native.Blocks), but
+    for its token embeddings, each block's matrices taken out with `take`."""
     tensors: dict[str, torch.Tensor | QuantizedMatrix] = {"wpe": weights["wpe.weight"], "norm_f.weight": weights["ln_f.weight"],
                                                           "norm_f.bias": weights["ln_f.bias"]}
-    if embeddings is not None:
-        tensors["wte"] = embeddings
     for i in range(n_layer):
         for k in (1, 2):
             tensors |= {f"h.{i}.norm_{k}.{part}": weights[f"h.{i}.ln_{k}.{part}"] for part in ("weight", "bias")}
@@ -175,11 +173,8 @@ class GPT2Engine(LeanEngine):
         # taken out of a checkpoint read for this engine alone (`reload`), so that it holds no matrix the C++ packed
         convert = lambda checkpoint, take: on_device(checkpoint, take, "transformer.", device, torch_dtype)
         embedded_in_head = fits and shortlist is None  # the C++ looks the embeddings up in its output layer
-        if quantized:
-            if not (lazy and embedded_in_head):
-                weights = weights | {"wte.weight": quantized["wte.weight"].dequantize()}
-            if not lazy:  # torch's forward computes with every matrix dequantized
-                weights |= dequantized_matrices(quantized)
+        if quantized and not lazy:  # torch's forward computes with every matrix dequantized
+            weights = weights | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
         weights = convert(weights, weights.pop if lazy else weights.__getitem__)
         pad_rows = runtime.pads_rows()
         e = shape.n_embd
@@ -212,9 +207,14 @@ class GPT2Engine(LeanEngine):
         if fits:  # (lazy: the matrices leave `quantized` or `weights` as the C++ packs them)
             held = quantized or weights
             take = held.pop if lazy else held.__getitem__
-            tensors = cpp_tensors(weights, shape.n_layer, take, embeddings=None if embedded_in_head else embeddings(weights))
             embedded = take("wte.weight")  # GPT-2's output layer is its embeddings
-            head = embedded.rows(rows) if isinstance(embedded, QuantizedMatrix) else embedded[: shape.vocab_size][rows]
+            head: torch.Tensor | QuantizedMatrix
+            own: dict[str, torch.Tensor | QuantizedMatrix]
+            if isinstance(embedded, QuantizedMatrix):  # in their blocks, dequantized as the C++ reads them
+                head, own = embedded.rows(rows), {"embeddings": embedded.rows(slice(shape.vocab_size))}
+            else:
+                head, own = embedded[: shape.vocab_size][rows], {"wte": embedded[: shape.vocab_size]}
+            tensors = cpp_tensors(weights, shape.n_layer, take) | ({} if embedded_in_head else own)
             runtime.load_forward(cpp_shape, tensors, head, consume=lazy)  # (each matrix goes as it is packed)
         return cls(shape, weights["wpe.weight"], make_torch_weights, layouts, (weights["ln_f.weight"], weights["ln_f.bias"]),
                    kv, max_length, runtime, shortlist)

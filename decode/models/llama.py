@@ -232,8 +232,8 @@ class LlamaEngine(LeanEngine):
         if quantized:  # torch's forward computes with every matrix dequantized, the embeddings looked up so
             for name in list(quantized):  # renamed in place: a matrix the C++ takes out is then held nowhere else
                 quantized[name.removeprefix("model.")] = quantized.pop(name)
-            dequantized = list(quantized) if not lazy else [] if embedded_in_head else ["embed_tokens.weight"]
-            weights = weights | {name: quantized[name].dequantize() for name in dequantized}
+            if not lazy:
+                weights = weights | {name: matrix.dequantize() for name, matrix in quantized.items()}
         weights = convert(weights, weights.pop if lazy else weights.__getitem__)
         rows = slice(shape.vocab_size) if shortlist is None else shortlist.tokens_on(device)
 
@@ -275,9 +275,11 @@ class LlamaEngine(LeanEngine):
             held = quantized or weights  # the matrices, in blocks or in the model's dtype
             take = held.pop if lazy else held.__getitem__
             output = output_of(quantized or weights)
-            tensors = {"rope.cos": cos, "rope.sin": sin, "norm_f.weight": weights["norm.weight"]}
-            if not embedded_in_head:
-                tensors["wte"] = embeddings(weights)
+            tensors: dict[str, torch.Tensor | QuantizedMatrix] = {"rope.cos": cos, "rope.sin": sin,
+                                                                  "norm_f.weight": weights["norm.weight"]}
+            if not embedded_in_head:  # a quantized model's in their blocks, dequantized as the C++ reads them
+                tensors |= ({"embeddings": quantized["embed_tokens.weight"].rows(slice(shape.vocab_size))} if quantized
+                            else {"wte": embeddings(weights)})
             for i in range(shape.n_layer):
                 tensors |= {f"h.{i}.norm_1.weight": weights[f"layers.{i}.input_layernorm.weight"],
                             f"h.{i}.norm_2.weight": weights[f"layers.{i}.post_attention_layernorm.weight"]}

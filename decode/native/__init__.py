@@ -240,7 +240,8 @@ class Blocks:
                  consume: bool = False):
         """A model of `dtype` (its activations and cache). `shape`: forward.cpp's model() ints and epsilon
         (architecture, n_embd, heads, kv_heads, head_dim, intermediate, layers, epsilon); `tensors`: by its names (wte,
-        left out where `output` is the whole vocabulary's embeddings, which the C++ then reads there; GPT-2's wpe and
+        or a quantized model's embeddings (QuantizedWeight), or neither where `output` is the whole vocabulary's
+        embeddings, which the C++ then reads there; GPT-2's wpe and
         norm biases, the Llama family's rope.cos and rope.sin; norm_f.weight; per layer i h.{i}.norm_1.weight,
         h.{i}.norm_2.weight), and each block's four MATRICES as h.{i}.qkv and so on: (in, out) in the model's dtype
         or, in a quantized model, QuantizedWeight (out, in), each with its float bias (h.{i}.qkv.bias; zeros where
@@ -257,6 +258,8 @@ class Blocks:
                 columns = matrix.shape[1] if isinstance(matrix, torch.Tensor) else matrix.shape[0]
                 self.kept[f"{name}.packed"] = packed(matrix)
                 self.kept[f"{name}.bias"] = torch.zeros(columns) if bias is None else bias.float().contiguous()
+            elif name == "embeddings":
+                self.kept["embeddings.packed"] = packed(tensors[name])
             elif name in ("wte", "wpe"):
                 self.kept[name] = tensors[name].contiguous()
             elif not name.endswith(tuple(f"{m}.bias" for m in self.MATRICES)):  # norms, rotary tables
@@ -266,7 +269,7 @@ class Blocks:
         fields = {name: tensor_field(tensor) for name, tensor in self.kept.items()}
         positions = self.kept["wpe"] if "wpe" in self.kept else self.kept["rope.cos"]
         self.spec = fields | shape | {
-            "vocabulary": self.kept["wte"].shape[0] if "wte" in self.kept else output.shape[0],
+            "vocabulary": next((tensors[name].shape[0] for name in ("wte", "embeddings") if name in tensors), output.shape[0]),
             "positions": positions.shape[0], "logit_columns": output.shape[0], "element_bytes": dtype.itemsize,
             "epsilon": float(shape["epsilon"]), "format": 0 if isinstance(output, torch.Tensor) else output.code}
         self.model = self.forward.model(self.spec)

@@ -52,7 +52,9 @@ struct Model {
     float epsilon;
     int64_t format = DENSE;  // the linear layers' weights: in the model's dtype, or in Q8_0 or Q4_0 blocks
     bool tiles = false;      // the products on AMX's tiles (a bfloat16 model's on AMX-BF16, a quantized one's on AMX-INT8)
-    const void *wte = nullptr;                      // the token embeddings (nullptr: the output layer's columns)
+    const void *wte = nullptr;                      // the token embeddings in the model's dtype, or
+    const void *embeddings = nullptr;               // a quantized model's, packed as a layer (nullptr for both: the
+                                                    // output layer's columns)
     const void *wpe = nullptr;                      // GPT-2's positions
     const float *cos = nullptr, *sin = nullptr;     // the Llama family's: (positions, head_dim / 2) each
     struct Block {
@@ -132,10 +134,10 @@ inline float half_to_float(uint16_t half) {
     return value;
 }
 
-// Token `id`'s embedding (n_embd float32) into `out`: its row of wte, or, where the model has no wte (the output
-// layer is the embeddings, the whole vocabulary's), the output layer's column `id` read from its packed weights
-// (pack_for_products: 16 columns a block, pairs of inputs side by side in bfloat16; pack_quantized: each 32 inputs'
-// 16 scales, then lines of 4 bytes a column), each weight the value torch's lookup in the dequantized matrix gives.
+// Token `id`'s embedding (n_embd float32) into `out`: its row of wte, or its column of the packed embeddings (a
+// quantized model's) or of the packed output layer (where that is the embeddings, the whole vocabulary's):
+// pack_for_products' 16 columns a block, pairs of inputs side by side in bfloat16, or pack_quantized's 16 scales for
+// each 32 inputs, then lines of 4 bytes a column. Each weight is the value a lookup in the dequantized matrix gives.
 template <typename T>
 void embedding(const Model &m, int64_t id, float *out) {
     const int64_t n = m.n_embd;
@@ -145,14 +147,15 @@ void embedding(const Model &m, int64_t id, float *out) {
         return;
     }
     const int64_t j = id % 16;
+    const void *packed = m.embeddings ? m.embeddings : m.output;
     if (m.format == DENSE) {
         constexpr int64_t per_step = sizeof(T) == 2 ? 2 : 1;
-        const T *block = static_cast<const T *>(m.output) + id / 16 * 16 * n;
+        const T *block = static_cast<const T *>(packed) + id / 16 * 16 * n;
         for (int64_t i = 0; i < n; i++) out[i] = to_float(block[i / per_step * 16 * per_step + j * per_step + i % per_step]);
         return;
     }
     const int64_t group_bytes = m.format == Q8_0 ? GROUP_BYTES<Q8_0> : GROUP_BYTES<Q4_0>;
-    const auto *block = static_cast<const uint8_t *>(m.output) + id / 16 * (n / QUANT_BLOCK) * group_bytes;
+    const auto *block = static_cast<const uint8_t *>(packed) + id / 16 * (n / QUANT_BLOCK) * group_bytes;
     for (int64_t g = 0; g < n / QUANT_BLOCK; g++, out += QUANT_BLOCK) {
         const uint8_t *group = block + g * group_bytes, *values = group + 32 + 4 * j;
         uint16_t scale;
@@ -285,8 +288,9 @@ bool optional_field(PyObject *spec, const char *name, int64_t &value, int64_t ot
 // float32); optional ints: architecture (0: GPT-2, the default; 1: the Llama family), kv_heads (default heads),
 // head_dim (default n_embd / heads), intermediate (the MLP's width, default 4 n_embd), format (0, the default: linear
 // layers in the model's dtype; 1: Q8_0, 2: Q4_0 blocks, their packed tensors then bytes, decode/models/quantized.py's
-// pack_quantized); epsilon (a float). Tensors, each as (address, elements, element_bytes): wte (optional where the
-// output layer's columns are the whole vocabulary's embeddings: they are read from it), norm_f.weight,
+// pack_quantized); epsilon (a float). Tensors, each as (address, elements, element_bytes): wte, or a quantized
+// model's embeddings.packed (pack_quantized), or neither where the output layer's columns are the whole vocabulary's
+// embeddings (they are read there), norm_f.weight,
 // output.packed, output.bias; GPT-2's wpe and norm_f.bias, the Llama family's rope.cos and rope.sin (float32,
 // positions x head_dim / 2); per layer i "h.{i}.norm_1.weight" (and GPT-2's .bias; norm_2 likewise, float32) and
 // "h.{i}.qkv.packed" (and .bias; attn_out, mlp_in and mlp_out likewise: decode/native's pack_for_products, float32
@@ -344,11 +348,14 @@ PyObject *model(PyObject *, PyObject *spec) {
     };
     // of the model's own tensors; norms, biases and rotary tables are float32, quantized layers bytes
     const int64_t bytes = m->element_bytes, packed_bytes = m->format != DENSE ? 1 : bytes;
-    if (!PyDict_GetItemString(spec, "wte") && m->vocabulary > m->logit_columns) {
-        PyErr_SetString(PyExc_ValueError, "model: without wte, the output layer's columns must cover the vocabulary");
+    const bool wte = PyDict_GetItemString(spec, "wte"), embeddings = PyDict_GetItemString(spec, "embeddings.packed");
+    if ((wte && embeddings) || (embeddings && m->format == DENSE) || (!wte && !embeddings && m->vocabulary > m->logit_columns)) {
+        PyErr_SetString(PyExc_ValueError, "model: the embeddings are wte, or a quantized model's embeddings.packed, or "
+                                          "else the output layer's columns, which must then cover the vocabulary");
         return nullptr;
     }
-    if ((PyDict_GetItemString(spec, "wte") && !tensor(spec, "wte", m->vocabulary * n, bytes, m->wte))
+    if ((wte && !tensor(spec, "wte", m->vocabulary * n, bytes, m->wte))
+        || (embeddings && !tensor(spec, "embeddings.packed", quantized_bytes(m->format, n, m->vocabulary), 1, m->embeddings))
         || !tensor(spec, "norm_f.weight", n, 4, m->norm_f[0])
         || !tensor(spec, "output.packed", packed(n, m->logit_columns), packed_bytes, m->output)
         || !tensor(spec, "output.bias", columns, 4, m->output_bias))
