@@ -161,8 +161,8 @@ class GPT2Engine(LeanEngine):
         from `reload()` on its first use. A quantized model's matrices come in `quantized` (wte and the blocks'
         four, by checkpoint name), the rest in `weights`: the C++ forward computes with their blocks, torch's forward
         with them dequantized to `dtype` (`reload()` then gives the dequantized checkpoint). Where the C++ forward's
-        output layer is the whole vocabulary's (no shortlist), it looks the embeddings up there, and the engine holds
-        no other copy of them."""
+        output layer is the whole vocabulary's (no shortlist), it looks the embeddings up there, else in a quantized
+        model's blocks (or wte): the engine holds no other copy of them."""
         if layout not in (None, *LAYOUTS):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
