@@ -174,6 +174,9 @@ void embedding(const Model &m, int64_t id, float *out) {
     }
 }
 
+// Rows whose embeddings one thread reads before the others are woken for the rest
+constexpr int64_t EMBEDDING_GRAIN = 8;
+
 // The forward, in a model of dtype T.
 template <typename T>
 VECTOR_TARGET void forward(const Model &m, const Rows &a) {
@@ -184,11 +187,15 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
     const auto *wpe = static_cast<const T *>(m.wpe);
     std::vector<float> x(rows * n_embd), wide(rows * std::max({qkv_width, m.mlp_in_width(), n_embd}));
     std::vector<T> normed(rows * std::max(n_embd, q_width)), activated(rows * inner);
-    for (int64_t r = 0; r < rows; r++) {
-        embedding<T>(m, a.ids[r], x.data() + r * n_embd);
-        if (wpe)
-            for (int64_t i = 0; i < n_embd; i++) x[r * n_embd + i] += to_float(wpe[a.positions[r] * n_embd + i]);
-    }
+    // (a row's embedding read in packed weights gathers a line of them for every two inputs: the rows split among
+    // the threads where there are many)
+    at::parallel_for(0, rows, EMBEDDING_GRAIN, [&](int64_t first, int64_t last) {
+        for (int64_t r = first; r < last; r++) {
+            embedding<T>(m, a.ids[r], x.data() + r * n_embd);
+            if (wpe)
+                for (int64_t i = 0; i < n_embd; i++) x[r * n_embd + i] += to_float(wpe[a.positions[r] * n_embd + i]);
+        }
+    });
     // AMX's tiles where asked for (tiles() sets them only where tileable())
     const bool tiles = m.tiles;
     std::vector<Attending<T>> sequences;  // each part's rows in every layer's attention: its q, k, v and its output
