@@ -18,7 +18,7 @@ spaces around words ("x ' y" reads "x'y"), not the last token's text.
 import functools
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from decode.healing import Prompt
 
@@ -29,7 +29,7 @@ class CompletionText:
 
     def __init__(self, prompt: Prompt, tokenizer, stop_ids: Collection[int]):
         self.prompt, self.tokenizer, self.stop_ids = prompt, tokenizer, stop_ids
-        self.windowed, self.byte_tokens = decoding(tokenizer)
+        self.windowed, self.byte_tokens, self.decode = decoding(tokenizer)
         self.tokens: list[int] = []  # the last extending call's tokens
         self.ids: list[int] = []  # those of them that have text (not stop tokens)
         self.committed = ""  # the text of ids[:read]
@@ -95,8 +95,8 @@ class CompletionText:
     def past_context(self, end: int) -> str | None:
         """The text of ids[read:end] after the context's (None: the window's text does not start with the context's)."""
         if self.context is None:
-            self.context = self.tokenizer.decode(self.ids[self.start : self.read])
-        window = self.tokenizer.decode(self.ids[self.start : end])
+            self.context = self.decode(self.ids[self.start : self.read])
+        window = self.decode(self.ids[self.start : end])
         return window[len(self.context) :] if window.startswith(self.context) else None
 
     def whole(self, tokens: list[int]) -> str:
@@ -110,16 +110,21 @@ BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 @functools.lru_cache(maxsize=16)
-def decoding(tokenizer) -> tuple[bool, frozenset[int]]:
+def decoding(tokenizer) -> tuple[bool, frozenset[int], Callable[[list[int]], str]]:
     """Whether a window of the tokenizer's tokens decodes as it does in the whole text (a fast tokenizer whose
-    decoders all join, with transformers' clean-up of spaces off), and its byte tokens where its decoder reads them
-    as bytes (ByteFallback)."""
+    decoders all join, with transformers' clean-up of spaces off); its byte tokens where its decoder reads them as
+    bytes (ByteFallback); and what decodes a window: the tokenizers library's own decode where transformers' class
+    adds nothing to it (its per-call overhead outweighs a window's few tokens), else the tokenizer's."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.decoder is None:
-        return False, frozenset()
+        return False, frozenset(), tokenizer.decode
+    from transformers import PreTrainedTokenizerFast
+
     state = json.loads(backend.decoder.__getstate__())
     kinds = {d["type"] for d in state.get("decoders", [state])}
     windowed = kinds <= JOINING_DECODERS and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    generic = windowed and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+    decode = functools.partial(backend.decode, skip_special_tokens=False) if generic else tokenizer.decode
     if "ByteFallback" not in kinds:
-        return windowed, frozenset()
-    return windowed, frozenset(i for piece, i in backend.get_vocab().items() if BYTE_TOKEN.fullmatch(piece))
+        return windowed, frozenset(), decode
+    return windowed, frozenset(i for piece, i in backend.get_vocab().items() if BYTE_TOKEN.fullmatch(piece)), decode

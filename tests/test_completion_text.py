@@ -94,18 +94,18 @@ def piece_ids(tokenizer) -> list[int]:  # SentencePiece's pieces, a newline (a b
 
 
 @pytest.mark.parametrize("make, ids_of", [(byte_level_tokenizer, code_ids), (sentencepiece_tokenizer, piece_ids)])
-def test_each_step_decodes_only_the_tokens_it_added_and_the_step_before(make, ids_of, bpe_run, monkeypatch):
+def test_each_step_decodes_only_the_tokens_it_added_and_the_step_before(make, ids_of, bpe_run):
     tokenizer = make(bpe_run) if make is byte_level_tokenizer else make()
     ids = ids_of(tokenizer)
     assert len(ids) > 40
-    decoded, decode = [], tokenizer.decode
-    monkeypatch.setattr(tokenizer, "decode", lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw))
     completion = CompletionText(Prompt(torch.tensor([0])), tokenizer, set())
+    decoded, decode = [], completion.decode
+    completion.decode = lambda ids: decoded.append(len(ids)) or decode(ids)
     for end in range(3, len(ids) + 3, 3):
         completion(ids[:end])
         completion.settled(ids[:end])
     # a step's 3 tokens after the last step's 3, or after the 6 before them where those ended in a byte token
-    assert completion(ids) == decode(ids) and max(decoded) <= 9
+    assert completion(ids) == tokenizer.decode(ids) and max(decoded) <= 9
 
 
 def test_a_sentencepiece_models_streamed_pieces_join_to_its_generated_text_when_sampling(tmp_path):
