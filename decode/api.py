@@ -280,7 +280,8 @@ class SpeculativeDecoder:
         """Decode an encoded prompt as the request says, reading its loop's `steps` (default: decoding it alone on
         the decoder for its sampling setting); with `pieces`, yield the new text
         after each oracle call. A piece holds only text that later tokens cannot change (CompletionText.settled): an
-        incomplete UTF-8 sequence (decoded as U+FFFD) waits for its rest. The output ends at the request's stop conditions. Returns the Result."""
+        incomplete UTF-8 sequence (decoded as U+FFFD) waits for its rest. The output ends at the request's stop
+        conditions. Returns the Result."""
         if steps is None:
             steps = self.decoder_for(request.sampling).steps(prompt, request.max_new_tokens, request.seed,
                                                              request.sampling)

@@ -30,12 +30,12 @@ class CompletionText:
     def __init__(self, prompt: Prompt, tokenizer, stop_ids: Collection[int]):
         self.prompt, self.tokenizer, self.stop_ids = prompt, tokenizer, stop_ids
         self.windowed, self.byte_tokens, self.decode = decoding(tokenizer)
-        self.tokens: list[int] = []  # the last extending call's tokens
+        self.tokens: list[int] = []  # the tokens last decoded (windowed: by the last call that extended them)
         self.ids: list[int] = []  # those of them that have text (not stop tokens)
         self.committed = ""  # the text of ids[:read]
         self.start = self.read = 0  # ids[start:read]: the context decoded again before the tokens past it
         self.context: str | None = None  # its text, once decoded
-        self.last = ""  # the last extending call's text
+        self.last = ""  # their text
 
     def __call__(self, tokens: list[int]) -> str:
         """The text the tokens add to the prompt (Prompt.completion's)."""
@@ -64,12 +64,16 @@ class CompletionText:
     def text(self, tokens: list[int]) -> str:
         """The whole text of the tokens (before the healed tail is taken off)."""
         seen = len(self.tokens)
-        if not self.windowed or len(tokens) < seen or tokens[:seen] != self.tokens:
+        if not self.windowed:  # whole, once a list of tokens (settled asks again)
+            if tokens != self.tokens:
+                self.tokens, self.last = list(tokens), self.whole(tokens)
+            return self.last
+        if len(tokens) < seen or tokens[:seen] != self.tokens:
             return self.whole(tokens)
         if len(tokens) == seen and seen:
             return self.last
         self.ids += [t for t in tokens[seen:] if t not in self.stop_ids]
-        self.tokens = list(tokens)
+        self.tokens += tokens[seen:]
         added = self.past_context(len(self.ids))
         if added is None:
             self.last = self.whole(tokens)

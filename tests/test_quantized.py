@@ -68,7 +68,7 @@ def float64_logits(directory, ids: list[int]) -> torch.Tensor:
     config = json.loads((directory / "config.json").read_text())
     dense, quantized = split_checkpoint(load_safetensors(directory), format_of(config, directory), directory)
     model = GPT2LMHeadModel(GPT2Config.from_pretrained(directory)).double().eval()
-    weights = dense | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
+    weights = dense | dequantized_matrices(quantized)
     model.transformer.load_state_dict({name: w.double() for name, w in weights.items()})
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]

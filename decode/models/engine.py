@@ -108,15 +108,16 @@ class LayerWeights:
 
 
 def dequantized_matrices(quantized: dict[str, QuantizedMatrix]) -> dict[str, torch.Tensor]:
-    """A quantized GPT-2's block matrices in float32, (in, out) as its Conv1D layers hold them."""
-    return {name: matrix.dequantize().T for name, matrix in quantized.items() if name != "wte.weight"}
+    """A quantized GPT-2's matrices in float32 as a 16-bit checkpoint holds them: wte (vocabulary, n_embd), the
+    blocks' (in, out) as its Conv1D layers hold them."""
+    return {name: matrix.dequantize() if name == "wte.weight" else matrix.dequantize().T for name, matrix in quantized.items()}
 
 
 def dequantized_checkpoint(model_dir, fmt: Format) -> dict[str, torch.Tensor]:
     """A quantized GPT-2 checkpoint's tensors as a 16-bit checkpoint names them (without "transformer."), every
     matrix dequantized to float32: the model torch's forward (or transformers') computes."""
     dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
-    return dense | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
+    return dense | dequantized_matrices(quantized)
 
 
 def cpp_tensors(weights: dict[str, torch.Tensor], n_layer: int, take: Callable[[str], "torch.Tensor | QuantizedMatrix"]
@@ -174,7 +175,7 @@ class GPT2Engine(LeanEngine):
         convert = lambda checkpoint, take: on_device(checkpoint, take, "transformer.", device, torch_dtype)
         embedded_in_head = fits and shortlist is None  # the C++ looks the embeddings up in its output layer
         if quantized and not lazy:  # torch's forward computes with every matrix dequantized
-            weights = weights | dequantized_matrices(quantized) | {"wte.weight": quantized["wte.weight"].dequantize()}
+            weights = weights | dequantized_matrices(quantized)
         weights = convert(weights, weights.pop if lazy else weights.__getitem__)
         pad_rows = runtime.pads_rows()
         e = shape.n_embd

@@ -241,13 +241,12 @@ class Blocks:
         """A model of `dtype` (its activations and cache). `shape`: forward.cpp's model() ints and epsilon
         (architecture, n_embd, heads, kv_heads, head_dim, intermediate, layers, epsilon); `tensors`: by its names (wte,
         or a quantized model's embeddings (QuantizedWeight), or neither where `output` is the whole vocabulary's
-        embeddings, which the C++ then reads there; GPT-2's wpe and
-        norm biases, the Llama family's rope.cos and rope.sin; norm_f.weight; per layer i h.{i}.norm_1.weight,
-        h.{i}.norm_2.weight), and each block's four MATRICES as h.{i}.qkv and so on: (in, out) in the model's dtype
-        or, in a quantized model, QuantizedWeight (out, in), each with its float bias (h.{i}.qkv.bias; zeros where
-        absent); `output`: the output layer's (columns, n_embd) weight (the whole vocabulary's or a shortlist's rows),
-        quantized in a quantized model. With `consume`, each matrix is taken out of `tensors` as it is packed, so that
-        its memory goes as its packed copy comes."""
+        embeddings, which the C++ then reads there; GPT-2's wpe and norm biases, the Llama family's rope.cos and
+        rope.sin; norm_f.weight; per layer i h.{i}.norm_1.weight, h.{i}.norm_2.weight), and each block's four MATRICES
+        as h.{i}.qkv and so on: (in, out) in the model's dtype or, in a quantized model, QuantizedWeight (out, in), each
+        with its float bias (h.{i}.qkv.bias; zeros where absent); `output`: the output layer's (columns, n_embd)
+        weight (the whole vocabulary's or a shortlist's rows), quantized in a quantized model. With `consume`, each
+        matrix is taken out of `tensors` as it is packed, so that its memory goes as its packed copy comes."""
         take = tensors.pop if consume else tensors.__getitem__
         self.kept = {}  # every tensor the C++ reads, by the name model() knows it under (`spec`: as it reads them)
         self.forward = forward_module(dtype)

@@ -154,23 +154,23 @@ void embedding(const Model &m, int64_t id, float *out) {
         for (int64_t i = 0; i < n; i++) out[i] = to_float(block[i / per_step * 16 * per_step + j * per_step + i % per_step]);
         return;
     }
-    const int64_t group_bytes = m.format == Q8_0 ? GROUP_BYTES<Q8_0> : GROUP_BYTES<Q4_0>;
+    const bool q8 = m.format == Q8_0;
+    const int64_t group_bytes = q8 ? GROUP_BYTES<Q8_0> : GROUP_BYTES<Q4_0>, lines = q8 ? LINES<Q8_0> : LINES<Q4_0>;
     const auto *block = static_cast<const uint8_t *>(packed) + id / 16 * (n / QUANT_BLOCK) * group_bytes;
     for (int64_t g = 0; g < n / QUANT_BLOCK; g++, out += QUANT_BLOCK) {
         const uint8_t *group = block + g * group_bytes, *values = group + 32 + 4 * j;
         uint16_t scale;
         std::memcpy(&scale, group + 2 * j, sizeof scale);
         const float d = half_to_float(scale);
-        for (int64_t line = 0; line < LINES<Q8_0>; line++)
-            for (int64_t t = 0; t < 4; t++) {
-                const uint8_t value = values[64 * line + t];
-                if (m.format == Q8_0) {
-                    out[4 * line + t] = static_cast<float>(static_cast<int8_t>(value)) * d;
-                } else if (line < LINES<Q4_0>) {  // low nibbles: inputs 4 line + t; high: 16 after them
-                    out[4 * line + t] = static_cast<float>((value & 15) - 8) * d;
-                    out[16 + 4 * line + t] = static_cast<float>((value >> 4) - 8) * d;
-                }
+        for (int64_t k = 0; k < 4 * lines; k++) {  // input k's value is byte k % 4 of line k / 4
+            const uint8_t value = values[64 * (k / 4) + k % 4];
+            if (q8) {
+                out[k] = static_cast<float>(static_cast<int8_t>(value)) * d;
+            } else {  // low nibbles: inputs 0-15; high: 16-31
+                out[k] = static_cast<float>((value & 15) - 8) * d;
+                out[16 + k] = static_cast<float>((value >> 4) - 8) * d;
             }
+        }
     }
 }
 
