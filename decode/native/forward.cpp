@@ -229,10 +229,7 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += projected[i];
         normalize(m, x.data(), b.norm_2, normed.data(), rows);
         multiply(m, b.packed[2], b.bias[2], normed.data(), n_embd, m.mlp_in_width(), wide.data(), rows, tiles);
-        if (m.architecture == LLAMA)
-            swiglu(wide.data(), activated.data(), rows, inner);
-        else
-            gelu(wide.data(), activated.data(), rows * inner);
+        activation(m.architecture == LLAMA, wide.data(), activated.data(), rows, inner);
         multiply(m, b.packed[3], b.bias[3], activated.data(), inner, n_embd, wide.data(), rows, tiles);
         for (int64_t i = 0; i < rows * n_embd; i++) x[i] += wide[i];
     }

@@ -434,4 +434,19 @@ VECTOR_TARGET void swiglu(const float *x, T *out, int64_t rows, int64_t n) {
         }
 }
 
+// Activations one thread computes before the others are woken for the rest
+constexpr int64_t ACTIVATION_GRAIN = 1 << 14;
+
+// The MLP's activation of x (rows x n for GELU, rows x 2 n for SwiGLU) into out (rows x n), the rows split among
+// torch's threads where there are many: an element's value is the same whichever thread computes it.
+template <typename T>
+void activation(bool gated, const float *x, T *out, int64_t rows, int64_t n) {
+    at::parallel_for(0, rows, std::max<int64_t>(1, ACTIVATION_GRAIN / n), [&](int64_t first, int64_t last) {
+        if (gated)
+            swiglu(x + 2 * first * n, out + first * n, last - first, n);
+        else
+            gelu(x + first * n, out + first * n, (last - first) * n);
+    });
+}
+
 }  // namespace
