@@ -277,22 +277,32 @@ def test_hostile_sizes_are_answered_and_the_worker_serves_on(server, bpe_run):
     assert server.post({"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
-def test_a_full_queue_answers_429(bpe_run):
-    s = Server(bpe_run["run"], "--method", "baseline", "--queue-size", "1")
-    try:
-        barrier, codes = threading.Barrier(10), []
+def test_requests_past_the_batch_and_the_queue_get_429_and_none_before(bpe_run):
+    s = Server(bpe_run["run"], "--method", "baseline", "--max-batch", "4", "--queue-size", "1")
+
+    def burst(requests: int, stream: bool) -> list[httpx.Response]:
+        barrier, answers = threading.Barrier(requests), []
 
         def hit():
             barrier.wait()
-            codes.append(s.post({"prompt": PROMPTS[0], "max_tokens": 90, "temperature": 0}).status_code)
+            answers.append(s.post({"prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "stream": stream}))
 
-        threads = [threading.Thread(target=hit) for _ in range(10)]
+        threads = [threading.Thread(target=hit) for _ in range(requests)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=120)
-        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
-        assert s.post({"prompt": "x", "max_tokens": 2}).status_code == 200  # and it serves on
+        return answers
+
+    try:
+        answers = burst(12, stream=False)
+        codes = [a.status_code for a in answers]
+        # a burst that arrives within a step: 4 decode and 1 waits, though none has joined the batch yet
+        assert codes.count(200) >= 5 and 429 in codes and set(codes) <= {200, 429}
+        busy = next(a for a in answers if a.status_code == 429).json()["error"]
+        assert busy["type"] == "rate_limit_error" and "4 requests decoding at once and 1 waiting" in busy["message"]
+        for stream in (True, False):  # every place comes back once its request ends
+            assert [a.status_code for a in burst(5, stream)] == [200] * 5
     finally:
         assert s.stop() == 0
 

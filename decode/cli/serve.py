@@ -40,7 +40,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", help="require Authorization: Bearer KEY on every endpoint but /health")
     p.add_argument("--model-name", help="the model's name in answers and /v1/models (default: the oracle's hub name or "
                                         "directory name)")
-    p.add_argument("--queue-size", type=int, default=16, help="requests that may wait for the decoder; more get 429")
+    p.add_argument("--queue-size", type=int, default=16,
+                   help="requests that may wait while --max-batch decode; more get 429")
     p.add_argument("--max-batch", type=int, metavar="N",
                    help="requests decoded at once, their trees scored in one oracle forward (default: the most that one "
                         f"forward scores while each keeps {KEPT_SPEED * 100:.0f}%% of its speed alone, by the oracle's "

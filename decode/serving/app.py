@@ -63,12 +63,16 @@ class Flight:
 
 
 class Worker:
-    """What decodes: takes jobs from a bounded queue into a batch of up to `max_batch` in flight (decode.batch: each
-    step scores every job's tree in one oracle forward), in `run`, until `stop`. Jobs join and leave between steps."""
+    """What decodes: takes jobs from a queue into a batch of up to `max_batch` in flight (decode.batch: each
+    step scores every job's tree in one oracle forward), in `run`, until `stop`. Jobs join and leave between steps;
+    `max_batch` + `queue_size` jobs decode or wait at most, and `submit` refuses more."""
 
     def __init__(self, decoder: SpeculativeDecoder, queue_size: int, max_batch: int = 1):
-        self.decoder, self.jobs = decoder, queue.Queue[Job | None](maxsize=queue_size)
+        self.decoder, self.jobs, self.queue_size = decoder, queue.Queue[Job | None](), queue_size
         self.max_batch, self.batch, self.flights = max_batch, Batch(), list[Flight]()
+        # a place for each job decoding or waiting: a job submitted while the batch has room waits for the next step
+        # (jobs join between steps), so it takes one of the batch's places, not one of the queue's
+        self.places = threading.BoundedSemaphore(max_batch + queue_size)
         self.draining = self.stopping = False
         self.completed = self.cancelled = 0
 
@@ -79,11 +83,11 @@ class Worker:
     def submit(self, job: Job) -> None:
         if self.draining:
             raise RequestError(503, "the server is shutting down", kind="server_error")
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise RequestError(429, f"the server is busy: {self.jobs.maxsize} requests are waiting for the decoder; retry "
-                                    f"later", kind="rate_limit_error", code="rate_limit_exceeded") from None
+        if not self.places.acquire(blocking=False):
+            raise RequestError(429, f"the server is busy: {self.max_batch} requests decoding at once and "
+                                    f"{self.queue_size} waiting is its most; retry later", kind="rate_limit_error",
+                               code="rate_limit_exceeded")
+        self.jobs.put_nowait(job)
 
     def run(self) -> None:
         """Decode until `stop`: the jobs in flight finish, the ones waiting are refused."""
@@ -103,12 +107,14 @@ class Worker:
                 self.stopping = True
             elif self.draining or job.cancelled.is_set():
                 self.cancelled += job.cancelled.is_set()
+                self.places.release()
                 job.emit("error", RequestError(503, "the server is shutting down", kind="server_error"))
             else:
                 c = job.completion
                 try:
                     stream = self.decoder.stream_in(self.batch, c.ids, max_new_tokens=c.max_tokens, **c.settings)
                 except Exception as err:
+                    self.places.release()
                     failed(job, err)
                     continue
                 self.flights.append(Flight(job, stream, StopText(c.stops)))
@@ -135,6 +141,7 @@ class Worker:
         except Exception as err:  # a job's failure is its own; the others decode on
             failed(job, err)
         self.flights.remove(flight)
+        self.places.release()
 
     def next_job(self) -> Job | None:
         """The next job, waking twice a second meanwhile: signal handlers run on this thread only between waits (a
