@@ -160,19 +160,21 @@ class SpeculativeDecoder:
         decoder.materialized = keep
         return decoder
 
-    def prompt(self, prompt: str | list[int], max_new_tokens: int, lookahead: int | None = None) -> Prompt:
-        """The prompt as the models will see it (healed), checked against the context (`room`)."""
+    def prompt(self, prompt: str | list[int], max_new_tokens: int, lookahead: int | None = None,
+               name: str = "the prompt") -> Prompt:
+        """The prompt as the models will see it (healed), checked against the context (`room`); `name` says which in
+        an error."""
         if isinstance(prompt, str):
-            ids = self.token_ids(prompt)
+            ids = self.token_ids(prompt, name)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             if any(not 0 <= t < self.decoder.oracle.vocab_size for t in ids):
-                raise InputError(f"prompt token ids must lie in 0..{self.decoder.oracle.vocab_size - 1}")
+                raise InputError(f"{name}'s token ids must lie in 0..{self.decoder.oracle.vocab_size - 1}")
         else:
             raise InputError(f"a prompt is a string or a list of token ids (got {type(prompt).__name__})")
-        return self.encode(ids, "prompt", max_new_tokens, lookahead)
+        return self.encode(ids, name, max_new_tokens, lookahead)
 
-    def token_ids(self, text: str, name: str = "prompt") -> list[int]:
+    def token_ids(self, text: str, name: str = "the prompt") -> list[int]:
         """A prompt's text as the tokenizer splits it, after the start tokens it adds (decode.tokenizer.text_ids),
         the same for the command line, this API and the server's text prompts; InputError for text that is not
         Unicode (a lone surrogate, as undecodable command-line bytes or a JSON escape can make)."""
@@ -198,13 +200,13 @@ class SpeculativeDecoder:
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
         if not ids:
-            raise InputError(f"prompt {name!r} is empty; give some text to continue")
+            raise InputError(f"{name} is empty; give some text to continue")
         context, room = self.decoder.context(), self.room(len(ids), lookahead)
         if room < 1:
-            raise InputError(f"prompt {name!r} has {len(ids)} tokens; the models' context of {context} leaves no room to generate")
+            raise InputError(f"{name} has {len(ids)} tokens; the models' context of {context} leaves no room to generate")
         if max_new_tokens > room:
             raise InputError(f"--max-new-tokens {max_new_tokens} does not fit the context of {context} after "
-                             f"prompt {name!r} ({len(ids)} tokens); use at most {room}")
+                             f"{name} ({len(ids)} tokens); use at most {room}")
         return self.healer(ids, self.options.device)
 
     def generate(self, prompt: str | list[int], generation_config=None, *, streamer=None, **settings) -> Result:
@@ -231,7 +233,8 @@ class SpeculativeDecoder:
         request = generation.request_of(generation_config, settings, sampling_of)
         self.hold()
         try:
-            decodings = [self.joined(self.batch, prompt, request, True, len(prompts)) for prompt in prompts]
+            decodings = [self.joined(self.batch, prompt, request, True, len(prompts), f"prompt {i}")
+                         for i, prompt in enumerate(prompts)]
             results: dict[int, Result] = {}
             while len(results) < len(decodings):  # a step for every prompt in turn, each read as the step ends
                 for i, decoding in enumerate(decodings):
@@ -249,10 +252,10 @@ class SpeculativeDecoder:
         return generation.Stream(self.joined(batch, prompt, request, pieces=True))
 
     def joined(self, batch: Batch, prompt, request: generation.Request, pieces: bool,
-               in_flight: int | None = None) -> Generator[str, None, Result]:
+               in_flight: int | None = None, name: str = "the prompt") -> Generator[str, None, Result]:
         """`decode` of the prompt, checked now, as a sequence of `batch`, on the decoder for `in_flight` requests
         decoding together (default: the batch's and this one) where its drafts fit the context after the prompt."""
-        encoded = self.prompt(prompt, request.max_new_tokens, self.lookahead(request.sampling))
+        encoded = self.prompt(prompt, request.max_new_tokens, self.lookahead(request.sampling), name)
         decoder = self.decoder_for(request.sampling, len(batch) + 1 if in_flight is None else in_flight)
         if request.max_new_tokens > self.room(len(encoded.ids), decoder.lookahead()):  # the load's deeper tree
             decoder = self.decoder_for(request.sampling)

@@ -215,7 +215,7 @@ def test_a_batch_on_the_transformers_backend_decodes_each_prompt_as_alone(bpe_ru
 
 @pytest.mark.parametrize("prompts, message", [("def f():", "a non-empty list of prompts"), ([], "a non-empty list"),
                                               (["def f():", 7], "a string or a list of token ids"),
-                                              (["def f():", ""], "is empty")])
+                                              (["def f():", ""], "^prompt 1 is empty")])
 def test_generate_batch_refuses_bad_prompts_before_decoding_any(decoders, prompts, message):
     dec = decoders["staged"]
     with pytest.raises(InputError, match=message):

@@ -68,7 +68,7 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
     assert f"plan {tmp_path} is a directory, not a file" in error_of(
         capsys, ["--oracle", oracle, "--draft", draft, "--method", "speculative", "--plan", str(tmp_path), "--prompt", "t1"])
     spec = ["--oracle", oracle, "--draft", draft, "--method", "speculative"]
-    assert "is empty" in error_of(capsys, spec + ["--prompt", ""])
+    assert "--prompt is empty" in error_of(capsys, spec + ["--prompt", ""])
     long_prompt = " ".join(["t5"] * 70)
     assert "leaves no room" in error_of(capsys, spec + ["--prompt", long_prompt])
     assert "does not fit the context" in error_of(capsys, spec + ["--prompt", "t1 t2", "--max-new-tokens", "100"])

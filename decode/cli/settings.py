@@ -101,12 +101,14 @@ def encode_prompts(settings: Settings, decoders: list[SpeculativeDecoder], recor
                    ) -> list[tuple[dict, Prompt]]:
     """The prompts (`records`, or the settings'), checked to fit every decoder's context with its
     lookahead, healed as the first decodes them."""
-    if records is None and settings.prompt is not None:
+    typed = records is None and settings.prompt is not None
+    if typed:
         records = [{"task_id": "prompt", "prompt": settings.prompt}]
     elif records is None:
         assert settings.prompts is not None, "parse_settings asks for --prompt or --prompts"
         records = load_prompts(settings.prompts, settings.limit)
     first = min(decoders, key=lambda d: d.decoder.context())
     lookahead = max(d.decoder.lookahead() for d in decoders)
-    return [(record, first.encode(first.token_ids(record["prompt"], f"prompt {record['task_id']!r}"),
-                                  record["task_id"], settings.max_new_tokens, lookahead)) for record in records]
+    names = ["--prompt" if typed else f"prompt {record['task_id']!r}" for record in records]
+    return [(record, first.encode(first.token_ids(record["prompt"], name), name, settings.max_new_tokens, lookahead))
+            for record, name in zip(records, names)]
