@@ -52,7 +52,7 @@ def main(argv=None) -> list[Path]:
         raise InputError('the GGUF export needs the gguf package: pip install -e ".[llamacpp]" (or pip install gguf)')
     models = {"oracle": args.oracle} | ({"draft": args.draft} if args.draft is not None else {})
     for name, directory in models.items():
-        check_path(directory, True, f"{name} directory", f"pass the {name}'s model directory")
+        check_path(directory, True, f"{name} directory", f"pass the directory that holds the {name}")
     paths = [args.out / f"{name}.gguf" for name in models]
     for path in paths:
         check_output(path, FILE, args.overwrite, "--out", models)

@@ -78,7 +78,7 @@ def main(argv=None) -> list[Path]:
     fmt = FORMATS[args.to]
     models = models_of(args)
     for name, (source, out) in models.items():
-        check_path(source, True, f"{name} directory", f"pass the {name}'s model directory")
+        check_path(source, True, f"{name} directory", f"pass the directory that holds the {name}")
         check_quantizable(source, read_config(source))
         check_output(out, MODEL, args.overwrite, "--out", {name: source})
     data = args.data or (args.run / "data" if args.run is not None else None)
