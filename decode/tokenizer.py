@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from decode.errors import InputError, first_line
+from decode.models.pretrained import is_hub_name
 
 PROBE = "def f(x):\n    return x\n"  # text every usable code tokenizer turns into tokens
 
@@ -41,12 +42,11 @@ def _load_tokenizer(name_or_path: str, contents: tuple):
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     except Exception as err:  # hub or file errors of many kinds
+        hint = "pass a directory written by `python -m data.prepare`, or a hub name when online"
+        if not Path(str(name_or_path)).exists() and not is_hub_name(name_or_path):
+            raise InputError(f"tokenizer directory '{name_or_path}' does not exist; {hint}") from None
         where = "directory" if Path(str(name_or_path)).exists() else "hub name"
-        reason = first_line(err)
-        raise InputError(
-            f"cannot load the tokenizer from {where} '{name_or_path}' ({reason}); pass a directory written "
-            f"by `python -m data.prepare`, or a hub name when online"
-        ) from None
+        raise InputError(f"cannot load the tokenizer from {where} '{name_or_path}' ({first_line(err)}); {hint}") from None
     if tokenizer.eos_token_id is None:
         raise InputError(f"tokenizer '{name_or_path}' has no end-of-text token; documents could not be separated")
     if not tokenizer(PROBE, add_special_tokens=False).input_ids:  # a directory without its tokenizer files can load

@@ -127,6 +127,8 @@ def test_a_model_directory_without_its_tokenizer_files_is_refused(bpe_run, tmp_p
         (oracle / name).unlink(missing_ok=True)
     with pytest.raises(InputError, match="tokenizer"):
         load_tokenizer(oracle)
+    with pytest.raises(InputError, match="^tokenizer directory '.*nowhere' does not exist"):
+        load_tokenizer(tmp_path / "nowhere")
     with pytest.raises(InputError, match=str(oracle)):
         SpeculativeDecoder.from_run(oracle=oracle, method="baseline")
     line = one_line_error(capsys, run.main, ["--oracle", str(oracle), "--method", "baseline", "--prompt", "x"])

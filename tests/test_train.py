@@ -128,6 +128,8 @@ def test_bad_inputs_are_one_line_errors(run, tmp_path, capsys):
     assert "vocabulary mismatch" in err
     err = error_of(capsys, finetune_oracle.main, ["--data", str(other / "data"), "--init", str(root / "oracle"), "--out", str(tmp_path / "i")])
     assert "tokenizer mismatch" in err
+    err = error_of(capsys, finetune_oracle.main, ["--data", data, "--init", str(tmp_path / "nowhere"), "--out", str(tmp_path / "i")])
+    assert f"--init model {tmp_path / 'nowhere'} does not exist, and it is no hub name" in err
     assert not (tmp_path / "d").exists() and not (tmp_path / "i").exists()
 
 

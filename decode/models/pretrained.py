@@ -16,6 +16,8 @@ def load_causal_lm(name_or_dir, role: str, hint: str = RETRAIN, **kwargs):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = model_dir(name_or_dir, role)  # a hub name: its files in the hub's cache
+    if not directory.exists():
+        raise InputError(f"the {role} {name_or_dir} does not exist, and it is no hub name; {hint}")
     try:
         config = AutoConfig.from_pretrained(str(directory))
         if getattr(config, "activation_function", None) == "gelu_new":
@@ -47,19 +49,26 @@ def load_safetensors(model_dir) -> dict:
     return weights
 
 
+def is_hub_name(name: str | Path) -> bool:
+    """Whether `name` has the form of a hub name (gpt2-large, openai-community/gpt2), not that of a path
+    (runs/quick/oracle, ./oracle, /models/x)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(str(name))
+    except HFValidationError:
+        return False
+    return True
+
+
 def model_dir(model: str | Path, name: str) -> Path:
     """A model's directory: a local directory as it is, or a hub name's files (config, tokenizer, safetensors) from
     huggingface_hub's cache, downloaded first when online. A local path that does not exist is returned as it is, for
     the caller's own message."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
 
-    if Path(model).is_dir():
-        return Path(model)
-    try:
-        validate_repo_id(str(model))  # gpt2-large, openai-community/gpt2; not runs/quick/oracle or ./oracle
-    except HFValidationError:
+    if Path(model).is_dir() or not is_hub_name(model):
         return Path(model)
 
     try:
