@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from decode.errors import InputError, first_line
-from decode.models.pretrained import is_hub_name
+from decode.hub import is_hub_name
 
 PROBE = "def f(x):\n    return x\n"  # text every usable code tokenizer turns into tokens
 

@@ -3,6 +3,7 @@ what to do, instead of a traceback from deep inside transformers or safetensors.
 from pathlib import Path
 
 from decode.errors import InputError, first_line
+from decode.hub import is_hub_name
 
 RETRAIN = "pass a directory written by save_pretrained, or train it again if its files are damaged"
 # GPT-2's GELU, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as transformers computes it in one torch kernel;
@@ -47,19 +48,6 @@ def load_safetensors(model_dir) -> dict:
         except Exception as err:  # SafetensorError, OSError
             raise InputError(f"cannot read the weights {f} ({first_line(err)}); {RETRAIN}") from None
     return weights
-
-
-def is_hub_name(name: str | Path) -> bool:
-    """Whether `name` has the form of a hub name (gpt2-large, openai-community/gpt2), not that of a path
-    (runs/quick/oracle, ./oracle, /models/x)."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(str(name))
-    except HFValidationError:
-        return False
-    return True
 
 
 def model_dir(model: str | Path, name: str) -> Path:
