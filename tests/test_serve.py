@@ -240,7 +240,8 @@ def test_requests_in_flight_together_each_get_their_own_completion_and_the_start
         assert (health["max_batch"], health["in_flight"], health["completed"]) == (3, 0, len(requests))
     finally:
         assert s.stop() == 0
-    assert "up to 3 requests at once (--max-batch" in s.process.stdout.read()
+    start = s.process.stdout.read()
+    assert "up to 3 requests at once (--max-batch" in start and "and 16 waiting (--queue-size)" in start
 
 
 def raw(server, data: bytes) -> socket.socket:

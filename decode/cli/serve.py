@@ -130,8 +130,9 @@ def main(argv=None) -> None:
             raise InputError(f"the HTTP server on {args.host}:{args.port} did not start; see the lines above")
         time.sleep(0.05)
     print(f"serving {name} ({args.options.method}, {args.options.dtype}) at http://{args.host}:{args.port}/v1, up to "
-          f"{max_batch} requests at once ({sized}; their caches {cache_bytes / 2**20:,.0f} MiB, made at start)"
-          f"{load_levels(args.options.plan, max_batch)}", file=sys.stderr, flush=True)
+          f"{max_batch} requests at once ({sized}; their caches {cache_bytes / 2**20:,.0f} MiB, made at start) and "
+          f"{args.queue_size} waiting (--queue-size){load_levels(args.options.plan, max_batch)}", file=sys.stderr,
+          flush=True)
     worker.run()  # until the app shuts down
     http.join()
 
