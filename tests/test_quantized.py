@@ -319,3 +319,16 @@ def test_on_a_gpu_a_quantized_model_says_in_a_line_that_it_runs_dequantized(capl
     native.note_once.cache_clear()
     CudaRuntime(torch.device("cuda"), torch.bfloat16, Q8_0)
     assert [r.getMessage() for r in caplog.records if "q8_0 model runs on a GPU dequantized to bfloat16" in r.getMessage()]
+
+
+def test_quantizing_a_run_writes_its_oracle_and_draft_and_says_how_to_plan_for_them(tmp_path, capsys):
+    run_models(tmp_path)
+    quantize.main(["--run", str(tmp_path), "--to", "q8_0", "--eval-tokens", "0"])
+    said = capsys.readouterr().out
+    for name in ("oracle", "draft"):
+        assert f"{name}: {tmp_path / name} -> {tmp_path / f'{name}-q8_0'} (q8_0" in said
+        assert (tmp_path / f"{name}-q8_0" / "quantized.safetensors").is_file()
+    assert (f"python -m decode.plan --run {tmp_path} --oracle {tmp_path / 'oracle-q8_0'} --draft {tmp_path / 'draft-q8_0'} "
+            f"--out {tmp_path / 'plan-q8_0.json'}") in said
+    assert (f"python -m decode.plan --run {tmp_path} --draft {tmp_path / 'draft-q8_0'} "
+            f"--out {tmp_path / 'plan-draft-q8_0.json'}") in said

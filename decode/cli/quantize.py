@@ -104,6 +104,9 @@ def main(argv=None) -> list[Path]:
         plan = args.run / f"plan-{fmt.name}.json"
         print(f"plan for them: python -m decode.plan --run {args.run} --oracle {oracle}"
               f"{f' --draft {draft}' if draft else ''} --out {plan}")
+        if draft:  # a draft only proposes: beside the 16-bit oracle the output stays that oracle's
+            print(f"or for the 16-bit oracle with the {fmt.name} draft, whose output stays the oracle's: python -m "
+                  f"decode.plan --run {args.run} --draft {draft} --out {args.run / f'plan-draft-{fmt.name}.json'}")
     return [out for _, out in models.values()]
 
 
