@@ -43,9 +43,10 @@ def _load_tokenizer(name_or_path: str, contents: tuple):
             tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     except Exception as err:  # hub or file errors of many kinds
         hint = "pass a directory written by `python -m data.prepare`, or a hub name when online"
-        if not Path(str(name_or_path)).exists() and not is_hub_name(name_or_path):
+        exists = Path(str(name_or_path)).exists()
+        if not exists and not is_hub_name(name_or_path):
             raise InputError(f"tokenizer directory '{name_or_path}' does not exist; {hint}") from None
-        where = "directory" if Path(str(name_or_path)).exists() else "hub name"
+        where = "directory" if exists else "hub name"
         raise InputError(f"cannot load the tokenizer from {where} '{name_or_path}' ({first_line(err)}); {hint}") from None
     if tokenizer.eos_token_id is None:
         raise InputError(f"tokenizer '{name_or_path}' has no end-of-text token; documents could not be separated")
