@@ -38,8 +38,9 @@ class DecoderOptions:
     """What a decoder is built from: the models, the method and its tree, the precision. Each field but `policy` is a
     flag of decode.run's and the other decoding commands' (`setting`); a plan's policy fills in the `planned` ones."""
 
-    oracle: Path = setting(None, "the oracle: a directory (save_pretrained) or a hub name (gpt2-large)", type=Path)
-    draft: Path | None = setting(None, "the draft (for speculative methods): a directory or a hub name", type=Path)
+    # the models as typed (not Path, which reads ./gpt2 as the hub name gpt2); decode.models.pretrained.model_dir resolves them
+    oracle: Path = setting(None, "the oracle: a directory (save_pretrained) or a hub name (gpt2-large)")
+    draft: Path | None = setting(None, "the draft (for speculative methods): a directory or a hub name")
     ngram: Path | None = setting(None, "the Katz trigram's directory (for n-gram drafting)", type=Path)
     method: str = setting("staged", "the decoding method")  # its choices: decode.methods.METHODS
     k: int = setting(4, "speculative: tokens the draft proposes per oracle call", True,

@@ -52,9 +52,11 @@ def test_run_writes_records_and_every_method_matches_baseline(models, tmp_path, 
     assert sum(r["oracle_calls"] for r in spec) < sum(r["oracle_calls"] for r in base)
 
 
-def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys):
+def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys, monkeypatch):
     oracle, draft, ngram = str(models["oracle"]), str(models["draft"]), str(models["ngram"])
     assert "does not exist" in error_of(capsys, ["--oracle", str(tmp_path / "none"), "--prompt", "t1"])
+    monkeypatch.chdir(tmp_path)  # ./none is a path, never the hub name none
+    assert "oracle directory none does not exist" in error_of(capsys, ["--oracle", "./none", "--prompt", "t1"])
     assert "different tokenizers" in error_of(capsys, ["--oracle", oracle, "--draft", str(models["other_vocab"]), "--prompt", "t1"])
     assert "needs a draft model" in error_of(capsys, ["--oracle", oracle, "--method", "speculative", "--prompt", "t1"])
     assert f"oracle directory {oracle}/config.json is a file, not a directory" in error_of(

@@ -25,8 +25,8 @@ PROG = "python -m decode.export"
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--run", type=Path, help="run directory: exports RUN/oracle and RUN/draft")
-    p.add_argument("--oracle", type=Path, help="the oracle's directory or hub name (default: RUN/oracle)")
-    p.add_argument("--draft", type=Path, help="the draft's directory or hub name (default: RUN/draft, when it exists)")
+    p.add_argument("--oracle", help="the oracle's directory or hub name (default: RUN/oracle)")
+    p.add_argument("--draft", help="the draft's directory or hub name (default: RUN/draft, when it exists)")
     p.add_argument("--to", choices=["gguf"], default="gguf", help="the format")
     p.add_argument("--dtype", choices=GGUF_DTYPES, default="float32",
                    help="the weight matrices' dtype in the files (a quantized model's stay in its blocks)")
