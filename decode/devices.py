@@ -18,8 +18,10 @@ class DeviceKind:
     sampled_method: str | None  # without a plan, staged by default when sampling gives way to this method
     graphs: bool  # forwards may replay CUDA graphs
     measured_dtype: bool  # "auto" stands for the dtype the oracle was timed faster in (else: what the device has)
-    float32_drafts: bool  # the planner weighs float32 drafts beside bfloat16 ones: a draft's forwards of a few rows are
-    # mostly per-call overhead, which on a CPU differs by dtype (MKL's float32 products against oneDNN's bfloat16 ones)
+    draft_precisions: tuple[str, ...]  # what the planner weighs a draft in beside the oracle's dtype: a draft's forwards
+    # of a few rows are mostly per-call overhead, which on a CPU differs by dtype (MKL's float32 products against
+    # oneDNN's bfloat16 ones) and by block format (the C++ products over Q8_0 or Q4_0 blocks read a half or a quarter
+    # of the bytes)
 
 
 # On a CPU the trigram widths and budget plans chose there for the cpu preset; the paper's tree has the draft score up
@@ -29,12 +31,12 @@ class DeviceKind:
 # trigram's stage pays on a CPU depends on its forward of many rows, which the planner measures.
 CPU_CHAIN = (7, 4)
 CPU = DeviceKind(budget=12, widths=(3, 2, 1), chain=CPU_CHAIN, sampled_method=None, graphs=False, measured_dtype=True,
-                 float32_drafts=True)
+                 draft_precisions=("float32", "q8_0", "q4_0"))
 # On a GPU the trigram widths and budget decode.plan chose for the quick preset on an NVIDIA H200 (docs/gpu.md); the
 # paper's tree is larger than what pays there for models of that size. Sampling without a plan, every drafted tree
 # measured there ran slower than plain decoding, and lookup, which drafts without a model's forward, did not.
 GPU = DeviceKind(budget=16, widths=(4, 2, 1), chain=None, sampled_method="lookup", graphs=True, measured_dtype=False,
-                 float32_drafts=False)
+                 draft_precisions=())
 
 
 def kind(device: str | torch.device) -> DeviceKind:

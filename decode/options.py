@@ -8,6 +8,7 @@ from pathlib import Path
 from decode.devices import CPU, CPU_CHAIN, GPU, check_device, kind
 from decode.errors import InputError
 from decode.models.precision import auto_dtype
+from decode.models.quantized import FORMATS
 from decode.sampling import Sampling
 from decode.tree import Shape
 
@@ -80,7 +81,9 @@ class DecoderOptions:
         choices=DTYPES)
     draft_dtype: str | None = setting(  # None: the oracle's dtype
         None, "the draft's dtype (default: the plan's choice, else --dtype's): a draft's forward of a few rows is "
-              "per-call overhead, which differs by dtype on a CPU", True, choices=DTYPES[1:])
+              "per-call overhead, which differs by dtype on a CPU; q8_0 or q4_0: a 16-bit draft's matrices quantized "
+              "to that block format as it loads (computing in --dtype), which the output never depends on",
+        True, choices=[*DTYPES[1:], *FORMATS])
     device: str = setting("cpu", "cpu or cuda")
     backend: str = setting("auto", "lean: our engine (GPT-2 and the Llama family: Llama, Qwen2, Mistral); hf: any "
                                    "transformers causal LM; auto: lean where it applies", choices=BACKENDS)

@@ -134,6 +134,13 @@ def test_every_method_on_a_quantized_llama_family_pair_gives_the_quantized_oracl
     test_every_method_on_a_llama_family_pair_gives_the_oracles_plain_decoding(quantized_llama_run, tmp_path, method, extra)
 
 
+def test_a_llama_family_model_quantized_as_it_loads_is_its_quantized_checkpoint(quantized_llama_run):
+    stored = load_model(quantized_llama_run["oracle"], "lean", "float32", "cpu")
+    loaded = load_model(quantized_llama_run["source"], "lean", "float32", "cpu", quantization=Q8_0)
+    prompt = torch.randint(1, 97, (30,), generator=torch.Generator().manual_seed(3))
+    assert loaded.runtime.quantization is Q8_0 and torch.equal(loaded.extend(prompt), stored.extend(prompt))
+
+
 def test_a_quantized_llama_family_model_computes_in_cpp_what_torch_computes_dequantized(quantized_llama_run):
     needs_cpp_forward("float32")
     if not load_model(quantized_llama_run["oracle"], "lean", "float32", "cpu").runtime.blocks:
@@ -159,7 +166,7 @@ def test_loading_a_quantized_llama_family_model_takes_each_block_matrix_out_of_t
     dense, quantized = split_checkpoint(load_safetensors(directory), fmt, directory)
     before = len(quantized)
     engine = LlamaEngine.build(config, dense, native_blocks=True, quantized=quantized,
-                               reload=lambda: dequantized_checkpoint(directory, fmt))
+                               reload=lambda: dequantized_checkpoint(load_safetensors(directory), fmt, directory))
     if not engine.runtime.blocks:
         pytest.skip("this CPU lacks the quantized products' instructions")
     assert before > 2 and set(quantized) <= {"embed_tokens.weight", "lm_head.weight"}  # the output layer's, kept

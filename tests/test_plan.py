@@ -19,6 +19,8 @@ from decode.loop import baseline
 from decode.methods import METHODS
 from decode.models.engine import GPT2Engine
 from decode.models.loading import TOKEN_COUNTS
+from decode.models.quantize_model import quantize_checkpoint
+from decode.models.quantized import FORMATS
 from decode.planning import in_loop, kinds, planner, replay, shapes
 from decode.provenance import provenance
 from decode.sampling import Sampling, Uniforms
@@ -66,7 +68,8 @@ def test_plan_round_trips_and_decode_run_uses_it(planned, tmp_path, capsys):
     capsys.readouterr()
     run.main(args + ["--plan", str(path), "--method", "speculative", "--limit", "1"])
     policy = on_disk["policies"]["speculative"]
-    assert f"speculative with k {policy['k']}, draft_vocab {policy['draft_vocab']}, draft_dtype float32" in capsys.readouterr().err
+    assert (f"speculative with k {policy['k']}, draft_vocab {policy['draft_vocab']}, draft_dtype {policy['draft_dtype']}"
+            in capsys.readouterr().err)
 
 
 def test_staged_on_the_trees_planned_shape_decodes_and_benches_as_planned(planned, tmp_path, capsys):
@@ -172,18 +175,21 @@ def test_plan_weighs_each_draft_methods_best_policy_with_the_draft_shortlist_and
         model = getattr(getattr(drafter, "draft", None), "model", None)
         assert (len(model.shortlist) if model and model.shortlist else 0) == policy.get("draft_vocab", 0)
         assert model is None or model.dtype == torch.float32
-    drafts = {(0, "float32"), (64, "float32")}  # a float32 plan weighs no other dtype
+    # a float32 plan weighs no other dtype, and the draft quantized as it loads
+    drafts = {(n, p) for n in (0, 64) for p in ("float32", "q8_0", "q4_0")}
     assert weighed == {"speculative": drafts, "tree": drafts, "staged": drafts, "ngram": {(None, None)}, "lookup": {(None, None)}}
     path, args = planned["path"], planned["args"]
-    shortlisted = json.loads(path.read_text())
-    for method in ("speculative", "tree", "staged"):
-        shortlisted["policies"][method] |= {"draft_vocab": 64, "draft_dtype": "bfloat16"}
-    path.write_text(json.dumps(shortlisted))
     expected = SpeculativeDecoder(run.parse(args + ["--method", "baseline"]).options).generate("t3 t9", max_new_tokens=16).token_ids
-    for method in ("speculative", "tree", "staged"):
-        dec = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", method]).options)
-        assert len(dec.decoder.draft.shortlist) == 64 and dec.decoder.draft.dtype == torch.bfloat16, method
-        assert dec.decoder.oracle.dtype == torch.float32 and dec.generate("t3 t9", max_new_tokens=16).token_ids == expected, method
+    for precision, dtype, quantization in (("bfloat16", torch.bfloat16, None), ("q8_0", torch.float32, FORMATS["q8_0"])):
+        shortlisted = json.loads(path.read_text())
+        for method in ("speculative", "tree", "staged"):
+            shortlisted["policies"][method] |= {"draft_vocab": 64, "draft_dtype": precision}
+        path.write_text(json.dumps(shortlisted))
+        for method in ("speculative", "tree", "staged"):
+            dec = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", method]).options)
+            draft = dec.decoder.draft
+            assert len(draft.shortlist) == 64 and draft.dtype == dtype and draft.runtime.quantization is quantization
+            assert dec.decoder.oracle.dtype == torch.float32 and dec.generate("t3 t9", max_new_tokens=16).token_ids == expected, method
     whole = SpeculativeDecoder(run.parse(args + ["--plan", str(path), "--method", "staged", "--no-plan", "--draft-vocab", "0"]).options)
     assert whole.decoder.draft.shortlist is None and whole.decoder.draft.dtype == torch.float32
 
@@ -198,7 +204,8 @@ def test_a_projection_prices_a_larger_oracle_and_draft_and_says_what_it_measured
     assert set(projection["concurrency"]) == {"3"} and set(written["concurrency"]) == {"3"}
     assert set(projection["concurrency"]["3"]["policies"]) == set(projection["predicted"]) - {"baseline"}
     assert projection["shape"] == [2, 128, 500] and projection["draft_shape"] == [1, 64, 500]
-    assert set(projection["draft_one_row_ms"]) == {"every token in float32", "64 tokens in float32"}
+    assert set(projection["draft_one_row_ms"]) == {f"{n} in {p}" for n in ("every token", "64 tokens")
+                                                   for p in ("float32", "q8_0", "q4_0")}
     assert projection["sources"]["measured here, on random weights"] == ["the 2,128,500 oracle's forward costs",
                                                                         "the 1,64,500 draft's forward costs"]
     assert set(projection["predicted"]) == {"baseline", "speculative", "tree", "staged", "ngram", "lookup"}
@@ -243,15 +250,25 @@ def test_the_bench_notes_prompts_much_longer_than_the_plans_calibration_prompts(
         assert not noted or "the speedup on longer prompts is lower than the forecast" in out
 
 
-def test_beside_a_bfloat16_oracle_the_plan_weighs_the_draft_in_float32_too(models):
+def test_beside_a_bfloat16_oracle_the_plan_weighs_the_draft_in_float32_and_quantized_as_it_loads(models, tmp_path,
+                                                                                                     capsys):
     options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1",
                          "--dtype", "bfloat16"]).options
     variants = planner.draft_variants([64], options, 97)
-    assert set(variants) == {(0, "float32"), (64, "bfloat16"), (64, "float32")}  # (0, bfloat16) is the plan's own draft
-    for (size, dtype), draft in variants.items():
-        assert (len(draft.shortlist) if draft.shortlist else 0) == size and draft.dtype == getattr(torch, dtype)
+    # (0, bfloat16) is the plan's own draft
+    assert set(variants) == {(n, p) for n in (0, 64) for p in ("bfloat16", "float32", "q8_0", "q4_0")} - {(0, "bfloat16")}
+    for (size, precision), draft in variants.items():
+        assert (len(draft.shortlist) if draft.shortlist else 0) == size
+        quantized = precision in FORMATS  # a draft quantized as it loads computes in the oracle's dtype
+        assert draft.dtype == (torch.bfloat16 if quantized else getattr(torch, precision))
+        assert draft.runtime.quantization is (FORMATS[precision] if quantized else None)
     chosen = planner.draft_variants([], dataclasses.replace(options, draft_dtype="float32"), 97)
-    assert set(chosen) == set()  # a float32 draft (--draft-dtype) has no other dtype to weigh
+    assert set(chosen) == {(0, "q8_0"), (0, "q4_0")}  # a float32 draft (--draft-dtype) has no other dtype to weigh
+    quantize_checkpoint(models["draft"], tmp_path / "draft-q8_0", FORMATS["q8_0"])
+    capsys.readouterr()
+    stored = planner.draft_variants([], dataclasses.replace(options, draft=tmp_path / "draft-q8_0"), 97)
+    assert set(stored) == {(0, "float32")}  # a quantized draft is not quantized again
+    assert "note: not weighing the draft in q8_0: " in capsys.readouterr().err
 
 
 @pytest.mark.processes
@@ -275,7 +292,8 @@ def test_on_a_gpu_the_plan_weighs_no_other_draft_dtype(models, monkeypatch):
     options = run.parse(["--oracle", str(models["oracle"]), "--draft", str(models["draft"]), "--prompt", "t1",
                          "--dtype", "bfloat16"]).options
     assert set(planner.draft_variants([64], dataclasses.replace(options, device="cuda"), 97)) == {(64, "bfloat16")}
-    assert set(planner.draft_variants([64], options, 97)) == {(0, "float32"), (64, "bfloat16"), (64, "float32")}
+    assert set(planner.draft_variants([64], options, 97)) == {(n, p) for n in (0, 64) for p in (
+        "bfloat16", "float32", "q8_0", "q4_0")} - {(0, "bfloat16")}
 
 
 def test_plan_weighs_the_largest_power_of_two_up_to_half_the_vocabulary_by_default(models, tmp_path, capsys):

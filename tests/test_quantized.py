@@ -190,6 +190,16 @@ def test_a_quantized_model_runs_every_forward_in_cpp_even_where_torch_times_fast
     assert torch.equal(engine.extend(prompt[-1:], last=1), whole)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_model_quantized_as_it_loads_is_its_quantized_checkpoint(quantized_models, fmt):
+    ids = [5, 7, 9, 11, 13, 2, 3, 50, 99, 1, 4]
+    for dtype in ("float32", "bfloat16"):
+        stored = load_model(quantized_models / fmt, "auto", dtype, "cpu")
+        loaded = load_model(quantized_models / "source", "auto", dtype, "cpu", quantization=FORMATS[fmt])
+        assert loaded.runtime.quantization is stored.runtime.quantization is FORMATS[fmt]
+        assert torch.equal(loaded.forward(ids, list(range(len(ids))), None), stored.forward(ids, list(range(len(ids))), None))
+
+
 def test_the_torch_forward_computes_with_the_dequantized_weights(quantized_models):
     for fmt in FORMATS:
         engine = GPT2Engine.load(quantized_models / fmt, "float32")
@@ -227,6 +237,25 @@ def test_every_method_with_a_quantized_pair_gives_the_quantized_oracles_plain_de
     spec = run.main(common + ["--method", method, *extra, "--out", str(tmp_path / "spec.jsonl")])
     assert [r["token_ids"] for r in base] == [r["token_ids"] for r in spec]
     assert sum(r["oracle_calls"] for r in spec) < sum(r["oracle_calls"] for r in base)
+
+
+def test_a_draft_quantized_as_it_loads_drafts_as_its_quantized_checkpoint_and_the_output_stays_the_oracles(
+        quantized_run, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"task_id": f"t{i}", "prompt": f"t{i} t{i + 3} t7"}) + "\n" for i in range(5)))
+    common = ["--oracle", str(quantized_run["source"]), "--ngram", str(quantized_run["ngram"]), "--prompts",
+              str(prompts), "--max-new-tokens", "20", "--no-plan"]
+    base = run.main(common + ["--method", "baseline"])
+    draft_16_bit = quantized_run["root"] / "draft"
+    for method in ("speculative", "staged"):
+        stored = run.main(common + ["--method", method, "--draft", str(quantized_run["draft"])])
+        loaded = run.main(common + ["--method", method, "--draft", str(draft_16_bit), "--draft-dtype", "q4_0"])
+        assert [r["token_ids"] for r in loaded] == [r["token_ids"] for r in stored] == [r["token_ids"] for r in base]
+        assert [r["oracle_calls"] for r in loaded] == [r["oracle_calls"] for r in stored]  # the same draft's proposals
+    capsys.readouterr()
+    err = error_of(capsys, run.main, common + ["--method", "speculative", "--draft", str(quantized_run["draft"]),
+                                               "--draft-dtype", "q8_0"])
+    assert f"{quantized_run['draft']} is a q4_0 checkpoint already; quantize as it loads (q8_0) only a 16-bit model" in err
 
 
 def test_a_quantized_oracle_is_its_own_model(quantized_run, tmp_path):

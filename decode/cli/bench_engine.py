@@ -36,7 +36,7 @@ from decode.models.lean_engine import LeanEngine
 from decode.models.llama import SHAPES
 from decode.models.loading import lean_engine_class
 from decode.models.precision import auto_dtype
-from decode.models.pretrained import model_dir
+from decode.models.pretrained import load_safetensors, model_dir
 from decode.models.projection import LAYOUTS, onednn_packs
 from decode.models.quantized import format_of
 from decode.models.runtime import TORCH, CudaRuntime
@@ -81,7 +81,7 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype)
     else:  # transformers' GPT-2 over the dequantized weights: the same model, its weights read at 16 or 32 bits
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=engine.dtype)
-        hf.transformer.load_state_dict(dequantized_checkpoint(model_dir, fmt))
+        hf.transformer.load_state_dict(dequantized_checkpoint(load_safetensors(model_dir), fmt, model_dir))
     hf = hf.to(engine.device).eval()  # type: ignore[arg-type]  # transformers' decorator hides Module.to
     tokenizer = load_tokenizer(model_dir)
     ours_s = hf_s = 0.0

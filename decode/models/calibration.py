@@ -7,7 +7,7 @@ every other command reads what was kept, and uses each choice's documented defau
 from pathlib import Path
 
 from decode.errors import check_path
-from decode.models.loading import load_model
+from decode.models.loading import draft_precision, load_model
 
 
 def calibrate(options) -> dict[str, str]:
@@ -16,11 +16,12 @@ def calibrate(options) -> dict[str, str]:
     per model, what was chosen, in words."""
     check_path(options.oracle, True, "oracle directory", "pass --run RUN or --oracle DIR")
     chosen = {}
-    for role, directory, dtype in (("oracle", options.oracle, options.dtype),
-                                   ("draft", options.draft, options.draft_dtype or options.dtype)):
+    for role, directory, (dtype, quantization) in (("oracle", options.oracle, (options.dtype, None)),
+                                                   ("draft", options.draft, draft_precision(options))):
         if directory is not None and Path(directory).is_dir():
-            chosen[role] = describe(load_model(Path(directory), options.backend, dtype, options.device, calibrate=True),
-                                    dtype)
+            model = load_model(Path(directory), options.backend, dtype, options.device, calibrate=True,
+                               quantization=quantization)
+            chosen[role] = describe(model, dtype if quantization is None else f"{quantization.name} in {dtype}")
     return chosen
 
 

@@ -18,7 +18,7 @@ from decode.models.kv_slots import KVSlots
 from decode.models.lean_engine import DTYPES, SPECULATIVE_SLOTS, LeanEngine, on_device, torch_weights_on_first_use
 from decode.models.pretrained import FUSED_GELU, RETRAIN, load_safetensors
 from decode.models.projection import LAYOUTS, Projection
-from decode.models.quantized import Format, QuantizedMatrix, format_of, split_checkpoint
+from decode.models.quantized import Format, QuantizedMatrix, checkpoint_blocks, split_checkpoint
 from decode.models.runtime import Runtime, runtime_for
 from decode.shortlist import Shortlist
 from decode.tensors import Ids, as_tensor
@@ -113,10 +113,10 @@ def dequantized_matrices(quantized: dict[str, QuantizedMatrix]) -> dict[str, tor
     return {name: matrix.dequantize() if name == "wte.weight" else matrix.dequantize().T for name, matrix in quantized.items()}
 
 
-def dequantized_checkpoint(model_dir, fmt: Format) -> dict[str, torch.Tensor]:
-    """A quantized GPT-2 checkpoint's tensors as a 16-bit checkpoint names them (without "transformer."), every
-    matrix dequantized to float32: the model torch's forward (or transformers') computes."""
-    dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
+def dequantized_checkpoint(tensors: dict[str, torch.Tensor], fmt: Format, where) -> dict[str, torch.Tensor]:
+    """A quantized GPT-2 checkpoint's tensors (read from `where`) as a 16-bit checkpoint names them (without
+    "transformer."), every matrix dequantized to float32: the model torch's forward (or transformers') computes."""
+    dense, quantized = split_checkpoint(tensors, fmt, where)
     return dense | dequantized_matrices(quantized)
 
 
@@ -223,27 +223,29 @@ class GPT2Engine(LeanEngine):
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
-             native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None) -> "GPT2Engine":
-        """As LeanEngine.load; a quantized checkpoint (decode.quantize) computes with its blocks."""
+             native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None,
+             quantization: Format | None = None) -> "GPT2Engine":
+        """As LeanEngine.load; a quantized checkpoint (decode.quantize) computes with its blocks, and so does a 16-bit
+        one with a `quantization`, its matrices quantized as it loads."""
         config = read_config(model_dir, tokens)
         if not is_lean_compatible(config):
             raise InputError(
                 f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
                 f"use the transformers backend (--backend hf)"
             )
-        fmt = format_of(config, model_dir)
-        if fmt is None:
+        blocks = checkpoint_blocks(model_dir, config, quantization)
+        if blocks is None:
             return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
                              shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir))
-
-        dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
+        fmt, tensors = blocks
+        dense, quantized = split_checkpoint(tensors(), fmt, model_dir)
         missing = sorted({"wte.weight", *(f"h.{i}.{name}.weight" for i in range(config["n_layer"]) for name in LINEAR)}
                          - set(quantized))
         if missing:
             raise InputError(f"{model_dir} is a {fmt.name} checkpoint without quantized {', '.join(missing[:3])}"
                              f"{' ...' if len(missing) > 3 else ''}; quantize the 16-bit model again (python -m decode.quantize)")
         return cls.build(config, dense, dtype, device, max_length, layout, cuda_graphs, shortlist, native_blocks,
-                         calibrate, reload=lambda: dequantized_checkpoint(model_dir, fmt), quantized=quantized)
+                         calibrate, reload=lambda: dequantized_checkpoint(tensors(), fmt, model_dir), quantized=quantized)
 
     def torch_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                      slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:

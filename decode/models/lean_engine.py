@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from decode.models.cached_lm import CachedLM, Call, ChainCall
 from decode.models.kv_slots import KVSlots
+from decode.models.quantized import Format
 from decode.models.runtime import Runtime
 from decode.sampling import Sparse
 from decode.shortlist import Shortlist
@@ -72,9 +73,11 @@ class LeanEngine(CachedLM):
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
-             native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None) -> "LeanEngine":
+             native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None,
+             quantization: Format | None = None) -> "LeanEngine":
         """From a save_pretrained directory (safetensors); its output over the first `tokens` rows only, where
-        given (a config whose vocabulary pads the tokenizer's: see loading.token_rows)."""
+        given (a config whose vocabulary pads the tokenizer's: see loading.token_rows); its matrices in
+        `quantization`'s blocks, quantized as it loads, where given (a quantized checkpoint's are in its own)."""
         raise NotImplementedError
 
     def torch_weights(self) -> tuple:

@@ -20,7 +20,7 @@ from decode.models.kv_slots import KVSlots
 from decode.models.lean_engine import DTYPES, SPECULATIVE_SLOTS, LeanEngine, on_device, torch_weights_on_first_use
 from decode.models.pretrained import load_safetensors
 from decode.models.projection import LAYOUTS, Projection
-from decode.models.quantized import Format, QuantizedMatrix, format_of, split_checkpoint
+from decode.models.quantized import Format, QuantizedMatrix, checkpoint_blocks, split_checkpoint
 from decode.models.runtime import runtime_for
 from decode.shortlist import Shortlist
 from decode.tensors import Ids, as_tensor
@@ -178,10 +178,10 @@ def fused(weights: dict[str, torch.Tensor], i: int, take: Callable[[str], "torch
     return tensors
 
 
-def dequantized_checkpoint(model_dir, fmt: Format) -> dict[str, torch.Tensor]:
-    """A quantized Llama-family checkpoint's tensors, every matrix dequantized to float32: the model torch's forward
-    (or transformers') computes."""
-    dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
+def dequantized_checkpoint(tensors: dict[str, torch.Tensor], fmt: Format, where) -> dict[str, torch.Tensor]:
+    """A quantized Llama-family checkpoint's tensors (read from `where`), every matrix dequantized to float32: the
+    model torch's forward (or transformers') computes."""
+    dense, quantized = split_checkpoint(tensors, fmt, where)
     return dense | {name: matrix.dequantize() for name, matrix in quantized.items()}
 
 
@@ -294,19 +294,21 @@ class LlamaEngine(LeanEngine):
     @classmethod
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
-             native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None) -> "LlamaEngine":
-        """From a save_pretrained directory (safetensors), as LeanEngine.load."""
+             native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None,
+             quantization: Format | None = None) -> "LlamaEngine":
+        """From a save_pretrained directory (safetensors), as GPT2Engine.load."""
         config = read_config(model_dir, tokens)
-        fmt = format_of(config, model_dir)
-        if fmt is None:
+        blocks = checkpoint_blocks(model_dir, config, quantization)
+        if blocks is None:
             return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
                              shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir))
-        dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
+        fmt, tensors = blocks
+        dense, quantized = split_checkpoint(tensors(), fmt, model_dir)
         if "model.embed_tokens.weight" not in quantized:
             raise InputError(f"{model_dir} is a {fmt.name} checkpoint without quantized embeddings; quantize the 16-bit "
                              f"model again (python -m decode.quantize)")
         return cls.build(config, dense, dtype, device, max_length, layout, cuda_graphs, shortlist, native_blocks,
-                         calibrate, reload=lambda: dequantized_checkpoint(model_dir, fmt), quantized=quantized)
+                         calibrate, reload=lambda: dequantized_checkpoint(tensors(), fmt, model_dir), quantized=quantized)
 
     def torch_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                      slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:

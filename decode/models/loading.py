@@ -14,7 +14,7 @@ from decode.models.lean_engine import LeanEngine
 from decode.models.llama import LlamaEngine, unsupported
 from decode.models.native_rows import native_forward
 from decode.models.pretrained import model_dir
-from decode.models.quantized import format_of
+from decode.models.quantized import Format, dtype_and_format, format_of
 from decode.models.successors import SuccessorTable
 from decode.shortlist import Shortlist
 from decode.tokenizer import load_tokenizer
@@ -68,22 +68,24 @@ def load_trigram(options, vocab_size: int, eos_id: int):
 
 
 def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_graphs: bool = False,
-               shortlist: Shortlist | None = None, calibrate: bool = False) -> CachedLM:
+               shortlist: Shortlist | None = None, calibrate: bool = False,
+               quantization: Format | None = None) -> CachedLM:
     """A model for decoding; the lean engine stores each matrix in its calibrated layout and runs a forward of a few
     rows in C++ up to where that was calibrated faster, its products on AMX's tiles where those were
-    (decode.models.native_rows); `calibrate` measures (and keeps) what was not yet."""
+    (decode.models.native_rows); `calibrate` measures (and keeps) what was not yet. With a `quantization`, a 16-bit
+    model's matrices are quantized to its blocks as it loads, as decode.quantize would write them."""
     config = read_config(directory)
-    fmt = format_of(config, directory)
+    fmt = format_of(config, directory) or quantization
     if fmt is not None and backend == "hf":
-        raise InputError(f"{directory} is a {fmt.name} checkpoint, which runs on the lean engine, not transformers': "
-                         f"pass --backend auto (or lean)")
+        raise InputError(f"{directory} {'is' if quantization is None else 'quantized to'} {fmt.name} runs on the lean "
+                         f"engine, not transformers': pass --backend auto (or lean)")
     tokens = token_rows(directory, config)
     engine_class, why_not = lean_engine_class(config)
     if backend == "lean" and engine_class is None:
         raise InputError(f"{directory} cannot run on the lean engine: {why_not}; use the transformers backend (--backend hf)")
     if engine_class is not None and backend in ("lean", "auto"):
         engine = engine_class.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
-                                 native_blocks=True, calibrate=calibrate, tokens=tokens)
+                                   native_blocks=True, calibrate=calibrate, tokens=tokens, quantization=quantization)
         forward = native_forward(directory, engine, dtype, calibrate=calibrate)
         engine.runtime.use(forward.rows, forward.tiles)
         return engine
@@ -133,10 +135,17 @@ def draft_shortlist(draft_dir: Path, size: int, vocab_size: int) -> Shortlist | 
     return Shortlist.most_frequent(counts, size)
 
 
+def draft_precision(options) -> tuple[str, Format | None]:
+    """The dtype the options' draft computes in, and the block format its matrices are quantized to as it loads (None:
+    as stored): --draft-dtype names either (a format's draft computes in the oracle's dtype), else the oracle's dtype."""
+    return dtype_and_format(options.draft_dtype or options.dtype, options.dtype)
+
+
 def load_draft(options, vocab_size: int) -> CachedLM:
     """The draft model as the options load it, its output layer over `options.draft_vocab` tokens when set."""
-    return load_model(options.draft, options.backend, options.draft_dtype or options.dtype, options.device, options.cuda_graphs,
-                      draft_shortlist(options.draft, options.draft_vocab, vocab_size))
+    dtype, quantization = draft_precision(options)
+    return load_model(options.draft, options.backend, dtype, options.device, options.cuda_graphs,
+                      draft_shortlist(options.draft, options.draft_vocab, vocab_size), quantization=quantization)
 
 
 def check_same_vocabulary(oracle_dir: Path, other_dir: Path, other: str) -> None:

@@ -52,6 +52,16 @@ def check_quantizable(model_dir: Path, config: dict) -> None:
             raise InputError(f"{model_dir}'s {name}={width} is not a multiple of 32, the blocks' length")
 
 
+def checkpoint_in_blocks(model_dir: Path, config: dict, fmt: Format) -> dict[str, torch.Tensor]:
+    """The tensors of `model_dir`'s 16-bit checkpoint quantized to `fmt`, as QUANTIZED_FILE holds them: a quantized
+    checkpoint's, or a model quantized as it loads (decode.models.loading.load_model's `quantization`)."""
+    check_quantizable(model_dir, config)
+    gpt2 = config.get("model_type") == "gpt2"  # (its lm_head is tied to wte: is_lean_compatible)
+    weights = {name.removeprefix("transformer.") if gpt2 else name: tensor
+               for name, tensor in load_safetensors(model_dir).items() if not (gpt2 and name == "lm_head.weight")}
+    return quantized_tensors(weights, is_quantized_matrix, fmt, oriented)
+
+
 def quantize_checkpoint(model_dir: Path, out_dir: Path, fmt: Format) -> None:
     """Write `model_dir`'s model quantized to `fmt` into the new directory `out_dir`: config.json (declaring the
     format), QUANTIZED_FILE, and every other file of the model's directory (tokenizer, generation config, the
@@ -59,13 +69,9 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, fmt: Format) -> None:
     from safetensors.torch import save_file
 
     config = read_config(model_dir)
-    check_quantizable(model_dir, config)
-    gpt2 = config.get("model_type") == "gpt2"  # (its lm_head is tied to wte: is_lean_compatible)
-    weights = {name.removeprefix("transformer.") if gpt2 else name: tensor
-               for name, tensor in load_safetensors(model_dir).items() if not (gpt2 and name == "lm_head.weight")}
+    tensors = checkpoint_in_blocks(model_dir, config, fmt)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(quantized_tensors(weights, is_quantized_matrix, fmt, oriented), out_dir / QUANTIZED_FILE,
-              metadata={"format": "pt"})
+    save_file(tensors, out_dir / QUANTIZED_FILE, metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config | {CONFIG_KEY: config_entry(fmt)}, indent=2) + "\n")
     for path in Path(model_dir).iterdir():
         if path.is_file() and not any(path.match(pattern) for pattern in WEIGHT_FILES):

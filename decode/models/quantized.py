@@ -152,6 +152,30 @@ def format_of(config: dict, where: Path | str) -> Format | None:
     return FORMATS[name]
 
 
+def checkpoint_blocks(model_dir, config: dict, quantization: Format | None) -> tuple[Format, Callable[[], dict]] | None:
+    """How a model's tensors in blocks are read, as (their format, the reader of a quantized checkpoint's tensors):
+    a quantized checkpoint's from its file; a 16-bit one's quantized to `quantization` as it loads. None: a 16-bit
+    model loaded as it is."""
+    from decode.models.pretrained import load_safetensors
+    from decode.models.quantize_model import checkpoint_in_blocks  # (it reads the engines' checkpoint names)
+
+    stored = format_of(config, model_dir)
+    if stored is not None and quantization is not None:
+        raise InputError(f"{model_dir} is a {stored.name} checkpoint already; quantize as it loads ({quantization.name}) "
+                         f"only a 16-bit model: pass the 16-bit model's directory, or a dtype")
+    if stored is not None:
+        return stored, lambda: load_safetensors(model_dir)
+    if quantization is not None:
+        return quantization, lambda: checkpoint_in_blocks(Path(model_dir), config, quantization)
+    return None
+
+
+def dtype_and_format(precision: str, dtype: str) -> tuple[str, Format | None]:
+    """A precision a model is asked for in, a dtype or a block format (whose model then computes in `dtype`), as the
+    dtype it computes in and the format its matrices are quantized to as it loads (None: as stored)."""
+    return (dtype, FORMATS[precision]) if precision in FORMATS else (precision, None)
+
+
 def config_entry(fmt: Format) -> dict:
     return {"format": fmt.name, "block_size": BLOCK}
 

@@ -18,11 +18,12 @@ from decode import loop
 from decode.api import SpeculativeDecoder
 from decode.benchmarking.explain import interval_text
 from decode.devices import device_name, kind, machine_name
+from decode.errors import InputError
 from decode.healing import Prompt
 from decode.models.cached_lm import CachedLM
 from decode.models.calibration import calibrate
 from decode.models.loading import TOKEN_COUNTS, load_draft, load_trigram
-from decode.models.quantized import Format
+from decode.models.quantized import Format, dtype_and_format
 from decode.options import MIN_DRAFT_VOCAB
 from decode.plan_file import PLAN_VERSION, describe, identity
 from decode.planning import costs, kinds, replay, shapes
@@ -175,14 +176,20 @@ def shortlist_sizes(requested: list[int] | None, options, vocab_size: int) -> li
 
 def draft_variants(sizes: list[int], options, vocab_size: int) -> dict[tuple[int, str], CachedLM]:
     """The drafts besides the plan's own (whole vocabulary, `base_dtype`) that each draft method's finalists are
-    replayed with, by (shortlist size or 0, dtype): each of `sizes` and the whole vocabulary, in the base dtype and,
-    when that is bfloat16 on a CPU, in float32. A draft's forwards of a few rows are mostly per-call overhead, which
-    on a CPU differs by dtype (MKL's float32 products against oneDNN's bfloat16 ones), so it is measured. A GPU
-    launches the same kernels either way (not weighed there: decode.devices)."""
-    weighed = kind(options.device).float32_drafts
-    dtypes = [base_dtype(options)] + ["float32"] * (base_dtype(options) != "float32" and weighed)
-    return {(n, dtype): load_draft(replace(options, draft_vocab=n, draft_dtype=dtype), vocab_size)
-            for n in [0, *sizes] for dtype in dtypes if (n, dtype) != (0, base_dtype(options))}
+    replayed with, by (shortlist size or 0, dtype or block format): each of `sizes` and the whole vocabulary, in the
+    base dtype and in each of the device's other draft precisions (DeviceKind.draft_precisions: on a CPU float32 and
+    the draft quantized as it loads to Q8_0 and Q4_0). A draft's forwards of a few rows are mostly per-call overhead,
+    which on a CPU differs by dtype and format, so it is measured. A precision the draft cannot load in (a draft
+    quantized already, or one the block formats do not fit) is left out, with a note."""
+    base = base_dtype(options)
+    drafts: dict[tuple[int, str], CachedLM] = {}
+    for precision in [base, *(p for p in kind(options.device).draft_precisions if p != base)]:
+        try:
+            drafts |= {(n, precision): load_draft(replace(options, draft_vocab=n, draft_dtype=precision), vocab_size)
+                       for n in [0, *sizes] if (n, precision) != (0, base)}
+        except InputError as err:
+            print(f"note: not weighing the draft in {precision}: {err}", file=sys.stderr)
+    return drafts
 
 
 def replayer(decoder, prompts: list, sequences: list, search: PlanSearch) -> Callable:
@@ -252,8 +259,8 @@ def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[t
                          **provenance()}
     if draft_spec:
         shape = costs.projection_shape(draft_spec, "--project-draft")
-        models = {(n, dtype): costs.random_gpt2(*shape, dtype, options.device, shortlist=n, quantization=draft_format)
-                  for n, dtype in draft_keys}
+        models = {(n, precision): costs.random_gpt2(*shape, dtype, options.device, shortlist=n, quantization=fmt or draft_format)
+                  for n, precision in draft_keys for dtype, fmt in [dtype_and_format(precision, options.dtype)]}
         # a prompt's first draft call reads all of it
         measured = {key: context_tables(model) for key, model in models.items()}
         projected |= {"draft": draft_spec, "draft_shape": list(shape),
