@@ -82,7 +82,7 @@ def test_bad_arguments_are_input_errors(bpe_run, decoders):
         (lambda: SpeculativeDecoder.from_run(bpe_run["run"], method="medusa"), "unknown method 'medusa'"),
         (lambda: SpeculativeDecoder.from_run(bpe_run["run"], beams=4), "unknown options ['beams']"),
         (lambda: SpeculativeDecoder.from_run(bpe_run["run"], device="gpu"), "unknown --device 'gpu'"),
-        (lambda: SpeculativeDecoder.from_run(bpe_run["run"], draft_dtype="float16"), "draft_dtype must be float32 or bfloat16"),
+        (lambda: SpeculativeDecoder.from_run(bpe_run["run"], draft_dtype="float16"), "draft_dtype must be float32, bfloat16, q8_0 or q4_0"),
         (lambda: SpeculativeDecoder.from_run(bpe_run["run"], budget=1), "--budget 1 is out of range"),
         (lambda: SpeculativeDecoder.from_run(bpe_run["run"], widths=[8, 8, 8, 8]), "a trigram tree of 4,681 nodes"),
         (lambda: SpeculativeDecoder.from_run(bpe_run["run"] / "nothing"), "does not exist"),

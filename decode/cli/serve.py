@@ -58,7 +58,8 @@ def parse(argv=None) -> argparse.Namespace:
                 "to 256")
     if not 0 < args.read_timeout < float("inf"):
         p.error(f"--read-timeout must be a positive number of seconds (got {args.read_timeout})")
-    given = args.oracle or (args.run and args.run / "oracle")  # the name answers carry: a hub name as typed, else the directory's
+    # the name answers carry: a hub name as typed, else the directory's
+    given = Path(args.oracle) if args.oracle else args.run and args.run / "oracle"
     args.oracle_name = given.resolve().name if given is not None and given.is_dir() else str(given)
     flags = decoder_flags(p, args, Sampling())
     args.options = flags.options()
