@@ -155,6 +155,16 @@ def test_a_quantized_models_gguf_holds_the_blocks_the_engine_computes_with_and_l
     for theirs, name in names.items():
         assert tensors[theirs].tensor_type == gguf.GGMLQuantizationType[fmt.upper()]
         assert np.array_equal(np.asarray(tensors[theirs].data).reshape(-1), matrices[name].block_bytes().numpy().reshape(-1))
+    # the 16-bit run exported in the format (the draft alone: --draft-dtype): the same tensors, quantized on the way
+    oracle, draft = export.main(["--run", str(bpe_run["run"]), "--dtype", fmt, "--out", str(tmp_path / "direct")])
+    direct = {t.name: t for t in gguf.GGUFReader(oracle).tensors}
+    assert direct.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert direct[name].tensor_type == tensor.tensor_type and np.array_equal(direct[name].data, tensor.data), name
+    _, draft_alone = export.main(["--run", str(bpe_run["run"]), "--draft-dtype", fmt, "--out", str(tmp_path / "draft")])
+    types = lambda path: {t.tensor_type for t in gguf.GGUFReader(path).tensors if t.name.endswith("attn_qkv.weight")}
+    assert types(draft_alone) == types(draft) == {gguf.GGMLQuantizationType[fmt.upper()]}
+    assert types(tmp_path / "draft" / "oracle.gguf") == {gguf.GGMLQuantizationType.F32}
     tool = llama_quantize()
     if tool is None:
         pytest.skip("llama-quantize not built here (LLAMA_QUANTIZE names it)")

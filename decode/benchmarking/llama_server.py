@@ -207,11 +207,13 @@ def sampler(sampling: Sampling, temperature: str = "temperature") -> dict:
     return neutral | {temperature: sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p}
 
 
-def export_gguf(oracle_dir, draft_dir, folder: Path, dtype: str) -> dict[str, Path]:
-    """The oracle (and the draft) as GGUF files in `folder`, written by decode.export in a process of its own, so that
-    the export's reading of the weights does not count in the bench's own peak memory; by name."""
+def export_gguf(oracle_dir, draft_dir, folder: Path, dtype: str, draft_dtype: str | None = None) -> dict[str, Path]:
+    """The oracle (and the draft, in `draft_dtype` where given: a dtype or the block format ours was quantized to as
+    it loaded) as GGUF files in `folder`, written by decode.export in a process of its own, so that the export's
+    reading of the weights does not count in the bench's own peak memory; by name."""
     command = [sys.executable, "-m", "decode.export", "--oracle", str(oracle_dir), "--out", str(folder), "--dtype", dtype]
     command += ["--draft", str(draft_dir)] if draft_dir is not None else []
+    command += ["--draft-dtype", draft_dtype] if draft_dir is not None and draft_dtype is not None else []
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -223,12 +225,12 @@ class ServerPeer:
     """A peer: llama.cpp's decoding through llama-server at the fastest of `CANDIDATES[name]` on the first prompts."""
 
     def __init__(self, name: str, oracle_dir, draft_dir, sampling: Sampling, eos_id: int, dtype: str, threads: int,
-                 context: int):
+                 context: int, draft_dtype: str | None = None):
         self.server: LlamaServer | None = None
         check_server(server_binary() or "llama-server", name)
         self.folder = tempfile.TemporaryDirectory(prefix="llamacpp-gguf-")  # removed with this object
         self.models = export_gguf(oracle_dir, draft_dir if name == "llamacpp-draft" else None, Path(self.folder.name),
-                                  dtype)
+                                  dtype, draft_dtype)
         self.name, self.sampling, self.eos_id, self.threads, self.context = name, sampling, eos_id, threads, context
         self.flags = CANDIDATES[name][0]
         self.peak_rss: float | None = None

@@ -85,7 +85,7 @@ def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[d
                 if name == "llamacpp-draft":
                     check_draft(name, base)
                 decoders[name] = ServerPeer(name, base.oracle, base.draft, settings.sampling, eos_id, dtype, threads,
-                                                     oracle.max_length)
+                                            oracle.max_length, weight_formats(decoders).get("draft"))
                 continue
             decoders[name] = LlamaCpp(base.oracle, settings.sampling, eos_id, dtype, threads,
                                       base.lookup_tokens if name == "llamacpp-lookup" else None)

@@ -3,6 +3,7 @@
     python -m decode.export --run RUN --to gguf                      # RUN/gguf/oracle.gguf and draft.gguf
     python -m decode.export --run RUN --to gguf --dtype bfloat16 --out DIR
     python -m decode.export --oracle RUN/oracle-q8_0 --out DIR       # a quantized model: its own blocks
+    python -m decode.export --run RUN --dtype q8_0 --out DIR         # quantized as decode.quantize would
     llama-server -m RUN/gguf/oracle.gguf -md RUN/gguf/draft.gguf      # speculative decoding in llama.cpp
 
 Needs the gguf package (pip install -e ".[llamacpp]").
@@ -17,7 +18,7 @@ from decode.errors import InputError, check_path, exits_on_input_error
 from decode.models.engine import read_config
 from decode.models.gguf_export import GGUF_DTYPES, write_gguf
 from decode.models.pretrained import model_dir
-from decode.models.quantized import format_of
+from decode.models.quantized import FORMATS, format_of
 
 PROG = "python -m decode.export"
 
@@ -28,8 +29,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--oracle", help="the oracle's directory or hub name (default: RUN/oracle)")
     p.add_argument("--draft", help="the draft's directory or hub name (default: RUN/draft, when it exists)")
     p.add_argument("--to", choices=["gguf"], default="gguf", help="the format")
-    p.add_argument("--dtype", choices=GGUF_DTYPES, default="float32",
-                   help="the weight matrices' dtype in the files (a quantized model's stay in its blocks)")
+    p.add_argument("--dtype", choices=[*GGUF_DTYPES, *FORMATS], default="float32",
+                   help="the weight matrices' dtype in the files, or a block format a 16-bit model's are quantized to "
+                        "as decode.quantize quantizes them (a quantized model's stay in its blocks)")
+    p.add_argument("--draft-dtype", choices=[*GGUF_DTYPES, *FORMATS],
+                   help="the draft's, where it differs (default: --dtype's)")
     p.add_argument("--out", type=Path, help="the directory the files go into (default: RUN/gguf)")
     p.add_argument("--overwrite", action="store_true", help="replace existing files")
     args = p.parse_args(argv)
@@ -58,9 +62,9 @@ def main(argv=None) -> list[Path]:
         check_output(path, FILE, args.overwrite, "--out", models)
     with atomic_outputs([(path, FILE) for path in paths], args.overwrite) as tmps:
         for (name, directory), tmp in zip(models.items(), tmps):
-            fmt = format_of(read_config(directory), directory)
-            print(f"{name}: {directory} -> {args.out / f'{name}.gguf'} ({fmt.name if fmt else args.dtype})")
-            write_gguf(directory, tmp, args.dtype)
+            fmt, dtype = format_of(read_config(directory), directory), (name == "draft" and args.draft_dtype) or args.dtype
+            print(f"{name}: {directory} -> {args.out / f'{name}.gguf'} ({fmt.name if fmt else dtype})")
+            write_gguf(directory, tmp, dtype)
     return paths
 
 

@@ -72,11 +72,14 @@ def sampling_settings(settings: Settings) -> dict:
     return {} if s.greedy else {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
 
-def peer_rows(name: str, settings: Settings, prompts: list[list[int]], levels: list[int], context: int) -> list[dict]:
-    """A peer's figures at each level: llama-server with a slot per client, at the fastest of its candidate flags."""
+def peer_rows(name: str, settings: Settings, prompts: list[list[int]], levels: list[int], context: int,
+              draft_format: str | None) -> list[dict]:
+    """A peer's figures at each level: llama-server with a slot per client, at the fastest of its candidate flags; its
+    draft in `draft_format`'s blocks where ours was quantized to it."""
     base, rows = settings.flags.base, []
     with tempfile.TemporaryDirectory(prefix="llamacpp-gguf-") as folder:
-        models = export_gguf(base.oracle, base.draft if name == "llamacpp-draft" else None, Path(folder), base.dtype)
+        models = export_gguf(base.oracle, base.draft if name == "llamacpp-draft" else None, Path(folder), base.dtype,
+                             draft_format)
         for clients in levels:
             best: dict = {"aggregate_tokens_per_s": -1.0}
             for flags in PEERS[name]:
@@ -136,8 +139,10 @@ def main(argv=None) -> dict:
         served, seconds = load.ours(decoder, prompts, clients, settings.max_new_tokens, sampling_settings(settings))
         rows.append({"engine": method, "clients": clients, **load.summary(served, seconds)})
         print(row_line(rows[-1]), flush=True)
+    draft = decoder.decoder.draft
+    draft_format = draft.runtime.quantization.name if draft is not None and draft.runtime.quantization else None
     for name in known.names:
-        rows += peer_rows(name, settings, prompts, known.levels, context)
+        rows += peer_rows(name, settings, prompts, known.levels, context, draft_format)
     result = {"settings": {"command": command_line(PROG, argv),
                            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
                            "machine": machine_name(decoder.decoder.oracle.device), "threads": torch.get_num_threads(), "prompts": len(prompts),

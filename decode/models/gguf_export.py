@@ -14,10 +14,10 @@ from decode.errors import InputError
 from decode.models.engine import is_lean_compatible, read_config
 from decode.models.llama import LlamaShape, rope_type, rotary_inverse_frequencies, unsupported
 from decode.models.pretrained import load_safetensors
-from decode.models.quantized import QuantizedMatrix, format_of, split_checkpoint
+from decode.models.quantized import FORMATS, Format, QuantizedMatrix, checkpoint_blocks, format_of, split_checkpoint
 from decode.tokenizer import load_tokenizer, start_ids
 
-GGUF_DTYPES = ("float32", "bfloat16")  # the matrices' dtype in the file; norms and biases stay float32
+GGUF_DTYPES = ("float32", "bfloat16")  # the matrices' dtype in the file (or a block format); norms and biases stay float32
 # Hugging Face's GPT-2 names (after "transformer.") -> llama.cpp's; the Conv1D matrices are stored (in, out)
 BLOCK_TENSORS = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
                  "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
@@ -157,29 +157,31 @@ def add_llama_hyperparameters(writer, config: dict, shape: LlamaShape, architect
     return {"rope_freqs.weight": (default / scaled).to(torch.float32)}
 
 
-def checkpoint_of(model_dir: Path, config: dict) -> tuple[dict, str | None]:
-    """The model's tensors by checkpoint name (a quantized model's matrices as QuantizedMatrix) and its block format's
-    name (None: not quantized)."""
-    fmt = format_of(config, model_dir)
-    if fmt is None:
+def checkpoint_of(model_dir: Path, config: dict, quantization: Format | None) -> tuple[dict, str | None]:
+    """The model's tensors by checkpoint name (a quantized model's matrices as QuantizedMatrix, a 16-bit one's
+    quantized to `quantization` where given) and their block format's name (None: not quantized)."""
+    blocks = checkpoint_blocks(model_dir, config, None if format_of(config, model_dir) else quantization)
+    if blocks is None:
         return load_safetensors(model_dir), None
-    dense, quantized = split_checkpoint(load_safetensors(model_dir), fmt, model_dir)
+    fmt, tensors = blocks
+    dense, quantized = split_checkpoint(tensors(), fmt, model_dir)
     return dense | quantized, fmt.name
 
 
 def write_gguf(model_dir: Path, path: Path, dtype: str = "float32") -> None:
-    """The GPT-2 or Llama-family model in `model_dir` as a GGUF file at `path`, its matrices in `dtype`; a quantized
-    model's in its own blocks, the very bytes the engine computes with (`dtype` then applies to nothing)."""
+    """The GPT-2 or Llama-family model in `model_dir` as a GGUF file at `path`, its matrices in `dtype` (a block
+    format: quantized as decode.quantize quantizes them); a quantized model's in its own blocks, the very bytes the
+    engine computes with (`dtype` then applies to nothing)."""
     import gguf
 
-    if dtype not in GGUF_DTYPES:
-        raise InputError(f"a GGUF's dtype is one of {', '.join(GGUF_DTYPES)} (got {dtype!r})")
+    if dtype not in (*GGUF_DTYPES, *FORMATS):
+        raise InputError(f"a GGUF's dtype is one of {', '.join((*GGUF_DTYPES, *FORMATS))} (got {dtype!r})")
     config = read_config(model_dir)
     llama = config.get("model_type") != "gpt2"
     if llama and unsupported(config) or not llama and not is_lean_compatible(config):
         raise InputError(f"{model_dir} holds a {config.get('model_type')!r} model the lean engine does not run "
                          f"({unsupported(config) if llama else 'a GPT-2 variant'}); the GGUF export writes the models it runs")
-    weights, quantized = checkpoint_of(model_dir, config)
+    weights, quantized = checkpoint_of(model_dir, config, FORMATS.get(dtype))
     tokenizer = load_tokenizer(model_dir)
     pre_tokenizer, merges = bpe_of(tokenizer, model_dir)
     architecture = "qwen2" if config["model_type"] == "qwen2" else ("llama" if llama else "gpt2")
