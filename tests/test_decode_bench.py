@@ -404,11 +404,12 @@ def test_a_llama_server_older_than_the_peers_flags_is_refused_in_a_line_naming_i
     assert "version 1234 (deadbee)" in error[0] and "lacks --spec-type" in error[0] and "cmake" in error[0]
 
 
+@pytest.mark.parametrize("exit, said_too", [("exit 1", []), ("kill -ILL $$", ["died of SIGILL", "LLAMA_ARG_REPACK=0"])])
 def test_a_llama_server_that_exits_at_start_is_reported_in_a_line_with_what_it_said(bpe_run, tmp_path, capsys,
-                                                                                    monkeypatch):
+                                                                                    monkeypatch, exit, said_too):
     failing = tmp_path / "llama-server"
     failing.write_text('#!/bin/sh\ncase "$1" in --version) echo "version: 1234 (deadbee)";; --help) echo "--model";; '
-                       '*) echo "error: the model file holds a tensor type this build cannot read"; exit 1;; esac\n')
+                       f'*) echo "error: the model file holds a tensor type this build cannot read"; {exit};; esac\n')
     failing.chmod(0o755)
     monkeypatch.setenv(llama_server.SERVER_VARIABLE, str(failing))
     with pytest.raises(SystemExit) as exit_:
@@ -418,6 +419,7 @@ def test_a_llama_server_that_exits_at_start_is_reported_in_a_line_with_what_it_s
     error = said.strip().splitlines()[-1]
     assert exit_.value.code == 2 and "Traceback" not in said
     assert "did not start" in error and "a tensor type this build cannot read" in error
+    assert all(words in error for words in said_too) and ("died of" in error) == bool(said_too)
 
 
 @pytest.mark.parametrize("features, recorded", [

@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -133,11 +134,14 @@ class LlamaServer:
         deadline = time.monotonic() + STARTUP_SECONDS
         while not self.healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
-                said = self.log_tail()
+                said, killed = self.log_tail(), self.process.poll() is not None and self.process.returncode < 0
                 self.close()
                 binary = server_binary() or "llama-server"
-                raise InputError(f"llama-server {' '.join(flags)} (version {server_version(binary)}) did not start: "
-                                 f"{said}")
+                why = f"it died of {signal.Signals(-self.process.returncode).name}; " if killed else ""
+                hint = ("; where its weights are quantized, llama.cpp's AMX or repacked kernels may be what crashed: "
+                        "LLAMA_ARG_REPACK=0 in the environment turns them off") if killed else ""
+                raise InputError(f"llama-server {' '.join(flags)} (version {server_version(binary)}) did not start "
+                                 f"({why}its log ends: {said}){hint}")
             time.sleep(0.2)
 
     def healthy(self) -> bool:

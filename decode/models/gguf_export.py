@@ -17,7 +17,7 @@ from decode.models.pretrained import load_safetensors
 from decode.models.quantized import FORMATS, Format, QuantizedMatrix, checkpoint_blocks, format_of, split_checkpoint
 from decode.tokenizer import load_tokenizer, start_ids
 
-GGUF_DTYPES = ("float32", "bfloat16")  # the matrices' dtype in the file (or a block format); norms and biases stay float32
+GGUF_DTYPES = ("float32", "bfloat16")  # the matrices' dtype in the file; norms and biases stay float32
 # Hugging Face's GPT-2 names (after "transformer.") -> llama.cpp's; the Conv1D matrices are stored (in, out)
 BLOCK_TENSORS = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
                  "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
