@@ -505,3 +505,20 @@ def test_profile_start_times_fresh_processes_to_the_models_loaded_the_first_toke
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exit_info.value.code == 2 and len(errors) == 1 and "oracle directory" in errors[0]
 
+
+
+def test_the_run_names_the_drafts_block_format_per_method_where_the_plans_differ_and_the_peer_drafts_in_speculatives(
+        models):
+    def decoder(method: str, draft_dtype: str | None = None) -> Decoder:
+        return SpeculativeDecoder.from_pretrained(models["oracle"], models["draft"], ngram=models["ngram"], method=method,
+                                                  draft_dtype=draft_dtype).decoder
+
+    mixed = {"baseline": decoder("baseline"), "speculative": decoder("speculative", "q8_0"),
+             "staged": decoder("staged", "float32")}
+    assert bench.weight_formats(mixed) == {"oracle": None, "draft": "q8_0 for speculative"}
+    assert bench.peer_draft_format(mixed) == "q8_0"
+    alike = mixed | {"staged": decoder("staged", "q8_0")}
+    assert bench.weight_formats(alike) == {"oracle": None, "draft": "q8_0"}
+    unquantized = {"baseline": mixed["baseline"], "staged": mixed["staged"]}
+    assert bench.weight_formats(unquantized) == {"oracle": None, "draft": None}
+    assert bench.peer_draft_format(unquantized) is None

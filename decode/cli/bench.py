@@ -50,6 +50,7 @@ from decode.decoder import Decoder, require_draft
 from decode.devices import device_name, machine_name
 from decode.errors import InputError, exits_on_input_error
 from decode.models.loading import check_same_vocabulary
+from decode.models.quantized import Format
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS
 from decode.provenance import command_line, provenance
 from decode.timing.turns import decode_in_turns, warm_up
@@ -85,7 +86,7 @@ def build_methods(names: list[str], settings: Settings, chosen: bool) -> tuple[d
                 if name == "llamacpp-draft":
                     check_draft(name, base)
                 decoders[name] = ServerPeer(name, base.oracle, base.draft, settings.sampling, eos_id, dtype, threads,
-                                            oracle.max_length, weight_formats(decoders).get("draft"))
+                                            oracle.max_length, peer_draft_format(decoders))
                 continue
             decoders[name] = LlamaCpp(base.oracle, settings.sampling, eos_id, dtype, threads,
                                       base.lookup_tokens if name == "llamacpp-lookup" else None)
@@ -241,14 +242,34 @@ def process_peak_rss_mb() -> float:
     return peak / (2**20 if sys.platform == "darwin" else 1024)
 
 
+def draft_formats(decoders: dict) -> dict[str, str | None]:
+    """Per method of ours that drafts with the draft model, the block format its draft's weights are in (None:
+    unquantized): a plan may quantize the draft as it loads for one method and not another."""
+    return {name: format_name(d.draft.runtime.quantization)
+            for name, d in decoders.items() if isinstance(d, Decoder) and d.draft is not None}
+
+
+def format_name(fmt: Format | None) -> str | None:
+    return fmt.name if fmt else None
+
+
 def weight_formats(decoders: dict) -> dict[str, str | None]:
-    """The block format of the oracle's and the draft's weights (None: unquantized), as our decoders loaded them; the
-    llama.cpp peers read GGUF files of the same blocks."""
-    ours = [d for d in decoders.values() if isinstance(d, Decoder)]
-    draft = next((d.draft for d in ours if d.draft is not None), None)
-    formats = {role: model.runtime.quantization for role, model in (("oracle", ours[0].oracle), ("draft", draft))
-               if model is not None}
-    return {role: fmt.name if fmt else None for role, fmt in formats.items()}
+    """The block format of the oracle's and the draft's weights (None: unquantized), as our decoders loaded them, the
+    draft's with the methods it is theirs for where the methods' differ; the llama.cpp peers read GGUF files of the
+    same blocks."""
+    oracle = format_name(next(d for d in decoders.values() if isinstance(d, Decoder)).oracle.runtime.quantization)
+    drafts = draft_formats(decoders)
+    if len(set(drafts.values())) > 1:
+        by_format = {fmt: [name for name, f in drafts.items() if f == fmt] for fmt in drafts.values() if fmt}
+        return {"oracle": oracle, "draft": "; ".join(f"{fmt} for {', '.join(names)}" for fmt, names in by_format.items())}
+    return {"oracle": oracle} | ({"draft": next(iter(drafts.values()))} if drafts else {})
+
+
+def peer_draft_format(decoders: dict) -> str | None:
+    """The block format llamacpp-draft's draft is exported in: our speculative method's draft's (its counterpart),
+    else the first drafting method's."""
+    drafts = draft_formats(decoders)
+    return drafts.get("speculative", next(iter(drafts.values()), None))
 
 
 def peer_versions(names: list[str]) -> dict[str, str]:
