@@ -1,5 +1,6 @@
 import json
 import logging
+import os
 import re
 import shlex
 import shutil
@@ -428,7 +429,9 @@ def test_a_llama_server_that_exits_at_start_is_reported_in_a_line_with_what_it_s
      "for AVX512, AVX512_VNNI, AVX512_BF16, AMX_INT8"),
     ("SSE3 = 1 | SSSE3 = 1", ""),
 ])
-def test_a_result_records_the_instructions_llama_cpp_was_built_for(tmp_path, features, recorded):
+def test_a_result_records_the_instructions_llama_cpp_was_built_for(tmp_path, monkeypatch, features, recorded):
+    for name in [name for name in os.environ if name.startswith("LLAMA_ARG_")]:  # (the build line records them: tested below)
+        monkeypatch.delenv(name)
     server = tmp_path / "llama-server"
     server.write_text('#!/bin/sh\ncase "$1" in --version) echo "version: 1234 (deadbee)";; '
                       f'-m) echo "0.00.002.806 I cmn  common_param: system_info: n_threads = 2 | CPU : {features} |"; '
@@ -522,3 +525,23 @@ def test_the_run_names_the_drafts_block_format_per_method_where_the_plans_differ
     unquantized = {"baseline": mixed["baseline"], "staged": mixed["staged"]}
     assert bench.weight_formats(unquantized) == {"oracle": None, "draft": None}
     assert bench.peer_draft_format(unquantized) is None
+
+
+@pytest.mark.parametrize("draft_dtype, exported", [(None, None), ("q8_0", "q8_0")])
+def test_llamacpp_draft_is_given_the_blocks_our_draft_was_quantized_to_as_it_loaded(models, tmp_path, monkeypatch,
+                                                                                     draft_dtype, exported):
+    class Exported(Exception):
+        pass
+
+    def server_peer(name, oracle_dir, draft_dir, sampling, eos_id, dtype, threads, context, draft_format=None):
+        raise Exported(name, dtype, draft_format)
+
+    monkeypatch.setattr(bench, "ServerPeer", server_peer)
+    found = tmp_path / "llama-server"  # a binary to find: the peer itself is the stand-in above
+    found.write_text("#!/bin/sh\n")
+    found.chmod(0o755)
+    monkeypatch.setenv(llama_server.SERVER_VARIABLE, str(found))
+    typed = ["--draft-dtype", draft_dtype] if draft_dtype else []
+    with pytest.raises(Exported) as peer:
+        bench.main(bench_args(models, tmp_path, "--methods", "baseline,speculative,llamacpp-draft", "--limit", "1", *typed))
+    assert peer.value.args == ("llamacpp-draft", "float32", exported)
