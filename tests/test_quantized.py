@@ -292,7 +292,12 @@ def test_quantize_refuses_bad_input_in_one_line_and_writes_nothing(quantized_run
     config = json.loads((damaged / "config.json").read_text())
     (damaged / "config.json").write_text(json.dumps(config | {"staged_quantization": {"format": "q5_1", "block_size": 32}}))
     assert "declares staged_quantization" in error_of(capsys, run.main, ["--oracle", str(damaged), "--prompt", "t1"])
-    assert "runs on the lean engine" in error_of(capsys, run.main, ["--oracle", oracle, "--backend", "hf", "--prompt", "t1"])
+    assert f"{oracle} is a q8_0 checkpoint, which runs on the lean engine" in error_of(
+        capsys, run.main, ["--oracle", oracle, "--backend", "hf", "--prompt", "t1"])
+    source, draft = str(quantized_run["source"]), quantized_run["root"] / "draft"
+    assert f"{draft} quantized to q8_0 as it loads runs on the lean engine" in error_of(capsys, run.main, [
+        "--oracle", source, "--draft", str(draft), "--draft-dtype", "q8_0", "--method", "speculative", "--backend", "hf",
+        "--prompt", "t1"])
 
 
 def test_quantize_copies_what_a_model_directory_holds_besides_its_weights(quantized_run):

@@ -77,8 +77,8 @@ def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_grap
     config = read_config(directory)
     fmt = format_of(config, directory) or quantization
     if fmt is not None and backend == "hf":
-        raise InputError(f"{directory} {'is' if quantization is None else 'quantized to'} {fmt.name} runs on the lean "
-                         f"engine, not transformers': pass --backend auto (or lean)")
+        what = f"is a {fmt.name} checkpoint, which" if quantization is None else f"quantized to {fmt.name} as it loads"
+        raise InputError(f"{directory} {what} runs on the lean engine, not transformers': pass --backend auto (or lean)")
     tokens = token_rows(directory, config)
     engine_class, why_not = lean_engine_class(config)
     if backend == "lean" and engine_class is None:
