@@ -62,7 +62,8 @@ def main(argv=None) -> list[Path]:
         check_output(path, FILE, args.overwrite, "--out", models)
     with atomic_outputs([(path, FILE) for path in paths], args.overwrite) as tmps:
         for (name, directory), tmp in zip(models.items(), tmps):
-            fmt, dtype = format_of(read_config(directory), directory), (name == "draft" and args.draft_dtype) or args.dtype
+            fmt = format_of(read_config(directory), directory)
+            dtype = args.draft_dtype if name == "draft" and args.draft_dtype else args.dtype
             print(f"{name}: {directory} -> {args.out / f'{name}.gguf'} ({fmt.name if fmt else dtype})")
             write_gguf(directory, tmp, dtype)
     return paths
