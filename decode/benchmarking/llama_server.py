@@ -139,7 +139,8 @@ class LlamaServer:
                 binary = server_binary() or "llama-server"
                 why = f"it died of {signal.Signals(-self.process.returncode).name}; " if killed else ""
                 hint = ("; where its weights are quantized, llama.cpp's AMX or repacked kernels may be what crashed: "
-                        "LLAMA_ARG_REPACK=0 in the environment turns them off") if killed else ""
+                        "LLAMA_ARG_REPACK=0 in the environment turns them off, or its CPU backend built without AMX keeps "
+                        "the repacked ones (docs/benchmarks.md)") if killed else ""
                 raise InputError(f"llama-server {' '.join(flags)} (version {server_version(binary)}) did not start "
                                  f"({why}its log ends: {said}){hint}")
             time.sleep(0.2)
