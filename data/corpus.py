@@ -71,7 +71,7 @@ def stack_documents(dataset: str) -> Iterator[Document]:
         reason = first_line(err)
         raise InputError(
             f"cannot stream {dataset} from the Hugging Face hub ({reason}); it needs network access and a "
-            f"token with the dataset's terms accepted (`huggingface-cli login`); offline, use --source local"
+            f"token with the dataset's terms accepted (`hf auth login`); offline, use --source local"
         ) from None
     for row in itertools.chain([first], rows):
         name = row.get("max_stars_repo_path") or row.get("path") or row.get("hexsha", "")

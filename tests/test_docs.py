@@ -72,6 +72,16 @@ def test_the_diary_markers_catch_what_they_must():
     assert not [text for text in kept if narrative(text)]
 
 
+
+def test_the_hub_commands_named_are_hf_ones():
+    # huggingface_hub 1.0, which transformers 5 requires, removed `huggingface-cli`: `hf auth login`, `hf download`
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    removed = "huggingface" + "-cli"
+    hits = [f"{path.relative_to(ROOT)}:{number}" for path in tracked_text_files()
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if removed in line]
+    assert not hits, f"{removed} is gone from huggingface_hub 1.0; name `hf` commands instead: {hits}"
+
 # A figure: a number with a unit of speed, time, size or share ("2.65x", "640.8 tok/s", "11 minutes", "99%")
 FIGURE = re.compile(r"(?<![\w.,])\d[\d,]*(?:\.\d+)?(?:-\d[\d,]*(?:\.\d+)?)?(?:x\b|\s?(?:tok/s|tokens/s|tokens a second|GB/s|"
                     r"GMAC/s|ms|us|µs|s|seconds?|min|minutes?|hours?|GB|MB|GiB|MiB|%)(?![\w/]))")
