@@ -52,10 +52,12 @@ def parse(argv=None) -> argparse.Namespace:
                    help="a connection whose request headers are not complete this long after it opens (or after the "
                         "last answer) is closed; a body not complete this long after the headers gets 408")
     args = p.parse_args(argv)
-    batch_out_of_range = args.max_batch is not None and not 1 <= args.max_batch <= 256
-    if not 0 <= args.port < 65536 or args.queue_size < 1 or args.max_body_bytes < 1 or batch_out_of_range:
-        p.error("need a --port in 0..65535, a --queue-size and --max-body-bytes of at least 1, and a --max-batch of 1 "
-                "to 256")
+    for flag, value, low, high in (("--port", args.port, 0, 65535), ("--queue-size", args.queue_size, 1, None),
+                                   ("--max-body-bytes", args.max_body_bytes, 1, None),
+                                   ("--max-batch", args.max_batch, 1, 256)):
+        if value is not None and not (low <= value and (high is None or value <= high)):
+            p.error(f"{flag} {value} is out of range: use {low}..{high}" if high is not None else
+                    f"{flag} must be at least {low} (got {value})")
     if not 0 < args.read_timeout < float("inf"):
         p.error(f"--read-timeout must be a positive number of seconds (got {args.read_timeout})")
     # the name answers carry: a hub name as typed, else the directory's
