@@ -242,3 +242,13 @@ def test_every_re_plan_command_suggested_is_one_decode_plan_takes(planned, model
     known, settings = suggested_plan(str(changed.value))
     assert settings.run == run_dir and settings.flags.base.oracle == models["draft"]
     assert known.out != run_dir / "plan.json" and f"then pass --plan {known.out}" in str(changed.value)
+
+
+@pytest.mark.parametrize("flag, value, said", [("--screen", "1", "--screen must be at least 2 (got 1)"),
+                                                ("--max-budget", "600", "--max-budget 600 is out of range: use 2..512"),
+                                                ("--max-depth", "0", "--max-depth 0 is out of range: use 1..16")])
+def test_a_planning_setting_out_of_range_is_a_usage_error_naming_it(planned, tmp_path, capsys, flag, value, said):
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(planned["args"] + ["--out", str(tmp_path / "x.json"), flag, value])
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

@@ -28,6 +28,15 @@ def announce(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+def check_ranges(p: argparse.ArgumentParser, ranges: list[tuple[str, float | None, float, float | None]]) -> None:
+    """A usage error (exit 2) naming the first flag whose value lies outside its range, given as (flag, value, low,
+    high): high None for no upper bound, value None for a flag left unset."""
+    for flag, value, low, high in ranges:
+        if value is not None and not (low <= value and (high is None or value <= high)):
+            p.error(f"{flag} {value} is out of range: use {low}..{high}" if high is not None else
+                    f"{flag} must be at least {low} (got {value})")
+
+
 def add_decoder_flags(p: argparse.ArgumentParser) -> None:
     """The flags that choose the models, the method, its tree and the precision: one per DecoderOptions field, with
     its help (decode.options.setting), and the few that stand for several fields."""

@@ -28,6 +28,7 @@ import argparse
 from pathlib import Path
 
 from decode.atomic import FILE, check_output
+from decode.cli.flags import check_ranges
 from decode.cli.help import HelpFormatter
 from decode.cli.settings import encode_prompts, parse_settings
 from decode.errors import exits_on_input_error
@@ -90,8 +91,8 @@ def parse(argv):
     known, rest = p.parse_known_args(argv)
     settings = parse_settings(rest + ["--method", "staged", "--no-plan"], "python -m decode.plan",
                               __doc__.split("\n\n")[0], dtype_from_plan=False)
-    if known.calibration < 1 or known.screen < 2 or not 2 <= known.max_budget <= 512 or not 1 <= known.max_depth <= 16:
-        p.error("need --calibration >= 1, --screen >= 2, --max-budget 2..512 and --max-depth 1..16")
+    check_ranges(p, [("--calibration", known.calibration, 1, None), ("--screen", known.screen, 2, None),
+                     ("--max-budget", known.max_budget, 2, 512), ("--max-depth", known.max_depth, 1, 16)])
     if known.out is None and settings.run is None:
         p.error("pass --out PATH (or --run RUN for the run's plan)")
     known.out = known.out or settings.run / plan_name(settings.sampling)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from decode.api import SpeculativeDecoder
-from decode.cli.flags import add_decoder_flags, decoder_flags
+from decode.cli.flags import add_decoder_flags, check_ranges, decoder_flags
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, exits_on_input_error
 from decode.methods import METHODS
@@ -52,12 +52,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="a connection whose request headers are not complete this long after it opens (or after the "
                         "last answer) is closed; a body not complete this long after the headers gets 408")
     args = p.parse_args(argv)
-    for flag, value, low, high in (("--port", args.port, 0, 65535), ("--queue-size", args.queue_size, 1, None),
-                                   ("--max-body-bytes", args.max_body_bytes, 1, None),
-                                   ("--max-batch", args.max_batch, 1, 256)):
-        if value is not None and not (low <= value and (high is None or value <= high)):
-            p.error(f"{flag} {value} is out of range: use {low}..{high}" if high is not None else
-                    f"{flag} must be at least {low} (got {value})")
+    check_ranges(p, [("--port", args.port, 0, 65535), ("--queue-size", args.queue_size, 1, None),
+                     ("--max-body-bytes", args.max_body_bytes, 1, None), ("--max-batch", args.max_batch, 1, 256)])
     if not 0 < args.read_timeout < float("inf"):
         p.error(f"--read-timeout must be a positive number of seconds (got {args.read_timeout})")
     # the name answers carry: a hub name as typed, else the directory's
