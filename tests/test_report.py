@@ -129,9 +129,11 @@ def test_a_plans_projection_says_what_it_measured_and_borrowed_with_a_row_per_me
     assert [row[0] for row in rows] == list(projection["predicted"])
     staged = next(row for row in rows if row[0] == "staged")
     assert staged[3].startswith(f"{projection['predicted']['staged']['speedup']:.2f}x (")
+    report.main([str(path)])  # a plan has its Markdown table alone: --markdown or not
+    assert capsys.readouterr().out == printed
     with pytest.raises(SystemExit) as exit_:
-        report.main([str(path)])  # a projection has no plain table
-    assert exit_.value.code == 2 and "with --markdown" in capsys.readouterr().err
+        report.main([str(path), str(path)])
+    assert exit_.value.code == 2 and "is shown alone: pass one" in capsys.readouterr().err
 
 
 def test_a_plan_with_nothing_to_show_is_a_one_line_error_that_says_how_to_make_one(tmp_path, capsys):

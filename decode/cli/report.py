@@ -229,8 +229,8 @@ def main(argv=None) -> None:
                                 "quantized models' perplexities (decode.quantize's quantization.json) as Markdown.",
                                 formatter_class=HelpFormatter)
     p.add_argument("results", nargs="+", type=Path, metavar="RESULT.json",
-                   help="decode.bench --out files, one table (or, with --markdown, one decode.bench_engine --out file, "
-                        "one plan, or decode.quantize's reports)")
+                   help="decode.bench --out files, one table; or one decode.bench_engine, decode.load or "
+                        "decode.profile_start --out file, one plan, or decode.quantize's reports, as Markdown")
     p.add_argument("--markdown", action="store_true", help="a Markdown table, the runs' settings listed above it")
     p.add_argument("--brief", action="store_true", help="with --markdown: the median speedup alone, no tokens per call")
     p.add_argument("--methods", help="with --markdown: these rows, comma-separated, in this order (default: every method)")
@@ -244,15 +244,16 @@ def main(argv=None) -> None:
                                                              "result's device and setting, and its median speedup there")
     args = p.parse_args(argv)
     results = [load_result(path) for path in args.results]
+    # the kinds that have a Markdown table alone print it whether or not --markdown is typed
     if any(is_quantization(result) for result in results):
-        if not all(is_quantization(result) for result in results) or not args.markdown:
-            raise InputError("decode.quantize's reports are shown together, with --markdown, and with no other result")
+        if not all(is_quantization(result) for result in results):
+            raise InputError("decode.quantize's reports are shown together, with no other result")
         print(quantization_markdown(results))
         return
     if any(is_engine(result) or is_plan(result) or is_load(result) or is_startup(result) for result in results):
-        if len(results) > 1 or not args.markdown:
+        if len(results) > 1:
             raise InputError("a decode.bench_engine, decode.load or decode.profile_start result, or a plan, is shown "
-                             "alone, with --markdown")
+                             "alone: pass one")
         shown = (engine_markdown if is_engine(results[0]) else load_markdown if is_load(results[0])
                  else startup_markdown if is_startup(results[0]) else plan_markdown)
         print(shown(results[0]))
