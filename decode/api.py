@@ -198,14 +198,14 @@ class SpeculativeDecoder:
     def encode(self, ids: list[int], name: str, max_new_tokens: int, lookahead: int | None = None) -> Prompt:
         check_number("max_new_tokens", max_new_tokens, integer=True)
         if max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+            raise InputError(f"max_new_tokens must be at least 1 (got {max_new_tokens})", "max_new_tokens")
         if not ids:
             raise InputError(f"{name} is empty; give some text to continue")
         context, room = self.decoder.context(), self.room(len(ids), lookahead)
         if room < 1:
             raise InputError(f"{name} has {len(ids)} tokens; the models' context of {context} leaves no room to generate")
         if max_new_tokens > room:
-            raise InputError(f"--max-new-tokens {max_new_tokens} does not fit the context of {context} after "
+            raise InputError(f"max_new_tokens {max_new_tokens} does not fit the context of {context} after "
                              f"{name} ({len(ids)} tokens); use at most {room}")
         return self.healer(ids, self.options.device)
 

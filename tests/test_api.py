@@ -66,7 +66,7 @@ def test_sampling_settings_are_per_call(decoders):
 def test_bad_arguments_are_input_errors(bpe_run, decoders):
     dec = decoders["staged"]
     cases = [
-        (lambda: dec.generate("x", max_new_tokens=0), "--max-new-tokens must be at least 1"),
+        (lambda: dec.generate("x", max_new_tokens=0), "max_new_tokens must be at least 1"),
         (lambda: dec.generate("", max_new_tokens=4), "is empty"),
         (lambda: dec.generate("x", max_new_tokens=4, temperature=-1), "temperature must be 0 (greedy) or a finite"),
         (lambda: dec.generate("x", max_new_tokens=4, temperature=float("nan")), "or a finite number of at least"),

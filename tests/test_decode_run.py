@@ -74,6 +74,9 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys, monkeypatch):
     long_prompt = " ".join(["t5"] * 70)
     assert "leaves no room" in error_of(capsys, spec + ["--prompt", long_prompt])
     assert "does not fit the context" in error_of(capsys, spec + ["--prompt", "t1 t2", "--max-new-tokens", "100"])
+    with pytest.raises(SystemExit) as exit_:  # a usage error as the flags are read, before any model loads
+        run.main(["--oracle", str(tmp_path / "absent"), "--prompt", "t1", "--max-new-tokens", "0"])
+    assert exit_.value.code == 2 and "--max-new-tokens must be at least 1 (got 0)" in capsys.readouterr().err
     (tmp_path / "bad.jsonl").write_text('{"task_id": 1, "prompt": "t1"}\nnot json\n')
     assert "bad.jsonl:2" in error_of(capsys, spec + ["--prompts", str(tmp_path / "bad.jsonl")])
     staged = ["--oracle", oracle, "--draft", draft, "--ngram", ngram, "--method", "staged", "--prompt", "t1 t2", "--max-new-tokens", "8"]

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decode.api import SpeculativeDecoder
-from decode.cli.flags import add_decoder_flags, decoder_flags
+from decode.cli.flags import add_decoder_flags, check_ranges, decoder_flags
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError
 from decode.healing import Prompt
@@ -88,6 +88,7 @@ def parse_settings(argv, prog: str, description: str, dtype_from_plan: bool = Tr
         p.error("pass --prompt TEXT or --prompts humaneval|FILE (or --run RUN)")
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be at least 1 (got {args.limit}); leave it out for every prompt")
+    check_ranges(p, [("--max-new-tokens", args.max_new_tokens, 1, None)])
     try:
         sampling = sampling_of(args.temperature, args.top_k, args.top_p)
     except InputError as err:
