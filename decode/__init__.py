@@ -20,12 +20,19 @@
     cli/                             the commands (python -m decode.run, bench, plan, serve, ...), thin over the above
 """
 import os
+import tempfile
 
 from decode.machine import AS_CPU
 
 if os.environ.get(AS_CPU) == "avx2":  # torch's own kernels on AVX2 too, where torch is not loaded yet
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+    # torch.compile's kernels in a cache of their own: that cache's keys leave out the vector width
+    # ATEN_CPU_CAPABILITY picks, so a kernel built for this CPU's own would be taken for AVX2's and the reverse
+    # (wrong sums, NaN losses, corrupted memory)
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{os.getuid()}"))
+    if os.path.basename(cache) != "avx2-alone":  # (a child process inherits it set)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "avx2-alone")
 
 from decode.api import DecoderBusy, Result, SpeculativeDecoder  # noqa: E402
 from decode.options import DecoderOptions  # noqa: E402

@@ -3,14 +3,18 @@ and teacher windows kept, resumed, copied from another run or refused."""
 import contextlib
 import ctypes
 import platform
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import child_env
 from train_runs import assert_resumed_distillation_matches, assert_same_weights, error_of
 from transformers import AutoModelForCausalLM
 
 from data.shards import open_split
+from decode import machine as decode_machine
 from train import distill_draft, finetune_oracle
 from train.presets import DIVERGENCES
 
@@ -144,6 +148,37 @@ def test_sparse_loss_is_autograd_through_the_dense_log_softmax(kind, temperature
     for value, expected in zip(values, dense_values):
         assert torch.allclose(value, expected, rtol=1e-5), (value, expected)
     assert torch.allclose(grad, dense_grad, rtol=1e-4, atol=1e-7), (grad - dense_grad).abs().max()
+
+
+# The loss terms of a quick-preset-sized step, eager and through torch.compile
+COMPILED_LOSS = """
+import decode  # (first: with STAGED_SPECULATIVE_CPU=avx2 it sets torch's kernel settings before torch loads)
+import torch
+from train.distill_draft import loss_terms
+torch.manual_seed(0)
+logits, targets, windows = torch.randn(4, 32, 8192) * 3, torch.randn(4, 32, 8192) * 3, torch.randint(0, 8192, (4, 32))
+eager = loss_terms(logits, windows, targets, 0.8, 2.0, "tv")
+compiled = torch.compile(lambda *a: loss_terms(*a, 0.8, 2.0, "tv"))(logits, windows, targets)
+print(torch.backends.cpu.get_cpu_capability(), all(torch.allclose(c, e, rtol=1e-5) for c, e in zip(compiled, eager)))
+"""
+
+
+def test_a_cpu_taken_for_avx2_alone_never_takes_torch_compiles_kernels_for_its_own_vectors(tmp_path):
+    """torch.compile's cache keys leave out the vector width ATEN_CPU_CAPABILITY picks: a process taking the CPU for
+    one with AVX2 alone after one that used its own instructions, both on one cache, would run the first one's
+    kernels and get wrong losses."""
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU lacks AVX2")
+    env = child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", decode_machine.AS_CPU):
+        env.pop(name, None)
+    said = []
+    for taken_as in ({}, {decode_machine.AS_CPU: "avx2"}):
+        done = subprocess.run([sys.executable, "-c", COMPILED_LOSS], env=env | taken_as, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        said.append(done.stdout.split()[-2:])
+    assert said[0][1] == "True" and said[1] == ["AVX2", "True"], said
 
 
 @pytest.mark.parametrize("kind, sparse", [("tv", False), ("forward", True)])
