@@ -2,8 +2,9 @@
 
 STAGED_SPECULATIVE_CPU=avx2 takes this CPU for one with AVX2 alone: the C++ forward built for AVX2 runs, torch's own
 kernels and torch.compile's take their AVX2 code (decode/__init__.py sets ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA
-where torch is not loaded yet, and a cache of torch.compile's kernels apart), and the CPU's AVX-512 and AMX stay unused, so that the code an AVX2 CPU runs can be measured on a newer
-one; results name the CPU "run with AVX2 alone"."""
+where torch is not loaded yet, and a cache of torch.compile's kernels apart), and the CPU's AVX-512 and AMX stay
+unused, so that the code an AVX2 CPU runs can be measured on a newer one; results name the CPU "run with AVX2
+alone"."""
 import os
 import platform
 from pathlib import Path
