@@ -509,7 +509,6 @@ def test_profile_start_times_fresh_processes_to_the_models_loaded_the_first_toke
     assert exit_info.value.code == 2 and len(errors) == 1 and "oracle directory" in errors[0]
 
 
-
 def test_the_run_names_the_drafts_block_format_per_method_where_the_plans_differ_and_the_peer_drafts_in_speculatives(
         models):
     def decoder(method: str, draft_dtype: str | None = None) -> Decoder:

@@ -50,7 +50,7 @@ from decode.decoder import Decoder, require_draft
 from decode.devices import device_name, machine_name
 from decode.errors import InputError, exits_on_input_error
 from decode.models.loading import check_same_vocabulary
-from decode.models.quantized import Format
+from decode.models.quantized import format_name
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS
 from decode.provenance import command_line, provenance
 from decode.timing.turns import decode_in_turns, warm_up
@@ -247,10 +247,6 @@ def draft_formats(decoders: dict) -> dict[str, str | None]:
     unquantized): a plan may quantize the draft as it loads for one method and not another."""
     return {name: format_name(d.draft.runtime.quantization)
             for name, d in decoders.items() if isinstance(d, Decoder) and d.draft is not None}
-
-
-def format_name(fmt: Format | None) -> str | None:
-    return fmt.name if fmt else None
 
 
 def weight_formats(decoders: dict) -> dict[str, str | None]:

@@ -38,7 +38,7 @@ from decode.models.loading import lean_engine_class
 from decode.models.precision import auto_dtype
 from decode.models.pretrained import load_safetensors, model_dir
 from decode.models.projection import LAYOUTS, onednn_packs
-from decode.models.quantized import format_of
+from decode.models.quantized import format_name, format_of
 from decode.models.runtime import TORCH, CudaRuntime
 from decode.planning.costs import PROJECTIONS, projection_shape, random_model
 from decode.planning.roofline import ForwardShape, Machine, knee, measure_machine
@@ -242,7 +242,7 @@ def main(argv=None) -> dict:
     engine = engine_class(args.model).load(args.model, args.dtype, args.device, native_blocks=True)
     device = torch.device(args.device)
     quantization = engine.runtime.quantization
-    result = {"generation": latency, "dtype": args.dtype, "weights": quantization.name if quantization else None,
+    result = {"generation": latency, "dtype": args.dtype, "weights": format_name(quantization),
               "device": device_name(device), "machine": machine_name(device), "threads": torch.get_num_threads(),
               "date": datetime.date.today().isoformat(), **provenance(),
               "command": command_line(PROG, argv)}

@@ -26,6 +26,7 @@ from decode.cli.help import HelpFormatter
 from decode.cli.settings import Settings, add_result_flags, encode_prompts, parse_settings
 from decode.devices import machine_name
 from decode.errors import exits_on_input_error
+from decode.models.quantized import format_name
 from decode.provenance import command_line, provenance
 
 PROG = "python -m decode.load"
@@ -140,7 +141,7 @@ def main(argv=None) -> dict:
         rows.append({"engine": method, "clients": clients, **load.summary(served, seconds)})
         print(row_line(rows[-1]), flush=True)
     draft = decoder.decoder.draft
-    draft_format = draft.runtime.quantization.name if draft is not None and draft.runtime.quantization else None
+    draft_format = format_name(draft.runtime.quantization) if draft is not None else None
     for name in known.names:
         rows += peer_rows(name, settings, prompts, known.levels, context, draft_format)
     result = {"settings": {"command": command_line(PROG, argv),

@@ -170,6 +170,11 @@ def checkpoint_blocks(model_dir, config: dict, quantization: Format | None) -> t
     return None
 
 
+def format_name(fmt: Format | None) -> str | None:
+    """A block format's name, as results record it (None: not quantized)."""
+    return fmt.name if fmt else None
+
+
 def dtype_and_format(precision: str, dtype: str) -> tuple[str, Format | None]:
     """A precision a model is asked for in, a dtype or a block format (whose model then computes in `dtype`), as the
     dtype it computes in and the format its matrices are quantized to as it loads (None: as stored)."""

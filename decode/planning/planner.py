@@ -23,7 +23,7 @@ from decode.healing import Prompt
 from decode.models.cached_lm import CachedLM
 from decode.models.calibration import calibrate
 from decode.models.loading import TOKEN_COUNTS, load_draft, load_trigram
-from decode.models.quantized import Format, dtype_and_format
+from decode.models.quantized import Format, dtype_and_format, format_name
 from decode.options import MIN_DRAFT_VOCAB
 from decode.plan_file import PLAN_VERSION, describe, identity
 from decode.planning import costs, kinds, replay, shapes
@@ -254,7 +254,7 @@ def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[t
                                                     "one_token": big_costs[1], "loop": 0.0},
                          "loads": at_loads(big_tables, 2 * max_budget, concurrency),
                          "oracle": oracle_spec, "shape": [n_layer, n_embd, vocab], "oracle_ms": big_costs, "draft_ms": None,
-                         "formats": [f.name if f else None for f in formats],
+                         "formats": [format_name(f) for f in formats],
                          "machine": machine_name(torch.device(options.device)), "date": datetime.date.today().isoformat(),
                          **provenance()}
     if draft_spec:
