@@ -32,23 +32,26 @@ CONFIGS = {  # model_type, its options: each feature the engine implements, in a
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("cpp", [False, True], ids=["torch", "C++"])
-def test_logits_equal_transformers_to_float32_rounding_over_a_prompt_and_a_tree(tmp_path, name, cpp):
-    if cpp:
+@pytest.mark.parametrize("backend", ["torch", "C++", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_logits_equal_transformers_to_float32_rounding_over_a_prompt_and_a_tree(tmp_path, name, backend):
+    """On a CPU through torch's operations and through the C++ forward; on CUDA through the CUDA graphs' buckets."""
+    if backend == "C++":
         needs_cpp_forward("float32")
     model_type, options = CONFIGS[name]
+    device = "cuda" if backend == "cuda" else "cpu"
     directory = tiny_llama(tmp_path / "model", model_type, **options)
-    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
-    engine = LlamaEngine.load(directory, native_blocks=cpp)
-    assert (engine.runtime.blocks is not None) == cpp
-    prompt = torch.randint(1, 97, (40,), generator=torch.Generator().manual_seed(0))
+    reference = AutoModelForCausalLM.from_pretrained(directory).to(device).eval()
+    engine = LlamaEngine.load(directory, device=device, native_blocks=backend == "C++", cuda_graphs=backend == "cuda")
+    assert (engine.runtime.blocks is not None) == (backend == "C++") and (engine.graphs is not None) == (backend == "cuda")
+    prompt = torch.randint(1, 97, (40,), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         expected = reference(prompt[None]).logits[0]
         torch.testing.assert_close(engine.extend(prompt), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
         tree = random_tree(random.Random(0), 12, 97)
-        logits = engine.forward(tree.tokens, tree.positions(engine.length), tree.mask())
+        logits = engine.forward(tree.tokens, tree.positions(engine.length), tree.mask().to(device))
         for node in range(len(tree)):  # each node's logits: those of its path after the prompt
-            path = torch.tensor([tree.tokens[i] for i in tree.path(node)])
+            path = torch.tensor([tree.tokens[i] for i in tree.path(node)], device=device)
             expected = reference(torch.cat([prompt, path])[None]).logits[0, -1]
             torch.testing.assert_close(logits[node], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
