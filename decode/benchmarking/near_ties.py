@@ -66,12 +66,6 @@ def shaped_replays(oracle, context: list[int], prompt_length: int | None) -> tor
     return torch.stack(rows).cpu()
 
 
-def gaps_by_shape(oracle, context: list[int], a: int, b: int, prompt_length: int | None = None) -> list[float]:
-    """logit[a] - logit[b] in each of `replayed_logits`, the baseline's first."""
-    rows = replayed_logits(oracle, context, prompt_length)
-    return (rows[:, a] - rows[:, b]).tolist()
-
-
 def last_place(row: torch.Tensor) -> torch.Tensor:
     """The unit in the last place of each of a row of logits, in the precision they were computed in: bfloat16
     or float16 where every value of the row is exact in it (a model computing in it), else float32."""
