@@ -116,7 +116,8 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys, monkeypatch):
     ("llama", {"num_attention_heads": "four"}, 'num_attention_heads is "four"'),
     ("llama", {"hidden_size": -5}, "hidden_size is -5"), ("qwen2", {"num_key_value_heads": 3},
                                                           "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
-    ("mistral", {"intermediate_size": True}, "intermediate_size is true")])
+    ("mistral", {"intermediate_size": True}, "intermediate_size is true"),
+    ("llama", {"num_key_value_heads": None, "hidden_size": 66}, "hidden_size 66 is not a multiple of num_attention_heads 4")])
 def test_a_config_without_a_size_the_engine_reads_is_one_line_for_every_command_that_reads_it(
         models, tmp_path, capsys, kind, change, said):
     from decode_models import tiny_llama

@@ -63,9 +63,9 @@ def read_config(model_dir, tokens: int | None = None) -> dict:
     return config if tokens is None else config | {"vocab_size": min(tokens, config["vocab_size"])}
 
 
-LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # The sizes the lean engines read from a config of each model_type they run (save_pretrained writes them all), and
 # those they read where present
+LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SHAPE_FIELDS = {"gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
                 "llama": LLAMA_FIELDS, "qwen2": LLAMA_FIELDS, "mistral": LLAMA_FIELDS}
 OPTIONAL_SHAPE_FIELDS = ("n_inner", "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
@@ -74,7 +74,7 @@ OPTIONAL_SHAPE_FIELDS = ("n_inner", "num_key_value_heads", "head_dim", "max_posi
 def check_shape_fields(config: dict, path: Path) -> None:
     """InputError naming the first size a lean engine reads that the config lacks or gives as anything but a positive
     integer, or heads that do not divide what they split; other model types are transformers' to check."""
-    needed = SHAPE_FIELDS.get(config.get("model_type"))  # type: ignore[arg-type]  # (any JSON value)
+    needed = SHAPE_FIELDS.get(str(config.get("model_type")))
     if needed is None:
         return
     for name in needed + tuple(f for f in OPTIONAL_SHAPE_FIELDS if config.get(f) is not None):
@@ -86,8 +86,8 @@ def check_shape_fields(config: dict, path: Path) -> None:
     if config["model_type"] == "gpt2":
         pairs = [("n_embd", "n_head")]
     else:
-        pairs = [("num_attention_heads", "num_key_value_heads")] * ("num_key_value_heads" in config)
-        pairs += [("hidden_size", "num_attention_heads")] * (config.get("head_dim") is None)
+        pairs = [("hidden_size", "num_attention_heads")]  # (transformers' own check, a head_dim given or not)
+        pairs += [("num_attention_heads", "num_key_value_heads")] * (config.get("num_key_value_heads") is not None)
     for whole, parts in pairs:
         if config[whole] % config[parts]:
             raise InputError(f"{path}: {whole} {config[whole]} is not a multiple of {parts} {config[parts]}; {RETRAIN}")
