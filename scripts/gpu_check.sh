@@ -3,8 +3,9 @@
 #   bash scripts/gpu_check.sh tests            # the whole suite, CUDA tests included
 #   bash scripts/gpu_check.sh train RUN        # GPT-2-small-sized oracle, draft, trigram (RUN/data prepared)
 #   bash scripts/gpu_check.sh decode RUN       # exactness on CUDA, sampling, engine costs, plan, bench
-#   bash scripts/gpu_check.sh brief RUN        # all three, shorter, in one command: the suite beside a shorter
-#                                              # training, exactness, then CUDA graphs' speed
+#   bash scripts/gpu_check.sh brief RUN [LLAMA_RUN]  # a short loan's checks in one command: the CUDA tests and
+#                                              # a shorter training, the Llama pair's exactness with and without
+#                                              # graphs, then its speed and the unplanned defaults' (greedy, top-k)
 #   bash scripts/gpu_check.sh plan RUN         # what brief leaves, in one command: a shorter
 #                                              # training (and `--compile`'s beside the draft's), the planner on the
 #                                              # GPU, then the bench with the plan's policies and the transformers peers,
@@ -17,6 +18,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 stage="${1:?usage: bash scripts/gpu_check.sh tests|train|decode|brief|plan [RUN]}"
 run="${2:-runs/gpu}"
 logs="${LOGS:-${OUT:-gpu-logs}}"
+device="${DEVICE:-cuda}"  # DEVICE=cpu tries a stage's commands on a machine without a GPU
 mkdir -p "$logs"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -66,68 +68,81 @@ train)
 decode)
     methods=speculative,tree,staged,ngram,lookup
     for dtype in float32 bfloat16; do
-        step "agreement-$dtype" python3 -m decode.agreement --run "$run" --device cuda --dtype "$dtype" --limit 10 \
+        step "agreement-$dtype" python3 -m decode.agreement --run "$run" --device "$device" --dtype "$dtype" --limit 10 \
             --max-new-tokens 128 --methods "$methods" --no-plan --out "$logs/agreement-$dtype.json" --overwrite
     done
     # without CUDA graphs (decode.models.cuda_graphs, the default on a GPU): the same outputs, then their speed below
-    step agreement-no-graphs python3 -m decode.agreement --run "$run" --device cuda --dtype float32 --limit 10 \
+    step agreement-no-graphs python3 -m decode.agreement --run "$run" --device "$device" --dtype float32 --limit 10 \
         --max-new-tokens 128 --methods "$methods" --no-plan --no-cuda-graphs --out "$logs/agreement-no-graphs.json" \
         --overwrite
     for method in baseline ${methods//,/ }; do
-        step "sample-$method" python3 -m decode.run --run "$run" --device cuda --dtype bfloat16 --method "$method" \
+        step "sample-$method" python3 -m decode.run --run "$run" --device "$device" --dtype bfloat16 --method "$method" \
             --limit 4 --max-new-tokens 64 --temperature 1 --top-k 50 --seed 1 --no-plan
     done
-    step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" --device cuda \
+    step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" --device "$device" \
         --dtype bfloat16 --out "$logs/engine.json" --overwrite
     for variant in "" --no-cuda-graphs "--draft-vocab 4096"; do  # the shortlist: a half-size output layer for the draft
-        step "profile${variant// /}" python3 -m decode.profile_step --run "$run" --device cuda --dtype bfloat16 \
+        step "profile${variant// /}" python3 -m decode.profile_step --run "$run" --device "$device" --dtype bfloat16 \
             --method staged --limit 4 --max-new-tokens 128 --no-plan $variant
     done
     # screening every policy outlasts one command (129 policies at ~4 s each): a smaller search
-    step plan python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 8 --screen 2 \
+    step plan python3 -m decode.plan --run "$run" --device "$device" --dtype bfloat16 --calibration 8 --screen 2 \
         --max-budget 32 --project-oracle gpt2-large --overwrite
     cp "$run/plan.json" "$logs/plan.json" 2>/dev/null
     # 8 prompts: with the transformers peers, 20 outlast the step's 300 s on an H100
-    step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 8 --max-new-tokens 128 \
+    step bench python3 -m decode.bench --run "$run" --device "$device" --dtype bfloat16 --limit 8 --max-new-tokens 128 \
         --methods baseline,speculative,tree,staged,staged-paper,ngram,lookup,hf-generate,hf-assisted,hf-lookup \
         --out "$logs/bench.json" --plot "$logs/bench.png" --overwrite
-    step bench-no-graphs python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 8 --max-new-tokens 128 \
+    step bench-no-graphs python3 -m decode.bench --run "$run" --device "$device" --dtype bfloat16 --limit 8 --max-new-tokens 128 \
         --methods baseline,speculative,tree,staged,staged-paper,ngram,lookup --no-cuda-graphs --out "$logs/bench-no-graphs.json" \
         --overwrite
     ;;
 brief)
+    # RUN/data and RUN/tokenizer prepared; LLAMA_RUN (default runs/quick-llama): a trained Llama-family oracle and
+    # draft on the same tokenizer and data, whose trigram is RUN's
+    llama="${3:-runs/quick-llama}"
     machine
-    # the suite on 12 cores beside the training (the GPU's work): the CUDA-only tests first, on their own
-    ( OMP_NUM_THREADS=1 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_coupled.py \
-        > "$logs/pytest-cuda.log" 2>&1
-      OMP_NUM_THREADS=1 timeout 360 python3 -m pytest -q -n 12 -p no:cacheprovider --ignore tests/test_cuda_graphs.py \
-        --ignore tests/test_coupled.py > "$logs/pytest.log" 2>&1 ) &
+    # on the CPU beside the training: the CUDA-only tests, then every file that mentions CUDA (one thread per
+    # worker), and the trigram
+    ( OMP_NUM_THREADS=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_cuda_graphs.py \
+        tests/test_coupled.py tests/test_llama_engine.py > "$logs/pytest-cuda.log" 2>&1
+      OMP_NUM_THREADS=1 timeout 300 python3 -m pytest -q -n 6 -p no:cacheprovider $(grep -l cuda tests/test_*.py) \
+        > "$logs/pytest.log" 2>&1 ) &
     tests=$!
-    STEP_TIMEOUT=150 train_models 1000 400  # shorter: 1,000 oracle steps took 95 s on an H200, the draft's 400 80 s
-    # exactness with and without CUDA graphs (the default) beside the suite, then speed once it is done, with a
-    # small staged tree
-    export STEP_TIMEOUT=90
+    ( STEP_TIMEOUT=200 step trigram python3 ngram/build_katz.py --data "$run/data" --out "$run/ngram" --overwrite \
+        > "$logs/trigram-step.log"; exit $failed ) &
+    trigram=$!
+    STEP_TIMEOUT=150 step oracle "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" \
+        --out "$run/oracle" --overwrite --n-layer 12 --n-head 12 --n-embd 768 --batch-size 16 --grad-accum 1 \
+        --max-steps 800 --learning-rate 6e-4 --eval-every 400 --save-every 400
+    wait $trigram || failed=1; cat "$logs/trigram-step.log"
+    [ -e "$llama/ngram" ] || ln -s "$(realpath "$run/ngram")" "$llama/ngram"
+    # the Llama pair's exactness on CUDA, with and without graphs, beside the draft's training
     methods=speculative,tree,staged,lookup
-    small=(--device cuda --no-plan --budget 16 --widths 4,2,1 --max-new-tokens 96)
-    step agreement python3 -m decode.agreement --run "$run" --dtype float32 --limit 4 "${small[@]}" \
-        --methods "$methods" --out "$logs/agreement.json" --overwrite
-    step agreement-no-graphs python3 -m decode.agreement --run "$run" --dtype float32 --limit 4 "${small[@]}" \
-        --methods "$methods" --no-cuda-graphs --out "$logs/agreement-no-graphs.json" --overwrite
+    ( STEP_TIMEOUT=150 step llama-agreement python3 -m decode.agreement --run "$llama" --device "$device" \
+        --dtype float32 --limit 6 --max-new-tokens 96 --no-plan --methods "$methods" \
+        --out "$logs/llama-agreement.json" --overwrite
+      STEP_TIMEOUT=150 step llama-agreement-no-graphs python3 -m decode.agreement --run "$llama" --device "$device" \
+        --dtype bfloat16 --limit 6 --max-new-tokens 96 --no-plan --methods "$methods" --no-cuda-graphs \
+        --out "$logs/llama-agreement-no-graphs.json" --overwrite; exit $failed ) > "$logs/llama-agreement-steps.log" &
+    agreement=$!
+    STEP_TIMEOUT=120 step draft "${launch[@]}" train/distill_draft.py --preset cpu --teacher "$run/oracle" \
+        --data "$run/data" --out "$run/draft" --overwrite --n-layer 4 --n-head 4 --n-embd 256 --max-steps 300 \
+        --kd-loss tv --teacher-windows 0.5 --teacher-prefixes prompts
+    wait $agreement || failed=1; cat "$logs/llama-agreement-steps.log"
+    # speed, the GPU to itself: the Llama pair, then what decoding takes without a plan against plain decoding
+    STEP_TIMEOUT=100 step llama-bench python3 -m decode.bench --run "$llama" --device "$device" --dtype bfloat16 \
+        --no-plan --limit 10 --max-new-tokens 128 --methods "baseline,$methods,hf-generate" \
+        --out "$logs/llama-greedy.json" --overwrite
+    STEP_TIMEOUT=120 step bench python3 -m decode.bench --run "$run" --device "$device" --dtype bfloat16 --no-plan \
+        --limit 10 --max-new-tokens 128 --methods "baseline,$methods,hf-generate,hf-assisted,hf-lookup" \
+        --out "$logs/unplanned-greedy.json" --overwrite
+    STEP_TIMEOUT=100 step bench-topk python3 -m decode.bench --run "$run" --device "$device" --dtype bfloat16 \
+        --no-plan --limit 5 --max-new-tokens 128 --temperature 1 --top-k 50 --seed 1 --methods "baseline,$methods" \
+        --out "$logs/unplanned-topk.json" --overwrite
     wait $tests
     for log in pytest-cuda pytest; do echo "== $log"; tail -n 3 "$logs/$log.log" | sed 's/^/   | /'; done
     for log in pytest-cuda pytest; do tail -n 1 "$logs/$log.log" | grep -qE "failed|error|no tests" && failed=1; done
-    for graphs in "" --no-cuda-graphs; do
-        step "bench$graphs" python3 -m decode.bench --run "$run" --dtype bfloat16 --limit 6 "${small[@]}" $graphs \
-            --methods "baseline,$methods,ngram" --out "$logs/bench$graphs.json" --overwrite
-    done
-    step bench-sampling python3 -m decode.bench --run "$run" --dtype bfloat16 --limit 3 "${small[@]}" \
-        --temperature 1 --top-k 50 --seed 1 --methods "baseline,$methods,ngram" --out "$logs/bench-sampling.json" --overwrite
-    for graphs in "" --no-cuda-graphs; do
-        step "profile$graphs" python3 -m decode.profile_step --run "$run" --dtype bfloat16 --method staged --limit 3 \
-            "${small[@]}" $graphs
-    done
-    STEP_TIMEOUT=120 step engine python3 -m decode.bench_engine --model "$run/oracle" --prompts "$run/prompts.jsonl" \
-        --device cuda --dtype bfloat16 --limit 2 --out "$logs/engine.json" --overwrite
     ;;
 plan)
     machine
@@ -142,16 +157,16 @@ plan)
     wait
     for log in pytest-cuda compile; do echo "== $log"; tail -n 3 "$logs/$log.log" | sed 's/^/   | /'; done
     # a smaller search than decode's: 129 policies at ~4 s each outlast a command
-    STEP_TIMEOUT=200 step plan python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 6 \
+    STEP_TIMEOUT=200 step plan python3 -m decode.plan --run "$run" --device "$device" --dtype bfloat16 --calibration 6 \
         --screen 2 --max-budget 32 --project-oracle gpt2-large --overwrite
     cp "$run/plan.json" "$logs/plan.json" 2>/dev/null
-    STEP_TIMEOUT=150 step bench python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 10 \
+    STEP_TIMEOUT=150 step bench python3 -m decode.bench --run "$run" --device "$device" --dtype bfloat16 --limit 10 \
         --max-new-tokens 128 --methods baseline,speculative,tree,staged,lookup,hf-generate,hf-assisted,hf-lookup \
         --out "$logs/bench.json" --overwrite
     # the bench at top-k 50 with a plan made for that setting (screening decodes for real: ~2 policies a second)
-    STEP_TIMEOUT=220 step plan-topk python3 -m decode.plan --run "$run" --device cuda --dtype bfloat16 --calibration 6 \
+    STEP_TIMEOUT=220 step plan-topk python3 -m decode.plan --run "$run" --device "$device" --dtype bfloat16 --calibration 6 \
         --screen 2 --max-budget 32 --temperature 1 --top-k 50 --overwrite
-    STEP_TIMEOUT=100 step bench-topk python3 -m decode.bench --run "$run" --device cuda --dtype bfloat16 --limit 6 \
+    STEP_TIMEOUT=100 step bench-topk python3 -m decode.bench --run "$run" --device "$device" --dtype bfloat16 --limit 6 \
         --max-new-tokens 128 --temperature 1 --top-k 50 --seed 1 --methods baseline,speculative,tree,staged,lookup \
         --out "$logs/bench-topk.json" --overwrite
     ;;
