@@ -194,9 +194,8 @@ def default_policy(options, given=frozenset(), sampling: Sampling = GREEDY) -> d
 
 def unplanned_method(options, given=frozenset(), sampling: Sampling = GREEDY) -> str:
     """The method decoding takes where no plan applies: the options' own, save that staged by default (the caller did
-    not name a method) when sampling gives way to the device's choice (decode.devices: lookup on a GPU, which drafts
-    without a model's forward: there every drafted tree measured without a plan ran slower than plain decoding, and
-    lookup did not; docs/gpu.md)."""
+    not name a method) when sampling gives way to the device's choice (decode.devices: plain decoding on a GPU, where
+    no drafting measured without a plan ran reliably faster than it; docs/gpu.md)."""
     instead = kind(options.device).sampled_method
     if options.method != "staged" or "method" in given or sampling.greedy or instead is None:
         return options.method

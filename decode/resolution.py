@@ -95,8 +95,8 @@ class Resolved:
         """What the method drafts without a plan under this sampling setting, in words."""
         base, policy = self.base, default_policy(self.base, self.given, sampling)
         if (method := unplanned_method(base, self.given, sampling)) != base.method:
-            return (f"{method}'s drafting from the context alone, the one method that ran no slower than plain "
-                    f"decoding without a plan on a GPU when sampling (docs/gpu.md)")
+            return (f"{method} ({METHODS[method].summary}): without a plan, no drafting measured on a GPU when "
+                    f"sampling ran reliably faster than plain decoding (docs/gpu.md)")
         if policy is not None:
             return f"the draft's chain of {policy['depth']} tokens, the shape plans choose on a CPU"
         if METHODS[base.method].tree:

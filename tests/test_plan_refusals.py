@@ -157,7 +157,7 @@ def test_tree_methods_without_a_plan_say_what_they_draft_on_this_device(planned,
 
 def test_a_gpu_without_a_plan_drafts_what_measured_no_slower_than_plain_decoding(planned, models, tmp_path, capsys):
     """On a GPU without a plan, staged's tree is the one planned there (not the paper's), and staged by default gives
-    way to lookup when sampling; a method the caller names keeps staged. No GPU is needed: the options are resolved,
+    way to plain decoding when sampling; a method the caller names keeps staged. No GPU is needed: the options are resolved,
     not run."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -167,10 +167,10 @@ def test_a_gpu_without_a_plan_drafts_what_measured_no_slower_than_plain_decoding
     base = DecoderOptions(oracle=models["oracle"], draft=models["draft"], ngram=models["ngram"], device="cuda")
     sampled = Sampling(1.0, 50)
     resolved = Resolved(base, frozenset(), run_dir, None, run_plans=True)
-    assert (resolved.options().method, resolved.options(sampled).method) == ("staged", "lookup")
+    assert (resolved.options().method, resolved.options(sampled).method) == ("staged", "baseline")
     assert resolved.options(sampled, "staged").method == "staged"  # the bench names each method it measures
     [note] = resolved.notes(sampled)
-    assert "so staged uses lookup's drafting from the context alone" in note and "--temperature 1 --top-k 50" in note
+    assert "so staged uses baseline (the oracle alone)" in note and "--temperature 1 --top-k 50" in note
     assert dataclasses.replace(resolved, given=frozenset({"method"})).options(sampled).method == "staged"
     prompts = ["--prompts", planned["args"][planned["args"].index("--prompts") + 1]]
     for args, given in (([], False), (["--method", "staged"], True)):  # whether the method was typed reaches the rule

@@ -205,7 +205,8 @@ def defaults_markdown(results: list[dict]) -> str:
         budget, widths = default_tree(s["device"])
         default = ({"tokens": options.lookup_tokens} if method == "lookup"
                    else default_policy(options, sampling=sampling) or {"widths": widths, "budget": budget})
-        drafts, row = shape_of(method, {"predicted": {"policy": default}}, {}), result["summary"].get(method)
+        drafts = "-" if method == "baseline" else shape_of(method, {"predicted": {"policy": default}}, {})
+        row = result["summary"].get(method)
         planned = row and row.get("predicted", {}).get("policy")
         if row is None or not row.get("speedup") or (planned and (shape_of(method, row, s) != drafts or any(
                 planned.get(key, value) != value for key, value in (("draft_vocab", 0), ("draft_calls", 1))))):
