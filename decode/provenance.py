@@ -11,21 +11,24 @@ from pathlib import Path
 from decode.machine import AS_CPU, taken_as_avx2
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMIT = "STAGED_SPECULATIVE_COMMIT"  # names the commit of a copy of the code made without its git history
+COMMIT = "STAGED_SPECULATIVE_COMMIT"  # names the commit of a copy of the code whose own git history cannot: none, or
+# an older one than the files it holds
 
 
 @functools.cache
 def code_commit() -> str:
     """The checkout's commit, "-dirty" after it where a tracked file outside docs/ differs from it (the results and
-    pages a measurement writes there do not change what it measures). Outside a git checkout (a copied tree, an
-    installed wheel): what STAGED_SPECULATIVE_COMMIT says, else "unknown"."""
+    pages a measurement writes there do not change what it measures); "unknown" outside a git checkout (an installed
+    wheel). STAGED_SPECULATIVE_COMMIT, where set, says it instead, for a copy of a commit's files."""
+    if named := os.environ.get(COMMIT):
+        return named
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=30, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs"],
                                cwd=ROOT, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get(COMMIT) or "unknown"
+        return "unknown"
     return commit + ("-dirty" if dirty else "")
 
 

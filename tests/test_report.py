@@ -118,15 +118,18 @@ def test_a_runs_line_says_what_code_and_libraries_measured_it(tmp_path, capsys):
     assert ", code not recorded;" in capsys.readouterr().out
 
 
-def test_a_copy_without_its_git_history_is_measured_under_the_commit_it_is_given(tmp_path, monkeypatch):
+def test_a_copy_of_a_commits_files_is_measured_under_the_commit_it_is_given(tmp_path, monkeypatch):
     from decode import provenance
 
+    monkeypatch.delenv(provenance.COMMIT, raising=False)
+    checkout = provenance.code_commit.__wrapped__()
     monkeypatch.setattr(provenance, "ROOT", tmp_path)  # a copied tree: no .git here or above it
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
-    monkeypatch.delenv(provenance.COMMIT, raising=False)
     assert provenance.code_commit.__wrapped__() == "unknown"
     monkeypatch.setenv(provenance.COMMIT, "74bc468a1b2c")
     assert provenance.code_commit.__wrapped__() == "74bc468a1b2c"
+    monkeypatch.setattr(provenance, "ROOT", provenance.Path(provenance.__file__).resolve().parent.parent)
+    assert checkout != "unknown" and provenance.code_commit.__wrapped__() == "74bc468a1b2c"  # over a stale history
 
 
 def test_a_plans_projection_says_what_it_measured_and_borrowed_with_a_row_per_method(capsys):
