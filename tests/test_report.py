@@ -82,6 +82,21 @@ def test_an_engine_result_is_its_cost_curves_against_the_roofline(capsys):
     assert exit_.value.code == 2
 
 
+def test_a_gpu_engine_result_is_its_forwards_with_and_without_cuda_graphs(capsys):
+    engine = RESULTS / "h200-qwen2.5-0.5b-engine.json"
+    result = report.load_result(engine)
+    assert "roofline" not in result  # a GPU's: no roofline measured there
+    report.main([str(engine), "--markdown"])
+    printed = capsys.readouterr().out
+    rows = {row[0]: row[1:] for row in table_rows(printed)}
+    [(model, plain)] = result["forward_ms"].items()
+    captured = result["forward_ms_with_cuda_graphs"][model]
+    assert rows["ms"] == [f"{ms:.2f}" for ms in plain.values()]
+    assert rows["with CUDA graphs ms"] == [f"{ms:.2f}" for ms in captured.values()]
+    assert rows["with graphs / without"] == [f"{captured[q] / plain[q]:.2f}" for q in plain]
+    assert f"with CUDA graphs {result['generation_with_cuda_graphs']['ours_ms_per_token']:.2f} ms" in printed
+
+
 def test_a_runs_line_gives_the_peak_memory_of_the_bench_and_of_llama_cpps_server(capsys):
     path = RESULTS / "avx2-gpt2-large-plain-bf16.json"
     report.main([str(path), "--markdown", "--brief"])

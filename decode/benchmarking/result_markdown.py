@@ -30,7 +30,8 @@ def quantization_markdown(results: list[dict]) -> str:
 
 
 def is_engine(result: dict) -> bool:
-    return {"roofline", "machine", "command"} <= result.keys()
+    """decode.bench_engine's result: a CPU's with its roofline, a GPU's with its forwards as CUDA graphs."""
+    return {"forward_ms", "machine", "command"} <= result.keys()
 
 
 def is_load(result: dict) -> bool:
@@ -144,7 +145,10 @@ def loads_markdown(levels: dict, whose: str, ms: str = ".3f") -> str:
 
 def engine_markdown(result: dict) -> str:
     """decode.bench_engine's cost curves: the machine's roofline in a line, then a table per model and cached length
-    of each way's milliseconds, c(q)/c(1), the roofline's and each way's share of it."""
+    of each way's milliseconds, c(q)/c(1), the roofline's and each way's share of it; on a GPU, which has no
+    roofline measured, `graphs_markdown`."""
+    if "roofline" not in result:
+        return graphs_markdown(result)
     roofline = result["roofline"]
     weights = f", {result['weights']} weights" if result.get("weights") else ""
     lines = [f"- {result['dtype']}{weights} on {result['machine']}, {result['date']}{built_with(result)}: memory "
@@ -157,4 +161,22 @@ def engine_markdown(result: dict) -> str:
         lines += ["", f"{model}, after {prefix} cached positions:", "",
                   "| q | " + " | ".join(str(q) for q in counts) + " |", "|---|" + "---:|" * len(counts)]
         lines += [f"| {label.strip()} | " + " | ".join(f"{row[q]:.2f}" for q in counts) + " |" for label, row in rows]
+    return "\n".join(lines)
+
+
+def graphs_markdown(result: dict) -> str:
+    """decode.bench_engine's result on a GPU: greedy decoding's time a token against transformers' generate, with and
+    without CUDA graphs, then a table per model of a forward's milliseconds by new nodes q, each way."""
+    generation, graphs = result["generation"], result.get("generation_with_cuda_graphs", {})
+    with_graphs = f"; with CUDA graphs {graphs['ours_ms_per_token']:.2f} ms" if graphs else ""
+    lines = [f"- {result['dtype']} on {result['machine']}, {result['date']}{built_with(result)}: greedy decoding "
+             f"{generation['ours_ms_per_token']:.2f} ms a token without CUDA graphs{with_graphs}; transformers' generate "
+             f"{generation['hf_generate_ms_per_token']:.2f} ms. `{result['command']}`"]
+    for model, plain in result["forward_ms"].items():
+        captured = result.get("forward_ms_with_cuda_graphs", {}).get(model)
+        rows = {"ms": plain} | ({"with CUDA graphs ms": captured,
+                                 "with graphs / without": {q: captured[q] / plain[q] for q in plain}} if captured else {})
+        lines += ["", f"{model}, a forward of q new nodes:", "", "| q | " + " | ".join(plain) + " |",
+                  "|---|" + "---:|" * len(plain)]
+        lines += [f"| {label} | " + " | ".join(f"{row[q]:.2f}" for q in plain) + " |" for label, row in rows.items()]
     return "\n".join(lines)
