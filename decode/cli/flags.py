@@ -6,6 +6,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from decode.devices import GPU
 from decode.errors import InputError
 from decode.methods import METHODS
 from decode.models.precision import PINNED
@@ -46,7 +47,7 @@ def add_decoder_flags(p: argparse.ArgumentParser) -> None:
         if f.name == "method":
             flag["choices"] = list(METHODS)
             help = ("; ".join(f"{name}: {m.summary}" for name, m in METHODS.items())
-                    + " (default: staged; without a plan on a GPU when sampling, lookup)")
+                    + f" (default: staged; without a plan on a GPU when sampling, {GPU.sampled_method})")
         else:
             help = f.metadata["help"]
         if f.metadata["planned"] and f.default is not None and "default" not in help:
