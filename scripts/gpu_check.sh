@@ -43,15 +43,24 @@ machine() {  # what the checks ran on
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
 }
-train_models() {  # train_models ORACLE_STEPS DRAFT_STEPS: the paper's regime at a size that trains in minutes, a
-    # GPT-2-small-sized oracle (12 x 768) and a 4 x 256 draft, then the trigram
+# the paper's regime at a size that trains in minutes: a GPT-2-small-sized oracle (12 x 768), a 4 x 256 draft, the trigram
+train_oracle() {  # train_oracle STEPS
     step oracle "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" --out "$run/oracle" --overwrite \
         --n-layer 12 --n-head 12 --n-embd 768 --batch-size 16 --grad-accum 1 --max-steps "$1" --learning-rate 6e-4 \
         --eval-every 500 --save-every 500
+}
+train_draft() {  # train_draft STEPS
     step draft "${launch[@]}" train/distill_draft.py --preset cpu --teacher "$run/oracle" --data "$run/data" --out "$run/draft" \
-        --overwrite --n-layer 4 --n-head 4 --n-embd 256 --max-steps "$2" --kd-loss tv --teacher-windows 0.5 \
+        --overwrite --n-layer 4 --n-head 4 --n-embd 256 --max-steps "$1" --kd-loss tv --teacher-windows 0.5 \
         --teacher-prefixes prompts
+}
+build_trigram() {
     step trigram python3 ngram/build_katz.py --data "$run/data" --out "$run/ngram" --overwrite
+}
+train_models() {  # train_models ORACLE_STEPS DRAFT_STEPS
+    train_oracle "$1"
+    train_draft "$2"
+    build_trigram
 }
 
 case "$stage" in
@@ -109,12 +118,9 @@ brief)
       OMP_NUM_THREADS=1 timeout 300 python3 -m pytest -q -n 6 -p no:cacheprovider $(grep -l cuda tests/test_*.py) \
         > "$logs/pytest.log" 2>&1 ) &
     tests=$!
-    ( STEP_TIMEOUT=200 step trigram python3 ngram/build_katz.py --data "$run/data" --out "$run/ngram" --overwrite \
-        > "$logs/trigram-step.log"; exit $failed ) &
+    ( STEP_TIMEOUT=200 build_trigram > "$logs/trigram-step.log"; exit $failed ) &
     trigram=$!
-    STEP_TIMEOUT=150 step oracle "${launch[@]}" train/finetune_oracle.py --preset cpu --data "$run/data" \
-        --out "$run/oracle" --overwrite --n-layer 12 --n-head 12 --n-embd 768 --batch-size 16 --grad-accum 1 \
-        --max-steps 800 --learning-rate 6e-4 --eval-every 400 --save-every 400
+    STEP_TIMEOUT=150 train_oracle 800
     wait $trigram || failed=1; cat "$logs/trigram-step.log"
     [ -e "$llama/ngram" ] || ln -s "$(realpath "$run/ngram")" "$llama/ngram"
     # the Llama pair's exactness on CUDA, with and without graphs, beside the draft's training
@@ -126,9 +132,7 @@ brief)
         --dtype bfloat16 --limit 6 --max-new-tokens 96 --no-plan --methods "$methods" --no-cuda-graphs \
         --out "$logs/llama-agreement-no-graphs.json" --overwrite; exit $failed ) > "$logs/llama-agreement-steps.log" &
     agreement=$!
-    STEP_TIMEOUT=120 step draft "${launch[@]}" train/distill_draft.py --preset cpu --teacher "$run/oracle" \
-        --data "$run/data" --out "$run/draft" --overwrite --n-layer 4 --n-head 4 --n-embd 256 --max-steps 300 \
-        --kd-loss tv --teacher-windows 0.5 --teacher-prefixes prompts
+    STEP_TIMEOUT=120 train_draft 300
     wait $agreement || failed=1; cat "$logs/llama-agreement-steps.log"
     # speed, the GPU to itself: the Llama pair, then what decoding takes without a plan against plain decoding
     STEP_TIMEOUT=100 step llama-bench python3 -m decode.bench --run "$llama" --device "$device" --dtype bfloat16 \
