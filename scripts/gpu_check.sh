@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh tests            # the whole suite, CUDA tests included
 #   bash scripts/gpu_check.sh train RUN        # GPT-2-small-sized oracle, draft, trigram (RUN/data prepared)
 #   bash scripts/gpu_check.sh decode RUN       # exactness on CUDA, sampling, engine costs, plan, bench
-#   bash scripts/gpu_check.sh brief RUN [LLAMA_RUN]  # a short loan's checks in one command: the CUDA tests and
+#   bash scripts/gpu_check.sh brief RUN [LLAMA_RUN]  # a few minutes' checks in one command: the CUDA tests and
 #                                              # a shorter training, the Llama pair's exactness with and without
 #                                              # graphs, then its speed and the unplanned defaults' (greedy, top-k)
 #   bash scripts/gpu_check.sh plan RUN         # what brief leaves, in one command: a shorter
