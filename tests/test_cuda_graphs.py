@@ -9,9 +9,8 @@ from decode_models import tiny_gpt2, tiny_llama
 from decode.drafting import TreeDrafter
 from decode.loop import baseline, speculative, tree_speculative
 from decode.models.cuda_graphs import NODE_BUCKETS, CUDAGraphs
-from decode.models.engine import read_config
 from decode.models.lean_engine import LeanEngine
-from decode.models.loading import lean_engine_class
+from decode.models.loading import lean_engine_of
 from decode.sampling import Sampling
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -30,8 +29,7 @@ def models(tmp_path_factory, request):
 
 def engines(directory, device: str) -> tuple[LeanEngine, LeanEngine]:
     """The engine without graphs, and one whose forwards go through buckets (captured on CUDA)."""
-    engine = lean_engine_class(read_config(directory))[0]
-    assert engine is not None
+    engine = lean_engine_of(directory)
     plain = engine.load(directory, device=device)
     bucketed = engine.load(directory, device=device, cuda_graphs=True)
     if device == "cpu":

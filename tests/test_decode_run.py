@@ -110,7 +110,6 @@ def test_bad_inputs_are_one_line_errors(models, tmp_path, capsys, monkeypatch):
     assert "model_type 'gpt_neox' is not one of llama, qwen2, mistral" in refusal and "--backend hf" in refusal
 
 
-
 @pytest.mark.parametrize("kind, change, said", [
     ("gpt2", {"n_head": None}, "n_head is missing"), ("gpt2", {"n_head": 3}, "is not a multiple of n_head 3"),
     ("llama", {"num_attention_heads": "four"}, 'num_attention_heads is "four"'),
@@ -142,6 +141,7 @@ def test_a_config_without_a_size_the_engine_reads_is_one_line_for_every_command_
             command.main(argv)
         assert exit_.value.code == 2 and said in capsys.readouterr().err
     assert sorted(path.name for path in tmp_path.iterdir()) == [kind]
+
 
 def test_agreement_reports_identical_outputs_and_explains_divergences(models, tmp_path):
     from decode.benchmarking import near_ties

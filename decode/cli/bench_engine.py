@@ -34,7 +34,7 @@ from decode.loop import baseline
 from decode.models.engine import dequantized_checkpoint, read_config
 from decode.models.lean_engine import LeanEngine
 from decode.models.llama import SHAPES
-from decode.models.loading import lean_engine_class
+from decode.models.loading import lean_engine_class, lean_engine_of
 from decode.models.precision import auto_dtype
 from decode.models.pretrained import load_safetensors, model_dir
 from decode.models.projection import LAYOUTS, onednn_packs
@@ -47,13 +47,6 @@ from decode.provenance import command_line, provenance
 from decode.sampling import Sampling
 from decode.timing.forwards import NODE_COUNTS, forward_costs, host_work_after_forward
 from decode.tokenizer import load_tokenizer, start_ids, text_ids
-
-
-def engine_class(model) -> type[LeanEngine]:
-    """The lean engine class of a model directory (parse refused the others)."""
-    engine = lean_engine_class(read_config(model))[0]
-    assert engine is not None
-    return engine
 
 
 def encoded(tokenizer, prompts: list[str], device) -> list[torch.Tensor]:
@@ -75,7 +68,7 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
     weights dequantized for transformers), whether they agree, and our outputs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    engine = engine_class(model_dir).load(model_dir, dtype, device)
+    engine = lean_engine_of(model_dir).load(model_dir, dtype, device)
     fmt = format_of(read_config(model_dir), model_dir)
     if fmt is None:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype)
@@ -105,7 +98,7 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
 def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[int]], costs: dict) -> dict:
     """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph, against launching
     every kernel on its own (the first two tables)."""
-    engine = engine_class(args.model).load(args.model, args.dtype, args.device, cuda_graphs=True)
+    engine = lean_engine_of(args.model).load(args.model, args.dtype, args.device, cuda_graphs=True)
     runs = [greedy(engine, ids, args.max_new_tokens) for ids in encoded(load_tokenizer(args.model), texts, engine.device)]
     ms_per_token = 1e3 * sum(seconds for _, seconds in runs) / sum(len(tokens) for tokens, _ in runs)
     same = sum(tokens == before for (tokens, _), before in zip(runs, outputs))
@@ -220,7 +213,7 @@ def forward_tables(args, models: dict) -> dict:
     print(table_row("the same nodes as a tree, explicit mask", tree_costs))
     print(table_row("  tree / chain", {q: ms / costs[args.model][q] for q, ms in tree_costs.items()}))
     layouts = [name for name in LAYOUTS if name != "packed" or (args.device == "cpu" and onednn_packs(engine.dtype))]
-    layout_costs = {name: forward_costs(engine_class(args.model).load(args.model, args.dtype, args.device, layout=name),
+    layout_costs = {name: forward_costs(lean_engine_of(args.model).load(args.model, args.dtype, args.device, layout=name),
                                         args.prefix, args.repeats) for name in layouts}
     print(f"\nthe chain's forward by weight layout (chosen per matrix: {', '.join(f'{k} {v}' for k, v in engine.layouts.items())})")
     for name, row in (layout_costs | {"chosen per matrix (first table)": costs[args.model]}).items():
@@ -239,7 +232,7 @@ def main(argv=None) -> dict:
     print(f"  transformers generate     {latency['hf_generate_ms_per_token']:8.2f} ms/token")
     print(f"  speedup {latency['speedup']:.2f}x, identical outputs {latency['identical_outputs']}")
 
-    engine = engine_class(args.model).load(args.model, args.dtype, args.device, native_blocks=True)
+    engine = lean_engine_of(args.model).load(args.model, args.dtype, args.device, native_blocks=True)
     device = torch.device(args.device)
     quantization = engine.runtime.quantization
     result = {"generation": latency, "dtype": args.dtype, "weights": format_name(quantization),

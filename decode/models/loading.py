@@ -105,6 +105,13 @@ def lean_engine_class(config: dict) -> tuple[type[LeanEngine] | None, str | None
     return (None, why) if why else (LlamaEngine, None)
 
 
+def lean_engine_of(directory) -> type[LeanEngine]:
+    """The lean engine class of a model directory the caller knows has one."""
+    engine = lean_engine_class(read_config(directory))[0]
+    assert engine is not None
+    return engine
+
+
 def token_rows(directory: Path, config: dict) -> int | None:
     """How many of a model's output rows stand for tokens, where its config pads the output past its tokenizer's
     (Qwen2.5's 151,936 rows over 151,665 tokens): decoding leaves the padded rows out of every model, so they are never
