@@ -94,14 +94,15 @@ def build_decoder(options: DecoderOptions, models: dict | None = None) -> tuple[
     models = {} if models is None else models
     check_path(options.oracle, True, "oracle directory", "train one with train/finetune_oracle.py, or pass --oracle DIR")
     method = METHODS[options.method]
-    how = (options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs)  # load_model's arguments
+    how = (options.oracle, options.backend, options.dtype, options.device, options.cuda_graphs,
+           options.compile_layers)  # load_model's arguments
     oracle = loaded(models, ("oracle", *how), lambda: load_model(*how))
     tokenizer = load_tokenizer(options.oracle)
     draft = table = drafter = None
     if method.draft:
         check_same_vocabulary(options.oracle, require_draft(options.draft, f"--method {options.method}"), "draft")
         draft = loaded(models, ("draft", options.draft, options.backend, options.draft_dtype or options.dtype, options.device,
-                                options.cuda_graphs, options.draft_vocab), lambda: load_draft(options, oracle.vocab_size))
+                                options.cuda_graphs, options.compile_layers, options.draft_vocab), lambda: load_draft(options, oracle.vocab_size))
         if draft.vocab_size != oracle.vocab_size:
             raise InputError(f"the oracle has {oracle.vocab_size} output tokens and the draft {draft.vocab_size}; they must match")
     if method.trigram:

@@ -90,6 +90,11 @@ class DecoderOptions:
     cuda_graphs: bool = setting(
         True, "the lean engine on a GPU: replay each forward as a CUDA graph, one launch instead of a dozen kernels per "
               "layer (a CPU ignores it)", action=BooleanOptionalAction)
+    compile_layers: bool = setting(
+        False, "the lean engine: compute each layer of torch's forward through torch.compile, which fuses its small "
+               "operations into fewer kernels (on a GPU, inside the CUDA graphs; on a CPU, the prompts past the C++ "
+               "call's rows); the first forwards compile for tens of seconds, later starts read inductor's cache",
+        action=BooleanOptionalAction)
     draft_vocab: int = setting(
         0, "the draft's output layer over its N most frequent training tokens only (RUN/draft/token_counts.npy): a "
            "fraction of its cost; it then proposes only those, and the output stays the oracle's (default: the plan's "

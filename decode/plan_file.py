@@ -23,7 +23,7 @@ PLAN_VERSION = 2  # 2: models named by their files' contents, not their paths
 
 
 # A plan's identity besides the models, with the value a plan written before the setting existed was made with
-SETTINGS = {"device": None, "dtype": None, "backend": None, "cuda_graphs": False}
+SETTINGS = {"device": None, "dtype": None, "backend": None, "cuda_graphs": False, "compile_layers": False}
 
 
 MODELS = {"oracle": WEIGHTS, "draft": WEIGHTS, "ngram": TABLES}  # the artifacts a plan was measured with: their files
@@ -32,13 +32,14 @@ MODELS = {"oracle": WEIGHTS, "draft": WEIGHTS, "ngram": TABLES}  # the artifacts
 def identity(options) -> dict:
     """What a plan's measurements depend on: the models (by content: a copied run keeps its plans; None where the
     directory is absent), the device, the dtype, the backend and whether the forwards replay CUDA graphs (only on a
-    GPU with the lean engine). The draft's shortlist and dtype are the plan's choice, in each policy."""
-    graphs = options.cuda_graphs and kind(options.device).graphs and options.backend != "hf"
+    GPU with the lean engine), and whether its layers are compiled (likewise). The draft's shortlist and dtype are the
+    plan's choice, in each policy."""
+    lean_on_gpu = kind(options.device).graphs and options.backend != "hf"
     models = {k: getattr(options, k) for k in MODELS}
     return {**{k: fingerprint(path, MODELS[k]) if path is not None and Path(path).is_dir() else None
                for k, path in models.items()},
             "device": device_name(torch.device(options.device)), "dtype": options.dtype, "backend": options.backend,
-            "cuda_graphs": graphs}
+            "cuda_graphs": options.cuda_graphs and lean_on_gpu, "compile_layers": options.compile_layers and lean_on_gpu}
 
 
 def recorded(identity: dict, key: str):
@@ -66,7 +67,8 @@ def replan(run, options, sampling: Sampling = GREEDY, out=None, prompts=None) ->
     setting = [] if sampling.greedy else ["--temperature", f"{sampling.temperature:g}", "--top-k", str(sampling.top_k),
                                           "--top-p", f"{sampling.top_p:g}"]
     command = shlex.join(["python", "-m", "decode.plan", *models, "--dtype", options.dtype, *setting]
-                         + ([] if options.cuda_graphs else ["--no-cuda-graphs"]))
+                         + ([] if options.cuda_graphs else ["--no-cuda-graphs"])
+                         + (["--compile-layers"] if options.compile_layers else []))
     return command, written
 
 

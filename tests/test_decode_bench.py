@@ -320,6 +320,11 @@ def test_bench_engine_times_both_loops_on_the_same_outputs_and_its_graph_section
     assert graphed["generation_with_cuda_graphs"]["identical_to_without"] == "2/2"
     assert set(graphed["forward_ms_with_cuda_graphs"][oracle]) == set(forwards.NODE_COUNTS)
     assert "with graphs / without" in capsys.readouterr().out
+    compiled = bench_engine.with_cuda_graphs(args, ["t2 t7", "t3 t8"], latency, outputs,
+                                             {oracle: out["forward_ms"][oracle]}, compile_layers=True)
+    assert compiled["generation_with_compiled_layers"]["identical_to_without"] == "2/2"
+    assert set(compiled["forward_ms_with_compiled_layers"][oracle]) == set(forwards.NODE_COUNTS)
+    assert "with compiled / without" in capsys.readouterr().out
 
 
 def test_bench_engine_refuses_a_model_the_lean_engine_does_not_run_with_a_bench_command_that_times_it(models, tmp_path,

@@ -166,16 +166,20 @@ def engine_markdown(result: dict) -> str:
 
 def graphs_markdown(result: dict) -> str:
     """decode.bench_engine's result on a GPU: greedy decoding's time a token against transformers' generate, with and
-    without CUDA graphs, then a table per model of a forward's milliseconds by new nodes q, each way."""
-    generation, graphs = result["generation"], result.get("generation_with_cuda_graphs", {})
-    with_graphs = f"; with CUDA graphs {graphs['ours_ms_per_token']:.2f} ms" if graphs else ""
+    without CUDA graphs (and with them and compiled layers, where measured), then a table per model of a forward's
+    milliseconds by new nodes q, each way."""
+    generation = result["generation"]
+    ways = {key: way for key, way in (("cuda_graphs", "with CUDA graphs"), ("compiled_layers", "with CUDA graphs and compiled layers"))
+            if f"generation_with_{key}" in result}
+    with_graphs = "".join(f"; {way} {result[f'generation_with_{key}']['ours_ms_per_token']:.2f} ms" for key, way in ways.items())
     lines = [f"- {result['dtype']} on {result['machine']}, {result['date']}{built_with(result)}: greedy decoding "
              f"{generation['ours_ms_per_token']:.2f} ms a token without CUDA graphs{with_graphs}; transformers' generate "
              f"{generation['hf_generate_ms_per_token']:.2f} ms. `{result['command']}`"]
     for model, plain in result["forward_ms"].items():
-        captured = result.get("forward_ms_with_cuda_graphs", {}).get(model)
-        rows = {"ms": plain} | ({"with CUDA graphs ms": captured,
-                                 "with graphs / without": {q: captured[q] / plain[q] for q in plain}} if captured else {})
+        rows = {"ms": plain}
+        for key, way in ways.items():
+            captured = result[f"forward_ms_with_{key}"][model]
+            rows |= {f"{way} ms": captured, f"{way} / without": {q: captured[q] / plain[q] for q in plain}}
         lines += ["", f"{model}, a forward of q new nodes:", "", "| q | " + " | ".join(plain) + " |",
                   "|---|" + "---:|" * len(plain)]
         lines += [f"| {label} | " + " | ".join(f"{row[q]:.2f}" for q in plain) + " |" for label, row in rows.items()]

@@ -7,7 +7,8 @@
    mask, against the chain: what a tree's mask costs;
 4. for the model directory, the chain's forwards with all its matrices in each layout this device runs
    (decode.models.engine.LAYOUTS), against the engine's own choice (per matrix shape, timed at start-up);
-5. on a GPU, our decoding and the forwards of 2 again with CUDA graphs (decode.models.cuda_graphs);
+5. on a GPU, our decoding and the forwards of 2 again with CUDA graphs (decode.models.cuda_graphs), and with
+   --compile-layers a third time, each layer inside the graphs compiled by torch.compile;
 6. what a forward costs the host work after it: a fixed piece of Python and numpy, of the kind a decoding
    step runs between forwards, right after a q=1 forward of the model directory and again right after itself;
 7. the forward's cost curve c(q)/c(1) after 128 and 480 cached positions, for both models, beside this machine's
@@ -95,22 +96,32 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
             "speedup": (hf_s / hf_n) / (ours_s / ours_n), "identical_outputs": f"{agree}/{len(prompts)}"}, outputs
 
 
-def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[int]], costs: dict) -> dict:
-    """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph, against launching
-    every kernel on its own (the first two tables)."""
-    engine = lean_engine_of(args.model).load(args.model, args.dtype, args.device, cuda_graphs=True)
-    runs = [greedy(engine, ids, args.max_new_tokens) for ids in encoded(load_tokenizer(args.model), texts, engine.device)]
+# the result's keys for measurement 5, by whether the layers were compiled: generation_with_..., forward_ms_with_...
+REPLAYED = {False: "cuda_graphs", True: "compiled_layers"}
+
+
+def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[int]], costs: dict,
+                     compile_layers: bool = False) -> dict:
+    """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph (its layers compiled
+    by torch.compile with `compile_layers`), against launching every kernel on its own (the first two tables)."""
+    engine = lean_engine_of(args.model).load(args.model, args.dtype, args.device, cuda_graphs=True,
+                                             compile_layers=compile_layers)
+    prompts = encoded(load_tokenizer(args.model), texts, engine.device)
+    greedy(engine, prompts[0], args.max_new_tokens)  # untimed: its first forwards capture graphs (and compile)
+    runs = [greedy(engine, ids, args.max_new_tokens) for ids in prompts]
     ms_per_token = 1e3 * sum(seconds for _, seconds in runs) / sum(len(tokens) for tokens, _ in runs)
     same = sum(tokens == before for (tokens, _), before in zip(runs, outputs))
-    print(f"\nwith CUDA graphs: ours {ms_per_token:.2f} ms/token (without {latency['ours_ms_per_token']:.2f}: "
+    way, short = ("with CUDA graphs and compiled layers", "compiled") if compile_layers else ("with CUDA graphs", "graphs")
+    print(f"\n{way}: ours {ms_per_token:.2f} ms/token (without {latency['ours_ms_per_token']:.2f}: "
           f"{latency['ours_ms_per_token'] / ms_per_token:.2f}x), outputs identical to those without: {same}/{len(texts)}")
-    models = {args.model: engine} | shaped_models(args, cuda_graphs=True)
+    models = {args.model: engine} | shaped_models(args, cuda_graphs=True, compile_layers=compile_layers)
     graphed = {name: forward_costs(model, args.prefix, args.repeats) for name, model in models.items()}
     for name, row in graphed.items():
         print(table_row(name, row))
-        print(table_row("  with graphs / without", {q: ms / costs[name][q] for q, ms in row.items()}))
-    return {"generation_with_cuda_graphs": {"ours_ms_per_token": ms_per_token, "identical_to_without": f"{same}/{len(texts)}"},
-            "forward_ms_with_cuda_graphs": graphed}
+        print(table_row(f"  with {short} / without", {q: ms / costs[name][q] for q, ms in row.items()}))
+    key = REPLAYED[compile_layers]
+    return {f"generation_with_{key}": {"ours_ms_per_token": ms_per_token, "identical_to_without": f"{same}/{len(texts)}"},
+            f"forward_ms_with_{key}": graphed}
 
 
 PROG = "python -m decode.bench_engine"
@@ -167,6 +178,9 @@ def parse(argv) -> argparse.Namespace:
                    help="also time a model of this shape with random weights, for cost only: a GPT-2 name "
                         f"({', '.join(PROJECTIONS)}), n_layer,n_embd,vocab (e.g. 6,512,8192) or a Llama-family "
                         f"name ({', '.join(SHAPES)}); repeatable (default: gpt2-large)")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="on a GPU, time measurement 5 again with each layer compiled (torch.compile; tens of seconds "
+                        "of compiling first)")
     p.add_argument("--skip-large", action="store_true", help="time no random-weight shape (overrides --shape)")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
@@ -194,9 +208,9 @@ def parse(argv) -> argparse.Namespace:
     return args
 
 
-def shaped_models(args, cuda_graphs: bool = False) -> dict:
+def shaped_models(args, cuda_graphs: bool = False, compile_layers: bool = False) -> dict:
     """The --shape models, random weights in the run's dtype, by a label that says so."""
-    return {f"{spec}-shaped (random weights)": random_model(spec, args.dtype, args.device, cuda_graphs=cuda_graphs)
+    return {f"{spec}-shaped (random weights)": random_model(spec, args.dtype, args.device, cuda_graphs, compile_layers)
             for spec in args.shapes}
 
 
@@ -248,7 +262,8 @@ def main(argv=None) -> dict:
           f"right after a q=1 forward, {host['again']:.1f} us again ({host['after a forward'] / host['again']:.1f}x)")
     result["host_work_us"] = host
     if isinstance(engine.runtime, CudaRuntime):
-        result |= with_cuda_graphs(args, texts, latency, outputs, result["forward_ms"])
+        for compile_layers in (False, True)[: 1 + args.compile_layers]:
+            result |= with_cuda_graphs(args, texts, latency, outputs, result["forward_ms"], compile_layers)
     if args.out:
         write_json(args.out, result, args.overwrite)
     return result

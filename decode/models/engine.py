@@ -174,18 +174,18 @@ class GPT2Engine(LeanEngine):
         `wpe` and its final layer norm `ln_f` besides."""
         super().__init__(shape, torch_weights, layouts, kv, max_length, runtime, shortlist)
         self.wpe, self.ln_f = wpe, ln_f
-        self.head_dim = shape.n_embd // shape.n_head
 
     @classmethod
     def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str | torch.device = "cpu",
               max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False,
               shortlist: Shortlist | None = None, native_blocks: bool = False, calibrate: bool = False,
               reload: Callable[[], dict[str, torch.Tensor]] | None = None,
-              quantized: dict[str, QuantizedMatrix] | None = None) -> "GPT2Engine":
+              quantized: dict[str, QuantizedMatrix] | None = None, compile_layers: bool = False) -> "GPT2Engine":
         """From a GPT-2 config and its weights as named in a Hugging Face checkpoint, run by the device's runtime
         (runtime_for). `layout` (one of LAYOUTS) stores every matrix in that layout; by default each matrix gets its
         shape's calibrated layout (measured now with `calibrate`; decode.models.projection.layout_for). On a GPU with
-        `cuda_graphs`, forwards replay CUDA graphs. With a `shortlist`, the output layer computes the logits of its
+        `cuda_graphs`, forwards replay CUDA graphs; with `compile_layers`, torch's forward computes its layers through
+        torch.compile (Runtime.layer). With a `shortlist`, the output layer computes the logits of its
         tokens only. With `native_blocks`, an engine on a CPU with AVX2 and FMA or AVX-512 runs a forward of a few
         rows (up to native.Blocks.ROWS, or the runtime's `rows` once measured) as one C++ call (forward.cpp), which
         rounds differently from torch's; `reload()` then gives the checkpoint's weights again, and the C++ call takes
@@ -199,7 +199,7 @@ class GPT2Engine(LeanEngine):
             raise InputError(f"weight layout {layout!r}: choose one of {', '.join(LAYOUTS)} (or none: measured)")
         shape, device, torch_dtype = GPT2Shape.from_config(config), torch.device(device), DTYPES[dtype]
         quantization = next(iter(quantized.values())).format if quantized else None
-        runtime = runtime_for(device, torch_dtype, native_blocks, cuda_graphs, quantization)
+        runtime = runtime_for(device, torch_dtype, native_blocks, cuda_graphs, quantization, compile_layers)
         fits = runtime.loads_forward(shape.n_embd)
         lazy = fits and reload is not None
         # taken out of a checkpoint read for this engine alone (`reload`), so that it holds no matrix the C++ packed
@@ -255,7 +255,7 @@ class GPT2Engine(LeanEngine):
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
              native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None,
-             quantization: Format | None = None) -> "GPT2Engine":
+             quantization: Format | None = None, compile_layers: bool = False) -> "GPT2Engine":
         """As LeanEngine.load; a quantized checkpoint (decode.quantize) computes with its blocks, and so does a 16-bit
         one with a `quantization`, its matrices quantized as it loads."""
         config = read_config(model_dir, tokens)
@@ -267,7 +267,8 @@ class GPT2Engine(LeanEngine):
         blocks = checkpoint_blocks(model_dir, config, quantization)
         if blocks is None:
             return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
-                             shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir))
+                             shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir),
+                             compile_layers=compile_layers)
         fmt, tensors = blocks
         dense, quantized = split_checkpoint(tensors(), fmt, model_dir)
         missing = sorted({"wte.weight", *(f"h.{i}.{name}.weight" for i in range(config["n_layer"]) for name in LINEAR)}
@@ -276,7 +277,8 @@ class GPT2Engine(LeanEngine):
             raise InputError(f"{model_dir} is a {fmt.name} checkpoint without quantized {', '.join(missing[:3])}"
                              f"{' ...' if len(missing) > 3 else ''}; quantize the 16-bit model again (python -m decode.quantize)")
         return cls.build(config, dense, dtype, device, max_length, layout, cuda_graphs, shortlist, native_blocks,
-                         calibrate, reload=lambda: dequantized_checkpoint(tensors(), fmt, model_dir), quantized=quantized)
+                         calibrate, reload=lambda: dequantized_checkpoint(tensors(), fmt, model_dir), quantized=quantized,
+                         compile_layers=compile_layers)
 
     def torch_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                      slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
@@ -294,16 +296,23 @@ class GPT2Engine(LeanEngine):
     def layers_forward(self, x: torch.Tensor, mask: torch.Tensor | None, slots: slice | torch.Tensor, end: int
                        ) -> torch.Tensor:
         """The transformer blocks over q new nodes, writing their keys/values into cache `slots`."""
-        s, q = self.shape, x.shape[0]
+        block = self.runtime.layer(gpt2_block)
         for layer, cache in zip(self.layers, self.kv.layers):
-            h = layer_norm(x, layer.ln_1, s.layer_norm_epsilon)
-            qkv = layer.qkv(h)
-            qkv = qkv.view(q, 3, s.n_head, self.head_dim).permute(1, 2, 0, 3)
-            cache[:, :, slots] = qkv[1:]
-            keys, values = cache[:, None, :, :end]
-            # a batch dimension and a contiguous query let torch pick its fused attention kernel
-            att = F.scaled_dot_product_attention(qkv[0].contiguous()[None], keys, values, attn_mask=mask)[0]
-            x = x + layer.attn_out(att.transpose(0, 1).reshape(q, s.n_embd))
-            h = layer_norm(x, layer.ln_2, s.layer_norm_epsilon)
-            x = x + layer.mlp_out(layer.mlp_in(h))  # mlp_in applies the GELU
+            x = block(x, layer, cache, mask, slots, end, self.shape)
         return x
+
+
+def gpt2_block(x: torch.Tensor, layer: LayerWeights, cache: torch.Tensor, mask: torch.Tensor | None,
+               slots: slice | torch.Tensor, end: int, s: GPT2Shape) -> torch.Tensor:
+    """One block over q new nodes `x`, writing their keys/values into its `cache`'s `slots` and attending to slots
+    0..end under `mask`."""
+    q = x.shape[0]
+    h = layer_norm(x, layer.ln_1, s.layer_norm_epsilon)
+    qkv = layer.qkv(h).view(q, 3, s.n_head, s.n_embd // s.n_head).permute(1, 2, 0, 3)
+    cache[:, :, slots] = qkv[1:]
+    keys, values = cache[:, None, :, :end]
+    # a batch dimension and a contiguous query let torch pick its fused attention kernel
+    att = F.scaled_dot_product_attention(qkv[0].contiguous()[None], keys, values, attn_mask=mask)[0]
+    x = x + layer.attn_out(att.transpose(0, 1).reshape(q, s.n_embd))
+    h = layer_norm(x, layer.ln_2, s.layer_norm_epsilon)
+    return x + layer.mlp_out(layer.mlp_in(h))  # mlp_in applies the GELU

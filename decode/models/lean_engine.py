@@ -74,10 +74,11 @@ class LeanEngine(CachedLM):
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
              native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None,
-             quantization: Format | None = None) -> "LeanEngine":
+             quantization: Format | None = None, compile_layers: bool = False) -> "LeanEngine":
         """From a save_pretrained directory (safetensors); its output over the first `tokens` rows only, where
         given (a config whose vocabulary pads the tokenizer's: see loading.token_rows); its matrices in
-        `quantization`'s blocks, quantized as it loads, where given (a quantized checkpoint's are in its own)."""
+        `quantization`'s blocks, quantized as it loads, where given (a quantized checkpoint's are in its own); torch's
+        forward computes its layers through torch.compile with `compile_layers`."""
         raise NotImplementedError
 
     def torch_weights(self) -> tuple:

@@ -212,9 +212,10 @@ class LlamaEngine(LeanEngine):
               device: str | torch.device = "cpu", max_length: int | None = None, layout: str | None = None,
               cuda_graphs: bool = False, shortlist: Shortlist | None = None, native_blocks: bool = False,
               calibrate: bool = False, reload: Callable[[], dict[str, torch.Tensor]] | None = None,
-              quantized: dict[str, QuantizedMatrix] | None = None) -> "LlamaEngine":
+              quantized: dict[str, QuantizedMatrix] | None = None, compile_layers: bool = False) -> "LlamaEngine":
         """From a Llama-family config and its weights as named in a Hugging Face checkpoint: as GPT2Engine.build
-        (the same runtime, layouts, shortlist, C++ forward, `reload` and `quantized` matrices, by checkpoint name);
+        (the same runtime, layouts, shortlist, C++ forward, `reload`, `quantized` matrices, by checkpoint name, and
+        `compile_layers`);
         the context is the config's positions, at most DEFAULT_CONTEXT unless `max_length` asks for more."""
         why = unsupported(config)
         if why is not None:
@@ -224,7 +225,7 @@ class LlamaEngine(LeanEngine):
         shape, device, torch_dtype = LlamaShape.from_config(config), torch.device(device), DTYPES[dtype]
         max_length = min(max_length or DEFAULT_CONTEXT, shape.n_positions)
         quantization = next(iter(quantized.values())).format if quantized else None
-        runtime = runtime_for(device, torch_dtype, native_blocks, cuda_graphs, quantization)
+        runtime = runtime_for(device, torch_dtype, native_blocks, cuda_graphs, quantization, compile_layers)
         fits = runtime.loads_forward(shape.n_embd) and shape.intermediate % 16 == 0 and shape.head_dim % 2 == 0
         lazy = fits and reload is not None
         convert = lambda checkpoint, take: on_device(checkpoint, take, "model.", device, torch_dtype)
@@ -295,20 +296,22 @@ class LlamaEngine(LeanEngine):
     def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
              layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
              native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None,
-             quantization: Format | None = None) -> "LlamaEngine":
+             quantization: Format | None = None, compile_layers: bool = False) -> "LlamaEngine":
         """From a save_pretrained directory (safetensors), as GPT2Engine.load."""
         config = read_config(model_dir, tokens)
         blocks = checkpoint_blocks(model_dir, config, quantization)
         if blocks is None:
             return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
-                             shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir))
+                             shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir),
+                             compile_layers=compile_layers)
         fmt, tensors = blocks
         dense, quantized = split_checkpoint(tensors(), fmt, model_dir)
         if "model.embed_tokens.weight" not in quantized:
             raise InputError(f"{model_dir} is a {fmt.name} checkpoint without quantized embeddings; quantize the 16-bit "
                              f"model again (python -m decode.quantize)")
         return cls.build(config, dense, dtype, device, max_length, layout, cuda_graphs, shortlist, native_blocks,
-                         calibrate, reload=lambda: dequantized_checkpoint(tensors(), fmt, model_dir), quantized=quantized)
+                         calibrate, reload=lambda: dequantized_checkpoint(tensors(), fmt, model_dir), quantized=quantized,
+                         compile_layers=compile_layers)
 
     def torch_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                      slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:
@@ -325,20 +328,27 @@ class LlamaEngine(LeanEngine):
     def layers_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                        slots: slice | torch.Tensor, end: int) -> torch.Tensor:
         """The transformer blocks over q new nodes, writing their keys/values into cache `slots`."""
-        s, q = self.shape, x.shape[0]
-        widths = (s.n_head * s.head_dim, s.kv_width, s.kv_width)
+        block = self.runtime.layer(llama_block)
         for layer, cache in zip(self.layers, self.kv.layers):
-            h = rms_norm(x, layer.norm_1, s.epsilon)
-            queries, keys, values = (part.view(q, -1, s.head_dim).transpose(0, 1)
-                                     for part in layer.qkv(h).split(widths, dim=-1))
-            cache[0, :, slots] = rotated(keys, cos, sin)
-            cache[1, :, slots] = values
-            att = F.scaled_dot_product_attention(rotated(queries, cos, sin)[None], cache[None, 0, :, :end],
-                                                 cache[None, 1, :, :end], attn_mask=mask, enable_gqa=True)[0]
-            x = x + layer.attn_out(att.transpose(0, 1).reshape(q, widths[0]))
-            gate, up = layer.mlp_in(rms_norm(x, layer.norm_2, s.epsilon)).chunk(2, dim=-1)
-            x = x + layer.mlp_out(F.silu(gate) * up)
+            x = block(x, layer, cache, cos, sin, mask, slots, end, self.shape)
         return x
+
+
+def llama_block(x: torch.Tensor, layer: LlamaLayer, cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, slots: slice | torch.Tensor, end: int, s: LlamaShape) -> torch.Tensor:
+    """One block over q new nodes `x`, writing their keys/values into its `cache`'s `slots` and attending to slots
+    0..end under `mask`."""
+    q = x.shape[0]
+    widths = (s.n_head * s.head_dim, s.kv_width, s.kv_width)
+    h = rms_norm(x, layer.norm_1, s.epsilon)
+    queries, keys, values = (part.view(q, -1, s.head_dim).transpose(0, 1) for part in layer.qkv(h).split(widths, dim=-1))
+    cache[0, :, slots] = rotated(keys, cos, sin)
+    cache[1, :, slots] = values
+    att = F.scaled_dot_product_attention(rotated(queries, cos, sin)[None], cache[None, 0, :, :end],
+                                         cache[None, 1, :, :end], attn_mask=mask, enable_gqa=True)[0]
+    x = x + layer.attn_out(att.transpose(0, 1).reshape(q, widths[0]))
+    gate, up = layer.mlp_in(rms_norm(x, layer.norm_2, s.epsilon)).chunk(2, dim=-1)
+    return x + layer.mlp_out(F.silu(gate) * up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:

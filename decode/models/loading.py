@@ -68,12 +68,13 @@ def load_trigram(options, vocab_size: int, eos_id: int):
 
 
 def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_graphs: bool = False,
-               shortlist: Shortlist | None = None, calibrate: bool = False,
+               compile_layers: bool = False, shortlist: Shortlist | None = None, calibrate: bool = False,
                quantization: Format | None = None) -> CachedLM:
     """A model for decoding; the lean engine stores each matrix in its calibrated layout and runs a forward of a few
     rows in C++ up to where that was calibrated faster, its products on AMX's tiles where those were
     (decode.models.native_rows); `calibrate` measures (and keeps) what was not yet. With a `quantization`, a 16-bit
-    model's matrices are quantized to its blocks as it loads, as decode.quantize would write them."""
+    model's matrices are quantized to its blocks as it loads, as decode.quantize would write them; with
+    `compile_layers`, torch's forward computes the lean engine's layers through torch.compile."""
     config = read_config(directory)
     fmt = format_of(config, directory) or quantization
     if fmt is not None and backend == "hf":
@@ -85,7 +86,8 @@ def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_grap
         raise InputError(f"{directory} cannot run on the lean engine: {why_not}; use the transformers backend (--backend hf)")
     if engine_class is not None and backend in ("lean", "auto"):
         engine = engine_class.load(directory, dtype, device, cuda_graphs=cuda_graphs, shortlist=shortlist,
-                                   native_blocks=True, calibrate=calibrate, tokens=tokens, quantization=quantization)
+                                   native_blocks=True, calibrate=calibrate, tokens=tokens, quantization=quantization,
+                                   compile_layers=compile_layers)
         forward = native_forward(directory, engine, dtype, calibrate=calibrate)
         engine.runtime.use(forward.rows, forward.tiles)
         return engine
@@ -151,7 +153,7 @@ def draft_precision(options) -> tuple[str, Format | None]:
 def load_draft(options, vocab_size: int) -> CachedLM:
     """The draft model as the options load it, its output layer over `options.draft_vocab` tokens when set."""
     dtype, quantization = draft_precision(options)
-    return load_model(options.draft, options.backend, dtype, options.device, options.cuda_graphs,
+    return load_model(options.draft, options.backend, dtype, options.device, options.cuda_graphs, options.compile_layers,
                       draft_shortlist(options.draft, options.draft_vocab, vocab_size), quantization=quantization)
 
 

@@ -11,6 +11,7 @@ and the tools never ask which device or instruction set they are on:
     mover(cache)             a commit's moves of KV slots
     layout(...), pads_rows   how the weights are stored for torch's products
     attention(), graphs()    torch's attention kernels, CUDA graphs
+    layer(block)             the function torch's forward computes a layer with: the engine's own, or compiled
     forced(way)              a context in which the forwards run one way ("torch", "C++", "C++ on AMX tiles"), for
                              the tools that compare them
 
@@ -48,6 +49,12 @@ def host_kernels() -> StepKernels:
     return NativeKernels() if native.module() is not None else PortableKernels()
 
 
+@functools.cache
+def compiled(block: Callable) -> Callable:
+    """`block` through torch.compile, its shapes symbolic: the rows and cached slots of every forward share a graph."""
+    return torch.compile(block, dynamic=True)
+
+
 def torch_mover(cache: torch.Tensor) -> Mover:
     """A commit's moves as torch copies over a (..., capacity, head_dim) cache. Slots already in place stay: drafters
     put a tree's likeliest path first (Tree.subtree), so an accepted path is often all in place, and the rest of it,
@@ -74,8 +81,9 @@ class Runtime:
 
     name = "torch"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, quantization: Format | None = None):
-        self.device, self.dtype, self.quantization = device, dtype, quantization
+    def __init__(self, device: torch.device, dtype: torch.dtype, quantization: Format | None = None,
+                 compile_layers: bool = False):
+        self.device, self.dtype, self.quantization, self.compile_layers = device, dtype, quantization, compile_layers
         self.kernels: StepKernels = PortableKernels()
         self.blocks: native.Blocks | None = None
         self.rows = 0
@@ -123,6 +131,12 @@ class Runtime:
         """The engine's CUDA graphs, where the device replays them."""
         return None
 
+    def layer(self, block: Callable) -> Callable:
+        """What torch's forward computes each layer with: the engine's `block`, or with `compile_layers` that function
+        compiled by torch.compile (its small operations fused into fewer kernels, as one graph whatever the number of
+        rows and cached slots, compiled on first use)."""
+        return compiled(block) if self.compile_layers else block
+
     def synchronize(self) -> None:
         """Wait for queued device work, so a timer sees it."""
 
@@ -157,8 +171,8 @@ class NativeRuntime(Runtime):
     name = "C++"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, quantization: Format | None = None,
-                 cpp_forward: bool = True):
-        super().__init__(device, dtype, quantization)
+                 cpp_forward: bool = True, compile_layers: bool = False):
+        super().__init__(device, dtype, quantization, compile_layers)
         self.kernels = NativeKernels()
         self.cpp_forward = cpp_forward
 
@@ -218,8 +232,8 @@ class CudaRuntime(Runtime):
     name = "CUDA"
 
     def __init__(self, device: torch.device, dtype: torch.dtype, quantization: Format | None = None,
-                 cuda_graphs: bool = False):
-        super().__init__(device, dtype, quantization)
+                 cuda_graphs: bool = False, compile_layers: bool = False):
+        super().__init__(device, dtype, quantization, compile_layers)
         self.cuda_graphs = cuda_graphs
         if quantization is not None:
             native.note_once(f"a {quantization.name} model runs on a GPU dequantized to {str(dtype).removeprefix('torch.')}: "
@@ -245,13 +259,14 @@ class CudaRuntime(Runtime):
 
 
 def runtime_for(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, cpp_forward: bool = True,
-                cuda_graphs: bool = False, quantization: Format | None = None) -> Runtime:
+                cuda_graphs: bool = False, quantization: Format | None = None, compile_layers: bool = False) -> Runtime:
     """The runtime of a model on `device` computing in `dtype`, its matrices in `quantization`'s blocks where given:
     on a CPU the C++ one where it is built (its forward of a few rows only with `cpp_forward`), on a GPU the CUDA one
-    (replaying CUDA graphs with `cuda_graphs`)."""
+    (replaying CUDA graphs with `cuda_graphs`); torch's forward computes its layers through torch.compile with
+    `compile_layers`."""
     device = torch.device(device)
     if device.type == "cuda":
-        return CudaRuntime(device, dtype, quantization, cuda_graphs)
+        return CudaRuntime(device, dtype, quantization, cuda_graphs, compile_layers)
     if device.type == "cpu" and native.module() is not None:
-        return NativeRuntime(device, dtype, quantization, cpp_forward)
-    return Runtime(device, dtype, quantization)
+        return NativeRuntime(device, dtype, quantization, cpp_forward, compile_layers)
+    return Runtime(device, dtype, quantization, compile_layers)

@@ -135,20 +135,22 @@ def random_weights(n_layer: int, n_embd: int, vocab_size: int, n_positions: int 
     return config, {name: 0.02 * torch.randn(shape, dtype=dtype) for name, shape in shapes.items()}
 
 
-def random_model(spec: str, dtype: str, device: str, cuda_graphs: bool = False):
+def random_model(spec: str, dtype: str, device: str, cuda_graphs: bool = False, compile_layers: bool = False):
     """A model of a --shape (shape_of's) with random weights, its forward of a few rows in C++ where it can: a GPT-2
-    (random_gpt2) or a Llama-family model (decode.models.llama.SHAPES)."""
+    (random_gpt2) or a Llama-family model (decode.models.llama.SHAPES); its runtime's `cuda_graphs` and
+    `compile_layers` as the engines' build takes them."""
     from decode.models.llama import SHAPES, LlamaEngine, random_checkpoint
 
     if spec in SHAPES:
         return LlamaEngine.build(SHAPES[spec], random_checkpoint(SHAPES[spec]), dtype, device, cuda_graphs=cuda_graphs,
-                                 native_blocks=True)
-    return random_gpt2(*projection_shape(spec, "--shape"), dtype, device, cuda_graphs=cuda_graphs)
+                                 native_blocks=True, compile_layers=compile_layers)
+    return random_gpt2(*projection_shape(spec, "--shape"), dtype, device, cuda_graphs=cuda_graphs,
+                       compile_layers=compile_layers)
 
 
 def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: str, n_positions: int = 1024,
                 cuda_graphs: bool = False, native_blocks: bool = True, shortlist: int = 0,
-                quantization: Format | None = None):
+                quantization: Format | None = None, compile_layers: bool = False):
     """A GPT-2 of this shape with random weights (`random_weights`): its forward costs what a trained
     one's does. With `native_blocks`, a forward of up to native.Blocks.ROWS rows runs as the C++ call where it can;
     with a `shortlist`, its output layer covers that many tokens (decode.run --draft-vocab); with a `quantization`,
@@ -161,4 +163,4 @@ def random_gpt2(n_layer: int, n_embd: int, vocab_size: int, dtype: str, device: 
     quantized = {name: QuantizedMatrix.quantize(oriented(name, weights.pop(name)), quantization)
                  for name in list(weights) if is_quantized_matrix(name)} if quantization else None
     return GPT2Engine.build(config, weights, dtype, device, cuda_graphs=cuda_graphs, native_blocks=native_blocks,
-                            shortlist=tokens, quantized=quantized)
+                            shortlist=tokens, quantized=quantized, compile_layers=compile_layers)
