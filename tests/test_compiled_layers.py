@@ -5,9 +5,11 @@ so that every forward goes through it); with CUDA, inside the CUDA graphs."""
 import pytest
 import torch
 from decode_models import tiny_gpt2, tiny_llama
+from torch._dynamo.utils import counters
 
 from decode.drafting import TreeDrafter
 from decode.loop import baseline, speculative, tree_speculative
+from decode.models.cuda_graphs import CUDAGraphs
 from decode.models.engine import GPT2Engine, gpt2_block
 from decode.models.llama import llama_block
 from decode.models.loading import lean_engine_of
@@ -60,3 +62,18 @@ def test_greedy_decoding_with_compiled_layers_equals_its_baseline(models, device
         assert speculative(oracle, prompt, 30, Sampling(), stop_ids={0}, draft=draft, k=4).tokens == expected, trial
         drafter = TreeDrafter(draft, budget=12, depth=4, branch=3)
         assert tree_speculative(oracle, prompt, 30, Sampling(), stop_ids={0}, drafter=drafter).tokens == expected, trial
+
+
+def test_compiled_layers_trace_each_variant_once_whatever_the_lengths(models):
+    oracle = load(models[0], "cpu", True)
+    oracle.graphs = CUDAGraphs(oracle, capture=False)  # the buckets' padded shapes, as CUDA graphs replay them
+    rng = torch.Generator().manual_seed(5)
+
+    def decode(length: int) -> None:
+        baseline(oracle, torch.randint(1, 97, (length,), generator=rng), 24, Sampling(), stop_ids=set())
+
+    decode(2)  # a prompt of 2 rows, as many as the cache's planes (keys, values), and rows of one after it
+    traced = counters["stats"]["unique_graphs"]
+    for length in (3, 16, 64, 100, 2):
+        decode(length)
+    assert counters["stats"]["unique_graphs"] == traced

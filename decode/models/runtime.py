@@ -49,10 +49,23 @@ def host_kernels() -> StepKernels:
     return NativeKernels() if native.module() is not None else PortableKernels()
 
 
+# How a layer is compiled: no duck sizing (sizes equal when first traced taken for one symbol, as a bucket of 2 rows
+# for the cache's 2 planes: a later bucket recompiled in the middle of a decoding), and room for every variant that
+# an oracle's and a draft's layers trace (one row or more, a mask or none, slots as a range or a tensor, each model's
+# own constants) before torch falls back to running them uncompiled
+SHAPES_CONFIG, DYNAMO_CONFIG = {"use_duck_shape": False}, {"recompile_limit": 64}
+
+
 @functools.cache
 def compiled(block: Callable) -> Callable:
     """`block` through torch.compile, its shapes symbolic: the rows and cached slots of every forward share a graph."""
-    return torch.compile(block, dynamic=True)
+    function = torch.compile(block, dynamic=True)
+
+    def layer(*args):
+        with torch.fx.experimental._config.patch(**SHAPES_CONFIG), torch._dynamo.config.patch(**DYNAMO_CONFIG):
+            return function(*args)
+
+    return layer
 
 
 def torch_mover(cache: torch.Tensor) -> Mover:
