@@ -70,6 +70,16 @@ def tiny_llama(path, model_type="llama", vocab_size=97, seed=0, noise_from=None,
     return saved(model, path, vocab_size, tokenizer)
 
 
+def oracle_and_good_draft(root, kind: str, **options):
+    """A tiny oracle of `kind` (gpt2, or a Llama-family model_type, tiny_llama's `options`) in root/oracle and a good
+    draft of it (its weights plus a little noise) in root/draft."""
+    if kind == "gpt2":
+        oracle = tiny_gpt2(root / "oracle", seed=0)
+        return oracle, tiny_gpt2(root / "draft", seed=1, noise_from=oracle, noise=0.005)
+    oracle = tiny_llama(root / "oracle", kind, seed=0, **options)
+    return oracle, tiny_llama(root / "draft", kind, seed=1, noise_from=oracle, noise=0.005, **options)
+
+
 def tiny_trigram(path, oracle_dir, documents=150, length=40, seed=0):
     """A Katz trigram over text sampled from the oracle, so it predicts the oracle somewhat."""
     from decode.models.loading import load_model

@@ -4,7 +4,7 @@ method equal to the compiled baseline's. On a CPU torch's forward is compiled (t
 so that every forward goes through it); with CUDA, inside the CUDA graphs."""
 import pytest
 import torch
-from decode_models import tiny_gpt2, tiny_llama
+from decode_models import oracle_and_good_draft
 from torch._dynamo.utils import counters
 
 from decode.drafting import TreeDrafter
@@ -20,12 +20,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 @pytest.fixture(scope="module", params=["gpt2", "qwen2"])
 def models(tmp_path_factory, request):
-    root = tmp_path_factory.mktemp(request.param)
-    if request.param == "gpt2":
-        oracle = tiny_gpt2(root / "oracle", seed=0)
-        return oracle, tiny_gpt2(root / "draft", seed=1, noise_from=oracle, noise=0.005)
-    oracle = tiny_llama(root / "oracle", request.param, seed=0)
-    return oracle, tiny_llama(root / "draft", request.param, seed=1, noise_from=oracle, noise=0.005)
+    return oracle_and_good_draft(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def load(directory, device: str, compile_layers: bool):

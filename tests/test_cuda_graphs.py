@@ -4,7 +4,7 @@ without graphs (the padding, the masks and the slots are what is tested); with C
 replayed."""
 import pytest
 import torch
-from decode_models import tiny_gpt2, tiny_llama
+from decode_models import oracle_and_good_draft
 
 from decode.drafting import TreeDrafter
 from decode.loop import baseline, speculative, tree_speculative
@@ -18,13 +18,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 @pytest.fixture(scope="module", params=["gpt2", "qwen2"])
 def models(tmp_path_factory, request):
-    root = tmp_path_factory.mktemp(request.param)
-    if request.param == "gpt2":
-        oracle = tiny_gpt2(root / "oracle", seed=0)
-        return {"oracle": oracle, "draft": tiny_gpt2(root / "draft", seed=1, noise_from=oracle, noise=0.005)}
-    oracle = tiny_llama(root / "oracle", request.param, seed=0, positions=512)
-    return {"oracle": oracle,
-            "draft": tiny_llama(root / "draft", request.param, seed=1, positions=512, noise_from=oracle, noise=0.005)}
+    oracle, draft = oracle_and_good_draft(tmp_path_factory.mktemp(request.param), request.param, positions=512)
+    return {"oracle": oracle, "draft": draft}
 
 
 def engines(directory, device: str) -> tuple[LeanEngine, LeanEngine]:
