@@ -6,6 +6,8 @@
 #   bash scripts/gpu_check.sh brief RUN [LLAMA_RUN]  # a few minutes' checks in one command: the CUDA tests and
 #                                              # a shorter training, the Llama pair's exactness with and without
 #                                              # graphs, then its speed and the unplanned defaults' (greedy, top-k)
+#   bash scripts/gpu_check.sh compiled RUN [LLAMA_RUN]  # --compile-layers: its CUDA tests, the forward at
+#                                              # Qwen2.5-0.5B's shape, each pair's bench with and without it
 #   bash scripts/gpu_check.sh plan RUN         # what brief leaves, in one command: a shorter
 #                                              # training (and `--compile`'s beside the draft's), the planner on the
 #                                              # GPU, then the bench with the plan's policies and the transformers peers,
@@ -15,7 +17,7 @@
 # Logs and JSON go to $LOGS (default: $OUT when it is set, else gpu-logs/).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-stage="${1:?usage: bash scripts/gpu_check.sh tests|train|decode|brief|plan [RUN]}"
+stage="${1:?usage: bash scripts/gpu_check.sh tests|train|decode|brief|compiled|plan [RUN]}"
 run="${2:-runs/gpu}"
 logs="${LOGS:-${OUT:-gpu-logs}}"
 device="${DEVICE:-cuda}"  # DEVICE=cpu tries a stage's commands on a machine without a GPU
@@ -148,6 +150,26 @@ brief)
     for log in pytest-cuda pytest; do echo "== $log"; tail -n 3 "$logs/$log.log" | sed 's/^/   | /'; done
     for log in pytest-cuda pytest; do tail -n 1 "$logs/$log.log" | grep -qE "failed|error|no tests" && failed=1; done
     ;;
+compiled)
+    # RUN: a trained GPT-2 pair (its trigram built); LLAMA_RUN: a Llama-family pair on RUN's tokenizer
+    llama="${3:-runs/quick-llama}"
+    machine
+    STEP_TIMEOUT=150 step pytest-compiled python3 -m pytest -q -p no:cacheprovider tests/test_compiled_layers.py
+    step shaped python3 -m decode.shaped --shape qwen2.5-0.5b --tokenizer "$run/tokenizer" --out "$logs/qwen2.5-0.5b-shaped" \
+        --overwrite
+    STEP_TIMEOUT=200 step engine-compiled python3 -m decode.bench_engine --model "$logs/qwen2.5-0.5b-shaped" \
+        --prompts "$run/prompts.jsonl" --device "$device" --dtype bfloat16 --limit 2 --skip-large --compile-layers \
+        --out "$logs/qwen2.5-0.5b-engine.json" --overwrite
+    rm -rf "$logs/qwen2.5-0.5b-shaped"
+    [ -e "$llama/ngram" ] || ln -s "$(realpath "$run/ngram")" "$llama/ngram"
+    for pair in "$run" "$llama"; do
+        for variant in "" --compile-layers; do
+            STEP_TIMEOUT=150 step "bench-$(basename "$pair")${variant}" python3 -m decode.bench --run "$pair" --device "$device" \
+                --dtype bfloat16 --no-plan --limit 10 --max-new-tokens 128 --methods baseline,speculative,tree,staged,lookup \
+                $variant --out "$logs/$(basename "$pair")${variant}-greedy.json" --overwrite
+        done
+    done
+    ;;
 plan)
     machine
     ( OMP_NUM_THREADS=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_coupled.py \
@@ -175,6 +197,6 @@ plan)
         --out "$logs/bench-topk.json" --overwrite
     ;;
 *)
-    echo "error: unknown stage $stage; use tests, train, decode, brief or plan" >&2; exit 2 ;;
+    echo "error: unknown stage $stage; use tests, train, decode, brief, compiled or plan" >&2; exit 2 ;;
 esac
 exit $failed
