@@ -9,10 +9,12 @@ from torch._dynamo.utils import counters
 
 from decode.drafting import TreeDrafter
 from decode.loop import baseline, speculative, tree_speculative
+from decode.models import runtime
 from decode.models.cuda_graphs import CUDAGraphs
 from decode.models.engine import GPT2Engine, gpt2_block
 from decode.models.llama import llama_block
 from decode.models.loading import lean_engine_of
+from decode.models.projection import onednn_packs
 from decode.sampling import Sampling
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -72,3 +74,14 @@ def test_compiled_layers_trace_each_variant_once_whatever_the_lengths(models):
     for length in (3, 16, 64, 100, 2):
         decode(length)
     assert counters["stats"]["unique_graphs"] == traced
+
+
+def test_compiled_layers_store_a_calibrated_prepacked_matrix_unpacked(models, monkeypatch):
+    if not onednn_packs(torch.float32):
+        pytest.skip("oneDNN cannot prepack here")
+    monkeypatch.setattr(runtime, "layout_for", lambda *_: "packed")  # as calibration chose it for every matrix
+    plain, compiled = (load(models[0], "cpu", compile_layers) for compile_layers in (False, True))
+    assert set(plain.layouts.values()) == {"packed"} and "packed" not in compiled.layouts.values()
+    ids = torch.randint(1, 97, (12,), generator=torch.Generator().manual_seed(1))
+    reference = plain.extend(ids)
+    torch.testing.assert_close(compiled.extend(ids), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())

@@ -59,6 +59,8 @@ SHAPES_CONFIG, DYNAMO_CONFIG = {"use_duck_shape": False}, {"recompile_limit": 64
 @functools.cache
 def compiled(block: Callable) -> Callable:
     """`block` through torch.compile, its shapes symbolic: the rows and cached slots of every forward share a graph."""
+    native.note_once("the lean engine's layers compile (torch.compile) as they first run: the first forwards take tens "
+                     "of seconds, later starts read inductor's cache")
     function = torch.compile(block, dynamic=True)
 
     def layer(*args):
@@ -129,8 +131,11 @@ class Runtime:
         return torch_mover(cache)
 
     def layout(self, in_features: int, out_features: int, gelu: bool, calibrate: bool) -> str:
-        """The layout a weight matrix of this shape is stored in for torch's products (decode.models.projection)."""
-        return layout_for(self.dtype, self.device, in_features, out_features, gelu, calibrate)
+        """The layout a weight matrix of this shape is stored in for torch's products (decode.models.projection): the
+        calibrated one, but for oneDNN's prepacked one where the layers compile (inductor does not lower its product
+        over a varying number of rows)."""
+        chosen = layout_for(self.dtype, self.device, in_features, out_features, gelu, calibrate)
+        return default_layout(self.dtype) if chosen == "packed" and self.compile_layers else chosen
 
     def pads_rows(self) -> bool:
         """Whether torch's products pad a prompt's rows (oneDNN builds a kernel per row count in bfloat16 on a CPU)."""
