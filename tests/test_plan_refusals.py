@@ -120,6 +120,22 @@ def test_a_plan_measured_with_cuda_graphs_is_used_only_with_them(planned, models
     assert "cuda_graphs True" in capsys.readouterr().err
 
 
+def test_a_plan_made_without_compiled_layers_is_refused_with_them_on_a_gpu(planned, monkeypatch):
+    path, args = planned["path"], planned["args"]
+    compiled = run.parse(args + ["--plan", str(path), "--compile-layers"]).options
+    assert compiled.compile_layers and plan_file.load_plan(path, compiled) == planned["plan"]["policies"]  # a CPU's
+    monkeypatch.setattr(plan_file, "device_name", lambda device: planned["plan"]["identity"]["device"])
+    on_gpu = dataclasses.replace(compiled, device="cuda")
+    with pytest.raises(InputError, match=r"compile_layers False \(now True\)") as refused:
+        plan_file.load_plan(path, on_gpu)
+    assert "--compile-layers" in str(refused.value)
+    older = json.loads(path.read_text())
+    del older["identity"]["compile_layers"]  # a plan written before the setting: made without them
+    older["identity"]["cuda_graphs"] = True
+    path.write_text(json.dumps(older))
+    assert plan_file.load_plan(path, dataclasses.replace(on_gpu, compile_layers=False)) == planned["plan"]["policies"]
+
+
 def test_tree_methods_without_a_plan_say_what_they_draft_on_this_device(planned, models, tmp_path, capsys, caplog):
     """Without a plan on a CPU, staged drafts the draft's chain (the shape plans choose there) and the tree method a
     tree sized for a CPU; both say so, with the command that plans them. A tree sized by hand stays as typed."""
