@@ -164,13 +164,17 @@ def engine_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+# The ways a GPU's bench_engine result times the forwards again, by the key of their entries (generation_with_KEY,
+# forward_ms_with_KEY), and as its tables name them
+REPLAYED = {"cuda_graphs": "with CUDA graphs", "compiled_layers": "with CUDA graphs and compiled layers"}
+
+
 def graphs_markdown(result: dict) -> str:
     """decode.bench_engine's result on a GPU: greedy decoding's time a token against transformers' generate, with and
     without CUDA graphs (and with them and compiled layers, where measured), then a table per model of a forward's
     milliseconds by new nodes q, each way (a way's decoding time where the result holds it)."""
     generation = result["generation"]
-    ways = {key: way for key, way in (("cuda_graphs", "with CUDA graphs"), ("compiled_layers", "with CUDA graphs and compiled layers"))
-            if f"forward_ms_with_{key}" in result}
+    ways = {key: way for key, way in REPLAYED.items() if f"forward_ms_with_{key}" in result}
     with_graphs = "".join(f"; {way} {result[f'generation_with_{key}']['ours_ms_per_token']:.2f} ms" for key, way in ways.items()
                           if f"generation_with_{key}" in result)
     lines = [f"- {result['dtype']} on {result['machine']}, {result['date']}{built_with(result)}: greedy decoding "

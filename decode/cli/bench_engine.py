@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from decode.atomic import FILE, check_output, write_json
+from decode.benchmarking.result_markdown import REPLAYED
 from decode.benchmarking.tables import curve_rows, table_row
 from decode.cli.help import HelpFormatter
 from decode.devices import check_device, device_name, machine_name
@@ -96,10 +97,6 @@ def generation_latency(model_dir, prompts: list[str], new_tokens: int, dtype: st
             "speedup": (hf_s / hf_n) / (ours_s / ours_n), "identical_outputs": f"{agree}/{len(prompts)}"}, outputs
 
 
-# the result's keys for measurement 5, by whether the layers were compiled: generation_with_..., forward_ms_with_...
-REPLAYED = {False: "cuda_graphs", True: "compiled_layers"}
-
-
 def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[int]], costs: dict,
                      compile_layers: bool = False) -> dict:
     """Greedy decoding and the forward costs again with each forward replayed as a CUDA graph (its layers compiled
@@ -111,7 +108,8 @@ def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[i
     runs = [greedy(engine, ids, args.max_new_tokens) for ids in prompts]
     ms_per_token = 1e3 * sum(seconds for _, seconds in runs) / sum(len(tokens) for tokens, _ in runs)
     same = sum(tokens == before for (tokens, _), before in zip(runs, outputs))
-    way, short = ("with CUDA graphs and compiled layers", "compiled") if compile_layers else ("with CUDA graphs", "graphs")
+    key, short = ("compiled_layers", "compiled") if compile_layers else ("cuda_graphs", "graphs")
+    way = REPLAYED[key]
     print(f"\n{way}: ours {ms_per_token:.2f} ms/token (without {latency['ours_ms_per_token']:.2f}: "
           f"{latency['ours_ms_per_token'] / ms_per_token:.2f}x), outputs identical to those without: {same}/{len(texts)}")
     models = {args.model: engine} | shaped_models(args, cuda_graphs=True, compile_layers=compile_layers)
@@ -119,7 +117,6 @@ def with_cuda_graphs(args, texts: list[str], latency: dict, outputs: list[list[i
     for name, row in graphed.items():
         print(table_row(name, row))
         print(table_row(f"  with {short} / without", {q: ms / costs[name][q] for q, ms in row.items()}))
-    key = REPLAYED[compile_layers]
     return {f"generation_with_{key}": {"ours_ms_per_token": ms_per_token, "identical_to_without": f"{same}/{len(texts)}"},
             f"forward_ms_with_{key}": graphed}
 
@@ -262,7 +259,7 @@ def main(argv=None) -> dict:
           f"right after a q=1 forward, {host['again']:.1f} us again ({host['after a forward'] / host['again']:.1f}x)")
     result["host_work_us"] = host
     if isinstance(engine.runtime, CudaRuntime):
-        for compile_layers in (False, True)[: 1 + args.compile_layers]:
+        for compile_layers in (False, True) if args.compile_layers else (False,):
             result |= with_cuda_graphs(args, texts, latency, outputs, result["forward_ms"], compile_layers)
     if args.out:
         write_json(args.out, result, args.overwrite)

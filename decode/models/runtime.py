@@ -49,11 +49,12 @@ def host_kernels() -> StepKernels:
     return NativeKernels() if native.module() is not None else PortableKernels()
 
 
-# How a layer is compiled: no duck sizing (sizes equal when first traced taken for one symbol, as a bucket of 2 rows
-# for the cache's 2 planes: a later bucket recompiled in the middle of a decoding), and room for every variant that
-# an oracle's and a draft's layers trace (one row or more, a mask or none, slots as a range or a tensor, each model's
-# own constants) before torch falls back to running them uncompiled
-SHAPES_CONFIG, DYNAMO_CONFIG = {"use_duck_shape": False}, {"recompile_limit": 64}
+# How a layer is compiled, set for the process as the first layer compiles (torch reads these only as it traces, so
+# that a call costs nothing more; a decoding process compiles nothing else): no duck sizing (sizes equal when first
+# traced taken for one symbol, as a bucket of 2 rows for the cache's 2 planes: a later bucket recompiled in the middle
+# of a decoding), and room for every variant that an oracle's and a draft's layers trace (one row or more, a mask or
+# none, slots as a range or a tensor, each model's own constants) before torch falls back to running them uncompiled
+RECOMPILE_LIMIT = 64
 
 
 @functools.cache
@@ -61,13 +62,9 @@ def compiled(block: Callable) -> Callable:
     """`block` through torch.compile, its shapes symbolic: the rows and cached slots of every forward share a graph."""
     native.note_once("the lean engine's layers compile (torch.compile) as they first run: the first forwards take tens "
                      "of seconds, later starts read inductor's cache")
-    function = torch.compile(block, dynamic=True)
-
-    def layer(*args):
-        with torch.fx.experimental._config.patch(**SHAPES_CONFIG), torch._dynamo.config.patch(**DYNAMO_CONFIG):
-            return function(*args)
-
-    return layer
+    torch.fx.experimental._config.use_duck_shape = False
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(block, dynamic=True)
 
 
 def torch_mover(cache: torch.Tensor) -> Mover:
