@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.errors import InputError
+from decode.errors import InputError, first_line
 from decode.machine import AVX2_ALONE, cpu_features, cpu_name, taken_as_avx2
 
 
@@ -84,3 +84,28 @@ def machine_name(device: torch.device) -> str:
         return device_name(device)
     features = cpu_features(actual=True) + (f", {AVX2_ALONE}" if taken_as_avx2() else "")
     return f"{cpu_name()}" + (f" ({features})" if features else "") + f", {torch.get_num_threads()} threads"
+
+
+def check_compiler(device: str, flags: list[str], instead: str) -> None:
+    """torch.compile builds its kernels as a compiled function first runs: C++ on a CPU, Triton's on a GPU. Where it
+    cannot, say so now in one line naming `flags` (what asked for it) and `instead` (how to do without), rather than
+    fail at the first forward with torch's traceback."""
+    if not flags:
+        return
+    need = "needs" if len(flags) == 1 else "need"
+    if torch.device(device).type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise InputError(f"{' and '.join(flags)} {need} Triton on a GPU (pip install triton); or {instead}")
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.exc import InvalidCxxCompiler
+    except ImportError:
+        return  # a torch without this check: its compile reports for itself
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler as err:
+        raise InputError(f"{' and '.join(flags)} {need} a C++ compiler on a CPU ({first_line(err)}); install one "
+                         f"(g++), or {instead}") from None

@@ -5,7 +5,7 @@ from argparse import BooleanOptionalAction
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from decode.devices import CPU, CPU_CHAIN, GPU, check_device, kind
+from decode.devices import CPU, CPU_CHAIN, GPU, check_compiler, check_device, kind
 from decode.errors import InputError
 from decode.models.precision import auto_dtype
 from decode.models.quantized import FORMATS
@@ -129,6 +129,7 @@ class DecoderOptions:
         if self.draft_vocab != 0 and self.draft_vocab < MIN_DRAFT_VOCAB:
             raise InputError(f"--draft-vocab {self.draft_vocab}: use 0 (the whole vocabulary) or at least {MIN_DRAFT_VOCAB} tokens")
         check_device(self.device)
+        check_compiler(self.device, ["--compile-layers"] if self.compile_layers else [], "leave out --compile-layers")
         budget, widths = default_tree(self.device)
         dtype = self.dtype if self.dtype != "auto" else auto_dtype(self.device, None, self.oracle)[0]
         return replace(self, budget=budget if self.budget is None else self.budget,

@@ -85,3 +85,18 @@ def test_compiled_layers_store_a_calibrated_prepacked_matrix_unpacked(models, mo
     ids = torch.randint(1, 97, (12,), generator=torch.Generator().manual_seed(1))
     reference = plain.extend(ids)
     torch.testing.assert_close(compiled.extend(ids), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+
+
+def test_compiling_layers_without_a_cpp_compiler_is_a_one_line_error(models, tmp_path, capsys):
+    """On a CPU the layers compile C++ as they first run: without a compiler decode.run refuses --compile-layers in
+    one line, before it loads a model."""
+    from torch._inductor import config
+
+    from decode.cli import run
+
+    with config.patch({"cpp.cxx": (None, str(tmp_path / "no-such-g++"))}), pytest.raises(SystemExit) as exited:
+        run.main(["--oracle", str(models[0]), "--method", "baseline", "--prompt", "x", "--compile-layers"])
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2
+    assert "--compile-layers needs a C++ compiler on a CPU" in message and "leave out --compile-layers" in message
+    run.main(["--oracle", str(models[0]), "--method", "baseline", "--prompt", "x", "--max-new-tokens", "2"])  # without it

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from data.shards import open_split, read_meta, token_counts
 from decode.atomic import atomic_output
+from decode.devices import check_compiler
 from decode.errors import InputError, check_path, first_line, written
 from decode.models.loading import TOKEN_COUNTS
 from decode.models.pretrained import load_causal_lm
@@ -229,31 +230,15 @@ def keep_freed_memory() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # ... up to 2 GB free at its top before it shrinks
 
 
-def check_compiler(args: TrainArgs) -> None:
-    """torch.compile on a CPU writes and builds C++ at the first step: where no compiler works, say so before
-    anything is written, naming the flags that turn it off."""
-    flags = [f"--{name.replace('_', '-')}" for name in ("compile", "compile_loss") if getattr(args, name, False)]
-    if not flags or torch.cuda.is_available():
-        return
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-        from torch._inductor.exc import InvalidCxxCompiler
-    except ImportError:
-        return  # a torch without this check: its compile reports for itself
-    try:
-        get_cpp_compiler()
-    except InvalidCxxCompiler as err:
-        raise InputError(f"{' and '.join(flags)} {'need' if len(flags) > 1 else 'needs'} a C++ compiler on a CPU "
-                         f"({first_line(err)}); install one (g++), "
-                         f"or pass {' '.join(flag + ' False' for flag in flags)}") from None
-
-
 def start_run(args: TrainArgs) -> Run:
     """Check the compiler, the output and the data, load the data's tokenizer, seed, keep freed memory, and make
     the accelerator."""
     from accelerate.utils import set_seed
 
-    check_compiler(args)
+    # torch.compile builds its kernels at the first step: checked before anything is written
+    flags = [f"--{name.replace('_', '-')}" for name in ("compile", "compile_loss") if getattr(args, name, False)]
+    check_compiler("cuda" if torch.cuda.is_available() else "cpu", flags,
+                   f"pass {' '.join(flag + ' False' for flag in flags)}")
     work_dir = check_output(args)
     meta, train_tokens, val_tokens = load_data(args)
     tokenizer = data_tokenizer(args, meta)

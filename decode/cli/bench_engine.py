@@ -30,7 +30,7 @@ from decode.atomic import FILE, check_output, write_json
 from decode.benchmarking.result_markdown import REPLAYED
 from decode.benchmarking.tables import curve_rows, table_row
 from decode.cli.help import HelpFormatter
-from decode.devices import check_device, device_name, machine_name
+from decode.devices import check_compiler, check_device, device_name, machine_name
 from decode.errors import InputError, exits_on_input_error
 from decode.loop import baseline
 from decode.models.engine import dequantized_checkpoint, read_config
@@ -199,6 +199,7 @@ def parse(argv) -> argparse.Namespace:
         if spec not in SHAPES:
             projection_shape(spec, "--shape")  # refused here, in one line, before anything runs
     check_device(args.device)
+    check_compiler(args.device, ["--compile-layers"] if args.compile_layers else [], "leave out --compile-layers")
     if args.dtype == "auto":
         args.dtype, why = auto_dtype(args.device, None, args.model)
         print(f"dtype: {args.dtype} ({why}; --dtype float32 or bfloat16 to choose)")
