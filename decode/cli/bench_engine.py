@@ -33,10 +33,11 @@ from decode.cli.help import HelpFormatter
 from decode.devices import check_compiler, check_device, device_name, machine_name
 from decode.errors import InputError, exits_on_input_error
 from decode.loop import baseline
-from decode.models.engine import dequantized_checkpoint, read_config
+from decode.models.engine import dequantized_checkpoint
 from decode.models.lean_engine import LeanEngine
 from decode.models.llama import SHAPES
 from decode.models.loading import lean_engine_class, lean_engine_of
+from decode.models.model_config import read_config
 from decode.models.precision import auto_dtype
 from decode.models.pretrained import load_safetensors, model_dir
 from decode.models.projection import LAYOUTS, onednn_packs

@@ -15,8 +15,8 @@ from pathlib import Path
 from decode.atomic import FILE, atomic_outputs, check_output
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, check_path, exits_on_input_error
-from decode.models.engine import read_config
 from decode.models.gguf_export import GGUF_DTYPES, write_gguf
+from decode.models.model_config import read_config
 from decode.models.pretrained import model_dir
 from decode.models.quantized import FORMATS, format_of
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from decode.atomic import MODEL, atomic_outputs, check_output
 from decode.cli.help import HelpFormatter
 from decode.errors import InputError, check_path, exits_on_input_error
-from decode.models.engine import read_config
 from decode.models.loading import load_model
+from decode.models.model_config import read_config
 from decode.models.pretrained import model_dir
 from decode.models.quality import perplexity, validation_windows
 from decode.models.quantize_model import check_quantizable, quantize_checkpoint

@@ -5,10 +5,8 @@ Why it exists: on a small model, transformers spends several milliseconds per ca
 hundreds of calls per prompt. This engine does the same arithmetic with a preallocated KV cache (decode.models.
 lean_engine, which it shares with the Llama family's).
 """
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +14,9 @@ import torch.nn.functional as F
 from decode.errors import InputError
 from decode.models.kv_slots import KVSlots
 from decode.models.lean_engine import DTYPES, SPECULATIVE_SLOTS, LeanEngine, on_device, torch_weights_on_first_use
-from decode.models.pretrained import FUSED_GELU, RETRAIN, load_safetensors
+from decode.models.pretrained import FUSED_GELU
 from decode.models.projection import LAYOUTS, Projection
-from decode.models.quantized import Format, QuantizedMatrix, checkpoint_blocks, split_checkpoint
+from decode.models.quantized import Format, QuantizedMatrix, split_checkpoint
 from decode.models.runtime import Runtime, runtime_for
 from decode.shortlist import Shortlist
 from decode.tensors import Ids, as_tensor
@@ -45,52 +43,6 @@ class GPT2Shape:
     @property
     def kv_width(self) -> int:
         return self.n_embd
-
-
-def read_config(model_dir, tokens: int | None = None) -> dict:
-    """A model directory's config.json; its vocabulary the first `tokens` rows where given (a config that pads the
-    tokenizer's: loading.token_rows)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise InputError(f"{model_dir} is not a model directory (no config.json); pass a directory written by save_pretrained")
-    try:
-        config = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"{path} is not a valid JSON config ({err}); {RETRAIN}") from None
-    if not isinstance(config, dict):
-        raise InputError(f"{path} is not a model config (a JSON object); {RETRAIN}")
-    check_shape_fields(config, path)
-    return config if tokens is None else config | {"vocab_size": min(tokens, config["vocab_size"])}
-
-
-# The sizes the lean engines read from a config of each model_type they run (save_pretrained writes them all), and
-# those they read where present
-LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-SHAPE_FIELDS = {"gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
-                "llama": LLAMA_FIELDS, "qwen2": LLAMA_FIELDS, "mistral": LLAMA_FIELDS}
-OPTIONAL_SHAPE_FIELDS = ("n_inner", "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
-
-
-def check_shape_fields(config: dict, path: Path) -> None:
-    """InputError naming the first size a lean engine reads that the config lacks or gives as anything but a positive
-    integer, or heads that do not divide what they split; other model types are transformers' to check."""
-    needed = SHAPE_FIELDS.get(str(config.get("model_type")))
-    if needed is None:
-        return
-    for name in needed + tuple(f for f in OPTIONAL_SHAPE_FIELDS if config.get(f) is not None):
-        value = config.get(name)
-        if type(value) is not int or value < 1:
-            got = "is missing" if name not in config else f"is {json.dumps(value)[:40]}"
-            raise InputError(f"{path}: {name} {got}, where a {config['model_type']} config gives a positive integer; "
-                             f"{RETRAIN}")
-    if config["model_type"] == "gpt2":
-        pairs = [("n_embd", "n_head")]
-    else:
-        pairs = [("hidden_size", "num_attention_heads")]  # (transformers' own check, a head_dim given or not)
-        pairs += [("num_attention_heads", "num_key_value_heads")] * (config.get("num_key_value_heads") is not None)
-    for whole, parts in pairs:
-        if config[whole] % config[parts]:
-            raise InputError(f"{path}: {whole} {config[whole]} is not a multiple of {parts} {config[parts]}; {RETRAIN}")
 
 
 def is_lean_compatible(config: dict) -> bool:
@@ -251,34 +203,19 @@ class GPT2Engine(LeanEngine):
         return cls(shape, weights["wpe.weight"], make_torch_weights, layouts, (weights["ln_f.weight"], weights["ln_f.bias"]),
                    kv, max_length, runtime, shortlist)
 
-    @classmethod
-    def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
-             layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
-             native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None,
-             quantization: Format | None = None, compile_layers: bool = False) -> "GPT2Engine":
-        """As LeanEngine.load; a quantized checkpoint (decode.quantize) computes with its blocks, and so does a 16-bit
-        one with a `quantization`, its matrices quantized as it loads."""
-        config = read_config(model_dir, tokens)
+    @staticmethod
+    def why_not(config: dict) -> str | None:
+        if config.get("model_type") != "gpt2":
+            return f"its model_type {config.get('model_type')!r} is not gpt2"
         if not is_lean_compatible(config):
-            raise InputError(
-                f"{model_dir} holds a {config.get('model_type')!r} model the lean GPT-2 engine does not implement; "
-                f"use the transformers backend (--backend hf)"
-            )
-        blocks = checkpoint_blocks(model_dir, config, quantization)
-        if blocks is None:
-            return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
-                             shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir),
-                             compile_layers=compile_layers)
-        fmt, tensors = blocks
-        dense, quantized = split_checkpoint(tensors(), fmt, model_dir)
-        missing = sorted({"wte.weight", *(f"h.{i}.{name}.weight" for i in range(config["n_layer"]) for name in LINEAR)}
-                         - set(quantized))
-        if missing:
-            raise InputError(f"{model_dir} is a {fmt.name} checkpoint without quantized {', '.join(missing[:3])}"
-                             f"{' ...' if len(missing) > 3 else ''}; quantize the 16-bit model again (python -m decode.quantize)")
-        return cls.build(config, dense, dtype, device, max_length, layout, cuda_graphs, shortlist, native_blocks,
-                         calibrate, reload=lambda: dequantized_checkpoint(tensors(), fmt, model_dir), quantized=quantized,
-                         compile_layers=compile_layers)
+            return "its GPT-2 options (activation, attention variants or an untied head) are not the ones the lean engine implements"
+        return None
+
+    @staticmethod
+    def quantized_names(config: dict) -> list[str]:
+        return ["wte.weight", *(f"h.{i}.{name}.weight" for i in range(config["n_layer"]) for name in LINEAR)]
+
+    dequantized_checkpoint = staticmethod(dequantized_checkpoint)
 
     def torch_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                      slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:

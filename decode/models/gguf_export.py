@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from decode.errors import InputError
-from decode.models.engine import is_lean_compatible, read_config
+from decode.models.engine import is_lean_compatible
 from decode.models.llama import LlamaShape, rope_type, rotary_inverse_frequencies, unsupported
+from decode.models.model_config import read_config
 from decode.models.pretrained import load_safetensors
 from decode.models.quantized import FORMATS, Format, QuantizedMatrix, checkpoint_blocks, format_of, split_checkpoint
 from decode.tokenizer import load_tokenizer, start_ids

@@ -6,7 +6,8 @@ The cache holds `length` committed positions followed by `pending` speculative o
 tree: the caller gives positions and a mask over the pending slots plus the new nodes; committed positions are always
 visible), appends their keys/values to the speculative region, and returns their logits. `commit` keeps an ordered
 subset of the speculative slots (the accepted path) and drops the rest. Each architecture (decode.models.engine's
-GPT-2, decode.models.llama's Llama family) gives its weights and torch's forward (`torch_logits`).
+GPT-2, decode.models.llama's Llama family) gives its weights, torch's forward (`torch_logits`) and which configs
+it runs (`why_not`).
 """
 import copy
 from collections.abc import Callable
@@ -14,9 +15,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from decode.errors import InputError
 from decode.models.cached_lm import CachedLM, Call, ChainCall
 from decode.models.kv_slots import KVSlots
-from decode.models.quantized import Format
+from decode.models.model_config import read_config
+from decode.models.pretrained import load_safetensors
+from decode.models.quantized import Format, QuantizedMatrix, checkpoint_blocks, split_checkpoint
 from decode.models.runtime import Runtime
 from decode.sampling import Sparse
 from decode.shortlist import Shortlist
@@ -78,7 +82,50 @@ class LeanEngine(CachedLM):
         """From a save_pretrained directory (safetensors); its output over the first `tokens` rows only, where
         given (a config whose vocabulary pads the tokenizer's: see loading.token_rows); its matrices in
         `quantization`'s blocks, quantized as it loads, where given (a quantized checkpoint's are in its own); torch's
-        forward computes its layers through torch.compile with `compile_layers`."""
+        forward computes its layers through torch.compile with `compile_layers`. The rest as `build`."""
+        config = read_config(model_dir, tokens)
+        why = cls.why_not(config)
+        if why:
+            raise InputError(f"{model_dir} cannot run on the lean engine: {why}; use the transformers backend (--backend hf)")
+
+        def build(weights: dict, reload: Callable[[], dict], quantized: dict | None = None) -> "LeanEngine":
+            return cls.build(config, weights, dtype, device, max_length, layout, cuda_graphs, shortlist, native_blocks,
+                             calibrate, reload=reload, quantized=quantized, compile_layers=compile_layers)
+
+        blocks = checkpoint_blocks(model_dir, config, quantization)
+        if blocks is None:
+            return build(load_safetensors(model_dir), lambda: load_safetensors(model_dir))
+        fmt, tensors = blocks
+        dense, quantized = split_checkpoint(tensors(), fmt, model_dir)
+        missing = sorted(set(cls.quantized_names(config)) - set(quantized))
+        if missing:
+            raise InputError(f"{model_dir} is a {fmt.name} checkpoint without quantized {', '.join(missing[:3])}"
+                             f"{' ...' if len(missing) > 3 else ''}; quantize the 16-bit model again (python -m decode.quantize)")
+        return build(dense, lambda: cls.dequantized_checkpoint(tensors(), fmt, model_dir), quantized)
+
+    @classmethod
+    def build(cls, config: dict, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
+              max_length: int | None = None, layout: str | None = None, cuda_graphs: bool = False,
+              shortlist: Shortlist | None = None, native_blocks: bool = False, calibrate: bool = False,
+              reload: Callable[[], dict[str, torch.Tensor]] | None = None,
+              quantized: dict[str, QuantizedMatrix] | None = None, compile_layers: bool = False) -> "LeanEngine":
+        """A model of this config from its weights as a Hugging Face checkpoint names them (the quantized ones in
+        `quantized`), run by the device's runtime."""
+        raise NotImplementedError
+
+    @staticmethod
+    def why_not(config: dict) -> str | None:
+        """Why this engine cannot run a model of this config (None: it can): the feature named as config.json names it."""
+        raise NotImplementedError
+
+    @staticmethod
+    def quantized_names(config: dict) -> list[str]:
+        """The matrices a quantized checkpoint of this config holds in blocks at the least."""
+        raise NotImplementedError
+
+    @staticmethod
+    def dequantized_checkpoint(tensors: dict[str, torch.Tensor], fmt: Format, where) -> dict[str, torch.Tensor]:
+        """A quantized checkpoint's tensors (read from `where`), every matrix dequantized to float32."""
         raise NotImplementedError
 
     def torch_weights(self) -> tuple:

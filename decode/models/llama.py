@@ -15,12 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from decode.errors import InputError
-from decode.models.engine import read_config
 from decode.models.kv_slots import KVSlots
 from decode.models.lean_engine import DTYPES, SPECULATIVE_SLOTS, LeanEngine, on_device, torch_weights_on_first_use
-from decode.models.pretrained import load_safetensors
 from decode.models.projection import LAYOUTS, Projection
-from decode.models.quantized import Format, QuantizedMatrix, checkpoint_blocks, split_checkpoint
+from decode.models.quantized import Format, QuantizedMatrix, split_checkpoint
 from decode.models.runtime import runtime_for
 from decode.shortlist import Shortlist
 from decode.tensors import Ids, as_tensor
@@ -292,26 +290,9 @@ class LlamaEngine(LeanEngine):
         return cls(shape, cos, sin, weights["norm.weight"], make_torch_weights, layouts, kv_slots, max_length, runtime,
                    shortlist)
 
-    @classmethod
-    def load(cls, model_dir, dtype: str = "float32", device: str = "cpu", max_length: int | None = None,
-             layout: str | None = None, cuda_graphs: bool = False, shortlist: Shortlist | None = None,
-             native_blocks: bool = False, calibrate: bool = False, tokens: int | None = None,
-             quantization: Format | None = None, compile_layers: bool = False) -> "LlamaEngine":
-        """From a save_pretrained directory (safetensors), as GPT2Engine.load."""
-        config = read_config(model_dir, tokens)
-        blocks = checkpoint_blocks(model_dir, config, quantization)
-        if blocks is None:
-            return cls.build(config, load_safetensors(model_dir), dtype, device, max_length, layout, cuda_graphs,
-                             shortlist, native_blocks, calibrate, reload=lambda: load_safetensors(model_dir),
-                             compile_layers=compile_layers)
-        fmt, tensors = blocks
-        dense, quantized = split_checkpoint(tensors(), fmt, model_dir)
-        if "model.embed_tokens.weight" not in quantized:
-            raise InputError(f"{model_dir} is a {fmt.name} checkpoint without quantized embeddings; quantize the 16-bit "
-                             f"model again (python -m decode.quantize)")
-        return cls.build(config, dense, dtype, device, max_length, layout, cuda_graphs, shortlist, native_blocks,
-                         calibrate, reload=lambda: dequantized_checkpoint(tensors(), fmt, model_dir), quantized=quantized,
-                         compile_layers=compile_layers)
+    why_not = staticmethod(unsupported)
+    quantized_names = staticmethod(lambda config: ["model.embed_tokens.weight"])  # (its matrices: pack_checkpoint's)
+    dequantized_checkpoint = staticmethod(dequantized_checkpoint)
 
     def torch_logits(self, token_ids: Ids, position_ids: Ids, mask: torch.Tensor | None,
                      slots: slice | torch.Tensor, end: int, last: int | None = None) -> torch.Tensor:

@@ -8,10 +8,11 @@ import numpy as np
 
 from decode.errors import InputError, check_path
 from decode.models.cached_lm import CachedLM
-from decode.models.engine import GPT2Engine, is_lean_compatible, read_config
+from decode.models.engine import GPT2Engine
 from decode.models.hf_backend import HFEngine
 from decode.models.lean_engine import LeanEngine
-from decode.models.llama import LlamaEngine, unsupported
+from decode.models.llama import LlamaEngine
+from decode.models.model_config import read_config
 from decode.models.native_rows import native_forward
 from decode.models.pretrained import model_dir
 from decode.models.quantized import Format, dtype_and_format, format_of
@@ -99,12 +100,9 @@ def load_model(directory: Path, backend: str, dtype: str, device: str, cuda_grap
 
 def lean_engine_class(config: dict) -> tuple[type[LeanEngine] | None, str | None]:
     """The lean engine that runs a model of this config (GPT-2, or the Llama family), or None and why not."""
-    if config.get("model_type") == "gpt2":
-        if is_lean_compatible(config):
-            return GPT2Engine, None
-        return None, "its GPT-2 options (activation, attention variants or an untied head) are not the ones the lean engine implements"
-    why = unsupported(config)
-    return (None, why) if why else (LlamaEngine, None)
+    engine: type[LeanEngine] = GPT2Engine if config.get("model_type") == "gpt2" else LlamaEngine
+    why = engine.why_not(config)
+    return (None, why) if why else (engine, None)
 
 
 def lean_engine_of(directory) -> type[LeanEngine]:

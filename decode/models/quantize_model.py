@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from decode.errors import InputError
-from decode.models.engine import LINEAR, is_lean_compatible, read_config
+from decode.models.engine import LINEAR, is_lean_compatible
 from decode.models.llama import LlamaShape, unsupported
+from decode.models.model_config import read_config
 from decode.models.pretrained import load_safetensors
 from decode.models.quantized import CONFIG_KEY, QUANTIZED_FILE, Format, config_entry, format_of, quantized_tensors
 
