@@ -119,8 +119,9 @@ def test_a_models_blocks_in_cpp_equal_torchs_up_to_rounding(built, monkeypatch, 
 
 
 DTYPES_AND_PRODUCTS = [("bfloat16", False), ("bfloat16", True), ("float32", False)]
-# an oracle's and a draft's shape: heads of 32 (the vector attention) and of 8 (part of a vector, or one by one)
-SHAPES = [(64, 2), (32, 4)]
+# an oracle's and a draft's shape: heads of 32 (the vector attention, or one tile step on AMX) and of 8 (part of a
+# vector, or one by one); and heads of 64, the presets' (two tile steps)
+SHAPES = [(64, 2), (32, 4), (128, 2)]
 
 
 def engine_in_cpp(made: tuple, dtype: str, tiles: bool):

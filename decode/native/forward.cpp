@@ -10,7 +10,7 @@
 // bfloat16 weight widened to float32 as it is read. A quantized model's products (Q8_0 or Q4_0 blocks, quantized.h)
 // quantize each row to int8 block by block, as llama.cpp's do, and sum its products with the weights in int32
 // (AVX-512 VNNI, AMX-INT8's tiles, or AVX2's byte products). Attention with the tree's mask runs its heads over the same
-// threads; the norms, rotary positions, softmax, GELU or SwiGLU and the residuals run a vector at a time over the rows
+// threads (a bfloat16 model's scores on AMX's tiles where its products run there); the norms, rotary positions, softmax, GELU or SwiGLU and the residuals run a vector at a time over the rows
 // in place, in float32.
 // A forward's rows may belong to several sequences, each with its own cache (the weights are read once for all of them:
 // a server's requests in flight verify their trees in one call); each sequence's rows attend to its own cache only.
@@ -183,7 +183,10 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
     const auto rows = static_cast<int64_t>(a.ids.size());
     const int64_t n_embd = m.n_embd, dim = m.head_dim, q_width = m.q_width(), kv_width = m.kv_heads * dim;
     const int64_t qkv_width = m.qkv_width(), inner = m.intermediate;
-    const Heads heads{m.heads, m.heads / m.kv_heads, qkv_width, q_width};
+    // AMX's tiles where asked for (tiles() sets them only where tileable()): the products', and a bfloat16 model's
+    // attention scores
+    const bool tiles = m.tiles;
+    const Heads heads{m.heads, m.heads / m.kv_heads, qkv_width, q_width, tiles && m.format == DENSE};
     const auto *wpe = static_cast<const T *>(m.wpe);
     std::vector<float> x(rows * n_embd), wide(rows * std::max({qkv_width, m.mlp_in_width(), n_embd}));
     std::vector<T> normed(rows * std::max(n_embd, q_width)), activated(rows * inner);
@@ -196,8 +199,6 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
                 for (int64_t i = 0; i < n_embd; i++) x[r * n_embd + i] += to_float(wpe[a.positions[r] * n_embd + i]);
         }
     });
-    // AMX's tiles where asked for (tiles() sets them only where tileable())
-    const bool tiles = m.tiles;
     std::vector<Attending<T>> sequences;  // each part's rows in every layer's attention: its q, k, v and its output
     for (const Part &p : a.parts)
         sequences.push_back({wide.data() + p.first * qkv_width,

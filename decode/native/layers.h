@@ -1,7 +1,8 @@
 // The parts of forward.cpp's layers that run a row at a time: layer norm and RMS norm, rotary positions, attention of
 // the new rows over the cache (its heads split over torch's threads, a tree's mask for what each row sees, query heads
-// sharing a key/value head in groups), GELU and SwiGLU, in float32 a vector at a time. A row's attention adds its
-// terms by the rank of the slots it sees, not by where they lie in the cache.
+// sharing a key/value head in groups), GELU and SwiGLU, in float32 a vector at a time (a bfloat16 model's attention
+// scores, with AMX, on its tiles). A row's attention adds its terms by the rank of the slots it sees, not by where they
+// lie in the cache.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -191,13 +192,33 @@ template <typename T>
 constexpr KeyDots KEY_DOTS[4] = {key_dots<T, 1, 4>, key_dots<T, 2, 2>, key_dots<T, 3, 1>, key_dots<T, 4, 1>};
 constexpr int64_t KEY_CHUNKS[4] = {4, 2, 1, 1};
 
+#if TILES_BUILD
+// The same for up to 16 rows on AMX's tiles (tile_sums): the rows' bfloat16 queries (`dim` apart) the tile A, and each
+// chunk's keys as across_slots lays them (an element pair a 64-byte row, 16 slots across) the tile B. A row's scores
+// are its own dot products whatever the rows and slots beside it.
+template <int C>
+AMX_TARGET void tiled_key_dots(const bf16 *queries, int64_t dim, const __m512i *keys, int64_t m, float *scores,
+                               int64_t end, int64_t count, TileRows &configured) {
+    alignas(64) float sums[C][16 * 16];
+    configure_tiles(one_pass(m), configured);
+    tile_sums<C>(queries, dim * sizeof(bf16), dim, [&](int c, int64_t k) { return keys + c * KEY_WIDTH + k / 2; }, sums);
+    for (int c = 0; c < C; c++)
+        for (int64_t r = 0; r < m; r++)
+            _mm512_mask_storeu_ps(scores + r * end + 16 * c, first_lanes(count - 16 * c), _mm512_load_ps(sums[c] + 16 * r));
+}
+
+using TiledKeyDots = void (*)(const bf16 *, int64_t, const __m512i *, int64_t, float *, int64_t, int64_t, TileRows &);
+constexpr TiledKeyDots TILED_KEY_DOTS[4] = {tiled_key_dots<1>, tiled_key_dots<2>, tiled_key_dots<3>, tiled_key_dots<4>};
+#endif
+
 // Scores (rows x end) of each row's query (`stride` apart) against every cached key of one head, `width` 32-bit
 // steps a key (head_dim float32 elements, or head_dim / 2 bfloat16 pairs: a multiple of 16), 64 slots at a time laid
 // across the slots (`across_slots`) for `key_dots`.
 template <typename T>
 VECTOR_TARGET void scores_across_slots(const void *queries, int64_t stride, const T *keys, int64_t rows, int64_t end,
-                                     int64_t dim, int64_t width, float scale, float *scores) {
+                                     int64_t dim, int64_t width, float scale, float *scores, bool tiles) {
     __m512i key_vectors[4 * KEY_WIDTH];
+    [[maybe_unused]] TileRows configured{};
     for (int64_t first = 0; first < end; first += 64) {
         const int64_t count = end - first, chunks = std::min<int64_t>(4, (count + 15) / 16);
         for (int64_t c = 0; c < 4; c++)  // chunks past the last slot: zeros, never stored
@@ -205,6 +226,16 @@ VECTOR_TARGET void scores_across_slots(const void *queries, int64_t stride, cons
                 across_slots(keys + (first + 16 * c) * dim, count - 16 * c, width, key_vectors + c * KEY_WIDTH);
             else
                 std::fill(key_vectors + c * KEY_WIDTH, key_vectors + c * KEY_WIDTH + width, _mm512_setzero_si512());
+#if TILES_BUILD
+        if constexpr (std::is_same_v<T, bf16>)
+            if (tiles) {  // (the queries: bfloat16, a head's row apart)
+                for (int64_t r0 = 0; r0 < rows; r0 += 16)
+                    TILED_KEY_DOTS[chunks - 1](static_cast<const bf16 *>(queries) + r0 * dim, dim, key_vectors,
+                                               std::min<int64_t>(16, rows - r0), scores + r0 * end + first, end, count,
+                                               configured);
+                continue;
+            }
+#endif
         for (int64_t r0 = 0; r0 < rows; r0 += 4) {
             const int64_t r = std::min<int64_t>(4, rows - r0);
             for (int64_t c = 0; c < chunks; c += KEY_CHUNKS[r - 1])
@@ -213,23 +244,27 @@ VECTOR_TARGET void scores_across_slots(const void *queries, int64_t stride, cons
                                    count - 16 * c, scale);
         }
     }
+#if TILES_BUILD
+    if (tiles) release_tiles();
+#endif
 }
 
-// The same with head_dim a multiple of 32: AVX-512 BF16 dot products over the query rounded to bfloat16.
+// The same with head_dim a multiple of 32: AVX-512 BF16 dot products over the query rounded to bfloat16, or with
+// `tiles` AMX's tile products (a CPU with AMX-BF16, tiles_granted()).
 VECTOR_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *keys, int64_t rows, int64_t end, int64_t dim,
-                           float scale, float *scores) {
+                           float scale, float *scores, bool tiles) {
     if (dim % 32 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
     std::vector<bf16> rounded(rows * dim);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t d = 0; d < dim; d++) rounded[r * dim + d] = to_bf16(queries[r * stride + d] * scale);
-    scores_across_slots(rounded.data(), dim / 2, keys, rows, end, dim, dim / 2, scale, scores);
+    scores_across_slots(rounded.data(), dim / 2, keys, rows, end, dim, dim / 2, scale, scores, tiles);
 }
 
-// The same over float32 keys with head_dim a multiple of 16: fused multiply-adds.
+// The same over float32 keys with head_dim a multiple of 16: fused multiply-adds (no tiles).
 VECTOR_TARGET void scores_of(const float *queries, int64_t stride, const float *keys, int64_t rows, int64_t end,
-                           int64_t dim, float scale, float *scores) {
+                           int64_t dim, float scale, float *scores, bool) {
     if (dim % 16 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
-    scores_across_slots(queries, stride, keys, rows, end, dim, dim, scale, scores);
+    scores_across_slots(queries, stride, keys, rows, end, dim, dim, scale, scores, false);
 }
 
 #else
@@ -244,7 +279,7 @@ VECTOR_TARGET inline __m256 sums_of_eight(const __m256 v[8]) {
 // Scores (rows x end) of each row's query (`stride` apart) against every cached float32 key of one head (head_dim a
 // multiple of 8), times `scale`: 8 slots at a time, each row's 8 dot products summed across their lanes at once.
 VECTOR_TARGET void scores_of(const float *queries, int64_t stride, const float *keys, int64_t rows, int64_t end,
-                             int64_t dim, float scale, float *scores) {
+                             int64_t dim, float scale, float *scores, bool = false) {
     if (dim % 8 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
     for (int64_t first = 0; first < end; first += 8) {
         const float *slots[8];  // past the last slot: the last one again, never stored
@@ -262,9 +297,9 @@ VECTOR_TARGET void scores_of(const float *queries, int64_t stride, const float *
     }
 }
 
-// The same over bfloat16 keys: widened to float32 first.
+// The same over bfloat16 keys: widened to float32 first (no tiles in this build).
 VECTOR_TARGET void scores_of(const float *queries, int64_t stride, const bf16 *keys, int64_t rows, int64_t end,
-                             int64_t dim, float scale, float *scores) {
+                             int64_t dim, float scale, float *scores, bool) {
     if (dim % 8 || dim > 128) return scores_one_by_one(queries, stride, keys, rows, end, dim, scale, scores);
     static thread_local std::vector<float> widened;
     widened.resize(end * dim);
@@ -352,9 +387,11 @@ VECTOR_TARGET void softmax(float *row, const Visibility &visible, int64_t r) {
 }
 
 // Where attention reads its queries and writes its output: each row's queries `stride` apart (its q, k, v row), its
-// output `width` apart (heads x head_dim), query head h reading key/value head h / group.
+// output `width` apart (heads x head_dim), query head h reading key/value head h / group; whether its scores run on
+// AMX's tiles (a bfloat16 model's, where its products do).
 struct Heads {
     int64_t heads, group, stride, width;
+    bool tiles;
 };
 
 // Attention of each row's query over the slots it sees through one query head, into its columns of out (rows x
@@ -365,7 +402,7 @@ VECTOR_TARGET void head_attention(const float *qkv, const Cache<T> &cache, int64
                                   float *sums) {
     const int64_t dim = cache.head_dim, end = visible.end, kv_head = head / shape.group;
     scores_of(qkv + head * dim, shape.stride, cache.at(0, layer, kv_head, 0), rows, end, dim,
-              1.0f / std::sqrt(static_cast<float>(dim)), scores);
+              1.0f / std::sqrt(static_cast<float>(dim)), scores, shape.tiles);
     for (int64_t r = 0; r < rows; r++) {
         float *row = scores + r * end;
         for (int64_t slot = visible.open(r); slot < end; slot++)

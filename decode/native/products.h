@@ -250,6 +250,39 @@ AMX_TARGET inline void store_sums(const float *sums, const Linear<bf16> &w, floa
                               _mm512_add_ps(_mm512_load_ps(sums + 16 * r), bias));
 }
 
+// The tile products of up to 16 rows with B (up to 4) blocks of 16 columns, their sums stored into `sums` (a block's
+// 16 x 16 float32): the rows (`a`, `stride` bytes apart), 32 inputs at a time, in tile 4; the step's tile of block j
+// (`tile_b(j, k)`: 16 rows of 64 bytes, input pairs k / 2.. by 16 columns) in tiles 5 and 6 in turn; block j's sums in
+// tile j (one_pass's configuration).
+template <int B, typename TileB>
+AMX_TARGET inline void tile_sums(const bf16 *a, int64_t stride, int64_t in, TileB tile_b, float (*sums)[16 * 16]) {
+    _tile_zero(0);
+    if constexpr (B > 1) _tile_zero(1);
+    if constexpr (B > 2) _tile_zero(2);
+    if constexpr (B > 3) _tile_zero(3);
+    for (int64_t k = 0; k < in; k += 32) {
+        _tile_loadd(4, a + k, stride);
+        _tile_loadd(5, tile_b(0, k), 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if constexpr (B > 1) {
+            _tile_loadd(6, tile_b(1, k), 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if constexpr (B > 2) {
+            _tile_loadd(5, tile_b(2, k), 64);
+            _tile_dpbf16ps(2, 4, 5);
+        }
+        if constexpr (B > 3) {
+            _tile_loadd(6, tile_b(3, k), 64);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+    }
+    _tile_stored(0, sums[0], 64);
+    if constexpr (B > 1) _tile_stored(1, sums[1], 64);
+    if constexpr (B > 2) _tile_stored(2, sums[2], 64);
+    if constexpr (B > 3) _tile_stored(3, sums[3], 64);
+}
+
 // Rows r0..r0 + m (m <= 16) of y over B blocks from block b0 in one pass.
 template <int B>
 AMX_TARGET void tiled_pass(const bf16 *x, const Linear<bf16> &w, float *y, int64_t r0, int64_t m, int64_t b0,
@@ -258,31 +291,8 @@ AMX_TARGET void tiled_pass(const bf16 *x, const Linear<bf16> &w, float *y, int64
     const bf16 *weights = w.packed + b0 * steps * 32;
     alignas(64) float sums[B][16 * 16];
     configure_tiles(one_pass(m), configured);
-    _tile_zero(0);
-    if constexpr (B > 1) _tile_zero(1);
-    if constexpr (B > 2) _tile_zero(2);
-    if constexpr (B > 3) _tile_zero(3);
-    for (int64_t k = 0; k < w.in; k += 32) {
-        _tile_loadd(4, x + r0 * w.in + k, w.in * sizeof(bf16));
-        _tile_loadd(5, weights + k * 16, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if constexpr (B > 1) {
-            _tile_loadd(6, weights + steps * 32 + k * 16, 64);
-            _tile_dpbf16ps(1, 4, 6);
-        }
-        if constexpr (B > 2) {
-            _tile_loadd(5, weights + 2 * steps * 32 + k * 16, 64);
-            _tile_dpbf16ps(2, 4, 5);
-        }
-        if constexpr (B > 3) {
-            _tile_loadd(6, weights + 3 * steps * 32 + k * 16, 64);
-            _tile_dpbf16ps(3, 4, 6);
-        }
-    }
-    _tile_stored(0, sums[0], 64);
-    if constexpr (B > 1) _tile_stored(1, sums[1], 64);
-    if constexpr (B > 2) _tile_stored(2, sums[2], 64);
-    if constexpr (B > 3) _tile_stored(3, sums[3], 64);
+    tile_sums<B>(x + r0 * w.in, w.in * sizeof(bf16), w.in,
+                 [&](int j, int64_t k) { return weights + j * steps * 32 + k * 16; }, sums);
     for (int j = 0; j < B; j++) store_sums(sums[j], w, y, r0, m, b0 + j);
 }
 
