@@ -283,10 +283,10 @@ class Blocks:
 
     @property
     def tiles(self) -> bool:
-        """Whether the products run on AMX's tiles (where can_tile: until decode.models.native_rows measures which
-        of the two runs faster here) or as vector dot products. Each gives a row the same logits whatever the
-        forward's other rows; a bfloat16 model's two differ in rounding, a quantized model's sum in integers and
-        agree bit for bit."""
+        """Whether the products (and a bfloat16 model's attention scores) run on AMX's tiles (where can_tile: until
+        decode.models.native_rows measures which of the two runs faster here) or as vector dot products. Each gives a
+        row the same logits whatever the forward's other rows; a bfloat16 model's two differ in rounding, a quantized
+        model's sum in integers and agree bit for bit."""
         return self._tiles
 
     @tiles.setter
