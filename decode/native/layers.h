@@ -218,7 +218,9 @@ template <typename T>
 VECTOR_TARGET void scores_across_slots(const void *queries, int64_t stride, const T *keys, int64_t rows, int64_t end,
                                      int64_t dim, int64_t width, float scale, float *scores, bool tiles) {
     __m512i key_vectors[4 * KEY_WIDTH];
-    [[maybe_unused]] TileRows configured{};
+#if TILES_BUILD
+    [[maybe_unused]] TileRows configured{};  // where the scores run on the tiles
+#endif
     for (int64_t first = 0; first < end; first += 64) {
         const int64_t count = end - first, chunks = std::min<int64_t>(4, (count + 15) / 16);
         for (int64_t c = 0; c < 4; c++)  // chunks past the last slot: zeros, never stored
