@@ -175,11 +175,11 @@ template <typename T>
 constexpr const Tile<T> *TILES[6] = {TILE_ROW<T, 1>, TILE_ROW<T, 2>, TILE_ROW<T, 3>, TILE_ROW<T, 4>, TILE_ROW<T, 5>,
                                      TILE_ROW<T, 6>};
 
-// y (rows x out, float32) = x (rows x in) @ W + bias over the (up to) 64 output columns from block b0: every row, a
-// tile's rows at a time, over the group's weights while they stay in cache.
+// y (rows x out, float32) = x (rows x in) @ W + bias over the (up to) 64 output columns from block b0 (of 16 columns)
+// to block `end`: every row, a tile's rows at a time, over the group's weights while they stay in cache.
 template <typename T>
-void product_columns(const Input<T> *x, const Linear<T> &w, float *y, int64_t rows, int64_t b0) {
-    const int64_t all = (w.out + 15) / 16, blocks = std::min<int64_t>(4, all - b0), steps = w.in / ROWS_A_STEP<T>;
+void product_columns(const Input<T> *x, const Linear<T> &w, float *y, int64_t rows, int64_t b0, int64_t end) {
+    const int64_t all = (w.out + 15) / 16, blocks = std::min<int64_t>(4, end - b0), steps = w.in / ROWS_A_STEP<T>;
     for (int64_t r0 = 0; r0 < rows; r0 += ROWS_A_TILE<T>) {
         const int64_t r = std::min<int64_t>(ROWS_A_TILE<T>, rows - r0), step = BLOCKS_A_TILE<T>[r - 1];
         // the last pass over the group's rows fetches the weights read next: the next tile's blocks where one pass
@@ -193,7 +193,7 @@ void product_columns(const Input<T> *x, const Linear<T> &w, float *y, int64_t ro
     }
 }
 
-// Multiply-adds past which a product's column groups are split among torch's threads: waking them costs a few
+// Multiply-adds past which a product's column blocks are split among torch's threads: waking them costs a few
 // microseconds, a product of this size some tens.
 constexpr int64_t PARALLEL_WORK = 1 << 18;
 
@@ -391,26 +391,27 @@ VECTOR_TARGET const Input<T> *as_input(const T *x, int64_t elements, std::vector
 }
 
 // y (rows x out, float32) = x (rows x in) @ W + bias; on AMX's tiles with `tiles` (a bfloat16 model, `in` a multiple
-// of 32, tiles_granted()).
+// of 32, tiles_granted()). The threads share the columns in blocks of 16, each taking its run of blocks 4 at a time:
+// shared in groups of 4 blocks, an output of 9 groups (SmolLM2's 576) kept one of two threads a group longer.
 template <typename T>
 void product(const T *rows_in, const Linear<T> &w, float *y, int64_t rows, bool tiles) {
     static thread_local std::vector<float> room;
     const Input<T> *x = as_input(rows_in, rows * w.in, room);
-    const int64_t groups = (w.out + 63) / 64;
-    const int64_t grain = rows * w.in * w.out >= PARALLEL_WORK ? 1 : groups;  // a chunk this big runs in this thread
-    at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+    const int64_t blocks = (w.out + 15) / 16;
+    const int64_t grain = rows * w.in * w.out >= PARALLEL_WORK ? 1 : blocks;  // a chunk this big runs in this thread
+    at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
 #if TILES_BUILD
         if constexpr (std::is_same_v<T, bf16>) {
             if (tiles) {
                 TileRows configured{};
-                for (int64_t g = first; g < last; g++)
-                    TILED[std::min<int64_t>(4, (w.out + 15) / 16 - 4 * g) - 1](x, w, y, rows, 4 * g, configured);
+                for (int64_t b = first; b < last; b += 4)
+                    TILED[std::min<int64_t>(4, last - b) - 1](x, w, y, rows, b, configured);
                 release_tiles();
                 return;
             }
         }
 #endif
-        for (int64_t g = first; g < last; g++) product_columns(x, w, y, rows, 4 * g);
+        for (int64_t b = first; b < last; b += 4) product_columns(x, w, y, rows, b, last);
     });
 }
 

@@ -271,11 +271,12 @@ template <int F>
 constexpr const QuantizedTile<F> *QUANTIZED_TILES[4] = {QUANTIZED_TILE_ROW<F, 1>, QUANTIZED_TILE_ROW<F, 2>,
                                                         QUANTIZED_TILE_ROW<F, 3>, QUANTIZED_TILE_ROW<F, 4>};
 
-// y (rows x out) = x @ W + bias over the (up to) 64 output columns from block b0: every row, a tile's rows at a
-// time, over the group's weights while they stay in cache.
+// y (rows x out) = x @ W + bias over the (up to) 64 output columns from block b0 (of 16 columns) to block `end`:
+// every row, a tile's rows at a time, over the group's weights while they stay in cache.
 template <int F>
-void quantized_columns(const QuantizedRows &x, const QuantizedLinear &w, float *y, int64_t rows, int64_t b0) {
-    const int64_t blocks = std::min<int64_t>(4, (w.out + 15) / 16 - b0);
+void quantized_columns(const QuantizedRows &x, const QuantizedLinear &w, float *y, int64_t rows, int64_t b0,
+                       int64_t end) {
+    const int64_t blocks = std::min<int64_t>(4, end - b0);
     for (int64_t r0 = 0; r0 < rows; r0 += QUANTIZED_ROWS) {
         const int64_t r = std::min<int64_t>(QUANTIZED_ROWS, rows - r0), step = QUANTIZED_BLOCKS[r - 1];
         for (int64_t b = 0; b < blocks; b += step)
@@ -401,26 +402,27 @@ constexpr TiledQuantizedColumns<F> TILED_QUANTIZED[4] = {tiled_quantized_columns
 // model, docs/profiling.md)
 constexpr int64_t QUANTIZED_TILE_ROWS = 8;
 
-// y over the column groups first..last (64 columns each) of W in format F, on AMX's tiles with `tiles`
+// y over the column blocks first..last (16 columns each) of W in format F, up to 4 at a time, on AMX's tiles with
+// `tiles`
 template <int F>
-void quantized_groups(const QuantizedRows &x, const QuantizedLinear &w, float *y, int64_t rows, int64_t first,
+void quantized_blocks(const QuantizedRows &x, const QuantizedLinear &w, float *y, int64_t rows, int64_t first,
                       int64_t last, bool tiles) {
 #if TILES_BUILD
     if (tiles) {
         int64_t configured = 0;
-        for (int64_t g = first; g < last; g++)
-            TILED_QUANTIZED<F>[std::min<int64_t>(4, (w.out + 15) / 16 - 4 * g) - 1](x, w, y, rows, 4 * g, configured);
+        for (int64_t b = first; b < last; b += 4)
+            TILED_QUANTIZED<F>[std::min<int64_t>(4, last - b) - 1](x, w, y, rows, b, configured);
         release_tiles();
         return;
     }
 #else
     (void)tiles;
 #endif
-    for (int64_t g = first; g < last; g++) quantized_columns<F>(x, w, y, rows, 4 * g);
+    for (int64_t b = first; b < last; b += 4) quantized_columns<F>(x, w, y, rows, b, last);
 }
 
 // y (rows x out, float32) = x (rows x in, the model's dtype) @ W + bias, W in `format`: the rows quantized once, the
-// column groups split among torch's threads as the other products' are; on AMX's tiles with `tiles`
+// column blocks split among torch's threads as the other products' are; on AMX's tiles with `tiles`
 // (tiles_granted(INT8_TILES)) from QUANTIZED_TILE_ROWS rows on, with the same bits.
 template <typename T>
 void quantized_product(int64_t format, const T *input, const QuantizedLinear &w, float *y, int64_t rows,
@@ -428,14 +430,14 @@ void quantized_product(int64_t format, const T *input, const QuantizedLinear &w,
     static thread_local QuantizedRows room;
     QuantizedRows &x = room;  // the caller's: a thread_local named in the lambda would be each worker thread's own
     quantize_rows(input, rows, w.in, x);
-    const int64_t groups = (w.out + 63) / 64;
-    const int64_t grain = rows * w.in * w.out >= parallel_work ? 1 : groups;
+    const int64_t blocks = (w.out + 15) / 16;
+    const int64_t grain = rows * w.in * w.out >= parallel_work ? 1 : blocks;
     const bool tiled = tiles && rows >= QUANTIZED_TILE_ROWS;
-    at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
         if (format == Q8_0)
-            quantized_groups<Q8_0>(x, w, y, rows, first, last, tiled);
+            quantized_blocks<Q8_0>(x, w, y, rows, first, last, tiled);
         else
-            quantized_groups<Q4_0>(x, w, y, rows, first, last, tiled);
+            quantized_blocks<Q4_0>(x, w, y, rows, first, last, tiled);
     });
 }
 
