@@ -15,16 +15,23 @@ from decode.errors import InputError
 from decode.models.cached_lm import CachedLM
 from decode.models.quantized import Format, QuantizedMatrix
 from decode.shortlist import Shortlist
-from decode.timing.forwards import NODE_COUNTS, by_count, forward_costs
+from decode.timing.forwards import by_count, forward_costs
 from decode.timing.kept import CACHE_DIR, cache_key, kept
 
+# The node counts a forward is timed at for planning: the powers of two, and 17, 33 and 48, past which a product
+# that takes rows in tiles of 16 (AMX's, two of them a pass over the weights) starts another tile or pass: the cost
+# steps up there (on the cpu preset's oracle with AMX, by a quarter from 32 rows to 33), which interpolating
+# between powers of two would spread over the counts below
+PLANNED_COUNTS = (1, 2, 4, 8, 16, 17, 32, 33, 48, 64)
 
-def measured_costs(model_dir, model: CachedLM, dtype: str, counts=NODE_COUNTS,
+
+def measured_costs(model_dir, model: CachedLM, dtype: str, counts=PLANNED_COUNTS,
                    cache_dir: Path | None = None, prefix: int = 128) -> tuple[dict[int, float], bool]:
     """The forward-cost table of this model on this device after `prefix` cached positions, from the cache or
     measured now; and whether it came from the cache."""
     suffix = "" if prefix == 128 else f"-after-{prefix}"
-    path = Path(cache_dir or CACHE_DIR) / f"{cache_key(model_dir, model, dtype)}-{max(counts)}{suffix}.json"
+    name = f"{cache_key(model_dir, model, dtype)}-{'-'.join(map(str, counts))}{suffix}.json"
+    path = Path(cache_dir or CACHE_DIR) / name
     costs, read = kept(path, lambda: forward_costs(model, prefix=prefix, counts=counts))
     return by_count(costs), read
 

@@ -233,7 +233,8 @@ def at_loads(tables: dict[int, dict[int, float]], largest: int, concurrency: tup
 def context_tables(model: CachedLM) -> dict[int, dict[int, float]]:
     """A model's ms per forward of each measured node count after each of the planning's cached lengths
     (costs.context_lengths), measured now."""
-    return {cached: forward_costs(model, prefix=cached, repeats=5) for cached in costs.context_lengths(model.max_length)}
+    return {cached: forward_costs(model, prefix=cached, repeats=5, counts=costs.PLANNED_COUNTS)
+            for cached in costs.context_lengths(model.max_length)}
 
 
 def projected_costs(oracle_spec: str, draft_spec: str | None, draft_keys: list[tuple[int, str]], options, sequences,
