@@ -20,8 +20,7 @@ from decode.timing.kept import CACHE_DIR, cache_key, kept
 
 # The node counts a forward is timed at for planning: the powers of two, and 17, 33 and 48, past which a product
 # that takes rows in tiles of 16 (AMX's, two of them a pass over the weights) starts another tile or pass: the cost
-# steps up there (on the cpu preset's oracle with AMX, by a quarter from 32 rows to 33), which interpolating
-# between powers of two would spread over the counts below
+# steps up there, which interpolating between powers of two would spread over the counts below (docs/planning.md)
 PLANNED_COUNTS = (1, 2, 4, 8, 16, 17, 32, 33, 48, 64)
 
 
