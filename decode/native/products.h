@@ -392,7 +392,7 @@ VECTOR_TARGET const Input<T> *as_input(const T *x, int64_t elements, std::vector
 
 // y (rows x out, float32) = x (rows x in) @ W + bias; on AMX's tiles with `tiles` (a bfloat16 model, `in` a multiple
 // of 32, tiles_granted()). The threads share the columns in blocks of 16, each taking its run of blocks 4 at a time:
-// shared in groups of 4 blocks, an output of 9 groups (SmolLM2's 576) kept one of two threads a group longer.
+// groups of 4 blocks would not share evenly (SmolLM2's 576 columns are 9 groups, 5 and 4 for two threads).
 template <typename T>
 void product(const T *rows_in, const Linear<T> &w, float *y, int64_t rows, bool tiles) {
     static thread_local std::vector<float> room;
