@@ -524,6 +524,7 @@ def test_the_run_names_the_drafts_block_format_per_method_where_the_plans_differ
              "staged": decoder("staged", "float32")}
     assert bench.weight_formats(mixed) == {"oracle": None, "draft": "q8_0 for speculative"}
     assert bench.peer_draft_format(mixed) == "q8_0"
+    assert [bench.draft_of(d.draft)["dtype"] for d in mixed.values() if d.draft is not None] == ["q8_0", "float32"]
     alike = mixed | {"staged": decoder("staged", "q8_0")}
     assert bench.weight_formats(alike) == {"oracle": None, "draft": "q8_0"}
     unquantized = {"baseline": mixed["baseline"], "staged": mixed["staged"]}

@@ -137,8 +137,9 @@ def check_outputs(records: dict[str, list[dict]], prompts: list, decoders: dict,
 
 
 def draft_of(model) -> dict:
-    """How a method's draft was loaded: its dtype (the plan may choose one other than the oracle's) and output layer."""
-    return {"dtype": str(model.dtype).removeprefix("torch."),
+    """How a method's draft was loaded: its precision as --draft-dtype names it, a block format where its weights
+    were quantized (the plan may choose one other than the oracle's), and its output layer."""
+    return {"dtype": format_name(model.runtime.quantization) or str(model.dtype).removeprefix("torch."),
             "vocabulary": f"its {len(model.shortlist)} most frequent tokens" if model.shortlist else "every token"}
 
 
