@@ -11,6 +11,7 @@ import pytest
 import torch
 from decode_models import run_models
 
+import decode.batch as batch_module
 from decode import native
 from decode.api import SpeculativeDecoder
 from decode.benchmarking import explain, llama_server, peers, tables
@@ -22,7 +23,7 @@ from decode.models.engine import GPT2Engine
 from decode.models.runtime import Runtime
 from decode.planning import costs
 from decode.sampling import Sampling
-from decode.timing import forwards
+from decode.timing import batch_steps, forwards
 from decode.timing.steps import Timer
 
 
@@ -237,6 +238,35 @@ def test_profile_step_accounts_for_every_part_of_a_step_and_reads_the_prompts_ap
     calls, steps = map(int, re.search(r"(\d+) oracle calls .*?, (\d+) of them steps", printed).groups())
     assert calls - steps == 3  # each of the three prompts read once, at an empty cache
     assert f"step loops in {'C++' if native.module() is not None else 'Python'}" in printed
+
+
+def test_profile_step_with_concurrency_times_the_steps_of_each_level_and_puts_the_batch_back(models, tmp_path, capsys):
+    wrapped = ("run_together", "propose_together", "chain_together")
+    originals = {name: getattr(batch_module, name) for name in wrapped}
+    out = tmp_path / "steps.json"
+    levels = profile_step.main(bench_args(models, tmp_path, "--method", "speculative", "--concurrency", "2,1", "--out", str(out)))
+    assert list(levels) == [1, 2]
+    assert levels[1]["requests_a_step"] == 1 and 1 < levels[2]["requests_a_step"] <= 2
+    for figures in levels.values():
+        assert figures["tokens_a_step"] * figures["steps"] == pytest.approx(36)  # 3 prompts x 12 tokens
+        assert figures["prompt_steps"] >= 3  # each draft reads its prompt in a step of its own
+        assert figures["steps"] == figures["decoding_steps"] + figures["prompt_steps"]
+        parts = figures["parts_ms"]
+        assert list(parts) == list(batch_steps.PARTS) and all(ms > 0 for ms in parts.values())  # each inside the step
+    assert {name: getattr(batch_module, name) for name in wrapped} == originals
+    assert re.search(r"requests at once +1 +2\n", capsys.readouterr().out)
+    report.main([str(out), "--markdown"])
+    table = capsys.readouterr().out
+    assert "| requests at once | 1 | 2 |" in table and f"| steps | {levels[1]['steps']} | {levels[2]['steps']} |" in table
+    assert all(f"| ms of its {part} |" in table for part in batch_steps.PARTS) and "--concurrency 2,1" in table
+
+
+def test_timed_steps_puts_the_batch_and_its_module_back_when_what_runs_inside_fails():
+    batch, run_together = batch_module.Batch(), batch_module.run_together
+    with pytest.raises(RuntimeError), batch_steps.timed_steps(batch):
+        assert batch_module.run_together is not run_together and "step" in vars(batch)
+        raise RuntimeError("a failing decode")
+    assert batch_module.run_together is run_together and "step" not in vars(batch)
 
 
 def test_timer_asks_a_callable_label_before_each_call():
@@ -476,18 +506,14 @@ def test_llamacpps_own_speculation_decodes_the_baselines_tokens(bpe_run, tmp_pat
 
 
 
-def test_profile_step_offers_no_output_flag_it_would_ignore(capsys):
-    for flag in ("--out", "--overwrite", "--stream"):
-        assert flag not in profile_step_help(capsys)
+def test_profile_step_offers_no_output_flag_it_would_ignore(capsys, tmp_path):
     with pytest.raises(SystemExit) as refused:
-        profile_step.main(["--oracle", "x", "--prompt", "t1", "--out", "profile.json"])
-    assert refused.value.code == 2 and "unrecognized arguments: --out" in capsys.readouterr().err
-
-
-def profile_step_help(capsys) -> str:
-    with pytest.raises(SystemExit):
-        profile_step.main(["--help"])
-    return capsys.readouterr().out
+        profile_step.main(["--oracle", "x", "--prompt", "t1", "--stream"])
+    assert refused.value.code == 2 and "unrecognized arguments: --stream" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # --out writes the profile of many requests at once only
+        profile_step.main(["--oracle", "x", "--prompt", "t1", "--out", str(tmp_path / "profile.json")])
+    assert refused.value.code == 2 and "add --concurrency" in capsys.readouterr().err
+    assert not (tmp_path / "profile.json").exists()
 
 
 def test_profile_start_times_fresh_processes_to_the_models_loaded_the_first_token_and_the_exit(models, tmp_path, capsys):

@@ -1,6 +1,6 @@
 """The results other than decode.bench's, as the Markdown decode.report prints: decode.bench_engine's cost curves, a
-plan's kinds of tree and its projection, decode.load's levels, decode.quantize's perplexities and
-decode.profile_start's start-up figures; each with the test that tells its kind."""
+plan's kinds of tree and its projection, decode.load's levels, decode.profile_step's steps of many requests at once,
+decode.quantize's perplexities and decode.profile_start's start-up figures; each with the test that tells its kind."""
 from decode.benchmarking.explain import interval_text
 from decode.benchmarking.tables import curve_rows
 from decode.errors import InputError
@@ -73,6 +73,32 @@ def load_markdown(result: dict) -> str:
         lines.append(f"| {row['engine']} | {row['clients']} | {row['aggregate_tokens_per_s']:.1f} | {times[0]} | "
                      f"{row['request_tokens_per_s']:.1f} | {times[1]} | {row['first_token_p50_s']:.2f} / "
                      f"{row['first_token_p95_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def is_batch_steps(result: dict) -> bool:
+    """decode.profile_step's result (--concurrency --out)."""
+    return {"settings", "batch_steps"} <= result.keys()
+
+
+def batch_steps_markdown(result: dict) -> str:
+    """decode.profile_step's levels: a column per number of requests at once, its steps' figures in rows, the ms of a
+    step that reads no prompt followed by its parts'."""
+    s, levels = result["settings"], sorted(result["batch_steps"].items(), key=lambda item: int(item[0]))
+    figures = [f for _, f in levels]
+
+    def row(label: str, values) -> str:
+        return f"| {label} | " + " | ".join(values) + " |"
+
+    lines = [f"- {s['method']}, {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['sampling']}, {s['dtype']} on "
+             f"{s['machine']}, {s['date']}{built_with(s)}. `{s['command']}`", "",
+             row("requests at once", (n for n, _ in levels)), "|---|" + "---:|" * len(levels),
+             row("steps", (str(f["steps"]) for f in figures)),
+             row("requests in a step", (f"{f['requests_a_step']:.2f}" for f in figures)),
+             row("tokens a step", (f"{f['tokens_a_step']:.2f}" for f in figures)),
+             row("ms a step reading no prompt", (f"{f['ms_a_step']:.3f}" for f in figures))]
+    lines += [row(f"ms of its {part}", (f"{f['parts_ms'][part]:.3f}" for f in figures)) for part in figures[0]["parts_ms"]]
+    lines.append(row("ms a step reading a prompt (median)", (f"{f['prompt_step_ms']:.3f}" for f in figures)))
     return "\n".join(lines)
 
 

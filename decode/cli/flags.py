@@ -13,6 +13,7 @@ from decode.models.precision import PINNED
 from decode.models.pretrained import model_dir
 from decode.options import PAPER_BUDGET, PAPER_WIDTHS, DecoderOptions
 from decode.plan_file import describe
+from decode.planning.concurrency import MOST_SEQUENCES
 from decode.resolution import Resolved, resolve
 from decode.sampling import Sampling
 
@@ -100,3 +101,14 @@ def announce_plan(options: DecoderOptions) -> None:
     if options.plan is not None and options.policy is not None:
         announce(f"plan {options.plan}: {options.method} with {describe(options.policy)} (a flag you type wins; "
                  "--no-plan for the flags' defaults)")
+
+
+def levels(text: str) -> tuple[int, ...]:
+    """A --concurrency value: numbers of requests in flight at once, comma-separated, each 1..MOST_SEQUENCES."""
+    try:
+        counts = tuple(sorted({int(n) for n in text.split(",")}))
+    except ValueError:
+        counts = (0,)
+    if not all(1 <= n <= MOST_SEQUENCES for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give numbers of requests from 1 to {MOST_SEQUENCES}, comma-separated")
+    return counts

@@ -28,7 +28,7 @@ import argparse
 from pathlib import Path
 
 from decode.atomic import FILE, check_output
-from decode.cli.flags import check_ranges
+from decode.cli.flags import check_ranges, levels
 from decode.cli.help import HelpFormatter
 from decode.cli.settings import encode_prompts, parse_settings
 from decode.errors import exits_on_input_error
@@ -36,7 +36,6 @@ from decode.models.loading import TOKEN_COUNTS
 from decode.options import MIN_DRAFT_VOCAB
 from decode.plan_file import plan_name, save_plan
 from decode.planning import costs
-from decode.planning.concurrency import MOST_SEQUENCES
 from decode.planning.planner import PlanSearch, make_plan
 from decode.prompts import load_prompts
 from decode.provenance import command_line
@@ -50,16 +49,6 @@ def shortlists(text: str) -> list[int]:
     if any(n != 0 and n < MIN_DRAFT_VOCAB for n in sizes):
         raise argparse.ArgumentTypeError(f"{text!r}: give sizes of at least {MIN_DRAFT_VOCAB} tokens, comma-separated, or 0")
     return sizes
-
-
-def levels(text: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(sorted({int(n) for n in text.split(",")}))
-    except ValueError:
-        counts = (0,)
-    if not all(1 <= n <= MOST_SEQUENCES for n in counts):
-        raise argparse.ArgumentTypeError(f"{text!r}: give numbers of requests from 1 to {MOST_SEQUENCES}, comma-separated")
-    return counts
 
 
 def parse(argv):

@@ -9,6 +9,12 @@ rows, a cost paid once per process and tree size, not per step; the first pass's
 reported apart. The trigram's remembered trees are forgotten after it, so new contexts cost what they do.
 
     python -m decode.profile_step --run RUN --method staged --limit 10 --dtype bfloat16
+    python -m decode.profile_step --run RUN --concurrency 1,4 --limit 32
+
+With --concurrency, the prompts are decoded as decode.load's clients send them, that many at once, each level
+through one batch as decode.serve decodes (every request's piece of the oracle forward in one call, every chain of
+the draft in one call), after one untimed request: each level's steps, requests in flight and tokens a step, and the
+parts of a step that reads no prompt (decode.timing.batch_steps).
 
 Every other flag is decode.run's. Hooks around the loop's parts (decode.timing.steps) time the oracle's forwards, the
 drafter's proposals and the verifications; the draft's forward (a chain's forwards made in one C++ call, with the
@@ -16,15 +22,29 @@ tokens each chooses, as one) and the work a drafter names as its parts (the trig
 per new context: trees are remembered) are timed by wrapping them; tree building is the proposals less the forwards
 and trigram trees inside them.
 """
+import argparse
+import datetime
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from decode.api import SpeculativeDecoder
-from decode.cli.settings import encode_prompts, parse_settings
+from decode.atomic import FILE, check_output, write_json
+from decode.benchmarking import load
+from decode.cli.flags import levels
+from decode.cli.help import HelpFormatter
+from decode.cli.load import sampling_settings
+from decode.cli.settings import Settings, encode_prompts, parse_settings
+from decode.devices import machine_name
 from decode.errors import exits_on_input_error
-from decode.timing import forwards
+from decode.provenance import command_line, provenance
+from decode.timing import batch_steps, forwards
 from decode.timing.steps import Timer
+
+PROG = "python -m decode.profile_step"
 
 BOUNDS = {"around the forwards": 0.10, "draft forwards": 0.30}  # of an oracle q=1 forward, the step's budget
 
@@ -38,10 +58,38 @@ class Pass:
     tokens: int = 0
 
 
+def parse(argv) -> tuple[argparse.Namespace, Settings]:
+    """profile_step's own flags, checked, and decode.run's, parsed."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
+                                epilog="Every other flag is decode.run's (--run, --method, --prompts, --limit, "
+                                       "--max-new-tokens, --temperature, --dtype, ...).")
+    p.add_argument("--concurrency", type=levels, metavar="N[,N...]",
+                   help="profile the steps of N requests decoding at once, as decode.serve and decode.load decode them "
+                        "(default: one prompt at a time, alone)")
+    p.add_argument("--out", type=Path, help="with --concurrency: write each level's figures here as JSON (python -m "
+                                            "decode.report FILE --markdown shows them)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    known, rest = p.parse_known_args(argv)
+    if known.out and not known.concurrency:
+        p.error("--out writes the profile of --concurrency's levels: add --concurrency (e.g. 1,4)")
+    settings = parse_settings(rest, PROG, __doc__.split("\n\n")[0], records=False)
+    if known.out:
+        check_output(known.out, FILE, known.overwrite, "--out", settings.reads())
+    return known, settings
+
+
 @exits_on_input_error
-def main(argv=None) -> dict[str, float]:
-    settings = parse_settings(argv, "python -m decode.profile_step", __doc__.split("\n\n")[0], records=False)
+def main(argv=None) -> dict:
+    known, settings = parse(argv)
     dec = SpeculativeDecoder(settings.options)
+    if known.concurrency:
+        prompt_ids = [dec.token_ids(record["prompt"]) for record, _ in encode_prompts(settings, [dec])]
+        levels = profile_batches(dec, prompt_ids, settings, known.concurrency)
+        if known.out:
+            write_json(known.out, {"settings": batches_settings(dec, settings, argv, len(prompt_ids)),
+                                   "batch_steps": levels}, known.overwrite)
+            print(f"wrote {known.out}")
+        return levels
     decoder, prompts = dec.decoder, [prompt for _, prompt in encode_prompts(settings, [dec])]
     timer = Timer(decoder.oracle.runtime.synchronize)
     if (draft := decoder.draft) is not None:  # a chain's forwards made in one call count as the draft's forwards
@@ -107,6 +155,48 @@ def print_profile(decoder, prompts: int, timer: Timer, timed: Pass, first: Pass,
         ratio = value / one_token_ms  # three places: near a budget, two would round across it
         print(f"  {label:<20} {value:8.3f} {'':8} {ratio:7.3f}  (budget {BOUNDS[label]:.2f}: "
               f"{'within' if ratio <= BOUNDS[label] else 'over'})")
+
+
+def profile_batches(dec: SpeculativeDecoder, prompts: list[list[int]], settings: Settings, counts: tuple[int, ...]
+                    ) -> dict[int, dict]:
+    """Each level's batch_steps.summary, printed a column a level."""
+    dec.batch.reserve(dec.decoder, counts[-1])  # every level's caches, made before any timing
+    dec.generate(prompts[0], max_new_tokens=8)  # untimed: what a first call builds
+    levels = {}
+    for clients in counts:
+        with batch_steps.timed_steps(dec.batch, dec.decoder.oracle.runtime.synchronize) as steps:
+            served, _ = load.ours(dec, prompts, clients, settings.max_new_tokens, sampling_settings(settings))
+        levels[clients] = batch_steps.summary(steps, sum(s.tokens for s in served))
+    print_batches(dec, len(prompts), levels)
+    return levels
+
+
+def batches_settings(dec: SpeculativeDecoder, settings: Settings, argv, prompts: int) -> dict:
+    """What a --concurrency profile ran, where and when, for its JSON."""
+    return {"command": command_line(PROG, argv), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            "machine": machine_name(dec.decoder.oracle.device), "threads": torch.get_num_threads(),
+            "method": dec.decoder.options.method, "prompts": prompts,
+            "max_new_tokens": settings.max_new_tokens, "sampling": settings.sampling.describe(),
+            "dtype": settings.options.dtype, **provenance()}
+
+
+def print_batches(dec: SpeculativeDecoder, prompts: int, levels: dict[int, dict]) -> None:
+    def row(label: str, values) -> str:
+        return f"  {label:<26}" + "".join(f"{value:>9}" for value in values)
+
+    figures = list(levels.values())
+    print(f"{dec.decoder.options.method}: {prompts} prompts at each level, every request in flight scored in one oracle "
+          f"forward a step")
+    print(row("requests at once", levels))
+    print(row("steps", (f["steps"] for f in figures)))
+    print(row("requests in a step", (f"{f['requests_a_step']:.2f}" for f in figures)))
+    print(row("tokens a step", (f"{f['tokens_a_step']:.2f}" for f in figures)))
+    print(row("steps reading no prompt", (f["decoding_steps"] for f in figures)))
+    print(row("  ms a step", (f"{f['ms_a_step']:.3f}" for f in figures)))
+    for part in batch_steps.PARTS:
+        print(row(f"    {part}", (f"{f['parts_ms'][part]:.3f}" for f in figures)))
+    print(row("steps reading a prompt", (f["prompt_steps"] for f in figures)))
+    print(row("  ms a step (median)", (f"{f['prompt_step_ms']:.3f}" for f in figures)))
 
 
 def timed_pass(decoder, prompts, settings, timer: Timer, before_each=None) -> Pass:

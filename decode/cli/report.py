@@ -21,7 +21,9 @@ from pathlib import Path
 from decode.benchmarking.explain import forecast_rows, interval_text, loop_share
 from decode.benchmarking.peers import PEERS
 from decode.benchmarking.result_markdown import (
+    batch_steps_markdown,
     engine_markdown,
+    is_batch_steps,
     is_engine,
     is_load,
     is_plan,
@@ -44,6 +46,9 @@ PROG = "python -m decode.report"
 
 
 WHAT = "pass the JSON that python -m decode.bench (or decode.bench_engine) --out wrote, or a plan decode.plan wrote"
+# The results shown alone, each by its Markdown: the test that tells its kind and what makes the table
+ALONE = [(is_engine, engine_markdown), (is_load, load_markdown), (is_startup, startup_markdown),
+         (is_batch_steps, batch_steps_markdown), (is_plan, plan_markdown)]
 
 
 def load_result(path: Path) -> dict:
@@ -54,12 +59,11 @@ def load_result(path: Path) -> dict:
         raise InputError(f"{path}: no such file; {WHAT}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: not a benchmark result ({e}); {WHAT}") from None
-    if not isinstance(result, dict) or not ({"settings", "summary", "records"} <= result.keys() or is_engine(result)
-                                            or is_plan(result) or is_quantization(result) or is_load(result)
-                                            or is_startup(result)):
+    if not isinstance(result, dict) or not ({"settings", "summary", "records"} <= result.keys() or is_quantization(result)
+                                            or any(test(result) for test, _ in ALONE)):
         raise InputError(f"{path}: not a benchmark result (neither decode.bench's settings, summary and records, nor "
                          f"decode.bench_engine's roofline, nor a plan, nor decode.quantize's report, nor decode.load's "
-                         f"levels, nor decode.profile_start's figures); {WHAT}")
+                         f"levels, nor decode.profile_step's or decode.profile_start's figures); {WHAT}")
     if is_quantization(result) and "perplexity" not in result:
         raise InputError(f"{path}: a quantized model's report without perplexity; quantize with --run RUN or --data DIR")
     return result
@@ -251,13 +255,12 @@ def main(argv=None) -> None:
             raise InputError("decode.quantize's reports are shown together, with no other result")
         print(quantization_markdown(results))
         return
-    if any(is_engine(result) or is_plan(result) or is_load(result) or is_startup(result) for result in results):
+    alone = [shown for result in results for test, shown in ALONE if test(result)]
+    if alone:
         if len(results) > 1:
-            raise InputError("a decode.bench_engine, decode.load or decode.profile_start result, or a plan, is shown "
-                             "alone: pass one")
-        shown = (engine_markdown if is_engine(results[0]) else load_markdown if is_load(results[0])
-                 else startup_markdown if is_startup(results[0]) else plan_markdown)
-        print(shown(results[0]))
+            raise InputError("a decode.bench_engine, decode.load, decode.profile_step or decode.profile_start result, "
+                             "or a plan, is shown alone: pass one")
+        print(alone[0](results[0]))
         return
     methods = args.methods.split(",") if args.methods else None
     unknown = [m for m in methods or [] if not any(m in result["summary"] for result in results)]
