@@ -6,6 +6,7 @@ from decode.benchmarking.tables import curve_rows
 from decode.errors import InputError
 from decode.plan_file import describe
 from decode.provenance import built_with
+from decode.timing import batch_steps
 
 
 def is_quantization(result: dict) -> bool:
@@ -84,22 +85,12 @@ def is_batch_steps(result: dict) -> bool:
 def batch_steps_markdown(result: dict) -> str:
     """decode.profile_step's levels: a column per number of requests at once, its steps' figures in rows, the ms of a
     step that reads no prompt followed by its parts'."""
-    s, levels = result["settings"], sorted(result["batch_steps"].items(), key=lambda item: int(item[0]))
-    figures = [f for _, f in levels]
-
-    def row(label: str, values) -> str:
-        return f"| {label} | " + " | ".join(values) + " |"
-
-    lines = [f"- {s['method']}, {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['sampling']}, {s['dtype']} on "
-             f"{s['machine']}, {s['date']}{built_with(s)}. `{s['command']}`", "",
-             row("requests at once", (n for n, _ in levels)), "|---|" + "---:|" * len(levels),
-             row("steps", (str(f["steps"]) for f in figures)),
-             row("requests in a step", (f"{f['requests_a_step']:.2f}" for f in figures)),
-             row("tokens a step", (f"{f['tokens_a_step']:.2f}" for f in figures)),
-             row("ms a step reading no prompt", (f"{f['ms_a_step']:.3f}" for f in figures))]
-    lines += [row(f"ms of its {part}", (f"{f['parts_ms'][part]:.3f}" for f in figures)) for part in figures[0]["parts_ms"]]
-    lines.append(row("ms a step reading a prompt (median)", (f"{f['prompt_step_ms']:.3f}" for f in figures)))
-    return "\n".join(lines)
+    s = result["settings"]
+    (label, levels), *rows = batch_steps.table(result["batch_steps"])
+    return "\n".join([f"- {s['method']}, {s['prompts']} prompts x {s['max_new_tokens']} new tokens, {s['sampling']}, "
+                      f"{s['dtype']} on {s['machine']}, {s['date']}{built_with(s)}. `{s['command']}`", "",
+                      f"| {label} | {' | '.join(levels)} |", "|---|" + "---:|" * len(levels),
+                      *(f"| {name} | {' | '.join(values)} |" for name, values in rows)])
 
 
 def is_plan(result: dict) -> bool:

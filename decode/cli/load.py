@@ -67,12 +67,6 @@ def parse(argv) -> tuple[argparse.Namespace, Settings]:
     return known, settings
 
 
-def sampling_settings(settings: Settings) -> dict:
-    """The settings SpeculativeDecoder.stream_in takes for the sampling setting."""
-    s = settings.sampling
-    return {} if s.greedy else {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
-
-
 def peer_rows(name: str, settings: Settings, prompts: list[list[int]], levels: list[int], context: int,
               draft_format: str | None) -> list[dict]:
     """A peer's figures at each level: llama-server with a slot per client, at the fastest of its candidate flags; its
@@ -137,7 +131,7 @@ def main(argv=None) -> dict:
     decoder.generate(prompts[0], max_new_tokens=8)  # warm-up
     rows = []
     for clients in known.levels:
-        served, seconds = load.ours(decoder, prompts, clients, settings.max_new_tokens, sampling_settings(settings))
+        served, seconds = load.ours(decoder, prompts, clients, settings.max_new_tokens, settings.sampling_arguments())
         rows.append({"engine": method, "clients": clients, **load.summary(served, seconds)})
         print(row_line(rows[-1]), flush=True)
     draft = decoder.decoder.draft

@@ -36,7 +36,6 @@ from decode.atomic import FILE, check_output, write_json
 from decode.benchmarking import load
 from decode.cli.flags import levels
 from decode.cli.help import HelpFormatter
-from decode.cli.load import sampling_settings
 from decode.cli.settings import Settings, encode_prompts, parse_settings
 from decode.devices import machine_name
 from decode.errors import exits_on_input_error
@@ -165,7 +164,7 @@ def profile_batches(dec: SpeculativeDecoder, prompts: list[list[int]], settings:
     levels = {}
     for clients in counts:
         with batch_steps.timed_steps(dec.batch, dec.decoder.oracle.runtime.synchronize) as steps:
-            served, _ = load.ours(dec, prompts, clients, settings.max_new_tokens, sampling_settings(settings))
+            served, _ = load.ours(dec, prompts, clients, settings.max_new_tokens, settings.sampling_arguments())
         levels[clients] = batch_steps.summary(steps, sum(s.tokens for s in served))
     print_batches(dec, len(prompts), levels)
     return levels
@@ -181,22 +180,10 @@ def batches_settings(dec: SpeculativeDecoder, settings: Settings, argv, prompts:
 
 
 def print_batches(dec: SpeculativeDecoder, prompts: int, levels: dict[int, dict]) -> None:
-    def row(label: str, values) -> str:
-        return f"  {label:<26}" + "".join(f"{value:>9}" for value in values)
-
-    figures = list(levels.values())
     print(f"{dec.decoder.options.method}: {prompts} prompts at each level, every request in flight scored in one oracle "
           f"forward a step")
-    print(row("requests at once", levels))
-    print(row("steps", (f["steps"] for f in figures)))
-    print(row("requests in a step", (f"{f['requests_a_step']:.2f}" for f in figures)))
-    print(row("tokens a step", (f"{f['tokens_a_step']:.2f}" for f in figures)))
-    print(row("steps reading no prompt", (f["decoding_steps"] for f in figures)))
-    print(row("  ms a step", (f"{f['ms_a_step']:.3f}" for f in figures)))
-    for part in batch_steps.PARTS:
-        print(row(f"    {part}", (f"{f['parts_ms'][part]:.3f}" for f in figures)))
-    print(row("steps reading a prompt", (f["prompt_steps"] for f in figures)))
-    print(row("  ms a step (median)", (f"{f['prompt_step_ms']:.3f}" for f in figures)))
+    for label, values in batch_steps.table(levels):
+        print(f"  {label:<36}" + "".join(f"{value:>9}" for value in values))
 
 
 def timed_pass(decoder, prompts, settings, timer: Timer, before_each=None) -> Pass:

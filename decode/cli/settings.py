@@ -1,5 +1,5 @@
 """The settings every decoding command shares (decode.run, decode.bench, decode.plan, decode.agreement,
-decode.profile_step): decode.run's flags parsed into Settings, and the prompts they name, encoded for the decoders."""
+decode.profile_step, decode.load): decode.run's flags parsed into Settings, and the prompts they name, encoded for the decoders."""
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +52,11 @@ class Settings:
     def options(self) -> DecoderOptions:
         """The options of --method, with its plan's policy."""
         return self.options_of()
+
+    def sampling_arguments(self) -> dict:
+        """The sampling setting as SpeculativeDecoder.generate and stream_in take it (none: greedy)."""
+        s = self.sampling
+        return {} if s.greedy else {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
 
 def add_result_flags(p: argparse.ArgumentParser, figures: str, plotted: str) -> None:

@@ -86,3 +86,20 @@ def summary(steps: list[Step], tokens: int) -> dict:
             "tokens_a_step": tokens / len(steps), "decoding_steps": len(decoding), "ms_a_step": sum(parts.values()),
             "parts_ms": parts, "prompt_steps": len(reading),
             "prompt_step_ms": 1e3 * statistics.median(s.seconds["step"] for s in reading) if reading else 0.0}
+
+
+def table(levels: dict) -> list[tuple[str, list[str]]]:
+    """Levels' summaries (by number of requests at once, as ints or as JSON keeps them) as the rows of a table with a
+    column a level: (label, each level's value as shown), the ms of a step that reads no prompt followed by its parts'."""
+    ordered = sorted(levels.items(), key=lambda item: int(item[0]))
+    figures = [f for _, f in ordered]
+
+    def shown(key: str, form: str = "") -> list[str]:
+        return [format(f[key], form) for f in figures]
+
+    return [("requests at once", [str(n) for n, _ in ordered]), ("steps", shown("steps")),
+            ("requests in a step", shown("requests_a_step", ".2f")), ("tokens a step", shown("tokens_a_step", ".2f")),
+            ("steps reading no prompt", shown("decoding_steps")), ("ms a step reading no prompt", shown("ms_a_step", ".3f")),
+            *[(f"ms of its {part}", [f"{f['parts_ms'][part]:.3f}" for f in figures]) for part in PARTS],
+            ("steps reading a prompt", shown("prompt_steps")),
+            ("ms a step reading a prompt (median)", shown("prompt_step_ms", ".3f"))]
