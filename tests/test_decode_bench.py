@@ -14,7 +14,7 @@ from decode_models import run_models
 import decode.batch as batch_module
 from decode import native
 from decode.api import SpeculativeDecoder
-from decode.benchmarking import explain, llama_server, peers, tables
+from decode.benchmarking import batch_steps, explain, llama_server, peers, tables
 from decode.cli import agreement, bench, bench_engine, profile_start, profile_step, report, run
 from decode.decoder import Decoder
 from decode.healing import Prompt
@@ -23,7 +23,7 @@ from decode.models.engine import GPT2Engine
 from decode.models.runtime import Runtime
 from decode.planning import costs
 from decode.sampling import Sampling
-from decode.timing import batch_steps, forwards
+from decode.timing import forwards
 from decode.timing.steps import Timer
 
 

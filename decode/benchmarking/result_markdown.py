@@ -1,12 +1,12 @@
 """The results other than decode.bench's, as the Markdown decode.report prints: decode.bench_engine's cost curves, a
 plan's kinds of tree and its projection, decode.load's levels, decode.profile_step's steps of many requests at once,
 decode.quantize's perplexities and decode.profile_start's start-up figures; each with the test that tells its kind."""
+from decode.benchmarking import batch_steps
 from decode.benchmarking.explain import interval_text
 from decode.benchmarking.tables import curve_rows
 from decode.errors import InputError
 from decode.plan_file import describe
 from decode.provenance import built_with
-from decode.timing import batch_steps
 
 
 def is_quantization(result: dict) -> bool:

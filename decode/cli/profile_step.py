@@ -14,7 +14,7 @@ reported apart. The trigram's remembered trees are forgotten after it, so new co
 With --concurrency, the prompts are decoded as decode.load's clients send them, that many at once, each level
 through one batch as decode.serve decodes (every request's piece of the oracle forward in one call, every chain of
 the draft in one call), after one untimed request: each level's steps, requests in flight and tokens a step, and the
-parts of a step that reads no prompt (decode.timing.batch_steps).
+parts of a step that reads no prompt (decode.benchmarking.batch_steps).
 
 Every other flag is decode.run's. Hooks around the loop's parts (decode.timing.steps) time the oracle's forwards, the
 drafter's proposals and the verifications; the draft's forward (a chain's forwards made in one C++ call, with the
@@ -33,14 +33,14 @@ import torch
 
 from decode.api import SpeculativeDecoder
 from decode.atomic import FILE, check_output, write_json
-from decode.benchmarking import load
+from decode.benchmarking import batch_steps, load
 from decode.cli.flags import levels
 from decode.cli.help import HelpFormatter
 from decode.cli.settings import Settings, encode_prompts, parse_settings
 from decode.devices import machine_name
 from decode.errors import exits_on_input_error
 from decode.provenance import command_line, provenance
-from decode.timing import batch_steps, forwards
+from decode.timing import forwards
 from decode.timing.steps import Timer
 
 PROG = "python -m decode.profile_step"
