@@ -176,12 +176,32 @@ void embedding(const Model &m, int64_t id, float *out) {
 
 // Rows whose embeddings one thread reads before the others are woken for the rest
 constexpr int64_t EMBEDDING_GRAIN = 8;
+// Rows whose keys and values (turned to their positions first, in the Llama family) one thread stores in the cache
+// before the others are woken for the rest: a row's stores miss the cache, its new slots not read before
+constexpr int64_t KEYS_GRAIN = 16;
+
+// A new row's q, k, v (`row`, at `position`) turned to its position (the Llama family's rotary positions), and its key
+// and value stored in `slot` of the layer's cache.
+template <typename T>
+VECTOR_TARGET void cache_row(const Model &m, float *row, int64_t position, const Cache<T> &cache, int64_t layer,
+                             int64_t slot) {
+    const int64_t dim = m.head_dim, kv_width = m.kv_heads * dim;
+    if (m.cos) {
+        const int64_t at = position * (dim / 2);
+        rotate(row, m.heads + m.kv_heads, dim, m.cos + at, m.sin + at);
+    }
+    for (int64_t h = 0; h < m.kv_heads; h++)
+        for (int64_t d = 0; d < dim; d += LANES)
+            for (int64_t kind = 0; kind < 2; kind++)  // the key, then the value
+                store(cache.at(kind, layer, h, slot) + d, load(row + m.q_width() + kind * kv_width + h * dim + d, dim - d),
+                      dim - d);
+}
 
 // The forward, in a model of dtype T.
 template <typename T>
 VECTOR_TARGET void forward(const Model &m, const Rows &a) {
     const auto rows = static_cast<int64_t>(a.ids.size());
-    const int64_t n_embd = m.n_embd, dim = m.head_dim, q_width = m.q_width(), kv_width = m.kv_heads * dim;
+    const int64_t n_embd = m.n_embd, dim = m.head_dim, q_width = m.q_width();
     const int64_t qkv_width = m.qkv_width(), inner = m.intermediate;
     // AMX's tiles where asked for (tiles() sets them only where tileable()): the products', and a bfloat16 model's
     // attention scores
@@ -200,30 +220,24 @@ VECTOR_TARGET void forward(const Model &m, const Rows &a) {
         }
     });
     std::vector<Attending<T>> sequences;  // each part's rows in every layer's attention: its q, k, v and its output
-    for (const Part &p : a.parts)
+    std::vector<size_t> part_of;          // each row's part
+    for (const Part &p : a.parts) {
+        part_of.insert(part_of.end(), p.count, sequences.size());
         sequences.push_back({wide.data() + p.first * qkv_width,
                              {static_cast<T *>(p.cache), m.layers, m.kv_heads, p.capacity, dim}, &p.visible,
                              normed.data() + p.first * q_width, p.count});
+    }
     for (int64_t l = 0; l < m.layers; l++) {
         const Model::Block &b = m.blocks[l];
         normalize(m, x.data(), b.norm_1, normed.data(), rows);
         multiply(m, b.packed[0], b.bias[0], normed.data(), n_embd, qkv_width, wide.data(), rows, tiles);  // q, k, v
-        for (size_t i = 0; i < a.parts.size(); i++) {
-            const Part &p = a.parts[i];
-            const Cache<T> &cache = sequences[i].cache;
-            for (int64_t r = p.first; r < p.first + p.count; r++) {
-                float *row = wide.data() + r * qkv_width;
-                if (m.cos) {  // the queries' and keys' rotary positions
-                    const int64_t at = a.positions[r] * (dim / 2);
-                    rotate(row, m.heads + m.kv_heads, dim, m.cos + at, m.sin + at);
-                }
-                for (int64_t h = 0; h < m.kv_heads; h++)
-                    for (int64_t d = 0; d < dim; d += LANES)
-                        for (int64_t kind = 0; kind < 2; kind++)  // the key, then the value
-                            store(cache.at(kind, l, h, p.start + r - p.first) + d,
-                                  load(row + q_width + kind * kv_width + h * dim + d, dim - d), dim - d);
+        at::parallel_for(0, rows, KEYS_GRAIN, [&](int64_t first, int64_t last) {
+            for (int64_t r = first; r < last; r++) {
+                const Part &p = a.parts[part_of[r]];
+                cache_row(m, wide.data() + r * qkv_width, a.positions[r], sequences[part_of[r]].cache, l,
+                          p.start + r - p.first);
             }
-        }
+        });
         attention(sequences, l, heads);
         std::vector<float> &projected = wide;  // the attention read its queries already
         multiply(m, b.packed[1], b.bias[1], normed.data(), q_width, n_embd, projected.data(), rows, tiles);
