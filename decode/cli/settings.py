@@ -1,5 +1,6 @@
 """The settings every decoding command shares (decode.run, decode.bench, decode.plan, decode.agreement,
-decode.profile_step, decode.load): decode.run's flags parsed into Settings, and the prompts they name, encoded for the decoders."""
+decode.profile_step, decode.load): decode.run's flags parsed into Settings, and the prompts they name, encoded for
+the decoders."""
 import argparse
 from dataclasses import dataclass
 from pathlib import Path

@@ -190,11 +190,12 @@ VECTOR_TARGET void cache_row(const Model &m, float *row, int64_t position, const
         const int64_t at = position * (dim / 2);
         rotate(row, m.heads + m.kv_heads, dim, m.cos + at, m.sin + at);
     }
+    const float *keys = row + m.q_width(), *values = keys + kv_width;
     for (int64_t h = 0; h < m.kv_heads; h++)
-        for (int64_t d = 0; d < dim; d += LANES)
-            for (int64_t kind = 0; kind < 2; kind++)  // the key, then the value
-                store(cache.at(kind, layer, h, slot) + d, load(row + m.q_width() + kind * kv_width + h * dim + d, dim - d),
-                      dim - d);
+        for (int64_t d = 0; d < dim; d += LANES) {
+            store(cache.at(0, layer, h, slot) + d, load(keys + h * dim + d, dim - d), dim - d);
+            store(cache.at(1, layer, h, slot) + d, load(values + h * dim + d, dim - d), dim - d);
+        }
 }
 
 // The forward, in a model of dtype T.
