@@ -37,8 +37,9 @@ def tiny_model(architecture: str, path, seed: int, n_embd: int = 32, n_head: int
     qwen2: q/k/v biases too) and the engine class that runs it."""
     if architecture == "gpt2":
         return tiny_gpt2(path, seed=seed, n_embd=n_embd, n_head=n_head, **options), GPT2Engine
-    return tiny_llama(path, architecture, seed=seed, hidden_size=n_embd, heads=n_head, kv_heads=max(1, n_head // 2),
-                      intermediate_size=2 * n_embd + 16, **options), LlamaEngine
+    return tiny_llama(path, architecture, seed=seed, hidden_size=n_embd, heads=n_head,
+                      kv_heads=options.pop("kv_heads", max(1, n_head // 2)),
+                      intermediate_size=options.pop("intermediate_size", 2 * n_embd + 16), **options), LlamaEngine
 
 
 ARCHITECTURES = ["gpt2", "llama", "qwen2"]
@@ -152,13 +153,9 @@ def test_a_rows_logits_in_cpp_do_not_depend_on_the_forwards_other_rows(built, tm
         assert torch.equal(alone[0], together[i])
 
 
-@pytest.mark.parametrize("dtype, tiles", DTYPES_AND_PRODUCTS)
-@pytest.mark.parametrize("n_embd, n_head", SHAPES)
-@pytest.mark.parametrize("architecture", ARCHITECTURES[:2])
-def test_a_rows_logits_in_cpp_are_the_same_bits_alone_and_anywhere_in_a_call_of_2_to_64_rows(built, tmp_path, dtype,
-                                                                                            tiles, n_embd, n_head,
-                                                                                            architecture):
-    engine = engine_in_cpp(tiny_model(architecture, tmp_path / "model", 3, n_embd, n_head), dtype, tiles)
+def assert_a_rows_bits_alone_anywhere_in_a_call_of_2_to_64_rows(engine) -> None:
+    """One row's logits alone, then the same token as each of the first, middle and last rows of calls of 2 to 64
+    sibling rows: the same bits every time."""
     engine.extend(torch.tensor([5, 6, 7, 8, 40, 41, 42]))
     alone = engine.forward([9], [engine.length], None)[0]
     engine.commit([])
@@ -171,6 +168,26 @@ def test_a_rows_logits_in_cpp_are_the_same_bits_alone_and_anywhere_in_a_call_of_
             logits = engine.forward(tokens, [engine.length] * q, torch.eye(q, dtype=torch.bool))
             engine.commit([])
             assert torch.equal(logits[at], alone), f"row {at} of {q}"
+
+
+@pytest.mark.parametrize("dtype, tiles", DTYPES_AND_PRODUCTS)
+@pytest.mark.parametrize("n_embd, n_head", SHAPES)
+@pytest.mark.parametrize("architecture", ARCHITECTURES[:2])
+def test_a_rows_logits_in_cpp_are_the_same_bits_alone_and_anywhere_in_a_call_of_2_to_64_rows(built, tmp_path, dtype,
+                                                                                            tiles, n_embd, n_head,
+                                                                                            architecture):
+    engine = engine_in_cpp(tiny_model(architecture, tmp_path / "model", 3, n_embd, n_head), dtype, tiles)
+    assert_a_rows_bits_alone_anywhere_in_a_call_of_2_to_64_rows(engine)
+
+
+@pytest.mark.parametrize("dtype, tiles", DTYPES_AND_PRODUCTS)
+def test_a_rows_logits_are_the_same_bits_whether_its_query_heads_are_scored_with_their_group_or_apart(built, tmp_path,
+                                                                                                    dtype, tiles):
+    # four query heads on one key/value head: a call of up to 16 rows scores the four together, of 17 to 32 two at a
+    # time, of more one at a time (an MLP of 256, so that every product's input tiles)
+    engine = engine_in_cpp(tiny_model("llama", tmp_path / "model", 3, 128, 4, kv_heads=1, intermediate_size=256), dtype,
+                           tiles)
+    assert_a_rows_bits_alone_anywhere_in_a_call_of_2_to_64_rows(engine)
 
 
 @pytest.mark.parametrize("dtype, tiles", DTYPES_AND_PRODUCTS)

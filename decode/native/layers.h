@@ -1,8 +1,8 @@
 // The parts of forward.cpp's layers that run a row at a time: layer norm and RMS norm, rotary positions, attention of
-// the new rows over the cache (its heads split over torch's threads, a tree's mask for what each row sees, query heads
-// sharing a key/value head in groups), GELU and SwiGLU, in float32 a vector at a time (a bfloat16 model's attention
-// scores, with AMX, on its tiles). A row's attention adds its terms by the rank of the slots it sees, not by where they
-// lie in the cache.
+// the new rows over the cache (its heads split over torch's threads, a tree's mask for what each row sees, the query
+// heads that share a key/value head scored together), GELU and SwiGLU, in float32 a vector at a time (a bfloat16
+// model's attention scores, with AMX, on its tiles). A row's attention adds its terms by the rank of the slots it
+// sees, not by where they lie in the cache.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -396,25 +396,32 @@ struct Heads {
     bool tiles;
 };
 
-// Attention of each row's query over the slots it sees through one query head, into its columns of out (rows x
-// width) in the model's dtype; scores (rows x end) and sums (rows x head_dim) are room to work in.
+// Attention of each row's query over the slots it sees through `heads` query heads from `head` that share one
+// key/value head, into their columns of out (rows x width) in the model's dtype: the heads' queries are scored as
+// one block of heads x rows rows, so that the key/value head's slots are read (and its keys laid across the slots)
+// once for them all. queries (heads x rows x head_dim), scores (heads x rows x end) and sums (heads x rows x head_dim)
+// are room to work in. A row's scores, softmax and sums are its own whatever the rows beside it.
 template <typename T>
-VECTOR_TARGET void head_attention(const float *qkv, const Cache<T> &cache, int64_t layer, int64_t head,
-                                  const Visibility &visible, T *out, int64_t rows, const Heads &shape, float *scores,
-                                  float *sums) {
-    const int64_t dim = cache.head_dim, end = visible.end, kv_head = head / shape.group;
-    scores_of(qkv + head * dim, shape.stride, cache.at(0, layer, kv_head, 0), rows, end, dim,
-              1.0f / std::sqrt(static_cast<float>(dim)), scores, shape.tiles);
-    for (int64_t r = 0; r < rows; r++) {
-        float *row = scores + r * end;
+VECTOR_TARGET void group_attention(const float *qkv, const Cache<T> &cache, int64_t layer, int64_t head, int64_t heads,
+                                   const Visibility &visible, T *out, int64_t rows, const Heads &shape, float *queries,
+                                   float *scores, float *sums) {
+    const int64_t dim = cache.head_dim, end = visible.end, kv_head = head / shape.group, block = heads * rows;
+    for (int64_t h = 0; h < heads; h++)  // block row h rows + r: row r's query through head + h
+        for (int64_t r = 0; r < rows; r++)
+            std::copy_n(qkv + r * shape.stride + (head + h) * dim, dim, queries + (h * rows + r) * dim);
+    scores_of(queries, dim, cache.at(0, layer, kv_head, 0), block, end, dim, 1.0f / std::sqrt(static_cast<float>(dim)),
+              scores, shape.tiles);
+    for (int64_t i = 0; i < block; i++) {
+        const int64_t r = i % rows;
+        float *row = scores + i * end;
         for (int64_t slot = visible.open(r); slot < end; slot++)
             if (!visible.sees(r, slot)) row[slot] = -INFINITY;
         softmax(row, visible, r);
     }
-    weighted_values(scores, cache.at(1, layer, kv_head, 0), rows, end, dim, sums);
-    for (int64_t r = 0; r < rows; r++)
+    weighted_values(scores, cache.at(1, layer, kv_head, 0), block, end, dim, sums);
+    for (int64_t i = 0; i < block; i++)
         for (int64_t d = 0; d < dim; d += LANES)
-            store(out + r * shape.width + head * dim + d, load(sums + r * dim + d, dim - d), dim - d);
+            store(out + (i % rows) * shape.width + (head + i / rows) * dim + d, load(sums + i * dim + d, dim - d), dim - d);
 }
 
 // One sequence's rows in a layer's attention: their queries, keys and values (Heads::stride apart), its cache and
@@ -428,8 +435,25 @@ struct Attending {
     int64_t rows;
 };
 
-// Attention of every sequence's rows over its own cache, the (query head, sequence) pairs split among torch's threads
-// where the work pays for waking them, heads first: each thread takes its share of the heads of every sequence.
+// Rows (a group's heads x a sequence's rows) one task of attention scores at most: a decoding step's rows take a
+// group's query heads together, a prompt's many rows a head at a time (their scores would outgrow the caches).
+constexpr int64_t GROUP_ROWS = 64;
+
+// Query heads a task of attention takes: the most of a group (a divisor of its size) whose rows stay within
+// GROUP_ROWS and whose tasks share evenly among the threads, or are many (three key/value heads' groups on two threads
+// would leave one thread twice the other's rows).
+inline int64_t heads_a_task(const Heads &shape, int64_t sequences, int64_t rows, int64_t threads) {
+    for (int64_t heads = shape.group; heads > 1; heads--) {
+        const int64_t tasks = shape.heads / heads * sequences;
+        if (shape.group % heads == 0 && heads * rows <= GROUP_ROWS && (tasks % threads == 0 || tasks >= 4 * threads))
+            return heads;
+    }
+    return 1;
+}
+
+// Attention of every sequence's rows over its own cache, the (query heads, sequence) pairs split among torch's
+// threads where the work pays for waking them, heads first: each thread takes its share of the heads of every
+// sequence. The query heads of a task share their key/value head (heads_a_task).
 template <typename T>
 void attention(const std::vector<Attending<T>> &sequences, int64_t layer, const Heads &shape) {
     const auto count = static_cast<int64_t>(sequences.size());
@@ -439,13 +463,16 @@ void attention(const std::vector<Attending<T>> &sequences, int64_t layer, const 
         most_scores = std::max(most_scores, s.rows * s.visible->end);
         most_rows = std::max(most_rows, s.rows);
     }
-    const int64_t tasks = shape.heads * count, grain = work >= PARALLEL_WORK ? 1 : tasks;
-    at::parallel_for(0, tasks, grain, [&](int64_t first, int64_t last) {
-        std::vector<float> scores(most_scores), sums(most_rows * sequences[0].cache.head_dim);
+    const bool parallel = work >= PARALLEL_WORK;
+    const int64_t dim = sequences[0].cache.head_dim;
+    const int64_t heads = heads_a_task(shape, count, most_rows, parallel ? at::get_num_threads() : 1);
+    const int64_t tasks = shape.heads / heads * count;
+    at::parallel_for(0, tasks, parallel ? 1 : tasks, [&](int64_t first, int64_t last) {
+        std::vector<float> queries(heads * most_rows * dim), scores(heads * most_scores), sums(heads * most_rows * dim);
         for (int64_t task = first; task < last; task++) {
             const Attending<T> &s = sequences[task % count];
-            head_attention(s.qkv, s.cache, layer, task / count, *s.visible, s.out, s.rows, shape, scores.data(),
-                           sums.data());
+            group_attention(s.qkv, s.cache, layer, task / count * heads, heads, *s.visible, s.out, s.rows, shape,
+                            queries.data(), scores.data(), sums.data());
         }
     });
 }
