@@ -183,8 +183,8 @@ def test_a_rows_logits_in_cpp_are_the_same_bits_alone_and_anywhere_in_a_call_of_
 @pytest.mark.parametrize("dtype, tiles", DTYPES_AND_PRODUCTS)
 def test_a_rows_logits_are_the_same_bits_whether_its_query_heads_are_scored_with_their_group_or_apart(built, tmp_path,
                                                                                                     dtype, tiles):
-    # four query heads on one key/value head: a call of up to 16 rows scores the four together, of 17 to 32 two at a
-    # time, of more one at a time (an MLP of 256, so that every product's input tiles)
+    # four query heads on one key/value head: a call of up to 16 rows scores the four together, of 17 to 32 three or
+    # two at a time, of more one at a time (an MLP of 256, so that every product's input tiles)
     engine = engine_in_cpp(tiny_model("llama", tmp_path / "model", 3, 128, 4, kv_heads=1, intermediate_size=256), dtype,
                            tiles)
     assert_a_rows_bits_alone_anywhere_in_a_call_of_2_to_64_rows(engine)

@@ -435,44 +435,38 @@ struct Attending {
     int64_t rows;
 };
 
-// Rows (a group's heads x a sequence's rows) one task of attention scores at most: a decoding step's rows take a
-// group's query heads together, a prompt's many rows a head at a time (their scores would outgrow the caches).
+// Rows (a group's heads x a sequence's rows) one call of group_attention scores at most: a decoding step's rows take
+// a group's query heads together, a prompt's many rows a head at a time (their scores would outgrow the caches).
 constexpr int64_t GROUP_ROWS = 64;
 
-// Query heads a task of attention takes: the most of a group (a divisor of its size) whose rows stay within
-// GROUP_ROWS and whose tasks share evenly among the threads, or are many (three key/value heads' groups on two threads
-// would leave one thread twice the other's rows).
-inline int64_t heads_a_task(const Heads &shape, int64_t sequences, int64_t rows, int64_t threads) {
-    for (int64_t heads = shape.group; heads > 1; heads--) {
-        const int64_t tasks = shape.heads / heads * sequences;
-        if (shape.group % heads == 0 && heads * rows <= GROUP_ROWS && (tasks % threads == 0 || tasks >= 4 * threads))
-            return heads;
-    }
-    return 1;
+// The most query heads of a group one call of group_attention takes for a sequence of `rows` rows.
+inline int64_t heads_a_call(int64_t rows, int64_t group) {
+    return std::clamp<int64_t>(GROUP_ROWS / std::max<int64_t>(rows, 1), 1, group);
 }
 
-// Attention of every sequence's rows over its own cache, the (query heads, sequence) pairs split among torch's
-// threads where the work pays for waking them, heads first: each thread takes its share of the heads of every
-// sequence. The query heads of a task share their key/value head (heads_a_task).
+// Attention of every sequence's rows over its own cache. The (query head, sequence) pairs, by key/value head, then
+// sequence, then query head, are split among torch's threads where the work pays for waking them, each thread taking
+// a run of them: its heads of every sequence, the heads in its run that share a key/value head in one call of
+// group_attention (heads_a_call), so that a key/value head is read once for them.
 template <typename T>
 void attention(const std::vector<Attending<T>> &sequences, int64_t layer, const Heads &shape) {
     const auto count = static_cast<int64_t>(sequences.size());
-    int64_t work = 0, most_scores = 0, most_rows = 0;
+    const int64_t pairs = shape.heads * count, group = shape.group, dim = sequences[0].cache.head_dim;
+    int64_t work = 0, most_rows = 0, most_scores = 0;  // the most rows, and scores, of one call
     for (const Attending<T> &s : sequences) {
         work += 2 * s.rows * s.visible->end * shape.width;
-        most_scores = std::max(most_scores, s.rows * s.visible->end);
-        most_rows = std::max(most_rows, s.rows);
+        most_rows = std::max(most_rows, heads_a_call(s.rows, group) * s.rows);
+        most_scores = std::max(most_scores, heads_a_call(s.rows, group) * s.rows * s.visible->end);
     }
-    const bool parallel = work >= PARALLEL_WORK;
-    const int64_t dim = sequences[0].cache.head_dim;
-    const int64_t heads = heads_a_task(shape, count, most_rows, parallel ? at::get_num_threads() : 1);
-    const int64_t tasks = shape.heads / heads * count;
-    at::parallel_for(0, tasks, parallel ? 1 : tasks, [&](int64_t first, int64_t last) {
-        std::vector<float> queries(heads * most_rows * dim), scores(heads * most_scores), sums(heads * most_rows * dim);
-        for (int64_t task = first; task < last; task++) {
-            const Attending<T> &s = sequences[task % count];
-            group_attention(s.qkv, s.cache, layer, task / count * heads, heads, *s.visible, s.out, s.rows, shape,
+    at::parallel_for(0, pairs, work >= PARALLEL_WORK ? 1 : pairs, [&](int64_t first, int64_t last) {
+        std::vector<float> queries(most_rows * dim), scores(most_scores), sums(most_rows * dim);
+        for (int64_t pair = first; pair < last;) {
+            const int64_t kv_head = pair / (count * group), in_group = pair % group;
+            const Attending<T> &s = sequences[pair / group % count];
+            const int64_t heads = std::min({group - in_group, last - pair, heads_a_call(s.rows, group)});
+            group_attention(s.qkv, s.cache, layer, kv_head * group + in_group, heads, *s.visible, s.out, s.rows, shape,
                             queries.data(), scores.data(), sums.data());
+            pair += heads;
         }
     });
 }
