@@ -399,18 +399,26 @@ struct Heads {
 // Attention of each row's query over the slots it sees through `heads` query heads from `head` that share one
 // key/value head, into their columns of out (rows x width) in the model's dtype: the heads' queries are scored as
 // one block of heads x rows rows, so that the key/value head's slots are read (and its keys laid across the slots)
-// once for them all. queries (heads x rows x head_dim), scores (heads x rows x end) and sums (heads x rows x head_dim)
-// are room to work in. A row's scores, softmax and sums are its own whatever the rows beside it.
+// once for them all. queries (heads x rows x head_dim, where the block's queries are gathered), scores (heads x rows
+// x end) and sums (heads x rows x head_dim) are room to work in. A row's scores, softmax and sums are its own whatever
+// the rows beside it.
 template <typename T>
 VECTOR_TARGET void group_attention(const float *qkv, const Cache<T> &cache, int64_t layer, int64_t head, int64_t heads,
                                    const Visibility &visible, T *out, int64_t rows, const Heads &shape, float *queries,
                                    float *scores, float *sums) {
     const int64_t dim = cache.head_dim, end = visible.end, kv_head = head / shape.group, block = heads * rows;
-    for (int64_t h = 0; h < heads; h++)  // block row h rows + r: row r's query through head + h
-        for (int64_t r = 0; r < rows; r++)
-            std::copy_n(qkv + r * shape.stride + (head + h) * dim, dim, queries + (h * rows + r) * dim);
-    scores_of(queries, dim, cache.at(0, layer, kv_head, 0), block, end, dim, 1.0f / std::sqrt(static_cast<float>(dim)),
-              scores, shape.tiles);
+    // block row h rows + r: row r's query through head + h, read where it lies when one stride reaches every row of the
+    // block (one head's rows, or one row's heads), else gathered
+    const float *block_queries = qkv + head * dim;
+    const int64_t stride = heads == 1 ? shape.stride : dim;
+    if (heads > 1 && rows > 1) {
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t r = 0; r < rows; r++)
+                std::copy_n(qkv + r * shape.stride + (head + h) * dim, dim, queries + (h * rows + r) * dim);
+        block_queries = queries;
+    }
+    scores_of(block_queries, stride, cache.at(0, layer, kv_head, 0), block, end, dim,
+              1.0f / std::sqrt(static_cast<float>(dim)), scores, shape.tiles);
     for (int64_t i = 0; i < block; i++) {
         const int64_t r = i % rows;
         float *row = scores + i * end;
@@ -454,9 +462,10 @@ void attention(const std::vector<Attending<T>> &sequences, int64_t layer, const 
     const int64_t pairs = shape.heads * count, group = shape.group, dim = sequences[0].cache.head_dim;
     int64_t work = 0, most_rows = 0, most_scores = 0;  // the most rows, and scores, of one call
     for (const Attending<T> &s : sequences) {
+        const int64_t call_rows = heads_a_call(s.rows, group) * s.rows;
         work += 2 * s.rows * s.visible->end * shape.width;
-        most_rows = std::max(most_rows, heads_a_call(s.rows, group) * s.rows);
-        most_scores = std::max(most_scores, heads_a_call(s.rows, group) * s.rows * s.visible->end);
+        most_rows = std::max(most_rows, call_rows);
+        most_scores = std::max(most_scores, call_rows * s.visible->end);
     }
     at::parallel_for(0, pairs, work >= PARALLEL_WORK ? 1 : pairs, [&](int64_t first, int64_t last) {
         std::vector<float> queries(most_rows * dim), scores(most_scores), sums(most_rows * dim);
