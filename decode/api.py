@@ -232,22 +232,25 @@ class SpeculativeDecoder:
             raise InputError("generate_batch takes a non-empty list of prompts (each text or token ids)", "prompt")
         request = generation.request_of(generation_config, settings, sampling_of)
         self.hold()
+        decodings: list[Generator[str, None, Result]] = []
         try:
-            decodings = [self.joined(self.batch, prompt, request, True, len(prompts), f"prompt {i}")
-                         for i, prompt in enumerate(prompts)]
+            for i, prompt in enumerate(prompts):  # each joins the batch as it is checked
+                decodings.append(self.joined(self.batch, prompt, request, True, len(prompts), f"prompt {i}"))
             results: dict[int, Result] = {}
             while len(results) < len(decodings):  # a step for every prompt in turn, each read as the step ends
                 for i, decoding in enumerate(decodings):
                     if i not in results and (result := drain_one(decoding)) is not None:
                         results[i] = result
             return [results[i] for i in range(len(decodings))]
-        finally:
+        finally:  # those joined before a prompt was refused, or left unread by a failure, leave the batch
+            for decoding in decodings:
+                decoding.close()
             self.busy.release()
 
     def stream_in(self, batch: Batch, prompt: str | list[int], generation_config=None, **settings) -> generation.Stream:
         """`stream`'s pieces for a prompt decoded as a sequence of `batch` (decode.batch), beside the others reading
-        theirs in the same thread: a server's requests in flight. The prompt is checked at once; it joins the batch
-        as its first piece is read."""
+        theirs in the same thread: a server's requests in flight. The prompt is checked and joins the batch at once:
+        the batch's next step decodes it, whichever stream's reading runs that step."""
         request = generation.request_of(generation_config, settings, sampling_of)
         return generation.Stream(self.joined(batch, prompt, request, pieces=True))
 

@@ -10,9 +10,9 @@ gets decoding alone, greedy or sampled. Sequences join and leave between steps; 
 C++ call's chunk a step (CachedLM.pieces), beside the others' trees.
 """
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 
@@ -83,14 +83,24 @@ class Batch:
 
     def join(self, decoder: "Decoder", prompt: Prompt, max_new_tokens: int, seed: int, sampling: Sampling
              ) -> loop.Steps:
-        """A sequence's Generations, as `decoder.steps` gives them alone: it joins the batch as they are first read,
-        and leaves it as they end or are closed."""
+        """A sequence's Generations, as `decoder.steps` gives them alone: it joins the batch now, so that the next
+        step, whoever's reading runs it, drafts and scores it too, and leaves it as they end or are closed (or, never
+        read, as they are dropped)."""
         needs = self.needs(decoder)
         forks = [self.fork(model, slots) for model, slots in needs]
         lane = decoder.over(forks[0], forks[1] if len(forks) > 1 else None)
         sequence = Sequence(lane, lane.calls(prompt, max_new_tokens, seed, sampling))
         self.sequences.append(sequence)
+        generations = self.generations(sequence, list(zip(needs, forks)))
+        next(generations)  # into its try: from here on, closing it takes the sequence out of the batch
+        return cast(loop.Steps, generations)
+
+    def generations(self, sequence: Sequence, forks: list[tuple[tuple[CachedLM, int | None], CachedLM]]
+                    ) -> Generator[loop.Generation | None, None, None]:
+        """What `join` returns, once past its first yield (None); the sequence's forks kept for the next sequences
+        as it ends."""
         try:
+            yield None
             while True:
                 while not sequence.ready and not sequence.done:
                     self.step()
@@ -101,7 +111,7 @@ class Batch:
                 yield sequence.ready.popleft()
         finally:  # ended, failed or closed: it leaves the batch between steps
             self.sequences.remove(sequence)
-            for (model, _), fork in zip(needs, forks):
+            for (model, _), fork in forks:
                 self.spare[id(model)].append(fork)
 
     def step(self) -> None:

@@ -184,6 +184,26 @@ def test_sequences_join_midway_and_leave_early_without_changing_the_others(decod
             assert "".join(pieces[i]) == alone.text and streams[i].result.token_ids == alone.token_ids
 
 
+def test_a_joining_sequence_is_decoded_in_the_next_step_whichever_reader_runs_it(decoders, monkeypatch):
+    dec, batch = decoders["staged"], Batch()
+    first = dec.stream_in(batch, TEXTS[0], max_new_tokens=30)
+    pieces = [next(first)]
+    sizes: list[int] = []  # the sequences in each step from here on
+    step = batch.step
+    monkeypatch.setattr(batch, "step", lambda: (sizes.append(len(batch)), step())[1])
+    second = dec.stream_in(batch, TEXTS[1], max_new_tokens=30)
+    while not sizes:  # the first's reader runs the next step
+        pieces.append(next(first))
+    assert sizes == [2] and batch.sequences[1].decoder.oracle.length > 0  # the second's prompt read in it
+    unread = dec.stream_in(batch, TEXTS[2], max_new_tokens=30)
+    assert len(batch) == 3
+    unread.close()  # closed before its first piece: it leaves the batch at once
+    assert len(batch) == 2
+    pieces += list(first)
+    assert "".join(pieces) == dec.generate(TEXTS[0], max_new_tokens=30).text
+    assert "".join(second) == dec.generate(TEXTS[1], max_new_tokens=30).text and len(batch) == 0
+
+
 def test_a_sequence_whose_forward_or_drafting_fails_fails_alone(decoders):
     dec, batch = decoders["staged"], Batch()
     streams = [dec.stream_in(batch, text, max_new_tokens=24) for text in TEXTS]
