@@ -91,14 +91,14 @@ class Batch:
         lane = decoder.over(forks[0], forks[1] if len(forks) > 1 else None)
         sequence = Sequence(lane, lane.calls(prompt, max_new_tokens, seed, sampling))
         self.sequences.append(sequence)
-        generations = self.generations(sequence, list(zip(needs, forks)))
+        generations = self.generations(sequence, [(model, fork) for (model, _), fork in zip(needs, forks)])
         next(generations)  # into its try: from here on, closing it takes the sequence out of the batch
         return cast(loop.Steps, generations)
 
-    def generations(self, sequence: Sequence, forks: list[tuple[tuple[CachedLM, int | None], CachedLM]]
+    def generations(self, sequence: Sequence, forks: list[tuple[CachedLM, CachedLM]]
                     ) -> Generator[loop.Generation | None, None, None]:
-        """What `join` returns, once past its first yield (None); the sequence's forks kept for the next sequences
-        as it ends."""
+        """What `join` returns, once past its first yield (None); the sequence's forks (each with the model it forks)
+        kept for the next sequences as it ends."""
         try:
             yield None
             while True:
@@ -111,7 +111,7 @@ class Batch:
                 yield sequence.ready.popleft()
         finally:  # ended, failed or closed: it leaves the batch between steps
             self.sequences.remove(sequence)
-            for (model, _), fork in forks:
+            for model, fork in forks:
                 self.spare[id(model)].append(fork)
 
     def step(self) -> None:
