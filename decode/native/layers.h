@@ -452,6 +452,12 @@ inline int64_t heads_a_call(int64_t rows, int64_t group) {
     return std::clamp<int64_t>(GROUP_ROWS / std::max<int64_t>(rows, 1), 1, group);
 }
 
+// Multiply-adds of attention past which its (query head, sequence) pairs are split among torch's threads: far fewer
+// than a product's (PARALLEL_WORK), as attention runs them at a fraction of the products' rate (each pair lays its
+// keys across the slots and sums its values slot by slot), so that a draft's forward over a row of each of a few
+// sequences shares its pairs too.
+constexpr int64_t ATTENTION_PARALLEL_WORK = 1 << 13;
+
 // Attention of every sequence's rows over its own cache. The (query head, sequence) pairs, by key/value head, then
 // sequence, then query head, are split among torch's threads where the work pays for waking them, each thread taking
 // a run of them: its heads of every sequence, the heads in its run that share a key/value head in one call of
@@ -467,7 +473,7 @@ void attention(const std::vector<Attending<T>> &sequences, int64_t layer, const 
         most_rows = std::max(most_rows, call_rows);
         most_scores = std::max(most_scores, call_rows * s.visible->end);
     }
-    at::parallel_for(0, pairs, work >= PARALLEL_WORK ? 1 : pairs, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, pairs, work >= ATTENTION_PARALLEL_WORK ? 1 : pairs, [&](int64_t first, int64_t last) {
         std::vector<float> queries(most_rows * dim), scores(most_scores), sums(most_rows * dim);
         for (int64_t pair = first; pair < last;) {
             const int64_t kv_head = pair / (count * group), in_group = pair % group;
